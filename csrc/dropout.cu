@@ -1,0 +1,35 @@
+// y = x * keep / (1 - p) over a [rows, cols] row-major matrix, keep = philox(seed + row_offset + row, col) >= p.
+// The first kernel of seqpar._C: the CUDA twin of seqpar.ops.dropout.apply_keep_mask.
+#include <cuda_runtime.h>
+
+#include "dtypes.cuh"
+#include "philox.cuh"
+
+namespace seqpar {
+
+template <typename T>
+__global__ void dropout_rows_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int64_t cols,
+                                    uint64_t seed, int64_t row_offset, float p, float scale) {
+  const int64_t row = blockIdx.x;
+  const uint64_t row_seed = seed + static_cast<uint64_t>(row_offset + row);
+  const T* x_row = x + row * cols;
+  T* y_row = y + row * cols;
+  for (int64_t col = threadIdx.x; col < cols; col += blockDim.x) {
+    const bool keep = philox_uniform(row_seed, static_cast<uint32_t>(col)) >= p;
+    y_row[col] = from_float<T>(keep ? to_float(x_row[col]) * scale : 0.0f);
+  }
+}
+
+void dropout_rows(uintptr_t x, uintptr_t y, int64_t rows, int64_t cols, int dtype, uint64_t seed,
+                  int64_t row_offset, float p, uintptr_t stream) {
+  if (rows == 0 || cols == 0) return;
+  const float scale = 1.0f / (1.0f - p);
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    dropout_rows_kernel<T><<<static_cast<unsigned>(rows), 256, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+        reinterpret_cast<const T*>(x), reinterpret_cast<T*>(y), rows, cols, seed, row_offset, p, scale);
+  });
+  check_cuda(cudaGetLastError(), "dropout_rows launch");
+}
+
+}  // namespace seqpar

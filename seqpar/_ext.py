@@ -1,0 +1,80 @@
+"""Lazy discovery of the optional compiled pieces: Triton and the CUDA extension ``seqpar._C``.
+
+Nothing here touches a CUDA device at import time.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from typing import Optional
+
+import torch
+
+
+def triton_interpreter_enabled() -> bool:
+    """True when ``TRITON_INTERPRET=1``: Triton kernels then run on CPU tensors (slowly)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_import_error() -> Optional[str]:
+    try:
+        importlib.import_module("triton")
+        importlib.import_module("triton.language")
+    except Exception as exc:  # pragma: no cover - depends on the install
+        return f"triton is not importable ({type(exc).__name__}: {exc})"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_extension():
+    """(module, None) when ``seqpar._C`` imports, else (None, reason)."""
+    try:
+        return importlib.import_module("seqpar._C"), None
+    except ImportError as exc:
+        return None, (f"the CUDA extension seqpar._C is not built ({exc}); reinstall with nvcc on PATH "
+                      "and SEQPAR_BUILD_CUDA unset or 1")
+
+
+def cuda_extension():
+    """The ``seqpar._C`` module; raises RuntimeError with the reason when it is not built."""
+    module, reason = _cuda_extension()
+    if module is None:
+        raise RuntimeError(reason)
+    return module
+
+
+def cuda_extension_error() -> Optional[str]:
+    """Why ``seqpar._C`` can't be imported, or None when it can."""
+    return _cuda_extension()[1]
+
+
+def triton_unavailable_reason(device: torch.device, auto: bool = False) -> Optional[str]:
+    """Why the Triton backend can't run on tensors of ``device`` (None when it can).
+
+    ``auto`` selection never picks the CPU interpreter: it is a testing tool, far slower than torch.
+    """
+    reason = _triton_import_error()
+    if reason:
+        return reason
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu" and triton_interpreter_enabled():
+        return "auto selection does not use the Triton CPU interpreter" if auto else None
+    return f"triton needs CUDA tensors (got {device.type}; set TRITON_INTERPRET=1 for CPU tensors)"
+
+
+def cuda_unavailable_reason(device: torch.device) -> Optional[str]:
+    """Why the CUDA backend can't run on tensors of ``device`` (None when it can)."""
+    reason = cuda_extension_error()
+    if reason:
+        return reason
+    if device.type != "cuda":
+        return f"the cuda backend needs CUDA tensors (got {device.type})"
+    return None
+
+
+def cuda_stream(device: torch.device) -> int:
+    """Raw handle of the current CUDA stream of ``device`` (passed to seqpar._C launchers)."""
+    return torch.cuda.current_stream(device).cuda_stream

@@ -1,0 +1,81 @@
+"""Dropout whose mask is regenerated from the counter-based RNG instead of being stored.
+
+A 2-D view ``[rows, cols]`` of the input is dropped with ``keep = philox(seed + row_offset + row, col) >= p``
+(see :mod:`seqpar.random`); nothing mask-sized is saved for backward.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..random import dropout_keep_mask, resolve_seed
+
+
+@dataclasses.dataclass(frozen=True)
+class DropoutSpec:
+    """Which dropout mask to apply: probability ``p``, stream ``seed`` and the global index of row 0.
+
+    ``p == 0`` means no dropout (seed and row_offset are then ignored).
+    """
+
+    p: float = 0.0
+    seed: int = 0
+    row_offset: int = 0
+
+    @property
+    def active(self) -> bool:
+        return self.p > 0.0
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / (1.0 - self.p)
+
+    def keep_mask_2d(self, n_rows: int, n_cols: int, device) -> torch.Tensor:
+        """Bool [n_rows, n_cols] keep-mask for rows ``row_offset .. row_offset + n_rows - 1``."""
+        rows = torch.arange(n_rows, device=device).unsqueeze(1) + self.row_offset
+        cols = torch.arange(n_cols, device=device).unsqueeze(0)
+        return dropout_keep_mask(self.seed, rows, cols, self.p)
+
+
+def make_dropout_spec(p: float, training: bool, seed, row_offset: int = 0) -> DropoutSpec:
+    """Validate ``p`` (ValueError outside [0, 1)) and resolve the seed when dropout is active."""
+    if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 <= float(p) < 1.0:
+        raise ValueError(f"dropout probability p must be in [0, 1), got {p!r}")
+    if not isinstance(row_offset, int) or row_offset < 0:
+        raise ValueError(f"row_offset must be a non-negative int, got {row_offset!r}")
+    if not training or p == 0.0:
+        return DropoutSpec()
+    return DropoutSpec(float(p), resolve_seed(seed), row_offset)
+
+
+def apply_keep_mask(x2d: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
+    """``x2d * keep * 1/(1-p)`` (``x2d`` unchanged when the spec is inactive)."""
+    if not spec.active:
+        return x2d
+    keep = spec.keep_mask_2d(x2d.shape[0], x2d.shape[1], x2d.device)
+    return x2d * keep * spec.scale
+
+
+class _Dropout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, spec: DropoutSpec):
+        ctx.spec = spec
+        h = x.shape[-1]
+        return apply_keep_mask(x.reshape(-1, h), spec).view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h = grad.shape[-1]
+        return apply_keep_mask(grad.reshape(-1, h), ctx.spec).view(grad.shape), None
+
+
+def dropout(x: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
+    """Dropout of ``x`` [..., h] viewed as rows of h; the mask is regenerated in backward."""
+    return _Dropout.apply(x, spec) if spec.active else x
+
+
+def bias_dropout_add(x: torch.Tensor, bias, residual: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
+    """``residual + dropout(x + bias)`` with a regenerated mask (no LayerNorm; see the fused op)."""
+    h = x if bias is None else x + bias
+    return residual + dropout(h, spec)

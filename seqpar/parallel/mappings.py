@@ -1,0 +1,100 @@
+"""The conjugate operators of the paper as autograd functions over a process group.
+
+================================  ====================  =====================  ==========
+function                          forward               backward               paper
+================================  ====================  =====================  ==========
+copy_to_tensor_region             identity              all-reduce             f
+reduce_from_tensor_region         all-reduce            identity               f-bar
+gather_from_sequence_region       all-gather (dim 0)    reduce-scatter         g
+reduce_scatter_to_sequence_region reduce-scatter        all-gather             g-bar
+scatter_to_sequence_region        keep own shard        all-gather             (entry)
+================================  ====================  =====================  ==========
+
+Every function is the identity (returns its input) when the group has one rank.
+``copy_to_tensor_region`` is also how replicated parameters that only see a sequence shard (LayerNorm
+weights, the row-parallel output bias under SP) get their gradient summed over the group.
+"""
+from __future__ import annotations
+
+import torch
+
+from .state import ProcessGroup, all_gather_seq, all_reduce, group_size, reduce_scatter_seq, sequence_shard
+
+
+class _CopyToTensorRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.contiguous().clone(), ctx.group), None
+
+
+class _ReduceFromTensorRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_shard, group):
+        ctx.group = group
+        return all_gather_seq(x_shard, group)
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        return reduce_scatter_seq(grad_full, ctx.group), None
+
+
+class _ReduceScatterToSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_full, group):
+        ctx.group = group
+        return reduce_scatter_seq(x_full, group)
+
+    @staticmethod
+    def backward(ctx, grad_shard):
+        return all_gather_seq(grad_shard, ctx.group), None
+
+
+class _ScatterToSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_full, group):
+        ctx.group = group
+        return sequence_shard(x_full, group).clone()
+
+    @staticmethod
+    def backward(ctx, grad_shard):
+        return all_gather_seq(grad_shard, ctx.group), None
+
+
+def copy_to_tensor_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """f: identity forward, all-reduce of the gradient backward."""
+    return x if group_size(group) == 1 else _CopyToTensorRegion.apply(x, group)
+
+
+def reduce_from_tensor_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """f-bar: all-reduce forward, identity backward."""
+    return x if group_size(group) == 1 else _ReduceFromTensorRegion.apply(x, group)
+
+
+def gather_from_sequence_region(x_shard: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """g: all-gather [s/t, ...] -> [s, ...] forward, reduce-scatter of the gradient backward."""
+    return x_shard if group_size(group) == 1 else _GatherFromSequenceRegion.apply(x_shard, group)
+
+
+def reduce_scatter_to_sequence_region(x_full: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """g-bar: reduce-scatter [s, ...] -> [s/t, ...] forward, all-gather of the gradient backward."""
+    return x_full if group_size(group) == 1 else _ReduceScatterToSequenceRegion.apply(x_full, group)
+
+
+def scatter_to_sequence_region(x_full: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Enter the sequence-parallel region: keep this rank's shard forward, all-gather backward."""
+    return x_full if group_size(group) == 1 else _ScatterToSequenceRegion.apply(x_full, group)

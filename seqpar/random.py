@@ -1,0 +1,173 @@
+"""Counter-based dropout randomness shared by every backend.
+
+Every dropout mask element is a pure function of ``(stream_seed, row, col)``::
+
+    u = philox_uniform(stream_seed + row, col)      # Triton: tl.rand(stream_seed + row, col)
+    keep = u >= p                                   # kept elements are scaled by 1 / (1 - p)
+
+``philox_uniform`` is Philox-4x32-10 with key ``(seed & 0xffffffff, seed >> 32)`` and counter
+``(col, 0, 0, 0)``, mapped to ``[0, 1)`` exactly as ``triton.language.rand`` does for 32-bit offsets,
+so the torch reference, the Triton kernels and the CUDA kernels (``csrc/philox.cuh``) agree bit for
+bit.
+
+``row`` and ``col`` are *global* coordinates, never shard-local ones:
+
+=====================  ==========================================================  =============
+dropout site           row                                                         col
+=====================  ==========================================================  =============
+hidden (bias-dropout)  token index ``seq_global * b + batch``                       feature
+attention probs        ``(head_global * b + batch) * s + query_pos``                key position
+=====================  ==========================================================  =============
+
+``stream_seed`` is derived from ``(seed, layer_number, site, call)`` by :func:`stream_seed`, where
+``call`` counts the training forwards of that layer since :func:`manual_seed` (so each step draws
+fresh masks, and recompute replays them because the seed is drawn once, before the recomputed region).
+Because nothing depends on the tensor-parallel rank or the sequence shard, the same seed gives the same
+masks for any TP size, with or without sequence parallelism.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "manual_seed", "initial_seed", "stream_seed", "next_layer_seed", "next_op_seed",
+    "philox_uniform", "dropout_keep_mask", "Site",
+]
+
+_MASK32 = 0xFFFFFFFF
+_PHILOX_KEY_A = 0x9E3779B9
+_PHILOX_KEY_B = 0xBB67AE85
+_PHILOX_ROUND_A = 0xD2511F53
+_PHILOX_ROUND_B = 0xCD9E8D57
+_PHILOX_ROUNDS = 10
+# Largest int32 times this scale stays below 1.0 in fp32 (the constant tl.rand uses).
+_UNIFORM_SCALE = 4.6566127342e-10
+# Stream seeds are kept below 2**62 so that ``stream_seed + row`` never overflows int64.
+_STREAM_SEED_BITS = 62
+
+
+class Site:
+    """Dropout sites of a transformer layer; part of the RNG stream identity."""
+
+    ATTENTION = 1        # softmax dropout inside the attention core
+    ATTENTION_OUT = 2    # hidden dropout after the attention projection
+    MLP_OUT = 3          # hidden dropout after the MLP
+    EMBEDDING = 4        # embedding dropout (GPTModel)
+
+
+class _GeneratorState(threading.local):
+    def __init__(self) -> None:
+        self.seed = 0
+        self.layer_calls: dict = {}
+        self.op_calls = 0
+
+
+_state = _GeneratorState()
+
+
+def manual_seed(seed: int) -> None:
+    """Seed every seqpar dropout mask. Call with the same seed on every rank.
+
+    Resets the per-layer call counters, so building and running the same model after
+    ``manual_seed(s)`` reproduces its results exactly (like ``torch.manual_seed``).
+    """
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    _state.seed = int(seed)
+    _state.layer_calls = {}
+    _state.op_calls = 0
+
+
+def initial_seed() -> int:
+    """The seed last passed to :func:`manual_seed` (0 by default)."""
+    return _state.seed
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def stream_seed(seed: int, layer_number: int, site: int, call: int = 0) -> int:
+    """Hash ``(seed, layer_number, site, call)`` into a 62-bit Philox stream seed."""
+    h = _splitmix64(seed)
+    for part in (layer_number, site, call):
+        h = _splitmix64(h ^ (part & 0xFFFFFFFFFFFFFFFF))
+    return h >> (64 - _STREAM_SEED_BITS)
+
+
+def next_layer_seed(layer_number: int) -> int:
+    """Draw the seed of one training forward of layer ``layer_number``.
+
+    The per-site stream seeds are ``stream_seed(returned, layer_number, site)``; they are drawn once
+    per forward, before any recomputed region, so recomputation replays the same masks.
+    """
+    call = _state.layer_calls.get(layer_number, 0)
+    _state.layer_calls[layer_number] = call + 1
+    return stream_seed(_state.seed, layer_number, 0, call)
+
+
+def next_op_seed() -> int:
+    """A fresh stream seed for a functional op called with ``seed=None``."""
+    call = _state.op_calls
+    _state.op_calls += 1
+    return stream_seed(_state.seed, -1, 0, call)
+
+
+def _mul_hi_lo(a: int, b: torch.Tensor):
+    """(a * b) >> 32 and (a * b) & 0xffffffff for a 32-bit constant a and int64 b in [0, 2**32).
+
+    Splits b into 16-bit halves so no intermediate exceeds 2**48 (int64 has no unsigned multiply-high).
+    """
+    b_lo = b & 0xFFFF
+    b_hi = b >> 16
+    p_lo = b_lo * a
+    p_hi = b_hi * a
+    hi = (p_hi + (p_lo >> 16)) >> 16
+    lo = (p_lo + ((p_hi & 0xFFFF) << 16)) & _MASK32
+    return hi, lo
+
+
+def philox_uniform(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """``tl.rand(seed, offset)`` in torch, bit for bit: float32 uniforms in [0, 1).
+
+    Args:
+        seed: int64 tensor of non-negative seeds (broadcast against ``offset``).
+        offset: int64 tensor of offsets in [0, 2**31) (Triton's int32 offsets).
+    """
+    seed, offset = torch.broadcast_tensors(seed.to(torch.int64), offset.to(torch.int64))
+    k0 = seed & _MASK32
+    k1 = (seed >> 32) & _MASK32
+    c0 = offset & _MASK32
+    c1 = torch.zeros_like(c0)
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    for _ in range(_PHILOX_ROUNDS):
+        hi_b, lo_b = _mul_hi_lo(_PHILOX_ROUND_B, c2)
+        hi_a, lo_a = _mul_hi_lo(_PHILOX_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = (k0 + _PHILOX_KEY_A) & _MASK32
+        k1 = (k1 + _PHILOX_KEY_B) & _MASK32
+    # Reinterpret as int32, fold negatives (~x), scale: uint_to_uniform_float in triton.language.random.
+    x = torch.where(c0 >= 2**31, c0 - 2**32, c0)
+    x = torch.where(x < 0, -x - 1, x)
+    return x.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32)
+
+
+def dropout_keep_mask(stream: int, rows: torch.Tensor, cols: torch.Tensor, p: float) -> torch.Tensor:
+    """Boolean keep-mask ``philox_uniform(stream + rows, cols) >= p`` (broadcast of rows and cols)."""
+    return philox_uniform(rows.to(torch.int64) + stream, cols) >= p
+
+
+def resolve_seed(seed: Optional[int]) -> int:
+    """Validate a user-given op seed, or draw one from the seqpar generator when ``None``."""
+    if seed is None:
+        return next_op_seed()
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**_STREAM_SEED_BITS:
+        raise ValueError(f"seed must be an int in [0, 2**62), got {seed!r}")
+    return seed

@@ -1,0 +1,68 @@
+"""Build script: the pure-Python packages plus the optional CUDA extension seqpar._C (via CMake).
+
+The extension is skipped, with the reason printed, when SEQPAR_BUILD_CUDA=0, when nvcc or cmake is
+missing, or (unless SEQPAR_BUILD_CUDA=1 forces it) when its build fails. SEQPAR_CUDA_ARCHS overrides
+the CUDA architectures (default "80;90").
+"""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+def _cuda_skip_reason():
+    flag = os.environ.get("SEQPAR_BUILD_CUDA", "")
+    if flag == "0":
+        return "SEQPAR_BUILD_CUDA=0"
+    if shutil.which("nvcc") is None and not (Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin/nvcc").exists():
+        return "nvcc not found (install the CUDA toolkit or set CUDA_HOME)"
+    if shutil.which("cmake") is None:
+        return "cmake not found"
+    return None
+
+
+class CMakeBuild(build_ext):
+    def run(self):
+        reason = _cuda_skip_reason()
+        if reason:
+            print(f"seqpar: not building the CUDA extension seqpar._C: {reason}", flush=True)
+            return
+        try:
+            super().run()
+        except (subprocess.CalledProcessError, OSError) as exc:
+            if os.environ.get("SEQPAR_BUILD_CUDA") == "1":
+                raise
+            print(f"seqpar: the CUDA extension seqpar._C failed to build ({exc}); continuing without it "
+                  "(set SEQPAR_BUILD_CUDA=1 to make this an error)", flush=True)
+
+    def build_extension(self, ext):
+        import pybind11
+
+        out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        build_dir = Path(self.build_temp).resolve() / "cmake"
+        nvcc = shutil.which("nvcc") or str(Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin/nvcc")
+        args = [f"-DSEQPAR_OUTPUT_DIR={out_dir}", f"-DPython_EXECUTABLE={sys.executable}",
+                f"-Dpybind11_DIR={pybind11.get_cmake_dir()}", f"-DCMAKE_CUDA_COMPILER={nvcc}",
+                "-DCMAKE_BUILD_TYPE=Release"]
+        if os.environ.get("SEQPAR_CUDA_ARCHS"):
+            args.append(f"-DCMAKE_CUDA_ARCHITECTURES={os.environ['SEQPAR_CUDA_ARCHS']}")
+        print(f"seqpar: building seqpar._C with CMake into {out_dir}", flush=True)
+        subprocess.check_call(["cmake", "-S", str(ROOT), "-B", str(build_dir)] + args)
+        subprocess.check_call(["cmake", "--build", str(build_dir), "-j", str(os.cpu_count() or 2)])
+
+
+setup(
+    packages=["seqpar", "seqpar.parallel", "seqpar.ops", "seqpar.nn", "seqpar.bench",
+              "seqpar.triton_kernels"],
+    # The Triton kernels live in the top-level folder triton_kernels/ but install as
+    # seqpar.triton_kernels, so they can't clash with Triton's own `triton_kernels` package.
+    package_dir={"seqpar": "seqpar", "seqpar.triton_kernels": "triton_kernels"},
+    ext_modules=[Extension("seqpar._C", sources=[])],
+    cmdclass={"build_ext": CMakeBuild},
+)
