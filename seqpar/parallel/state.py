@@ -11,6 +11,10 @@ import torch.distributed as dist
 
 ProcessGroup = Optional["dist.ProcessGroup"]
 
+# torch 2.13 renamed the tensor collectives (the old names warn); older releases only have the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def group_size(group: ProcessGroup) -> int:
     """Number of ranks in ``group`` (1 for ``None``)."""
@@ -49,7 +53,7 @@ def all_gather_seq(x_shard: torch.Tensor, group: ProcessGroup, async_op: bool = 
     if t == 1:
         out.copy_(x_shard)
     else:
-        work = dist.all_gather_into_tensor(out, x_shard, group=group, async_op=async_op)
+        work = _all_gather_single(out, x_shard, group=group, async_op=async_op)
     return (out, work) if async_op else out
 
 
@@ -68,7 +72,7 @@ def reduce_scatter_seq(x_full: torch.Tensor, group: ProcessGroup, async_op: bool
     if t == 1:
         out.copy_(x_full)
     else:
-        work = dist.reduce_scatter_tensor(out, x_full, group=group, async_op=async_op)
+        work = _reduce_scatter_single(out, x_full, group=group, async_op=async_op)
     return (out, work) if async_op else out
 
 

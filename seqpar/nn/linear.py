@@ -1,0 +1,135 @@
+"""Tensor-parallel linear layers with optional sequence parallelism (Megatron's column/row split).
+
+=======================  ====================  =====================  =================================
+layer                    input                 weight (this rank)     output
+=======================  ====================  =====================  =================================
+ColumnParallelLinear     [s, b, k] (SP:        [n / t, k]             [s, b, n / t]
+                         [s/t, b, k] shard)
+RowParallelLinear        [s, b, k / t]         [n, k / t]             [s, b, n] (SP: [s/t, b, n] shard)
+=======================  ====================  =====================  =================================
+
+Without SP the column-parallel input passes f (identity forward, all-reduce backward) and the
+row-parallel output passes f-bar (all-reduce forward). With SP they become g / g-bar, fused into the
+GEMM by :func:`seqpar.ops.all_gather_matmul` (saves only the input shard, re-gathers in backward) and
+:func:`seqpar.ops.matmul_reduce_scatter`. ``RowParallelLinear(skip_bias_add=True)`` returns
+``(output, bias)`` so the bias can be fused into the following bias-dropout-add; under SP that bias is
+replicated but sees only a sequence shard, so it passes f and its gradient is summed over the group.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..ops.comm_matmul import all_gather_matmul, matmul_reduce_scatter
+from ..parallel.mappings import copy_to_tensor_region, reduce_from_tensor_region
+from ..parallel.state import ProcessGroup, group_rank, group_size
+
+
+def _split_rows(full: torch.Tensor, blocks: int, t: int, r: int) -> torch.Tensor:
+    """Rows of this rank from ``full`` [n, ...] seen as ``blocks`` stacked blocks, each split over t."""
+    per_block = full.shape[0] // blocks
+    step = per_block // t
+    return torch.cat([full[b * per_block + r * step:b * per_block + (r + 1) * step] for b in range(blocks)])
+
+
+def _gather_rows(local: torch.Tensor, blocks: int, group: ProcessGroup) -> torch.Tensor:
+    """Inverse of :func:`_split_rows`: every rank's rows back into the full [n, ...] tensor."""
+    t = group_size(group)
+    parts = [local]
+    if t > 1:
+        parts = [torch.empty_like(local) for _ in range(t)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+    chunks = [p.chunk(blocks, dim=0) for p in parts]
+    return torch.cat([chunks[r][b] for b in range(blocks) for r in range(t)])
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W's output rows split over the TP group (see module table).
+
+    ``partition_blocks`` > 1 treats the output as that many stacked blocks split separately (a fused
+    QKV weight [3h, h]: each rank takes its heads' rows of the Q, K and V blocks).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, tp_group: ProcessGroup = None,
+                 sequence_parallel: bool = False, bias: bool = True, partition_blocks: int = 1,
+                 overlap_comm: bool = True, device=None, dtype=None):
+        super().__init__()
+        t = group_size(tp_group)
+        if out_features % (t * partition_blocks):
+            raise ValueError(f"out_features {out_features} is not divisible by tensor-parallel size {t}"
+                             + (f" x {partition_blocks} blocks" if partition_blocks > 1 else ""))
+        self.in_features, self.out_features = in_features, out_features
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.partition_blocks, self.overlap_comm = partition_blocks, overlap_comm
+        self.weight = nn.Parameter(torch.empty(out_features // t, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features // t, device=device, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return all_gather_matmul(x, self.weight, self.bias, group=self.tp_group, overlap=self.overlap_comm)
+        return nn.functional.linear(copy_to_tensor_region(x, self.tp_group), self.weight, self.bias)
+
+    @torch.no_grad()
+    def load_full(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        """Keep this rank's shard of the unsharded ``weight`` [n, k] and ``bias`` [n]."""
+        t, r = group_size(self.tp_group), group_rank(self.tp_group)
+        self.weight.copy_(_split_rows(weight, self.partition_blocks, t, r))
+        if self.bias is not None:
+            self.bias.copy_(_split_rows(bias, self.partition_blocks, t, r))
+
+    @torch.no_grad()
+    def full(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The unsharded (weight, bias) (a collective under TP)."""
+        weight = _gather_rows(self.weight, self.partition_blocks, self.tp_group)
+        bias = None if self.bias is None else _gather_rows(self.bias, self.partition_blocks, self.tp_group)
+        return weight, bias
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W's input columns split over the TP group (see module table)."""
+
+    def __init__(self, in_features: int, out_features: int, *, tp_group: ProcessGroup = None,
+                 sequence_parallel: bool = False, bias: bool = True, skip_bias_add: bool = False,
+                 overlap_comm: bool = True, device=None, dtype=None):
+        super().__init__()
+        t = group_size(tp_group)
+        if in_features % t:
+            raise ValueError(f"in_features {in_features} is not divisible by tensor-parallel size {t}")
+        self.in_features, self.out_features = in_features, out_features
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.skip_bias_add, self.overlap_comm = skip_bias_add, overlap_comm
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // t, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
+
+    def output_bias(self) -> Optional[torch.Tensor]:
+        """The bias as the layer adds it: under SP through f, so its gradient is summed over the group."""
+        if self.bias is None or not self.sequence_parallel:
+            return self.bias
+        return copy_to_tensor_region(self.bias, self.tp_group)
+
+    def forward(self, x: torch.Tensor):
+        if self.sequence_parallel:
+            y = matmul_reduce_scatter(x, self.weight, None, group=self.tp_group, overlap=self.overlap_comm)
+        else:
+            y = reduce_from_tensor_region(torch.matmul(x, self.weight.t()), self.tp_group)
+        bias = self.output_bias()
+        if self.skip_bias_add:
+            return y, bias
+        return y if bias is None else y + bias
+
+    @torch.no_grad()
+    def load_full(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        """Keep this rank's column shard of the unsharded ``weight`` [n, k]; the bias is replicated."""
+        t, r = group_size(self.tp_group), group_rank(self.tp_group)
+        self.weight.copy_(_split_rows(weight.t(), 1, t, r).t())
+        if self.bias is not None:
+            self.bias.copy_(bias)
+
+    @torch.no_grad()
+    def full(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The unsharded (weight, bias) (a collective under TP)."""
+        weight = _gather_rows(self.weight.t(), 1, self.tp_group).t().contiguous()
+        return weight, None if self.bias is None else self.bias.detach().clone()

@@ -1,0 +1,59 @@
+"""Activation recomputation (checkpointing) without RNG bookkeeping.
+
+Dropout masks are pure functions of seeds drawn *before* the checkpointed region (seqpar.random), so
+the recomputation replays the same masks with no RNG state saved. The region's tensor inputs go through
+``ctx.save_for_backward`` (so :class:`seqpar.memory.ActivationMeter` sees them); ``params`` are the
+tensors the function closes over (module parameters), passed through so their gradients flow and
+``torch.autograd.grad`` works.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+
+class _Checkpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn, n_args, *args_and_params):
+        args = args_and_params[:n_args]
+        tensor_index = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        ctx.fn, ctx.args, ctx.tensor_index = fn, list(args), tensor_index
+        for i in tensor_index:
+            ctx.args[i] = None  # held via save_for_backward only
+        ctx.save_for_backward(*(args[i] for i in tensor_index), *args_and_params[n_args:])
+        with torch.no_grad():
+            out = fn(*args)
+        ctx.tuple_out = isinstance(out, tuple)
+        return out
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        saved = ctx.saved_tensors
+        n = len(ctx.tensor_index)
+        inputs, params = saved[:n], saved[n:]
+        args = list(ctx.args)
+        detached = []
+        for i, t in zip(ctx.tensor_index, inputs):
+            args[i] = t.detach().requires_grad_(t.requires_grad)
+            detached.append(args[i])
+        with torch.enable_grad():
+            outs = ctx.fn(*args)
+        outs = outs if ctx.tuple_out else (outs,)
+        pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
+        wrt = [t for t in detached + list(params) if t.requires_grad]
+        grads = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+                     if pairs and wrt else [])
+        grad_inputs = [next(grads) if t.requires_grad else None for t in detached + list(params)]
+        out = [None] * len(ctx.args)
+        for i, g in zip(ctx.tensor_index, grad_inputs[:n]):
+            out[i] = g
+        return (None, None, *out, *grad_inputs[n:])
+
+
+def checkpoint(fn: Callable, *args, params: Sequence[torch.Tensor] = ()):
+    """Run ``fn(*args)`` without keeping its intermediates; recompute them in backward.
+
+    Only the tensor ``args`` are kept (plus references to ``params``, which are not activations).
+    """
+    return _Checkpoint.apply(fn, len(args), *args, *params)

@@ -1,0 +1,169 @@
+"""TransformerLayer on one device: math against an independent plain-torch layer, recompute policies,
+dropout determinism, memory bounds, and bad input."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import seqpar
+from seqpar.memory import ActivationMeter, layer_activation_bytes
+
+H, A = 48, 4
+
+
+def _cfg(**kw):
+    base = dict(hidden_size=H, num_attention_heads=A)
+    base.update(kw)
+    return seqpar.TransformerConfig(**base)
+
+
+def plain_layer(x, sd, heads, eps=1e-5, approximate="none"):
+    """The paper's layer written directly with torch ops (no dropout): the independent oracle."""
+    s, b, h = x.shape
+    d = h // heads
+    a1 = F.layer_norm(x, (h,), sd["input_layernorm.weight"], sd["input_layernorm.bias"], eps)
+    qkv = a1 @ sd["self_attention.query_key_value.weight"].t() + sd["self_attention.query_key_value.bias"]
+    q, k, v = (t.reshape(s, b, heads, d).permute(1, 2, 0, 3) for t in qkv.split(h, dim=-1))
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    o = (scores.softmax(-1) @ v).permute(2, 0, 1, 3).reshape(s, b, h)
+    x2 = x + o @ sd["self_attention.dense.weight"].t() + sd["self_attention.dense.bias"]
+    a2 = F.layer_norm(x2, (h,), sd["post_attention_layernorm.weight"], sd["post_attention_layernorm.bias"], eps)
+    m = F.gelu(a2 @ sd["mlp.dense_h_to_4h.weight"].t() + sd["mlp.dense_h_to_4h.bias"], approximate=approximate)
+    return x2 + m @ sd["mlp.dense_4h_to_h.weight"].t() + sd["mlp.dense_4h_to_h.bias"]
+
+
+def random_state_dict(layer, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(shape, generator=gen, dtype=dtype) * (0.3 if len(shape) == 2 else 0.1)
+            + (1.0 if k.endswith("layernorm.weight") else 0.0) for k, shape in layer.full_shapes().items()}
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_layer_matches_plain_torch(recompute, activation):
+    layer = seqpar.TransformerLayer(_cfg(recompute=recompute, activation=activation))
+    sd = random_state_dict(layer)
+    layer.load_full_state_dict({k: v.float() for k, v in sd.items()})
+    x = torch.randn(13, 3, H, requires_grad=True)
+    y = layer(x)
+    grad_y = torch.randn_like(y)
+    y.backward(grad_y)
+    x64 = x.detach().double().requires_grad_()
+    sd64 = {k: v.clone().requires_grad_() for k, v in sd.items()}
+    y64 = plain_layer(x64, sd64, A, approximate="tanh" if activation == "gelu_tanh" else "none")
+    y64.backward(grad_y.double())
+    torch.testing.assert_close(y.double(), y64, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(x.grad.double(), x64.grad, atol=2e-4, rtol=1e-4)
+    grads = dict(layer.named_parameters())
+    for key, ref in sd64.items():
+        torch.testing.assert_close(grads[key].grad.double(), ref.grad, atol=2e-4, rtol=1e-4, msg=key)
+
+
+def _run(layer, x, seed=3):
+    seqpar.manual_seed(seed)
+    x = x.detach().clone().requires_grad_()
+    y = layer(x)
+    y.backward(torch.ones_like(y) * 0.5 + torch.linspace(0, 1, y.numel()).view_as(y))
+    return y.detach(), x.grad, {k: p.grad.clone() for k, p in layer.named_parameters()}
+
+
+def test_dropout_bitwise_identical_across_recompute_policies():
+    x = torch.randn(16, 2, H)
+    results = {}
+    for recompute in ("none", "selective", "full"):
+        seqpar.manual_seed(0)  # same initial weights for every policy
+        layer = seqpar.TransformerLayer(_cfg(recompute=recompute, hidden_dropout=0.2, attention_dropout=0.3))
+        results[recompute] = _run(layer, x)
+    ref = results["none"]
+    for recompute in ("selective", "full"):
+        y, gx, grads = results[recompute]
+        assert torch.equal(y, ref[0]), recompute
+        assert torch.equal(gx, ref[1]), recompute
+        for key in grads:
+            assert torch.equal(grads[key], ref[2][key]), (recompute, key)
+
+
+def test_dropout_is_active_and_seeded():
+    layer = seqpar.TransformerLayer(_cfg(hidden_dropout=0.2, attention_dropout=0.3))
+    x = torch.randn(16, 2, H)
+    y1, y1_again, y2 = _run(layer, x, 3)[0], _run(layer, x, 3)[0], _run(layer, x, 4)[0]
+    assert torch.equal(y1, y1_again)
+    assert not torch.allclose(y1, y2)
+    layer.eval()
+    with torch.no_grad():
+        y_eval = layer(x)
+    assert not torch.allclose(y1, y_eval)
+    # consecutive training steps draw fresh masks
+    seqpar.manual_seed(3)
+    with torch.no_grad():
+        layer.train()
+        first, second = layer(x), layer(x)
+    assert not torch.equal(first, second)
+
+
+def test_init_is_deterministic_and_layer_dependent():
+    seqpar.manual_seed(11)
+    a = seqpar.TransformerLayer(_cfg(), layer_number=0).full_state_dict()
+    seqpar.manual_seed(11)
+    b = seqpar.TransformerLayer(_cfg(), layer_number=0).full_state_dict()
+    c = seqpar.TransformerLayer(_cfg(), layer_number=1).full_state_dict()
+    key = "self_attention.query_key_value.weight"
+    assert torch.equal(a[key], b[key]) and not torch.equal(a[key], c[key])
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_memory_within_table2_bounds(recompute):
+    s, b, h, a = 256, 2, 128, 4
+    cfg = seqpar.TransformerConfig(hidden_size=h, num_attention_heads=a, hidden_dropout=0.1,
+                                   attention_dropout=0.1, recompute=recompute, params_dtype=torch.bfloat16,
+                                   backend="torch")
+    layer = seqpar.TransformerLayer(cfg)
+    x = torch.randn(s, b, h, dtype=torch.bfloat16, requires_grad=True)
+    with ActivationMeter() as meter:
+        y = layer(x)
+    lower = layer_activation_bytes(s, b, h, a, recompute=recompute, bytes_per_mask=0)
+    upper = 1.05 * layer_activation_bytes(s, b, h, a, recompute=recompute)
+    assert lower <= meter.bytes <= upper, meter.report(s * b * h)
+    y.float().sum().backward()  # the graph the meter saw is usable
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_attention_heads=5), "divisible"), (dict(hidden_size=0), "hidden_size"),
+    (dict(recompute="partial"), "partial"), (dict(backend="tpu"), "tpu"), (dict(activation="relu"), "relu"),
+    (dict(hidden_dropout=1.0), "hidden_dropout"), (dict(attention_dropout=-0.1), "attention_dropout"),
+    (dict(ffn_hidden_size=-4), "ffn_hidden_size"), (dict(params_dtype=torch.int32), "params_dtype"),
+])
+def test_config_rejects(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _cfg(**kwargs)
+
+
+@pytest.mark.parametrize("x, match", [
+    (torch.randn(8, 2, H + 1), "48"), (torch.randn(8, H), "s_local"), (torch.randn(8, 2, H).double(), "dtype"),
+    (torch.randint(0, 3, (8, 2, H)), "floating"), ([1.0], "list"), (torch.randn(0, 2, H), "non-empty"),
+])
+def test_layer_rejects_bad_input(x, match):
+    layer = seqpar.TransformerLayer(_cfg())
+    with pytest.raises(ValueError, match=match):
+        layer(x)
+
+
+def test_explicit_unavailable_backend_raises():
+    layer = seqpar.TransformerLayer(_cfg(backend="cuda"))
+    with pytest.raises(ValueError, match="cuda"):
+        layer(torch.randn(8, 2, H))
+
+
+def test_state_dict_validation():
+    layer = seqpar.TransformerLayer(_cfg())
+    sd = layer.full_state_dict()
+    bad = dict(sd)
+    bad.pop("mlp.dense_h_to_4h.bias")
+    with pytest.raises(ValueError, match="dense_h_to_4h.bias"):
+        layer.load_full_state_dict(bad)
+    bad = dict(sd)
+    bad["self_attention.dense.weight"] = torch.zeros(H, H + 1)
+    with pytest.raises(ValueError, match="self_attention.dense.weight"):
+        layer.load_full_state_dict(bad)
