@@ -119,42 +119,36 @@ def next_op_seed() -> int:
     return stream_seed(_state.seed, -1, 0, call)
 
 
-def _mul_hi_lo(a: int, b: torch.Tensor):
-    """(a * b) >> 32 and (a * b) & 0xffffffff for a 32-bit constant a and int64 b in [0, 2**32).
-
-    Splits b into 16-bit halves so no intermediate exceeds 2**48 (int64 has no unsigned multiply-high).
-    """
-    b_lo = b & 0xFFFF
-    b_hi = b >> 16
-    p_lo = b_lo * a
-    p_hi = b_hi * a
-    hi = (p_hi + (p_lo >> 16)) >> 16
-    lo = (p_lo + ((p_hi & 0xFFFF) << 16)) & _MASK32
-    return hi, lo
+def _philox_c0(k0: torch.Tensor, k1: torch.Tensor, c0: torch.Tensor) -> torch.Tensor:
+    c1 = c2 = c3 = torch.zeros_like(c0)
+    for _ in range(_PHILOX_ROUNDS):
+        # 32 x 32-bit products in int64: the 64-bit result wraps modulo 2**64 (two's complement), so
+        # its high and low words are exactly the unsigned product's.
+        prod_b = c2 * _PHILOX_ROUND_B
+        prod_a = c0 * _PHILOX_ROUND_A
+        c0 = ((prod_b >> 32) & _MASK32).bitwise_xor_(c1).bitwise_xor_(k0)
+        c2 = ((prod_a >> 32) & _MASK32).bitwise_xor_(c3).bitwise_xor_(k1)
+        c1 = prod_b.bitwise_and_(_MASK32)
+        c3 = prod_a.bitwise_and_(_MASK32)
+        k0 = (k0 + _PHILOX_KEY_A) & _MASK32
+        k1 = (k1 + _PHILOX_KEY_B) & _MASK32
+    return c0
 
 
 def philox_uniform(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """``tl.rand(seed, offset)`` in torch, bit for bit: float32 uniforms in [0, 1).
+
+    Philox-4x32-10, key ``(seed & 0xffffffff, seed >> 32)``, counter ``(offset, 0, 0, 0)``; the first
+    output word is mapped to [0, 1) like ``uint_to_uniform_float``.
 
     Args:
         seed: int64 tensor of non-negative seeds (broadcast against ``offset``).
         offset: int64 tensor of offsets in [0, 2**31) (Triton's int32 offsets).
     """
     seed, offset = torch.broadcast_tensors(seed.to(torch.int64), offset.to(torch.int64))
-    k0 = seed & _MASK32
-    k1 = (seed >> 32) & _MASK32
-    c0 = offset & _MASK32
-    c1 = torch.zeros_like(c0)
-    c2 = torch.zeros_like(c0)
-    c3 = torch.zeros_like(c0)
-    for _ in range(_PHILOX_ROUNDS):
-        hi_b, lo_b = _mul_hi_lo(_PHILOX_ROUND_B, c2)
-        hi_a, lo_a = _mul_hi_lo(_PHILOX_ROUND_A, c0)
-        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
-        k0 = (k0 + _PHILOX_KEY_A) & _MASK32
-        k1 = (k1 + _PHILOX_KEY_B) & _MASK32
+    words = _philox_c0(seed & _MASK32, (seed >> 32) & _MASK32, offset & _MASK32)
     # Reinterpret as int32, fold negatives (~x), scale: uint_to_uniform_float in triton.language.random.
-    x = torch.where(c0 >= 2**31, c0 - 2**32, c0)
+    x = torch.where(words >= 2**31, words - 2**32, words)
     x = torch.where(x < 0, -x - 1, x)
     return x.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32)
 

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: install seqpar (with the CUDA extension), run the gpu-marked tests, run
+# every benchmark, and leave logs and result rows under $OUT (default bench/results/run-<date>).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-bench/results/run-$(date +%Y%m%d-%H%M%S)}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 SEQPAR_BUILD_CUDA=1 SEQPAR_CUDA_ARCHS="${SEQPAR_CUDA_ARCHS:-90}"
+python3 -m pip install --no-build-isolation --no-deps -e . 2>&1 | tail -3 | tee "$OUT/install.log"
+python3 -m seqpar info 2>&1 | tee "$OUT/info.log"
+python3 -m pytest -q -m gpu -ra tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+python3 -m seqpar bench --device cuda --json "$OUT/layer_bench.json" 2>&1 | tee "$OUT/layer_bench.log"
+for script in bench/bench_layernorm_dropout.py bench/bench_attention.py bench/bench_overlap.py; do
+  [ -f "$script" ] || continue
+  name=$(basename "$script" .py)
+  python3 "$script" --out "$OUT" 2>&1 | tee "$OUT/$name.log" | tail -40
+done
+ls -la "$OUT"

@@ -1,0 +1,250 @@
+"""The paper's layer experiments (paper.md, "One layer of the 22B model"): no recompute, sequence
+parallel, full recompute, selective recompute, selective + sequence parallel.
+
+Each experiment builds one TransformerLayer with tensor parallelism over the ranks, times forward and
+backward (median of ``--iters`` after ``--warmup``; CUDA events on GPU, wall clock between barriers on
+CPU), measures the activation bytes one rank keeps (:class:`seqpar.memory.ActivationMeter`) and
+compares them with Table 2 (:func:`seqpar.memory.layer_activation_bytes`).
+
+Without torchrun the command spawns ``--tp`` gloo ranks on CPU itself (default 2); under torchrun it
+uses the launched ranks (NCCL with ``--device cuda``).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import time
+from typing import Dict, List, Optional
+
+EXPERIMENTS = [  # (name, sequence_parallel, recompute)
+    ("no recompute", False, "none"),
+    ("sequence parallel", True, "none"),
+    ("full recompute", False, "full"),
+    ("selective recompute", False, "selective"),
+    ("selective + sequence parallel", True, "selective"),
+]
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m seqpar bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default 2 on cpu, 1 on cuda)")
+    p.add_argument("--seq-len", type=int, default=None, help="default 256 (cpu) / 2048 (cuda)")
+    p.add_argument("--hidden", type=int, default=None, help="default 128 (cpu) / 6144 (cuda: the 22B layer)")
+    p.add_argument("--heads", type=int, default=None, help="default 4 (cpu) / 64 (cuda)")
+    p.add_argument("--batch", type=int, default=None, help="default 2 (cpu) / 4 (cuda)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout")
+    p.add_argument("--backend", default="auto", help="auto | torch | triton | cuda")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (default 3 cpu / 20 cuda)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up iterations (default 1 cpu / 5 cuda)")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    args = p.parse_args(argv)
+    gpu = args.device == "cuda"
+    defaults = dict(tp=1 if gpu else 2, seq_len=2048 if gpu else 256, hidden=6144 if gpu else 128,
+                    heads=64 if gpu else 4, batch=4 if gpu else 2, iters=20 if gpu else 3, warmup=5 if gpu else 1)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for key in ("tp", "seq_len", "hidden", "heads", "batch", "iters"):
+        if getattr(args, key) <= 0:
+            p.error(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
+    if args.hidden % args.heads or args.heads % args.tp or args.seq_len % args.tp:
+        p.error(f"need hidden % heads == 0, heads % tp == 0 and seq_len % tp == 0 "
+                f"(hidden={args.hidden}, heads={args.heads}, seq_len={args.seq_len}, tp={args.tp})")
+    return args
+
+
+def _git_commit() -> str:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=here,
+                                       stderr=subprocess.DEVNULL, text=True).strip()
+    except Exception:  # noqa: BLE001 - not a checkout
+        return "unknown"
+
+
+class _Timer:
+    def __init__(self, device):
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.torch = torch
+
+    def run(self, fn):
+        """Run ``fn`` and return its result and its time in ms (all ranks in step)."""
+        import torch.distributed as dist
+
+        if self.cuda:
+            start, end = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            end.synchronize()
+            return out, start.elapsed_time(end)
+        if dist.is_initialized():
+            dist.barrier()
+        t0 = time.perf_counter()
+        out = fn()
+        if dist.is_initialized():
+            dist.barrier()
+        return out, (time.perf_counter() - t0) * 1e3
+
+
+def run_experiments(args, rank: int, world_size: int, group) -> List[Dict]:
+    import torch
+
+    import seqpar
+    from seqpar.memory import ActivationMeter, layer_activation_bytes
+    from seqpar.parallel import sequence_shard
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    timer = _Timer(device)
+    s, b, h, a, t = args.seq_len, args.batch, args.hidden, args.heads, world_size
+    element = torch.tensor([], dtype=dtype).element_size()
+    rows = []
+    for index, (name, sp, recompute) in enumerate(EXPERIMENTS, 1):
+        started = time.perf_counter()
+        seqpar.manual_seed(1)
+        cfg = seqpar.TransformerConfig(hidden_size=h, num_attention_heads=a, hidden_dropout=args.dropout,
+                                       attention_dropout=args.dropout, sequence_parallel=sp, recompute=recompute,
+                                       backend=args.backend, params_dtype=dtype)
+        layer = seqpar.TransformerLayer(cfg, tp_group=group, device=device)
+        gen = torch.Generator().manual_seed(2)
+        x_full = torch.randn(s, b, h, generator=gen).to(device=device, dtype=dtype)
+        x = (sequence_shard(x_full, group) if sp else x_full).clone().requires_grad_()
+        grad_y = torch.randn_like(x)
+        fwd, bwd = [], []
+        for it in range(args.warmup + args.iters):
+            y, ms_f = timer.run(lambda: layer(x))
+            _, ms_b = timer.run(lambda: y.backward(grad_y))
+            if it >= args.warmup:
+                fwd.append(ms_f)
+                bwd.append(ms_b)
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
+        with ActivationMeter() as meter:
+            y = layer(x)
+        del y
+        table2 = layer_activation_bytes(s, b, h, a, tp=t, sequence_parallel=sp, recompute=recompute,
+                                        bytes_per_element=element)
+        row = dict(experiment=name, sequence_parallel=sp, recompute=recompute,
+                   forward_ms=statistics.median(fwd), backward_ms=statistics.median(bwd),
+                   activation_bytes=meter.bytes, table2_bytes=table2)
+        row["combined_ms"] = row["forward_ms"] + row["backward_ms"]
+        rows.append(row)
+        if rank == 0:
+            print(f"[{index}/{len(EXPERIMENTS)}] {name}: fwd {row['forward_ms']:.1f} ms, bwd "
+                  f"{row['backward_ms']:.1f} ms, {meter.bytes / 2**20:.2f} MiB saved "
+                  f"({time.perf_counter() - started:.1f} s)", flush=True)
+    base = rows[0]["combined_ms"]
+    for row in rows:
+        row["overhead"] = row["combined_ms"] / base - 1.0
+    return rows
+
+
+def format_table(rows: List[Dict], header: str) -> str:
+    lines = [header,
+             f"{'experiment':<31}{'forward ms':>11}{'backward ms':>12}{'combined':>10}{'overhead':>10}"
+             f"{'act MiB':>10}{'Table 2 MiB':>12}{'ratio':>7}"]
+    for r in rows:
+        overhead = "-" if r["experiment"] == "no recompute" else f"{100 * r['overhead']:+.0f}%"
+        lines.append(f"{r['experiment']:<31}{r['forward_ms']:>11.1f}{r['backward_ms']:>12.1f}"
+                     f"{r['combined_ms']:>10.1f}{overhead:>10}{r['activation_bytes'] / 2**20:>10.2f}"
+                     f"{r['table2_bytes'] / 2**20:>12.2f}{r['activation_bytes'] / r['table2_bytes']:>7.2f}")
+    return "\n".join(lines)
+
+
+def _rank_main(rank: int, world_size: int, args, port: Optional[int]) -> Optional[List[Dict]]:
+    import torch
+    import torch.distributed as dist
+
+    if port is not None:  # spawned by us: CPU gloo ranks
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=600))
+    group = dist.group.WORLD if dist.is_initialized() and world_size > 1 else None
+    try:
+        rows = run_experiments(args, rank, world_size, group)
+    finally:
+        if port is not None:
+            dist.destroy_process_group()
+    return rows if rank == 0 else None
+
+
+def _spawned(rank, world_size, args, port, queue):
+    try:
+        queue.put(("ok", _rank_main(rank, world_size, args, port)))
+    except BaseException as exc:  # noqa: BLE001
+        import traceback
+        queue.put(("error", f"rank {rank}: {exc}\n{traceback.format_exc()}"))
+        raise
+
+
+def main(argv: Optional[List[str]] = None) -> List[Dict]:
+    args = parse_args(argv)
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: use the launched ranks
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        args.tp = world_size
+        rows = _rank_main(rank, world_size, args, None)
+        dist.destroy_process_group()
+    elif args.tp == 1:
+        rank, rows = 0, _rank_main(0, 1, args, None)
+    else:
+        if args.device == "cuda":
+            raise SystemExit("--device cuda with --tp > 1: launch with torchrun --nproc-per-node TP")
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        print(f"seqpar bench: spawning {args.tp} gloo ranks on CPU", flush=True)
+        procs = [ctx.Process(target=_spawned, args=(r, args.tp, args, port, queue)) for r in range(args.tp)]
+        for proc in procs:
+            proc.start()
+        rows, failures = None, []
+        for _ in procs:
+            status, payload = queue.get()
+            if status == "error":
+                failures.append(payload)
+                break
+            rows = payload if payload is not None else rows
+        for proc in procs:
+            if failures:
+                proc.kill()
+            proc.join()
+        if failures:
+            raise SystemExit("seqpar bench failed:\n" + "\n".join(failures))
+        rank = 0
+    if rank != 0:
+        return []
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores, gloo)"
+    header = (f"seqpar bench: one layer, s={args.seq_len} b={args.batch} h={args.hidden} a={args.heads} "
+              f"t={args.tp} {args.dtype} dropout={args.dropout} backend={args.backend} on {device_name}")
+    print(format_table(rows, header))
+    if args.json:
+        meta = dict(device=device_name, date=datetime.date.today().isoformat(), commit=_git_commit(),
+                    config=dict(seq_len=args.seq_len, batch=args.batch, hidden=args.hidden, heads=args.heads,
+                                tp=args.tp, dtype=args.dtype, dropout=args.dropout, backend=args.backend,
+                                iters=args.iters, warmup=args.warmup))
+        with open(args.json, "w") as f:
+            json.dump(dict(meta, rows=rows), f, indent=2)
+        print(f"wrote {args.json}")
+    return rows
