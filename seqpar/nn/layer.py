@@ -14,7 +14,8 @@ Dropout masks come from seqpar.random with global coordinates, so results do not
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+import dataclasses
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -30,6 +31,28 @@ from ..parallel.state import ProcessGroup, group_rank, group_size
 from ..recompute import checkpoint
 from .layernorm import LayerNorm
 from .linear import ColumnParallelLinear, RowParallelLinear
+
+
+@dataclasses.dataclass
+class PendingResidual:
+    """A layer's final bias-dropout-add, not yet applied: ``residual + dropout(x + bias)``.
+
+    Returned by :meth:`TransformerLayer.forward_after_input_layernorm` so that the next LayerNorm
+    (the next layer's input LayerNorm, or GPTModel's final one) can fuse with it.
+    """
+
+    x: torch.Tensor
+    bias: Optional[torch.Tensor]
+    residual: torch.Tensor
+    spec: DropoutSpec
+
+    def apply(self) -> torch.Tensor:
+        """The layer output ``residual + dropout(x + bias)``."""
+        return bias_dropout_add(self.x, self.bias, self.residual, self.spec)
+
+    def apply_with_layer_norm(self, norm: LayerNorm) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(output), output)`` in one fused op."""
+        return norm.after_bias_dropout_add(self.x, self.bias, self.residual, self.spec)
 
 
 def _activation(name: str):
@@ -156,24 +179,34 @@ class TransformerLayer(nn.Module):
         first_row = group_rank(self.tp_group) * s_local * b if self.config.sequence_parallel else 0
         return DropoutSpec(p, sp_random.stream_seed(layer_seed, self.layer_number, site), first_row)
 
-    def _forward_impl(self, x: torch.Tensor, layer_seed: int) -> torch.Tensor:
-        with saved_as("LN1 input"):
-            a1 = self.input_layernorm(x)
+    def draw_dropout_seed(self) -> int:
+        """The seed of this forward's dropout masks (0 when no dropout is active); draw once per forward."""
+        cfg = self.config
+        uses_dropout = self.training and (cfg.hidden_dropout > 0 or cfg.attention_dropout > 0)
+        return sp_random.next_layer_seed(self.layer_number) if uses_dropout else 0
+
+    def forward_after_input_layernorm(self, x: torch.Tensor, a1: torch.Tensor, layer_seed: int) -> PendingResidual:
+        """The layer from its input ``x`` and ``a1 = input_layernorm(x)`` on, leaving the final
+        bias-dropout-add unapplied (see :class:`PendingResidual`). GPTModel uses it to fuse that
+        bias-dropout-add with the next LayerNorm."""
         projection, projection_bias = self.self_attention(
             a1, sp_random.stream_seed(layer_seed, self.layer_number, sp_random.Site.ATTENTION))
         with saved_as("LN2 input"):
             a2, x2 = self.post_attention_layernorm.after_bias_dropout_add(
                 projection, projection_bias, x, self._hidden_spec(layer_seed, sp_random.Site.ATTENTION_OUT, x))
         mlp_out, mlp_bias = self.mlp(a2)
-        return bias_dropout_add(mlp_out, mlp_bias, x2, self._hidden_spec(layer_seed, sp_random.Site.MLP_OUT, x))
+        return PendingResidual(mlp_out, mlp_bias, x2, self._hidden_spec(layer_seed, sp_random.Site.MLP_OUT, x))
+
+    def _forward_impl(self, x: torch.Tensor, layer_seed: int) -> torch.Tensor:
+        with saved_as("LN1 input"):
+            a1 = self.input_layernorm(x)
+        return self.forward_after_input_layernorm(x, a1, layer_seed).apply()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
-        cfg = self.config
-        uses_dropout = self.training and (cfg.hidden_dropout > 0 or cfg.attention_dropout > 0)
         # Drawn once, outside any recomputed region: recomputation replays the same masks.
-        layer_seed = sp_random.next_layer_seed(self.layer_number) if uses_dropout else 0
-        if cfg.recompute == "full":
+        layer_seed = self.draw_dropout_seed()
+        if self.config.recompute == "full":
             with saved_as("layer input (full recompute)"):
                 return checkpoint(self._forward_impl, x, layer_seed, params=list(self.parameters()))
         return self._forward_impl(x, layer_seed)

@@ -19,6 +19,7 @@ from ..ops.dropout import DropoutSpec, dropout
 from ..parallel.mappings import (copy_to_tensor_region, gather_from_sequence_region, reduce_from_tensor_region,
                                  scatter_to_sequence_region)
 from ..parallel.state import ProcessGroup, group_rank, group_size
+from ..memory import saved_as
 from .layer import TransformerLayer
 from .layernorm import LayerNorm
 
@@ -61,6 +62,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 class GPTModel(nn.Module):
     """GPT: embeddings (word: vocab-parallel, position: replicated) -> ``num_layers`` TransformerLayers
     (numbered 0..L-1 in the dropout RNG) -> final LayerNorm -> logits with the tied word embedding.
+
+    Each layer's final bias-dropout-add is fused with the following LayerNorm (the next layer's input
+    LayerNorm, or the final one) through :func:`seqpar.ops.bias_dropout_add_layer_norm`; with
+    ``recompute="full"`` layers run whole, so each checkpoint keeps only its layer input.
 
     ``forward(tokens, labels=None)``: tokens [b, s] -> per-token loss [s, b] with labels, else the
     local logits [s, b, v/t].
@@ -106,6 +111,23 @@ class GPTModel(nn.Module):
             hidden = dropout(hidden, DropoutSpec(p, seed, first_row))
         return hidden
 
+    def _layers(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Embedding output -> final LayerNorm output, fusing each bias-dropout-add with the next LN."""
+        if self.config.recompute == "full":
+            for layer in self.layers:
+                hidden = layer(hidden)
+            return self.final_layernorm(hidden)
+        pending = None
+        for layer in self.layers:
+            seed = layer.draw_dropout_seed()
+            with saved_as("LN1 input"):
+                if pending is None:
+                    normalized = layer.input_layernorm(hidden)
+                else:
+                    normalized, hidden = pending.apply_with_layer_norm(layer.input_layernorm)
+            pending = layer.forward_after_input_layernorm(hidden, normalized, seed)
+        return pending.apply_with_layer_norm(self.final_layernorm)[0]
+
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64:
             raise ValueError(f"tokens must be an int64 [b, s] tensor, got "
@@ -117,10 +139,7 @@ class GPTModel(nn.Module):
             raise ValueError(f"sequence length {s} is not divisible by the tensor-parallel size {t}")
         if labels is not None and labels.shape != tokens.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} != tokens shape {tuple(tokens.shape)}")
-        hidden = self._embed(tokens)
-        for layer in self.layers:
-            hidden = layer(hidden)
-        hidden = self.final_layernorm(hidden)
+        hidden = self._layers(self._embed(tokens))
         if self.config.sequence_parallel:
             hidden = gather_from_sequence_region(hidden, self.tp_group)
         else:

@@ -167,3 +167,29 @@ def test_state_dict_validation():
     bad["self_attention.dense.weight"] = torch.zeros(H, H + 1)
     with pytest.raises(ValueError, match="self_attention.dense.weight"):
         layer.load_full_state_dict(bad)
+
+
+def test_gpt_fused_stacking_matches_unfused_layers():
+    """GPTModel fuses each layer's last bias-dropout-add with the next LayerNorm (recompute none /
+    selective); with full recompute it runs the layers whole. Both must give the same loss and grads."""
+    tokens = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(3))
+    results = []
+    for recompute in ("none", "full"):
+        seqpar.manual_seed(8)
+        cfg = seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4, hidden_dropout=0.2,
+                                       attention_dropout=0.1, recompute=recompute)
+        model = seqpar.GPTModel(cfg, num_layers=3, vocab_size=64, max_seq_len=16)
+        loss = model(tokens, tokens.roll(-1, 1)).mean()
+        loss.backward()
+        results.append((loss.detach(), {k: p.grad for k, p in model.named_parameters()}))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
+    for key, grad in results[0][1].items():
+        torch.testing.assert_close(grad, results[1][1][key], atol=1e-5, rtol=1e-4, msg=key)
+
+
+def test_gpt_rejects_bad_tokens():
+    model = seqpar.GPTModel(_cfg(), num_layers=1, vocab_size=16, max_seq_len=8)
+    for tokens, match in ((torch.zeros(2, 9, dtype=torch.long), "max_seq_len"),
+                          (torch.zeros(2, 4), "int64"), (torch.zeros(8, dtype=torch.long), "int64")):
+        with pytest.raises(ValueError, match=match):
+            model(tokens)
