@@ -15,63 +15,211 @@ input gradient asynchronously while computing the weight gradient (Megatron's or
 the output gradient. ``bias`` here is added after the reduce-scatter, so its gradient is this rank's
 shard sum; wrap a replicated bias in :func:`seqpar.parallel.copy_to_tensor_region` to sum it over the
 group (the layers do).
+
+Overlap (``overlap=``, resolved by :meth:`seqpar.parallel.overlap.ChunkPlan.choose`). With one chunk
+the ops run the plain path above. With one chunk per rank, the passes whose GEMM would otherwise wait
+for (or be waited on by) a bulk collective split that GEMM by sequence shard (``[i]`` = the rows of
+rank i's shard, rows ``i*s/t*b .. (i+1)*s/t*b`` of the flattened [s*b, .] tensors) and move shards
+point to point (:class:`seqpar.parallel.overlap.PeerExchange`: transfer j sends to ``r + j + 1`` and
+receives from ``r - j - 1``), each transfer running beside a GEMM (``||``):
+
+==========================  =========================================================================
+pass                        chunked schedule, step j = 0 .. t-1
+==========================  =========================================================================
+all_gather_matmul fwd       y[r - j] = x[r - j] W^T + b  ||  transfers bringing x[r - j - 1 ..]
+                            (``prefetch`` of them in flight; x_shard goes to every other rank)
+matmul_reduce_scatter fwd   P_j = x[r + j + 1] W^T (j = t-1: this rank's own rows)  ||  earlier
+                            partials in flight; then P_j -> rank r + j + 1 while rank r - j - 1's
+                            partial for this rank arrives; y_shard = sum of the t partials + b
+matmul_reduce_scatter bwd   grad_x[r - j] = g[r - j] W  ||  transfers bringing g[r - j - 1 ..];
+                            then one weight-gradient GEMM grad_y_full^T x
+all_gather_matmul bwd       not chunked: the plain path's schedule already hides both collectives --
+                            async re-gather of x || input-gradient GEMM, then async reduce-scatter of
+                            grad_x || weight-gradient GEMM (bulk collectives, Megatron's order)
+==========================  =========================================================================
+
+Each rank sends t-1 shard-sized messages per chunked gather or scatter: the bytes of a ring
+all-gather or reduce-scatter. Weight gradients stay one GEMM over the gathered tensor (splitting their
+reduction dimension would re-read and re-write the [n, k] output once per chunk), so they equal the
+plain path's bit for bit; the reduce-scatter sums the t partials in one reduction (one rounding).
+Chunk outputs are written straight into their rows of the output (``out=`` views). The saved tensors
+are the plain path's: ``x_shard`` and ``weight`` (all_gather_matmul), ``x`` and ``weight``
+(matmul_reduce_scatter). Results equal the plain path up to summation order.
 """
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import List, Optional, Union
 
 import torch
 
+from ..parallel.overlap import ChunkPlan, PeerExchange, note
 from ..parallel.state import ProcessGroup, all_gather_seq, group_size, reduce_scatter_seq
+
+_TAG_GATHER, _TAG_SCATTER = 11, 12   # gloo tags per pattern (NCCL ignores tags, matches in order)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+# ---- chunked passes: no autograd; [rows, features] 2-D views and [t, rows, features] per-rank slots ----
+
+def _gather_chunks(ex: PeerExchange, shard2, slots3, plan: ChunkPlan, name: str, gemm):
+    """Pairwise all-gather of ``shard2`` [rows, m] into ``slots3`` [t, rows, m] (slot i: rank i's shard;
+    this rank's slot is left untouched), calling ``gemm(src, chunk)`` for every rank's chunk as it
+    arrives (own shard first), with up to ``plan.prefetch`` transfers in flight ahead of it."""
+    t = ex.t
+    pending: List[Optional[object]] = [None] * (t - 1)
+    issued = 0
+    for j in range(t):
+        while issued < min(j + plan.prefetch, t - 1):   # transfer i brings the chunk of step i + 1
+            pending[issued] = ex.exchange(shard2, slots3[ex.source(issued + 1)], step=issued, name=name,
+                                          tag=_TAG_GATHER)
+            issued += 1
+        if j > 0:
+            pending[j - 1].wait()
+            pending[j - 1] = None
+        src = ex.source(j)
+        gemm(src, shard2 if j == 0 else slots3[src])
+        note("gemm", name, j)
+
+
+def _reduce_scatter_chunks(ex: PeerExchange, a3, b, plan: ChunkPlan, name: str):
+    """This rank's rows of sum_ranks(a3 [t, rows, m] @ b [m, n]) -> [rows, n], partials sent pairwise
+    right after their GEMM, up to ``plan.prefetch`` in flight, summed once at the end."""
+    t, r = ex.t, ex.rank
+    rows, n = a3.shape[1], b.shape[1]
+    partials = torch.empty((t, rows, n), dtype=a3.dtype, device=a3.device)   # [i]: rank i's, for me
+    nbuf = min(plan.prefetch + 1, t - 1)     # a buffer is rewritten only after its transfer was waited
+    sendbufs = torch.empty((nbuf, rows, n), dtype=a3.dtype, device=a3.device)
+    pending: List[Optional[object]] = [None] * (t - 1)
+    for j in range(t):
+        last = j == t - 1
+        target = partials[r] if last else sendbufs[j % nbuf]
+        torch.mm(a3[ex.dest(j)], b, out=target)   # beside the partials still in flight
+        note("gemm", name, j)
+        if last:
+            break
+        if j >= plan.prefetch:
+            pending[j - plan.prefetch].wait()
+            pending[j - plan.prefetch] = None
+        pending[j] = ex.exchange(target, partials[ex.source(j + 1)], step=j, name=name, tag=_TAG_SCATTER)
+    for p in pending:
+        if p is not None:
+            p.wait()
+    return partials.sum(0)
+
+
+def _chunked_all_gather_matmul_fwd(x_shard2, weight, bias, group, plan: ChunkPlan, out3):
+    """out3 [t, rows, n] (rank i's rows at out3[i]) = gather(x_shard2) @ weight^T + bias."""
+    ex = PeerExchange(group)
+    slots = torch.empty((ex.t,) + tuple(x_shard2.shape), dtype=x_shard2.dtype, device=x_shard2.device)
+
+    def gemm(src, chunk):
+        if bias is None:
+            torch.mm(chunk, weight.t(), out=out3[src])
+        else:
+            torch.addmm(bias, chunk, weight.t(), out=out3[src])
+
+    _gather_chunks(ex, x_shard2, slots, plan, "ag_fwd", gemm)
+
+
+def _chunked_matmul_reduce_scatter_bwd(grad_y_shard2, x3, weight, group, plan: ChunkPlan, need_x, need_w):
+    """grad_y_shard2 [rows, n] -> (grad_x [t, rows, k] or None, grad_weight [n, k] or None)."""
+    ex = PeerExchange(group)
+    grad_y3 = torch.empty((ex.t,) + tuple(grad_y_shard2.shape), dtype=grad_y_shard2.dtype,
+                          device=grad_y_shard2.device)
+    grad_y3[ex.rank].copy_(grad_y_shard2)
+    grad_x3 = torch.empty_like(x3) if need_x else None
+
+    def gemm(src, chunk):
+        if need_x:
+            torch.mm(chunk, weight, out=grad_x3[src])
+
+    _gather_chunks(ex, grad_y_shard2, grad_y3, plan, "ag_grad_bwd", gemm)
+    grad_weight = _flat(grad_y3).t().matmul(_flat(x3)) if need_w else None
+    return grad_x3, grad_weight
+
+
+# ---- autograd functions ----------------------------------------------------------------------------
+
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_shard, weight, bias, group):
-        x_full = all_gather_seq(x_shard, group)
-        y = torch.nn.functional.linear(x_full, weight, bias)
+    def forward(ctx, x_shard, weight, bias, group, plan: ChunkPlan):
+        ctx.group, ctx.has_bias, ctx.plan = group, bias is not None, plan
         ctx.save_for_backward(x_shard, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
+        if not plan.overlapped:
+            x_full = all_gather_seq(x_shard, group)
+            return torch.nn.functional.linear(x_full, weight, bias)
+        t = group_size(group)
+        x_shard = x_shard.contiguous()
+        y = torch.empty((x_shard.shape[0] * t,) + tuple(x_shard.shape[1:-1]) + (weight.shape[0],),
+                        dtype=x_shard.dtype, device=x_shard.device)
+        _chunked_all_gather_matmul_fwd(_flat(x_shard), weight, bias, group, plan,
+                                       y.view(t, -1, weight.shape[0]))
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
+        # Both plans: the bulk collectives already overlap a full GEMM each (module docstring).
         x_shard, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_y = grad_y.contiguous()
-        x_full, gather = all_gather_seq(x_shard, ctx.group, async_op=True)
-        grad_x_full = torch.matmul(grad_y, weight)                      # overlaps the re-gather
-        grad_x_shard, scatter = reduce_scatter_seq(grad_x_full, ctx.group, async_op=True)
-        if gather is not None:
-            gather.wait()
-        grad_weight = _flat(grad_y).t().matmul(_flat(x_full))           # overlaps the reduce-scatter
-        grad_bias = _flat(grad_y).sum(0) if ctx.has_bias else None
+        grad_bias = _flat(grad_y).sum(0) if (ctx.has_bias and need_b) else None
+        gather = scatter = x_full = grad_x_shard = grad_weight = None
+        if need_w:
+            x_full, gather = all_gather_seq(x_shard, ctx.group, async_op=True)
+            note("collective", "ag_bwd", 0, x_shard.numel() * x_shard.element_size())
+        if need_x:
+            grad_x_full = torch.matmul(grad_y, weight)                      # overlaps the re-gather
+            note("gemm", "dgrad", 0)
+            grad_x_shard, scatter = reduce_scatter_seq(grad_x_full, ctx.group, async_op=True)
+            note("collective", "rs_bwd", 0, grad_x_full.numel() * grad_x_full.element_size())
+        if need_w:
+            if gather is not None:
+                gather.wait()
+            note("wait", "ag_bwd", 0)
+            grad_weight = _flat(grad_y).t().matmul(_flat(x_full))           # overlaps the reduce-scatter
+            note("gemm", "wgrad", 0)
         if scatter is not None:
             scatter.wait()
-        return grad_x_shard, grad_weight, grad_bias, None
+        if need_x:
+            note("wait", "rs_bwd", 0)
+        return grad_x_shard, grad_weight, grad_bias, None, None
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        y_shard = reduce_scatter_seq(torch.matmul(x, weight.t()), group)
+    def forward(ctx, x, weight, bias, group, plan: ChunkPlan):
+        ctx.group, ctx.has_bias, ctx.plan = group, bias is not None, plan
+        ctx.save_for_backward(x, weight)
+        if not plan.overlapped:
+            y_shard = reduce_scatter_seq(torch.matmul(x, weight.t()), group)
+        else:
+            t = plan.chunks
+            y_shard2 = _reduce_scatter_chunks(PeerExchange(group), x.contiguous().view(t, -1, x.shape[-1]),
+                                              weight.t(), plan, "rs_fwd")
+            y_shard = y_shard2.view((x.shape[0] // t,) + tuple(x.shape[1:-1]) + (weight.shape[0],))
         if bias is not None:
             y_shard = y_shard + bias
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
         return y_shard
 
     @staticmethod
     def backward(ctx, grad_y_shard):
         x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_bias = _flat(grad_y_shard).sum(0) if (ctx.has_bias and need_b) else None
+        if ctx.plan.overlapped:
+            t = ctx.plan.chunks
+            grad_x3, grad_weight = _chunked_matmul_reduce_scatter_bwd(
+                _flat(grad_y_shard.contiguous()), x.contiguous().view(t, -1, x.shape[-1]), weight,
+                ctx.group, ctx.plan, need_x, need_w)
+            return (grad_x3.view(x.shape) if need_x else None), grad_weight, grad_bias, None, None
         grad_y_full = all_gather_seq(grad_y_shard, ctx.group)
-        grad_x = torch.matmul(grad_y_full, weight)
-        grad_weight = _flat(grad_y_full).t().matmul(_flat(x))
-        grad_bias = _flat(grad_y_shard).sum(0) if ctx.has_bias else None
-        return grad_x, grad_weight, grad_bias, None
+        grad_x = torch.matmul(grad_y_full, weight) if need_x else None
+        grad_weight = _flat(grad_y_full).t().matmul(_flat(x)) if need_w else None
+        return grad_x, grad_weight, grad_bias, None, None
 
 
 def _check(x, weight, bias, x_name):
@@ -80,22 +228,38 @@ def _check(x, weight, bias, x_name):
                          f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match {x_name} inner dim {x.shape[-1]}")
+    if weight.dtype != x.dtype or weight.device != x.device:
+        raise ValueError(f"weight is {weight.dtype} on {weight.device} but {x_name} is {x.dtype} on {x.device}")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias shape {tuple(bias.shape)} != [{weight.shape[0]}]")
 
 
 def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-                      group: ProcessGroup, overlap: bool = True) -> torch.Tensor:
-    """``all_gather_seq(x_shard) @ weight^T + bias``: [s/t, b, k] x [n_local, k] -> [s, b, n_local]."""
+                      group: ProcessGroup, overlap: Union[bool, ChunkPlan] = True) -> torch.Tensor:
+    """``all_gather_seq(x_shard) @ weight^T + bias``: [s/t, b, k] x [n_local, k] -> [s, b, n_local].
+
+    ``overlap``: ``True`` chunks by rank where :meth:`ChunkPlan.choose` says it pays (large GEMMs),
+    ``False`` runs the plain path, a :class:`ChunkPlan` forces that plan.
+    """
     _check(x_shard, weight, bias, "x_shard")
-    return _AllGatherMatmul.apply(x_shard, weight, bias, group)
+    t = group_size(group)
+    rows = math.prod(x_shard.shape[:-1])
+    plan = ChunkPlan.choose(overlap, t=t, chunk_rows=rows, k=weight.shape[1], n=weight.shape[0],
+                            device=x_shard.device)
+    return _AllGatherMatmul.apply(x_shard, weight, bias, group, plan)
 
 
 def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-                          group: ProcessGroup, overlap: bool = True) -> torch.Tensor:
-    """``reduce_scatter_seq(x @ weight^T) + bias``: [s, b, k_local] x [n, k_local] -> [s/t, b, n]."""
+                          group: ProcessGroup, overlap: Union[bool, ChunkPlan] = True) -> torch.Tensor:
+    """``reduce_scatter_seq(x @ weight^T) + bias``: [s, b, k_local] x [n, k_local] -> [s/t, b, n].
+
+    ``overlap`` as in :func:`all_gather_matmul`.
+    """
     _check(x, weight, bias, "x")
     t = group_size(group)
     if x.shape[0] % t:
         raise ValueError(f"sequence length {x.shape[0]} is not divisible by the group size {t}")
-    return _MatmulReduceScatter.apply(x, weight, bias, group)
+    rows = math.prod(x.shape[:-1]) // t
+    plan = ChunkPlan.choose(overlap, t=t, chunk_rows=rows, k=weight.shape[1], n=weight.shape[0],
+                            device=x.device)
+    return _MatmulReduceScatter.apply(x, weight, bias, group, plan)

@@ -10,10 +10,11 @@ from .mappings import (
     reduce_scatter_to_sequence_region,
     scatter_to_sequence_region,
 )
+from .overlap import ChunkPlan, record_schedule
 from .state import group_rank, group_size, sequence_shard
 
 __all__ = [
     "copy_to_tensor_region", "reduce_from_tensor_region", "gather_from_sequence_region",
     "reduce_scatter_to_sequence_region", "scatter_to_sequence_region",
-    "group_rank", "group_size", "sequence_shard",
+    "group_rank", "group_size", "sequence_shard", "ChunkPlan", "record_schedule",
 ]

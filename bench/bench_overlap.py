@@ -1,0 +1,465 @@
+#!/usr/bin/env python3
+"""Benchmark: GEMMs overlapped with the sequence-parallel all-gather / reduce-scatter (issue 5).
+
+Parts (``--part``, default ``all``; rows appended to ``<out>/bench_overlap.csv``):
+
+``gemm`` (GPU; CUDA events, median after warm-up): the cost of chunking. For every linear layer of the
+    paper's models (22B, 175B, 530B; per-GPU shards at t = 8, s = 2048, micro-batch b from paper.md)
+    and each chunked pass -- forward and input gradient -- the plain GEMM over all s*b rows vs the same
+    GEMM as t row chunks written into slices of one output (what the overlapped path runs:
+    all_gather_matmul forward, matmul_reduce_scatter forward and input gradient), and the extra "sum
+    of t partials" of the pairwise reduce-scatter; plain times of every other GEMM (weight gradients,
+    all_gather_matmul's input gradient) for the projection. bf16. Without CUDA this part says so and is skipped; ``--quick``
+    runs it on CPU with tiny shapes as a smoke test.
+``gloo`` (CPU, 2 and 4 gloo ranks, one thread each; median over iterations of the slowest rank):
+    all_gather_matmul and matmul_reduce_scatter forward + backward, plain (ChunkPlan(1)) vs overlapped
+    (ChunkPlan(t)), plus the same GEMMs alone (group None, same FLOPs) and the plain path's
+    collectives alone; overlap hides communication when overlapped < gemm + comm. Then one
+    TransformerLayer with sequence parallelism, ``overlap_comm`` False vs True (the op heuristic picks).
+``project``: a model of one GPU's step, for the paper's models at t = 8. Two resources in program
+    order: the compute stream (GEMMs, sums) and the NVLink egress (every transfer, p2p or collective,
+    one at a time at ``--bandwidth-gbs`` GB/s plus ``--latency-us`` per transfer). A transfer starts
+    when the link is free and every compute op issued before it has finished (NCCL's stream waits on
+    the current stream at issue); ``wait`` makes the compute stream wait for a transfer. The schedules
+    are exactly the ops' loops (seqpar/ops/comm_matmul.py) and the plain path (bulk collectives: one
+    transfer of (t-1) shards; backward of all_gather_matmul overlaps them with the GEMMs as Megatron
+    does). GEMM times come from the ``gemm`` part of this run (provider "measured"), else from
+    ``--tflops`` (provider "assumed"); sums from ``--hbm-gbs``. Reports, per linear and pass and per
+    model layer (2 all_gather_matmul + 2 matmul_reduce_scatter, fwd + bwd): time plain vs overlapped,
+    speedup, and the share of the communication hidden = 1 - (overlapped - its compute) / comm.
+
+Usage:
+    python bench/bench_overlap.py                       # all parts, rows to bench/results/
+    python bench/bench_overlap.py --part gloo --world-sizes 2,4
+    python bench/bench_overlap.py --quick               # CPU smoke test of every part (tiny shapes)
+    python bench/bench_overlap.py --out DIR             # rows to DIR/bench_overlap.csv (bench/gpu_suite.sh)
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+# paper.md: (hidden, heads, micro-batch); s = 2048, t = 8 for all
+MODELS = {"22B": (6144, 64, 4), "175B": (12288, 96, 1), "530B": (20480, 128, 1)}
+SEQ, TP = 2048, 8
+# (op, pass) whose GEMM the overlapped path splits into t row chunks (seqpar/ops/comm_matmul.py)
+CHUNKED = {("ag", "fwd"), ("rs", "fwd"), ("rs", "dgrad")}
+
+
+def linears(h: int, t: int) -> List[Tuple[str, str, int, int]]:
+    """(name, op, k, n) per linear of one layer, per-GPU shard: op 'ag' = all_gather_matmul, 'rs' =
+    matmul_reduce_scatter; weight [n, k]."""
+    return [("qkv", "ag", h, 3 * h // t), ("proj", "rs", h // t, h),
+            ("fc1", "ag", h, 4 * h // t), ("fc2", "rs", 4 * h // t, h)]
+
+
+# ---- rows ------------------------------------------------------------------------------------------
+
+def _git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                       stderr=subprocess.DEVNULL, text=True).strip()
+    except Exception:  # noqa: BLE001 - not a checkout
+        return "unknown"
+
+
+class Rows:
+    FIELDS = ["device", "date", "commit", "part", "config", "provider", "metric", "value"]
+
+    def __init__(self, device: str):
+        self.meta = dict(device=device, date=datetime.datetime.now().isoformat(timespec="seconds"),
+                         commit=_git_commit())
+        self.rows: List[Dict] = []
+
+    def add(self, part, config, provider, metric, value):
+        self.rows.append(dict(self.meta, part=part, config=config, provider=provider, metric=metric,
+                              value=f"{value:.6g}" if isinstance(value, float) else value))
+
+    def write(self, out: str) -> str:
+        path = out if out.endswith(".csv") else os.path.join(out, "bench_overlap.csv")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        new = not os.path.exists(path)
+        with open(path, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=self.FIELDS)
+            if new:
+                w.writeheader()
+            w.writerows(self.rows)
+        return path
+
+
+# ---- part 1: chunked GEMM cost on one GPU -------------------------------------------------------------
+
+def _time_ms(fn, device, warmup: int, reps: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def part_gemm(args, rows: Rows) -> Dict[Tuple, float]:
+    """Returns {(model, linear, pass, kind): ms} with kind in plain / chunked / sum."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.quick:
+        print("[gemm] needs a CUDA device (none found): skipped; --quick runs a CPU smoke test")
+        return {}
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    warmup, reps = (2, 3) if args.quick else (10, 50)
+    measured = {}
+    print(f"[gemm] {device} {dtype}: plain vs {TP} row chunks (ms, (TFLOP/s), chunked/plain throughput)")
+    for model, (h, _, b) in MODELS.items():
+        seq = SEQ
+        if args.quick:        # same structure, tiny sizes
+            h, seq = h // 64, 64
+        R, t = seq * b, TP
+        for name, op, k, n in linears(h, t):
+            # forward: [R, k] @ [k, n]; input gradient: [R, n] @ [n, k]; weight gradient [n, R] @ [R, k]
+            for pss, (m, kk, nn_) in (("fwd", (R, k, n)), ("dgrad", (R, n, k)), ("wgrad", (n, R, k))):
+                a = torch.randn(m, kk, device=device, dtype=dtype)
+                w = torch.randn(kk, nn_, device=device, dtype=dtype)
+                out = torch.empty(m, nn_, device=device, dtype=dtype)
+                flops = 2.0 * m * kk * nn_
+                cfg = f"{model} {name} {pss} [{m}x{kk}]@[{kk}x{nn_}]"
+                ms_p = _time_ms(lambda: torch.mm(a, w, out=out), device, warmup, reps)
+                rows.add("gemm", cfg, "plain", "ms", ms_p)
+                rows.add("gemm", cfg, "plain", "TFLOP/s", flops / ms_p / 1e9)
+                measured[(model, name, pss, "plain")] = ms_p
+                line = f"  {cfg:48s} plain {ms_p:8.3f} ({flops / ms_p / 1e9:6.1f})"
+                if (op, pss) in CHUNKED:
+                    out3, a3 = out.view(t, m // t, nn_), a.view(t, m // t, kk)
+
+                    def chunked():
+                        for i in range(t):
+                            torch.mm(a3[i], w, out=out3[i])
+
+                    ms_c = _time_ms(chunked, device, warmup, reps)
+                    rows.add("gemm", cfg, f"chunked x{t}", "ms", ms_c)
+                    rows.add("gemm", cfg, f"chunked x{t}", "TFLOP/s", flops / ms_c / 1e9)
+                    rows.add("gemm", cfg, f"chunked x{t}", "throughput_vs_plain", ms_p / ms_c)
+                    measured[(model, name, pss, "chunked")] = ms_c
+                    line += f"  chunked {ms_c:8.3f} ({flops / ms_c / 1e9:6.1f})  ratio {ms_p / ms_c:5.3f}"
+                if (op, pss) == ("rs", "fwd"):    # the pairwise reduce-scatter's sum of t partials
+                    parts = torch.randn(t, m // t, nn_, device=device, dtype=dtype)
+                    red = torch.empty(m // t, nn_, device=device, dtype=dtype)
+                    ms_s = _time_ms(lambda: torch.sum(parts, 0, out=red), device, warmup, reps)
+                    rows.add("gemm", cfg, "partials-sum", "ms", ms_s)
+                    measured[(model, name, pss, "sum")] = ms_s
+                    line += f"  +sum {ms_s:.3f}"
+                print(line)
+    return measured
+
+
+# ---- part 2: CPU gloo, plain vs overlapped -----------------------------------------------------------
+
+def _timed(fns: Dict[str, object], iters: int, warmup: int) -> Dict[str, float]:
+    """Median over iterations of the slowest rank's time (ms) per function; the functions take turns
+    within every iteration, so a load change on the machine hits them alike."""
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: Dict[str, List[float]] = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            times[name].append(dt.item() * 1e3)
+    out = {name: statistics.median(v) for name, v in times.items()}
+    out.update({f"{name}_min": min(v) for name, v in times.items()})
+    return out
+
+
+def _gloo_worker(rank, t, op_configs, layer_cfg, iters, warmup):
+    import torch.distributed as dist
+
+    import seqpar
+    from seqpar.ops import all_gather_matmul, matmul_reduce_scatter
+    from seqpar.parallel.overlap import ChunkPlan, record_schedule
+    from seqpar.parallel.state import all_gather_seq, reduce_scatter_seq
+
+    group = dist.group.WORLD
+    torch.manual_seed(rank)
+    results = []
+    for rows_local, k, n in op_configs:
+        R = rows_local * t
+        # all_gather_matmul: x_shard [rows, 1, k], w [n, k]; matmul_reduce_scatter: x [R, 1, k], w [n, k]
+        x_shard, x_full = torch.randn(rows_local, 1, k, requires_grad=True), torch.randn(R, 1, k, requires_grad=True)
+        w = torch.randn(n, k, requires_grad=True)
+        gy_full, gy_shard = torch.randn(R, 1, n), torch.randn(rows_local, 1, n)
+
+        def ag(plan):
+            all_gather_matmul(x_shard, w, group=group, overlap=plan).backward(gy_full)
+
+        def rs(plan):
+            matmul_reduce_scatter(x_full, w, group=group, overlap=plan).backward(gy_shard)
+
+        def gemm_only():      # the same FLOPs with no communication (either op: R x k x n, fwd + bwd)
+            torch.nn.functional.linear(x_full, w).backward(gy_full)
+
+        x_flat_full = torch.randn(R, 1, k)
+
+        def comm_ag():        # the plain path's collectives: gather, re-gather, reduce-scatter of grad_x
+            all_gather_seq(x_shard.detach(), group)
+            all_gather_seq(x_shard.detach(), group)
+            reduce_scatter_seq(x_flat_full, group)
+
+        y_full = torch.randn(R, 1, n)
+
+        def comm_rs():        # reduce-scatter of the output, all-gather of its gradient
+            reduce_scatter_seq(y_full, group)
+            all_gather_seq(gy_shard, group)
+
+        cfg = f"t={t} rows/rank={rows_local} k={k} n={n}"
+        for op_name, fn, comm in (("all_gather_matmul", ag, comm_ag), ("matmul_reduce_scatter", rs, comm_rs)):
+            m = _timed({"plain": lambda: fn(ChunkPlan(1)), "overlapped": lambda: fn(ChunkPlan(t)),
+                        "gemm_only": gemm_only, "comm_only": comm}, iters, warmup)
+            results.append((f"{op_name} fwd+bwd {cfg}", m))
+    if layer_cfg is not None:
+        h, heads, seq, b = layer_cfg
+        steps, plans = {}, {}
+        for overlap in (False, True):
+            seqpar.manual_seed(0)
+            cfg = seqpar.TransformerConfig(hidden_size=h, num_attention_heads=heads, sequence_parallel=True,
+                                           overlap_comm=overlap)
+            layer = seqpar.TransformerLayer(cfg, tp_group=group)
+            x = torch.randn(seq // t, b, h, requires_grad=True)
+            gy = torch.randn(seq // t, b, h)
+            steps[overlap] = lambda layer=layer, x=x, gy=gy: layer(x).backward(gy)
+            with record_schedule() as ev:
+                steps[overlap]()
+            plans[overlap] = sum(1 for e in ev if e[0] == "exchange")
+        m = _timed({"plain": steps[False], "overlapped": steps[True]}, iters, warmup)
+        m["p2p_transfers"] = float(plans[True])
+        results.append((f"TransformerLayer SP fwd+bwd t={t} h={h} heads={heads} s={seq} b={b}", m))
+    return results
+
+
+def part_gloo(args, rows: Rows) -> None:
+    from tests.distributed.launcher import run_ranks
+
+    if args.quick:
+        op_configs, layer_cfg, iters, warmup = [(16, 32, 24)], (32, 4, 32, 1), 2, 1
+    else:
+        op_configs = [(512, 1024, 256), (512, 1024, 1024)]
+        layer_cfg, iters, warmup = (512, 8, 1024, 1), args.iters, 2
+    for t in args.world_sizes:
+        print(f"[gloo] {t} ranks, one thread each: ms, median (min) over {iters} iterations of the slowest rank")
+        res = run_ranks(_gloo_worker, t, op_configs, layer_cfg, iters, warmup, timeout_s=3600)[0]
+        for cfg, m in res:
+            for key, val in m.items():
+                if key == "p2p_transfers":
+                    rows.add("gloo", cfg, "overlapped", "p2p_transfers", val)
+                else:
+                    rows.add("gloo", cfg, key.replace("_min", ""), "min_ms" if key.endswith("_min") else "median_ms", val)
+            speed, speed_min = m["plain"] / m["overlapped"], m["plain_min"] / m["overlapped_min"]
+            rows.add("gloo", cfg, "overlapped", "speedup_vs_plain_median", speed)
+            rows.add("gloo", cfg, "overlapped", "speedup_vs_plain_min", speed_min)
+            line = (f"  {cfg:66s} plain {m['plain']:7.2f} ({m['plain_min']:7.2f})  overlapped {m['overlapped']:7.2f} "
+                    f"({m['overlapped_min']:7.2f})  speedup {speed:5.3f} ({speed_min:5.3f})")
+            if "gemm_only" in m:
+                line += f"  | gemm {m['gemm_only']:7.2f} + comm {m['comm_only']:7.2f} = {m['gemm_only'] + m['comm_only']:7.2f}"
+            else:
+                line += f"  (point-to-point transfers when overlapped: {int(m['p2p_transfers'])})"
+            print(line)
+
+
+# ---- part 3: projection --------------------------------------------------------------------------------
+
+class _Sim:
+    """One GPU: a compute stream and the link egress, ops in program order (see module docstring)."""
+
+    def __init__(self):
+        self.compute = self.link = self.compute_busy = self.link_busy = 0.0
+
+    def gemm(self, dur):
+        self.compute += dur
+        self.compute_busy += dur
+
+    def send(self, dur) -> float:
+        start = max(self.link, self.compute)
+        self.link = start + dur
+        self.link_busy += dur
+        return self.link
+
+    def wait(self, end: Optional[float]):
+        if end is not None:
+            self.compute = max(self.compute, end)
+
+    @property
+    def total(self):
+        return max(self.compute, self.link)
+
+
+def _schedule(op, pss, overlapped, t, T):
+    """Replay one pass of one op on a fresh _Sim. T: durations (us) g_fwd/g_dgrad (chunk), G_fwd/G_dgrad
+    (plain), W (weight gradient), c (one shard transfer), C (bulk collective), sum (partials sum)."""
+    s = _Sim()
+    if not overlapped or (op, pss) == ("ag", "bwd"):   # all_gather_matmul's backward is not chunked
+        if op == "ag" and pss == "fwd":
+            s.wait(s.send(T["C"]))
+            s.gemm(T["G_fwd"])
+        elif op == "rs" and pss == "fwd":
+            s.gemm(T["G_fwd"])
+            s.wait(s.send(T["C"]))
+        elif op == "ag":              # Megatron order: re-gather || dgrad, reduce-scatter || wgrad
+            gather = s.send(T["C"])
+            s.gemm(T["G_dgrad"])
+            scatter = s.send(T["C"])
+            s.wait(gather)
+            s.gemm(T["W"])
+            s.wait(scatter)
+        else:
+            s.wait(s.send(T["C"]))
+            s.gemm(T["G_dgrad"])
+            s.gemm(T["W"])
+        return s
+    P = t - 1                         # ChunkPlan.choose's prefetch on CUDA
+    if (op, pss) in (("ag", "fwd"), ("rs", "bwd")):      # _gather_chunks: transfers || chunk GEMMs
+        g = T["g_fwd"] if pss == "fwd" else T["g_dgrad"]
+        ends, issued = [], 0
+        for j in range(t):
+            while issued < min(j + P, t - 1):
+                ends.append(s.send(T["c"]))
+                issued += 1
+            if j > 0:
+                s.wait(ends[j - 1])
+            s.gemm(g)
+        if pss == "bwd":
+            s.gemm(T["W"])
+        return s
+    if (op, pss) == ("rs", "fwd"):   # _reduce_scatter_chunks: partial j sent right after its GEMM
+        ends = []
+        for j in range(t):
+            s.gemm(T["g_fwd"])
+            if j == t - 1:
+                break
+            if j >= P:
+                s.wait(ends[j - P])
+            ends.append(s.send(T["c"]))
+        for end in ends:
+            s.wait(end)
+        s.gemm(T["sum"])
+        return s
+    raise AssertionError((op, pss))
+
+
+def part_project(args, rows: Rows, measured: Dict[Tuple, float]) -> None:
+    bw, lat, t, e = args.bandwidth_gbs * 1e3, args.latency_us, TP, 2     # bytes/us; bf16
+    provider = "measured" if measured else "assumed"
+    print(f"[project] t={t}, link {args.bandwidth_gbs} GB/s per direction + {lat} us per transfer, GEMM times "
+          + ("measured above" if measured else f"assumed at {args.tflops} TFLOP/s, sums at {args.hbm_gbs} GB/s"))
+    for model, (h, _, b) in MODELS.items():
+        R = SEQ * b
+        tot = {False: 0.0, True: 0.0}
+        comm_total = compute_ovl = 0.0
+        for name, op, k, n in linears(h, t):
+            def gemm_us(pss, kind, m, kk, nn_):
+                key = (model, name, pss, kind)
+                if key in measured:
+                    return measured[key] * 1e3
+                return 2.0 * m * kk * nn_ / (args.tflops * 1e6)
+            shard_dim = k if op == "ag" else n                # x shards / grad_x partials vs y partials / grad_y shards
+            c = R // t * shard_dim * e / bw + lat
+            C = (t - 1) * R // t * shard_dim * e / bw + lat
+            sum_us = measured.get((model, name, "fwd", "sum"))
+            sum_us = sum_us * 1e3 if sum_us is not None else (t + 1) * R // t * shard_dim * e / (args.hbm_gbs * 1e3)
+            T = dict(g_fwd=gemm_us("fwd", "chunked", R, k, n) / t, G_fwd=gemm_us("fwd", "plain", R, k, n),
+                     g_dgrad=gemm_us("dgrad", "chunked", R, n, k) / t, G_dgrad=gemm_us("dgrad", "plain", R, n, k),
+                     W=gemm_us("wgrad", "plain", n, R, k), c=c, C=C, sum=sum_us)
+            for pss in ("fwd", "bwd"):
+                plain, ovl = _schedule(op, pss, False, t, T), _schedule(op, pss, True, t, T)
+                hidden = 1.0 - (ovl.total - ovl.compute_busy) / plain.link_busy
+                cfg = f"{model} {name} {pss} t={t} bw={args.bandwidth_gbs}GB/s"
+                rows.add("project", cfg, provider, "plain_us", plain.total)
+                rows.add("project", cfg, provider, "overlapped_us", ovl.total)
+                rows.add("project", cfg, provider, "comm_hidden", hidden)
+                rows.add("project", cfg, provider, "speedup", plain.total / ovl.total)
+                print(f"  {cfg:44s} plain {plain.total:8.1f} us  overlapped {ovl.total:8.1f} us  "
+                      f"speedup {plain.total / ovl.total:5.3f}  comm {plain.link_busy:7.1f} us, hidden {hidden:6.1%}")
+                tot[False] += plain.total
+                tot[True] += ovl.total
+                comm_total += plain.link_busy
+                compute_ovl += ovl.compute_busy
+        hidden = 1.0 - (tot[True] - compute_ovl) / comm_total
+        cfg = f"{model} layer linears fwd+bwd t={t} bw={args.bandwidth_gbs}GB/s"
+        rows.add("project", cfg, provider, "plain_us", tot[False])
+        rows.add("project", cfg, provider, "overlapped_us", tot[True])
+        rows.add("project", cfg, provider, "comm_hidden", hidden)
+        rows.add("project", cfg, provider, "speedup", tot[False] / tot[True])
+        print(f"  => {cfg}: plain {tot[False]:.0f} us, overlapped {tot[True]:.0f} us, speedup "
+              f"{tot[False] / tot[True]:.3f}, communication hidden {hidden:.1%}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=["all", "gemm", "gloo", "project"], default="all")
+    p.add_argument("--quick", action="store_true", help="tiny shapes, few iterations: a CPU smoke test")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"),
+                   help="directory for bench_overlap.csv, or a .csv path (rows are appended)")
+    p.add_argument("--world-sizes", default="2,4", help="gloo ranks to run, comma separated")
+    p.add_argument("--iters", type=int, default=7, help="timed iterations per gloo measurement")
+    p.add_argument("--bandwidth-gbs", type=float, default=450.0,
+                   help="link bandwidth per direction for the projection (NVLink 4: 450 GB/s)")
+    p.add_argument("--latency-us", type=float, default=8.0, help="fixed cost per transfer in the projection")
+    p.add_argument("--tflops", type=float, default=600.0,
+                   help="GEMM throughput assumed by the projection when the gemm part did not run")
+    p.add_argument("--hbm-gbs", type=float, default=3350.0,
+                   help="memory bandwidth assumed for the partials sum when not measured")
+    args = p.parse_args(argv)
+    try:
+        args.world_sizes = [int(w) for w in args.world_sizes.split(",") if w]
+    except ValueError:
+        p.error(f"--world-sizes must be comma-separated ints, got {args.world_sizes!r}")
+    if any(w < 2 for w in args.world_sizes):
+        p.error(f"--world-sizes must all be >= 2, got {args.world_sizes}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # the CPU's 1-minute load average goes with the rows: gloo timings on a shared machine are noisy
+    load = f", load {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    device = (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu") + f" ({os.cpu_count()} cores{load})"
+    rows = Rows(device + (" quick" if args.quick else ""))
+    measured = {}
+    if args.part in ("all", "gemm"):
+        measured = part_gemm(args, rows)
+    if args.part in ("all", "gloo"):
+        part_gloo(args, rows)
+    if args.part in ("all", "project"):
+        part_project(args, rows, {} if args.quick else measured)
+    print(f"wrote {len(rows.rows)} rows to {rows.write(args.out)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,365 @@
+"""Multi-rank (gloo, CPU) tests of all_gather_matmul / matmul_reduce_scatter, plain and ring-overlapped.
+
+One spawn per world size runs every case (spawns are the expensive part):
+* parity of the forward and of every gradient with a single-device fp64 reference built from the
+  unsharded tensors, for the plain plan (chunks 1), the ring plan (chunks t) and ``overlap=True``;
+  ugly shapes (odd s/t, k and n not multiples of 8), fp32 and bf16;
+* the overlap order (``record_schedule``): the transfer of chunk i+1 is issued before the GEMM of
+  chunk i and waited on only after it (all_gather_matmul's backward: each async bulk collective is
+  issued before the GEMM it hides behind);
+* the number and size of collectives per forward / backward (torch.distributed patched in the rank
+  process), and that only the plain path's tensors are saved for backward;
+* subgroups that are not the world (t = 4 split in two groups of 2);
+* one TransformerLayer with SP at t = 2: 4 all-gathers + 4 reduce-scatters + 2 backward re-gathers,
+  with 6 of them as point-to-point sends when overlapped, with equal results.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from seqpar.ops import all_gather_matmul, matmul_reduce_scatter
+from seqpar.parallel.overlap import ChunkPlan, record_schedule
+from tests.distributed.launcher import run_ranks
+from tests.tolerances import TOLERANCES, assert_close, assert_error_within
+
+# (s_local, b, k, n): odd s/t, k and n not multiples of 8; AGMM uses n as n_local, MRS uses k as k_local
+SHAPES = [(5, 3, 13, 11), (3, 1, 21, 6), (7, 2, 9, 17)]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _case_tensors(seed, t, s_local, b, k, n, dtype):
+    """Unsharded inputs identical on every rank (same generator seed)."""
+    g = torch.Generator().manual_seed(seed)
+    s = s_local * t
+    mk = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    return {
+        # all_gather_matmul: x [s, b, k], W [t*n, k] (rank r owns rows r*n..), grad_y [s, b, t*n]
+        "ag_x": mk(s, b, k).to(dtype), "ag_w": mk(t * n, k).to(dtype), "ag_b": mk(t * n).to(dtype),
+        "ag_gy": mk(s, b, t * n).to(dtype),
+        # matmul_reduce_scatter: x [s, b, t*k] (rank r owns columns r*k..), W [n, t*k], b [n], grad_y [s, b, n]
+        "rs_x": mk(s, b, t * k).to(dtype), "rs_w": mk(n, t * k).to(dtype), "rs_b": mk(n).to(dtype),
+        "rs_gy": mk(s, b, n).to(dtype),
+    }
+
+
+def _reference(T, r, t, s_local, n, k):
+    """fp64 single-device results for rank r from the unsharded (dtype-rounded) tensors."""
+    d = {key: v.double() for key, v in T.items()}
+    rows, ncols, kcols = slice(r * s_local, (r + 1) * s_local), slice(r * n, (r + 1) * n), slice(r * k, (r + 1) * k)
+    w_r, gy_r = d["ag_w"][ncols], d["ag_gy"][..., ncols]
+    ag = {"y": d["ag_x"] @ w_r.t() + d["ag_b"][ncols],
+          "gx": (d["ag_gy"] @ d["ag_w"])[rows],                                 # summed over all ranks' shards
+          "gw": gy_r.reshape(-1, n).t() @ d["ag_x"].reshape(-1, d["ag_x"].shape[-1]),
+          "gb": gy_r.reshape(-1, n).sum(0)}
+    x_r, wk_r = d["rs_x"][..., kcols], d["rs_w"][:, kcols]
+    gy_full = d["rs_gy"]
+    rs = {"y": (d["rs_x"] @ d["rs_w"].t())[rows] + d["rs_b"],
+          "gx": gy_full @ wk_r,
+          "gw": gy_full.reshape(-1, gy_full.shape[-1]).t() @ x_r.reshape(-1, k),
+          "gb": gy_full[rows].reshape(-1, gy_full.shape[-1]).sum(0)}
+    return ag, rs
+
+
+def _run_ag(T, r, t, s_local, n, group, overlap):
+    x = T["ag_x"][r * s_local:(r + 1) * s_local].clone().requires_grad_()
+    w = T["ag_w"][r * n:(r + 1) * n].clone().requires_grad_()
+    b = T["ag_b"][r * n:(r + 1) * n].clone().requires_grad_()
+    y = all_gather_matmul(x, w, b, group=group, overlap=overlap)
+    y.backward(T["ag_gy"][..., r * n:(r + 1) * n])
+    return {"y": y.detach(), "gx": x.grad, "gw": w.grad, "gb": b.grad}
+
+
+def _run_rs(T, r, t, s_local, k, group, overlap):
+    x = T["rs_x"][..., r * k:(r + 1) * k].clone().requires_grad_()
+    w = T["rs_w"][:, r * k:(r + 1) * k].clone().requires_grad_()
+    b = T["rs_b"].clone().requires_grad_()
+    y = matmul_reduce_scatter(x, w, b, group=group, overlap=overlap)
+    y.backward(T["rs_gy"][r * s_local:(r + 1) * s_local])
+    return {"y": y.detach(), "gx": x.grad, "gw": w.grad, "gb": b.grad}
+
+
+def _compare(got, plain, ref, dtype, what):
+    """fp32: elementwise table tolerance. 16-bit: GEMM outputs carry one rounding per partial sum, so
+    the error is bounded relative to the tensor's scale, and by 2x the plain path's own error."""
+    for key in ("y", "gx", "gw", "gb"):
+        name = f"{what} {key}"
+        assert got[key].dtype == dtype and got[key].shape == ref[key].shape, (name, got[key].shape, ref[key].shape)
+        assert torch.isfinite(got[key].float()).all(), name
+        if dtype == torch.float32:
+            assert_close(got[key], ref[key], dtype, msg=name)
+            continue
+        scale = ref[key].abs().max().item()
+        err = (got[key].double() - ref[key]).abs().max().item()
+        assert err <= TOLERANCES[dtype][1] * scale, f"{name}: error {err:.3e} > {TOLERANCES[dtype][1]} x {scale:.3e}"
+        assert_error_within(got[key], plain[key], ref[key], factor=2.0, floor=2.0 ** -8 * scale, name=name)
+
+
+def _parity(r, t):
+    group = dist.group.WORLD
+    plans = {"plain": ChunkPlan(1), "auto": True, "off": False}
+    if t > 1:
+        plans["chunked"] = ChunkPlan(t)
+    if t > 2:
+        plans["chunked-prefetch-all"] = ChunkPlan(t, prefetch=t - 1)   # the GPU default schedule
+    cases = 0
+    for si, (s_local, b, k, n) in enumerate(SHAPES):
+        for dtype in DTYPES:
+            T = _case_tensors(1000 + si, t, s_local, b, k, n, dtype)
+            ag_ref, rs_ref = _reference(T, r, t, s_local, n, k)
+            ag_plain = _run_ag(T, r, t, s_local, n, group, ChunkPlan(1))
+            rs_plain = _run_rs(T, r, t, s_local, k, group, ChunkPlan(1))
+            for pname, plan in plans.items():
+                tag = f"t={t} rank={r} shape={(s_local, b, k, n)} {dtype} plan={pname}"
+                _compare(_run_ag(T, r, t, s_local, n, group, plan), ag_plain, ag_ref, dtype, "all_gather_matmul " + tag)
+                _compare(_run_rs(T, r, t, s_local, k, group, plan), rs_plain, rs_ref, dtype, "matmul_reduce_scatter " + tag)
+                cases += 1
+    # no bias, and only one of (input, weight) requiring grad: the ring skips the unneeded ring
+    s_local, b, k, n = SHAPES[0]
+    T = _case_tensors(7, t, s_local, b, k, n, torch.float32)
+    ag_ref, rs_ref = _reference(T, r, t, s_local, n, k)
+    for plan in ([ChunkPlan(1), ChunkPlan(t)] if t > 1 else [ChunkPlan(1)]):
+        for need in ("x", "w"):
+            x = T["ag_x"][r * s_local:(r + 1) * s_local].clone().requires_grad_(need == "x")
+            w = T["ag_w"][r * n:(r + 1) * n].clone().requires_grad_(need == "w")
+            all_gather_matmul(x, w, group=group, overlap=plan).backward(T["ag_gy"][..., r * n:(r + 1) * n])
+            got, ref = (x.grad, ag_ref["gx"]) if need == "x" else (w.grad, ag_ref["gw"])
+            assert_close(got, ref, torch.float32, msg=f"ag only-{need} {plan}")
+            assert (w.grad if need == "x" else x.grad) is None
+            x = T["rs_x"][..., r * k:(r + 1) * k].clone().requires_grad_(need == "x")
+            w = T["rs_w"][:, r * k:(r + 1) * k].clone().requires_grad_(need == "w")
+            matmul_reduce_scatter(x, w, group=group, overlap=plan).backward(T["rs_gy"][r * s_local:(r + 1) * s_local])
+            got, ref = (x.grad, rs_ref["gx"]) if need == "x" else (w.grad, rs_ref["gw"])
+            assert_close(got, ref, torch.float32, msg=f"rs only-{need} {plan}")
+    return cases
+
+
+def _order(r, t):
+    """The ring loops issue the transfer of the next chunk before the current GEMM, wait after it."""
+    group = dist.group.WORLD
+    s_local, b, k, n = SHAPES[0]
+    T = _case_tensors(3, t, s_local, b, k, n, torch.float32)
+    with record_schedule() as ev:
+        _run_ag(T, r, t, s_local, n, group, ChunkPlan(t))
+        _run_rs(T, r, t, s_local, k, group, ChunkPlan(t))
+
+    def at(*event):
+        hits = [i for i, e in enumerate(ev) if e[:3] == event]
+        assert len(hits) == 1, (event, ev)
+        return hits[0]
+
+    for i in range(t - 1):
+        # gathers: shard i+1 travels while the GEMM of shard i runs
+        assert at("exchange", "ag_fwd", i) < at("gemm", "ag_fwd", i) < at("wait", "ag_fwd", i), ev
+        assert at("exchange", "ag_grad_bwd", i) < at("gemm", "ag_grad_bwd", i) < at("wait", "ag_grad_bwd", i), ev
+        # reduce-scatter: partial i travels while the GEMM of partial i+1 runs
+        assert at("gemm", "rs_fwd", i) < at("exchange", "rs_fwd", i) < at("gemm", "rs_fwd", i + 1) < at("wait", "rs_fwd", i), ev
+    # all_gather_matmul backward: async re-gather || input-gradient GEMM, async reduce-scatter || weight gradient
+    assert at("collective", "ag_bwd", 0) < at("gemm", "dgrad", 0) < at("wait", "ag_bwd", 0), ev
+    assert at("gemm", "dgrad", 0) < at("collective", "rs_bwd", 0) < at("gemm", "wgrad", 0) < at("wait", "rs_bwd", 0), ev
+    kinds = Counter(e[0] for e in ev)
+    assert kinds["exchange"] == 3 * (t - 1) and kinds["collective"] == 2, kinds
+    assert kinds["wait"] == kinds["exchange"] + kinds["collective"], kinds
+    # prefetch t-1 (the GPU default): every transfer of a gather is issued before its first GEMM
+    with record_schedule() as ev:
+        _run_ag(T, r, t, s_local, n, group, ChunkPlan(t, prefetch=t - 1))
+    for i in range(t - 1):
+        assert at("exchange", "ag_fwd", i) < at("gemm", "ag_fwd", 0) and at("wait", "ag_fwd", i) < at("gemm", "ag_fwd", i + 1), ev
+    # tiny GEMMs with overlap=True keep the plain path: nothing is chunked
+    with record_schedule() as ev:
+        _run_ag(T, r, t, s_local, n, group, True)
+        _run_rs(T, r, t, s_local, k, group, True)
+    assert not [e for e in ev if e[0] == "exchange"], ev
+    return kinds["exchange"]
+
+
+# (namespace, attribute, kind): the public torch.distributed names and the aliases seqpar.parallel.state
+# binds at import (it prefers the torch 2.13 names); each wrapper calls the original, so nothing is
+# counted twice.
+def _collective_targets():
+    import seqpar.parallel.state as state
+    names = [(dist, "all_gather_into_tensor", "all_gather"), (dist, "all_gather_single", "all_gather"),
+             (dist, "reduce_scatter_tensor", "reduce_scatter"), (dist, "reduce_scatter_single", "reduce_scatter"),
+             (dist, "all_reduce", "all_reduce"), (dist, "all_gather", "all_gather_list"),
+             (dist, "batch_isend_irecv", "send"),
+             (state, "_all_gather_single", "all_gather"), (state, "_reduce_scatter_single", "reduce_scatter")]
+    return [(ns, attr, kind) for ns, attr, kind in names if hasattr(ns, attr)]
+
+
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
+@contextlib.contextmanager
+def _count_collectives():
+    """Patch the collective entry points (this process only) to log (kind, bytes of the input)."""
+    log = []
+    patched = []
+
+    def wrap(kind, fn):
+        def recorder(*args, **kwargs):
+            if kind == "send":
+                log.extend(("send", _nbytes(op.tensor)) for op in args[0] if op.op is dist.isend)
+            elif kind in ("all_gather", "reduce_scatter"):
+                log.append((kind, _nbytes(args[1])))                    # (output, input)
+            elif kind == "all_gather_list":
+                log.append((kind, _nbytes(args[1])))                    # (tensor_list, tensor)
+            else:
+                log.append((kind, _nbytes(args[0])))
+            return fn(*args, **kwargs)
+        return recorder
+
+    for ns, attr, kind in _collective_targets():
+        fn = getattr(ns, attr)
+        patched.append((ns, attr, fn))
+        setattr(ns, attr, wrap(kind, fn))
+    try:
+        yield log
+    finally:
+        for ns, attr, fn in reversed(patched):
+            setattr(ns, attr, fn)
+
+
+def _counts(r, t):
+    """Number and size of collectives per forward / backward, plain vs ring."""
+    group = dist.group.WORLD
+    s_local, b, k, n = SHAPES[0]
+    T = _case_tensors(5, t, s_local, b, k, n, torch.float32)
+    e = 4  # fp32 bytes
+    ag_shard, rs_shard = s_local * b * k * e, s_local * b * n * e
+    plans = [ChunkPlan(1)] + ([ChunkPlan(t)] if t > 1 else [])
+    for plan in plans:
+        x = T["ag_x"][r * s_local:(r + 1) * s_local].clone().requires_grad_()
+        w = T["ag_w"][r * n:(r + 1) * n].clone().requires_grad_()
+        with _count_collectives() as fwd:
+            y = all_gather_matmul(x, w, group=group, overlap=plan)
+        with _count_collectives() as bwd:
+            y.backward(T["ag_gy"][..., r * n:(r + 1) * n])
+        if t == 1:
+            assert fwd == [] and bwd == [], (fwd, bwd)
+        elif plan.chunks == 1:   # one bulk all-gather forward; re-gather + reduce-scatter backward
+            assert fwd == [("all_gather", ag_shard)], fwd
+            assert Counter(bwd) == Counter({("all_gather", ag_shard): 1, ("reduce_scatter", ag_shard * t): 1}), bwd
+        else:                    # t-1 shard-sized sends: a ring all-gather's bytes; backward as plain
+            assert fwd == [("send", ag_shard)] * (t - 1), fwd
+            assert Counter(bwd) == Counter({("all_gather", ag_shard): 1, ("reduce_scatter", ag_shard * t): 1}), bwd
+        x = T["rs_x"][..., r * k:(r + 1) * k].clone().requires_grad_()
+        w = T["rs_w"][:, r * k:(r + 1) * k].clone().requires_grad_()
+        with _count_collectives() as fwd:
+            y = matmul_reduce_scatter(x, w, group=group, overlap=plan)
+        with _count_collectives() as bwd:
+            y.backward(T["rs_gy"][r * s_local:(r + 1) * s_local])
+        if t == 1:
+            assert fwd == [] and bwd == [], (fwd, bwd)
+        elif plan.chunks == 1:
+            assert fwd == [("reduce_scatter", rs_shard * t)], fwd
+            assert bwd == [("all_gather", rs_shard)], bwd
+        else:
+            assert fwd == [("send", rs_shard)] * (t - 1), fwd
+            assert bwd == [("send", rs_shard)] * (t - 1), bwd
+    return True
+
+
+def _saved_tensors(r, t):
+    """The ring path saves exactly what the plain path saves: (x_shard, weight) / (x, weight)."""
+    group = dist.group.WORLD
+    s_local, b, k, n = SHAPES[2]
+    for plan in [ChunkPlan(1)] + ([ChunkPlan(t)] if t > 1 else []):
+        for op, x_shape, w_shape in ((all_gather_matmul, (s_local, b, k), (n, k)),
+                                     (matmul_reduce_scatter, (s_local * t, b, k), (n, k))):
+            x = torch.randn(*x_shape, requires_grad=True)
+            w = torch.randn(*w_shape, requires_grad=True)
+            saved = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda p: saved.append(p) or p, lambda p: p):
+                op(x, w, group=group, overlap=plan)
+            got = sorted(tuple(p.shape) for p in saved)
+            assert got == sorted([x_shape, w_shape]), (op.__name__, plan, got)
+            assert all(p.data_ptr() in (x.data_ptr(), w.data_ptr()) for p in saved), (op.__name__, plan)
+    return True
+
+
+def _layer_counts(r, t):
+    """One TransformerLayer (SP, t ranks) forward + backward: 4 all-gathers + 4 reduce-scatters of
+    activations (paper.md) plus the backward re-gathers of the 2 column-parallel inputs; overlapped,
+    6 of those 10 transfers become t-1 point-to-point sends each. Both give the same results."""
+    import seqpar
+    import seqpar.parallel.overlap as overlap_mod
+
+    group = dist.group.WORLD
+    s_local, b, h = 5, 3, 24
+    results, logs = {}, {}
+    for overlap in (False, True):
+        seqpar.manual_seed(1234)
+        cfg = seqpar.TransformerConfig(hidden_size=h, num_attention_heads=4, ffn_hidden_size=40,
+                                       sequence_parallel=True, overlap_comm=overlap)
+        saved = overlap_mod.MIN_CHUNK_FLOPS, overlap_mod.MIN_CHUNK_ROWS
+        overlap_mod.MIN_CHUNK_FLOPS, overlap_mod.MIN_CHUNK_ROWS = {"cpu": 0.0, "cuda": 0.0}, 1  # tiny GEMMs chunk
+        try:
+            layer = seqpar.TransformerLayer(cfg, tp_group=group)
+            g = torch.Generator().manual_seed(99)
+            x_full, gy_full = torch.randn(s_local * t, b, h, generator=g), torch.randn(s_local * t, b, h, generator=g)
+            x = x_full[r * s_local:(r + 1) * s_local].clone().requires_grad_()
+            with _count_collectives() as log:
+                y = layer(x)
+                y.backward(gy_full[r * s_local:(r + 1) * s_local])
+        finally:
+            overlap_mod.MIN_CHUNK_FLOPS, overlap_mod.MIN_CHUNK_ROWS = saved
+        results[overlap] = [y.detach(), x.grad] + [p.grad for p in layer.parameters()]
+        logs[overlap] = log
+    shard = s_local * b * h * 4
+    plain = Counter(kind for kind, _ in logs[False])
+    assert plain["all_gather"] == 4 + 2 and plain["reduce_scatter"] == 4 and plain["send"] == 0, logs[False]
+    assert all(size == shard for kind, size in logs[False] if kind == "all_gather"), logs[False]
+    assert all(size == shard * t for kind, size in logs[False] if kind == "reduce_scatter"), logs[False]
+    assert all(size <= 4 * h * 4 for kind, size in logs[False] if kind == "all_reduce"), logs[False]   # params only
+    ring = Counter(kind for kind, _ in logs[True])
+    # chunked: the 4 forward collectives and the 2 output-gradient gathers become t-1 sends each; the
+    # column-parallel backward keeps its 2 async re-gathers + 2 reduce-scatters
+    assert ring["all_gather"] == ring["reduce_scatter"] == 2 and ring["send"] == 6 * (t - 1), logs[True]
+    assert all(size == shard for kind, size in logs[True] if kind in ("send", "all_gather")), logs[True]
+    assert ring["all_reduce"] == plain["all_reduce"], (logs[False], logs[True])
+    for a, c in zip(results[False], results[True]):
+        assert_close(c, a, torch.float32, msg="layer overlap_comm=True vs False")
+    return dict(plain)
+
+
+def _subgroups(r, t):
+    """Groups that are not the world (ranks {0, 2} and {1, 3}): peers are mapped to global ranks."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    group, gr = groups[r % 2], r // 2
+    s_local, b, k, n = SHAPES[1]
+    T = _case_tensors(11 + r % 2, 2, s_local, b, k, n, torch.float32)   # each subgroup its own problem
+    ag_ref, rs_ref = _reference(T, gr, 2, s_local, n, k)
+    for plan in (ChunkPlan(1), ChunkPlan(2)):
+        _compare(_run_ag(T, gr, 2, s_local, n, group, plan), None, ag_ref, torch.float32, f"subgroup ag {plan}")
+        _compare(_run_rs(T, gr, 2, s_local, k, group, plan), None, rs_ref, torch.float32, f"subgroup rs {plan}")
+    return True
+
+
+def _all_checks(rank, world_size):
+    torch.manual_seed(0)
+    out = {"cases": _parity(rank, world_size), "counts": _counts(rank, world_size),
+           "saved": _saved_tensors(rank, world_size)}
+    if world_size > 1:
+        out["order"] = _order(rank, world_size)
+    if world_size == 2:
+        out["layer"] = _layer_counts(rank, world_size)
+    if world_size == 4:
+        out["subgroups"] = _subgroups(rank, world_size)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4], ids=lambda w: f"t{w}")
+def test_comm_matmul_multirank(world_size):
+    results = run_ranks(_all_checks, world_size, timeout_s=240)
+    plans = 3 + (world_size > 1) + (world_size > 2)
+    assert all(res["cases"] == len(SHAPES) * len(DTYPES) * plans for res in results), results
+    assert all(res["counts"] and res["saved"] for res in results)
+    if world_size == 2:
+        assert all(res["layer"]["all_gather"] == 6 for res in results), results
+    if world_size == 4:
+        assert all(res["subgroups"] for res in results)
