@@ -25,6 +25,23 @@ Backend interface (registered with :func:`seqpar.ops.registry.register`), on 2-D
         -> (grad_x, grad_bias or None, grad_residual, grad_ln_weight, grad_ln_bias)
 
 ``grad_residual_out`` is the gradient arriving at the residual_out output (zeros when unused).
+
+========  ===============================================================  ======================
+backend   what runs                                                        h
+========  ===============================================================  ======================
+torch     fp32 reference (the test oracle, CPU fallback)                   any
+triton    ``triton_kernels/bias_dropout_add_layer_norm.py``: one program   1 .. 16384
+          per row (or a few rows) forward; backward with per-program fp32
+          partial column sums + a second reduction kernel (no atomics)
+cuda      ``csrc/bias_dropout_add_layer_norm.cu``: 16-byte vectors, warp   1 .. 16384
+          per row (h <= 4096) or block per row; same partial-sum scheme
+========  ===============================================================  ======================
+
+All three draw the same dropout mask for the same (seed, row_offset): residual_out is bitwise equal
+across backends. The kernel backends are ``torch.library`` custom ops
+(``seqpar::bias_dropout_add_layer_norm_{triton,cuda}_{fwd,bwd}``) with fake implementations, so
+``torch.compile`` traces through them; their backward returns grad_bias as zeros when there is no bias
+(a custom op can't return None), and the backend drops it.
 """
 from __future__ import annotations
 
@@ -34,9 +51,12 @@ import torch
 
 from . import registry
 from .dropout import DropoutSpec, apply_keep_mask, make_dropout_spec
+from .. import _ext
 
 OP = "bias_dropout_add_layer_norm"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+MAX_KERNEL_HIDDEN = 16384  # largest h the triton and cuda kernels take (one row per program / block)
 
 
 # ----------------------------------------------------------------------------- torch reference
@@ -64,7 +84,161 @@ def _torch_backward(grad_y, grad_residual_out, residual_out, ln_weight, mean, rs
     return grad_h, grad_bias, grad_r, grad_ln_weight, grad_ln_bias
 
 
-registry.register(registry.Backend(OP, "torch", _torch_forward, _torch_backward))
+_BACKENDS = {"torch": registry.register(registry.Backend(OP, "torch", _torch_forward, _torch_backward))}
+
+
+def _fwd_fake(x: torch.Tensor, residual: torch.Tensor):
+    rows, h = x.shape
+    stats = x.new_empty((rows,), dtype=torch.float32)
+    return x.new_empty((rows, h)), residual.new_empty((rows, h)), stats, torch.empty_like(stats)
+
+
+def _bwd_fake(grad_y: torch.Tensor):
+    rows, h = grad_y.shape
+    col = grad_y.new_empty((h,), dtype=torch.float32)
+    return (grad_y.new_empty((rows, h)), torch.empty_like(col), grad_y.new_empty((rows, h)), torch.empty_like(col),
+            torch.empty_like(col))
+
+
+def _kernel_check(x=None, h=None, **_) -> Optional[str]:
+    if h is not None and not 1 <= h <= MAX_KERNEL_HIDDEN:
+        return f"hidden size h={h} is outside the kernels' range [1, {MAX_KERNEL_HIDDEN}]"
+    return None
+
+
+# ----------------------------------------------------------------------------- triton backend
+@torch.library.custom_op("seqpar::bias_dropout_add_layer_norm_triton_fwd", mutates_args=())
+def _triton_fwd_op(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, ln_weight: torch.Tensor,
+                   ln_bias: torch.Tensor, eps: float, p: float, seed: int, row_offset: int
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from ..triton_kernels import bias_dropout_add_layer_norm as kernels
+
+    return kernels.forward(x, bias, residual, ln_weight, ln_bias, eps, p, seed, row_offset)
+
+
+@_triton_fwd_op.register_fake
+def _(x, bias, residual, ln_weight, ln_bias, eps, p, seed, row_offset):
+    return _fwd_fake(x, residual)
+
+
+@torch.library.custom_op("seqpar::bias_dropout_add_layer_norm_triton_bwd", mutates_args=())
+def _triton_bwd_op(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual_out: torch.Tensor,
+                   ln_weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, p: float, seed: int,
+                   row_offset: int, has_bias: bool
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from ..triton_kernels import bias_dropout_add_layer_norm as kernels
+
+    return kernels.backward(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, p, seed, row_offset,
+                            has_bias)
+
+
+@_triton_bwd_op.register_fake
+def _(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, p, seed, row_offset, has_bias):
+    return _bwd_fake(grad_y)
+
+
+def _triton_forward(x, bias, residual, ln_weight, ln_bias, eps: float, spec: DropoutSpec):
+    return _triton_fwd_op(x, bias, residual, ln_weight, ln_bias, eps, spec.p, spec.seed, spec.row_offset)
+
+
+def _triton_backward(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, spec: DropoutSpec,
+                     has_bias: bool):
+    g_x, g_bias, g_res, g_w, g_b = _triton_bwd_op(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd,
+                                                  spec.p, spec.seed, spec.row_offset, has_bias)
+    return g_x, (g_bias if has_bias else None), g_res, g_w, g_b
+
+
+_BACKENDS["triton"] = registry.register(registry.Backend(OP, "triton", _triton_forward, _triton_backward,
+                                                        _kernel_check))
+
+
+# ----------------------------------------------------------------------------- cuda backend
+def _cuda_params(ln_weight: torch.Tensor, ln_bias: torch.Tensor):
+    """LayerNorm parameters in one dtype the kernels read (fp32 / fp16 / bf16), contiguous."""
+    if ln_weight.dtype != ln_bias.dtype or ln_weight.dtype not in _DTYPE_CODES:
+        ln_weight, ln_bias = ln_weight.float(), ln_bias.float()  # [h]: negligible
+    return ln_weight.contiguous(), ln_bias.contiguous()
+
+
+def _vectorized(dtype: torch.dtype, h: int, tensors, strides=()) -> bool:
+    """True when the kernels may use 16-byte accesses: aligned pointers, row starts on 16-byte boundaries."""
+    vec = 16 // torch.empty((), dtype=dtype).element_size()
+    return (h % vec == 0 and all(s % vec == 0 for s in strides)
+            and all(t.data_ptr() % 16 == 0 for t in tensors if t is not None))
+
+
+@torch.library.custom_op("seqpar::bias_dropout_add_layer_norm_cuda_fwd", mutates_args=())
+def _cuda_fwd_op(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, ln_weight: torch.Tensor,
+                 ln_bias: torch.Tensor, eps: float, p: float, seed: int, row_offset: int
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ext = _ext.cuda_extension()
+    y, residual_out, mean, rstd = _fwd_fake(x, residual)
+    rows, h = x.shape
+    w, b = _cuda_params(ln_weight, ln_bias)
+    with torch.cuda.device(x.device):
+        ext.bias_dropout_add_layer_norm_fwd(
+            x.data_ptr(), 0 if bias is None else bias.data_ptr(), residual.data_ptr(), w.data_ptr(), b.data_ptr(),
+            y.data_ptr(), residual_out.data_ptr(), mean.data_ptr(), rstd.data_ptr(), rows, h, x.stride(0),
+            residual.stride(0), _DTYPE_CODES[x.dtype], _DTYPE_CODES[w.dtype],
+            _vectorized(x.dtype, h, (x, bias, residual, w, b, y, residual_out), (x.stride(0), residual.stride(0))),
+            float(eps), float(p), int(seed), int(row_offset), _ext.cuda_stream(x.device))
+    return y, residual_out, mean, rstd
+
+
+@_cuda_fwd_op.register_fake
+def _(x, bias, residual, ln_weight, ln_bias, eps, p, seed, row_offset):
+    return _fwd_fake(x, residual)
+
+
+@torch.library.custom_op("seqpar::bias_dropout_add_layer_norm_cuda_bwd", mutates_args=())
+def _cuda_bwd_op(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual_out: torch.Tensor,
+                 ln_weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, p: float, seed: int,
+                 row_offset: int, has_bias: bool
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ext = _ext.cuda_extension()
+    grad_y, grad_residual_out = grad_y.contiguous(), grad_residual_out.contiguous()
+    g_x, g_bias, g_res, g_w, g_b = _bwd_fake(grad_y)
+    rows, h = grad_y.shape
+    w = ln_weight.contiguous() if ln_weight.dtype in _DTYPE_CODES else ln_weight.float()
+    dtype = _DTYPE_CODES[grad_y.dtype]
+    with torch.cuda.device(grad_y.device):
+        vec = _vectorized(grad_y.dtype, h, (grad_y, grad_residual_out, residual_out, w, g_x, g_res))
+        n_partials = ext.bias_dropout_add_layer_norm_bwd_partials(rows, h, dtype, vec)
+        partials = torch.empty((3 if has_bias else 2, n_partials, h), dtype=torch.float32, device=grad_y.device)
+        ext.bias_dropout_add_layer_norm_bwd(
+            grad_y.data_ptr(), grad_residual_out.data_ptr(), residual_out.data_ptr(), w.data_ptr(), mean.data_ptr(),
+            rstd.data_ptr(), g_x.data_ptr(), g_res.data_ptr(), partials.data_ptr(), n_partials, g_w.data_ptr(),
+            g_b.data_ptr(), g_bias.data_ptr() if has_bias else 0, rows, h, dtype, _DTYPE_CODES[w.dtype], vec,
+            float(p), int(seed), int(row_offset), _ext.cuda_stream(grad_y.device))
+    if not has_bias:
+        g_bias.zero_()
+    return g_x, g_bias, g_res, g_w, g_b
+
+
+@_cuda_bwd_op.register_fake
+def _(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, p, seed, row_offset, has_bias):
+    return _bwd_fake(grad_y)
+
+
+def _cuda_forward(x, bias, residual, ln_weight, ln_bias, eps: float, spec: DropoutSpec):
+    return _cuda_fwd_op(x, bias, residual, ln_weight, ln_bias, eps, spec.p, spec.seed, spec.row_offset)
+
+
+def _cuda_backward(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, spec: DropoutSpec,
+                   has_bias: bool):
+    g_x, g_bias, g_res, g_w, g_b = _cuda_bwd_op(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd,
+                                                spec.p, spec.seed, spec.row_offset, has_bias)
+    return g_x, (g_bias if has_bias else None), g_res, g_w, g_b
+
+
+_BACKENDS["cuda"] = registry.register(registry.Backend(OP, "cuda", _cuda_forward, _cuda_backward, _kernel_check))
+
+
+@torch.compiler.assume_constant_result
+def _select_backend_name(backend: str, device: torch.device, h: int) -> str:
+    """Name of the backend that runs these inputs (registry.select). A constant to torch.compile: it only
+    looks at the environment, the device and the hidden size, and Dynamo can't trace its import probes."""
+    return registry.select(OP, backend, device, h=h).name
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -98,6 +272,8 @@ def _check_inputs(x, bias, residual, ln_weight, ln_bias) -> int:
     if x.dim() < 1 or x.dtype not in _DTYPES:
         raise ValueError(f"x must be a floating [..., h] tensor of {_DTYPES}, got {x.dtype} {tuple(x.shape)}")
     h = x.shape[-1]
+    if h == 0:
+        raise ValueError(f"x must have a non-empty last (hidden) dimension, got shape {tuple(x.shape)}")
     if residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     if residual.dtype != x.dtype:
@@ -137,7 +313,7 @@ def bias_dropout_add_layer_norm(x: torch.Tensor, bias: Optional[torch.Tensor], r
     if not isinstance(eps, (int, float)) or eps <= 0:
         raise ValueError(f"eps must be a positive float, got {eps!r}")
     spec = make_dropout_spec(p, training, seed, row_offset)
-    impl = registry.select(OP, backend, x.device, x=x, h=h)
+    impl = _BACKENDS[_select_backend_name(backend, x.device, h)]
     shape = x.shape
     y, residual_out = _BiasDropoutAddLayerNorm.apply(
         x.reshape(-1, h), bias, residual.reshape(-1, h), ln_weight, ln_bias, float(eps), spec, impl)
