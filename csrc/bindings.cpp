@@ -13,6 +13,26 @@ namespace seqpar {
 // ---- dropout.cu
 void dropout_rows(uintptr_t x, uintptr_t y, int64_t rows, int64_t cols, int dtype, uint64_t seed,
                   int64_t row_offset, float p, uintptr_t stream);
+// ---- bias_dropout_add_layer_norm.cu
+void bias_dropout_add_layer_norm_fwd(uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t ln_weight,
+                                     uintptr_t ln_bias, uintptr_t y, uintptr_t residual_out, uintptr_t mean,
+                                     uintptr_t rstd, int64_t rows, int64_t h, int64_t stride_x, int64_t stride_res,
+                                     int dtype, int wdtype, bool vectorized, float eps, float p, uint64_t seed,
+                                     int64_t row_offset, uintptr_t stream);
+int64_t bias_dropout_add_layer_norm_bwd_partials(int64_t rows, int64_t h, int dtype, bool vectorized);
+void bias_dropout_add_layer_norm_bwd(uintptr_t grad_y, uintptr_t grad_residual_out, uintptr_t residual_out,
+                                     uintptr_t ln_weight, uintptr_t mean, uintptr_t rstd, uintptr_t grad_x,
+                                     uintptr_t grad_residual, uintptr_t partials, int64_t num_partials,
+                                     uintptr_t grad_ln_weight, uintptr_t grad_ln_bias, uintptr_t grad_bias,
+                                     int64_t rows, int64_t h, int dtype, int wdtype, bool vectorized, float p,
+                                     uint64_t seed, int64_t row_offset, uintptr_t stream);
+// ---- softmax_dropout.cu
+void attention_softmax_dropout_fwd(uintptr_t scores, uintptr_t probs, int64_t batch, int64_t heads, int64_t s_q,
+                                   int64_t s_k, int dtype, float scale, bool causal, uint64_t seed,
+                                   int64_t row_offset, float p, uintptr_t stream);
+void attention_softmax_dropout_bwd(uintptr_t probs, uintptr_t grad, uintptr_t dropped, int64_t batch,
+                                   int64_t heads, int64_t s_q, int64_t s_k, int dtype, float scale, bool causal,
+                                   uint64_t seed, int64_t row_offset, float p, uintptr_t stream);
 }  // namespace seqpar
 
 PYBIND11_MODULE(_C, m) {
@@ -23,4 +43,34 @@ PYBIND11_MODULE(_C, m) {
   // ---- dropout.cu
   m.def("dropout_rows", &seqpar::dropout_rows, py::arg("x"), py::arg("y"), py::arg("rows"), py::arg("cols"),
         py::arg("dtype"), py::arg("seed"), py::arg("row_offset"), py::arg("p"), py::arg("stream"));
+
+  // ---- bias_dropout_add_layer_norm.cu
+  m.def("bias_dropout_add_layer_norm_fwd", &seqpar::bias_dropout_add_layer_norm_fwd, py::arg("x"), py::arg("bias"),
+        py::arg("residual"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("y"), py::arg("residual_out"),
+        py::arg("mean"), py::arg("rstd"), py::arg("rows"), py::arg("h"), py::arg("stride_x"), py::arg("stride_res"),
+        py::arg("dtype"), py::arg("wdtype"), py::arg("vectorized"), py::arg("eps"), py::arg("p"), py::arg("seed"),
+        py::arg("row_offset"), py::arg("stream"),
+        "Fused bias + dropout + residual add + LayerNorm forward (bias = 0: none).");
+  m.def("bias_dropout_add_layer_norm_bwd_partials", &seqpar::bias_dropout_add_layer_norm_bwd_partials,
+        py::arg("rows"), py::arg("h"), py::arg("dtype"), py::arg("vectorized"),
+        "Rows of the fp32 partial buffers [3, n, h] that bias_dropout_add_layer_norm_bwd should get.");
+  m.def("bias_dropout_add_layer_norm_bwd", &seqpar::bias_dropout_add_layer_norm_bwd, py::arg("grad_y"),
+        py::arg("grad_residual_out"), py::arg("residual_out"), py::arg("ln_weight"), py::arg("mean"), py::arg("rstd"),
+        py::arg("grad_x"), py::arg("grad_residual"), py::arg("partials"), py::arg("num_partials"),
+        py::arg("grad_ln_weight"), py::arg("grad_ln_bias"), py::arg("grad_bias"), py::arg("rows"), py::arg("h"),
+        py::arg("dtype"), py::arg("wdtype"), py::arg("vectorized"), py::arg("p"), py::arg("seed"),
+        py::arg("row_offset"), py::arg("stream"),
+        "Backward of bias_dropout_add_layer_norm_fwd; fp32 column sums (grad_bias = 0: no bias gradient).");
+
+  // ---- softmax_dropout.cu
+  m.def("attention_softmax_dropout_fwd", &seqpar::attention_softmax_dropout_fwd, py::arg("scores"),
+        py::arg("probs"), py::arg("batch"), py::arg("heads"), py::arg("s_q"), py::arg("s_k"), py::arg("dtype"),
+        py::arg("scale"), py::arg("causal"), py::arg("seed"), py::arg("row_offset"), py::arg("p"),
+        py::arg("stream"),
+        "probs = softmax(scale * scores + causal mask); scores <- dropout(probs) in place when p > 0.");
+  m.def("attention_softmax_dropout_bwd", &seqpar::attention_softmax_dropout_bwd, py::arg("probs"),
+        py::arg("grad"), py::arg("dropped"), py::arg("batch"), py::arg("heads"), py::arg("s_q"), py::arg("s_k"),
+        py::arg("dtype"), py::arg("scale"), py::arg("causal"), py::arg("seed"), py::arg("row_offset"),
+        py::arg("p"), py::arg("stream"),
+        "grad (dL/d dropped) <- dL/d(q k^T) in place; dropped <- dropout(probs) when p > 0 (pointer may be 0 otherwise).");
 }

@@ -23,9 +23,7 @@ from torch import nn
 from .. import random as sp_random
 from ..config import TransformerConfig
 from ..memory import saved_as
-from ..ops import registry
-from ..ops.attention_core import OP as ATTENTION_CORE_OP
-from ..ops.attention_core import attention_core
+from ..ops.attention_core import attention_core, select_backend
 from ..ops.dropout import DropoutSpec, bias_dropout_add
 from ..parallel.state import ProcessGroup, group_rank, group_size
 from ..recompute import checkpoint
@@ -83,7 +81,7 @@ class ParallelAttention(nn.Module):
         heads, d = self.local_heads, cfg.head_dim
         # Views of the one QKV storage: [s, b, 3, H, d] -> 3 x [b, H, s, d]; nothing is copied.
         q, k, v = qkv.view(s, b, 3, heads, d).permute(2, 1, 3, 0, 4).unbind(0)
-        impl = registry.select(ATTENTION_CORE_OP, cfg.backend, q.device, q=q, k=k, v=v, causal=True)
+        impl = select_backend(q, k, v, causal=True, backend=cfg.backend)
         p = cfg.attention_dropout if self.training else 0.0
         # Head-major global dropout rows: this rank's first head is rank * H (seqpar.random).
         row_offset = group_rank(self.tp_group) * heads * b * s

@@ -1,8 +1,8 @@
 """Backend registry: each fused op has a torch reference and optional triton / cuda backends.
 
 Selection order (design.md 3): the explicit ``backend=`` argument, then the ``SEQPAR_BACKEND``
-environment variable, then "auto" = the first of cuda, triton, torch that is available and supports
-the inputs. An explicitly requested backend that can't run raises ``ValueError`` with the reason; auto
+environment variable, then "auto" = the first of cuda, triton, torch (or the op's own order, see
+:func:`set_auto_order`) that is available and supports the inputs. An explicitly requested backend that can't run raises ``ValueError`` with the reason; auto
 falls back silently (``python -m seqpar info`` shows why a backend is skipped).
 """
 from __future__ import annotations
@@ -39,6 +39,15 @@ class Backend:
 
 
 _REGISTRY: Dict[str, Dict[str, Backend]] = {}
+_AUTO_ORDER: Dict[str, Tuple[str, ...]] = {}
+
+
+def set_auto_order(op: str, order: Tuple[str, ...]) -> None:
+    """Override the order "auto" tries for ``op`` (default: cuda, triton, torch), e.g. to prefer a
+    backend that saves less memory."""
+    if sorted(order) != sorted(BACKENDS):
+        raise ValueError(f"auto order {order!r} must be a permutation of {BACKENDS}")
+    _AUTO_ORDER[op] = tuple(order)
 
 
 def register(backend: Backend) -> Backend:
@@ -89,7 +98,7 @@ def select(op: str, backend: Optional[str], device: torch.device, **inputs) -> B
         if reason:
             raise ValueError(f"backend {name!r} can't run {op}: {reason}")
         return _REGISTRY[op][name]
-    for candidate in BACKENDS:
+    for candidate in _AUTO_ORDER.get(op, BACKENDS):
         if unavailable_reason(op, candidate, device, auto=True, **inputs) is None:
             return _REGISTRY[op][candidate]
     raise ValueError(f"no backend can run {op} on {device}")  # torch always can; defensive

@@ -1,0 +1,273 @@
+#!/usr/bin/env python3
+"""Benchmark: the attention core (issue 4), fwd / bwd / fwd+bwd TFLOP/s.
+
+FLOPs: forward 4 * b * H * s^2 * d (q k^T and P v), backward 2.5x forward (five GEMM-sized products,
+recompute not counted), fwd+bwd 3.5x; causal counts half. Shapes fill the GPU as the usual flash
+benchmarks do: b * s = ``--tokens`` (16384) and H * d = ``--hidden`` (2048). bf16 by default.
+
+Providers:
+    seqpar-triton         attention_core(backend="triton")  (flash-style, recompute-free)
+    seqpar-cuda           attention_core(backend="cuda")    (torch GEMMs + fused softmax-dropout kernels)
+    torch-eager           plain torch ops in the input dtype: matmul, masked_fill, softmax, dropout, matmul
+    torch-sdpa-flash      F.scaled_dot_product_attention restricted to SDPBackend.FLASH_ATTENTION
+    torch-sdpa-efficient  ... restricted to SDPBackend.EFFICIENT_ATTENTION
+    flash-attn            flash_attn_func, when the flash_attn package is importable
+A provider that can't run a configuration is reported and skipped.
+
+Timing: triton.testing.do_bench medians (after its warm-up) on random inputs; backward is timed on a
+retained graph with grads reset between runs. Rows (device, date, commit, config, provider, metric,
+value) are appended to ``<out>/bench_attention.csv`` (metric: fwd_ms, bwd_ms, fwdbwd_ms, fwd_tflops,
+bwd_tflops, fwdbwd_tflops). The summary compares seqpar-triton's fwd+bwd with the best SDPA backend
+(issue target: >= 0.9x at s >= 2048, d = 128, dropout 0.1, bf16).
+
+Usage:
+    python bench/bench_attention.py                         # GPU: the full sweep (causal), rows to bench/results/
+    python bench/bench_attention.py --causal both --seqlens 2048,4096 --head-dims 128
+    python bench/bench_attention.py --providers seqpar-triton,torch-sdpa-flash
+    python bench/bench_attention.py --out DIR               # rows to DIR/bench_attention.csv (gpu_suite.sh)
+    python bench/bench_attention.py --quick                 # CPU smoke test (Triton interpreter, tiny shapes)
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+PROVIDERS = ["seqpar-triton", "seqpar-cuda", "torch-eager", "torch-sdpa-flash", "torch-sdpa-efficient",
+             "flash-attn"]
+SDPA = ("torch-sdpa-flash", "torch-sdpa-efficient")
+SEED = 1
+
+
+def _git_commit() -> str:
+    if os.environ.get("SEQPAR_COMMIT"):
+        return os.environ["SEQPAR_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                       stderr=subprocess.DEVNULL, text=True).strip()
+    except Exception:  # noqa: BLE001 - not a checkout
+        return "unknown"
+
+
+class Rows:
+    FIELDS = ["device", "date", "commit", "config", "provider", "metric", "value"]
+
+    def __init__(self, device: str):
+        self.meta = dict(device=device, date=datetime.datetime.now().isoformat(timespec="seconds"),
+                         commit=_git_commit())
+        self.rows: List[dict] = []
+
+    def add(self, config: str, provider: str, metric: str, value: float) -> None:
+        self.rows.append(dict(self.meta, config=config, provider=provider, metric=metric, value=f"{value:.6g}"))
+
+    def write(self, out: str) -> str:
+        path = out if out.endswith(".csv") else os.path.join(out, "bench_attention.csv")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        new = not os.path.exists(path)
+        with open(path, "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self.FIELDS)
+            if new:
+                writer.writeheader()
+            writer.writerows(self.rows)
+        return path
+
+
+# ----------------------------------------------------------------------------- providers
+def _eager(q, k, v, causal: bool, p: float):
+    scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+    if causal:
+        s_q, s_k = q.shape[2], k.shape[2]
+        scores = scores.masked_fill(torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu(1),
+                                    float("-inf"))
+    probs = torch.nn.functional.dropout(torch.softmax(scores, dim=-1), p=p, training=p > 0)
+    return torch.matmul(probs, v)
+
+
+def make_provider(name: str, causal: bool, p: float, device: torch.device) -> Callable:
+    """fn(q, k, v) -> o for [b, H, s, d] inputs; raises RuntimeError when unavailable."""
+    import seqpar
+    from seqpar.ops import registry
+
+    if name.startswith("seqpar-"):
+        backend = name.split("-", 1)[1]
+        reason = registry.unavailable_reason("attention_core", backend, device)
+        if reason:
+            raise RuntimeError(reason)
+        return lambda q, k, v: seqpar.ops.attention_core(q, k, v, causal=causal, dropout_p=p, seed=SEED,
+                                                         backend=backend)
+    if name == "torch-eager":
+        return lambda q, k, v: _eager(q, k, v, causal, p)
+    if name in SDPA:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if device.type != "cuda":
+            raise RuntimeError("SDPA flash/efficient kernels need CUDA")
+        which = SDPBackend.FLASH_ATTENTION if name == "torch-sdpa-flash" else SDPBackend.EFFICIENT_ATTENTION
+
+        def sdpa(q, k, v):
+            with sdpa_kernel(which):   # the backward uses the kernel chosen in forward
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
+
+        return sdpa
+    if name == "flash-attn":
+        try:
+            from flash_attn import flash_attn_func
+        except Exception as exc:  # noqa: BLE001
+            raise RuntimeError(f"flash_attn is not importable ({type(exc).__name__})") from None
+        # flash_attn wants [b, s, H, d]: a transposed view of the [b, H, s, d] tensor, so the benchmark
+        # hands it tensors created in that layout (see _inputs) and this view is free.
+        return lambda q, k, v: flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               dropout_p=p, causal=causal).transpose(1, 2)
+    raise ValueError(f"unknown provider {name!r}; expected one of {PROVIDERS}")
+
+
+def _inputs(provider: str, b: int, heads: int, s: int, d: int, dtype, device):
+    def one():
+        if provider == "flash-attn":     # contiguous [b, s, H, d], viewed as [b, H, s, d]
+            t = torch.randn(b, s, heads, d, dtype=dtype, device=device).transpose(1, 2)
+        else:
+            t = torch.randn(b, heads, s, d, dtype=dtype, device=device)
+        return t.requires_grad_()
+
+    q, k, v = one(), one(), one()
+    return q, k, v, torch.randn(b, heads, s, d, dtype=dtype, device=device)
+
+
+# ----------------------------------------------------------------------------- timing
+def _bench_ms(fn: Callable, device: torch.device, quick: bool, grad_to_none=None) -> float:
+    if device.type == "cuda" and not quick:
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none,
+                                       return_mode="median")
+    times = []
+    for i in range(4 if quick else 10):
+        if grad_to_none:
+            for t in grad_to_none:
+                t.grad = None
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i:       # first run is the warm-up
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def bench_config(provider: str, b: int, heads: int, s: int, d: int, causal: bool, p: float, dtype,
+                 device, quick: bool) -> Dict[str, float]:
+    fn = make_provider(provider, causal, p, device)
+    q, k, v, grad_o = _inputs(provider, b, heads, s, d, dtype, device)
+    out = {}
+    out["fwd_ms"] = _bench_ms(lambda: fn(q, k, v), device, quick)
+    o = fn(q, k, v)
+    out["bwd_ms"] = _bench_ms(lambda: o.backward(grad_o, retain_graph=True), device, quick, [q, k, v])
+    del o
+    out["fwdbwd_ms"] = _bench_ms(lambda: fn(q, k, v).backward(grad_o), device, quick, [q, k, v])
+    flops_fwd = 4.0 * b * heads * s * s * d * (0.5 if causal else 1.0)
+    for metric, mult in (("fwd", 1.0), ("bwd", 2.5), ("fwdbwd", 3.5)):
+        out[f"{metric}_tflops"] = flops_fwd * mult / (out[f"{metric}_ms"] * 1e-3) / 1e12
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny shapes, Triton interpreter")
+    ap.add_argument("--out", default=None, help="directory (or .csv path) for rows; default bench/results "
+                    "(--quick writes nothing unless --out is given)")
+    ap.add_argument("--seqlens", default="1024,2048,4096,8192")
+    ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--dropouts", default="0,0.1")
+    ap.add_argument("--causal", choices=["1", "0", "both"], default="1")
+    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    ap.add_argument("--tokens", type=int, default=16384, help="b * s")
+    ap.add_argument("--hidden", type=int, default=2048, help="H * d")
+    ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    args = ap.parse_args(argv)
+
+    has_cuda = torch.cuda.is_available()
+    if args.quick:
+        if not has_cuda:
+            os.environ.setdefault("TRITON_INTERPRET", "1")   # before anything imports triton
+        seqlens, head_dims, tokens, hidden = [64], [32], 64, 64
+    else:
+        if not has_cuda:
+            print("bench_attention: needs a CUDA device (none found); use --quick for a CPU smoke test")
+            return 2
+        seqlens = [int(x) for x in args.seqlens.split(",")]
+        head_dims = [int(x) for x in args.head_dims.split(",")]
+        tokens, hidden = args.tokens, args.hidden
+    device = torch.device("cuda" if has_cuda else "cpu")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    if args.quick and not has_cuda:
+        dtype = torch.float32          # the interpreter's bf16 path is a testing fallback
+    dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    dropouts = [float(x) for x in args.dropouts.split(",")]
+    causals = {"1": [True], "0": [False], "both": [True, False]}[args.causal]
+    providers = [x for x in args.providers.split(",") if x]
+    for name in providers:
+        if name not in PROVIDERS:
+            ap.error(f"unknown provider {name!r}; expected one of {PROVIDERS}")
+    device_name = torch.cuda.get_device_name(device) if has_cuda else "cpu"
+    rows = Rows(device_name)
+    results: Dict[tuple, Dict[str, float]] = {}
+    skipped: Dict[str, str] = {}
+    print(f"# {device_name}  dtype={dtype}  tokens={tokens} hidden={hidden}")
+    print(f"{'provider':22s} {'config':44s} {'fwd':>8s} {'bwd':>8s} {'fwd+bwd':>8s}  TFLOP/s (ms fwd+bwd)")
+    for causal in causals:
+        for d in head_dims:
+            for s in seqlens:
+                for p in dropouts:
+                    b, heads = max(1, tokens // s), max(1, hidden // d)
+                    config = f"b={b} H={heads} s={s} d={d} causal={int(causal)} p={p} {dtype_name}"
+                    for name in providers:
+                        try:
+                            r = bench_config(name, b, heads, s, d, causal, p, dtype, device, args.quick)
+                        except Exception as exc:  # noqa: BLE001 - a provider that can't run is skipped
+                            msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+                            if skipped.get(name) != msg:
+                                print(f"{name:22s} {config:44s} skipped ({msg})")
+                            skipped[name] = msg
+                            if device.type == "cuda":
+                                torch.cuda.empty_cache()
+                            continue
+                        results[(name, causal, d, s, p)] = r
+                        for metric, value in r.items():
+                            rows.add(config, name, metric, value)
+                        print(f"{name:22s} {config:44s} {r['fwd_tflops']:8.1f} {r['bwd_tflops']:8.1f} "
+                              f"{r['fwdbwd_tflops']:8.1f}  ({r['fwdbwd_ms']:.3f} ms)")
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+
+    print("\n# seqpar-triton fwd+bwd / best SDPA backend (target >= 0.9 at s >= 2048, d = 128, p = 0.1)")
+    for (name, causal, d, s, p), r in sorted(results.items()):
+        if name != "seqpar-triton":
+            continue
+        best = [results[(o, causal, d, s, p)]["fwdbwd_tflops"] for o in SDPA if (o, causal, d, s, p) in results]
+        if best:
+            ratio = r["fwdbwd_tflops"] / max(best)
+            rows.add(f"causal={int(causal)} s={s} d={d} p={p} {dtype_name}", name, "fwdbwd_vs_best_sdpa", ratio)
+            print(f"causal={int(causal)} d={d:3d} s={s:5d} p={p}: {ratio:.2f}x")
+
+    out = args.out if args.out is not None else (None if args.quick else os.path.join(ROOT, "bench", "results"))
+    if out:
+        print(f"\n{len(rows.rows)} rows -> {rows.write(out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,423 @@
+"""attention_core: the Triton flash-style backend (CPU interpreter here, GPU when marked) and the CUDA
+softmax-dropout backend (GPU only) against an independent fp64 computation, with the dropout mask of
+seqpar.ops.attention_core.attention_keep_mask (the torch reference's mask)."""
+import ctypes
+import math
+
+import pytest
+import torch
+
+from seqpar.ops import registry
+from seqpar.ops.attention_core import OP, attention_core, attention_keep_mask, causal_mask, select_backend
+from seqpar.ops.dropout import DropoutSpec
+from tests.tolerances import TOLERANCES, assert_error_within
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+SEED = 1234
+
+
+def _ids(shape):
+    return "b{}h{}s{}d{}".format(*shape)
+
+
+def reference_fp64(q, k, v, grad_o, causal, p, seed, row_offset=0, scale=None):
+    """o and (dq, dk, dv) in fp64 by autograd through plain torch ops, same mask convention."""
+    b, heads, s_q, d = q.shape
+    s_k = k.shape[2]
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scores = q64 @ k64.transpose(-2, -1) * scale
+    if causal:
+        scores = scores.masked_fill(causal_mask(s_q, s_k, q.device), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if p > 0:
+        keep = attention_keep_mask(DropoutSpec(p, seed, row_offset), b, heads, s_q, s_k, q.device)
+        probs = probs * keep / (1.0 - p)
+    o = probs @ v64
+    grads = torch.autograd.grad(o, (q64, k64, v64), grad_o.double())
+    return o.detach(), grads
+
+
+def run(backend, q, k, v, grad_o, causal, p, seed=SEED, row_offset=0, **kw):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    o = attention_core(q, k, v, causal=causal, dropout_p=p, seed=seed, backend=backend,
+                       row_offset=row_offset, **kw)
+    grads = torch.autograd.grad(o, (q, k, v), grad_o)
+    return o.detach(), grads
+
+
+def randn(*shape, dtype=torch.float32, device=DEVICE):
+    return torch.randn(*shape, dtype=dtype, device=device)
+
+
+# ----------------------------------------------------------------------------- triton vs fp64 (CPU CI)
+SHAPES = [(1, 1, 1, 32), (2, 3, 37, 64), (1, 2, 128, 128)]
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2], ids=["p0", "p0.2"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+def test_triton_matches_fp64(shape, causal, p):
+    """Outputs and dq, dk, dv in fp32 vs an fp64 computation with the reference dropout mask."""
+    q, k, v = (randn(*shape) for _ in range(3))
+    grad_o = randn(*shape)
+    o, grads = run("triton", q, k, v, grad_o, causal, p)
+    o_ref, grads_ref = reference_fp64(q, k, v, grad_o, causal, p, SEED)
+    assert o.dtype == torch.float32 and o.shape == shape
+    torch.testing.assert_close(o.double(), o_ref, atol=2e-5, rtol=1e-4)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+        assert g.shape == shape, name
+        torch.testing.assert_close(g.double(), g_ref, atol=5e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def test_triton_dropout_mask_is_the_reference_mask():
+    """With v = I (s_k = d) the output *is* the dropped probability matrix: its zero pattern is the
+    keep-mask, bit for bit, for several heads and batches and a nonzero row offset (head-major rows)."""
+    b, heads, s_q, s_k, p, row_offset = 2, 3, 19, 32, 0.5, 12345
+    q, k = randn(b, heads, s_q, s_k), randn(b, heads, s_k, s_k)
+    eye = torch.eye(s_k, device=DEVICE).expand(b, heads, s_k, s_k)     # stride-0 batch/head dims
+    o = attention_core(q, k, eye, causal=False, dropout_p=p, seed=SEED, row_offset=row_offset,
+                       backend="triton")
+    keep = attention_keep_mask(DropoutSpec(p, SEED, row_offset), b, heads, s_q, s_k, q.device)
+    assert 0.3 < keep.float().mean().item() < 0.7
+    assert torch.equal(o != 0, keep)
+    ref = attention_core(q, k, eye, causal=False, dropout_p=p, seed=SEED, row_offset=row_offset,
+                         backend="torch")
+    torch.testing.assert_close(o, ref, atol=1e-6, rtol=1e-5)
+    other_seed = attention_core(q, k, eye, causal=False, dropout_p=p, seed=SEED + 1, row_offset=row_offset,
+                                backend="triton")
+    assert not torch.equal(other_seed != 0, keep)
+
+
+def test_triton_row_offset_matches_head_slice():
+    """A tensor-parallel rank owning heads 2..3 of 4 passes row_offset = 2 * b * s_q and reproduces
+    those heads of the single-device call, dropout included."""
+    b, heads, s, d, p = 2, 4, 21, 32, 0.3
+    q, k, v, grad_o = (randn(b, heads, s, d) for _ in range(4))
+    o_full, g_full = run("triton", q, k, v, grad_o, True, p)
+    sl = slice(2, 4)
+    o_part, g_part = run("triton", q[:, sl], k[:, sl], v[:, sl], grad_o[:, sl], True, p, row_offset=2 * b * s)
+    torch.testing.assert_close(o_part, o_full[:, sl], atol=1e-6, rtol=1e-6)
+    for g, gf in zip(g_part, g_full):
+        torch.testing.assert_close(g, gf[:, sl], atol=1e-6, rtol=1e-6)
+
+
+def test_triton_backward_matches_directional_finite_difference():
+    """d/de sum(w * o(x + e u)) by central differences (fp32, same dropout seed) vs <grad, u>."""
+    shape, causal, p = (1, 2, 37, 32), True, 0.2
+    q, k, v, w = (randn(*shape) for _ in range(4))
+    u = [randn(*shape) for _ in range(3)]
+    _, grads = run("triton", q, k, v, w, causal, p)
+    analytic = sum((g.double() * d.double()).sum() for g, d in zip(grads, u)).item()
+
+    def f(eps):
+        qe, ke, ve = (t + eps * d for t, d in zip((q, k, v), u))
+        o = attention_core(qe, ke, ve, causal=causal, dropout_p=p, seed=SEED, backend="triton")
+        return (o.double() * w.double()).sum().item()
+
+    eps = 1e-2
+    numeric = (f(eps) - f(-eps)) / (2 * eps)
+    assert abs(analytic) > 1.0
+    assert abs(numeric - analytic) <= 2e-3 * abs(analytic), (numeric, analytic)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_saved_tensors_have_nothing_quadratic(backend):
+    """Through saved-tensor hooks: the triton backend keeps q, k, v, o and an fp32 lse only; the torch
+    reference (checked so the test can fail) keeps s_q x s_k probabilities."""
+    b, heads, s, d = 1, 2, 64, 16
+    q, k, v = (randn(b, heads, s, d).requires_grad_() for _ in range(3))
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.dtype, t.numel()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        o = attention_core(q, k, v, causal=True, dropout_p=0.1, seed=SEED, backend=backend)
+    o.sum().backward()
+    quadratic = [sh for sh, _, n in saved if n >= b * heads * s * s]
+    if backend == "torch":
+        assert quadratic
+        return
+    assert not quadratic, saved
+    assert sorted(sh for sh, _, _ in saved) == sorted([(b, heads, s, d)] * 4 + [(b, heads, s)])
+    assert [dt for sh, dt, _ in saved if sh == (b, heads, s)] == [torch.float32]
+    assert registry._REGISTRY[OP]["triton"].recompute_free
+    assert not registry._REGISTRY[OP]["torch"].recompute_free
+    assert not registry._REGISTRY[OP]["cuda"].recompute_free
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_triton_half_precision_strided_qkv_views(dtype):
+    """q, k, v as the layer passes them: [b, H, s, d] views of one fused [s, b, 3*H*d] tensor; error vs
+    fp64 at most 2x the torch reference's error in the same dtype. o is a view of [s, b, H, d]."""
+    s, b, heads, d, p = 33, 2, 2, 80, 0.1
+    qkv = randn(s, b, 3 * heads * d, dtype=dtype)
+    q, k, v = qkv.view(s, b, 3, heads, d).permute(2, 1, 3, 0, 4).unbind(0)
+    assert not q.is_contiguous()
+    grad_o = randn(b, heads, s, d, dtype=dtype)
+    o, grads = run("triton", q, k, v, grad_o, True, p)
+    o_t, grads_t = run("torch", q, k, v, grad_o, True, p)
+    o_ref, grads_ref = reference_fp64(q, k, v, grad_o, True, p, SEED)
+    assert o.dtype == dtype and all(g.dtype == dtype for g in grads)
+    assert o.permute(2, 0, 1, 3).is_contiguous()            # [s, b, H, d] buffer: the layer's layout
+    floor = TOLERANCES[dtype][0]
+    assert_error_within(o, o_t, o_ref, floor=floor, name="o")
+    for name, g, g_t, g_ref in zip(("dq", "dk", "dv"), grads, grads_t, grads_ref):
+        assert_error_within(g, g_t, g_ref, floor=floor * g_ref.abs().max().item(), name=name)
+
+
+@pytest.mark.parametrize("s_q,s_k", [(20, 45), (45, 20)], ids=["sq<sk", "sq>sk"])
+@pytest.mark.parametrize("tiles", ["m16n32", "m32n16"])
+def test_triton_launcher_tiles_and_unequal_lengths(s_q, s_k, tiles):
+    """The block-range logic (causal diagonal, ragged ends) for both tile orders and s_q != s_k,
+    calling the launchers directly with pinned tiles; outputs poisoned with NaN first would show."""
+    from seqpar.triton_kernels.attention import attention_bwd, attention_fwd
+
+    bm, bn = (16, 32) if tiles == "m16n32" else (32, 16)
+    b, heads, d, p, causal = 1, 2, 32, 0.25, True
+    q, grad_o = randn(b, heads, s_q, d), randn(b, heads, s_q, d)
+    k, v = randn(b, heads, s_k, d), randn(b, heads, s_k, d)
+    scale = 0.3
+    fwd_cfg = {"BLOCK_M": bm, "BLOCK_N": bn}
+    o, lse = attention_fwd(q, k, v, causal, scale, p, SEED, 7, config=fwd_cfg)
+    dq, dk, dv = attention_bwd(grad_o, q, k, v, o, lse, causal, scale, p, SEED, 7,
+                               config={"dq": fwd_cfg, "dkdv": {"BLOCK_M": bm, "BLOCK_N": bn}})
+    o_ref, (dq_ref, dk_ref, dv_ref) = reference_fp64(q, k, v, grad_o, causal, p, SEED, row_offset=7, scale=scale)
+    scores = (q.double() @ k.double().transpose(-2, -1)) * scale
+    scores = scores.masked_fill(causal_mask(s_q, s_k, q.device), float("-inf"))
+    torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), atol=1e-5, rtol=1e-5)
+    for name, got, ref in (("o", o, o_ref), ("dq", dq, dq_ref), ("dk", dk, dk_ref), ("dv", dv, dv_ref)):
+        assert not got.isnan().any(), name
+        torch.testing.assert_close(got.double(), ref, atol=5e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def test_triton_custom_ops_have_fake_implementations():
+    """torch.compile traces the kernels through the fake (shape-only) implementations."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 3, 17, 64)
+        k = torch.empty(2, 3, 29, 64)
+        o, lse = torch.ops.seqpar.attention_core_triton_fwd(q, k, k, True, 0.125, 0.1, 5, 0)
+        dq, dk, dv = torch.ops.seqpar.attention_core_triton_bwd(o, q, k, k, o, lse, True, 0.125, 0.1, 5, 0)
+        o_c, probs = torch.ops.seqpar.attention_core_cuda_fwd(q, k, k, True, 0.125, 0.1, 5, 0)
+    assert o.shape == (2, 3, 17, 64) and o.permute(2, 0, 1, 3).is_contiguous()
+    assert lse.shape == (2, 3, 17) and lse.dtype == torch.float32
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+    assert o_c.shape == q.shape and probs.shape == (2, 3, 17, 29)
+
+
+class _EmulatedSoftmaxDropout:
+    """The two launchers of csrc/softmax_dropout.cu re-stated in torch on raw fp32 CPU pointers: checks
+    the cuda backend's Python side (GEMMs, in-place contract, scale) without a GPU."""
+
+    @staticmethod
+    def _view(ptr, shape):
+        buf = (ctypes.c_float * math.prod(shape)).from_address(ptr)
+        return torch.frombuffer(buf, dtype=torch.float32).view(shape)
+
+    def attention_softmax_dropout_fwd(self, scores, probs, b, heads, s_q, s_k, dtype, scale, causal, seed,
+                                      row_offset, p, stream):
+        assert dtype == 0
+        x, probs_t = self._view(scores, (b, heads, s_q, s_k)), self._view(probs, (b, heads, s_q, s_k))
+        y = x * scale
+        if causal:
+            y = y.masked_fill(causal_mask(s_q, s_k, "cpu"), float("-inf"))
+        probs_t.copy_(torch.softmax(y, dim=-1))
+        if p > 0:
+            keep = attention_keep_mask(DropoutSpec(p, seed, row_offset), b, heads, s_q, s_k, "cpu")
+            x.copy_(probs_t * keep / (1 - p))
+
+    def attention_softmax_dropout_bwd(self, probs, grad, dropped, b, heads, s_q, s_k, dtype, scale, causal,
+                                      seed, row_offset, p, stream):
+        shape = (b, heads, s_q, s_k)
+        probs_t, g = self._view(probs, shape), self._view(grad, shape)
+        z = torch.ones(shape)
+        if p > 0:
+            z = attention_keep_mask(DropoutSpec(p, seed, row_offset), *shape, "cpu") / (1 - p)
+            self._view(dropped, shape).copy_(probs_t * z)
+        gp = g * z
+        g.copy_(scale * probs_t * (gp - (gp * probs_t).sum(-1, keepdim=True)))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2], ids=["p0", "p0.2"])
+def test_cuda_backend_python_side_with_emulated_kernels(monkeypatch, p):
+    import seqpar._ext as ext
+
+    if HAS_CUDA:
+        pytest.skip("CPU emulation; the real kernels run in the gpu tests")
+    monkeypatch.setattr(ext, "cuda_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(ext, "cuda_extension", lambda: _EmulatedSoftmaxDropout())
+    monkeypatch.setattr(ext, "cuda_stream", lambda device: 0)
+    shape = (2, 3, 37, 64)
+    q, k, v, grad_o = (randn(*shape) for _ in range(4))
+    q_view = torch.randn(37, 2, 3, 64).permute(1, 2, 0, 3)        # strided q, like the layer's views
+    for qq in (q, q_view):
+        o, grads = run("cuda", qq, k, v, grad_o, True, p)
+        o_ref, grads_ref = reference_fp64(qq, k, v, grad_o, True, p, SEED)
+        torch.testing.assert_close(o.double(), o_ref, atol=2e-5, rtol=1e-4)
+        for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+            torch.testing.assert_close(g.double(), g_ref, atol=5e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def test_triton_custom_ops_pass_opcheck():
+    """Schema, fake tensor and AOT-dispatch checks of the registered custom ops on real (tiny) inputs."""
+    q, k, v = randn(1, 2, 17, 16), randn(1, 2, 9, 16), randn(1, 2, 9, 16)
+    args = (q, k, v, True, 0.25, 0.1, 7, 3)
+    torch.library.opcheck(torch.ops.seqpar.attention_core_triton_fwd.default, args)
+    o, lse = torch.ops.seqpar.attention_core_triton_fwd(*args)
+    torch.library.opcheck(torch.ops.seqpar.attention_core_triton_bwd.default,
+                          (randn(1, 2, 17, 16), q, k, v, o, lse, True, 0.25, 0.1, 7, 3))
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("d", [12, 20, 160], ids=lambda d: f"d{d}")
+def test_triton_rejects_unsupported_head_dim(d):
+    q = randn(1, 2, 8, d)
+    with pytest.raises(ValueError, match=f"d={d}"):
+        attention_core(q, q, q, backend="triton")
+    reason = registry.unavailable_reason(OP, "triton", q.device, q=q, k=q, v=q, causal=True)
+    assert reason and f"d={d}" in reason
+    o = attention_core(q, q, q, backend="auto")              # auto falls back to a backend that can
+    assert o.shape == q.shape and torch.isfinite(o).all()
+
+
+def test_auto_prefers_triton_then_falls_back(monkeypatch):
+    """With every backend usable (simulated: no GPU here), auto picks the recompute-free triton
+    backend; for a head dim triton can't run it falls back to cuda, then torch."""
+    import seqpar._ext as ext
+
+    q64, q12 = torch.empty(1, 2, 8, 64), torch.empty(1, 2, 8, 12)
+    assert select_backend(q64, q64, q64).name == "torch"          # CPU: auto never uses the interpreter
+    monkeypatch.setattr(ext, "triton_unavailable_reason", lambda device, auto=False: None)
+    monkeypatch.setattr(ext, "cuda_unavailable_reason", lambda device: None)
+    assert select_backend(q64, q64, q64).name == "triton"
+    assert select_backend(q12, q12, q12).name == "cuda"
+    assert select_backend(q64, q64, q64, backend="cuda").name == "cuda"
+    monkeypatch.setenv("SEQPAR_BACKEND", "torch")
+    assert select_backend(q64, q64, q64).name == "torch"
+
+
+def test_triton_check_accepts_the_issue_head_dims():
+    for d in (32, 64, 80, 96, 128):
+        q = torch.empty(1, 1, 4, d)
+        assert registry._REGISTRY[OP]["triton"].check(q=q, k=q, v=q, causal=True) is None, d
+
+
+@pytest.mark.parametrize("case", ["dtype", "kv_shape", "head_dim", "p_one", "p_negative", "rank3"])
+def test_bad_input_raises_value_error(case):
+    q, k, v = (randn(1, 2, 8, 32) for _ in range(3))
+    kwargs, match = {}, None
+    if case == "dtype":
+        k, match = k.half(), "dtypes differ"
+    elif case == "kv_shape":
+        v, match = randn(1, 2, 9, 32), "k shape"
+    elif case == "head_dim":
+        k, v, match = randn(1, 2, 8, 64), randn(1, 2, 8, 64), "head dim"
+    elif case == "p_one":
+        kwargs, match = {"dropout_p": 1.0}, "1.0"
+    elif case == "p_negative":
+        kwargs, match = {"dropout_p": -0.1}, "-0.1"
+    elif case == "rank3":
+        q, match = q[0], r"\[b, heads, s, d\]"
+    with pytest.raises(ValueError, match=match):
+        attention_core(q, k, v, backend="triton", **kwargs)
+
+
+def test_cuda_backend_unavailable_on_cpu_raises():
+    if HAS_CUDA:
+        pytest.skip("CPU-only check")
+    q = randn(1, 1, 4, 32)
+    with pytest.raises(ValueError, match="cuda"):
+        attention_core(q, q, q, backend="cuda")
+
+
+# ----------------------------------------------------------------------------- GPU
+def _gpu_backend_ready(backend):
+    reason = registry.unavailable_reason(OP, backend, torch.device("cuda"))
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", [0.0, 0.2], ids=["p0", "p0.2"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 32), (2, 3, 37, 64), (1, 2, 128, 128), (2, 2, 200, 96)], ids=_ids)
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_fp32_matches_fp64(backend, shape, causal, p):
+    _gpu_backend_ready(backend)
+    q, k, v, grad_o = (randn(*shape) for _ in range(4))
+    o, grads = run(backend, q, k, v, grad_o, causal, p)
+    o_ref, grads_ref = reference_fp64(q, k, v, grad_o, causal, p, SEED)
+    torch.testing.assert_close(o.double(), o_ref, atol=5e-5, rtol=1e-4)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+        torch.testing.assert_close(g.double(), g_ref, atol=2e-4, rtol=1e-3, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_dropout_mask_is_the_reference_mask(backend):
+    _gpu_backend_ready(backend)
+    b, heads, s_q, s_k, p, row_offset = 2, 3, 77, 64, 0.5, 999
+    q, k = randn(b, heads, s_q, s_k), randn(b, heads, s_k, s_k)
+    eye = torch.eye(s_k, device="cuda").expand(b, heads, s_k, s_k).contiguous()
+    o = attention_core(q, k, eye, causal=False, dropout_p=p, seed=SEED, row_offset=row_offset, backend=backend)
+    keep = attention_keep_mask(DropoutSpec(p, SEED, row_offset), b, heads, s_q, s_k, q.device)
+    assert torch.equal(o != 0, keep)
+
+
+def eager_same_dtype(q, k, v, grad_o, causal, p, seed):
+    """Plain torch in the inputs' dtype (GEMMs round to it, softmax in fp32): the "same-dtype torch"
+    baseline of the 2x error rule."""
+    b, heads, s_q, d = q.shape
+    s_k = k.shape[2]
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
+    if causal:
+        scores = scores.masked_fill(causal_mask(s_q, s_k, q.device), float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if p > 0:
+        keep = attention_keep_mask(DropoutSpec(p, seed, 0), b, heads, s_q, s_k, q.device)
+        probs = probs * keep * (1.0 / (1.0 - p))
+    o = probs @ v
+    return o.detach(), torch.autograd.grad(o, (q, k, v), grad_o)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", [0.0, 0.1], ids=["p0", "p0.1"])
+@pytest.mark.parametrize("s", [2048, 4096])
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_bf16_long_sequences(backend, s, p):
+    """bf16, d = 128, causal: error vs the fp32 torch reference (same inputs, upcast) within 2x the
+    error of plain torch in bf16."""
+    _gpu_backend_ready(backend)
+    b, heads, d = 1, 4, 128
+    q, k, v, grad_o = (randn(b, heads, s, d, dtype=torch.bfloat16) for _ in range(4))
+    o, grads = run(backend, q, k, v, grad_o, True, p)
+    o_t, grads_t = eager_same_dtype(q, k, v, grad_o, True, p, SEED)
+    o_ref, grads_ref = run("torch", q.float(), k.float(), v.float(), grad_o.float(), True, p)
+    assert_error_within(o, o_t, o_ref, floor=1e-3, name="o")
+    for name, g, g_t, g_ref in zip(("dq", "dk", "dv"), grads, grads_t, grads_ref):
+        assert_error_within(g, g_t, g_ref, floor=1e-3 * g_ref.abs().max().item(), name=name)
+
+
+@pytest.mark.gpu
+def test_gpu_triton_peak_memory_has_no_quadratic_term():
+    """fwd + bwd at b = 1, 8 heads, s = 4096 allocates ~32 MB (o, dq, dk, dv, lse), far below the
+    268 MB that one bf16 s x s score matrix per head would take."""
+    _gpu_backend_ready("triton")
+    b, heads, s, d = 1, 8, 4096, 128
+    q, k, v = (randn(b, heads, s, d, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    attention_core(q, k, v, dropout_p=0.1, seed=SEED, backend="triton").sum().backward()   # autotune, warm
+    q.grad = k.grad = v.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    o = attention_core(q, k, v, dropout_p=0.1, seed=SEED, backend="triton")
+    o.sum().backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < b * heads * s * s * 2 // 4, extra

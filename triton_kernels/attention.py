@@ -1,0 +1,587 @@
+"""Flash-style attention core with counter-based dropout: Triton kernels and launchers (no autograd).
+
+Math, per (batch, head); rows i are queries, columns j keys, ``c`` the softmax scale, ``p`` the
+dropout probability::
+
+    S_ij   = c * q_i . k_j                       (-inf where causal and j > i)
+    lse_i  = log sum_j exp(S_ij)                 (natural log, fp32: the only per-row state saved)
+    P_ij   = exp(S_ij - lse_i)
+    Z_ij   = keep_ij / (1 - p),  keep_ij = philox(seed + row_offset + (head*b + batch)*s_q + i, j) >= p
+    o_i    = sum_j P_ij Z_ij v_j
+
+Backward, given dO::
+
+    delta_i = dO_i . o_i                          (= sum_j P_ij dP_ij)
+    dP_ij   = Z_ij (dO_i . v_j)
+    dS_ij   = P_ij (dP_ij - delta_i)
+    dq_i = c sum_j dS_ij k_j,   dk_j = c sum_i dS_ij q_i,   dv_j = sum_i P_ij Z_ij dO_i
+
+The forward runs an online softmax over key blocks (causal programs stop at the diagonal) and keeps
+only ``o`` and ``lse``; the backward recomputes P block by block and regenerates Z with ``tl.rand``
+from the same (row, col) counters as :func:`seqpar.ops.attention_core.attention_keep_mask`, so no
+s_q x s_k tensor is ever written to memory. Two backward kernels avoid atomics: ``dq`` (one program
+per query block, which also writes ``delta``) and then ``dk, dv`` (one program per key block).
+
+==============  ===================  ===============================================================
+tensor          shape                notes
+==============  ===================  ===============================================================
+q               [b, H, s_q, d]       any strides; fp16 / bf16 (fp32 for testing)
+k, v            [b, H, s_k, d]       any strides, dtype of q
+o, dq           [b, H, s_q, d]       views of contiguous [s_q, b, H, d] buffers (the layer's layout)
+dk, dv          [b, H, s_k, d]       views of contiguous [s_k, b, H, d] buffers
+lse, delta      [b, H, s_q]          fp32, contiguous
+==============  ===================  ===============================================================
+
+``d`` is padded to the next power of two inside the kernels (masked loads/stores), so d = 80, 96 work.
+On a GPU each kernel is autotuned (block sizes, warps, stages keyed on s and d); under
+``TRITON_INTERPRET=1`` a small fixed configuration is used instead.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["attention_fwd", "attention_bwd", "HEAD_DIMS", "unsupported_reason"]
+
+# Head dims the kernels are built for: multiples of 8 up to 128 (d is padded to a power of two).
+HEAD_DIMS = tuple(range(16, 129, 8))
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LOG2E = 1.4426950408889634
+_MAX_GRID_Y = 65535
+
+
+def unsupported_reason(head_dim: int, dtype: torch.dtype, batch_heads: int = 1) -> Optional[str]:
+    """Why these kernels can't run this problem (None when they can)."""
+    if head_dim not in HEAD_DIMS:
+        return (f"head dim d={head_dim} is not supported by the triton attention kernel "
+                "(need a multiple of 8 in [16, 128])")
+    if dtype not in _DTYPES:
+        return f"dtype {dtype} is not supported by the triton attention kernel (need one of {_DTYPES})"
+    if batch_heads > _MAX_GRID_Y:
+        return f"b * heads = {batch_heads} exceeds the kernel grid limit {_MAX_GRID_Y}"
+    return None
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _dot_mode(dtype: torch.dtype) -> int:
+    """The kernels' DOT constexpr (see ``_dot``)."""
+    if dtype == torch.float32:
+        return 1
+    return 2 if dtype == torch.bfloat16 and _interpret() else 0
+
+
+# ----------------------------------------------------------------------------- device helpers
+@triton.jit
+def _dot(a, b, DOT: tl.constexpr):
+    # DOT 1: fp32 inputs (testing) must not silently drop to tf32 on the GPU.
+    # DOT 2: the CPU interpreter multiplies bf16 tiles as raw uint16 bits, so upcast them there.
+    if DOT == 1:
+        return tl.dot(a, b, input_precision="ieee")
+    elif DOT == 2:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _load_2d(ptrs, mask_r, mask_d, EVEN_R: tl.constexpr, EVEN_D: tl.constexpr):
+    # Masks only where the tile can stick out: rows past s (EVEN_R False) or d < its padding.
+    if EVEN_R:
+        if EVEN_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=mask_d, other=0.0)
+    else:
+        if EVEN_D:
+            x = tl.load(ptrs, mask=mask_r, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=mask_r & mask_d, other=0.0)
+    return x
+
+
+@triton.jit
+def _store_2d(ptrs, x, mask_r, mask_d, EVEN_R: tl.constexpr, EVEN_D: tl.constexpr):
+    if EVEN_R:
+        if EVEN_D:
+            tl.store(ptrs, x)
+        else:
+            tl.store(ptrs, x, mask=mask_d)
+    else:
+        if EVEN_D:
+            tl.store(ptrs, x, mask=mask_r)
+        else:
+            tl.store(ptrs, x, mask=mask_r & mask_d)
+
+
+@triton.jit
+def _load_1d(ptrs, mask, EVEN: tl.constexpr):
+    if EVEN:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x
+
+
+# ----------------------------------------------------------------------------- forward
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, K_base, V_base, k_offs, v_offs, start, end, offs_m, offs_n, mask_d, row_seed,
+               stride_kn, stride_vn, S_K, qk_scale, p_drop,
+               MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr,
+               EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT: tl.constexpr):
+    """Online softmax over key blocks [start, end); MASK applies the bound and causal masks."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        k_ptrs = K_base + tl.cast(start_n, tl.int64) * stride_kn + k_offs
+        if MASK:
+            k = _load_2d(k_ptrs, (cols < S_K)[None, :], mask_d[:, None], EVEN_N, EVEN_D)
+        else:
+            k = _load_2d(k_ptrs, (cols < S_K)[None, :], mask_d[:, None], True, EVEN_D)
+        qk = _dot(q, k, DOT) * qk_scale
+        if MASK:
+            valid = cols[None, :] < S_K
+            if CAUSAL:
+                valid = valid & (cols[None, :] <= offs_m[:, None])
+            qk = tl.where(valid, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            keep = tl.rand(row_seed[:, None], cols[None, :]) >= p_drop
+            p = tl.where(keep, p, 0.0)
+        v_ptrs = V_base + tl.cast(start_n, tl.int64) * stride_vn + v_offs
+        if MASK:
+            v = _load_2d(v_ptrs, (cols < S_K)[:, None], mask_d[None, :], EVEN_N, EVEN_D)
+        else:
+            v = _load_2d(v_ptrs, (cols < S_K)[:, None], mask_d[None, :], True, EVEN_D)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["seed", "row_offset"])
+def _attn_fwd_kernel(Q, K, V, O, LSE,
+                     stride_qb, stride_qh, stride_qm, stride_qd,
+                     stride_kb, stride_kh, stride_kn, stride_kd,
+                     stride_vb, stride_vh, stride_vn, stride_vd,
+                     stride_ob, stride_oh, stride_om, stride_od,
+                     B, H, S_Q, S_K, qk_scale, seed, row_offset, p_drop, drop_scale,
+                     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+                     DROPOUT: tl.constexpr, DOT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+    # Causal programs with many key blocks are launched first (better tail balance).
+    pid_m = tl.cdiv(S_Q, BLOCK_M) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)                       # head-major: bh = head * B + batch (dropout rows)
+    batch = bh % B
+    head = bh // B
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    mask_d = offs_d < HEAD_DIM
+    EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
+
+    q_ptrs = (Q + tl.cast(batch, tl.int64) * stride_qb + tl.cast(head, tl.int64) * stride_qh
+              + tl.cast(m0, tl.int64) * stride_qm
+              + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :] * stride_qd)
+    q = _load_2d(q_ptrs, (offs_m < S_Q)[:, None], mask_d[None, :], EVEN_M, EVEN_D)
+    # Scalar bases + loop-invariant offsets (not loop-carried pointer tiles, which cost registers).
+    K_base = K + tl.cast(batch, tl.int64) * stride_kb + tl.cast(head, tl.int64) * stride_kh
+    V_base = V + tl.cast(batch, tl.int64) * stride_vb + tl.cast(head, tl.int64) * stride_vh
+    k_offs = offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn          # [D_PAD, BLOCK_N]
+    v_offs = offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd          # [BLOCK_N, D_PAD]
+    row_seed = (tl.cast(seed, tl.int64) + tl.cast(row_offset, tl.int64)
+                + tl.cast(bh, tl.int64) * S_Q + offs_m)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    # Key blocks [0, full_end) need no mask; [full_end, hi) straddle the diagonal or the end.
+    if CAUSAL:
+        hi = tl.minimum(m0 + BLOCK_M, S_K)
+        full_end = (tl.minimum(m0 + 1, S_K) // BLOCK_N) * BLOCK_N
+    else:
+        hi = S_K
+        full_end = (S_K // BLOCK_N) * BLOCK_N
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_base, V_base, k_offs, v_offs, 0, full_end, offs_m, offs_n,
+                               mask_d, row_seed, stride_kn, stride_vn, S_K, qk_scale, p_drop,
+                               False, CAUSAL, DROPOUT, BLOCK_N, EVEN_N, EVEN_D, DOT)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_base, V_base, k_offs, v_offs, full_end, hi, offs_m, offs_n,
+                               mask_d, row_seed, stride_kn, stride_vn, S_K, qk_scale, p_drop,
+                               True, CAUSAL, DROPOUT, BLOCK_N, EVEN_N, EVEN_D, DOT)
+    inv_l = 1.0 / l_i
+    if DROPOUT:
+        inv_l = inv_l * drop_scale
+    o = acc * inv_l[:, None]
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453            # back to natural log
+    o_ptrs = (O + tl.cast(batch, tl.int64) * stride_ob + tl.cast(head, tl.int64) * stride_oh
+              + tl.cast(m0, tl.int64) * stride_om
+              + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :] * stride_od)
+    _store_2d(o_ptrs, o.to(O.dtype.element_ty), (offs_m < S_Q)[:, None], mask_d[None, :], EVEN_M, EVEN_D)
+    lse_ptrs = LSE + tl.cast(batch * H + head, tl.int64) * S_Q + offs_m
+    if EVEN_M:
+        tl.store(lse_ptrs, lse)
+    else:
+        tl.store(lse_ptrs, lse, mask=offs_m < S_Q)
+
+
+# ----------------------------------------------------------------------------- backward: dq (+ delta)
+@triton.jit
+def _bwd_dq_inner(dq, q, do, lse2, delta, K_base, V_base, k_offs, v_offs, start, end, offs_m, offs_n, mask_d, row_seed,
+                  stride_kn, stride_vn, S_K, qk_scale, p_drop, drop_scale,
+                  MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr,
+                  EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT: tl.constexpr):
+    """Online softmax over key blocks [start, end); MASK applies the bound and causal masks."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        k_ptrs = K_base + tl.cast(start_n, tl.int64) * stride_kn + k_offs
+        v_ptrs = V_base + tl.cast(start_n, tl.int64) * stride_vn + v_offs
+        if MASK:
+            kT = _load_2d(k_ptrs, (cols < S_K)[None, :], mask_d[:, None], EVEN_N, EVEN_D)
+            vT = _load_2d(v_ptrs, (cols < S_K)[None, :], mask_d[:, None], EVEN_N, EVEN_D)
+        else:
+            kT = _load_2d(k_ptrs, (cols < S_K)[None, :], mask_d[:, None], True, EVEN_D)
+            vT = _load_2d(v_ptrs, (cols < S_K)[None, :], mask_d[:, None], True, EVEN_D)
+        qk = _dot(q, kT, DOT) * qk_scale
+        p = tl.exp2(qk - lse2[:, None])
+        if MASK:
+            valid = cols[None, :] < S_K
+            if CAUSAL:
+                valid = valid & (cols[None, :] <= offs_m[:, None])
+            p = tl.where(valid, p, 0.0)
+        dp = _dot(do, vT, DOT)                                  # dO v^T: gradient of the dropped P
+        if DROPOUT:
+            keep = tl.rand(row_seed[:, None], cols[None, :]) >= p_drop
+            dp = tl.where(keep, dp * drop_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(kT.dtype), tl.trans(kT), DOT)
+    return dq
+
+
+@triton.jit(do_not_specialize=["seed", "row_offset"])
+def _attn_bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA,
+                        stride_qb, stride_qh, stride_qm, stride_qd,
+                        stride_kb, stride_kh, stride_kn, stride_kd,
+                        stride_vb, stride_vh, stride_vn, stride_vd,
+                        stride_ob, stride_oh, stride_om, stride_od,
+                        stride_dob, stride_doh, stride_dom, stride_dod,
+                        stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+                        B, H, S_Q, S_K, qk_scale, sm_scale, seed, row_offset, p_drop, drop_scale,
+                        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+                        DROPOUT: tl.constexpr, DOT: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+    pid_m = tl.cdiv(S_Q, BLOCK_M) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    batch = bh % B
+    head = bh // B
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    mask_d = offs_d < HEAD_DIM
+    mask_m = (offs_m < S_Q)[:, None]
+    EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
+    rows = tl.arange(0, BLOCK_M)[:, None]
+
+    q = _load_2d(Q + tl.cast(batch, tl.int64) * stride_qb + tl.cast(head, tl.int64) * stride_qh
+                 + tl.cast(m0, tl.int64) * stride_qm + rows * stride_qm + offs_d[None, :] * stride_qd,
+                 mask_m, mask_d[None, :], EVEN_M, EVEN_D)
+    do = _load_2d(DO + tl.cast(batch, tl.int64) * stride_dob + tl.cast(head, tl.int64) * stride_doh
+                  + tl.cast(m0, tl.int64) * stride_dom + rows * stride_dom + offs_d[None, :] * stride_dod,
+                  mask_m, mask_d[None, :], EVEN_M, EVEN_D)
+    o = _load_2d(O + tl.cast(batch, tl.int64) * stride_ob + tl.cast(head, tl.int64) * stride_oh
+                 + tl.cast(m0, tl.int64) * stride_om + rows * stride_om + offs_d[None, :] * stride_od,
+                 mask_m, mask_d[None, :], EVEN_M, EVEN_D)
+    # delta_i = dO_i . o_i: computed here once per query block, read again by the dk/dv kernel.
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    stat_offs = tl.cast(batch * H + head, tl.int64) * S_Q + offs_m
+    if EVEN_M:
+        tl.store(DELTA + stat_offs, delta)
+    else:
+        tl.store(DELTA + stat_offs, delta, mask=offs_m < S_Q)
+    lse2 = _load_1d(LSE + stat_offs, offs_m < S_Q, EVEN_M) * 1.4426950408889634   # log2 domain
+
+    # Scalar bases + loop-invariant offsets (not loop-carried pointer tiles, which cost registers).
+    # Scalar bases + loop-invariant offsets (not loop-carried pointer tiles, which cost registers).
+    K_base = K + tl.cast(batch, tl.int64) * stride_kb + tl.cast(head, tl.int64) * stride_kh
+    V_base = V + tl.cast(batch, tl.int64) * stride_vb + tl.cast(head, tl.int64) * stride_vh
+    k_offs = offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn          # [D_PAD, BLOCK_N]
+    v_offs = offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vn          # [D_PAD, BLOCK_N]
+    row_seed = (tl.cast(seed, tl.int64) + tl.cast(row_offset, tl.int64)
+                + tl.cast(bh, tl.int64) * S_Q + offs_m)
+    if CAUSAL:
+        hi = tl.minimum(m0 + BLOCK_M, S_K)
+        full_end = (tl.minimum(m0 + 1, S_K) // BLOCK_N) * BLOCK_N
+    else:
+        hi = S_K
+        full_end = (S_K // BLOCK_N) * BLOCK_N
+    dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_base, V_base, k_offs, v_offs, 0, full_end, offs_m, offs_n, mask_d,
+                       row_seed, stride_kn, stride_vn, S_K, qk_scale, p_drop, drop_scale,
+                       False, CAUSAL, DROPOUT, BLOCK_N, EVEN_N, EVEN_D, DOT)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_base, V_base, k_offs, v_offs, full_end, hi, offs_m, offs_n, mask_d,
+                       row_seed, stride_kn, stride_vn, S_K, qk_scale, p_drop, drop_scale,
+                       True, CAUSAL, DROPOUT, BLOCK_N, EVEN_N, EVEN_D, DOT)
+    dq = dq * sm_scale
+    _store_2d(DQ + tl.cast(batch, tl.int64) * stride_dqb + tl.cast(head, tl.int64) * stride_dqh
+              + tl.cast(m0, tl.int64) * stride_dqm + rows * stride_dqm + offs_d[None, :] * stride_dqd,
+              dq.to(DQ.dtype.element_ty), mask_m, mask_d[None, :], EVEN_M, EVEN_D)
+
+
+# ----------------------------------------------------------------------------- backward: dk, dv
+@triton.jit
+def _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, q_offs, do_offs, LSE_base, DELTA_base, start, end, offs_n,
+                    offs_m_local,
+                    mask_d, seed_base, stride_qm, stride_dom, S_Q, qk_scale, p_drop, drop_scale,
+                    MASK: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    EVEN_M: tl.constexpr, EVEN_D: tl.constexpr, DOT: tl.constexpr):
+    """Accumulate dk, dv of one key block over query blocks [start, end); MASK = causal diagonal."""
+    for start_m in range(start, end, BLOCK_M):
+        rows = start_m + offs_m_local
+        q_ptrs = Q_base + tl.cast(start_m, tl.int64) * stride_qm + q_offs
+        do_ptrs = DO_base + tl.cast(start_m, tl.int64) * stride_dom + do_offs
+        # Rows past s_q load q = dO = 0, lse = delta = 0: their P is 1 and every term they add is 0.
+        qT = _load_2d(q_ptrs, (rows < S_Q)[None, :], mask_d[:, None], EVEN_M, EVEN_D)   # [D_PAD, BLOCK_M]
+        lse2 = _load_1d(LSE_base + rows, rows < S_Q, EVEN_M) * 1.4426950408889634
+        qkT = _dot(k, qT, DOT) * qk_scale                                             # [BLOCK_N, BLOCK_M]
+        pT = tl.exp2(qkT - lse2[None, :])
+        if MASK:
+            pT = tl.where(rows[None, :] >= offs_n[:, None], pT, 0.0)
+        do = _load_2d(do_ptrs, (rows < S_Q)[:, None], mask_d[None, :], EVEN_M, EVEN_D)   # [BLOCK_M, D_PAD]
+        if DROPOUT:
+            keep = tl.rand((seed_base + rows)[None, :], offs_n[:, None]) >= p_drop
+            ppT = tl.where(keep, pT * drop_scale, 0.0)
+        else:
+            ppT = pT
+        dv += _dot(ppT.to(do.dtype), do, DOT)
+        dpT = _dot(v, tl.trans(do), DOT)
+        if DROPOUT:
+            dpT = tl.where(keep, dpT * drop_scale, 0.0)
+        delta = _load_1d(DELTA_base + rows, rows < S_Q, EVEN_M)
+        dsT = pT * (dpT - delta[None, :])
+        dk += _dot(dsT.to(qT.dtype), tl.trans(qT), DOT)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["seed", "row_offset"])
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
+                          stride_qb, stride_qh, stride_qm, stride_qd,
+                          stride_kb, stride_kh, stride_kn, stride_kd,
+                          stride_vb, stride_vh, stride_vn, stride_vd,
+                          stride_dob, stride_doh, stride_dom, stride_dod,
+                          stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                          stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                          B, H, S_Q, S_K, qk_scale, sm_scale, seed, row_offset, p_drop, drop_scale,
+                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+                          DROPOUT: tl.constexpr, DOT: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    batch = bh % B
+    head = bh // B
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m_local = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    mask_d = offs_d < HEAD_DIM
+    mask_n = (offs_n < S_K)[:, None]
+    EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
+    cols = tl.arange(0, BLOCK_N)[:, None]
+
+    k = _load_2d(K + tl.cast(batch, tl.int64) * stride_kb + tl.cast(head, tl.int64) * stride_kh
+                 + tl.cast(n0, tl.int64) * stride_kn + cols * stride_kn + offs_d[None, :] * stride_kd,
+                 mask_n, mask_d[None, :], EVEN_N, EVEN_D)
+    v = _load_2d(V + tl.cast(batch, tl.int64) * stride_vb + tl.cast(head, tl.int64) * stride_vh
+                 + tl.cast(n0, tl.int64) * stride_vn + cols * stride_vn + offs_d[None, :] * stride_vd,
+                 mask_n, mask_d[None, :], EVEN_N, EVEN_D)
+    Q_base = Q + tl.cast(batch, tl.int64) * stride_qb + tl.cast(head, tl.int64) * stride_qh
+    DO_base = DO + tl.cast(batch, tl.int64) * stride_dob + tl.cast(head, tl.int64) * stride_doh
+    q_offs = offs_d[:, None] * stride_qd + offs_m_local[None, :] * stride_qm       # [D_PAD, BLOCK_M]
+    do_offs = offs_m_local[:, None] * stride_dom + offs_d[None, :] * stride_dod    # [BLOCK_M, D_PAD]
+    stat_base = tl.cast(batch * H + head, tl.int64) * S_Q
+    LSE_base = LSE + stat_base
+    DELTA_base = DELTA + stat_base
+    seed_base = tl.cast(seed, tl.int64) + tl.cast(row_offset, tl.int64) + tl.cast(bh, tl.int64) * S_Q
+
+    dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    if CAUSAL:
+        # Query blocks before the one holding row n0 see none of these keys; blocks from m_mid on
+        # lie wholly below the diagonal (every row >= the last key n0 + BLOCK_N - 1).
+        m_start = (n0 // BLOCK_M) * BLOCK_M
+        m_mid = tl.minimum(((n0 + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, S_Q)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, q_offs, do_offs, LSE_base, DELTA_base, m_start, m_mid,
+                                 offs_n, offs_m_local, mask_d, seed_base, stride_qm, stride_dom, S_Q,
+                                 qk_scale, p_drop, drop_scale, True, DROPOUT, BLOCK_M, EVEN_M, EVEN_D, DOT)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, q_offs, do_offs, LSE_base, DELTA_base, m_mid, S_Q,
+                                 offs_n, offs_m_local, mask_d, seed_base, stride_qm, stride_dom, S_Q,
+                                 qk_scale, p_drop, drop_scale, False, DROPOUT, BLOCK_M, EVEN_M, EVEN_D, DOT)
+    else:
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, q_offs, do_offs, LSE_base, DELTA_base, 0, S_Q,
+                                 offs_n, offs_m_local, mask_d, seed_base, stride_qm, stride_dom, S_Q,
+                                 qk_scale, p_drop, drop_scale, False, DROPOUT, BLOCK_M, EVEN_M, EVEN_D, DOT)
+    dk = dk * sm_scale
+    _store_2d(DK + tl.cast(batch, tl.int64) * stride_dkb + tl.cast(head, tl.int64) * stride_dkh
+              + tl.cast(n0, tl.int64) * stride_dkn + cols * stride_dkn + offs_d[None, :] * stride_dkd,
+              dk.to(DK.dtype.element_ty), mask_n, mask_d[None, :], EVEN_N, EVEN_D)
+    _store_2d(DV + tl.cast(batch, tl.int64) * stride_dvb + tl.cast(head, tl.int64) * stride_dvh
+              + tl.cast(n0, tl.int64) * stride_dvn + cols * stride_dvn + offs_d[None, :] * stride_dvd,
+              dv.to(DV.dtype.element_ty), mask_n, mask_d[None, :], EVEN_N, EVEN_D)
+
+
+# ----------------------------------------------------------------------------- configurations
+_EVEN = {
+    "EVEN_M": lambda args: args["S_Q"] % args["BLOCK_M"] == 0,
+    "EVEN_N": lambda args: args["S_K"] % args["BLOCK_N"] == 0,
+}
+_TUNE_KEY = ["S_Q", "S_K", "HEAD_DIM", "CAUSAL", "DROPOUT", "DOT"]
+
+
+def _configs(shapes):
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in shapes]
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). Forward and dq keep a tall query tile resident and
+# stream keys; dk/dv keeps a wide key tile resident and streams queries. Chosen from ptxas resource
+# usage for sm_90 (bf16, causal, with and without dropout): the per-element Philox of the dropout mask
+# adds a lot of register pressure, so at d = 128 only 8-warp tiles avoid spilling (the 4-warp ones are
+# pruned there) and each list has a 32-wide variant for the dropout case.
+_FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2),
+                         (64, 64, 4, 3), (128, 32, 4, 4)])
+_DQ_CONFIGS = _configs([(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 8, 3),
+                        (64, 64, 4, 3), (64, 32, 4, 4)])
+_DKDV_CONFIGS = _configs([(32, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 8, 3),
+                          (64, 64, 4, 3), (32, 64, 4, 4)])
+
+
+def _prune(configs, named_args, **meta):
+    """At d_pad = 128 the 4-warp tiles spill registers: don't spend autotuning time on them."""
+    kept = [c for c in configs if meta.get("D_PAD", 0) < 128 or c.num_warps >= 8]
+    return kept or configs
+
+
+# Interpreter (CPU tests): one small fixed tile, distinct M and N so every mask path is exercised.
+INTERPRET_CONFIG: Dict[str, Dict[str, int]] = {
+    "fwd": {"BLOCK_M": 32, "BLOCK_N": 16},
+    "dq": {"BLOCK_M": 32, "BLOCK_N": 16},
+    "dkdv": {"BLOCK_M": 16, "BLOCK_N": 32},
+}
+
+_fwd_even = triton.heuristics(_EVEN)(_attn_fwd_kernel)
+_dq_even = triton.heuristics(_EVEN)(_attn_bwd_dq_kernel)
+_dkdv_even = triton.heuristics(_EVEN)(_attn_bwd_dkdv_kernel)
+_PRUNE = {"early_config_prune": _prune}
+_fwd_tuned = triton.autotune(configs=_FWD_CONFIGS, key=_TUNE_KEY, prune_configs_by=_PRUNE)(_fwd_even)
+_dq_tuned = triton.autotune(configs=_DQ_CONFIGS, key=_TUNE_KEY, prune_configs_by=_PRUNE)(_dq_even)
+_dkdv_tuned = triton.autotune(configs=_DKDV_CONFIGS, key=_TUNE_KEY, prune_configs_by=_PRUNE)(_dkdv_even)
+
+
+def _launch(which: str, even_kernel, tuned_kernel, grid_rows: int, bh: int, args, meta, config):
+    """Run a fixed config (interpreter, or ``config`` given) or the autotuned kernel."""
+    if config is None and _interpret():
+        config = INTERPRET_CONFIG[which]
+    if config is None:
+        grid = lambda m: (triton.cdiv(grid_rows, m["BLOCK_M" if which != "dkdv" else "BLOCK_N"]), bh)
+        tuned_kernel[grid](*args, **meta)
+        return
+    config = dict(config)
+    num_warps = config.pop("num_warps", 4)
+    num_stages = config.pop("num_stages", 2)
+    block = config["BLOCK_M" if which != "dkdv" else "BLOCK_N"]
+    even_kernel[(triton.cdiv(grid_rows, block), bh)](*args, **meta, **config,
+                                                     num_warps=num_warps, num_stages=num_stages)
+
+
+# ----------------------------------------------------------------------------- launchers
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or q.shape[0:2] != k.shape[0:2] \
+            or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} are not "
+                         "[b, H, s_q, d], [b, H, s_k, d], [b, H, s_k, d]")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    reason = unsupported_reason(q.shape[3], q.dtype, q.shape[0] * q.shape[1])
+    if reason:
+        raise ValueError(reason)
+
+
+def _seq_major(b: int, heads: int, s: int, d: int, like: torch.Tensor) -> torch.Tensor:
+    """A [b, H, s, d] view of a fresh contiguous [s, b, H, d] buffer (the layer's [s, b, h] layout)."""
+    return torch.empty((s, b, heads, d), dtype=like.dtype, device=like.device).permute(1, 2, 0, 3)
+
+
+def _drop_args(dropout_p: float, seed: int, row_offset: int):
+    active = dropout_p > 0.0
+    return (int(seed) if active else 0, int(row_offset) if active else 0, float(dropout_p),
+            1.0 / (1.0 - dropout_p)), active
+
+
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                  dropout_p: float = 0.0, seed: int = 0, row_offset: int = 0,
+                  config: Optional[dict] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Forward: returns ``(o, lse)``; ``o`` [b, H, s_q, d] (a view of [s_q, b, H, d]), ``lse`` fp32 [b, H, s_q].
+
+    ``config`` (tests) pins ``BLOCK_M``/``BLOCK_N`` (and optionally num_warps/num_stages) instead of
+    autotuning.
+    """
+    _check(q, k, v)
+    b, heads, s_q, d = q.shape
+    s_k = k.shape[2]
+    o = _seq_major(b, heads, s_q, d, q)
+    lse = torch.empty((b, heads, s_q), dtype=torch.float32, device=q.device)
+    if o.numel() == 0:
+        return o, lse
+    if s_k == 0:  # softmax over no keys: define o = 0, lse = -inf (nothing to attend to)
+        o.zero_()
+        lse.fill_(float("-inf"))
+        return o, lse
+    (seed, row_offset, p, drop_scale), active = _drop_args(dropout_p, seed, row_offset)
+    args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+            b, heads, s_q, s_k, scale * _LOG2E, seed, row_offset, p, drop_scale)
+    meta = dict(HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), CAUSAL=bool(causal), DROPOUT=active,
+                DOT=_dot_mode(q.dtype))
+    _launch("fwd", _fwd_even, _fwd_tuned, s_q, b * heads, args, meta, config)
+    return o, lse
+
+
+def attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  o: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, dropout_p: float = 0.0,
+                  seed: int = 0, row_offset: int = 0,
+                  config: Optional[Dict[str, dict]] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward: ``(dq, dk, dv)`` (views of [s, b, H, d] buffers) from ``grad_o`` (any strides) and the
+    forward's ``o`` and ``lse``. ``config`` (tests): {"dq": {...}, "dkdv": {...}} pinned tiles."""
+    _check(q, k, v)
+    if grad_o.shape != q.shape or o.shape != q.shape:
+        raise ValueError(f"grad_o {tuple(grad_o.shape)} / o {tuple(o.shape)} must match q {tuple(q.shape)}")
+    b, heads, s_q, d = q.shape
+    s_k = k.shape[2]
+    dq = _seq_major(b, heads, s_q, d, q)
+    dk = _seq_major(b, heads, s_k, d, k)
+    dv = _seq_major(b, heads, s_k, d, v)
+    if s_q == 0 or s_k == 0 or b * heads == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    grad_o = grad_o.to(q.dtype)
+    lse = lse.contiguous()
+    delta = torch.empty_like(lse)
+    (seed, row_offset, p, drop_scale), active = _drop_args(dropout_p, seed, row_offset)
+    meta = dict(HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), CAUSAL=bool(causal), DROPOUT=active,
+                DOT=_dot_mode(q.dtype))
+    config = config or {}
+    common = (b, heads, s_q, s_k, scale * _LOG2E, scale, seed, row_offset, p, drop_scale)
+    _launch("dq", _dq_even, _dq_tuned, s_q, b * heads,
+            (q, k, v, o, grad_o, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+             *grad_o.stride(), *dq.stride(), *common), meta, config.get("dq"))
+    _launch("dkdv", _dkdv_even, _dkdv_tuned, s_k, b * heads,
+            (q, k, v, grad_o, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(),
+             *dk.stride(), *dv.stride(), *common), meta, config.get("dkdv"))
+    return dq, dk, dv
