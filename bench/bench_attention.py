@@ -30,12 +30,9 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Callable, Dict, List, Optional
@@ -46,43 +43,12 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+from seqpar.bench.results import ResultRows  # noqa: E402
+
 PROVIDERS = ["seqpar-triton", "seqpar-cuda", "torch-eager", "torch-sdpa-flash", "torch-sdpa-efficient",
              "flash-attn"]
 SDPA = ("torch-sdpa-flash", "torch-sdpa-efficient")
 SEED = 1
-
-
-def _git_commit() -> str:
-    if os.environ.get("SEQPAR_COMMIT"):
-        return os.environ["SEQPAR_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                       stderr=subprocess.DEVNULL, text=True).strip()
-    except Exception:  # noqa: BLE001 - not a checkout
-        return "unknown"
-
-
-class Rows:
-    FIELDS = ["device", "date", "commit", "config", "provider", "metric", "value"]
-
-    def __init__(self, device: str):
-        self.meta = dict(device=device, date=datetime.datetime.now().isoformat(timespec="seconds"),
-                         commit=_git_commit())
-        self.rows: List[dict] = []
-
-    def add(self, config: str, provider: str, metric: str, value: float) -> None:
-        self.rows.append(dict(self.meta, config=config, provider=provider, metric=metric, value=f"{value:.6g}"))
-
-    def write(self, out: str) -> str:
-        path = out if out.endswith(".csv") else os.path.join(out, "bench_attention.csv")
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        new = not os.path.exists(path)
-        with open(path, "a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=self.FIELDS)
-            if new:
-                writer.writeheader()
-            writer.writerows(self.rows)
-        return path
 
 
 # ----------------------------------------------------------------------------- providers
@@ -223,7 +189,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if name not in PROVIDERS:
             ap.error(f"unknown provider {name!r}; expected one of {PROVIDERS}")
     device_name = torch.cuda.get_device_name(device) if has_cuda else "cpu"
-    rows = Rows(device_name)
+    rows = ResultRows(device_name, "bench_attention")
     results: Dict[tuple, Dict[str, float]] = {}
     skipped: Dict[str, str] = {}
     print(f"# {device_name}  dtype={dtype}  tokens={tokens} hidden={hidden}")

@@ -29,7 +29,7 @@ itself (a device-to-device copy of a 1 GiB buffer: 2 GiB moved). Issue targets (
 Timing: CUDA events around each run, median of ``--reps`` runs after ``--warmup`` runs; the L2 cache is
 flushed (256 MiB written) before every run so small configurations are not served from L2. Backward is
 timed on a retained graph (torch.autograd.grad with retain_graph=True); inputs are random, never zeros.
-Rows (device, date, commit, config, provider, metric, value) are appended to
+ResultRows (device, date, commit, config, provider, metric, value) are appended to
 ``<out>/bench_layernorm_dropout.csv``; metrics: {fwd,bwd,fwdbwd}_ms, {fwd,bwd,fwdbwd}_gbps,
 {fwd,bwd,fwdbwd}_frac_copy, and one copy_gbps row (provider "device-copy") per run.
 
@@ -42,12 +42,9 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -57,6 +54,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+
+from seqpar.bench.results import ResultRows  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 PROVIDERS = ["seqpar-triton", "seqpar-cuda", "torch-eager", "torch-compile", "apex-ln", "te-ln", "liger-ln",
@@ -68,45 +67,10 @@ DIRECTIONS = ("fwd", "bwd", "fwdbwd")
 
 
 # ----------------------------------------------------------------------------- bookkeeping
-def _git_commit() -> str:
-    if os.environ.get("SEQPAR_COMMIT"):
-        return os.environ["SEQPAR_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                       stderr=subprocess.DEVNULL, text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-
-
-class Rows:
-    FIELDS = ["device", "date", "commit", "config", "provider", "metric", "value"]
-
-    def __init__(self, device: torch.device):
-        self.device = _device_name(device)
-        self.date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        self.commit = _git_commit()
-        self.rows: List[Dict[str, str]] = []
-
-    def add(self, config: str, provider: str, metric: str, value: float) -> None:
-        self.rows.append(dict(device=self.device, date=self.date, commit=self.commit, config=config,
-                              provider=provider, metric=metric, value=f"{value:.6g}"))
-
-    def write(self, out: str) -> str:
-        path = out if out.endswith(".csv") else os.path.join(out, "bench_layernorm_dropout.csv")
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        new = not os.path.exists(path)
-        with open(path, "a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=self.FIELDS)
-            if new:
-                writer.writeheader()
-            writer.writerows(self.rows)
-        return path
 
 
 # ----------------------------------------------------------------------------- timing
@@ -217,7 +181,7 @@ def _peer_forward(ln, x, bias, residual, p: float):
 
 # ----------------------------------------------------------------------------- one configuration
 def bench_config(provider: str, tokens: int, h: int, p: float, dtype, device: torch.device, timer: Timer,
-                 copy_gbps: float, rows: Rows) -> Optional[Dict[str, float]]:
+                 copy_gbps: float, rows: ResultRows) -> Optional[Dict[str, float]]:
     config = f"tokens={tokens},h={h},p={p},dtype={str(dtype).replace('torch.', '')}"
     try:
         f, params = make_provider(provider, h, p, dtype, device)
@@ -311,10 +275,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error(f"-p must be in [0, 1), got {args.p}")
 
     timer = Timer(device, warmup, reps)
-    rows = Rows(device)
+    rows = ResultRows(_device_name(device), "bench_layernorm_dropout")
     copy_gbps = measure_copy_gbps(device, timer, copy_bytes)
     rows.add(f"bytes={copy_bytes}", "device-copy", "copy_gbps", copy_gbps)
-    print(f"device: {rows.device}   commit: {rows.commit}   copy bandwidth: {copy_gbps:.1f} GB/s")
+    print(f"device: {rows.meta['device']}   commit: {rows.meta['commit']}   copy bandwidth: {copy_gbps:.1f} GB/s")
     results: Dict[Tuple[int, int], Dict[str, Dict[str, float]]] = {}
     for n in tokens:
         for h in hidden:

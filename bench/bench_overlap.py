@@ -37,11 +37,8 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Dict, List, Optional, Tuple
@@ -51,6 +48,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+
+from seqpar.bench.results import ResultRows  # noqa: E402
 
 # paper.md: (hidden, heads, micro-batch); s = 2048, t = 8 for all
 MODELS = {"22B": (6144, 64, 4), "175B": (12288, 96, 1), "530B": (20480, 128, 1)}
@@ -67,38 +66,6 @@ def linears(h: int, t: int) -> List[Tuple[str, str, int, int]]:
 
 
 # ---- rows ------------------------------------------------------------------------------------------
-
-def _git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                       stderr=subprocess.DEVNULL, text=True).strip()
-    except Exception:  # noqa: BLE001 - not a checkout
-        return "unknown"
-
-
-class Rows:
-    FIELDS = ["device", "date", "commit", "part", "config", "provider", "metric", "value"]
-
-    def __init__(self, device: str):
-        self.meta = dict(device=device, date=datetime.datetime.now().isoformat(timespec="seconds"),
-                         commit=_git_commit())
-        self.rows: List[Dict] = []
-
-    def add(self, part, config, provider, metric, value):
-        self.rows.append(dict(self.meta, part=part, config=config, provider=provider, metric=metric,
-                              value=f"{value:.6g}" if isinstance(value, float) else value))
-
-    def write(self, out: str) -> str:
-        path = out if out.endswith(".csv") else os.path.join(out, "bench_overlap.csv")
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        new = not os.path.exists(path)
-        with open(path, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=self.FIELDS)
-            if new:
-                w.writeheader()
-            w.writerows(self.rows)
-        return path
-
 
 # ---- part 1: chunked GEMM cost on one GPU -------------------------------------------------------------
 
@@ -122,7 +89,7 @@ def _time_ms(fn, device, warmup: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def part_gemm(args, rows: Rows) -> Dict[Tuple, float]:
+def part_gemm(args, rows: ResultRows) -> Dict[Tuple, float]:
     """Returns {(model, linear, pass, kind): ms} with kind in plain / chunked / sum."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.quick:
@@ -263,7 +230,7 @@ def _gloo_worker(rank, t, op_configs, layer_cfg, iters, warmup):
     return results
 
 
-def part_gloo(args, rows: Rows) -> None:
+def part_gloo(args, rows: ResultRows) -> None:
     from tests.distributed.launcher import run_ranks
 
     if args.quick:
@@ -372,7 +339,7 @@ def _schedule(op, pss, overlapped, t, T):
     raise AssertionError((op, pss))
 
 
-def part_project(args, rows: Rows, measured: Dict[Tuple, float]) -> None:
+def part_project(args, rows: ResultRows, measured: Dict[Tuple, float]) -> None:
     bw, lat, t, e = args.bandwidth_gbs * 1e3, args.latency_us, TP, 2     # bytes/us; bf16
     provider = "measured" if measured else "assumed"
     print(f"[project] t={t}, link {args.bandwidth_gbs} GB/s per direction + {lat} us per transfer, GEMM times "
@@ -450,7 +417,8 @@ def main(argv=None):
     # the CPU's 1-minute load average goes with the rows: gloo timings on a shared machine are noisy
     load = f", load {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
     device = (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu") + f" ({os.cpu_count()} cores{load})"
-    rows = Rows(device + (" quick" if args.quick else ""))
+    rows = ResultRows(device + (" quick" if args.quick else ""), "bench_overlap",
+                      ("part", "config", "provider", "metric", "value"))
     measured = {}
     if args.part in ("all", "gemm"):
         measured = part_gemm(args, rows)

@@ -17,9 +17,10 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import time
 from typing import Dict, List, Optional
+
+from .results import git_commit
 
 EXPERIMENTS = [  # (name, sequence_parallel, recompute)
     ("no recompute", False, "none"),
@@ -59,15 +60,6 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         p.error(f"need hidden % heads == 0, heads % tp == 0 and seq_len % tp == 0 "
                 f"(hidden={args.hidden}, heads={args.heads}, seq_len={args.seq_len}, tp={args.tp})")
     return args
-
-
-def _git_commit() -> str:
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=here,
-                                       stderr=subprocess.DEVNULL, text=True).strip()
-    except Exception:  # noqa: BLE001 - not a checkout
-        return "unknown"
 
 
 class _Timer:
@@ -240,7 +232,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict]:
               f"t={args.tp} {args.dtype} dropout={args.dropout} backend={args.backend} on {device_name}")
     print(format_table(rows, header))
     if args.json:
-        meta = dict(device=device_name, date=datetime.date.today().isoformat(), commit=_git_commit(),
+        meta = dict(device=device_name, date=datetime.date.today().isoformat(), commit=git_commit(),
                     config=dict(seq_len=args.seq_len, batch=args.batch, hidden=args.hidden, heads=args.heads,
                                 tp=args.tp, dtype=args.dtype, dropout=args.dropout, backend=args.backend,
                                 iters=args.iters, warmup=args.warmup))

@@ -1,0 +1,51 @@
+"""Result rows shared by every benchmark: each row carries the device name, date and git commit, then
+the benchmark's own columns, and is appended to ``<out>/<name>.csv`` (header written once)."""
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import subprocess
+from typing import List, Sequence
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def git_commit() -> str:
+    """Short commit of the checkout (``SEQPAR_COMMIT`` overrides; "unknown" outside a checkout)."""
+    if os.environ.get("SEQPAR_COMMIT"):
+        return os.environ["SEQPAR_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=_REPO,
+                                       stderr=subprocess.DEVNULL, text=True).strip()
+    except Exception:  # noqa: BLE001 - not a checkout
+        return "unknown"
+
+
+class ResultRows:
+    """Rows ``device, date, commit, *columns``; ``add(*values)`` follows ``columns`` (floats as %.6g)."""
+
+    def __init__(self, device: str, name: str,
+                 columns: Sequence[str] = ("config", "provider", "metric", "value")):
+        self.name, self.columns = name, tuple(columns)
+        self.meta = dict(device=device, date=datetime.datetime.now().isoformat(timespec="seconds"),
+                         commit=git_commit())
+        self.rows: List[dict] = []
+
+    def add(self, *values) -> None:
+        if len(values) != len(self.columns):
+            raise ValueError(f"expected {len(self.columns)} values {self.columns}, got {len(values)}")
+        cells = [f"{v:.6g}" if isinstance(v, float) else v for v in values]
+        self.rows.append(dict(self.meta, **dict(zip(self.columns, cells))))
+
+    def write(self, out: str) -> str:
+        """Append to ``out`` (a .csv path, or a folder that gets ``<name>.csv``); returns the path."""
+        path = out if out.endswith(".csv") else os.path.join(out, f"{self.name}.csv")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        new = not os.path.exists(path)
+        with open(path, "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["device", "date", "commit", *self.columns])
+            if new:
+                writer.writeheader()
+            writer.writerows(self.rows)
+        return path
