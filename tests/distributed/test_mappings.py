@@ -1,0 +1,60 @@
+"""The conjugate operators f, f-bar, g, g-bar (and the SP entry scatter) against their definitions,
+forward and backward, on gloo ranks."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from seqpar.parallel import (copy_to_tensor_region, gather_from_sequence_region, reduce_from_tensor_region,
+                             reduce_scatter_to_sequence_region, scatter_to_sequence_region, sequence_shard)
+
+from launcher import run_ranks
+
+
+def _rank_tensor(rank, shape, salt):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(100 * salt + rank), dtype=torch.float64)
+
+
+def _mappings_worker(rank, world_size):
+    group = dist.group.WORLD
+    s, b, h = 3 * world_size, 2, 5
+    per_rank = lambda salt, shape=(s, b, h): [_rank_tensor(r, shape, salt) for r in range(world_size)]  # noqa: E731
+    errors = {}
+
+    def check(name, fn, inputs, expected_out, grads, expected_grad):
+        x = inputs[rank].clone().requires_grad_()
+        y = fn(x, group)
+        y.backward(grads[rank])
+        errors[name] = max((y - expected_out).abs().max().item(), (x.grad - expected_grad).abs().max().item())
+
+    xs, gs = per_rank(1), per_rank(2)
+    # f: identity forward, all-reduce backward
+    check("f", copy_to_tensor_region, xs, xs[rank], gs, sum(gs))
+    # f-bar: all-reduce forward, identity backward
+    check("f_bar", reduce_from_tensor_region, xs, sum(xs), gs, gs[rank])
+    # g: all-gather along dim 0 forward, reduce-scatter backward
+    shards = per_rank(3, (3, b, h))
+    check("g", gather_from_sequence_region, shards, torch.cat(shards), gs, sequence_shard(sum(gs), group))
+    # g-bar: reduce-scatter forward, all-gather backward
+    grad_shards = per_rank(4, (3, b, h))
+    check("g_bar", reduce_scatter_to_sequence_region, xs, sequence_shard(sum(xs), group), grad_shards,
+          torch.cat(grad_shards))
+    # entry into the SP region: keep own shard forward, all-gather backward
+    same = [xs[0]] * world_size
+    check("scatter", scatter_to_sequence_region, same, sequence_shard(xs[0], group), grad_shards,
+          torch.cat(grad_shards))
+    return errors
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [1, 2, 4], ids=lambda t: f"t{t}")
+def test_mappings_match_definitions(world_size):
+    for rank, errors in enumerate(run_ranks(_mappings_worker, world_size, timeout_s=100)):
+        for name, err in errors.items():
+            assert err < 1e-12, f"rank {rank} t={world_size}: {name} differs by {err:.2e}"
+
+
+def test_single_rank_is_identity():
+    x = torch.randn(4, 3)
+    for fn in (copy_to_tensor_region, reduce_from_tensor_region, gather_from_sequence_region,
+               reduce_scatter_to_sequence_region, scatter_to_sequence_region):
+        assert fn(x, None) is x
