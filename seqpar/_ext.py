@@ -11,6 +11,9 @@ from typing import Optional
 
 import torch
 
+#: dtype codes of the seqpar._C launchers (csrc/dtypes.cuh).
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
 
 def triton_interpreter_enabled() -> bool:
     """True when ``TRITON_INTERPRET=1``: Triton kernels then run on CPU tensors (slowly)."""

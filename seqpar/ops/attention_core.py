@@ -46,6 +46,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import registry
+from .. import _ext
 from .dropout import DropoutSpec, make_dropout_spec
 from ..random import dropout_keep_mask
 
@@ -166,15 +167,12 @@ registry.register(registry.Backend(OP, "triton", _triton_forward, _triton_backwa
 # Megatron's non-flash path: the two GEMMs in torch, the s^2-sized middle in one fused kernel each way
 # (csrc/softmax_dropout.cu). Saves the softmax output (2 bytes x s_q x s_k per head); the dropout mask
 # and the dropped probabilities are regenerated in backward.
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def _cuda_launch_args(scores: torch.Tensor, causal: bool, scale: float, dropout_p: float, seed: int,
                       row_offset: int):
-    from .. import _ext
-
     b, heads, s_q, s_k = scores.shape
-    return (b, heads, s_q, s_k, _DTYPE_CODES[scores.dtype], float(scale), bool(causal),
+    return (b, heads, s_q, s_k, _ext.DTYPE_CODES[scores.dtype], float(scale), bool(causal),
             int(seed) if dropout_p > 0 else 0, int(row_offset) if dropout_p > 0 else 0, float(dropout_p),
             _ext.cuda_stream(scores.device))
 
@@ -182,7 +180,7 @@ def _cuda_launch_args(scores: torch.Tensor, causal: bool, scale: float, dropout_
 @torch.library.custom_op("seqpar::attention_core_cuda_fwd", mutates_args=())
 def _cuda_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                  dropout_p: float, seed: int, row_offset: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    from .. import _ext
+
 
     scores = torch.matmul(q, k.transpose(-2, -1)).contiguous()      # [b, H, s_q, s_k], unscaled
     probs = torch.empty_like(scores)
@@ -204,7 +202,7 @@ def _(q, k, v, causal, scale, dropout_p, seed, row_offset):
 def _cuda_bwd_op(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, probs: torch.Tensor,
                  causal: bool, scale: float, dropout_p: float, seed: int,
                  row_offset: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .. import _ext
+
 
     grad_o = grad_o.to(q.dtype)
     grad = torch.matmul(grad_o, v.transpose(-2, -1)).contiguous()   # d loss / d dropped probs
@@ -237,7 +235,7 @@ def _cuda_backward(grad_o, q, k, v, saved, causal: bool, scale: float, spec: Dro
 def _cuda_check(q=None, k=None, v=None, causal=True, **_) -> Optional[str]:
     if q is None:
         return None
-    if q.dtype not in _DTYPE_CODES:
+    if q.dtype not in _ext.DTYPE_CODES:
         return f"dtype {q.dtype} is not supported by the cuda softmax-dropout kernel"
     if k.shape[2] >= 2**31 or q.shape[0] * q.shape[1] * q.shape[2] >= 2**31:
         return f"s_k = {k.shape[2]} or b * heads * s_q rows exceed the cuda kernel's 2**31 limit"

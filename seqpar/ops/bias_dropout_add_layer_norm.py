@@ -55,7 +55,6 @@ from .. import _ext
 
 OP = "bias_dropout_add_layer_norm"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 MAX_KERNEL_HIDDEN = 16384  # largest h the triton and cuda kernels take (one row per program / block)
 
 
@@ -155,7 +154,7 @@ _BACKENDS["triton"] = registry.register(registry.Backend(OP, "triton", _triton_f
 # ----------------------------------------------------------------------------- cuda backend
 def _cuda_params(ln_weight: torch.Tensor, ln_bias: torch.Tensor):
     """LayerNorm parameters in one dtype the kernels read (fp32 / fp16 / bf16), contiguous."""
-    if ln_weight.dtype != ln_bias.dtype or ln_weight.dtype not in _DTYPE_CODES:
+    if ln_weight.dtype != ln_bias.dtype or ln_weight.dtype not in _ext.DTYPE_CODES:
         ln_weight, ln_bias = ln_weight.float(), ln_bias.float()  # [h]: negligible
     return ln_weight.contiguous(), ln_bias.contiguous()
 
@@ -179,7 +178,7 @@ def _cuda_fwd_op(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.
         ext.bias_dropout_add_layer_norm_fwd(
             x.data_ptr(), 0 if bias is None else bias.data_ptr(), residual.data_ptr(), w.data_ptr(), b.data_ptr(),
             y.data_ptr(), residual_out.data_ptr(), mean.data_ptr(), rstd.data_ptr(), rows, h, x.stride(0),
-            residual.stride(0), _DTYPE_CODES[x.dtype], _DTYPE_CODES[w.dtype],
+            residual.stride(0), _ext.DTYPE_CODES[x.dtype], _ext.DTYPE_CODES[w.dtype],
             _vectorized(x.dtype, h, (x, bias, residual, w, b, y, residual_out), (x.stride(0), residual.stride(0))),
             float(eps), float(p), int(seed), int(row_offset), _ext.cuda_stream(x.device))
     return y, residual_out, mean, rstd
@@ -199,8 +198,8 @@ def _cuda_bwd_op(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual
     grad_y, grad_residual_out = grad_y.contiguous(), grad_residual_out.contiguous()
     g_x, g_bias, g_res, g_w, g_b = _bwd_fake(grad_y)
     rows, h = grad_y.shape
-    w = ln_weight.contiguous() if ln_weight.dtype in _DTYPE_CODES else ln_weight.float()
-    dtype = _DTYPE_CODES[grad_y.dtype]
+    w = ln_weight.contiguous() if ln_weight.dtype in _ext.DTYPE_CODES else ln_weight.float()
+    dtype = _ext.DTYPE_CODES[grad_y.dtype]
     with torch.cuda.device(grad_y.device):
         vec = _vectorized(grad_y.dtype, h, (grad_y, grad_residual_out, residual_out, w, g_x, g_res))
         n_partials = ext.bias_dropout_add_layer_norm_bwd_partials(rows, h, dtype, vec)
@@ -208,7 +207,7 @@ def _cuda_bwd_op(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual
         ext.bias_dropout_add_layer_norm_bwd(
             grad_y.data_ptr(), grad_residual_out.data_ptr(), residual_out.data_ptr(), w.data_ptr(), mean.data_ptr(),
             rstd.data_ptr(), g_x.data_ptr(), g_res.data_ptr(), partials.data_ptr(), n_partials, g_w.data_ptr(),
-            g_b.data_ptr(), g_bias.data_ptr() if has_bias else 0, rows, h, dtype, _DTYPE_CODES[w.dtype], vec,
+            g_b.data_ptr(), g_bias.data_ptr() if has_bias else 0, rows, h, dtype, _ext.DTYPE_CODES[w.dtype], vec,
             float(p), int(seed), int(row_offset), _ext.cuda_stream(grad_y.device))
     if not has_bias:
         g_bias.zero_()

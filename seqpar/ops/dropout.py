@@ -12,8 +12,6 @@ import torch
 from .. import _ext
 from ..random import dropout_keep_mask, resolve_seed
 
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # csrc/dtypes.cuh
-
 
 @dataclasses.dataclass(frozen=True)
 class DropoutSpec:
@@ -60,11 +58,11 @@ def apply_keep_mask(x2d: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
     """
     if not spec.active:
         return x2d
-    if x2d.is_cuda and x2d.dtype in DTYPE_CODES and _ext.cuda_extension_error() is None:
+    if x2d.is_cuda and x2d.dtype in _ext.DTYPE_CODES and _ext.cuda_extension_error() is None:
         x2d = x2d.contiguous()
         out = torch.empty_like(x2d)
         _ext.cuda_extension().dropout_rows(x2d.data_ptr(), out.data_ptr(), x2d.shape[0], x2d.shape[1],
-                                           DTYPE_CODES[x2d.dtype], spec.seed, spec.row_offset, spec.p,
+                                           _ext.DTYPE_CODES[x2d.dtype], spec.seed, spec.row_offset, spec.p,
                                            _ext.cuda_stream(x2d.device))
         return out
     keep = spec.keep_mask_2d(x2d.shape[0], x2d.shape[1], x2d.device)
