@@ -14,6 +14,7 @@ from torch import nn
 
 from ..ops.bias_dropout_add_layer_norm import bias_dropout_add_layer_norm
 from ..ops.dropout import DropoutSpec
+from ..ops.registry import validate_backend
 from ..parallel.mappings import copy_to_tensor_region
 from ..parallel.state import ProcessGroup
 
@@ -24,9 +25,21 @@ class LayerNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-5, *, tp_group: ProcessGroup = None,
                  sequence_parallel: bool = False, backend: str = "auto", device=None, dtype=None):
         super().__init__()
-        self.eps, self.tp_group, self.sequence_parallel, self.backend = eps, tp_group, sequence_parallel, backend
+        if not isinstance(hidden_size, int) or isinstance(hidden_size, bool) or hidden_size <= 0:
+            raise ValueError(f"hidden_size must be a positive int, got {hidden_size!r}")
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps <= 0:
+            raise ValueError(f"eps must be a positive float, got {eps!r}")
+        if dtype is not None and not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+        self.hidden_size, self.eps = hidden_size, float(eps)
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.backend = validate_backend(backend)
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype))
+
+    def _check_hidden(self, x: torch.Tensor) -> None:
+        if x.dim() >= 1 and x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x last dimension {x.shape[-1]} != hidden_size {self.hidden_size}")
 
     def affine(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(weight, bias) as the computation uses them (through f under SP)."""
@@ -35,13 +48,18 @@ class LayerNorm(nn.Module):
         return copy_to_tensor_region(self.weight, self.tp_group), copy_to_tensor_region(self.bias, self.tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_hidden(x)
         weight, bias = self.affine()
         return nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
 
     def after_bias_dropout_add(self, x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
                                spec: DropoutSpec) -> Tuple[torch.Tensor, torch.Tensor]:
         """``residual_out = residual + dropout(x + bias)``; returns ``(LayerNorm(residual_out), residual_out)``."""
+        self._check_hidden(x)
         weight, ln_bias = self.affine()
         return bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, p=spec.p, eps=self.eps,
                                            training=spec.active, seed=spec.seed if spec.active else None,
                                            backend=self.backend, row_offset=spec.row_offset)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, backend={self.backend!r}, sequence_parallel={self.sequence_parallel}"
