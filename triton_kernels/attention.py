@@ -311,7 +311,6 @@ def _attn_bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA,
     lse2 = _load_1d(LSE + stat_offs, offs_m < S_Q, EVEN_M) * 1.4426950408889634   # log2 domain
 
     # Scalar bases + loop-invariant offsets (not loop-carried pointer tiles, which cost registers).
-    # Scalar bases + loop-invariant offsets (not loop-carried pointer tiles, which cost registers).
     K_base = K + tl.cast(batch, tl.int64) * stride_kb + tl.cast(head, tl.int64) * stride_kh
     V_base = V + tl.cast(batch, tl.int64) * stride_vb + tl.cast(head, tl.int64) * stride_vh
     k_offs = offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn          # [D_PAD, BLOCK_N]
