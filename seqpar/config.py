@@ -6,10 +6,10 @@ from typing import Optional
 
 import torch
 
+from .memory import RECOMPUTE_POLICIES
 from .ops.registry import validate_backend
 
 ACTIVATIONS = ("gelu", "gelu_tanh")
-RECOMPUTE_POLICIES = ("none", "selective", "full")
 
 
 def _check_prob(name: str, value) -> None:

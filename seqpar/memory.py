@@ -13,8 +13,9 @@ selective recompute drops the attention-core term; full recompute keeps only the
 
 :class:`ActivationMeter` counts the bytes of distinct storages saved for backward (parameters and
 views of parameters excluded; each storage once), through ``torch.autograd.graph.saved_tensors_hooks``.
-Code that saves tensors can name them with :func:`saved_as` so :meth:`ActivationMeter.report` says which
-saved tensor is which paper term.
+Code that saves tensors names them, so :meth:`ActivationMeter.report` says which saved tensor is which
+paper term: :func:`saved_as` labels everything saved inside a block, :func:`name_storage` one tensor's
+storage (e.g. the fused QKV output that several ops save views of).
 """
 from __future__ import annotations
 
@@ -26,11 +27,16 @@ from typing import Dict, Iterator, List, Optional
 import torch
 from torch import nn
 
-from .config import RECOMPUTE_POLICIES
 
-__all__ = ["layer_activation_bytes", "ActivationMeter", "SavedTensorRecord", "saved_as"]
+__all__ = ["layer_activation_bytes", "ActivationMeter", "SavedTensorRecord", "saved_as", "name_storage"]
+
+#: What a layer keeps for backward: everything, all but the attention core, or only its input.
+RECOMPUTE_POLICIES = ("none", "selective", "full")
 
 _label: contextvars.ContextVar = contextvars.ContextVar("seqpar_saved_label", default="unlabelled")
+# Storage names given by name_storage(), kept only while a meter is active (so normal runs pay nothing).
+_storage_names: Dict[tuple, str] = {}
+_active_meters = 0
 
 
 def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
@@ -70,6 +76,17 @@ def saved_as(label: str) -> Iterator[None]:
         yield
     finally:
         _label.reset(token)
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (t.device, t.untyped_storage().data_ptr())
+
+
+def name_storage(tensor: torch.Tensor, label: str) -> torch.Tensor:
+    """Name ``tensor``'s storage for active meters (it wins over :func:`saved_as`); returns ``tensor``."""
+    if _active_meters:
+        _storage_names[_storage_key(tensor)] = label
+    return tensor
 
 
 @dataclasses.dataclass
@@ -114,19 +131,25 @@ class ActivationMeter:
         return out
 
     def report(self, unit_bytes: Optional[float] = None, unit_name: str = "sbh") -> str:
-        """A table of saved bytes per label (and in ``unit_name`` units when ``unit_bytes`` is given)."""
-        lines = [f"{'saved tensor':<28} {'bytes':>14}" + (f" {unit_name:>10}" if unit_bytes else "")]
+        """A table of the saved storages (label, shape, dtype, bytes, and ``bytes / unit_bytes`` when
+        given), then the bytes per label and the total."""
+        unit = (lambda n: f" {n / unit_bytes:>10.3f}") if unit_bytes else (lambda n: "")
+        head = f"{'saved tensor':<30} {'shape':<22} {'dtype':<15} {'bytes':>13}" + (f" {unit_name:>10}" if unit_bytes else "")
+        lines = [head]
+        for r in self.records:
+            lines.append(f"{r.label:<30} {str(list(r.shape)):<22} {str(r.dtype):<15} {r.bytes:>13,}" + unit(r.bytes))
+        lines.append("per label:")
         for label, n in list(self.by_label().items()) + [("total", self.bytes)]:
-            lines.append(f"{label:<28} {n:>14,}" + (f" {n / unit_bytes:>10.3f}" if unit_bytes else ""))
+            lines.append(f"  {label:<28} {'':<22} {'':<15} {n:>13,}" + unit(n))
         return "\n".join(lines)
 
     def _pack(self, t: torch.Tensor):
         if not _is_parameter(t):
-            storage = t.untyped_storage()
-            key = (t.device, storage.data_ptr())
+            key = _storage_key(t)
             if key not in self._seen:
                 self._seen.add(key)
-                self.records.append(SavedTensorRecord(_label.get(), tuple(t.shape), t.dtype, storage.nbytes()))
+                label = _storage_names.get(key, _label.get())
+                self.records.append(SavedTensorRecord(label, tuple(t.shape), t.dtype, t.untyped_storage().nbytes()))
         return t
 
     @staticmethod
@@ -134,10 +157,16 @@ class ActivationMeter:
         return t
 
     def __enter__(self) -> "ActivationMeter":
+        global _active_meters
+        _active_meters += 1
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        global _active_meters
         self._hooks.__exit__(*exc)
         self._hooks = None
+        _active_meters -= 1
+        if not _active_meters:
+            _storage_names.clear()

@@ -22,7 +22,7 @@ from torch import nn
 
 from .. import random as sp_random
 from ..config import TransformerConfig
-from ..memory import saved_as
+from ..memory import name_storage, saved_as
 from ..ops.attention_core import attention_core, select_backend
 from ..ops.dropout import DropoutSpec, bias_dropout_add
 from ..parallel.state import ProcessGroup, group_rank, group_size
@@ -76,7 +76,7 @@ class ParallelAttention(nn.Module):
         """a1 [s/t or s, b, h] -> (projection output without bias, bias) as RowParallelLinear gives them."""
         cfg = self.config
         with saved_as("QKV input"):
-            qkv = self.query_key_value(a1)
+            qkv = name_storage(self.query_key_value(a1), "Q, K, V")
         s, b = qkv.shape[0], qkv.shape[1]
         heads, d = self.local_heads, cfg.head_dim
         # Views of the one QKV storage: [s, b, 3, H, d] -> 3 x [b, H, s, d]; nothing is copied.

@@ -48,6 +48,7 @@ import torch
 from . import registry
 from .. import _ext
 from .dropout import DropoutSpec, make_dropout_spec
+from ..memory import name_storage
 from ..random import dropout_keep_mask
 
 OP = "attention_core"
@@ -74,11 +75,11 @@ def _torch_forward(q, k, v, causal: bool, scale: float, spec: DropoutSpec):
     scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
     if causal:
         scores.masked_fill_(causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    probs = name_storage(torch.softmax(scores, dim=-1).to(q.dtype), "softmax output")
     dropped = probs
     if spec.active:
         keep = attention_keep_mask(spec, q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.device)
-        dropped = (probs.float() * keep * spec.scale).to(q.dtype)
+        dropped = name_storage((probs.float() * keep * spec.scale).to(q.dtype), "dropout output")
     o = torch.matmul(dropped.float(), v.float()).to(q.dtype)
     return o, (probs, dropped)
 

@@ -224,3 +224,20 @@ def test_triton_layer_memory_within_selective_figure(recompute):
     y_ref.float().sum().backward()
     torch.testing.assert_close(y.float(), y_ref.float(), atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(x.grad.float(), x_ref.grad.float(), atol=5e-2, rtol=5e-2)
+
+
+def test_memory_report_names_paper_terms():
+    s, b, h, a = 64, 2, 32, 4
+    cfg = seqpar.TransformerConfig(hidden_size=h, num_attention_heads=a, hidden_dropout=0.1, attention_dropout=0.1,
+                                   params_dtype=torch.bfloat16, backend="torch")
+    layer = seqpar.TransformerLayer(cfg)
+    with ActivationMeter() as meter:
+        layer(torch.randn(s, b, h, dtype=torch.bfloat16, requires_grad=True))
+    sbh, as2b = s * b * h * 2, a * s * s * b * 2  # bytes of one [s, b, h] / [b, a, s, s] bf16 tensor
+    got = meter.by_label()
+    expected = {"QKV input": sbh, "Q, K, V": 3 * sbh, "softmax output": as2b, "dropout output": as2b,
+                "projection input": sbh, "fc1 input": sbh, "GeLU input": 4 * sbh, "fc2 input": 4 * sbh}
+    for label, n in expected.items():
+        assert got[label] == n, f"{label}: {got.get(label)} != {n}\n{meter.report(sbh / 2)}"
+    for label in ("LN1 input", "LN2 input"):  # plus at most two fp32 LayerNorm statistics per token
+        assert sbh <= got[label] <= sbh + 8 * s * b, meter.report(sbh / 2)
