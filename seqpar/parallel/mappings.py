@@ -29,13 +29,13 @@ class _CopyToTensorRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad.contiguous().clone(), ctx.group), None
+        return all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
 
 
 class _ReduceFromTensorRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return all_reduce(x.contiguous().clone(), group)
+        return all_reduce(x.clone(memory_format=torch.contiguous_format), group)
 
     @staticmethod
     def backward(ctx, grad):
