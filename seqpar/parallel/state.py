@@ -47,13 +47,11 @@ def all_gather_seq(x_shard: torch.Tensor, group: ProcessGroup, async_op: bool = 
     """
     t = group_size(group)
     x_shard = x_shard.contiguous()
+    if t == 1:  # nothing to gather: the shard is the whole tensor (returned as is, not copied)
+        return (x_shard, None) if async_op else x_shard
     out = torch.empty((x_shard.shape[0] * t,) + tuple(x_shard.shape[1:]),
                       dtype=x_shard.dtype, device=x_shard.device)
-    work = None
-    if t == 1:
-        out.copy_(x_shard)
-    else:
-        work = _all_gather_single(out, x_shard, group=group, async_op=async_op)
+    work = _all_gather_single(out, x_shard, group=group, async_op=async_op)
     return (out, work) if async_op else out
 
 
@@ -66,13 +64,11 @@ def reduce_scatter_seq(x_full: torch.Tensor, group: ProcessGroup, async_op: bool
     if x_full.shape[0] % t:
         raise ValueError(f"sequence length {x_full.shape[0]} is not divisible by the group size {t}")
     x_full = x_full.contiguous()
+    if t == 1:  # nothing to reduce: returned as is, not copied
+        return (x_full, None) if async_op else x_full
     out = torch.empty((x_full.shape[0] // t,) + tuple(x_full.shape[1:]),
                       dtype=x_full.dtype, device=x_full.device)
-    work = None
-    if t == 1:
-        out.copy_(x_full)
-    else:
-        work = _reduce_scatter_single(out, x_full, group=group, async_op=async_op)
+    work = _reduce_scatter_single(out, x_full, group=group, async_op=async_op)
     return (out, work) if async_op else out
 
 
