@@ -531,11 +531,13 @@ void dispatch_plan(const Plan& plan, Fn&& fn) {
 
 inline size_t bwd_smem_bytes(const Plan& plan, int64_t h) { return plan.warp ? 0 : 3 * sizeof(float) * h; }
 
-// Raises the kernel's dynamic shared-memory limit when it needs more than the default 48 KiB (fails with
-// the CUDA error on a device with less, e.g. h > ~13900 on an A100).
+// Raises the kernel's dynamic shared-memory limit to `bytes` (fails with the CUDA error on a device with
+// less, e.g. h > ~13900 on an A100). Set whenever dynamic memory is used, not only above 48 KiB: the default
+// limit is 48 KiB minus the kernel's static shared memory (row_allreduce's), so h = 4096 (exactly 48 KiB of
+// running sums) would otherwise fail to launch.
 template <typename Kernel>
 void allow_smem(Kernel kernel, size_t bytes) {
-  if (bytes > 48 * 1024)
+  if (bytes > 0)
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
                "bias_dropout_add_layer_norm shared memory");
 }
@@ -592,23 +594,30 @@ inline void check_aligned(bool vectorized, int64_t h, int dtype, std::initialize
                                 "h and row strides divisible by " + std::to_string(vec));
 }
 
+// Dropout scale float(1 / (1 - p)) from the unrounded (double) p: bit-equal to the scale the torch reference
+// (fp32 tensor * Python float) and the Triton kernels (fp32 argument) use; 1.0f / (1.0f - float(p)) is an
+// ulp off for many p (e.g. 0.15), which breaks the bitwise residual_out match. The keep test uses float(p).
+inline float drop_scale(double p) { return p > 0.0 ? static_cast<float>(1.0 / (1.0 - p)) : 1.0f; }
+
 }  // namespace bdaln
 
 void bias_dropout_add_layer_norm_fwd(uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t ln_weight,
                                      uintptr_t ln_bias, uintptr_t y, uintptr_t residual_out, uintptr_t mean,
                                      uintptr_t rstd, int64_t rows, int64_t h, int64_t stride_x, int64_t stride_res,
-                                     int dtype, int wdtype, bool vectorized, float eps, float p, uint64_t seed,
+                                     int dtype, int wdtype, bool vectorized, float eps, double p, uint64_t seed,
                                      int64_t row_offset, uintptr_t stream) {
   using namespace bdaln;
   check_sizes(h, wdtype);
   check_aligned(vectorized, h, dtype, {x, bias, residual, y, residual_out, ln_weight, ln_bias}, {stride_x, stride_res});
   if (rows == 0) return;
+  if (rows >= (int64_t(1) << 31))  // the grid is rows / rpb blocks in gridDim.x (at most 2**31 - 1)
+    throw std::invalid_argument("bias_dropout_add_layer_norm: rows must be < 2**31");
   const FwdArgs a{reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(bias),
                   reinterpret_cast<const void*>(residual), reinterpret_cast<const void*>(ln_weight),
                   reinterpret_cast<const void*>(ln_bias), reinterpret_cast<void*>(y),
                   reinterpret_cast<void*>(residual_out), reinterpret_cast<float*>(mean),
-                  reinterpret_cast<float*>(rstd), wdtype, rows, h, stride_x, stride_res, eps, p,
-                  p > 0.0f ? 1.0f / (1.0f - p) : 1.0f, seed + static_cast<uint64_t>(row_offset)};
+                  reinterpret_cast<float*>(rstd), wdtype, rows, h, stride_x, stride_res, eps, static_cast<float>(p),
+                  drop_scale(p), seed + static_cast<uint64_t>(row_offset)};
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   dispatch_type_vec(dtype, vectorized, [&](auto tag, auto vec) {
     using T = decltype(tag);
@@ -642,7 +651,7 @@ void bias_dropout_add_layer_norm_bwd(uintptr_t grad_y, uintptr_t grad_residual_o
                                      uintptr_t ln_weight, uintptr_t mean, uintptr_t rstd, uintptr_t grad_x,
                                      uintptr_t grad_residual, uintptr_t partials, int64_t num_partials,
                                      uintptr_t grad_ln_weight, uintptr_t grad_ln_bias, uintptr_t grad_bias,
-                                     int64_t rows, int64_t h, int dtype, int wdtype, bool vectorized, float p,
+                                     int64_t rows, int64_t h, int dtype, int wdtype, bool vectorized, double p,
                                      uint64_t seed, int64_t row_offset, uintptr_t stream) {
   using namespace bdaln;
   check_sizes(h, wdtype);
@@ -656,7 +665,7 @@ void bias_dropout_add_layer_norm_bwd(uintptr_t grad_y, uintptr_t grad_residual_o
                     reinterpret_cast<const void*>(residual_out), reinterpret_cast<const void*>(ln_weight),
                     reinterpret_cast<const float*>(mean), reinterpret_cast<const float*>(rstd), wdtype,
                     reinterpret_cast<void*>(grad_x), reinterpret_cast<void*>(grad_residual), part,
-                    part + num_partials * h, part_bias, rows, h, p, p > 0.0f ? 1.0f / (1.0f - p) : 1.0f,
+                    part + num_partials * h, part_bias, rows, h, static_cast<float>(p), drop_scale(p),
                     seed + static_cast<uint64_t>(row_offset)};
     dispatch_type_vec(dtype, vectorized, [&](auto tag, auto vec) {
       using T = decltype(tag);

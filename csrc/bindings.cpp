@@ -10,29 +10,31 @@
 namespace py = pybind11;
 
 namespace seqpar {
+// Dropout p is a double in every launcher: they round float(1 / (1 - p)) from the exact Python float, like
+// the torch reference and the Triton kernels (see csrc/dropout.cu).
 // ---- dropout.cu
 void dropout_rows(uintptr_t x, uintptr_t y, int64_t rows, int64_t cols, int dtype, uint64_t seed,
-                  int64_t row_offset, float p, uintptr_t stream);
+                  int64_t row_offset, double p, uintptr_t stream);
 // ---- bias_dropout_add_layer_norm.cu
 void bias_dropout_add_layer_norm_fwd(uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t ln_weight,
                                      uintptr_t ln_bias, uintptr_t y, uintptr_t residual_out, uintptr_t mean,
                                      uintptr_t rstd, int64_t rows, int64_t h, int64_t stride_x, int64_t stride_res,
-                                     int dtype, int wdtype, bool vectorized, float eps, float p, uint64_t seed,
+                                     int dtype, int wdtype, bool vectorized, float eps, double p, uint64_t seed,
                                      int64_t row_offset, uintptr_t stream);
 int64_t bias_dropout_add_layer_norm_bwd_partials(int64_t rows, int64_t h, int dtype, bool vectorized);
 void bias_dropout_add_layer_norm_bwd(uintptr_t grad_y, uintptr_t grad_residual_out, uintptr_t residual_out,
                                      uintptr_t ln_weight, uintptr_t mean, uintptr_t rstd, uintptr_t grad_x,
                                      uintptr_t grad_residual, uintptr_t partials, int64_t num_partials,
                                      uintptr_t grad_ln_weight, uintptr_t grad_ln_bias, uintptr_t grad_bias,
-                                     int64_t rows, int64_t h, int dtype, int wdtype, bool vectorized, float p,
+                                     int64_t rows, int64_t h, int dtype, int wdtype, bool vectorized, double p,
                                      uint64_t seed, int64_t row_offset, uintptr_t stream);
 // ---- softmax_dropout.cu
 void attention_softmax_dropout_fwd(uintptr_t scores, uintptr_t probs, int64_t batch, int64_t heads, int64_t s_q,
                                    int64_t s_k, int dtype, float scale, bool causal, uint64_t seed,
-                                   int64_t row_offset, float p, uintptr_t stream);
+                                   int64_t row_offset, double p, uintptr_t stream);
 void attention_softmax_dropout_bwd(uintptr_t probs, uintptr_t grad, uintptr_t dropped, int64_t batch,
                                    int64_t heads, int64_t s_q, int64_t s_k, int dtype, float scale, bool causal,
-                                   uint64_t seed, int64_t row_offset, float p, uintptr_t stream);
+                                   uint64_t seed, int64_t row_offset, double p, uintptr_t stream);
 }  // namespace seqpar
 
 PYBIND11_MODULE(_C, m) {

@@ -20,14 +20,21 @@ __global__ void dropout_rows_kernel(const T* __restrict__ x, T* __restrict__ y, 
   }
 }
 
+// p is a double (the Python float, unrounded) so that scale = float(1 / (1 - p)) rounds exactly like the
+// torch reference's `x * keep * (1 / (1 - p))` (fp32 tensor times a Python scalar); 1.0f / (1.0f - float(p))
+// differs from it by an ulp for many p (0.15, 0.025, ...). The keep test uses float(p), as torch does.
 void dropout_rows(uintptr_t x, uintptr_t y, int64_t rows, int64_t cols, int dtype, uint64_t seed,
-                  int64_t row_offset, float p, uintptr_t stream) {
+                  int64_t row_offset, double p, uintptr_t stream) {
   if (rows == 0 || cols == 0) return;
-  const float scale = 1.0f / (1.0f - p);
+  // gridDim.x is at most 2**31 - 1 and Philox offsets (columns) are 32-bit (Triton's int32 offsets).
+  if (rows >= (int64_t(1) << 31) || cols >= (int64_t(1) << 31))
+    throw std::invalid_argument("dropout_rows: rows and cols must be < 2**31");
+  const float pf = static_cast<float>(p);
+  const float scale = static_cast<float>(1.0 / (1.0 - p));
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     dropout_rows_kernel<T><<<static_cast<unsigned>(rows), 256, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-        reinterpret_cast<const T*>(x), reinterpret_cast<T*>(y), rows, cols, seed, row_offset, p, scale);
+        reinterpret_cast<const T*>(x), reinterpret_cast<T*>(y), rows, cols, seed, row_offset, pf, scale);
   });
   check_cuda(cudaGetLastError(), "dropout_rows launch");
 }

@@ -181,26 +181,31 @@ void dispatch_threads(int64_t s_k, Fn&& fn) {
   }
 }
 
-void check_sizes(const char* what, int64_t batch, int64_t heads, int64_t s_q, int64_t s_k, float p) {
+void check_sizes(const char* what, int64_t batch, int64_t heads, int64_t s_q, int64_t s_k, double p) {
   if (batch < 0 || heads < 0 || s_q < 0 || s_k < 0)
     throw std::invalid_argument(std::string(what) + ": negative size");
   if (s_k >= (int64_t(1) << 31)) throw std::invalid_argument(std::string(what) + ": s_k must be < 2**31");
   if (batch * heads * s_q >= (int64_t(1) << 31))
     throw std::invalid_argument(std::string(what) + ": b * heads * s_q must be < 2**31 rows");
-  if (!(p >= 0.0f && p < 1.0f))
+  if (!(p >= 0.0 && p < 1.0))
     throw std::invalid_argument(std::string(what) + ": dropout p must be in [0, 1), got " + std::to_string(p));
 }
+
+// float(1 / (1 - p)) from the unrounded (double) p: bit-equal to the torch reference's fp32 * Python-float
+// scale and the Triton kernels' fp32 argument; 1.0f / (1.0f - float(p)) is an ulp off for many p (e.g. 0.15).
+// The keep test uses float(p), as torch's fp32 comparison does.
+float drop_scale(double p) { return static_cast<float>(1.0 / (1.0 - p)); }
 
 }  // namespace
 
 void attention_softmax_dropout_fwd(uintptr_t scores, uintptr_t probs, int64_t batch, int64_t heads, int64_t s_q,
                                    int64_t s_k, int dtype, float scale, bool causal, uint64_t seed,
-                                   int64_t row_offset, float p, uintptr_t stream) {
+                                   int64_t row_offset, double p, uintptr_t stream) {
   check_sizes("attention_softmax_dropout_fwd", batch, heads, s_q, s_k, p);
   const int64_t rows = batch * heads * s_q;
   if (rows == 0 || s_k == 0) return;
-  const bool dropout = p > 0.0f;
-  const float drop_scale = 1.0f / (1.0f - p);
+  const bool dropout = p > 0.0;
+  const float scale_p = drop_scale(p), pf = static_cast<float>(p);
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     dispatch_threads(s_k, [&](auto threads) {
@@ -208,7 +213,7 @@ void attention_softmax_dropout_fwd(uintptr_t scores, uintptr_t probs, int64_t ba
       softmax_dropout_fwd_kernel<T, THREADS>
           <<<static_cast<unsigned>(rows), THREADS, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
               reinterpret_cast<T*>(scores), reinterpret_cast<T*>(probs), batch, heads, s_q, s_k, scale, causal,
-              seed, row_offset, p, drop_scale, dropout);
+              seed, row_offset, pf, scale_p, dropout);
     });
   });
   check_cuda(cudaGetLastError(), "attention_softmax_dropout_fwd launch");
@@ -216,16 +221,16 @@ void attention_softmax_dropout_fwd(uintptr_t scores, uintptr_t probs, int64_t ba
 
 void attention_softmax_dropout_bwd(uintptr_t probs, uintptr_t grad, uintptr_t dropped, int64_t batch,
                                    int64_t heads, int64_t s_q, int64_t s_k, int dtype, float scale, bool causal,
-                                   uint64_t seed, int64_t row_offset, float p, uintptr_t stream) {
+                                   uint64_t seed, int64_t row_offset, double p, uintptr_t stream) {
   check_sizes("attention_softmax_dropout_bwd", batch, heads, s_q, s_k, p);
   const int64_t rows = batch * heads * s_q;
   if (rows == 0 || s_k == 0) return;
-  const bool dropout = p > 0.0f;
+  const bool dropout = p > 0.0;
   if (dropout && dropped == 0)
     throw std::invalid_argument("attention_softmax_dropout_bwd: dropout needs the `dropped` output buffer");
-  const float drop_scale = 1.0f / (1.0f - p);
+  const float scale_p = drop_scale(p), pf = static_cast<float>(p);
   const size_t smem = dropout ? static_cast<size_t>((s_k + 31) / 32) * sizeof(uint32_t) : 0;
-  if (smem > 48 * 1024)
+  if (smem > 47 * 1024)  // the default 48 KiB limit covers static shared memory (block_sum's) too
     throw std::invalid_argument("attention_softmax_dropout_bwd: s_k too long for the shared keep bitmask");
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -234,7 +239,7 @@ void attention_softmax_dropout_bwd(uintptr_t probs, uintptr_t grad, uintptr_t dr
       softmax_dropout_bwd_kernel<T, THREADS>
           <<<static_cast<unsigned>(rows), THREADS, smem, reinterpret_cast<cudaStream_t>(stream)>>>(
               reinterpret_cast<const T*>(probs), reinterpret_cast<T*>(grad), reinterpret_cast<T*>(dropped), batch,
-              heads, s_q, s_k, scale, causal, seed, row_offset, p, drop_scale, dropout);
+              heads, s_q, s_k, scale, causal, seed, row_offset, pf, scale_p, dropout);
     });
   });
   check_cuda(cudaGetLastError(), "attention_softmax_dropout_bwd launch");

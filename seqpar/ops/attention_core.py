@@ -185,10 +185,12 @@ def _cuda_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 
     scores = torch.matmul(q, k.transpose(-2, -1)).contiguous()      # [b, H, s_q, s_k], unscaled
     probs = torch.empty_like(scores)
-    # Writes softmax(scale * scores + mask) to probs and its dropped copy over scores.
-    _ext.cuda_extension().attention_softmax_dropout_fwd(
-        scores.data_ptr(), probs.data_ptr(), *_cuda_launch_args(scores, causal, scale, dropout_p, seed,
-                                                                row_offset))
+    # Writes softmax(scale * scores + mask) to probs and its dropped copy over scores. The launch goes to the
+    # current device: make it q's (a stream of another device fails the launch; -1: no-op, CPU emulation).
+    with torch.cuda.device(q.device.index if q.is_cuda else -1):
+        _ext.cuda_extension().attention_softmax_dropout_fwd(
+            scores.data_ptr(), probs.data_ptr(), *_cuda_launch_args(scores, causal, scale, dropout_p, seed,
+                                                                    row_offset))
     dropped = scores if dropout_p > 0 else probs
     return torch.matmul(dropped, v), probs
 
@@ -209,9 +211,12 @@ def _cuda_bwd_op(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     grad = torch.matmul(grad_o, v.transpose(-2, -1)).contiguous()   # d loss / d dropped probs
     dropped = torch.empty_like(probs) if dropout_p > 0 else probs
     # In place: grad becomes d loss / d (q k^T) (scale folded in); dropped is regenerated from probs.
-    _ext.cuda_extension().attention_softmax_dropout_bwd(
-        probs.data_ptr(), grad.data_ptr(), dropped.data_ptr() if dropout_p > 0 else 0,
-        *_cuda_launch_args(probs, causal, scale, dropout_p, seed, row_offset))
+    # probs is the saved forward output (contiguous); .contiguous() guards a direct call of this op.
+    probs = probs.contiguous()
+    with torch.cuda.device(q.device.index if q.is_cuda else -1):  # launch on q's device, like the forward
+        _ext.cuda_extension().attention_softmax_dropout_bwd(
+            probs.data_ptr(), grad.data_ptr(), dropped.data_ptr() if dropout_p > 0 else 0,
+            *_cuda_launch_args(probs, causal, scale, dropout_p, seed, row_offset))
     grad_v = torch.matmul(dropped.transpose(-2, -1), grad_o)
     grad_q = torch.matmul(grad, k)
     grad_k = torch.matmul(grad.transpose(-2, -1), q)

@@ -174,6 +174,8 @@ def _cuda_fwd_op(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.
     y, residual_out, mean, rstd = _fwd_fake(x, residual)
     rows, h = x.shape
     w, b = _cuda_params(ln_weight, ln_bias)
+    if bias is not None:
+        bias = bias.contiguous()  # the kernel reads bias[j] at unit stride; a [h] view may be strided
     with torch.cuda.device(x.device):
         ext.bias_dropout_add_layer_norm_fwd(
             x.data_ptr(), 0 if bias is None else bias.data_ptr(), residual.data_ptr(), w.data_ptr(), b.data_ptr(),
