@@ -44,9 +44,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
-import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,6 +54,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from seqpar.bench.results import ResultRows  # noqa: E402
+from seqpar.bench.timing import median_ms  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 PROVIDERS = ["seqpar-triton", "seqpar-cuda", "torch-eager", "torch-compile", "apex-ln", "te-ln", "liger-ln",
@@ -83,25 +82,8 @@ class Timer:
                       else None)
 
     def __call__(self, fn: Callable[[], object]) -> float:
-        for _ in range(self.warmup):
-            fn()
-        times = []
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            for _ in range(self.reps):
-                self.flush.zero_()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-        else:
-            for _ in range(self.reps):
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        flush = self.flush.zero_ if self.flush is not None else None
+        return median_ms(fn, self.device, self.warmup, self.reps, before=flush)
 
 
 def measure_copy_gbps(device: torch.device, timer: Timer, nbytes: int) -> float:

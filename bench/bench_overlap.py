@@ -50,6 +50,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from seqpar.bench.results import ResultRows  # noqa: E402
+from seqpar.bench.timing import median_ms  # noqa: E402
 
 # paper.md: (hidden, heads, micro-batch); s = 2048, t = 8 for all
 MODELS = {"22B": (6144, 64, 4), "175B": (12288, 96, 1), "530B": (20480, 128, 1)}
@@ -65,29 +66,7 @@ def linears(h: int, t: int) -> List[Tuple[str, str, int, int]]:
             ("fc1", "ag", h, 4 * h // t), ("fc2", "rs", 4 * h // t, h)]
 
 
-# ---- rows ------------------------------------------------------------------------------------------
-
 # ---- part 1: chunked GEMM cost on one GPU -------------------------------------------------------------
-
-def _time_ms(fn, device, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    if device.type == "cuda":
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
 
 def part_gemm(args, rows: ResultRows) -> Dict[Tuple, float]:
     """Returns {(model, linear, pass, kind): ms} with kind in plain / chunked / sum."""
@@ -112,7 +91,7 @@ def part_gemm(args, rows: ResultRows) -> Dict[Tuple, float]:
                 out = torch.empty(m, nn_, device=device, dtype=dtype)
                 flops = 2.0 * m * kk * nn_
                 cfg = f"{model} {name} {pss} [{m}x{kk}]@[{kk}x{nn_}]"
-                ms_p = _time_ms(lambda: torch.mm(a, w, out=out), device, warmup, reps)
+                ms_p = median_ms(lambda: torch.mm(a, w, out=out), device, warmup, reps)
                 rows.add("gemm", cfg, "plain", "ms", ms_p)
                 rows.add("gemm", cfg, "plain", "TFLOP/s", flops / ms_p / 1e9)
                 measured[(model, name, pss, "plain")] = ms_p
@@ -124,7 +103,7 @@ def part_gemm(args, rows: ResultRows) -> Dict[Tuple, float]:
                         for i in range(t):
                             torch.mm(a3[i], w, out=out3[i])
 
-                    ms_c = _time_ms(chunked, device, warmup, reps)
+                    ms_c = median_ms(chunked, device, warmup, reps)
                     rows.add("gemm", cfg, f"chunked x{t}", "ms", ms_c)
                     rows.add("gemm", cfg, f"chunked x{t}", "TFLOP/s", flops / ms_c / 1e9)
                     rows.add("gemm", cfg, f"chunked x{t}", "throughput_vs_plain", ms_p / ms_c)
@@ -133,7 +112,7 @@ def part_gemm(args, rows: ResultRows) -> Dict[Tuple, float]:
                 if (op, pss) == ("rs", "fwd"):    # the pairwise reduce-scatter's sum of t partials
                     parts = torch.randn(t, m // t, nn_, device=device, dtype=dtype)
                     red = torch.empty(m // t, nn_, device=device, dtype=dtype)
-                    ms_s = _time_ms(lambda: torch.sum(parts, 0, out=red), device, warmup, reps)
+                    ms_s = median_ms(lambda: torch.sum(parts, 0, out=red), device, warmup, reps)
                     rows.add("gemm", cfg, "partials-sum", "ms", ms_s)
                     measured[(model, name, pss, "sum")] = ms_s
                     line += f"  +sum {ms_s:.3f}"
