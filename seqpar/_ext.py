@@ -4,6 +4,7 @@ Nothing here touches a CUDA device at import time.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -81,3 +82,9 @@ def cuda_unavailable_reason(device: torch.device) -> Optional[str]:
 def cuda_stream(device: torch.device) -> int:
     """Raw handle of the current CUDA stream of ``device`` (passed to seqpar._C launchers)."""
     return torch.cuda.current_stream(device).cuda_stream
+
+
+def on_device(tensor: torch.Tensor):
+    """Context making ``tensor``'s CUDA device current for a kernel launch (Triton and seqpar._C launch on
+    the current device; launching with another device's tensors or stream fails). No-op off CUDA."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()

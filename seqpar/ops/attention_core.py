@@ -115,7 +115,8 @@ def _triton_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
                    dropout_p: float, seed: int, row_offset: int) -> Tuple[torch.Tensor, torch.Tensor]:
     from ..triton_kernels.attention import attention_fwd
 
-    return attention_fwd(q, k, v, causal, scale, dropout_p, seed, row_offset)
+    with _ext.on_device(q):
+        return attention_fwd(q, k, v, causal, scale, dropout_p, seed, row_offset)
 
 
 @_triton_fwd_op.register_fake
@@ -130,7 +131,8 @@ def _triton_bwd_op(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                    row_offset: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from ..triton_kernels.attention import attention_bwd
 
-    return attention_bwd(grad_o, q, k, v, o, lse, causal, scale, dropout_p, seed, row_offset)
+    with _ext.on_device(q):
+        return attention_bwd(grad_o, q, k, v, o, lse, causal, scale, dropout_p, seed, row_offset)
 
 
 @_triton_bwd_op.register_fake
@@ -186,8 +188,7 @@ def _cuda_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     scores = torch.matmul(q, k.transpose(-2, -1)).contiguous()      # [b, H, s_q, s_k], unscaled
     probs = torch.empty_like(scores)
     # Writes softmax(scale * scores + mask) to probs and its dropped copy over scores. The launch goes to the
-    # current device: make it q's (a stream of another device fails the launch; -1: no-op, CPU emulation).
-    with torch.cuda.device(q.device.index if q.is_cuda else -1):
+    with _ext.on_device(q):
         _ext.cuda_extension().attention_softmax_dropout_fwd(
             scores.data_ptr(), probs.data_ptr(), *_cuda_launch_args(scores, causal, scale, dropout_p, seed,
                                                                     row_offset))
@@ -213,7 +214,7 @@ def _cuda_bwd_op(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     # In place: grad becomes d loss / d (q k^T) (scale folded in); dropped is regenerated from probs.
     # probs is the saved forward output (contiguous); .contiguous() guards a direct call of this op.
     probs = probs.contiguous()
-    with torch.cuda.device(q.device.index if q.is_cuda else -1):  # launch on q's device, like the forward
+    with _ext.on_device(q):
         _ext.cuda_extension().attention_softmax_dropout_bwd(
             probs.data_ptr(), grad.data_ptr(), dropped.data_ptr() if dropout_p > 0 else 0,
             *_cuda_launch_args(probs, causal, scale, dropout_p, seed, row_offset))

@@ -112,7 +112,8 @@ def _triton_fwd_op(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torc
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from ..triton_kernels import bias_dropout_add_layer_norm as kernels
 
-    return kernels.forward(x, bias, residual, ln_weight, ln_bias, eps, p, seed, row_offset)
+    with _ext.on_device(x):
+        return kernels.forward(x, bias, residual, ln_weight, ln_bias, eps, p, seed, row_offset)
 
 
 @_triton_fwd_op.register_fake
@@ -127,8 +128,9 @@ def _triton_bwd_op(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residu
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from ..triton_kernels import bias_dropout_add_layer_norm as kernels
 
-    return kernels.backward(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, p, seed, row_offset,
-                            has_bias)
+    with _ext.on_device(grad_y):
+        return kernels.backward(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, p, seed,
+                                row_offset, has_bias)
 
 
 @_triton_bwd_op.register_fake
@@ -176,7 +178,7 @@ def _cuda_fwd_op(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.
     w, b = _cuda_params(ln_weight, ln_bias)
     if bias is not None:
         bias = bias.contiguous()  # the kernel reads bias[j] at unit stride; a [h] view may be strided
-    with torch.cuda.device(x.device):
+    with _ext.on_device(x):
         ext.bias_dropout_add_layer_norm_fwd(
             x.data_ptr(), 0 if bias is None else bias.data_ptr(), residual.data_ptr(), w.data_ptr(), b.data_ptr(),
             y.data_ptr(), residual_out.data_ptr(), mean.data_ptr(), rstd.data_ptr(), rows, h, x.stride(0),
@@ -202,7 +204,7 @@ def _cuda_bwd_op(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual
     rows, h = grad_y.shape
     w = ln_weight.contiguous() if ln_weight.dtype in _ext.DTYPE_CODES else ln_weight.float()
     dtype = _ext.DTYPE_CODES[grad_y.dtype]
-    with torch.cuda.device(grad_y.device):
+    with _ext.on_device(grad_y):
         vec = _vectorized(grad_y.dtype, h, (grad_y, grad_residual_out, residual_out, w, g_x, g_res))
         n_partials = ext.bias_dropout_add_layer_norm_bwd_partials(rows, h, dtype, vec)
         partials = torch.empty((3 if has_bias else 2, n_partials, h), dtype=torch.float32, device=grad_y.device)

@@ -61,8 +61,7 @@ def apply_keep_mask(x2d: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
     if x2d.is_cuda and x2d.dtype in _ext.DTYPE_CODES and _ext.cuda_extension_error() is None:
         x2d = x2d.contiguous()
         out = torch.empty_like(x2d)
-        # The launch goes to the current device: make it x2d's (a stream of another device fails the launch).
-        with torch.cuda.device(x2d.device):
+        with _ext.on_device(x2d):
             _ext.cuda_extension().dropout_rows(x2d.data_ptr(), out.data_ptr(), x2d.shape[0], x2d.shape[1],
                                                _ext.DTYPE_CODES[x2d.dtype], spec.seed, spec.row_offset, spec.p,
                                                _ext.cuda_stream(x2d.device))
