@@ -83,7 +83,7 @@ def _torch_backward(grad_y, grad_residual_out, residual_out, ln_weight, mean, rs
     return grad_h, grad_bias, grad_r, grad_ln_weight, grad_ln_bias
 
 
-_BACKENDS = {"torch": registry.register(registry.Backend(OP, "torch", _torch_forward, _torch_backward))}
+registry.register(registry.Backend(OP, "torch", _torch_forward, _torch_backward))
 
 
 def _fwd_fake(x: torch.Tensor, residual: torch.Tensor):
@@ -149,8 +149,7 @@ def _triton_backward(grad_y, grad_residual_out, residual_out, ln_weight, mean, r
     return g_x, (g_bias if has_bias else None), g_res, g_w, g_b
 
 
-_BACKENDS["triton"] = registry.register(registry.Backend(OP, "triton", _triton_forward, _triton_backward,
-                                                        _kernel_check))
+registry.register(registry.Backend(OP, "triton", _triton_forward, _triton_backward, _kernel_check))
 
 
 # ----------------------------------------------------------------------------- cuda backend
@@ -234,7 +233,7 @@ def _cuda_backward(grad_y, grad_residual_out, residual_out, ln_weight, mean, rst
     return g_x, (g_bias if has_bias else None), g_res, g_w, g_b
 
 
-_BACKENDS["cuda"] = registry.register(registry.Backend(OP, "cuda", _cuda_forward, _cuda_backward, _kernel_check))
+registry.register(registry.Backend(OP, "cuda", _cuda_forward, _cuda_backward, _kernel_check))
 
 
 @torch.compiler.assume_constant_result
@@ -316,7 +315,7 @@ def bias_dropout_add_layer_norm(x: torch.Tensor, bias: Optional[torch.Tensor], r
     if not isinstance(eps, (int, float)) or eps <= 0:
         raise ValueError(f"eps must be a positive float, got {eps!r}")
     spec = make_dropout_spec(p, training, seed, row_offset)
-    impl = _BACKENDS[_select_backend_name(backend, x.device, h)]
+    impl = registry.get(OP, _select_backend_name(backend, x.device, h))
     shape = x.shape
     y, residual_out = _BiasDropoutAddLayerNorm.apply(
         x.reshape(-1, h), bias, residual.reshape(-1, h), ln_weight, ln_bias, float(eps), spec, impl)

@@ -58,6 +58,11 @@ def register(backend: Backend) -> Backend:
     return backend
 
 
+def get(op: str, name: str) -> Backend:
+    """The registered backend ``name`` of ``op`` (KeyError if none)."""
+    return _REGISTRY[op][name]
+
+
 def validate_backend(backend: str) -> str:
     """Return ``backend`` if it is a known choice, else raise ValueError naming it."""
     if backend not in BACKEND_CHOICES:
@@ -97,10 +102,10 @@ def select(op: str, backend: Optional[str], device: torch.device, **inputs) -> B
         reason = unavailable_reason(op, name, device, **inputs)
         if reason:
             raise ValueError(f"backend {name!r} can't run {op}: {reason}")
-        return _REGISTRY[op][name]
+        return get(op, name)
     for candidate in _AUTO_ORDER.get(op, BACKENDS):
         if unavailable_reason(op, candidate, device, auto=True, **inputs) is None:
-            return _REGISTRY[op][candidate]
+            return get(op, candidate)
     raise ValueError(f"no backend can run {op} on {device}")  # torch always can; defensive
 
 
