@@ -105,6 +105,21 @@ def _kernel_check(x=None, h=None, **_) -> Optional[str]:
     return None
 
 
+def _kernel_backend(name: str, fwd_op, bwd_op) -> registry.Backend:
+    """A registry backend over a pair of kernel custom ops (which take the DropoutSpec's fields, and return
+    zeros for grad_bias without a bias because a custom op can't return None)."""
+
+    def forward(x, bias, residual, ln_weight, ln_bias, eps: float, spec: DropoutSpec):
+        return fwd_op(x, bias, residual, ln_weight, ln_bias, eps, spec.p, spec.seed, spec.row_offset)
+
+    def backward(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, spec: DropoutSpec, has_bias: bool):
+        g_x, g_bias, g_res, g_w, g_b = bwd_op(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd,
+                                              spec.p, spec.seed, spec.row_offset, has_bias)
+        return g_x, (g_bias if has_bias else None), g_res, g_w, g_b
+
+    return registry.Backend(OP, name, forward, backward, _kernel_check)
+
+
 # ----------------------------------------------------------------------------- triton backend
 @torch.library.custom_op("seqpar::bias_dropout_add_layer_norm_triton_fwd", mutates_args=())
 def _triton_fwd_op(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, ln_weight: torch.Tensor,
@@ -138,18 +153,7 @@ def _(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, p, seed, r
     return _bwd_fake(grad_y)
 
 
-def _triton_forward(x, bias, residual, ln_weight, ln_bias, eps: float, spec: DropoutSpec):
-    return _triton_fwd_op(x, bias, residual, ln_weight, ln_bias, eps, spec.p, spec.seed, spec.row_offset)
-
-
-def _triton_backward(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, spec: DropoutSpec,
-                     has_bias: bool):
-    g_x, g_bias, g_res, g_w, g_b = _triton_bwd_op(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd,
-                                                  spec.p, spec.seed, spec.row_offset, has_bias)
-    return g_x, (g_bias if has_bias else None), g_res, g_w, g_b
-
-
-registry.register(registry.Backend(OP, "triton", _triton_forward, _triton_backward, _kernel_check))
+registry.register(_kernel_backend("triton", _triton_fwd_op, _triton_bwd_op))
 
 
 # ----------------------------------------------------------------------------- cuda backend
@@ -222,18 +226,7 @@ def _(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, p, seed, r
     return _bwd_fake(grad_y)
 
 
-def _cuda_forward(x, bias, residual, ln_weight, ln_bias, eps: float, spec: DropoutSpec):
-    return _cuda_fwd_op(x, bias, residual, ln_weight, ln_bias, eps, spec.p, spec.seed, spec.row_offset)
-
-
-def _cuda_backward(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, spec: DropoutSpec,
-                   has_bias: bool):
-    g_x, g_bias, g_res, g_w, g_b = _cuda_bwd_op(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd,
-                                                spec.p, spec.seed, spec.row_offset, has_bias)
-    return g_x, (g_bias if has_bias else None), g_res, g_w, g_b
-
-
-registry.register(registry.Backend(OP, "cuda", _cuda_forward, _cuda_backward, _kernel_check))
+registry.register(_kernel_backend("cuda", _cuda_fwd_op, _cuda_bwd_op))
 
 
 @torch.compiler.assume_constant_result
