@@ -5,25 +5,28 @@ Parts (``--part``, default ``all``; rows appended to ``<out>/bench_overlap.csv``
 
 ``gemm`` (GPU; CUDA events, median after warm-up): the cost of chunking. For every linear layer of the
     paper's models (22B, 175B, 530B; per-GPU shards at t = 8, s = 2048, micro-batch b from paper.md)
-    and each chunked pass -- forward and input gradient -- the plain GEMM over all s*b rows vs the same
-    GEMM as t row chunks written into slices of one output (what the overlapped path runs:
-    all_gather_matmul forward, matmul_reduce_scatter forward and input gradient), and the extra "sum
-    of t partials" of the pairwise reduce-scatter; plain times of every other GEMM (weight gradients,
-    all_gather_matmul's input gradient) for the projection. bf16. Without CUDA this part says so and is skipped; ``--quick``
-    runs it on CPU with tiny shapes as a smoke test.
+    and each chunked pass -- forward and input gradient of both ops -- the plain GEMM over all s*b rows
+    vs the same GEMM as t row chunks written into slices of one output (what the overlapped path runs),
+    and the extra "sum of t partials" of the pairwise reduce-scatters (matmul_reduce_scatter forward,
+    all_gather_matmul input gradient); plain times of the weight gradients for the projection. bf16.
+    Without CUDA this part says so and is skipped; ``--quick`` runs it on CPU with tiny shapes as a
+    smoke test.
 ``gloo`` (CPU, 2 and 4 gloo ranks, one thread each; median over iterations of the slowest rank):
     all_gather_matmul and matmul_reduce_scatter forward + backward, plain (ChunkPlan(1)) vs overlapped
     (ChunkPlan(t)), plus the same GEMMs alone (group None, same FLOPs) and the plain path's
-    collectives alone; overlap hides communication when overlapped < gemm + comm. Then one
-    TransformerLayer with sequence parallelism, ``overlap_comm`` False vs True (the op heuristic picks).
+    collectives alone; overlap hides communication when overlapped < gemm + comm. Then two
+    TransformerLayers with sequence parallelism, ``overlap_comm`` False vs True (the op heuristic picks).
+    Speedups are paired (:func:`seqpar.bench.timing.paired_speedup`): the median over iterations of
+    plain / overlapped, with a bootstrap 95% interval; "overlapped is faster" means its low end > 1.
 ``project``: a model of one GPU's step, for the paper's models at t = 8. Two resources in program
     order: the compute stream (GEMMs, sums) and the NVLink egress (every transfer, p2p or collective,
     one at a time at ``--bandwidth-gbs`` GB/s plus ``--latency-us`` per transfer). A transfer starts
     when the link is free and every compute op issued before it has finished (NCCL's stream waits on
     the current stream at issue); ``wait`` makes the compute stream wait for a transfer. The schedules
-    are exactly the ops' loops (seqpar/ops/comm_matmul.py) and the plain path (bulk collectives: one
-    transfer of (t-1) shards; backward of all_gather_matmul overlaps them with the GEMMs as Megatron
-    does). GEMM times come from the ``gemm`` part of this run (provider "measured"), else from
+    are exactly the ops' loops (seqpar/ops/comm_matmul.py) under the plan ``overlap=True`` picks on a
+    GPU (``ChunkPlan.choose``), and the plain path (bulk collectives: one transfer of (t-1) shards;
+    backward of all_gather_matmul overlaps them with the GEMMs as Megatron does, which the GPU plan
+    keeps; the chunked alternative it rejects is reported as ``chunked_bwd_us``). GEMM times come from the ``gemm`` part of this run (provider "measured"), else from
     ``--tflops`` (provider "assumed"); sums from ``--hbm-gbs``. Reports, per linear and pass and per
     model layer (2 all_gather_matmul + 2 matmul_reduce_scatter, fwd + bwd): time plain vs overlapped,
     speedup, and the share of the communication hidden = 1 - (overlapped - its compute) / comm.
@@ -37,6 +40,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -50,13 +54,16 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from seqpar.bench.results import ResultRows  # noqa: E402
-from seqpar.bench.timing import median_ms  # noqa: E402
+from seqpar.bench.timing import median_ms, paired_speedup  # noqa: E402
+from seqpar.parallel.overlap import ChunkPlan  # noqa: E402
 
 # paper.md: (hidden, heads, micro-batch); s = 2048, t = 8 for all
 MODELS = {"22B": (6144, 64, 4), "175B": (12288, 96, 1), "530B": (20480, 128, 1)}
 SEQ, TP = 2048, 8
 # (op, pass) whose GEMM the overlapped path splits into t row chunks (seqpar/ops/comm_matmul.py)
-CHUNKED = {("ag", "fwd"), ("rs", "fwd"), ("rs", "dgrad")}
+CHUNKED = {("ag", "fwd"), ("ag", "dgrad"), ("rs", "fwd"), ("rs", "dgrad")}
+# (op, pass) whose chunks are partials summed by the pairwise reduce-scatter
+SUMMED = {("ag", "dgrad"), ("rs", "fwd")}
 
 
 def linears(h: int, t: int) -> List[Tuple[str, str, int, int]]:
@@ -109,7 +116,7 @@ def part_gemm(args, rows: ResultRows) -> Dict[Tuple, float]:
                     rows.add("gemm", cfg, f"chunked x{t}", "throughput_vs_plain", ms_p / ms_c)
                     measured[(model, name, pss, "chunked")] = ms_c
                     line += f"  chunked {ms_c:8.3f} ({flops / ms_c / 1e9:6.1f})  ratio {ms_p / ms_c:5.3f}"
-                if (op, pss) == ("rs", "fwd"):    # the pairwise reduce-scatter's sum of t partials
+                if (op, pss) in SUMMED:           # the pairwise reduce-scatter's sum of t partials
                     parts = torch.randn(t, m // t, nn_, device=device, dtype=dtype)
                     red = torch.empty(m // t, nn_, device=device, dtype=dtype)
                     ms_s = median_ms(lambda: torch.sum(parts, 0, out=red), device, warmup, reps)
@@ -122,9 +129,10 @@ def part_gemm(args, rows: ResultRows) -> Dict[Tuple, float]:
 
 # ---- part 2: CPU gloo, plain vs overlapped -----------------------------------------------------------
 
-def _timed(fns: Dict[str, object], iters: int, warmup: int) -> Dict[str, float]:
-    """Median over iterations of the slowest rank's time (ms) per function; the functions take turns
-    within every iteration, so a load change on the machine hits them alike."""
+def _timed(fns: Dict[str, object], iters: int, warmup: int) -> Dict[str, List[float]]:
+    """Per function, the slowest rank's time (ms) of every iteration; the functions take turns within
+    every iteration, so a load change on the machine hits them alike (and pairs them for
+    :func:`seqpar.bench.timing.paired_speedup`)."""
     import torch.distributed as dist
 
     for _ in range(warmup):
@@ -139,17 +147,15 @@ def _timed(fns: Dict[str, object], iters: int, warmup: int) -> Dict[str, float]:
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             times[name].append(dt.item() * 1e3)
-    out = {name: statistics.median(v) for name, v in times.items()}
-    out.update({f"{name}_min": min(v) for name, v in times.items()})
-    return out
+    return times
 
 
-def _gloo_worker(rank, t, op_configs, layer_cfg, iters, warmup):
+def _gloo_worker(rank, t, op_configs, layer_cfgs, iters, layer_iters, warmup):
     import torch.distributed as dist
 
     import seqpar
     from seqpar.ops import all_gather_matmul, matmul_reduce_scatter
-    from seqpar.parallel.overlap import ChunkPlan, record_schedule
+    from seqpar.parallel.overlap import record_schedule
     from seqpar.parallel.state import all_gather_seq, reduce_scatter_seq
 
     group = dist.group.WORLD
@@ -188,9 +194,8 @@ def _gloo_worker(rank, t, op_configs, layer_cfg, iters, warmup):
         for op_name, fn, comm in (("all_gather_matmul", ag, comm_ag), ("matmul_reduce_scatter", rs, comm_rs)):
             m = _timed({"plain": lambda: fn(ChunkPlan(1)), "overlapped": lambda: fn(ChunkPlan(t)),
                         "gemm_only": gemm_only, "comm_only": comm}, iters, warmup)
-            results.append((f"{op_name} fwd+bwd {cfg}", m))
-    if layer_cfg is not None:
-        h, heads, seq, b = layer_cfg
+            results.append((f"{op_name} fwd+bwd {cfg}", m, None))
+    for h, heads, seq, b in layer_cfgs:
         steps, plans = {}, {}
         for overlap in (False, True):
             seqpar.manual_seed(0)
@@ -203,9 +208,9 @@ def _gloo_worker(rank, t, op_configs, layer_cfg, iters, warmup):
             with record_schedule() as ev:
                 steps[overlap]()
             plans[overlap] = sum(1 for e in ev if e[0] == "exchange")
-        m = _timed({"plain": steps[False], "overlapped": steps[True]}, iters, warmup)
-        m["p2p_transfers"] = float(plans[True])
-        results.append((f"TransformerLayer SP fwd+bwd t={t} h={h} heads={heads} s={seq} b={b}", m))
+        m = _timed({"plain": steps[False], "overlapped": steps[True]}, layer_iters, warmup)
+        results.append((f"TransformerLayer SP fwd+bwd t={t} h={h} heads={heads} s={seq} b={b}", m,
+                        plans[True]))
     return results
 
 
@@ -213,28 +218,35 @@ def part_gloo(args, rows: ResultRows) -> None:
     from tests.distributed.launcher import run_ranks
 
     if args.quick:
-        op_configs, layer_cfg, iters, warmup = [(16, 32, 24)], (32, 4, 32, 1), 2, 1
+        op_configs, layer_cfgs, iters, layer_iters, warmup = [(16, 32, 24)], [(32, 4, 32, 1)], 2, 2, 1
     else:
         op_configs = [(512, 1024, 256), (512, 1024, 1024)]
-        layer_cfg, iters, warmup = (512, 8, 1024, 1), args.iters, 2
+        # h=512 layers (a = 8, fp32, no dropout): s = 1024 is attention-heavy on a CPU (5as/h = 80);
+        # s = 256, b = 4 has the same tokens and a bigger share of GEMM + communication
+        layer_cfgs = [(512, 8, 1024, 1), (512, 8, 256, 4)]
+        iters, layer_iters, warmup = args.iters, args.layer_iters, 2
     for t in args.world_sizes:
-        print(f"[gloo] {t} ranks, one thread each: ms, median (min) over {iters} iterations of the slowest rank")
-        res = run_ranks(_gloo_worker, t, op_configs, layer_cfg, iters, warmup, timeout_s=3600)[0]
-        for cfg, m in res:
-            for key, val in m.items():
-                if key == "p2p_transfers":
-                    rows.add("gloo", cfg, "overlapped", "p2p_transfers", val)
-                else:
-                    rows.add("gloo", cfg, key.replace("_min", ""), "min_ms" if key.endswith("_min") else "median_ms", val)
-            speed, speed_min = m["plain"] / m["overlapped"], m["plain_min"] / m["overlapped_min"]
-            rows.add("gloo", cfg, "overlapped", "speedup_vs_plain_median", speed)
-            rows.add("gloo", cfg, "overlapped", "speedup_vs_plain_min", speed_min)
-            line = (f"  {cfg:66s} plain {m['plain']:7.2f} ({m['plain_min']:7.2f})  overlapped {m['overlapped']:7.2f} "
-                    f"({m['overlapped_min']:7.2f})  speedup {speed:5.3f} ({speed_min:5.3f})")
-            if "gemm_only" in m:
-                line += f"  | gemm {m['gemm_only']:7.2f} + comm {m['comm_only']:7.2f} = {m['gemm_only'] + m['comm_only']:7.2f}"
+        print(f"[gloo] {t} ranks, one thread each: ms, median (min) over iterations of the slowest rank; "
+              f"speedup = median of per-iteration plain/overlapped [95% CI] (wins)")
+        res = run_ranks(_gloo_worker, t, op_configs, layer_cfgs, iters, layer_iters, warmup, timeout_s=3600)[0]
+        for cfg, times, transfers in res:
+            med = {name: statistics.median(v) for name, v in times.items()}
+            low = {name: min(v) for name, v in times.items()}
+            for name in times:
+                rows.add("gloo", cfg, name, "median_ms", med[name])
+                rows.add("gloo", cfg, name, "min_ms", low[name])
+            sp = paired_speedup(times["plain"], times["overlapped"])
+            for key in ("median", "ci_low", "ci_high", "wins", "pairs"):
+                rows.add("gloo", cfg, "overlapped", f"speedup_vs_plain_{key}", sp[key])
+            line = (f"  {cfg:66s} plain {med['plain']:7.2f} ({low['plain']:7.2f})  overlapped "
+                    f"{med['overlapped']:7.2f} ({low['overlapped']:7.2f})  speedup {sp['median']:5.3f} "
+                    f"[{sp['ci_low']:5.3f}, {sp['ci_high']:5.3f}] ({sp['wins']:.0%} of {int(sp['pairs'])})")
+            if transfers is None:
+                line += (f"  | gemm {med['gemm_only']:7.2f} + comm {med['comm_only']:7.2f} = "
+                         f"{med['gemm_only'] + med['comm_only']:7.2f}")
             else:
-                line += f"  (point-to-point transfers when overlapped: {int(m['p2p_transfers'])})"
+                rows.add("gloo", cfg, "overlapped", "p2p_transfers", float(transfers))
+                line += f"  (point-to-point transfers when overlapped: {transfers})"
             print(line)
 
 
@@ -265,11 +277,12 @@ class _Sim:
         return max(self.compute, self.link)
 
 
-def _schedule(op, pss, overlapped, t, T):
-    """Replay one pass of one op on a fresh _Sim. T: durations (us) g_fwd/g_dgrad (chunk), G_fwd/G_dgrad
-    (plain), W (weight gradient), c (one shard transfer), C (bulk collective), sum (partials sum)."""
+def _schedule(op, pss, plan, t, T):
+    """Replay one pass of one op under ``plan`` (a ChunkPlan) on a fresh _Sim. T: durations (us)
+    g_fwd/g_dgrad (chunk), G_fwd/G_dgrad (plain), W (weight gradient), c (one shard transfer), C (bulk
+    collective), sum (partials sum)."""
     s = _Sim()
-    if not overlapped or (op, pss) == ("ag", "bwd"):   # all_gather_matmul's backward is not chunked
+    if not plan.overlapped or ((op, pss) == ("ag", "bwd") and plan.bulk_ag_backward):
         if op == "ag" and pss == "fwd":
             s.wait(s.send(T["C"]))
             s.gemm(T["G_fwd"])
@@ -288,7 +301,7 @@ def _schedule(op, pss, overlapped, t, T):
             s.gemm(T["G_dgrad"])
             s.gemm(T["W"])
         return s
-    P = t - 1                         # ChunkPlan.choose's prefetch on CUDA
+    P = plan.prefetch
     if (op, pss) in (("ag", "fwd"), ("rs", "bwd")):      # _gather_chunks: transfers || chunk GEMMs
         g = T["g_fwd"] if pss == "fwd" else T["g_dgrad"]
         ends, issued = [], 0
@@ -302,20 +315,26 @@ def _schedule(op, pss, overlapped, t, T):
         if pss == "bwd":
             s.gemm(T["W"])
         return s
-    if (op, pss) == ("rs", "fwd"):   # _reduce_scatter_chunks: partial j sent right after its GEMM
-        ends = []
-        for j in range(t):
-            s.gemm(T["g_fwd"])
-            if j == t - 1:
-                break
-            if j >= P:
-                s.wait(ends[j - P])
-            ends.append(s.send(T["c"]))
-        for end in ends:
+    # _reduce_scatter_chunks: partial j sent right after its GEMM; all_gather_matmul's backward first
+    # issues the t-1 re-gather transfers and runs the weight gradient beside the last partials
+    regather = [s.send(T["c"]) for _ in range(t - 1)] if op == "ag" else []
+    g = T["g_fwd"] if pss == "fwd" else T["g_dgrad"]
+    ends = []
+    for j in range(t):
+        s.gemm(g)
+        if j == t - 1:
+            break
+        if j >= P:
+            s.wait(ends[j - P])
+        ends.append(s.send(T["c"]))
+    if regather:
+        for end in regather:
             s.wait(end)
-        s.gemm(T["sum"])
-        return s
-    raise AssertionError((op, pss))
+        s.gemm(T["W"])
+    for end in ends:
+        s.wait(end)
+    s.gemm(T["sum"])
+    return s
 
 
 def part_project(args, rows: ResultRows, measured: Dict[Tuple, float]) -> None:
@@ -336,13 +355,19 @@ def part_project(args, rows: ResultRows, measured: Dict[Tuple, float]) -> None:
             shard_dim = k if op == "ag" else n                # x shards / grad_x partials vs y partials / grad_y shards
             c = R // t * shard_dim * e / bw + lat
             C = (t - 1) * R // t * shard_dim * e / bw + lat
-            sum_us = measured.get((model, name, "fwd", "sum"))
+            sum_us = measured.get((model, name, "fwd" if op == "rs" else "dgrad", "sum"))
             sum_us = sum_us * 1e3 if sum_us is not None else (t + 1) * R // t * shard_dim * e / (args.hbm_gbs * 1e3)
             T = dict(g_fwd=gemm_us("fwd", "chunked", R, k, n) / t, G_fwd=gemm_us("fwd", "plain", R, k, n),
                      g_dgrad=gemm_us("dgrad", "chunked", R, n, k) / t, G_dgrad=gemm_us("dgrad", "plain", R, n, k),
                      W=gemm_us("wgrad", "plain", n, R, k), c=c, C=C, sum=sum_us)
+            # the plan overlap=True picks on a GPU for this linear (plain where the chunks are too small)
+            plan = ChunkPlan.choose(True, t=t, chunk_rows=R // t, k=k, n=n, device=torch.device("cuda"))
             for pss in ("fwd", "bwd"):
-                plain, ovl = _schedule(op, pss, False, t, T), _schedule(op, pss, True, t, T)
+                plain, ovl = _schedule(op, pss, ChunkPlan(1), t, T), _schedule(op, pss, plan, t, T)
+                if (op, pss) == ("ag", "bwd") and plan.bulk_ag_backward:   # the alternative it rejects
+                    chunked = _schedule(op, pss, dataclasses.replace(plan, bulk_ag_backward=False), t, T)
+                    rows.add("project", f"{model} {name} {pss} t={t} bw={args.bandwidth_gbs}GB/s", provider,
+                             "chunked_bwd_us", chunked.total)
                 hidden = 1.0 - (ovl.total - ovl.compute_busy) / plain.link_busy
                 cfg = f"{model} {name} {pss} t={t} bw={args.bandwidth_gbs}GB/s"
                 rows.add("project", cfg, provider, "plain_us", plain.total)
@@ -373,7 +398,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"),
                    help="directory for bench_overlap.csv, or a .csv path (rows are appended)")
     p.add_argument("--world-sizes", default="2,4", help="gloo ranks to run, comma separated")
-    p.add_argument("--iters", type=int, default=7, help="timed iterations per gloo measurement")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per gloo op measurement")
+    p.add_argument("--layer-iters", type=int, default=40, help="timed iterations per gloo layer measurement")
     p.add_argument("--bandwidth-gbs", type=float, default=450.0,
                    help="link bandwidth per direction for the projection (NVLink 4: 450 GB/s)")
     p.add_argument("--latency-us", type=float, default=8.0, help="fixed cost per transfer in the projection")
@@ -386,6 +412,8 @@ def parse_args(argv=None):
         args.world_sizes = [int(w) for w in args.world_sizes.split(",") if w]
     except ValueError:
         p.error(f"--world-sizes must be comma-separated ints, got {args.world_sizes!r}")
+    if args.iters < 2 or args.layer_iters < 2:
+        p.error(f"--iters and --layer-iters must be >= 2, got {args.iters} and {args.layer_iters}")
     if any(w < 2 for w in args.world_sizes):
         p.error(f"--world-sizes must all be >= 2, got {args.world_sizes}")
     return args

@@ -8,8 +8,8 @@ matmul_reduce_scatter       x [s, b, k_local]   [n, k_local]     y_shard [s/t, b
 ==========================  ==================  ===============  ======================
 
 ``all_gather_matmul``: ``y = all_gather_seq(x_shard) @ weight^T + bias``. Only ``x_shard`` is saved;
-backward re-gathers it asynchronously while computing the input gradient, then reduce-scatters the
-input gradient asynchronously while computing the weight gradient (Megatron's order, paper.md).
+backward re-gathers it while computing the input gradient, then reduce-scatters the input gradient
+while computing the weight gradient (Megatron's order, paper.md).
 
 ``matmul_reduce_scatter``: ``y_shard = reduce_scatter_seq(x @ weight^T) + bias``; backward all-gathers
 the output gradient. ``bias`` here is added after the reduce-scatter, so its gradient is this rank's
@@ -33,10 +33,19 @@ matmul_reduce_scatter fwd   P_j = x[r + j + 1] W^T (j = t-1: this rank's own row
                             partial for this rank arrives; y_shard = sum of the t partials + b
 matmul_reduce_scatter bwd   grad_x[r - j] = g[r - j] W  ||  transfers bringing g[r - j - 1 ..];
                             then one weight-gradient GEMM grad_y_full^T x
-all_gather_matmul bwd       not chunked: the plain path's schedule already hides both collectives --
-                            async re-gather of x || input-gradient GEMM, then async reduce-scatter of
-                            grad_x || weight-gradient GEMM (bulk collectives, Megatron's order)
+all_gather_matmul bwd       (unless bulk_ag_backward, below) re-gather of x, all t-1 transfers
+                            issued first  ||  P_j = g[r + j + 1] W, the grad_x partial of rank
+                            r + j + 1, sent as in matmul_reduce_scatter fwd; then the weight-gradient
+                            GEMM grad_y^T x  ||  the last partials in flight
 ==========================  =========================================================================
+
+The plain backward of all_gather_matmul (async re-gather of x || input-gradient GEMM, then async
+reduce-scatter of grad_x || weight-gradient GEMM) already hides both of its collectives where they
+run beside the GEMMs for free (NCCL, on its own stream), so ``ChunkPlan.bulk_ag_backward`` keeps it
+there (the CUDA plan); chunking it would only add the partials sum. On gloo the bulk collectives
+cost far more CPU than point-to-point shards (2 ranks, 4 MiB shards: reduce-scatter 12.3 ms,
+all-gather 7.6 ms, one pairwise exchange 3.7 ms), CPU the GEMMs beside them need, so the CPU plan
+chunks this backward too.
 
 Each rank sends t-1 shard-sized messages per chunked gather or scatter: the bytes of a ring
 all-gather or reduce-scatter. Weight gradients stay one GEMM over the gathered tensor (splitting their
@@ -85,9 +94,10 @@ def _gather_chunks(ex: PeerExchange, shard2, slots3, plan: ChunkPlan, name: str,
         note("gemm", name, j)
 
 
-def _reduce_scatter_chunks(ex: PeerExchange, a3, b, plan: ChunkPlan, name: str):
+def _reduce_scatter_chunks(ex: PeerExchange, a3, b, plan: ChunkPlan, name: str, beside=None):
     """This rank's rows of sum_ranks(a3 [t, rows, m] @ b [m, n]) -> [rows, n], partials sent pairwise
-    right after their GEMM, up to ``plan.prefetch`` in flight, summed once at the end."""
+    right after their GEMM, up to ``plan.prefetch`` in flight, summed once at the end. ``beside()``, if
+    given, runs after the last GEMM while the last partials are still in flight."""
     t, r = ex.t, ex.rank
     rows, n = a3.shape[1], b.shape[1]
     partials = torch.empty((t, rows, n), dtype=a3.dtype, device=a3.device)   # [i]: rank i's, for me
@@ -105,6 +115,8 @@ def _reduce_scatter_chunks(ex: PeerExchange, a3, b, plan: ChunkPlan, name: str):
             pending[j - plan.prefetch].wait()
             pending[j - plan.prefetch] = None
         pending[j] = ex.exchange(target, partials[ex.source(j + 1)], step=j, name=name, tag=_TAG_SCATTER)
+    if beside is not None:
+        beside()
     for p in pending:
         if p is not None:
             p.wait()
@@ -142,6 +154,38 @@ def _chunked_matmul_reduce_scatter_bwd(grad_y_shard2, x3, weight, group, plan: C
     return grad_x3, grad_weight
 
 
+def _chunked_all_gather_matmul_bwd(x_shard2, grad_y3, weight, group, plan: ChunkPlan, need_x, need_w):
+    """x_shard2 [rows, k], grad_y3 [t, rows, n_local] (rank i's rows at [i]) -> (grad_x_shard [rows, k]
+    or None, grad_weight [n_local, k] or None).
+
+    The re-gather of x is issued first, all t-1 transfers at once (nothing needs it before the weight
+    gradient); the input-gradient GEMM runs by destination rank with each partial sent as soon as it is
+    computed (the pairwise reduce-scatter); the weight-gradient GEMM runs beside the last partials.
+    """
+    ex = PeerExchange(group)
+    grad_weight = None
+    if need_w:
+        x3 = torch.empty((ex.t,) + tuple(x_shard2.shape), dtype=x_shard2.dtype, device=x_shard2.device)
+        x3[ex.rank].copy_(x_shard2)
+        regather = [ex.exchange(x_shard2, x3[ex.source(j + 1)], step=j, name="ag_bwd_x", tag=_TAG_GATHER)
+                    for j in range(ex.t - 1)]
+
+    def weight_gradient():
+        nonlocal grad_weight
+        for pending in regather:
+            pending.wait()
+        grad_weight = _flat(grad_y3).t().matmul(_flat(x3))
+        note("gemm", "wgrad", 0)
+
+    grad_x_shard = None
+    if need_x:
+        grad_x_shard = _reduce_scatter_chunks(ex, grad_y3, weight, plan, "ag_bwd_dgrad",
+                                              beside=weight_gradient if need_w else None)
+    elif need_w:
+        weight_gradient()
+    return grad_x_shard, grad_weight
+
+
 # ---- autograd functions ----------------------------------------------------------------------------
 
 class _AllGatherMatmul(torch.autograd.Function):
@@ -162,11 +206,17 @@ class _AllGatherMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        # Both plans: the bulk collectives already overlap a full GEMM each (module docstring).
         x_shard, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_y = grad_y.contiguous()
         grad_bias = _flat(grad_y).sum(0) if (ctx.has_bias and need_b) else None
+        if ctx.plan.overlapped and not ctx.plan.bulk_ag_backward:
+            t = ctx.plan.chunks
+            grad_x_shard2, grad_weight = _chunked_all_gather_matmul_bwd(
+                _flat(x_shard.contiguous()), grad_y.view(t, -1, grad_y.shape[-1]), weight, ctx.group,
+                ctx.plan, need_x, need_w)
+            grad_x_shard = grad_x_shard2.view(x_shard.shape) if need_x else None
+            return grad_x_shard, grad_weight, grad_bias, None, None
         gather = scatter = x_full = grad_x_shard = grad_weight = None
         if need_w:
             x_full, gather = all_gather_seq(x_shard, ctx.group, async_op=True)

@@ -54,6 +54,11 @@ class ChunkPlan:
     ``prefetch``: how many transfers are kept in flight ahead of the GEMMs (>= 1). Gathers issue up to
     ``prefetch`` transfers ahead of the GEMM consuming them; reduce-scatters keep up to ``prefetch``
     partials in flight (and as many send buffers + 1). ``t - 1`` issues everything at once.
+    ``bulk_ag_backward``: with chunks = t, all_gather_matmul's backward keeps the plain path's async
+    bulk collectives (re-gather || input-gradient GEMM, reduce-scatter || weight-gradient GEMM), which
+    already hide both collectives where they run beside the GEMMs for free (NCCL, on its own stream);
+    False chunks it like the other passes (pairwise transfers, far cheaper in CPU than gloo's bulk
+    collectives). Ignored with chunks = 1.
 
     Pass an instance as ``overlap=`` to force a plan (tests, benchmarks); ``overlap=True`` asks
     :meth:`choose`.
@@ -61,12 +66,15 @@ class ChunkPlan:
 
     chunks: int = 1
     prefetch: int = 1
+    bulk_ag_backward: bool = False
 
     def __post_init__(self):
         for name in ("chunks", "prefetch"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ChunkPlan.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.bulk_ag_backward, bool):
+            raise ValueError(f"ChunkPlan.bulk_ag_backward must be a bool, got {self.bulk_ag_backward!r}")
 
     @property
     def overlapped(self) -> bool:
@@ -86,8 +94,10 @@ class ChunkPlan:
 
         ``False`` or one rank -> plain. A ``ChunkPlan`` -> itself (validated). ``True`` -> one chunk per
         rank when the per-chunk GEMM (``chunk_rows`` x ``k`` by ``k`` x ``n``) is at least
-        ``MIN_CHUNK_FLOPS[device.type]`` FLOPs and ``MIN_CHUNK_ROWS`` rows, else plain; prefetch
-        t - 1 on CUDA (NCCL serialises the transfers on its stream anyway), 1 elsewhere.
+        ``MIN_CHUNK_FLOPS[device.type]`` FLOPs and ``MIN_CHUNK_ROWS`` rows, else plain. On CUDA:
+        prefetch t - 1 (NCCL serialises the transfers on its stream anyway) and bulk collectives in
+        all_gather_matmul's backward (chunking it only adds a partials sum there: bench_overlap.py's
+        projection); elsewhere (gloo): prefetch 1 and that backward chunked too.
         """
         if isinstance(overlap, ChunkPlan):
             return overlap.validate(t)
@@ -99,7 +109,9 @@ class ChunkPlan:
         threshold = MIN_CHUNK_FLOPS.get(device.type, MIN_CHUNK_FLOPS["cuda"])
         if flops < threshold or chunk_rows < MIN_CHUNK_ROWS:
             return ChunkPlan(1)
-        return ChunkPlan(t, prefetch=t - 1 if device.type == "cuda" else 1)
+        if device.type == "cuda":
+            return ChunkPlan(t, prefetch=t - 1, bulk_ag_backward=True)
+        return ChunkPlan(t, prefetch=1)
 
 
 # ---- schedule recording (tests) ------------------------------------------------------------------

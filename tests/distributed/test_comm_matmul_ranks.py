@@ -5,13 +5,15 @@ One spawn per world size runs every case (spawns are the expensive part):
   unsharded tensors, for the plain plan (chunks 1), the ring plan (chunks t) and ``overlap=True``;
   ugly shapes (odd s/t, k and n not multiples of 8), fp32 and bf16;
 * the overlap order (``record_schedule``): the transfer of chunk i+1 is issued before the GEMM of
-  chunk i and waited on only after it (all_gather_matmul's backward: each async bulk collective is
+  chunk i and waited on only after it; a partial travels while the next one is computed; the
+  re-gather of all_gather_matmul's backward travels during the input-gradient chunks and its last
+  partials during the weight gradient (with ``bulk_ag_backward``: each async bulk collective is
   issued before the GEMM it hides behind);
 * the number and size of collectives per forward / backward (torch.distributed patched in the rank
   process), and that only the plain path's tensors are saved for backward;
 * subgroups that are not the world (t = 4 split in two groups of 2);
 * one TransformerLayer with SP at t = 2: 4 all-gathers + 4 reduce-scatters + 2 backward re-gathers,
-  with 6 of them as point-to-point sends when overlapped, with equal results.
+  all of them point-to-point sends when overlapped (the CPU plan), with equal results.
 """
 from __future__ import annotations
 
@@ -104,6 +106,7 @@ def _parity(r, t):
     plans = {"plain": ChunkPlan(1), "auto": True, "off": False}
     if t > 1:
         plans["chunked"] = ChunkPlan(t)
+        plans["chunked-bulk-ag-backward"] = ChunkPlan(t, bulk_ag_backward=True)
     if t > 2:
         plans["chunked-prefetch-all"] = ChunkPlan(t, prefetch=t - 1)   # the GPU default schedule
     cases = 0
@@ -158,12 +161,26 @@ def _order(r, t):
         assert at("exchange", "ag_grad_bwd", i) < at("gemm", "ag_grad_bwd", i) < at("wait", "ag_grad_bwd", i), ev
         # reduce-scatter: partial i travels while the GEMM of partial i+1 runs
         assert at("gemm", "rs_fwd", i) < at("exchange", "rs_fwd", i) < at("gemm", "rs_fwd", i + 1) < at("wait", "rs_fwd", i), ev
-    # all_gather_matmul backward: async re-gather || input-gradient GEMM, async reduce-scatter || weight gradient
+        # all_gather_matmul backward: partial i travels while partial i+1 is computed, and the weight
+        # gradient runs while the last partial is still in flight
+        assert at("gemm", "ag_bwd_dgrad", i) < at("exchange", "ag_bwd_dgrad", i) \
+            < at("gemm", "ag_bwd_dgrad", i + 1) < at("wait", "ag_bwd_dgrad", i), ev
+        # ... and the re-gather of x is all issued before the first input-gradient chunk, waited only
+        # after the last one
+        assert at("exchange", "ag_bwd_x", i) < at("gemm", "ag_bwd_dgrad", 0), ev
+        assert at("gemm", "ag_bwd_dgrad", t - 1) < at("wait", "ag_bwd_x", i) < at("gemm", "wgrad", 0), ev
+    assert at("gemm", "wgrad", 0) < at("wait", "ag_bwd_dgrad", t - 2), ev
+    kinds = Counter(e[0] for e in ev)
+    assert kinds["exchange"] == 5 * (t - 1) and kinds["collective"] == 0, kinds
+    assert kinds["wait"] == kinds["exchange"], kinds
+    # bulk_ag_backward (the GPU plan): async re-gather || input-gradient GEMM, async reduce-scatter ||
+    # weight gradient
+    with record_schedule() as ev:
+        _run_ag(T, r, t, s_local, n, group, ChunkPlan(t, bulk_ag_backward=True))
     assert at("collective", "ag_bwd", 0) < at("gemm", "dgrad", 0) < at("wait", "ag_bwd", 0), ev
     assert at("gemm", "dgrad", 0) < at("collective", "rs_bwd", 0) < at("gemm", "wgrad", 0) < at("wait", "rs_bwd", 0), ev
-    kinds = Counter(e[0] for e in ev)
-    assert kinds["exchange"] == 3 * (t - 1) and kinds["collective"] == 2, kinds
-    assert kinds["wait"] == kinds["exchange"] + kinds["collective"], kinds
+    bulk = Counter(e[0] for e in ev)
+    assert bulk["exchange"] == t - 1 and bulk["collective"] == 2 and bulk["wait"] == t + 1, bulk
     # prefetch t-1 (the GPU default): every transfer of a gather is issued before its first GEMM
     with record_schedule() as ev:
         _run_ag(T, r, t, s_local, n, group, ChunkPlan(t, prefetch=t - 1))
@@ -231,7 +248,7 @@ def _counts(r, t):
     T = _case_tensors(5, t, s_local, b, k, n, torch.float32)
     e = 4  # fp32 bytes
     ag_shard, rs_shard = s_local * b * k * e, s_local * b * n * e
-    plans = [ChunkPlan(1)] + ([ChunkPlan(t)] if t > 1 else [])
+    plans = [ChunkPlan(1)] + ([ChunkPlan(t), ChunkPlan(t, bulk_ag_backward=True)] if t > 1 else [])
     for plan in plans:
         x = T["ag_x"][r * s_local:(r + 1) * s_local].clone().requires_grad_()
         w = T["ag_w"][r * n:(r + 1) * n].clone().requires_grad_()
@@ -244,9 +261,12 @@ def _counts(r, t):
         elif plan.chunks == 1:   # one bulk all-gather forward; re-gather + reduce-scatter backward
             assert fwd == [("all_gather", ag_shard)], fwd
             assert Counter(bwd) == Counter({("all_gather", ag_shard): 1, ("reduce_scatter", ag_shard * t): 1}), bwd
-        else:                    # t-1 shard-sized sends: a ring all-gather's bytes; backward as plain
+        elif plan.bulk_ag_backward:   # t-1 shard-sized sends: a ring all-gather's bytes; backward as plain
             assert fwd == [("send", ag_shard)] * (t - 1), fwd
             assert Counter(bwd) == Counter({("all_gather", ag_shard): 1, ("reduce_scatter", ag_shard * t): 1}), bwd
+        else:                    # backward: t-1 sends re-gather x, t-1 send the grad_x partials
+            assert fwd == [("send", ag_shard)] * (t - 1), fwd
+            assert bwd == [("send", ag_shard)] * (2 * (t - 1)), bwd
         x = T["rs_x"][..., r * k:(r + 1) * k].clone().requires_grad_()
         w = T["rs_w"][:, r * k:(r + 1) * k].clone().requires_grad_()
         with _count_collectives() as fwd:
@@ -284,8 +304,8 @@ def _saved_tensors(r, t):
 
 def _layer_counts(r, t):
     """One TransformerLayer (SP, t ranks) forward + backward: 4 all-gathers + 4 reduce-scatters of
-    activations (paper.md) plus the backward re-gathers of the 2 column-parallel inputs; overlapped,
-    6 of those 10 transfers become t-1 point-to-point sends each. Both give the same results."""
+    activations (paper.md) plus the backward re-gathers of the 2 column-parallel inputs; overlapped
+    (the CPU plan), each of those 10 becomes t-1 point-to-point sends. Both give the same results."""
     import seqpar
     import seqpar.parallel.overlap as overlap_mod
 
@@ -317,10 +337,9 @@ def _layer_counts(r, t):
     assert all(size == shard * t for kind, size in logs[False] if kind == "reduce_scatter"), logs[False]
     assert all(size <= 4 * h * 4 for kind, size in logs[False] if kind == "all_reduce"), logs[False]   # params only
     ring = Counter(kind for kind, _ in logs[True])
-    # chunked: the 4 forward collectives and the 2 output-gradient gathers become t-1 sends each; the
-    # column-parallel backward keeps its 2 async re-gathers + 2 reduce-scatters
-    assert ring["all_gather"] == ring["reduce_scatter"] == 2 and ring["send"] == 6 * (t - 1), logs[True]
-    assert all(size == shard for kind, size in logs[True] if kind in ("send", "all_gather")), logs[True]
+    # chunked: every gather and reduce-scatter of activations or their gradients is t-1 shard sends
+    assert ring["all_gather"] == ring["reduce_scatter"] == 0 and ring["send"] == 10 * (t - 1), logs[True]
+    assert all(size == shard for kind, size in logs[True] if kind == "send"), logs[True]
     assert ring["all_reduce"] == plain["all_reduce"], (logs[False], logs[True])
     for a, c in zip(results[False], results[True]):
         assert_close(c, a, torch.float32, msg="layer overlap_comm=True vs False")
@@ -356,7 +375,7 @@ def _all_checks(rank, world_size):
 @pytest.mark.parametrize("world_size", [1, 2, 4], ids=lambda w: f"t{w}")
 def test_comm_matmul_multirank(world_size):
     results = run_ranks(_all_checks, world_size, timeout_s=240)
-    plans = 3 + (world_size > 1) + (world_size > 2)
+    plans = 3 + 2 * (world_size > 1) + (world_size > 2)
     assert all(res["cases"] == len(SHAPES) * len(DTYPES) * plans for res in results), results
     assert all(res["counts"] and res["saved"] for res in results)
     if world_size == 2:

@@ -47,6 +47,8 @@ def test_chunk_plan_validation():
             ChunkPlan(bad)
         with pytest.raises(ValueError, match="prefetch"):
             ChunkPlan(2, prefetch=bad)
+    with pytest.raises(ValueError, match="bulk_ag_backward"):
+        ChunkPlan(2, bulk_ag_backward=1)
     assert ChunkPlan(4).validate(4).overlapped and not ChunkPlan(1).validate(4).overlapped
     with pytest.raises(ValueError, match="chunks=3"):
         ChunkPlan(3).validate(4)
@@ -57,7 +59,8 @@ def test_chunk_plan_choose_heuristic():
     choose = ChunkPlan.choose
     big = dict(chunk_rows=256, k=4096, n=4096)                   # 8.6 GFLOP per chunk
     assert choose(True, t=4, device=cpu, **big) == ChunkPlan(4, prefetch=1)      # gloo: one transfer ahead
-    assert choose(True, t=4, device=cuda, **big) == ChunkPlan(4, prefetch=3)     # NCCL: all issued at once
+    # NCCL: all issued at once; all_gather_matmul's backward keeps its bulk async collectives
+    assert choose(True, t=4, device=cuda, **big) == ChunkPlan(4, prefetch=3, bulk_ag_backward=True)
     assert choose(True, t=1, device=cpu, **big) == ChunkPlan(1)   # nothing to overlap
     assert choose(False, t=4, device=cpu, **big) == ChunkPlan(1)
     assert choose(True, t=4, device=cpu, chunk_rows=5, k=13, n=11) == ChunkPlan(1)          # tiny GEMM
