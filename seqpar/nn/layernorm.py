@@ -2,8 +2,8 @@
 
 Under sequence parallelism each rank normalises only its sequence shard, so the replicated weight and
 bias see a shard of the tokens: they enter the computation through f (identity forward, all-reduce
-backward) and after backward every rank holds the full, identical gradient, with no separate
-"finalize grads" step.
+backward; weight and bias in one all-reduce) and after backward every rank holds the full, identical
+gradient, with no separate "finalize grads" step.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from torch import nn
 from ..ops.bias_dropout_add_layer_norm import bias_dropout_add_layer_norm
 from ..ops.dropout import DropoutSpec
 from ..ops.registry import validate_backend
-from ..parallel.mappings import copy_to_tensor_region
+from ..parallel.mappings import copy_to_tensor_region_coalesced
 from ..parallel.state import ProcessGroup
 
 
@@ -45,7 +45,7 @@ class LayerNorm(nn.Module):
         """(weight, bias) as the computation uses them (through f under SP)."""
         if not self.sequence_parallel:
             return self.weight, self.bias
-        return copy_to_tensor_region(self.weight, self.tp_group), copy_to_tensor_region(self.bias, self.tp_group)
+        return copy_to_tensor_region_coalesced((self.weight, self.bias), self.tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_hidden(x)

@@ -12,9 +12,12 @@ scatter_to_sequence_region        keep own shard        all-gather             (
 
 Every function is the identity (returns its input) when the group has one rank.
 ``copy_to_tensor_region`` is also how replicated parameters that only see a sequence shard (LayerNorm
-weights, the row-parallel output bias under SP) get their gradient summed over the group.
+weights, the row-parallel output bias under SP) get their gradient summed over the group;
+``copy_to_tensor_region_coalesced`` does it for several tensors with one all-reduce.
 """
 from __future__ import annotations
+
+from typing import Sequence, Tuple
 
 import torch
 
@@ -22,14 +25,22 @@ from .state import ProcessGroup, all_gather_seq, all_reduce, group_size, reduce_
 
 
 class _CopyToTensorRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
+    """f over one or more tensors: identity forward; backward sums all their gradients over the group
+    in one all-reduce of the concatenated gradients (one latency, not one per tensor)."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
+    def forward(ctx, group, *xs):
+        ctx.group = group
+        ctx.shapes = [x.shape for x in xs]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if len(grads) == 1:
+            return None, all_reduce(grads[0].clone(memory_format=torch.contiguous_format), ctx.group)
+        flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), ctx.group)
+        sizes = [g.numel() for g in grads]
+        return (None,) + tuple(part.view(shape) for part, shape in zip(flat.split(sizes), ctx.shapes))
 
 
 class _ReduceFromTensorRegion(torch.autograd.Function):
@@ -77,7 +88,21 @@ class _ScatterToSequenceRegion(torch.autograd.Function):
 
 def copy_to_tensor_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """f: identity forward, all-reduce of the gradient backward."""
-    return x if group_size(group) == 1 else _CopyToTensorRegion.apply(x, group)
+    return x if group_size(group) == 1 else _CopyToTensorRegion.apply(group, x)[0]
+
+
+def copy_to_tensor_region_coalesced(xs: Sequence[torch.Tensor], group: ProcessGroup) -> Tuple[torch.Tensor, ...]:
+    """f on each of ``xs`` (same dtype and device), their gradients summed in ONE all-reduce.
+
+    For tensors whose gradients are ready together (a LayerNorm's weight and bias): one collective's
+    latency instead of one per tensor.
+    """
+    xs = tuple(xs)
+    if not xs or any(not isinstance(x, torch.Tensor) for x in xs):
+        raise ValueError(f"xs must be a non-empty sequence of tensors, got {xs!r}")
+    if len({(x.dtype, x.device) for x in xs}) > 1:
+        raise ValueError(f"xs must share dtype and device, got {[(x.dtype, str(x.device)) for x in xs]}")
+    return xs if group_size(group) == 1 else _CopyToTensorRegion.apply(group, *xs)
 
 
 def reduce_from_tensor_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from seqpar.parallel import (copy_to_tensor_region, gather_from_sequence_region, reduce_from_tensor_region,
-                             reduce_scatter_to_sequence_region, scatter_to_sequence_region, sequence_shard)
+from seqpar.parallel import (copy_to_tensor_region, copy_to_tensor_region_coalesced, gather_from_sequence_region,
+                             reduce_from_tensor_region, reduce_scatter_to_sequence_region,
+                             scatter_to_sequence_region, sequence_shard)
 
 from launcher import run_ranks
 
@@ -42,6 +43,17 @@ def _mappings_worker(rank, world_size):
     same = [xs[0]] * world_size
     check("scatter", scatter_to_sequence_region, same, sequence_shard(xs[0], group), grad_shards,
           torch.cat(grad_shards))
+    # f over several tensors (one all-reduce): each gradient summed over the ranks, shapes kept; a
+    # tensor whose output is unused gets zeros (t > 1: the all-reduce needs every slot) or no gradient
+    ws, bs, hs = per_rank(5, (h,)), per_rank(6, (h, 2)), per_rank(7, (2, 3))
+    gws, gbs = per_rank(8, (h,)), per_rank(9, (h, 2))
+    leaves = [t[rank].clone().requires_grad_() for t in (ws, bs, hs)]
+    outs = copy_to_tensor_region_coalesced(leaves, group)
+    torch.autograd.backward(outs[:2], [gws[rank], gbs[rank]])
+    errors["f_coalesced"] = max(max((o - t[rank]).abs().max().item() for o, t in zip(outs, (ws, bs, hs))),
+                                (leaves[0].grad - sum(gws)).abs().max().item(),
+                                (leaves[1].grad - sum(gbs)).abs().max().item(),
+                                0.0 if leaves[2].grad is None else leaves[2].grad.abs().max().item())
     return errors
 
 
@@ -58,3 +70,12 @@ def test_single_rank_is_identity():
     for fn in (copy_to_tensor_region, reduce_from_tensor_region, gather_from_sequence_region,
                reduce_scatter_to_sequence_region, scatter_to_sequence_region):
         assert fn(x, None) is x
+    y = torch.randn(2)
+    assert all(a is b for a, b in zip(copy_to_tensor_region_coalesced([x, y], None), (x, y)))
+
+
+@pytest.mark.parametrize("xs", [[], [torch.randn(2), "w"], [torch.randn(2), torch.randn(2, dtype=torch.float64)]],
+                         ids=["empty", "not-a-tensor", "mixed-dtypes"])
+def test_coalesced_rejects_bad_input(xs):
+    with pytest.raises(ValueError, match="xs must"):
+        copy_to_tensor_region_coalesced(xs, None)
