@@ -11,11 +11,14 @@ Parts (``--part``, default ``all``; rows appended to ``<out>/bench_overlap.csv``
     all_gather_matmul input gradient); plain times of the weight gradients for the projection. bf16.
     Without CUDA this part says so and is skipped; ``--quick`` runs it on CPU with tiny shapes as a
     smoke test.
-``gloo`` (CPU, 2 and 4 gloo ranks, one thread each; median over iterations of the slowest rank):
+``gloo`` (CPU, 2 and 4 gloo ranks, one thread each, each rank's threads bound to one core unless
+    ``--no-pin``; median over iterations of the slowest rank):
     all_gather_matmul and matmul_reduce_scatter forward + backward, plain (ChunkPlan(1)) vs overlapped
     (ChunkPlan(t)), plus the same GEMMs alone (group None, same FLOPs) and the plain path's
     collectives alone; overlap hides communication when overlapped < gemm + comm. Then two
     TransformerLayers with sequence parallelism, ``overlap_comm`` False vs True (the op heuristic picks).
+    The layers also run with every collective and transfer turned into a no-op ("compute alone"),
+    which gives the communication the plain layer exposes and the share of it overlapping hides.
     Speedups are paired (:func:`seqpar.bench.timing.paired_speedup`): the median over iterations of
     plain / overlapped, with a bootstrap 95% interval; "overlapped is faster" means its low end > 1.
 ``project``: a model of one GPU's step, for the paper's models at t = 8. Two resources in program
@@ -40,6 +43,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -150,7 +154,46 @@ def _timed(fns: Dict[str, object], iters: int, warmup: int) -> Dict[str, List[fl
     return times
 
 
-def _gloo_worker(rank, t, op_configs, layer_cfgs, iters, layer_iters, warmup):
+def _pin_to_core(rank: int) -> None:
+    """Bind every thread of this rank (its compute thread and gloo's) to core ``rank % cores``, as a
+    CPU launcher binds ranks: the GEMM then shares its core only with its own rank's transfers, not
+    with threads the scheduler migrates in. Linux only (elsewhere a no-op)."""
+    if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), {cores[rank % len(cores)]})
+        except OSError:      # a thread that just exited
+            pass
+
+
+class _NoTransfer:
+    def wait(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def _without_communication():
+    """Every collective and transfer the layer issues becomes a no-op (results are garbage): what is
+    left is the layer's own compute, plain or chunked, to tell how much communication was hidden."""
+    import torch.distributed as dist
+
+    import seqpar.parallel.state as state
+
+    def skip(*args, async_op=False, **kwargs):
+        return _NoTransfer() if async_op else None
+
+    saved = (state._all_gather_single, state._reduce_scatter_single, dist.all_reduce, dist.batch_isend_irecv)
+    state._all_gather_single = state._reduce_scatter_single = dist.all_reduce = skip
+    dist.batch_isend_irecv = lambda ops: [_NoTransfer()]
+    try:
+        yield
+    finally:
+        state._all_gather_single, state._reduce_scatter_single, dist.all_reduce, dist.batch_isend_irecv = saved
+
+
+def _gloo_worker(rank, t, op_configs, layer_cfgs, iters, layer_iters, warmup, pin):
     import torch.distributed as dist
 
     import seqpar
@@ -159,6 +202,8 @@ def _gloo_worker(rank, t, op_configs, layer_cfgs, iters, layer_iters, warmup):
     from seqpar.parallel.state import all_gather_seq, reduce_scatter_seq
 
     group = dist.group.WORLD
+    if pin:
+        _pin_to_core(rank)
     torch.manual_seed(rank)
     results = []
     for rows_local, k, n in op_configs:
@@ -208,7 +253,14 @@ def _gloo_worker(rank, t, op_configs, layer_cfgs, iters, layer_iters, warmup):
             with record_schedule() as ev:
                 steps[overlap]()
             plans[overlap] = sum(1 for e in ev if e[0] == "exchange")
-        m = _timed({"plain": steps[False], "overlapped": steps[True]}, layer_iters, warmup)
+
+        def compute_only(step):
+            with _without_communication():
+                step()
+
+        m = _timed({"plain": steps[False], "overlapped": steps[True],
+                    "plain_compute_only": lambda: compute_only(steps[False]),
+                    "overlapped_compute_only": lambda: compute_only(steps[True])}, layer_iters, warmup)
         results.append((f"TransformerLayer SP fwd+bwd t={t} h={h} heads={heads} s={seq} b={b}", m,
                         plans[True]))
     return results
@@ -226,10 +278,13 @@ def part_gloo(args, rows: ResultRows) -> None:
         layer_cfgs = [(512, 8, 1024, 1), (512, 8, 256, 4)]
         iters, layer_iters, warmup = args.iters, args.layer_iters, 2
     for t in args.world_sizes:
-        print(f"[gloo] {t} ranks, one thread each: ms, median (min) over iterations of the slowest rank; "
-              f"speedup = median of per-iteration plain/overlapped [95% CI] (wins)")
-        res = run_ranks(_gloo_worker, t, op_configs, layer_cfgs, iters, layer_iters, warmup, timeout_s=3600)[0]
+        print(f"[gloo] {t} ranks, one thread each{', pinned one per core' if args.pin else ''}: ms, median (min) "
+              f"over iterations of the slowest rank; speedup = median of per-iteration plain/overlapped "
+              f"[95% CI] (wins)")
+        res = run_ranks(_gloo_worker, t, op_configs, layer_cfgs, iters, layer_iters, warmup, args.pin,
+                        timeout_s=3600)[0]
         for cfg, times, transfers in res:
+            cfg += " pinned" if args.pin else ""
             med = {name: statistics.median(v) for name, v in times.items()}
             low = {name: min(v) for name, v in times.items()}
             for name in times:
@@ -245,8 +300,15 @@ def part_gloo(args, rows: ResultRows) -> None:
                 line += (f"  | gemm {med['gemm_only']:7.2f} + comm {med['comm_only']:7.2f} = "
                          f"{med['gemm_only'] + med['comm_only']:7.2f}")
             else:
+                # communication the plain layer exposes, and the share of it the overlapped layer hides
+                comm = med["plain"] - med["plain_compute_only"]
+                hidden = (med["plain"] - med["overlapped"]) / comm
                 rows.add("gloo", cfg, "overlapped", "p2p_transfers", float(transfers))
-                line += f"  (point-to-point transfers when overlapped: {transfers})"
+                rows.add("gloo", cfg, "plain", "exposed_comm_ms", comm)
+                rows.add("gloo", cfg, "overlapped", "comm_hidden", hidden)
+                line += (f"  | compute alone {med['plain_compute_only']:7.2f} (chunked "
+                         f"{med['overlapped_compute_only']:7.2f}), communication {comm:6.2f}, hidden {hidden:5.1%}"
+                         f", {transfers} transfers")
             print(line)
 
 
@@ -399,7 +461,9 @@ def parse_args(argv=None):
                    help="directory for bench_overlap.csv, or a .csv path (rows are appended)")
     p.add_argument("--world-sizes", default="2,4", help="gloo ranks to run, comma separated")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per gloo op measurement")
-    p.add_argument("--layer-iters", type=int, default=40, help="timed iterations per gloo layer measurement")
+    p.add_argument("--layer-iters", type=int, default=80, help="timed iterations per gloo layer measurement")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="leave gloo ranks unpinned (default: each rank's threads bound to core rank %% cores)")
     p.add_argument("--bandwidth-gbs", type=float, default=450.0,
                    help="link bandwidth per direction for the projection (NVLink 4: 450 GB/s)")
     p.add_argument("--latency-us", type=float, default=8.0, help="fixed cost per transfer in the projection")
