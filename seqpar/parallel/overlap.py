@@ -97,7 +97,9 @@ class ChunkPlan:
         ``MIN_CHUNK_FLOPS[device.type]`` FLOPs and ``MIN_CHUNK_ROWS`` rows, else plain. On CUDA:
         prefetch t - 1 (NCCL serialises the transfers on its stream anyway) and bulk collectives in
         all_gather_matmul's backward (chunking it only adds a partials sum there: bench_overlap.py's
-        projection); elsewhere (gloo): prefetch 1 and that backward chunked too.
+        projection); elsewhere (gloo): prefetch 1 and that backward chunked too. The CPU plan
+        assumes a core per rank (the transfers run on gloo's threads beside the GEMM); it cannot see
+        oversubscription (t=4 ranks on 2 cores: the overlapped layer is 0.90-0.95x the plain one).
         """
         if isinstance(overlap, ChunkPlan):
             return overlap.validate(t)
