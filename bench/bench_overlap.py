@@ -13,9 +13,9 @@ Parts (``--part``, default ``all``; rows appended to ``<out>/bench_overlap.csv``
     smoke test.
 ``gloo`` (CPU, 2 and 4 gloo ranks, one thread each, each rank's threads bound to one core unless
     ``--no-pin``; median over iterations of the slowest rank):
-    all_gather_matmul and matmul_reduce_scatter forward + backward, plain (ChunkPlan(1)) vs overlapped
-    (ChunkPlan(t)), plus the same GEMMs alone (group None, same FLOPs) and the plain path's
-    collectives alone; overlap hides communication when overlapped < gemm + comm. Then two
+    all_gather_matmul and matmul_reduce_scatter, forward + backward and forward alone, plain
+    (ChunkPlan(1)) vs overlapped (ChunkPlan(t)), plus the same GEMMs alone (no group, same FLOPs) and
+    the plain path's collectives alone; overlap hides communication when overlapped < gemm + comm. Then two
     TransformerLayers with sequence parallelism, ``overlap_comm`` False vs True (the op heuristic picks).
     The layers also run with every collective and transfer turned into a no-op ("compute alone"),
     which gives the communication the plain layer exposes and the share of it overlapping hides.
@@ -235,11 +235,27 @@ def _gloo_worker(rank, t, op_configs, layer_cfgs, iters, layer_iters, warmup, pi
             reduce_scatter_seq(y_full, group)
             all_gather_seq(gy_shard, group)
 
+        @torch.no_grad()
+        def ag_fwd(plan):
+            all_gather_matmul(x_shard, w, group=group, overlap=plan)
+
+        @torch.no_grad()
+        def rs_fwd(plan):
+            matmul_reduce_scatter(x_full, w, group=group, overlap=plan)
+
+        @torch.no_grad()
+        def gemm_only_fwd():
+            torch.nn.functional.linear(x_full, w)
+
         cfg = f"t={t} rows/rank={rows_local} k={k} n={n}"
-        for op_name, fn, comm in (("all_gather_matmul", ag, comm_ag), ("matmul_reduce_scatter", rs, comm_rs)):
+        for op_name, passes, fn, gemm, comm in (
+                ("all_gather_matmul", "fwd+bwd", ag, gemm_only, comm_ag),
+                ("matmul_reduce_scatter", "fwd+bwd", rs, gemm_only, comm_rs),
+                ("all_gather_matmul", "fwd", ag_fwd, gemm_only_fwd, lambda: all_gather_seq(x_shard.detach(), group)),
+                ("matmul_reduce_scatter", "fwd", rs_fwd, gemm_only_fwd, lambda: reduce_scatter_seq(y_full, group))):
             m = _timed({"plain": lambda: fn(ChunkPlan(1)), "overlapped": lambda: fn(ChunkPlan(t)),
-                        "gemm_only": gemm_only, "comm_only": comm}, iters, warmup)
-            results.append((f"{op_name} fwd+bwd {cfg}", m, None))
+                        "gemm_only": gemm, "comm_only": comm}, iters, warmup)
+            results.append((f"{op_name} {passes} {cfg}", m, None))
     for h, heads, seq, b in layer_cfgs:
         steps, plans = {}, {}
         for overlap in (False, True):
