@@ -15,7 +15,7 @@ python3 -m seqpar bench --device cuda --json "$OUT/layer_bench.json" 2>&1 | tee 
 declare -A SWEEP=(
   [bench_layernorm_dropout]="--tokens 16384 --hidden 1024,4096,12288"
   [bench_attention]="--seqlens 2048,4096 --head-dims 128"
-  [bench_overlap]="--iters 5"
+  [bench_overlap]="--iters 5 --layer-iters 20"
 )
 for script in bench/bench_layernorm_dropout.py bench/bench_attention.py bench/bench_overlap.py; do
   [ -f "$script" ] || continue
