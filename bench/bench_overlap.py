@@ -15,8 +15,9 @@ Parts (``--part``, default ``all``; rows appended to ``<out>/bench_overlap.csv``
     ``--no-pin``; median over iterations of the slowest rank):
     all_gather_matmul and matmul_reduce_scatter, forward + backward and forward alone, plain
     (ChunkPlan(1)) vs overlapped (ChunkPlan(t)), plus the same GEMMs alone (no group, same FLOPs) and
-    the plain path's collectives alone; overlap hides communication when overlapped < gemm + comm. Then two
-    TransformerLayers with sequence parallelism, ``overlap_comm`` False vs True (the op heuristic picks).
+    the plain path's collectives alone; overlap hides communication when overlapped < gemm + comm.
+    Then two TransformerLayers with sequence parallelism, ``overlap_comm`` False vs True (the op
+    heuristic picks).
     The layers also run with every collective and transfer turned into a no-op ("compute alone"),
     which gives the communication the plain layer exposes and the share of it overlapping hides.
     Speedups are paired (:func:`seqpar.bench.timing.paired_speedup`): the median over iterations of
@@ -29,8 +30,9 @@ Parts (``--part``, default ``all``; rows appended to ``<out>/bench_overlap.csv``
     are exactly the ops' loops (seqpar/ops/comm_matmul.py) under the plan ``overlap=True`` picks on a
     GPU (``ChunkPlan.choose``), and the plain path (bulk collectives: one transfer of (t-1) shards;
     backward of all_gather_matmul overlaps them with the GEMMs as Megatron does, which the GPU plan
-    keeps; the chunked alternative it rejects is reported as ``chunked_bwd_us``). GEMM times come from the ``gemm`` part of this run (provider "measured"), else from
-    ``--tflops`` (provider "assumed"); sums from ``--hbm-gbs``. Reports, per linear and pass and per
+    keeps; the chunked alternative it rejects is reported as ``chunked_bwd_us``). GEMM times come
+    from the ``gemm`` part of this run (provider "measured"), else from ``--tflops`` (provider
+    "assumed"); sums from ``--hbm-gbs``. Reports, per linear and pass and per
     model layer (2 all_gather_matmul + 2 matmul_reduce_scatter, fwd + bwd): time plain vs overlapped,
     speedup, and the share of the communication hidden = 1 - (overlapped - its compute) / comm.
 
@@ -247,12 +249,18 @@ def _gloo_worker(rank, t, op_configs, layer_cfgs, iters, layer_iters, warmup, pi
         def gemm_only_fwd():
             torch.nn.functional.linear(x_full, w)
 
+        def comm_ag_fwd():
+            all_gather_seq(x_shard.detach(), group)
+
+        def comm_rs_fwd():
+            reduce_scatter_seq(y_full, group)
+
         cfg = f"t={t} rows/rank={rows_local} k={k} n={n}"
         for op_name, passes, fn, gemm, comm in (
                 ("all_gather_matmul", "fwd+bwd", ag, gemm_only, comm_ag),
                 ("matmul_reduce_scatter", "fwd+bwd", rs, gemm_only, comm_rs),
-                ("all_gather_matmul", "fwd", ag_fwd, gemm_only_fwd, lambda: all_gather_seq(x_shard.detach(), group)),
-                ("matmul_reduce_scatter", "fwd", rs_fwd, gemm_only_fwd, lambda: reduce_scatter_seq(y_full, group))):
+                ("all_gather_matmul", "fwd", ag_fwd, gemm_only_fwd, comm_ag_fwd),
+                ("matmul_reduce_scatter", "fwd", rs_fwd, gemm_only_fwd, comm_rs_fwd)):
             m = _timed({"plain": lambda: fn(ChunkPlan(1)), "overlapped": lambda: fn(ChunkPlan(t)),
                         "gemm_only": gemm, "comm_only": comm}, iters, warmup)
             results.append((f"{op_name} {passes} {cfg}", m, None))
@@ -318,7 +326,7 @@ def part_gloo(args, rows: ResultRows) -> None:
             else:
                 # communication the plain layer exposes, and the share of it the overlapped layer hides
                 comm = med["plain"] - med["plain_compute_only"]
-                hidden = (med["plain"] - med["overlapped"]) / comm
+                hidden = (med["plain"] - med["overlapped"]) / comm if comm > 0 else float("nan")
                 rows.add("gloo", cfg, "overlapped", "p2p_transfers", float(transfers))
                 rows.add("gloo", cfg, "plain", "exposed_comm_ms", comm)
                 rows.add("gloo", cfg, "overlapped", "comm_hidden", hidden)
