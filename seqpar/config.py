@@ -26,7 +26,7 @@ class TransformerConfig:
     ``overlap_comm``: under sequence parallelism, overlap the all-gather / reduce-scatter with the
     GEMMs (:func:`seqpar.ops.all_gather_matmul`), where the op judges it helps. On CPU (gloo) the
     transfers need CPU time beside the GEMMs: with more ranks than cores, turn it off (measured with
-    bench/bench_overlap.py on 2 cores: 1.08-1.10x faster at t=2, 0.90-0.95x at t=4).
+    bench/bench_overlap.py on 2 cores: 1.04-1.10x faster at t=2, 0.90-0.95x at t=4).
     """
 
     hidden_size: int
