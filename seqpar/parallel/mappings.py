@@ -99,7 +99,7 @@ def copy_to_tensor_region_coalesced(xs: Sequence[torch.Tensor], group: ProcessGr
     """
     xs = tuple(xs)
     if not xs or any(not isinstance(x, torch.Tensor) for x in xs):
-        raise ValueError(f"xs must be a non-empty sequence of tensors, got {xs!r}")
+        raise ValueError(f"xs must be a non-empty sequence of tensors, got {[type(x).__name__ for x in xs]}")
     if len({(x.dtype, x.device) for x in xs}) > 1:
         raise ValueError(f"xs must share dtype and device, got {[(x.dtype, str(x.device)) for x in xs]}")
     return xs if group_size(group) == 1 else _CopyToTensorRegion.apply(group, *xs)
