@@ -31,16 +31,14 @@ class _CopyToTensorRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, *xs):
         ctx.group = group
-        ctx.shapes = [x.shape for x in xs]
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     def backward(ctx, *grads):
-        if len(grads) == 1:
-            return None, all_reduce(grads[0].clone(memory_format=torch.contiguous_format), ctx.group)
+        # the concatenation is a fresh contiguous buffer, so the in-place all-reduce touches no grad
         flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), ctx.group)
-        sizes = [g.numel() for g in grads]
-        return (None,) + tuple(part.view(shape) for part, shape in zip(flat.split(sizes), ctx.shapes))
+        parts = flat.split([g.numel() for g in grads])
+        return (None,) + tuple(part.view_as(g) for part, g in zip(parts, grads))
 
 
 class _ReduceFromTensorRegion(torch.autograd.Function):
