@@ -3,7 +3,17 @@
 The extension is skipped, with the reason printed, when SEQPAR_BUILD_CUDA=0, when nvcc or cmake is
 missing, or (unless SEQPAR_BUILD_CUDA=1 forces it) when its build fails. SEQPAR_CUDA_ARCHS overrides
 the CUDA architectures (default "80;90").
+
+pip hides a build's output unless run with ``-v``, so the outcome is also written next to the extension
+as ``seqpar/_build_status.json`` ({"cuda_extension": "built"} or {"cuda_extension": "not built: <why>"});
+``python -m seqpar info`` and the error of an explicit ``backend="cuda"`` quote it. A skipped build
+deletes any ``_C`` library left in the output folder by an earlier build (a reused ``build/`` folder
+would otherwise put a stale ``_C`` into a wheel built with SEQPAR_BUILD_CUDA=0).
+
+CMake builds in ``build/cmake-<python tag>`` inside the source tree, so a re-install recompiles only
+what changed under csrc/.
 """
+import json
 import os
 import shutil
 import subprocess
@@ -30,22 +40,38 @@ def _cuda_skip_reason():
 class CMakeBuild(build_ext):
     def run(self):
         reason = _cuda_skip_reason()
+        if reason is None:
+            try:
+                super().run()
+            except (subprocess.CalledProcessError, OSError) as exc:
+                if os.environ.get("SEQPAR_BUILD_CUDA") == "1":
+                    raise
+                reason = f"its build failed ({exc}); set SEQPAR_BUILD_CUDA=1 to make this an error"
         if reason:
-            print(f"seqpar: not building the CUDA extension seqpar._C: {reason}", flush=True)
-            return
-        try:
-            super().run()
-        except (subprocess.CalledProcessError, OSError) as exc:
-            if os.environ.get("SEQPAR_BUILD_CUDA") == "1":
-                raise
-            print(f"seqpar: the CUDA extension seqpar._C failed to build ({exc}); continuing without it "
-                  "(set SEQPAR_BUILD_CUDA=1 to make this an error)", flush=True)
+            self._remove_stale_extensions()
+        status = "built" if reason is None else f"not built: {reason}"
+        for out_dir in self._output_dirs():
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "_build_status.json").write_text(json.dumps({"cuda_extension": status}) + "\n")
+        print(f"seqpar: the CUDA extension seqpar._C is {status}", flush=True)
+
+    def _output_dirs(self):
+        return sorted({Path(self.get_ext_fullpath(ext.name)).resolve().parent for ext in self.extensions})
+
+    def _remove_stale_extensions(self):
+        for ext in self.extensions:
+            stale = Path(self.get_ext_fullpath(ext.name)).resolve()
+            for path in stale.parent.glob(ext.name.split(".")[-1] + ".*"):
+                if path.suffix in (".so", ".pyd", ".dylib"):
+                    print(f"seqpar: removing the stale extension {path}", flush=True)
+                    path.unlink()
 
     def build_extension(self, ext):
         import pybind11
 
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
-        build_dir = Path(self.build_temp).resolve() / "cmake"
+        # A fixed folder (not pip's temporary one) so that CMake rebuilds only what changed.
+        build_dir = ROOT / "build" / f"cmake-{sys.implementation.cache_tag}"
         nvcc = shutil.which("nvcc") or str(Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin/nvcc")
         args = [f"-DSEQPAR_OUTPUT_DIR={out_dir}", f"-DPython_EXECUTABLE={sys.executable}",
                 f"-Dpybind11_DIR={pybind11.get_cmake_dir()}", f"-DCMAKE_CUDA_COMPILER={nvcc}",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import json
 import os
 from typing import Optional
 
@@ -31,13 +32,30 @@ def _triton_import_error() -> Optional[str]:
     return None
 
 
+def build_status() -> Optional[str]:
+    """What the install said about ``seqpar._C`` ("built" or "not built: <why>"), None if unrecorded.
+
+    setup.py writes it to ``seqpar/_build_status.json`` (pip hides build output unless run with -v).
+    """
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_build_status.json")
+    try:
+        with open(path) as f:
+            return str(json.load(f)["cuda_extension"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_extension():
     """(module, None) when ``seqpar._C`` imports, else (None, reason)."""
     try:
         return importlib.import_module("seqpar._C"), None
     except ImportError as exc:
-        return None, (f"the CUDA extension seqpar._C is not built ({exc}); reinstall with nvcc on PATH "
+        status = build_status()
+        if status and status != "built":
+            return None, (f"the CUDA extension seqpar._C was {status}; reinstall with nvcc and cmake on "
+                          "PATH and SEQPAR_BUILD_CUDA unset or 1")
+        return None, (f"the CUDA extension seqpar._C is not importable ({exc}); reinstall with nvcc on PATH "
                       "and SEQPAR_BUILD_CUDA unset or 1")
 
 

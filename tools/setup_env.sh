@@ -17,5 +17,15 @@ fi
 if command -v nvcc >/dev/null 2>&1 && [ -z "${SEQPAR_BUILD_CUDA:-}" ]; then
   export SEQPAR_BUILD_CUDA=1   # nvcc is here: a CUDA build failure must be loud
 fi
-echo "seqpar setup: installing seqpar (editable) with test extras"
-python -m pip install -q -e ".[test]"
+# The editable install picks up Python changes by itself; re-install (and rebuild seqpar._C) only when
+# what the build reads changed (tools/install_stamp.py).
+stamp_file=.venv/.seqpar_install_stamp
+stamp=$(python tools/install_stamp.py)
+if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ] && python -c "import seqpar" 2>/dev/null; then
+  echo "seqpar setup: seqpar is installed and nothing it builds from changed; not re-installing"
+else
+  echo "seqpar setup: installing seqpar (editable) with test extras"
+  rm -f "$stamp_file"
+  python -m pip install -q -e ".[test]"
+  echo "$stamp" > "$stamp_file"
+fi
