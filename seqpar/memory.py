@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 
-__all__ = ["layer_activation_bytes", "model_activation_bytes", "plan_recompute", "RecomputePlan",
+__all__ = ["layer_activation_bytes", "model_activation_bytes", "plan_recompute", "evaluate_recompute", "RecomputePlan",
            "first_stage_parameters", "MODEL_STATE_BYTES_PER_PARAMETER", "ActivationMeter",
            "SavedTensorRecord", "saved_as", "name_storage"]
 
@@ -273,6 +273,13 @@ class _Model:
             total += final_layernorm_input + output_layer_input + logits
         return total
 
+    def plan(self, stage_policies: Tuple[str, ...]) -> "RecomputePlan":
+        """The RecomputePlan of the first stage's per-layer policies (the same on every stage; 1F1B)."""
+        counts = _count(stage_policies)
+        extra = self.extra_flops_all_ranks(counts)
+        return RecomputePlan(tuple(stage_policies), self.activation_bytes([counts]),
+                             extra / self.layer.t, extra / self.stage_flops_all_ranks())
+
     def extra_flops_all_ranks(self, counts: Tuple[int, int, int]) -> int:
         return sum(n * self.layer.extra_flops_all_ranks(p) for n, p in zip(counts, RECOMPUTE_POLICIES))
 
@@ -341,7 +348,8 @@ def first_stage_parameters(hidden: int, num_layers: int, vocab: int, max_seq_len
 
 @dataclasses.dataclass(frozen=True)
 class RecomputePlan:
-    """The cheapest per-layer recompute that fits a memory budget (:func:`plan_recompute`).
+    """Per-layer recompute policies for the first pipeline stage and what they cost
+    (:func:`plan_recompute`: the cheapest that fits a budget; :func:`evaluate_recompute`: any list).
 
     ``policies``: one of "none" | "selective" | "full" per layer of the first pipeline stage (L/p of
     them; every stage can use the same list). ``activation_bytes``: the first stage's
@@ -359,6 +367,17 @@ class RecomputePlan:
     def counts(self) -> Dict[str, int]:
         """Layers per policy."""
         return dict(zip(RECOMPUTE_POLICIES, _count(self.policies)))
+
+
+def evaluate_recompute(policies: Sequence[str], seq_len: int, micro_batch: int, hidden: int, heads: int,
+                       num_layers: int, vocab: int, *, tp: int = 1, pp: int = 1, sequence_parallel: bool = True,
+                       ffn_hidden: Optional[int] = None, bytes_per_element: float = 2,
+                       bytes_per_mask: float = 1) -> RecomputePlan:
+    """The :class:`RecomputePlan` of given per-layer ``policies`` for the first stage's L/p layers (every
+    stage running the same list), whether or not it is the cheapest: its activation bytes and extra FLOPs."""
+    model = _Model.validated(seq_len, micro_batch, hidden, heads, num_layers, vocab, tp, pp, sequence_parallel,
+                             ffn_hidden, bytes_per_element, bytes_per_mask, 1)
+    return model.plan(recompute_policies(policies, model.chunk_layers))
 
 
 def plan_recompute(seq_len: int, micro_batch: int, hidden: int, heads: int, num_layers: int, vocab: int, *,
@@ -411,9 +430,8 @@ def plan_recompute(seq_len: int, micro_batch: int, hidden: int, heads: int, num_
         candidate = (model.extra_flops_all_ranks(counts), memory(n_selective, n_full), n_selective, n_full)
         if best is None or candidate[:2] < best[:2]:
             best = candidate
-    extra_all, activation, n_selective, n_full = best
-    policies = ("full",) * n_full + ("selective",) * n_selective + ("none",) * (n - n_full - n_selective)
-    return RecomputePlan(policies, activation, extra_all / model.layer.t, extra_all / model.stage_flops_all_ranks())
+    _, _, n_selective, n_full = best
+    return model.plan(("full",) * n_full + ("selective",) * n_selective + ("none",) * (n - n_full - n_selective))
 
 
 # ---------------------------------------------------------------------------------------------- meter
