@@ -7,7 +7,7 @@ import torch
 
 from seqpar.memory import ActivationMeter, layer_activation_bytes, model_activation_bytes, saved_as
 
-S, B, H, A = 2048, 4, 6144, 64  # 22B model layer (paper.md)
+S, B, H, A = 2048, 4, 6144, 64  # 22B model layer (the paper's Table 3)
 
 
 @pytest.mark.parametrize("t", [1, 2, 8])
@@ -25,7 +25,7 @@ def test_table2_rows(t):
 
 
 def test_generalised_elements_and_ffn():
-    # paper.md: attention block 5E sbh + M sbh + (2E + M) as^2b, MLP (2f/h + 1) E sbh + M sbh, LNs 2E sbh.
+    # Section 4.1: attention block 5E sbh + M sbh + (2E + M) as^2b, MLP (2f/h + 1) E sbh + M sbh, LNs 2E sbh.
     s, b, h, a, f, e, m = 128, 2, 64, 4, 96, 4, 0.5
     sbh, as2b = s * b * h, a * s * s * b
     direct = (5 * e + m) * sbh + (2 * e + m) * as2b + ((2 * f / h + 1) * e + m) * sbh + 2 * e * sbh
@@ -92,7 +92,7 @@ PAPER_MODELS = {"22B": (64, 6144, 48, 1, 4), "175B": (96, 12288, 96, 8, 1), "530
 
 
 def _table2_row(s, b, h, a, t, sp, recompute):
-    """paper.md's per-layer rows, written out (bytes, 2-byte activations, 1-byte masks)."""
+    """The paper's Table 2 rows, written out (bytes, 2-byte activations, 1-byte masks)."""
     sbh, x = s * b * h, 5 * a * s / h
     if recompute == "full":
         return 2 * sbh / t if sp else 2 * sbh

@@ -64,7 +64,8 @@ def test_plan_extremes_and_extra_fraction():
     selective = model_activation_bytes(s, b, h, a, L, v, sequence_parallel=True, recompute="selective")
     plan = plan_recompute(s, b, h, a, L, v, budget_bytes=selective)
     assert plan.policies == ("selective",) * L
-    assert plan == evaluate_recompute("selective", s, b, h, a, L, v) == evaluate_recompute(["selective"] * L, s, b, h, a, L, v)
+    assert plan == evaluate_recompute("selective", s, b, h, a, L, v) \
+        == evaluate_recompute(["selective"] * L, s, b, h, a, L, v)
     # model FLOPs per micro-batch: 3 (L (24bsh^2 + 4bs^2h) + 2bshv) = 72 bLsh^2 (1 + s/(6h) + v/(12hL))
     model_flops = 72 * b * L * s * h * h * (1 + s / (6 * h) + v / (12 * h * L))
     assert plan.extra_flops == L * 4 * b * s * s * h

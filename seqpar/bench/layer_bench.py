@@ -1,4 +1,4 @@
-"""The paper's layer experiments (paper.md, "One layer of the 22B model"): no recompute, sequence
+"""The paper's layer experiments (its Table 4 and Figure 8, one layer of the 22B model): no recompute, sequence
 parallel, full recompute, selective recompute, selective + sequence parallel.
 
 Each experiment builds one TransformerLayer with tensor parallelism over the ranks, times forward and
