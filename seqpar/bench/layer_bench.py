@@ -36,6 +36,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     """The bench's options; a usage error (bad value, unknown or unusable backend, no CUDA device for
     ``--device cuda``, no matplotlib for ``--plot``) is one line on stderr and exit status 2."""
     from ..cli import ArgumentParser, matplotlib_missing
+    from ..ops.registry import BACKEND_CHOICES
 
     p = ArgumentParser(prog="python -m seqpar bench", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,7 +48,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=None, help="default 2 (cpu) / 4 (cuda)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout")
-    p.add_argument("--backend", choices=("auto", "torch", "triton", "cuda"), default="auto")
+    p.add_argument("--backend", choices=BACKEND_CHOICES, default="auto")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default 3 cpu / 20 cuda)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up iterations (default 1 cpu / 5 cuda)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
