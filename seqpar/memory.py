@@ -18,7 +18,8 @@ selective recompute drops the attention-core term; full recompute keeps only the
 **The first pipeline stage** (:func:`model_activation_bytes`, the paper's Section 4.3): under the 1F1B
 schedule the first stage keeps p micro-batches of its L/p layers, L layers' worth whatever p is, plus the
 embedding dropout's mask for each of those micro-batches (sbh M p, / t with SP). With the interleaved
-schedule (m > 1 chunks per rank) it keeps L (1 + (p-1)/(pm)) layers' worth. With p = 1 the stage also
+schedule (m > 1 chunks per rank) it keeps L (1 + (p-1)/(pm)) layers' worth, and up to 2p embedding
+masks (its first chunk's micro-batches in flight, from simulating the schedule). With p = 1 the stage also
 holds the output side: final LayerNorm input and output-layer input (sbh E each, / t with SP) and the
 fp32 logits for the cross-entropy (4 sbv / t).
 
@@ -48,8 +49,8 @@ import torch
 from torch import nn
 
 
-__all__ = ["layer_activation_bytes", "model_activation_bytes", "plan_recompute", "evaluate_recompute", "RecomputePlan",
-           "first_stage_parameters", "MODEL_STATE_BYTES_PER_PARAMETER", "ActivationMeter",
+__all__ = ["layer_activation_bytes", "model_activation_bytes", "plan_recompute", "evaluate_recompute",
+           "RecomputePlan", "first_stage_parameters", "MODEL_STATE_BYTES_PER_PARAMETER", "ActivationMeter",
            "SavedTensorRecord", "saved_as", "name_storage"]
 
 #: What a layer keeps for backward: everything, all but the attention core, or only its input.
