@@ -1,12 +1,50 @@
-"""Command line: ``python -m seqpar info`` and ``python -m seqpar bench`` (also ``seqpar-bench``)."""
+"""Command line: ``python -m seqpar info | bench | plan`` (``bench`` is also the ``seqpar-bench`` script).
+
+A usage error prints one line on stderr and exits with status 2 (argparse's convention); a run stopped
+by bad input (a ValueError) prints one line and exits with status 1.
+"""
 from __future__ import annotations
 
 import argparse
 import platform
 import sys
-from typing import List, Optional
+from typing import Callable, List, Optional, Sequence, Tuple
+
+GIB = 2 ** 30
+SEQ_LEN, VOCAB = 2048, 51200   # the paper's runs (Table 3)
+#: The paper's Table 3 (t = 8 throughout): heads, hidden, layers, pipeline-parallel size, micro-batch.
+PAPER_MODELS = {"22B": dict(heads=64, hidden=6144, layers=48, pp=1, micro_batch=4),
+                "175B": dict(heads=96, hidden=12288, layers=96, pp=8, micro_batch=1),
+                "530B": dict(heads=128, hidden=20480, layers=105, pp=35, micro_batch=1),
+                "1T": dict(heads=160, hidden=25600, layers=128, pp=64, micro_batch=1)}
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, ``prog: error: message``, with exit status 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's hook
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def run_reporting_errors(prog: str, fn: Callable[[], object]) -> None:
+    """Run ``fn``; a ValueError (bad input found while running) becomes one line on stderr, status 1."""
+    try:
+        fn()
+    except ValueError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def matplotlib_missing() -> Optional[str]:
+    """Why ``--plot`` can't draw (None when matplotlib imports)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "--plot needs matplotlib: pip install 'seqpar[plot]' (or pip install matplotlib)"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- info
 def info() -> None:
     """Print versions, whether the CUDA extension is built (and why not), and the usable backends per op."""
     import torch
@@ -32,23 +70,200 @@ def info() -> None:
             print(f"  {op:<30} " + "; ".join(cells))
 
 
+# ---------------------------------------------------------------------------------------------- plan
+PLAN_DESCRIPTION = """\
+Activation memory of the first pipeline stage per GPU for every uniform recompute policy (the paper's
+Figure 7 comparison, as % of tensor parallelism alone), and the per-layer mix of none / selective /
+full recompute with the least extra forward FLOPs that fits the GPU (seqpar.memory.plan_recompute).
+
+Activation budget = GPU memory - 18 bytes per parameter of the stage - --other-gib, where 18 bytes is
+mixed-precision Adam: bf16 weight 2 + fp32 gradient 4 + fp32 master weight 4 + Adam moments 4 + 4, and
+the stage's parameters per GPU are its L/p layers' (12h^2 + 13h each at f = 4h, the matrices split t
+ways) plus the word (v/t x h) and position (s x h) embeddings (seqpar.memory.first_stage_parameters).
+"""
+
+
+def _plan_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m seqpar plan", description=PLAN_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=tuple(PAPER_MODELS),
+                   help="a model of the paper's Table 3 (s=2048, v=51200, t=8); other options override it")
+    p.add_argument("--hidden", type=int, help="hidden size h")
+    p.add_argument("--heads", type=int, help="attention heads a")
+    p.add_argument("--layers", type=int, help="layers L")
+    p.add_argument("--ffn-hidden", type=int, help="ffn size (default 4h)")
+    p.add_argument("--seq-len", type=int, help=f"sequence length s (default {SEQ_LEN})")
+    p.add_argument("--vocab", type=int, help=f"vocabulary v (default {VOCAB})")
+    p.add_argument("--micro-batch", type=int, help="micro-batch b (default 1, or the model's)")
+    p.add_argument("--tp", type=int, help="tensor-parallel size t (default 1, 8 with --model)")
+    p.add_argument("--pp", type=int, help="pipeline-parallel size p (default 1, or the model's)")
+    p.add_argument("--sp", action="store_true", help="plan with sequence parallelism")
+    p.add_argument("--gpu-memory", type=float, default=80.0, metavar="GIB",
+                   help="GPU memory in GiB (default 80, the paper's A100 80GB)")
+    p.add_argument("--other-gib", type=float, default=0.0, metavar="GIB",
+                   help="headroom for everything else (workspace, fragmentation, communication buffers)")
+    p.add_argument("--bytes-per-element", type=float, default=2.0, help="activation bytes (default 2: bf16)")
+    p.add_argument("--bytes-per-mask", type=float, default=1.0,
+                   help="dropout-mask bytes (default 1 as in the paper; 0 where masks are regenerated, as in seqpar)")
+    p.add_argument("--plot", metavar="PATH", help="draw both as a PNG (needs matplotlib: the 'plot' extra)")
+    return p
+
+
+def _plan_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = _plan_parser()
+    args = p.parse_args(argv)
+    preset = PAPER_MODELS.get(args.model, {})
+    for key, default in (("hidden", None), ("heads", None), ("layers", None), ("seq_len", SEQ_LEN),
+                         ("vocab", VOCAB), ("micro_batch", 1), ("tp", 8 if preset else 1), ("pp", 1)):
+        if getattr(args, key) is None:
+            setattr(args, key, preset.get(key, default))
+    missing = [f"--{k}" for k in ("hidden", "heads", "layers") if getattr(args, k) is None]
+    if missing:
+        p.error(f"give --model or {', '.join(missing)}")
+    for key in ("hidden", "heads", "layers", "ffn_hidden", "seq_len", "vocab", "micro_batch", "tp", "pp"):
+        value = getattr(args, key)
+        if value is not None and value <= 0:
+            p.error(f"--{key.replace('_', '-')} must be positive, got {value}")
+    for key in ("gpu_memory", "bytes_per_element"):
+        if not getattr(args, key) > 0:
+            p.error(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
+    for key in ("other_gib", "bytes_per_mask"):
+        if not getattr(args, key) >= 0:
+            p.error(f"--{key.replace('_', '-')} must be non-negative, got {getattr(args, key)}")
+    if args.plot and matplotlib_missing():
+        p.error(matplotlib_missing())
+    try:  # the sizes themselves (tp dividing heads, pp dividing layers, ...): usage errors too
+        _sizes(args)
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
+
+
+def _sizes(args: argparse.Namespace) -> Tuple[dict, dict]:
+    """(positional sizes, keyword options) of the seqpar.memory functions; validates them."""
+    from seqpar.memory import first_stage_parameters, model_activation_bytes
+
+    sizes = dict(seq_len=args.seq_len, micro_batch=args.micro_batch, hidden=args.hidden, heads=args.heads,
+                 num_layers=args.layers, vocab=args.vocab)
+    options = dict(tp=args.tp, pp=args.pp, ffn_hidden=args.ffn_hidden, bytes_per_element=args.bytes_per_element,
+                   bytes_per_mask=args.bytes_per_mask)
+    model_activation_bytes(**sizes, sequence_parallel=args.sp, **options)
+    first_stage_parameters(args.hidden, args.layers, args.vocab, args.seq_len, tp=args.tp, pp=args.pp,
+                           ffn_hidden=args.ffn_hidden)
+    return sizes, options
+
+
+def _size(n: float) -> str:
+    """Bytes in GiB, MiB or KiB."""
+    for unit, scale in (("GiB", GIB), ("MiB", 2 ** 20)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 2 ** 10:.1f} KiB"
+
+
+def _layer_runs(policies: Sequence[str]) -> str:
+    """("full", "full", "none") -> "layers 0-1 full, 2 none"."""
+    runs, start = [], 0
+    for i in range(1, len(policies) + 1):
+        if i == len(policies) or policies[i] != policies[start]:
+            span = f"{start}" if i - 1 == start else f"{start}-{i - 1}"
+            runs.append(f"{span} {policies[start]}")
+            start = i
+    return "layers " + ", ".join(runs)
+
+
+#: The uniform configurations of the paper's Figure 7 (and full recompute): (name, SP, policy).
+UNIFORM = [("tensor parallel (baseline)", False, "none"), ("tensor + sequence parallel", True, "none"),
+           ("tensor parallel + selective", False, "selective"),
+           ("tensor + sequence parallel + selective", True, "selective"),
+           ("full recompute", False, "full"), ("full recompute + sequence parallel", True, "full")]
+
+
+def plan(argv: Sequence[str]) -> dict:
+    """``python -m seqpar plan``: print (and with --plot draw) the uniform policies and the planned mix."""
+    from seqpar.memory import MODEL_STATE_BYTES_PER_PARAMETER, evaluate_recompute, first_stage_parameters, \
+        plan_recompute
+
+    args = _plan_args(argv)
+    sizes, options = _sizes(args)
+    n_stage = args.layers // args.pp
+    params = first_stage_parameters(args.hidden, args.layers, args.vocab, args.seq_len, tp=args.tp, pp=args.pp,
+                                    ffn_hidden=args.ffn_hidden)
+    state_bytes = MODEL_STATE_BYTES_PER_PARAMETER * params
+    gpu_bytes, other_bytes = args.gpu_memory * GIB, args.other_gib * GIB
+    budget = gpu_bytes - state_bytes - other_bytes
+    name = args.model or "custom"
+    print(f"seqpar plan: {name} model, s={args.seq_len} b={args.micro_batch} h={args.hidden} a={args.heads} "
+          f"L={args.layers} v={args.vocab}, t={args.tp} p={args.pp} ({n_stage} layers per stage), "
+          f"{args.bytes_per_element:g}-byte activations, {args.bytes_per_mask:g}-byte masks")
+    print(f"first stage per GPU: {params:,} parameters x {MODEL_STATE_BYTES_PER_PARAMETER} bytes "
+          f"(bf16 weight 2 + fp32 grad 4 + fp32 master 4 + Adam 4 + 4) = {_size(state_bytes)}")
+    print(f"activation budget: {args.gpu_memory:g} GiB GPU - {_size(state_bytes)} model state - "
+          f"{args.other_gib:g} GiB other = {_size(budget)}")
+    uniform = [(label, sp, policy, evaluate_recompute(policy, **sizes, sequence_parallel=sp, **options))
+               for label, sp, policy in UNIFORM]
+    baseline = uniform[0][3].activation_bytes
+    print("\nuniform policies, first stage per GPU (the paper's Figure 7: % of tensor parallelism alone):")
+    print(f"  {'configuration':<40}{'activations':>13}{'% of TP':>9}{'extra FLOPs':>13}{'fits':>6}")
+    for label, _, _, cost in uniform:
+        print(f"  {label:<40}{_size(cost.activation_bytes):>13}{100 * cost.activation_bytes / baseline:>8.0f}%"
+              f"{100 * cost.extra_fraction:>12.2f}%{'yes' if cost.activation_bytes <= budget else 'no':>6}")
+    result = dict(args=args, sizes=sizes, options=options, budget=budget, state_bytes=state_bytes, uniform=uniform,
+                  plan=None, error=None)
+    sp_name = "with" if args.sp else "without"
+    if budget <= 0:
+        result["error"] = (f"the model state alone ({_size(state_bytes)}) leaves no room for activations "
+                           f"in {args.gpu_memory:g} GiB")
+    else:
+        try:
+            result["plan"] = plan_recompute(**sizes, budget_bytes=budget, sequence_parallel=args.sp, **options)
+        except ValueError as exc:
+            result["error"] = str(exc)
+    best = result["plan"]
+    if best is None:
+        print(f"\nno plan {sp_name} sequence parallelism: {result['error']}")
+    else:
+        counts = best.counts
+        print(f"\nplanned mix {sp_name} sequence parallelism (least extra forward FLOPs that fits):")
+        print(f"  per stage: {counts['none']} x none, {counts['selective']} x selective, {counts['full']} x full "
+              f"-> {_size(best.activation_bytes)} of {_size(budget)}")
+        print(f"  extra compute: {best.extra_flops:.4g} forward FLOPs per micro-batch per GPU, "
+              f"{100 * best.extra_fraction:.2f}% of the stage's model FLOPs")
+        print(f"  policies of {'each' if args.pp > 1 else 'the'} stage: {_layer_runs(best.policies)}")
+    if args.plot:
+        from .bench.plots import plot_plan
+        plot_plan(result, args.plot)
+        print(f"wrote {args.plot}")
+    if best is None:
+        raise SystemExit(1)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- main
 def main(argv: Optional[List[str]] = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m seqpar", description=__doc__)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = ArgumentParser(prog="python -m seqpar", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, CUDA extension status, usable backends per op")
-    sub.add_parser("bench", help="the paper's five layer experiments (see python -m seqpar bench --help)",
-                   add_help=False)
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "info":
-        info()
+    sub.add_parser("bench", help="the paper's five layer experiments (python -m seqpar bench --help)", add_help=False)
+    sub.add_parser("plan", help="whole-model activation memory and the cheapest recompute that fits "
+                                "(python -m seqpar plan --help)", add_help=False)
+    if argv and argv[0] == "bench":
+        bench(argv[1:])
+    elif argv and argv[0] == "plan":
+        run_reporting_errors("python -m seqpar plan", lambda: plan(argv[1:]))
     else:
-        from .bench.layer_bench import main as bench
-        bench(rest)
+        parser.parse_args(argv)
+        info()
+
+
+def bench(argv: Sequence[str]) -> None:
+    """``python -m seqpar bench`` / ``seqpar-bench``."""
+    from .bench.layer_bench import main as bench_main
+
+    run_reporting_errors("python -m seqpar bench", lambda: bench_main(list(argv)))
 
 
 def bench_main() -> None:
     """Entry point of the ``seqpar-bench`` console script."""
-    from .bench.layer_bench import main as bench
-
     bench(sys.argv[1:])

@@ -1,8 +1,12 @@
-"""Activation memory: the paper's per-layer formulas and a meter of what autograd really keeps.
+"""Activation memory: the paper's formulas per layer and per model, a recompute planner, and a meter of
+what autograd really keeps.
 
-:func:`layer_activation_bytes` is paper.md's Table 2, generalised to any bytes per activation element
-(E), per mask element (M) and ffn size f. Per layer, with s sequence, b micro-batch, h hidden, a heads,
-t tensor-parallel size::
+Symbols: s sequence length, b micro-batch, h hidden size, a attention heads, f ffn size (4h by default),
+t tensor-parallel size, p pipeline-parallel size, m interleaved model chunks per pipeline rank, L layers,
+v vocabulary; E bytes per activation element, M bytes per dropout-mask element.
+
+**One layer** (:func:`layer_activation_bytes`, the paper's Table 2 generalised to any E, M and f), per
+tensor-parallel rank::
 
     replicated by TP (split by SP):   4 sbh E + 2 sbh M          LN inputs x2, QKV input, fc1 input, 2 masks
     split by TP:                      (4 + 2f/h) sbh E            Q, K, V, projection input, GeLU in, fc2 in
@@ -11,8 +15,22 @@ t tensor-parallel size::
 selective recompute drops the attention-core term; full recompute keeps only the layer input
 (sbh E, or sbh E / t with SP). E=2, M=1, f=4h give sbh(34 + 5as/h), sbh(10 + 24/t + 5as/(ht)), ...
 
+**The first pipeline stage** (:func:`model_activation_bytes`, the paper's Section 4.3): under the 1F1B
+schedule the first stage keeps p micro-batches of its L/p layers, L layers' worth whatever p is, plus the
+embedding dropout's mask for each of those micro-batches (sbh M p, / t with SP). With the interleaved
+schedule (m > 1 chunks per rank) it keeps L (1 + (p-1)/(pm)) layers' worth, and up to 2p embedding
+masks (its first chunk's micro-batches in flight, from simulating the schedule). With p = 1 the stage also
+holds the output side: final LayerNorm input and output-layer input (sbh E each, / t with SP) and the
+fp32 logits for the cross-entropy (4 sbv / t).
+
+**Recompute cost** (:func:`plan_recompute`; the forward FLOPs of the paper's FLOPs appendix): a layer's
+forward is 24 bsh^2 + 4 bs^2h (8 bsh^2 + 4 bshf + 4 bs^2h for general f), split over t ranks. Selective
+recompute reruns the attention core's QK^T and attention over V, 4 bs^2h / t; full recompute reruns the
+whole forward.
+
 :class:`ActivationMeter` counts the bytes of distinct storages saved for backward (parameters and
-views of parameters excluded; each storage once), through ``torch.autograd.graph.saved_tensors_hooks``.
+views of parameters excluded; each storage once, whole: a saved view keeps its whole storage alive),
+through ``torch.autograd.graph.saved_tensors_hooks``; nested meters all count.
 Code that saves tensors names them, so :meth:`ActivationMeter.report` says which saved tensor is which
 paper term: :func:`saved_as` labels everything saved inside a block, :func:`name_storage` one tensor's
 storage (e.g. the fused QKV output that several ops save views of).
@@ -22,21 +40,122 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Dict, Iterator, List, Optional
+import math
+import threading
+import weakref
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 
-__all__ = ["layer_activation_bytes", "ActivationMeter", "SavedTensorRecord", "saved_as", "name_storage"]
+__all__ = ["layer_activation_bytes", "model_activation_bytes", "plan_recompute", "evaluate_recompute",
+           "RecomputePlan", "first_stage_parameters", "MODEL_STATE_BYTES_PER_PARAMETER", "ActivationMeter",
+           "SavedTensorRecord", "saved_as", "name_storage"]
 
 #: What a layer keeps for backward: everything, all but the attention core, or only its input.
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 
+#: Bytes of model state per parameter in mixed-precision Adam training (Megatron-LM's layout without a
+#: distributed optimizer): bf16/fp16 weight 2 + fp32 gradient 4 + fp32 master weight 4 + Adam's first
+#: and second moments 4 + 4.
+MODEL_STATE_BYTES_PER_PARAMETER = 18
+
+#: The output layer's logits are kept in fp32 for the cross-entropy (Section 4.3: 4sbv/t).
+LOGITS_BYTES = 4
+
 _label: contextvars.ContextVar = contextvars.ContextVar("seqpar_saved_label", default="unlabelled")
-# Storage names given by name_storage(), kept only while a meter is active (so normal runs pay nothing).
-_storage_names: Dict[tuple, str] = {}
+# Storage names given by name_storage(), kept only while a meter is active (so normal runs pay nothing):
+# storage key -> (label, weak reference to the named tensor). A dead reference means the storage was
+# freed (e.g. inside a recomputed region) and its address may now belong to another tensor.
+_storage_names: Dict[tuple, Tuple[str, "weakref.ref"]] = {}
 _active_meters = 0
+
+
+# ---------------------------------------------------------------------------------------------- formulas
+def _check_positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_bytes(name: str, value, allow_zero: bool) -> None:
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and (value > 0 or (allow_zero and value == 0)))
+    if not ok:
+        raise ValueError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} finite number, "
+                         f"got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    """One layer's sizes (validated): the per-layer bytes and FLOPs of one tensor-parallel rank."""
+
+    s: int
+    b: int
+    h: int
+    a: int
+    t: int
+    sp: bool
+    f: int
+    e: float
+    m: float
+
+    @classmethod
+    def validated(cls, seq_len, micro_batch, hidden, heads, tp, sequence_parallel, ffn_hidden,
+                  bytes_per_element, bytes_per_mask) -> "_Layer":
+        for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("hidden", hidden),
+                            ("heads", heads), ("tp", tp)):
+            _check_positive_int(name, value)
+        f = 4 * hidden if ffn_hidden is None else ffn_hidden
+        _check_positive_int("ffn_hidden", f)
+        if not isinstance(sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
+        _check_bytes("bytes_per_element", bytes_per_element, allow_zero=False)
+        _check_bytes("bytes_per_mask", bytes_per_mask, allow_zero=True)
+        if hidden % heads:
+            raise ValueError(f"hidden {hidden} is not divisible by heads {heads}")
+        if heads % tp:
+            raise ValueError(f"tp {tp} does not divide heads {heads}")
+        if f % tp:
+            raise ValueError(f"tp {tp} does not divide ffn_hidden {f}")
+        if sequence_parallel and seq_len % tp:
+            raise ValueError(f"tp {tp} does not divide seq_len {seq_len} (sequence parallelism splits it)")
+        return cls(seq_len, micro_batch, hidden, heads, tp, sequence_parallel, f, bytes_per_element,
+                   bytes_per_mask)
+
+    @property
+    def sbh(self) -> int:
+        return self.s * self.b * self.h
+
+    @property
+    def replicated_split(self) -> int:
+        """What tensor parallelism alone leaves replicated is split t ways by sequence parallelism."""
+        return self.t if self.sp else 1
+
+    def bytes(self, recompute: str) -> float:
+        """Activation bytes of one layer on one rank (Table 2, generalised)."""
+        if recompute == "full":
+            return self.sbh * self.e / self.replicated_split
+        replicated = self.sbh * (4 * self.e + 2 * self.m)
+        split = self.sbh * (4 + 2 * self.f / self.h) * self.e
+        total = replicated / self.replicated_split + split / self.t
+        if recompute == "none":
+            total += self.a * self.s * self.s * self.b * (2 * self.e + self.m) / self.t
+        return total
+
+    def forward_flops_all_ranks(self) -> int:
+        """Forward FLOPs of one layer summed over its t ranks: 8bsh^2 + 4bshf + 4bs^2h (QKV 6bsh^2,
+        QK^T 2bs^2h, attention over V 2bs^2h, projection 2bsh^2, MLP 4bshf)."""
+        s, b, h = self.s, self.b, self.h
+        return 8 * b * s * h * h + 4 * b * s * h * self.f + 4 * b * s * s * h
+
+    def extra_flops_all_ranks(self, recompute: str) -> int:
+        """Forward FLOPs a recompute policy adds per layer, summed over the t ranks (exact integer)."""
+        if recompute == "full":
+            return self.forward_flops_all_ranks()
+        if recompute == "selective":
+            return 4 * self.b * self.s * self.s * self.h
+        return 0
 
 
 def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
@@ -45,29 +164,278 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
                            bytes_per_mask: float = 1) -> float:
     """Activation bytes one transformer layer keeps for backward, per tensor-parallel rank (paper Table 2).
 
-    ``bytes_per_mask=0`` gives the figure for implementations that regenerate dropout masks.
+    ``bytes_per_mask=0`` gives the figure for implementations that regenerate dropout masks (seqpar).
+    Invalid sizes (non-positive, bools, ``tp`` not dividing ``heads`` or ``ffn_hidden``, or ``seq_len``
+    under sequence parallelism) and negative bytes raise ValueError naming the value.
     """
-    for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("hidden", hidden),
-                        ("heads", heads), ("tp", tp)):
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if recompute not in RECOMPUTE_POLICIES:
-        raise ValueError(f"unknown recompute {recompute!r}; expected one of {RECOMPUTE_POLICIES}")
-    f = 4 * hidden if ffn_hidden is None else ffn_hidden
-    s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp
-    e, m = bytes_per_element, bytes_per_mask
-    sbh = s * b * h
-    if recompute == "full":
-        return sbh * e / (t if sequence_parallel else 1)
-    replicated = sbh * (4 * e + 2 * m)
-    split = sbh * (4 + 2 * f / h) * e
-    attention = a * s * s * b * (2 * e + m)
-    total = replicated / (t if sequence_parallel else 1) + split / t
-    if recompute == "none":
-        total += attention / t
-    return total
+    _check_policy("recompute", recompute)
+    layer = _Layer.validated(seq_len, micro_batch, hidden, heads, tp, sequence_parallel, ffn_hidden,
+                             bytes_per_element, bytes_per_mask)
+    return layer.bytes(recompute)
 
 
+def _check_policy(name: str, policy) -> None:
+    if not isinstance(policy, str) or policy not in RECOMPUTE_POLICIES:
+        raise ValueError(f"unknown {name} {policy!r}; expected one of {RECOMPUTE_POLICIES}")
+
+
+def recompute_policies(recompute, num_layers: int) -> Tuple[str, ...]:
+    """``recompute`` as one policy per layer: a policy name (every layer) or a sequence of
+    ``num_layers`` names. ValueError naming the offending value otherwise."""
+    if isinstance(recompute, str):
+        _check_policy("recompute", recompute)
+        return (recompute,) * num_layers
+    if not isinstance(recompute, (list, tuple)):
+        raise ValueError(f"recompute must be one of {RECOMPUTE_POLICIES} or a list of them per layer, "
+                         f"got {recompute!r}")
+    if len(recompute) != num_layers:
+        raise ValueError(f"recompute has {len(recompute)} per-layer policies for {num_layers} layers")
+    for i, policy in enumerate(recompute):
+        _check_policy(f"recompute[{i}]", policy)
+    return tuple(recompute)
+
+
+def _count(policies: Sequence[str]) -> Tuple[int, int, int]:
+    """(n_none, n_selective, n_full)."""
+    return tuple(sum(1 for p in policies if p == name) for name in RECOMPUTE_POLICIES)
+
+
+def _first_rank_peak(pp: int, interleave: int, chunk_bytes: Sequence[float], first_chunk_extra: float) -> float:
+    """Peak bytes pipeline rank 0 holds under Megatron-LM's 1F1B schedule (``interleave`` = 1) or its
+    interleaved schedule (Narayanan et al.; ``interleave`` = m > 1 model chunks per rank).
+
+    Rank 0 runs ``warm-up`` forwards (p - 1; interleaved 2(p - 1) + (m - 1)p), then alternates one
+    forward and one backward. Forward i runs chunk (i mod pm) // p, backward i the chunks in reverse
+    order. Micro-batch k of chunk c holds ``chunk_bytes[c]`` until its backward, chunk 0 also
+    ``first_chunk_extra`` (the embedding). Enough micro-batches to fill the pipeline are assumed.
+    With uniform chunks the peak is p chunks' worth (m = 1) or pm + p - 1 (m > 1): L layers' worth times
+    1 + (p - 1)/(pm) (Section 4.3).
+    """
+    p, m = pp, interleave
+    group = p * m
+    warmup = p - 1 if m == 1 else 2 * (p - 1) + (m - 1) * p
+    total = 4 * p * m          # forwards of 4p micro-batches: the steady state repeats every pm forwards
+    held = [0] * m
+    peak = 0.0
+    n_forward = n_backward = 0
+    while n_forward < total:
+        held[(n_forward % group) // p] += 1
+        n_forward += 1
+        peak = max(peak, sum(n * c for n, c in zip(held, chunk_bytes)) + held[0] * first_chunk_extra)
+        if n_forward > warmup:
+            held[m - 1 - (n_backward % group) // p] -= 1
+            n_backward += 1
+    return peak
+
+
+@dataclasses.dataclass(frozen=True)
+class _Model:
+    """A model's sizes (validated) and its first pipeline stage's bytes and FLOPs per rank."""
+
+    layer: _Layer
+    num_layers: int
+    vocab: int
+    pp: int
+    interleave: int
+
+    @classmethod
+    def validated(cls, seq_len, micro_batch, hidden, heads, num_layers, vocab, tp, pp, sequence_parallel,
+                  ffn_hidden, bytes_per_element, bytes_per_mask, interleave) -> "_Model":
+        layer = _Layer.validated(seq_len, micro_batch, hidden, heads, tp, sequence_parallel, ffn_hidden,
+                                 bytes_per_element, bytes_per_mask)
+        for name, value in (("num_layers", num_layers), ("vocab", vocab), ("pp", pp), ("interleave", interleave)):
+            _check_positive_int(name, value)
+        if interleave > 1 and pp == 1:
+            raise ValueError(f"interleave {interleave} needs pipeline parallelism (pp > 1), got pp=1")
+        if num_layers % (pp * interleave):
+            raise ValueError(f"num_layers {num_layers} is not divisible by pp * interleave = {pp * interleave}")
+        return cls(layer, num_layers, vocab, pp, interleave)
+
+    @property
+    def chunk_layers(self) -> int:
+        """Layers per model chunk: L / p per stage (L / (pm) per chunk when interleaved)."""
+        return self.num_layers // (self.pp * self.interleave)
+
+    def first_rank_layers(self, policies: Sequence[str]) -> List[Sequence[str]]:
+        """The policies of pipeline rank 0's chunks: chunk k is virtual stage k * p."""
+        c = self.chunk_layers
+        return [policies[k * self.pp * c:k * self.pp * c + c] for k in range(self.interleave)]
+
+    def activation_bytes(self, chunk_counts: Sequence[Tuple[int, int, int]]) -> float:
+        """First-stage bytes from each of rank 0's chunks' (n_none, n_selective, n_full)."""
+        lay = self.layer
+        per_layer = [lay.bytes(p) for p in RECOMPUTE_POLICIES]
+        chunk_bytes = [sum(n * x for n, x in zip(counts, per_layer)) for counts in chunk_counts]
+        embedding_dropout = lay.sbh * lay.m / lay.replicated_split
+        total = _first_rank_peak(self.pp, self.interleave, chunk_bytes, embedding_dropout)
+        if self.pp == 1:  # the output side lives on the first (only) stage
+            final_layernorm_input = output_layer_input = lay.sbh * lay.e / lay.replicated_split
+            logits = LOGITS_BYTES * lay.s * lay.b * self.vocab / lay.t
+            total += final_layernorm_input + output_layer_input + logits
+        return total
+
+    def plan(self, stage_policies: Tuple[str, ...]) -> "RecomputePlan":
+        """The RecomputePlan of the first stage's per-layer policies (the same on every stage; 1F1B)."""
+        counts = _count(stage_policies)
+        extra = self.extra_flops_all_ranks(counts)
+        return RecomputePlan(tuple(stage_policies), self.activation_bytes([counts]),
+                             extra / self.layer.t, extra / self.stage_flops_all_ranks())
+
+    def extra_flops_all_ranks(self, counts: Tuple[int, int, int]) -> int:
+        return sum(n * self.layer.extra_flops_all_ranks(p) for n, p in zip(counts, RECOMPUTE_POLICIES))
+
+    def stage_flops_all_ranks(self) -> int:
+        """Model FLOPs (forward + backward = 3x forward) of one micro-batch through the first stage, summed
+        over its t ranks; with p = 1 including the logits (2bshv forward). For the whole model with p = 1
+        this is the paper's 72 BLsh^2 (1 + s/(6h) + v/(12hL)) (at f = 4h)."""
+        lay = self.layer
+        forward = (self.num_layers // self.pp) * lay.forward_flops_all_ranks()
+        if self.pp == 1:
+            forward += 2 * lay.b * lay.s * lay.h * self.vocab
+        return 3 * forward
+
+
+def model_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, num_layers: int,
+                           vocab: int, *, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
+                           recompute: Union[str, Sequence[str]] = "none", ffn_hidden: Optional[int] = None,
+                           bytes_per_element: float = 2, bytes_per_mask: float = 1,
+                           interleave: int = 1) -> float:
+    """Activation bytes of the first pipeline stage (the most loaded one), per tensor-parallel rank.
+
+    The paper's Section 4.3: under 1F1B the first stage holds p micro-batches of its L/p layers, i.e.
+    L layers' worth (Table 2 per layer), times 1 + (p-1)/(pm) with the interleaved schedule of
+    ``interleave`` = m chunks per rank; plus the embedding dropout's mask per micro-batch in flight
+    (sbh M p / t with SP: ``sbhp/t``); and with ``pp`` = 1 the final LayerNorm input and the
+    output-layer input (sbh E each, / t with SP) and the fp32 logits (4 sbv / t).
+
+    ``recompute``: one policy for every layer, or a list of ``num_layers`` per-layer policies (only the
+    first stage's layers count: layers 0 .. L/p - 1, or rank 0's chunks when interleaved). Apply a
+    :class:`RecomputePlan` to every stage with ``list(plan.policies) * pp``.
+    Under the interleaved schedule the first chunk's micro-batches in flight (up to 2p) come from
+    simulating the schedule (see ``_first_rank_peak``), so do uneven per-chunk policies.
+    """
+    model = _Model.validated(seq_len, micro_batch, hidden, heads, num_layers, vocab, tp, pp, sequence_parallel,
+                             ffn_hidden, bytes_per_element, bytes_per_mask, interleave)
+    policies = recompute_policies(recompute, num_layers)
+    return model.activation_bytes([_count(chunk) for chunk in model.first_rank_layers(policies)])
+
+
+def first_stage_parameters(hidden: int, num_layers: int, vocab: int, max_seq_len: int, *, tp: int = 1,
+                           pp: int = 1, ffn_hidden: Optional[int] = None) -> int:
+    """Parameters one tensor-parallel rank of the first pipeline stage holds.
+
+    Per layer (unsharded 4h^2 + 2hf + f + 9h, 12h^2 + 13h at f = 4h): QKV (3h^2 + 3h) and fc1 (hf + f)
+    split over t ranks with their biases, projection (h^2) and fc2 (fh) weights split, their biases
+    (2h) and the two LayerNorms (4h) replicated. Plus the word embedding (v/t rows of h, vocabulary
+    padded to a multiple of t) and the position embedding (max_seq_len x h); with pp = 1 also the final
+    LayerNorm (2h) (the output layer is tied to the word embedding).
+    """
+    for name, value in (("hidden", hidden), ("num_layers", num_layers), ("vocab", vocab),
+                        ("max_seq_len", max_seq_len), ("tp", tp), ("pp", pp)):
+        _check_positive_int(name, value)
+    h, t = hidden, tp
+    f = 4 * h if ffn_hidden is None else ffn_hidden
+    _check_positive_int("ffn_hidden", f)
+    if f % t:
+        raise ValueError(f"tp {t} does not divide ffn_hidden {f}")
+    if num_layers % pp:
+        raise ValueError(f"num_layers {num_layers} is not divisible by pp {pp}")
+    if h % t:
+        raise ValueError(f"tp {t} does not divide hidden {h}")
+    per_layer = (3 * h * h + 3 * h + h * f + f + h * h + f * h) // t + 6 * h
+    embeddings = -(-vocab // t) * h + max_seq_len * h
+    return (num_layers // pp) * per_layer + embeddings + (2 * h if pp == 1 else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputePlan:
+    """Per-layer recompute policies for the first pipeline stage and what they cost
+    (:func:`plan_recompute`: the cheapest that fits a budget; :func:`evaluate_recompute`: any list).
+
+    ``policies``: one of "none" | "selective" | "full" per layer of the first pipeline stage (L/p of
+    them; every stage can use the same list). ``activation_bytes``: the first stage's
+    :func:`model_activation_bytes` with these policies. ``extra_flops``: forward FLOPs the recompute adds
+    per micro-batch and tensor-parallel rank on that stage. ``extra_fraction``: ``extra_flops`` over the
+    stage's model FLOPs per micro-batch and rank (forward + backward; with pp = 1 including the logits).
+    """
+
+    policies: Tuple[str, ...]
+    activation_bytes: float
+    extra_flops: float
+    extra_fraction: float
+
+    @property
+    def counts(self) -> Dict[str, int]:
+        """Layers per policy."""
+        return dict(zip(RECOMPUTE_POLICIES, _count(self.policies)))
+
+
+def evaluate_recompute(policies: Sequence[str], seq_len: int, micro_batch: int, hidden: int, heads: int,
+                       num_layers: int, vocab: int, *, tp: int = 1, pp: int = 1, sequence_parallel: bool = True,
+                       ffn_hidden: Optional[int] = None, bytes_per_element: float = 2,
+                       bytes_per_mask: float = 1) -> RecomputePlan:
+    """The :class:`RecomputePlan` of given per-layer ``policies`` for the first stage's L/p layers (every
+    stage running the same list), whether or not it is the cheapest: its activation bytes and extra FLOPs."""
+    model = _Model.validated(seq_len, micro_batch, hidden, heads, num_layers, vocab, tp, pp, sequence_parallel,
+                             ffn_hidden, bytes_per_element, bytes_per_mask, 1)
+    return model.plan(recompute_policies(policies, model.chunk_layers))
+
+
+def plan_recompute(seq_len: int, micro_batch: int, hidden: int, heads: int, num_layers: int, vocab: int, *,
+                   budget_bytes: float, tp: int = 1, pp: int = 1, sequence_parallel: bool = True,
+                   ffn_hidden: Optional[int] = None, bytes_per_element: float = 2,
+                   bytes_per_mask: float = 1) -> RecomputePlan:
+    """The per-layer recompute mix with the least extra forward FLOPs whose first-stage activation
+    bytes (:func:`model_activation_bytes`, 1F1B) fit ``budget_bytes``.
+
+    Extra forward FLOPs per layer and rank: selective recompute 4bs^2h/t (the attention core's QK^T and
+    attention over V), full recompute the whole layer forward (24bsh^2 + 4bs^2h)/t. Under 1F1B every
+    layer of the first stage is held for p micro-batches, so only how many layers take each policy
+    matters, not which ones. Memory falls and cost rises with each layer moved from "none" to
+    "selective" to "full" (selective keeps at least the layer input that full keeps). So for each
+    number of full layers n_full = 0 .. L/p, the cheapest fit takes the fewest selective layers that
+    fit (binary search on the monotone memory); the plan is the cheapest of those L/p + 1 candidates
+    (ties: the least memory). That is the optimum over all (n_none, n_selective, n_full) mixes.
+    Full-recompute layers come first in ``policies``, then selective, then none.
+
+    Raises ValueError if even full recompute of every layer does not fit.
+    """
+    model = _Model.validated(seq_len, micro_batch, hidden, heads, num_layers, vocab, tp, pp, sequence_parallel,
+                             ffn_hidden, bytes_per_element, bytes_per_mask, 1)
+    _check_bytes("budget_bytes", budget_bytes, allow_zero=False)
+    n = model.chunk_layers
+
+    def memory(n_selective: int, n_full: int) -> float:
+        return model.activation_bytes([(n - n_selective - n_full, n_selective, n_full)])
+
+    floor = memory(0, n)
+    if floor > budget_bytes:
+        raise ValueError(f"budget_bytes {budget_bytes:.6g} is below {floor:.6g}, the activation bytes of the first "
+                         f"stage even with full recompute of every layer")
+    best = None  # (extra flops, bytes, n_selective, n_full)
+    for n_full in range(n + 1):
+        rest = n - n_full
+        if memory(rest, n_full) > budget_bytes:
+            continue
+        # memory(k, n_full) is non-increasing in k and memory(rest, n_full) fits: the fewest selective
+        # layers that fit (binary search) are the cheapest mix with n_full full layers.
+        lo, hi = 0, rest
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if memory(mid, n_full) <= budget_bytes:
+                hi = mid
+            else:
+                lo = mid + 1
+        n_selective = lo
+        counts = (rest - n_selective, n_selective, n_full)
+        candidate = (model.extra_flops_all_ranks(counts), memory(n_selective, n_full), n_selective, n_full)
+        if best is None or candidate[:2] < best[:2]:
+            best = candidate
+    _, _, n_selective, n_full = best
+    return model.plan(("full",) * n_full + ("selective",) * n_selective + ("none",) * (n - n_full - n_selective))
+
+
+# ---------------------------------------------------------------------------------------------- meter
 @contextlib.contextmanager
 def saved_as(label: str) -> Iterator[None]:
     """Name the tensors saved for backward inside this block (for :meth:`ActivationMeter.report`)."""
@@ -85,26 +453,58 @@ def _storage_key(t: torch.Tensor) -> tuple:
 def name_storage(tensor: torch.Tensor, label: str) -> torch.Tensor:
     """Name ``tensor``'s storage for active meters (it wins over :func:`saved_as`); returns ``tensor``."""
     if _active_meters:
-        _storage_names[_storage_key(tensor)] = label
+        _storage_names[_storage_key(tensor)] = (label, weakref.ref(tensor))
     return tensor
+
+
+def _storage_name(key: tuple) -> Optional[str]:
+    label, ref = _storage_names.get(key, (None, None))
+    named = ref() if ref is not None else None
+    return label if named is not None and _storage_key(named) == key else None
 
 
 @dataclasses.dataclass
 class SavedTensorRecord:
-    """One distinct storage saved for backward."""
+    """One distinct storage saved for backward.
+
+    ``bytes`` is the whole storage (what stays alive); ``view_bytes`` the bytes of the distinct saved
+    tensors that view it (at most ``bytes``). ``view_bytes < bytes`` means a saved view (e.g. a
+    sequence shard sliced out of a full tensor) pins a larger storage.
+    """
 
     label: str
     shape: tuple
     dtype: torch.dtype
     bytes: int
+    view_bytes: int = 0
+
+    @property
+    def pins_larger_storage(self) -> bool:
+        return self.view_bytes < self.bytes
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
     return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
 
 
+# The meters entered in this thread, innermost last. saved_tensors_hooks only run the innermost pair
+# (and, like autograd's hook stack, per thread), so the innermost meter records for all of them.
+_thread = threading.local()
+
+
+def _meter_stack() -> List["ActivationMeter"]:
+    if not hasattr(_thread, "meters"):
+        _thread.meters = []
+    return _thread.meters
+
+
 class ActivationMeter:
     """Context manager measuring the bytes saved for backward inside it (params excluded, storages once).
+
+    Each saved storage counts whole: a saved view keeps all of its storage alive (:meth:`report` says
+    when a view pins a larger storage). Meters nest: an inner meter's tensors count in every enclosing
+    meter too. Like any ``saved_tensors_hooks``, a meter shadows hooks entered before it (e.g.
+    ``torch.utils.checkpoint``'s non-reentrant mode): enter meters outside such regions.
 
     Example::
 
@@ -115,7 +515,8 @@ class ActivationMeter:
 
     def __init__(self) -> None:
         self.records: List[SavedTensorRecord] = []
-        self._seen: set = set()
+        self._by_storage: Dict[tuple, SavedTensorRecord] = {}
+        self._views: Dict[tuple, set] = {}
         self._hooks = None
 
     @property
@@ -132,25 +533,46 @@ class ActivationMeter:
 
     def report(self, unit_bytes: Optional[float] = None, unit_name: str = "sbh") -> str:
         """A table of the saved storages (label, shape, dtype, bytes, and ``bytes / unit_bytes`` when
-        given), then the bytes per label and the total."""
+        given), then the bytes per label and the total; storages pinned by a smaller saved view are
+        marked ``*`` and listed at the end."""
         unit = (lambda n: f" {n / unit_bytes:>10.3f}") if unit_bytes else (lambda n: "")
         head = f"{'saved tensor':<30} {'shape':<22} {'dtype':<15} {'bytes':>13}" + (f" {unit_name:>10}" if unit_bytes else "")
         lines = [head]
         for r in self.records:
-            lines.append(f"{r.label:<30} {str(list(r.shape)):<22} {str(r.dtype):<15} {r.bytes:>13,}" + unit(r.bytes))
+            mark = " *" if r.pins_larger_storage else ""
+            lines.append(f"{r.label:<30} {str(list(r.shape)):<22} {str(r.dtype):<15} {r.bytes:>13,}" + unit(r.bytes)
+                         + mark)
         lines.append("per label:")
         for label, n in list(self.by_label().items()) + [("total", self.bytes)]:
             lines.append(f"  {label:<28} {'':<22} {'':<15} {n:>13,}" + unit(n))
+        for r in self.records:
+            if r.pins_larger_storage:
+                lines.append(f"* {r.label}: a saved view of {r.view_bytes:,} bytes pins its whole storage of "
+                             f"{r.bytes:,} bytes (counted whole: autograd keeps it alive)")
         return "\n".join(lines)
 
-    def _pack(self, t: torch.Tensor):
+    def _record(self, t: torch.Tensor) -> None:
+        key = _storage_key(t)
+        record = self._by_storage.get(key)
+        if record is None:
+            label = _storage_name(key) or _label.get()
+            record = SavedTensorRecord(label, tuple(t.shape), t.dtype, t.untyped_storage().nbytes())
+            self._by_storage[key] = record
+            self._views[key] = set()
+            self.records.append(record)
+        view = (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if view not in self._views[key]:
+            self._views[key].add(view)
+            record.view_bytes = min(record.bytes, record.view_bytes + t.numel() * t.element_size())
+
+    @staticmethod
+    def _pack(t: torch.Tensor) -> torch.Tensor:
         if not _is_parameter(t):
-            key = _storage_key(t)
-            if key not in self._seen:
-                self._seen.add(key)
-                label = _storage_names.get(key, _label.get())
-                self.records.append(SavedTensorRecord(label, tuple(t.shape), t.dtype, t.untyped_storage().nbytes()))
-        return t
+            for meter in _meter_stack():
+                meter._record(t)
+        # detach: a packed value referring to the tensor itself would form a reference cycle (the
+        # saved output -> its grad_fn -> the saved output) and keep activations alive until gc runs.
+        return t.detach()
 
     @staticmethod
     def _unpack(t: torch.Tensor) -> torch.Tensor:
@@ -158,7 +580,10 @@ class ActivationMeter:
 
     def __enter__(self) -> "ActivationMeter":
         global _active_meters
+        if self._hooks is not None:
+            raise RuntimeError("this ActivationMeter is already active")
         _active_meters += 1
+        _meter_stack().append(self)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
@@ -167,6 +592,8 @@ class ActivationMeter:
         global _active_meters
         self._hooks.__exit__(*exc)
         self._hooks = None
+        stack = _meter_stack()
+        stack.remove(self)
         _active_meters -= 1
         if not _active_meters:
             _storage_names.clear()

@@ -1,10 +1,13 @@
-"""seqpar.memory: the paper's Table 2 formulas and the ActivationMeter's accounting."""
+"""seqpar.memory: the paper's Table 2 and whole-model formulas and the ActivationMeter's accounting."""
+import gc
+import weakref
+
 import pytest
 import torch
 
-from seqpar.memory import ActivationMeter, layer_activation_bytes, saved_as
+from seqpar.memory import ActivationMeter, layer_activation_bytes, model_activation_bytes, saved_as
 
-S, B, H, A = 2048, 4, 6144, 64  # 22B model layer (paper.md)
+S, B, H, A = 2048, 4, 6144, 64  # 22B model layer (the paper's Table 3)
 
 
 @pytest.mark.parametrize("t", [1, 2, 8])
@@ -22,7 +25,7 @@ def test_table2_rows(t):
 
 
 def test_generalised_elements_and_ffn():
-    # paper.md: attention block 5E sbh + M sbh + (2E + M) as^2b, MLP (2f/h + 1) E sbh + M sbh, LNs 2E sbh.
+    # Section 4.1: attention block 5E sbh + M sbh + (2E + M) as^2b, MLP (2f/h + 1) E sbh + M sbh, LNs 2E sbh.
     s, b, h, a, f, e, m = 128, 2, 64, 4, 96, 4, 0.5
     sbh, as2b = s * b * h, a * s * s * b
     direct = (5 * e + m) * sbh + (2 * e + m) * as2b + ((2 * f / h + 1) * e + m) * sbh + 2 * e * sbh
@@ -63,3 +66,151 @@ def test_meter_counts_storages_once_and_skips_parameters():
     y_ref = x_ref @ w.detach()
     (y_ref * y_ref[:, :8].repeat(1, 2)).sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad)  # the hooks do not change what backward computes
+
+
+# ------------------------------------------------------------------------------- layer_activation_bytes input
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(seq_len=True), "seq_len.*True"), (dict(heads=False), "heads.*False"), (dict(tp=True), "tp.*True"),
+    (dict(sequence_parallel=1), "sequence_parallel.*1"), (dict(bytes_per_element=-2), "bytes_per_element.*-2"),
+    (dict(bytes_per_element=0), "bytes_per_element.*0"), (dict(bytes_per_mask=-1), "bytes_per_mask.*-1"),
+    (dict(bytes_per_mask=True), "bytes_per_mask.*True"), (dict(bytes_per_element=float("nan")), "nan"),
+    (dict(tp=3), "tp 3 does not divide heads 4"), (dict(ffn_hidden=30, tp=4), "ffn_hidden 30"),
+    (dict(ffn_hidden=True), "ffn_hidden.*True"), (dict(hidden=10), "hidden 10"),
+    (dict(seq_len=6, tp=4, sequence_parallel=True), "seq_len 6"), (dict(recompute=["none"]), "recompute"),
+], ids=lambda v: str(v) if not isinstance(v, dict) else "-".join(f"{k}={v[k]}" for k in v))
+def test_layer_formula_rejects_bad_values_by_name(kwargs, match):
+    args = dict(seq_len=8, micro_batch=1, hidden=16, heads=4)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        layer_activation_bytes(**args)
+
+
+# ------------------------------------------------------------------------------- model_activation_bytes
+# The paper's models (s = 2048, v = 51200): heads, hidden, layers, pipeline size, micro-batch.
+PAPER_MODELS = {"22B": (64, 6144, 48, 1, 4), "175B": (96, 12288, 96, 8, 1), "530B": (128, 20480, 105, 35, 1),
+                "1T": (160, 25600, 128, 64, 1)}
+
+
+def _table2_row(s, b, h, a, t, sp, recompute):
+    """The paper's Table 2 rows, written out (bytes, 2-byte activations, 1-byte masks)."""
+    sbh, x = s * b * h, 5 * a * s / h
+    if recompute == "full":
+        return 2 * sbh / t if sp else 2 * sbh
+    if recompute == "selective":
+        return 34 * sbh / t if sp else sbh * (10 + 24 / t)
+    return sbh / t * (34 + x) if sp else sbh * (10 + 24 / t + x / t)
+
+
+@pytest.mark.parametrize("name", list(PAPER_MODELS))
+@pytest.mark.parametrize("t", [1, 2, 8])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("pp_of", ["table3", "pp1"])
+def test_model_bytes_are_table2_rows_times_layers_plus_outside_terms(name, t, sp, recompute, pp_of):
+    a, h, L, p, b = PAPER_MODELS[name]
+    p = p if pp_of == "table3" else 1
+    s, v = 2048, 51200
+    sbh = s * b * h
+    split = t if sp else 1
+    expected = L * _table2_row(s, b, h, a, t, sp, recompute) + sbh * p / split     # + embedding dropout sbhp/t
+    if p == 1:                                    # final LN input, output-layer input, fp32 logits
+        expected += 2 * sbh / split + 2 * sbh / split + 4 * s * b * v / t
+    got = model_activation_bytes(s, b, h, a, L, v, tp=t, pp=p, sequence_parallel=sp, recompute=recompute)
+    assert got == pytest.approx(expected, rel=1e-12)
+    # a per-layer list of the same policy is the same figure
+    assert model_activation_bytes(s, b, h, a, L, v, tp=t, pp=p, sequence_parallel=sp,
+                                  recompute=[recompute] * L) == pytest.approx(expected, rel=1e-12)
+
+
+def test_pipeline_and_interleave_terms_by_hand():
+    # s=4, b=1, h=8, a=2, t=2, SP, E=2, M=1: sbh = 32.
+    # none: sbh/t (34 + 5as/h) = 16 * (34 + 5) = 624; selective 34 sbh / t = 544; full 2 sbh / t = 32.
+    # embedding-dropout mask per micro-batch: sbh / t = 16.
+    kw = dict(tp=2, sequence_parallel=True)
+    assert layer_activation_bytes(4, 1, 8, 2, recompute="none", **kw) == 624
+    # p = 2, 4 layers, 1F1B: rank 0 holds layers 0-1 for 2 micro-batches and 2 embedding masks.
+    assert model_activation_bytes(4, 1, 8, 2, 4, 16, pp=2, **kw) == 2 * 2 * 624 + 2 * 16
+    # only the first stage's layers count: layers 2-3 (second stage) change nothing
+    assert model_activation_bytes(4, 1, 8, 2, 4, 16, pp=2, recompute=["full", "selective", "none", "none"],
+                                  **kw) == 2 * (32 + 544) + 2 * 16
+    assert model_activation_bytes(4, 1, 8, 2, 4, 16, pp=2, recompute=["full", "selective", "full", "full"],
+                                  **kw) == 2 * (32 + 544) + 2 * 16
+    # p = 2, m = 2 chunks of one layer: rank 0 holds chunks 0 (layer 0) and 1 (layer 2). Schedule: warm-up
+    # 2(p-1) + (m-1)p = 4 forwards (c0 mb0, c0 mb1, c1 mb0, c1 mb1), then forward/backward pairs:
+    # F c0 mb2 (held: c0 x3, c1 x2), B c1 mb0, F c0 mb3 (c0 x4, c1 x1), B c1 mb1, F c1 mb2 (c0 x4, c1 x1) ...
+    # peak 5 chunks = L (1 + (p-1)/(pm)) = 4 * 5/4 layers, with up to 4 chunk-0 micro-batches (embeddings).
+    assert model_activation_bytes(4, 1, 8, 2, 4, 16, pp=2, interleave=2, **kw) == 5 * 624 + 4 * 16
+    # uneven chunks: layer 0 full, layer 2 none -> max(3*32 + 2*624 + 3*16, 4*32 + 1*624 + 4*16) = 1392
+    assert model_activation_bytes(4, 1, 8, 2, 4, 16, pp=2, interleave=2, recompute=["full", "none", "none", "none"],
+                                  **kw) == 3 * 32 + 2 * 624 + 3 * 16
+    # p = 1: one micro-batch in flight, plus final LN input and output-layer input (2 sbh / t = 32 each)
+    # and the fp32 logits 4 sbv / t = 128
+    assert model_activation_bytes(4, 1, 8, 2, 4, 16, **kw) == 4 * 624 + 16 + 32 + 32 + 128
+    # without SP the embedding mask and the output side are not split: 2 sbh = 64, sbh = 32
+    assert model_activation_bytes(4, 1, 8, 2, 4, 16, tp=2, recompute="full") == 4 * 64 + 32 + 64 + 64 + 128
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (3, 2), (4, 3), (8, 4), (35, 3)])
+def test_interleaved_schedule_holds_paper_factor(p, m):
+    s, b, h, a = 64, 1, 32, 4
+    L = p * m * 2
+    layer = layer_activation_bytes(s, b, h, a, tp=2, sequence_parallel=True, bytes_per_mask=0)
+    got = model_activation_bytes(s, b, h, a, L, 64, tp=2, pp=p, sequence_parallel=True, interleave=m,
+                                 bytes_per_mask=0)  # no embedding-dropout mask: layers only
+    assert got == pytest.approx(L * (1 + (p - 1) / (p * m)) * layer, rel=1e-12)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_layers=6, pp=4), "num_layers 6"), (dict(interleave=2), "interleave 2"), (dict(pp=True), "pp.*True"),
+    (dict(vocab=0), "vocab.*0"), (dict(recompute=["none"] * 3), "3 per-layer policies for 8 layers"),
+    (dict(recompute=["none"] * 7 + ["some"]), r"recompute\[7\].*some"), (dict(recompute=None), "None"),
+    (dict(tp=3), "tp 3 does not divide heads 4"), (dict(bytes_per_mask=-1), "-1"),
+])
+def test_model_formula_rejects_bad_values_by_name(kwargs, match):
+    args = dict(seq_len=8, micro_batch=1, hidden=16, heads=4, num_layers=8, vocab=32)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        model_activation_bytes(**args)
+
+
+# ------------------------------------------------------------------------------- ActivationMeter
+def test_nested_meters_both_count():
+    x = torch.randn(8, 16, requires_grad=True)
+    with ActivationMeter() as outer:
+        a = x.exp()                       # saves its output (8 x 16 floats)
+        with ActivationMeter() as inner:
+            b = a.sin()                   # saves a (already counted by the outer meter)
+            c = b.tanh()                  # saves c
+        d = c.exp()                       # saves d
+    assert inner.bytes == 2 * 8 * 16 * 4
+    assert outer.bytes == 3 * 8 * 16 * 4, outer.report()
+    d.sum().backward()
+    torch.testing.assert_close(x.grad, (x.exp().sin().tanh().exp() * (1 - x.exp().sin().tanh() ** 2)
+                                        * x.exp().cos() * x.exp()).detach())
+
+
+def test_saved_view_counts_whole_storage_and_report_says_so():
+    full = torch.randn(64, 16, requires_grad=True)
+    with ActivationMeter() as meter:
+        y = full * 2                      # (a product by a number saves nothing)
+        shard = y[16:32]                  # a sequence shard: a view of y's storage
+        z = shard.sin()                   # saves its input, the view: y's whole storage stays alive
+    assert len(meter.records) == 1 and meter.bytes == 64 * 16 * 4
+    record = meter.records[0]
+    assert record.bytes == 64 * 16 * 4 and record.view_bytes == 16 * 16 * 4 and record.pins_larger_storage
+    assert "pins its whole storage of 4,096 bytes" in meter.report()
+    z.sum().backward()
+
+
+def test_meter_keeps_nothing_alive():
+    # The saved output of exp() must die with the graph (no pack-hook reference cycle waiting for gc).
+    x = torch.randn(256, requires_grad=True)
+    gc.disable()
+    try:
+        with ActivationMeter():
+            y = x.exp()
+        ref = weakref.ref(y)
+        del y
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -1,4 +1,4 @@
-"""The paper's layer experiments (paper.md, "One layer of the 22B model"): no recompute, sequence
+"""The paper's layer experiments (its Table 4 and Figure 8, one layer of the 22B model): no recompute, sequence
 parallel, full recompute, selective recompute, selective + sequence parallel.
 
 Each experiment builds one TransformerLayer with tensor parallelism over the ranks, times forward and
@@ -33,8 +33,13 @@ EXPERIMENTS = [  # (name, sequence_parallel, recompute)
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m seqpar bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The bench's options; a usage error (bad value, unknown or unusable backend, no CUDA device for
+    ``--device cuda``, no matplotlib for ``--plot``) is one line on stderr and exit status 2."""
+    from ..cli import ArgumentParser, matplotlib_missing
+    from ..ops.registry import BACKEND_CHOICES
+
+    p = ArgumentParser(prog="python -m seqpar bench", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default 2 on cpu, 1 on cuda)")
     p.add_argument("--seq-len", type=int, default=None, help="default 256 (cpu) / 2048 (cuda)")
@@ -43,10 +48,12 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=None, help="default 2 (cpu) / 4 (cuda)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout")
-    p.add_argument("--backend", default="auto", help="auto | torch | triton | cuda")
+    p.add_argument("--backend", choices=BACKEND_CHOICES, default="auto")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default 3 cpu / 20 cuda)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up iterations (default 1 cpu / 5 cuda)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--plot", metavar="PATH", help="draw the experiments like the paper's Figure 8 (PNG; needs "
+                   "matplotlib: the 'plot' extra): time split forward / backward / recompute, bytes vs Table 2")
     args = p.parse_args(argv)
     gpu = args.device == "cuda"
     defaults = dict(tp=1 if gpu else 2, seq_len=2048 if gpu else 256, hidden=6144 if gpu else 128,
@@ -57,10 +64,46 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     for key in ("tp", "seq_len", "hidden", "heads", "batch", "iters"):
         if getattr(args, key) <= 0:
             p.error(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be non-negative, got {args.warmup}")
+    if not 0.0 <= args.dropout < 1.0:
+        p.error(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.hidden % args.heads or args.heads % args.tp or args.seq_len % args.tp:
         p.error(f"need hidden % heads == 0, heads % tp == 0 and seq_len % tp == 0 "
                 f"(hidden={args.hidden}, heads={args.heads}, seq_len={args.seq_len}, tp={args.tp})")
+    if args.plot and matplotlib_missing():
+        p.error(matplotlib_missing())
+    import torch
+
+    if gpu and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    if gpu and args.tp > 1 and not _under_torchrun():
+        p.error(f"--device cuda with --tp {args.tp}: launch with torchrun --nproc-per-node {args.tp} instead")
+    reason = _backend_unusable(args.backend, torch.device(args.device))
+    if reason:
+        p.error(reason)
     return args
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _backend_unusable(backend: str, device) -> Optional[str]:
+    """Why ``backend`` (or ``SEQPAR_BACKEND`` under "auto") can't run the layer's ops on ``device``."""
+    from ..ops import registry
+
+    try:
+        name = registry.requested_backend(backend)
+    except ValueError as exc:
+        return str(exc)
+    if name == "auto":
+        return None
+    for op in registry.registered_ops():
+        reason = registry.unavailable_reason(op, name, device)
+        if reason:
+            return f"--backend {name} can't run {op} on {device.type}: {reason}"
+    return None
 
 
 class _Timer:
@@ -126,11 +169,11 @@ def run_experiments(args, rank: int, world_size: int, group) -> List[Dict]:
         with ActivationMeter() as meter:
             y = layer(x)
         del y
-        table2 = layer_activation_bytes(s, b, h, a, tp=t, sequence_parallel=sp, recompute=recompute,
-                                        bytes_per_element=element)
+        table2 = functools.partial(layer_activation_bytes, s, b, h, a, tp=t, sequence_parallel=sp,
+                                   recompute=recompute, bytes_per_element=element)
         row = dict(experiment=name, sequence_parallel=sp, recompute=recompute,
                    forward_ms=statistics.median(fwd), backward_ms=statistics.median(bwd),
-                   activation_bytes=meter.bytes, table2_bytes=table2)
+                   activation_bytes=meter.bytes, table2_bytes=table2(), table2_bytes_no_masks=table2(bytes_per_mask=0))
         row["combined_ms"] = row["forward_ms"] + row["backward_ms"]
         rows.append(row)
         if rank == 0:
@@ -174,12 +217,15 @@ def _rank_main(rank: int, world_size: int, args, port: Optional[int]) -> Optiona
 
 
 def _spawned(rank, world_size, args, port, queue):
+    """A spawned rank: its rows, or its error, go to the parent through ``queue`` (which reports it once;
+    re-raising here would print every rank's traceback as well)."""
     try:
         queue.put(("ok", _rank_main(rank, world_size, args, port)))
-    except BaseException as exc:  # noqa: BLE001
+    except BaseException as exc:  # noqa: BLE001 - everything goes to the parent
         import traceback
-        queue.put(("error", f"rank {rank}: {exc}\n{traceback.format_exc()}"))
-        raise
+        queue.put(("error", (rank, isinstance(exc, ValueError), f"{type(exc).__name__}: {exc}",
+                             traceback.format_exc())))
+        raise SystemExit(1)
 
 
 def main(argv: Optional[List[str]] = None) -> List[Dict]:
@@ -188,9 +234,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict]:
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available")
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: use the launched ranks
+    if _under_torchrun():  # use the launched ranks
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if args.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -201,8 +245,6 @@ def main(argv: Optional[List[str]] = None) -> List[Dict]:
     elif args.tp == 1:
         rank, rows = 0, _rank_main(0, 1, args, None)
     else:
-        if args.device == "cuda":
-            raise SystemExit("--device cuda with --tp > 1: launch with torchrun --nproc-per-node TP")
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
@@ -224,7 +266,10 @@ def main(argv: Optional[List[str]] = None) -> List[Dict]:
                 proc.kill()
             proc.join()
         if failures:
-            raise SystemExit("seqpar bench failed:\n" + "\n".join(failures))
+            rank, bad_input, message, trace = failures[0]
+            if bad_input:  # seqpar rejected an input: the message names it
+                raise ValueError(f"rank {rank}: {message}")
+            raise SystemExit(f"python -m seqpar bench: rank {rank} failed:\n{trace}")
         rank = 0
     if rank != 0:
         return []
@@ -240,4 +285,8 @@ def main(argv: Optional[List[str]] = None) -> List[Dict]:
         with open(args.json, "w") as f:
             json.dump(dict(meta, rows=rows), f, indent=2)
         print(f"wrote {args.json}")
+    if args.plot:
+        from .plots import plot_bench
+        plot_bench(rows, header, args.plot)
+        print(f"wrote {args.plot}")
     return rows

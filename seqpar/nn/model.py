@@ -7,7 +7,8 @@ scattered to [s/t, b, h] shards before the layers and gathered (g) before the ou
 """
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,7 @@ from ..ops.dropout import DropoutSpec, dropout
 from ..parallel.mappings import (copy_to_tensor_region, gather_from_sequence_region, reduce_from_tensor_region,
                                  scatter_to_sequence_region)
 from ..parallel.state import ProcessGroup, group_rank, group_size
-from ..memory import saved_as
+from ..memory import recompute_policies, saved_as
 from .layer import TransformerLayer
 from .layernorm import LayerNorm
 
@@ -64,15 +65,20 @@ class GPTModel(nn.Module):
     (numbered 0..L-1 in the dropout RNG) -> final LayerNorm -> logits with the tied word embedding.
 
     Each layer's final bias-dropout-add is fused with the following LayerNorm (the next layer's input
-    LayerNorm, or the final one) through :func:`seqpar.ops.bias_dropout_add_layer_norm`; with
-    ``recompute="full"`` layers run whole, so each checkpoint keeps only its layer input.
+    LayerNorm, or the final one) through :func:`seqpar.ops.bias_dropout_add_layer_norm`; layers with
+    full recompute run whole, so each checkpoint keeps only its layer input.
+
+    ``recompute``: None (``config.recompute`` for every layer), one policy for every layer, or one of
+    "none" | "selective" | "full" per layer, e.g. ``seqpar.memory.plan_recompute(...).policies``; layer
+    i runs with ``dataclasses.replace(config, recompute=recompute[i])`` (``self.layers[i].config``).
 
     ``forward(tokens, labels=None)``: tokens [b, s] -> per-token loss [s, b] with labels, else the
     local logits [s, b, v/t].
     """
 
     def __init__(self, config: TransformerConfig, num_layers: int, vocab_size: int, max_seq_len: int,
-                 tp_group: ProcessGroup = None, device=None):
+                 tp_group: ProcessGroup = None, device=None,
+                 recompute: Union[None, str, Sequence[str]] = None):
         super().__init__()
         t = group_size(tp_group)
         for name, value in (("num_layers", num_layers), ("vocab_size", vocab_size), ("max_seq_len", max_seq_len)):
@@ -89,8 +95,10 @@ class GPTModel(nn.Module):
             word[self.vocab_start:self.vocab_start + vocab_size // t].to(device=device, dtype=dtype).clone())
         self.position_embeddings = nn.Parameter(
             (torch.randn(max_seq_len, h, generator=gen) * 0.02).to(device=device, dtype=dtype))
-        self.layers = nn.ModuleList(TransformerLayer(config, tp_group, device, layer_number=i)
-                                    for i in range(num_layers))
+        policies = recompute_policies(config.recompute if recompute is None else recompute, num_layers)
+        self.layers = nn.ModuleList(
+            TransformerLayer(dataclasses.replace(config, recompute=policy), tp_group, device, layer_number=i)
+            for i, policy in enumerate(policies))
         self.final_layernorm = LayerNorm(h, config.layernorm_epsilon, tp_group=tp_group,
                                          sequence_parallel=config.sequence_parallel, backend=config.backend,
                                          device=device, dtype=dtype)
@@ -113,12 +121,12 @@ class GPTModel(nn.Module):
 
     def _layers(self, hidden: torch.Tensor) -> torch.Tensor:
         """Embedding output -> final LayerNorm output, fusing each bias-dropout-add with the next LN."""
-        if self.config.recompute == "full":
-            for layer in self.layers:
-                hidden = layer(hidden)
-            return self.final_layernorm(hidden)
         pending = None
         for layer in self.layers:
+            if layer.config.recompute == "full":  # a checkpoint keeping only the layer input: run it whole
+                hidden = layer(hidden if pending is None else pending.apply())
+                pending = None
+                continue
             seed = layer.draw_dropout_seed()
             with saved_as("LN1 input"):
                 if pending is None:
@@ -126,6 +134,8 @@ class GPTModel(nn.Module):
                 else:
                     normalized, hidden = pending.apply_with_layer_norm(layer.input_layernorm)
             pending = layer.forward_after_input_layernorm(hidden, normalized, seed)
+        if pending is None:
+            return self.final_layernorm(hidden)
         return pending.apply_with_layer_norm(self.final_layernorm)[0]
 
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:

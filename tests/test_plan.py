@@ -1,0 +1,109 @@
+"""seqpar.memory.plan_recompute against brute force over every (n_none, n_selective, n_full) mix."""
+import random
+
+import pytest
+
+from seqpar.memory import RecomputePlan, evaluate_recompute, model_activation_bytes, plan_recompute
+
+CASES = {  # id: (s, b, h, a, L, v, t, pp, sp)
+    "L6-t1": (64, 2, 32, 4, 6, 100, 1, 1, False),
+    "L7-t2-sp": (64, 1, 32, 4, 7, 128, 2, 1, True),
+    "L8-t2-pp2-sp": (48, 2, 48, 6, 8, 96, 2, 2, True),
+    "L9-t3-pp3": (96, 1, 24, 6, 9, 90, 3, 3, False),
+    "L5-t4-sp-s-gt-h": (128, 1, 16, 4, 5, 64, 4, 1, True),
+}
+
+
+def _extra_flops(s, b, h, t, counts):
+    """The contract's extra forward FLOPs per rank: selective 4bs^2h/t, full (24bsh^2 + 4bs^2h)/t per layer."""
+    _, n_selective, n_full = counts
+    return (n_selective * 4 * b * s * s * h + n_full * (24 * b * s * h * h + 4 * b * s * s * h)) / t
+
+
+def _policies(counts):
+    n_none, n_selective, n_full = counts
+    return ["full"] * n_full + ["selective"] * n_selective + ["none"] * n_none
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_planner_matches_brute_force(case):
+    s, b, h, a, L, v, t, pp, sp = CASES[case]
+    n = L // pp
+    kw = dict(tp=t, pp=pp, sequence_parallel=sp)
+
+    def memory(policies):  # every stage runs the first stage's policies
+        return model_activation_bytes(s, b, h, a, L, v, recompute=list(policies) * pp, **kw)
+
+    mixes = [(n0, n1, n - n0 - n1) for n0 in range(n + 1) for n1 in range(n - n0 + 1)]
+    bytes_of = {mix: memory(_policies(mix)) for mix in mixes}
+    lo, hi = bytes_of[(0, 0, n)], bytes_of[(n, 0, 0)]
+    budgets = sorted(set(bytes_of.values())) + [lo + (hi - lo) * k / 17 for k in range(19)]  # exact ties too
+    planned_mixes = set()
+    for budget in budgets:
+        plan = plan_recompute(s, b, h, a, L, v, budget_bytes=budget, **kw)
+        assert isinstance(plan, RecomputePlan) and len(plan.policies) == n
+        assert plan.activation_bytes == memory(plan.policies) <= budget
+        fitting = [mix for mix in mixes if bytes_of[mix] <= budget]
+        best = min(_extra_flops(s, b, h, t, mix) for mix in fitting)
+        assert plan.extra_flops == pytest.approx(best, rel=1e-12, abs=0), (budget, plan)
+        counts = (plan.counts["none"], plan.counts["selective"], plan.counts["full"])
+        assert plan.extra_flops == pytest.approx(_extra_flops(s, b, h, t, counts), rel=1e-12, abs=0)
+        planned_mixes.add(counts)
+    assert len(planned_mixes) >= 4, planned_mixes  # the budgets exercise real trade-offs
+    # which layer takes which policy does not matter under 1F1B
+    shuffled = _policies((1, 2, n - 3))
+    random.Random(0).shuffle(shuffled)
+    assert memory(shuffled) == pytest.approx(bytes_of[(1, 2, n - 3)], rel=1e-12)
+
+
+def test_plan_extremes_and_extra_fraction():
+    s, b, h, a, L, v = 64, 2, 32, 4, 6, 100
+    everything = model_activation_bytes(s, b, h, a, L, v, sequence_parallel=True)
+    plan = plan_recompute(s, b, h, a, L, v, budget_bytes=everything)
+    assert plan.policies == ("none",) * L and plan.extra_flops == 0 and plan.extra_fraction == 0
+    selective = model_activation_bytes(s, b, h, a, L, v, sequence_parallel=True, recompute="selective")
+    plan = plan_recompute(s, b, h, a, L, v, budget_bytes=selective)
+    assert plan.policies == ("selective",) * L
+    assert plan == evaluate_recompute("selective", s, b, h, a, L, v) \
+        == evaluate_recompute(["selective"] * L, s, b, h, a, L, v)
+    # model FLOPs per micro-batch: 3 (L (24bsh^2 + 4bs^2h) + 2bshv) = 72 bLsh^2 (1 + s/(6h) + v/(12hL))
+    model_flops = 72 * b * L * s * h * h * (1 + s / (6 * h) + v / (12 * h * L))
+    assert plan.extra_flops == L * 4 * b * s * s * h
+    assert plan.extra_fraction == pytest.approx(L * 4 * b * s * s * h / model_flops, rel=1e-12)
+
+
+def test_plan_raises_when_even_full_recompute_does_not_fit():
+    s, b, h, a, L, v = 64, 2, 32, 4, 6, 100
+    floor = model_activation_bytes(s, b, h, a, L, v, sequence_parallel=True, recompute="full")
+    assert plan_recompute(s, b, h, a, L, v, budget_bytes=floor).policies == ("full",) * L
+    with pytest.raises(ValueError, match="even with full recompute"):
+        plan_recompute(s, b, h, a, L, v, budget_bytes=floor * (1 - 1e-9))
+
+
+@pytest.mark.parametrize("budget", [0, -5, True, float("inf"), "1e9"], ids=repr)
+def test_plan_rejects_bad_budget(budget):
+    with pytest.raises(ValueError, match="budget_bytes"):
+        plan_recompute(64, 2, 32, 4, 6, 100, budget_bytes=budget)
+
+
+def test_plan_paper_models_fit_80gb():
+    """The paper's 530B and 1T stages (t = 8, SP) at an 80 GiB budget less 18 bytes per parameter: the
+    planner finds a mix no costlier than uniform selective recompute, which fits."""
+    from seqpar.memory import MODEL_STATE_BYTES_PER_PARAMETER, first_stage_parameters
+    for a, h, L, p in ((128, 20480, 105, 35), (160, 25600, 128, 64)):
+        budget = 80 * 2**30 - MODEL_STATE_BYTES_PER_PARAMETER * first_stage_parameters(h, L, 51200, 2048, tp=8, pp=p)
+        plan = plan_recompute(2048, 1, h, a, L, 51200, budget_bytes=budget, tp=8, pp=p)
+        assert plan.counts["full"] == 0 and plan.activation_bytes <= budget
+        assert plan.extra_flops <= (L // p) * 4 * 2048 * 2048 * h / 8
+
+
+def test_first_stage_parameters_by_hand():
+    from seqpar.memory import first_stage_parameters
+    h, L, v, s = 8, 4, 30, 16
+    per_layer = 12 * h * h + 13 * h                         # 4h^2 + 2hf + f + 9h at f = 4h
+    assert first_stage_parameters(h, L, v, s) == L * per_layer + v * h + s * h + 2 * h
+    # t = 2: QKV, fc1 (with biases), projection and fc2 weights split; 2 biases + 2 LayerNorms (6h) not
+    sharded = (3 * h * h + 3 * h + 4 * h * h + 4 * h + h * h + 4 * h * h) // 2 + 6 * h
+    assert first_stage_parameters(h, L, v, s, tp=2, pp=2) == 2 * sharded + 15 * h + s * h
+    with pytest.raises(ValueError, match="num_layers 4 is not divisible by pp 3"):
+        first_stage_parameters(h, L, v, s, pp=3)
