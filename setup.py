@@ -84,7 +84,7 @@ class CMakeBuild(build_ext):
 
 
 setup(
-    packages=["seqpar", "seqpar.parallel", "seqpar.ops", "seqpar.nn", "seqpar.bench",
+    packages=["seqpar", "seqpar.parallel", "seqpar.ops", "seqpar.nn", "seqpar.bench", "seqpar.integrations",
               "seqpar.triton_kernels"],
     # The Triton kernels live in the top-level folder triton_kernels/ but install as
     # seqpar.triton_kernels, so they can't clash with Triton's own `triton_kernels` package.

@@ -1,14 +1,26 @@
 """A small GPT on top of TransformerLayer: vocab-parallel embedding, N layers, final LayerNorm, tied
-output head and a vocab-parallel cross-entropy (the logits are never gathered: each rank holds v/t).
+output head and a vocab-parallel cross-entropy (the logits are never gathered: each rank holds a
+vocabulary shard).
 
 Shapes: ``tokens`` [b, s] (int64, the full sequence on every rank) -> loss per token [s, b] (fp32),
-or logits [s, b, v/t] when no labels are given. Under sequence parallelism the embedding output is
-scattered to [s/t, b, h] shards before the layers and gathered (g) before the output head.
+or logits [s, b, vocab_end - vocab_start] when no labels are given. Under sequence parallelism the
+embedding output is scattered to [s/t, b, h] shards before the layers and gathered (g) before the
+output head.
+
+Vocabulary padding (Megatron's make-vocab-size-divisible-by): the word-embedding table has
+``padded_vocab_size`` = v rounded up to a multiple of ``t * 128`` rows, split evenly over the t ranks,
+so every rank holds a [padded_vocab_size / t, h] shard whatever v is (v = 50257 for GPT-2). Rank r
+holds the rows of global ids ``r * padded_vocab_size / t`` onwards; the real ones among them are
+``[vocab_start, vocab_end)`` with ``vocab_start = r * padded_vocab_size / t`` and
+``vocab_end = min(v, (r + 1) * padded_vocab_size / t)`` (an empty shard, ``vocab_end == vocab_start``,
+on the last ranks when v is small). The padded rows are zeros that no op reads: the output head
+multiplies by the real rows only, so padded logits do not exist, never enter the softmax and never
+get a gradient; unsharded state dicts hold the v real rows.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence, Union
+from typing import Dict, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -23,46 +35,158 @@ from ..parallel.state import ProcessGroup, group_rank, group_size
 from ..memory import recompute_policies, saved_as
 from .layer import TransformerLayer
 from .layernorm import LayerNorm
+from .linear import _gather_rows
 
 EMBEDDING_RNG_LAYER = 2**31 - 1  # the embedding dropout's "layer number" in the RNG
+VOCAB_PAD_MULTIPLE = 128         # the padded vocabulary is a multiple of this times t
+IGNORE_INDEX = -100              # a label equal to it gives no loss and no gradient (torch's default)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy over logits split along the vocabulary: [s, b, v/t] + labels [s, b] -> loss [s, b]."""
+    """Cross-entropy over logits split along the vocabulary, never gathered.
+
+    ``loss[i] = log(sum_j exp(z[i, j])) - z[i, labels[i]]`` for logits z [s, b, v_local] (this rank's
+    columns are the global ids ``vocab_start .. vocab_start + v_local - 1``; v_local may be 0) and
+    labels [s, b] -> loss [s, b] in fp32. The max, the target logit and the exp-sum are reduced over the
+    group. A label equal to ``ignore_index`` gives loss 0 and no gradient, as in
+    :func:`torch.nn.functional.cross_entropy` with ``reduction="none"``.
+    """
 
     @staticmethod
-    def forward(ctx, logits_local, labels, vocab_start, group):
+    def forward(ctx, logits_local, labels, vocab_start, ignore_index, group):
         logits = logits_local.float()
-        logits_max = logits.max(dim=-1).values
+        v_local = logits.shape[-1]
+        if v_local:
+            logits_max = logits.amax(dim=-1)
+        else:  # this rank's shard holds only padded rows: it adds nothing to the sums
+            logits_max = logits.new_full(labels.shape, float("-inf"))
         if group_size(group) > 1:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - logits_max.unsqueeze(-1)
-        v_local = logits.shape[-1]
+        valid = labels != ignore_index
         local_labels = labels - vocab_start
-        in_shard = (local_labels >= 0) & (local_labels < v_local)
-        safe = local_labels.clamp(0, v_local - 1)
-        target = torch.gather(shifted, -1, safe.unsqueeze(-1)).squeeze(-1) * in_shard
+        in_shard = valid & (local_labels >= 0) & (local_labels < v_local)
+        safe = local_labels.clamp(0, max(v_local - 1, 0))
+        if v_local:
+            target = torch.gather(shifted, -1, safe.unsqueeze(-1)).squeeze(-1) * in_shard
+        else:
+            target = torch.zeros_like(logits_max)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
         if group_size(group) > 1:
             dist.all_reduce(target, group=group)
             dist.all_reduce(sum_exp, group=group)
         softmax = exp / sum_exp.unsqueeze(-1)
-        ctx.save_for_backward(softmax, safe, in_shard)
+        ctx.save_for_backward(softmax, safe, in_shard, valid)
         ctx.dtype = logits_local.dtype
-        return sum_exp.log() - target
+        return torch.where(valid, sum_exp.log() - target, 0.0)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, safe, in_shard = ctx.saved_tensors
+        softmax, safe, in_shard, valid = ctx.saved_tensors
         grad = softmax.clone()
-        grad.scatter_add_(-1, safe.unsqueeze(-1), -in_shard.unsqueeze(-1).to(grad.dtype))
-        return (grad * grad_loss.unsqueeze(-1)).to(ctx.dtype), None, None, None
+        if grad.shape[-1]:
+            grad.scatter_add_(-1, safe.unsqueeze(-1), -in_shard.unsqueeze(-1).to(grad.dtype))
+        grad_loss = torch.where(valid, grad_loss, 0.0)   # ignored positions get no gradient
+        return (grad * grad_loss.unsqueeze(-1)).to(ctx.dtype), None, None, None, None
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """``vocab_size`` rounded up to a multiple of ``tp_size * 128`` (Megatron's
+    make-vocab-size-divisible-by 128, times t): every rank's shard has the same number of rows."""
+    multiple = VOCAB_PAD_MULTIPLE * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Word embeddings split along the padded vocabulary: ``weight`` [padded_vocab_size / t, h].
+
+    ``forward(tokens)``: int64 ids in [0, vocab_size) of shape [...] -> [..., h]; each rank looks up the
+    ids of its shard ``[vocab_start, vocab_end)`` (zero elsewhere) and the group sums the results
+    (f-bar). The padded rows (local rows ``vocab_end - vocab_start`` onwards) stay zero and are never
+    read.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, tp_group: ProcessGroup = None, device=None,
+                 dtype=None):
+        super().__init__()
+        t, r = group_size(tp_group), group_rank(tp_group)
+        self.vocab_size, self.tp_group = vocab_size, tp_group
+        self.padded_vocab_size = padded_vocab_size(vocab_size, t)
+        rows = self.padded_vocab_size // t
+        self.vocab_start = r * rows
+        self.vocab_end = max(self.vocab_start, min(vocab_size, self.vocab_start + rows))
+        self.weight = nn.Parameter(torch.zeros(rows, hidden_size, device=device, dtype=dtype))
+
+    @property
+    def real_weight(self) -> torch.Tensor:
+        """The rows of real token ids ``[vocab_start, vocab_end)``: [vocab_end - vocab_start, h] (a view)."""
+        return self.weight[:self.vocab_end - self.vocab_start]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        n_real = self.vocab_end - self.vocab_start
+        local_ids = tokens - self.vocab_start
+        in_shard = (local_ids >= 0) & (local_ids < n_real)
+        word = nn.functional.embedding(local_ids.clamp(0, max(n_real - 1, 0)), self.weight)
+        return reduce_from_tensor_region(word * in_shard.unsqueeze(-1), self.tp_group)
+
+    @torch.no_grad()
+    def load_full(self, weight: torch.Tensor) -> None:
+        """Keep this rank's rows of the unsharded ``weight`` [vocab_size, h]; padded rows become zero."""
+        self.weight.zero_()
+        self.real_weight.copy_(weight[self.vocab_start:self.vocab_end])
+
+    @torch.no_grad()
+    def full(self) -> torch.Tensor:
+        """The unsharded [vocab_size, h] table (a collective under TP)."""
+        return _gather_rows(self.weight, 1, self.tp_group)[:self.vocab_size].clone()
+
+
+class GPTEmbedding(nn.Module):
+    """Word (vocab-parallel) + learned position embeddings: tokens [b, s] -> [s, b, h], the full sequence.
+
+    Submodules: ``word_embeddings`` (:class:`VocabParallelEmbedding`) and ``position_embeddings``
+    (``nn.Embedding`` [max_seq_len, h], replicated on every rank).
+    """
+
+    def __init__(self, vocab_size: int, max_seq_len: int, hidden_size: int, *, tp_group: ProcessGroup = None,
+                 device=None, dtype=None):
+        super().__init__()
+        self.word_embeddings = VocabParallelEmbedding(vocab_size, hidden_size, tp_group=tp_group,
+                                                      device=device, dtype=dtype)
+        self.position_embeddings = nn.Embedding(max_seq_len, hidden_size, device=device, dtype=dtype)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        word = self.word_embeddings(tokens)                                                  # [b, s, h]
+        return (word + self.position_embeddings.weight[:tokens.shape[1]]).transpose(0, 1).contiguous()
 
 
 class GPTModel(nn.Module):
     """GPT: embeddings (word: vocab-parallel, position: replicated) -> ``num_layers`` TransformerLayers
     (numbered 0..L-1 in the dropout RNG) -> final LayerNorm -> logits with the tied word embedding.
+
+    Args:
+        config: :class:`seqpar.TransformerConfig` of every layer.
+        num_layers: positive int.
+        vocab_size: any positive int v; the table is padded to ``padded_vocab_size``, a multiple of
+            ``t * 128`` rows (see the module docstring).
+        max_seq_len: rows of learned positions (the longest sequence).
+        tp_group: tensor-parallel process group (None: no tensor parallelism).
+        device: where the parameters live.
+        recompute: None, one policy, or one policy per layer (below).
+        embedding_dropout: dropout probability after the embeddings; None -> ``config.hidden_dropout``.
+            (HF GPT-2's ``embd_pdrop`` may differ from its ``resid_pdrop``.)
+
+    ``forward(tokens, labels=None)``: tokens [b, s] int64 ids in [0, v) (ValueError naming a bad id).
+    With labels [b, s] int64, already shifted by the caller (``labels[:, i]`` is the token that should
+    follow position i): the per-token cross-entropy [s, b] in fp32; a label of -100 gives 0 and no
+    gradient, like ``torch.nn.functional.cross_entropy(..., ignore_index=-100, reduction="none")``, and
+    any other label outside [0, v) raises ValueError. Without labels: this rank's logits
+    [s, b, vocab_end - vocab_start], column j being global token id ``vocab_start + j``.
+
+    HF's ``GPT2LMHeadModel(input_ids, labels=input_ids).loss`` (which shifts inside and averages over
+    the predicted tokens) is ``model(input_ids, labels).sum() / (labels != -100).sum()`` with
+    ``labels = seqpar.integrations.hf.shift_labels(input_ids)``.
 
     Each layer's final bias-dropout-add is fused with the following LayerNorm (the next layer's input
     LayerNorm, or the final one) through :func:`seqpar.ops.bias_dropout_add_layer_norm`; layers with
@@ -72,29 +196,29 @@ class GPTModel(nn.Module):
     "none" | "selective" | "full" per layer, e.g. ``seqpar.memory.plan_recompute(...).policies``; layer
     i runs with ``dataclasses.replace(config, recompute=recompute[i])`` (``self.layers[i].config``).
 
-    ``forward(tokens, labels=None)``: tokens [b, s] -> per-token loss [s, b] with labels, else the
-    local logits [s, b, v/t].
+    Unsharded state dict (:meth:`full_state_dict` / :meth:`load_full_state_dict`, PyTorch layouts):
+    ``embedding.word_embeddings.weight`` [v, h], ``embedding.position_embeddings.weight``
+    [max_seq_len, h], ``layers.{i}.<TransformerLayer keys>``, ``final_layernorm.weight`` / ``.bias`` [h].
     """
 
     def __init__(self, config: TransformerConfig, num_layers: int, vocab_size: int, max_seq_len: int,
                  tp_group: ProcessGroup = None, device=None,
-                 recompute: Union[None, str, Sequence[str]] = None):
+                 recompute: Union[None, str, Sequence[str]] = None, embedding_dropout: Optional[float] = None):
         super().__init__()
-        t = group_size(tp_group)
+        if not isinstance(config, TransformerConfig):
+            raise ValueError(f"config must be a seqpar.TransformerConfig, got {type(config).__name__}")
         for name, value in (("num_layers", num_layers), ("vocab_size", vocab_size), ("max_seq_len", max_seq_len)):
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if vocab_size % t:
-            raise ValueError(f"vocab_size {vocab_size} is not divisible by the tensor-parallel size {t}")
+        if embedding_dropout is None:
+            embedding_dropout = config.hidden_dropout
+        if (not isinstance(embedding_dropout, (int, float)) or isinstance(embedding_dropout, bool)
+                or not 0.0 <= embedding_dropout < 1.0):
+            raise ValueError(f"embedding_dropout must be a float in [0, 1), got {embedding_dropout!r}")
         self.config, self.tp_group, self.vocab_size, self.max_seq_len = config, tp_group, vocab_size, max_seq_len
+        self.embedding_dropout = float(embedding_dropout)
         h, dtype = config.hidden_size, config.params_dtype
-        self.vocab_start = group_rank(tp_group) * (vocab_size // t)
-        gen = torch.Generator().manual_seed(sp_random.stream_seed(sp_random.initial_seed(), -1, 1000) & (2**63 - 1))
-        word = torch.randn(vocab_size, h, generator=gen) * 0.02
-        self.word_embeddings = nn.Parameter(
-            word[self.vocab_start:self.vocab_start + vocab_size // t].to(device=device, dtype=dtype).clone())
-        self.position_embeddings = nn.Parameter(
-            (torch.randn(max_seq_len, h, generator=gen) * 0.02).to(device=device, dtype=dtype))
+        self.embedding = GPTEmbedding(vocab_size, max_seq_len, h, tp_group=tp_group, device=device, dtype=dtype)
         policies = recompute_policies(config.recompute if recompute is None else recompute, num_layers)
         self.layers = nn.ModuleList(
             TransformerLayer(dataclasses.replace(config, recompute=policy), tp_group, device, layer_number=i)
@@ -102,17 +226,49 @@ class GPTModel(nn.Module):
         self.final_layernorm = LayerNorm(h, config.layernorm_epsilon, tp_group=tp_group,
                                          sequence_parallel=config.sequence_parallel, backend=config.backend,
                                          device=device, dtype=dtype)
+        self._reset_embeddings()
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the padded word-embedding table over all ranks (a multiple of t * 128)."""
+        return self.embedding.word_embeddings.padded_vocab_size
+
+    @property
+    def vocab_start(self) -> int:
+        """First global token id of this rank's vocabulary shard (``rank * padded_vocab_size / t``)."""
+        return self.embedding.word_embeddings.vocab_start
+
+    @property
+    def vocab_end(self) -> int:
+        """One past the last real token id of this rank's shard (``vocab_start`` when it holds none)."""
+        return self.embedding.word_embeddings.vocab_end
+
+    @torch.no_grad()
+    def _reset_embeddings(self) -> None:
+        """Deterministic init of the unsharded embeddings from the seqpar seed: normal(0, 0.02) over the
+        v real word rows, then the positions; so any t starts from the same model."""
+        h = self.config.hidden_size
+        gen = torch.Generator().manual_seed(sp_random.stream_seed(sp_random.initial_seed(), -1, 1000) & (2**63 - 1))
+        self.embedding.word_embeddings.load_full(torch.randn(self.vocab_size, h, generator=gen) * 0.02)
+        self.embedding.position_embeddings.weight.copy_(torch.randn(self.max_seq_len, h, generator=gen) * 0.02)
+
+    def _check_ids(self, name: str, ids: torch.Tensor, allow_ignore: bool) -> None:
+        """ValueError naming the first id outside [0, vocab_size) (-100 allowed when ``allow_ignore``)."""
+        bad = (ids < 0) | (ids >= self.vocab_size)
+        if allow_ignore:
+            bad &= ids != IGNORE_INDEX
+        if bad.any():
+            i, j = (int(k) for k in bad.nonzero()[0])
+            allowed = f"[0, {self.vocab_size})" + (f" or {IGNORE_INDEX} (ignored)" if allow_ignore else "")
+            raise ValueError(f"{name} id {int(ids[i, j])} at [{i}, {j}] is outside the vocabulary: "
+                             f"expected {allowed}")
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        b, s = tokens.shape
-        local_ids = tokens - self.vocab_start
-        in_shard = (local_ids >= 0) & (local_ids < self.word_embeddings.shape[0])
-        word = nn.functional.embedding(local_ids.clamp(0, self.word_embeddings.shape[0] - 1), self.word_embeddings)
-        word = reduce_from_tensor_region(word * in_shard.unsqueeze(-1), self.tp_group)        # [b, s, h]
-        hidden = (word + self.position_embeddings[:s]).transpose(0, 1).contiguous()          # [s, b, h]
+        b = tokens.shape[0]
+        hidden = self.embedding(tokens)                                                      # [s, b, h]
         if self.config.sequence_parallel:
             hidden = scatter_to_sequence_region(hidden, self.tp_group)
-        p = self.config.hidden_dropout if self.training else 0.0
+        p = self.embedding_dropout if self.training else 0.0
         if p:
             first_row = group_rank(self.tp_group) * hidden.shape[0] * b if self.config.sequence_parallel else 0
             seed = sp_random.next_layer_seed(EMBEDDING_RNG_LAYER)
@@ -147,14 +303,64 @@ class GPTModel(nn.Module):
             raise ValueError(f"sequence length {s} exceeds max_seq_len {self.max_seq_len}")
         if self.config.sequence_parallel and s % t:
             raise ValueError(f"sequence length {s} is not divisible by the tensor-parallel size {t}")
-        if labels is not None and labels.shape != tokens.shape:
-            raise ValueError(f"labels shape {tuple(labels.shape)} != tokens shape {tuple(tokens.shape)}")
+        if labels is not None and (not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64
+                                   or labels.shape != tokens.shape):
+            raise ValueError(f"labels must be an int64 tensor of the tokens' shape {tuple(tokens.shape)}, got "
+                             f"{getattr(labels, 'dtype', type(labels).__name__)} {tuple(getattr(labels, 'shape', ()))}")
+        self._check_ids("token", tokens, allow_ignore=False)
+        if labels is not None:
+            self._check_ids("label", labels, allow_ignore=True)
         hidden = self._layers(self._embed(tokens))
         if self.config.sequence_parallel:
             hidden = gather_from_sequence_region(hidden, self.tp_group)
         else:
             hidden = copy_to_tensor_region(hidden, self.tp_group)
-        logits_local = torch.matmul(hidden, self.word_embeddings.t())                        # [s, b, v/t]
+        # The real rows only: padded logits are never computed, so they can't enter the softmax.
+        logits_local = torch.matmul(hidden, self.embedding.word_embeddings.real_weight.t())  # [s, b, v_local]
         if labels is None:
             return logits_local
-        return _VocabParallelCrossEntropy.apply(logits_local, labels.t(), self.vocab_start, self.tp_group)
+        return _VocabParallelCrossEntropy.apply(logits_local, labels.t(), self.vocab_start, IGNORE_INDEX,
+                                                self.tp_group)
+
+    # ------------------------------------------------------------------ unsharded weights
+    def full_shapes(self) -> Dict[str, tuple]:
+        """Unsharded state-dict keys and shapes (see the class docstring)."""
+        h = self.config.hidden_size
+        shapes = {"embedding.word_embeddings.weight": (self.vocab_size, h),
+                  "embedding.position_embeddings.weight": (self.max_seq_len, h)}
+        for i, layer in enumerate(self.layers):
+            shapes.update({f"layers.{i}.{key}": shape for key, shape in layer.full_shapes().items()})
+        shapes.update({"final_layernorm.weight": (h,), "final_layernorm.bias": (h,)})
+        return shapes
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
+        """Load UNSHARDED weights (the same dict on every rank, v real vocabulary rows); each rank keeps
+        its shard. Every key and shape is checked before anything is loaded (ValueError naming it)."""
+        shapes = self.full_shapes()
+        missing, unexpected = sorted(set(shapes) - set(state_dict)), sorted(set(state_dict) - set(shapes))
+        if missing or unexpected:
+            raise ValueError(f"state dict keys mismatch: missing {missing}, unexpected {unexpected}")
+        for key, shape in shapes.items():
+            value = state_dict[key]
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"{key} must have shape {shape}, got {got}")
+        self.embedding.word_embeddings.load_full(state_dict["embedding.word_embeddings.weight"])
+        self.embedding.position_embeddings.weight.copy_(state_dict["embedding.position_embeddings.weight"])
+        for i, layer in enumerate(self.layers):
+            prefix = f"layers.{i}."
+            layer.load_full_state_dict({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
+        self.final_layernorm.weight.copy_(state_dict["final_layernorm.weight"])
+        self.final_layernorm.bias.copy_(state_dict["final_layernorm.bias"])
+
+    @torch.no_grad()
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The unsharded weights, the same on every rank (a collective under TP: call it on every rank)."""
+        out = {"embedding.word_embeddings.weight": self.embedding.word_embeddings.full(),
+               "embedding.position_embeddings.weight": self.embedding.position_embeddings.weight.detach().clone()}
+        for i, layer in enumerate(self.layers):
+            out.update({f"layers.{i}.{k}": v for k, v in layer.full_state_dict().items()})
+        out["final_layernorm.weight"] = self.final_layernorm.weight.detach().clone()
+        out["final_layernorm.bias"] = self.final_layernorm.bias.detach().clone()
+        return out

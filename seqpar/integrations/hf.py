@@ -1,0 +1,250 @@
+"""HuggingFace ``transformers`` GPT-2 <-> :class:`seqpar.GPTModel`.
+
+GPT-2 is the architecture of GPTModel (learned positions, pre-LayerNorm layers, tied output head), so
+a ``GPT2LMHeadModel`` (or ``GPT2Model``, or either's state dict) becomes a GPTModel holding this rank's
+tensor-parallel shards, trains with sequence parallelism and selective recompute, and gives its
+weights back as a ``GPT2LMHeadModel`` state dict::
+
+    model = hf.from_gpt2(gpt2, tp_group=group, sequence_parallel=True, recompute="selective")
+    loss = model(input_ids, hf.shift_labels(input_ids))          # per token [s, b]
+    (loss.sum() / (hf.shift_labels(input_ids) != -100).sum()).backward()   # = HF's .loss
+    gpt2.load_state_dict(hf.to_gpt2_state_dict(model))           # every rank calls it (collective)
+
+Weight mapping (GPT-2's ``Conv1D`` stores [in, out]; seqpar, like ``nn.Linear``, [out, in])::
+
+    transformer.wte.weight [v, h]             embedding.word_embeddings.weight (lm_head.weight: tied)
+    transformer.wpe.weight [n_positions, h]   embedding.position_embeddings.weight
+    h.{i}.ln_1 / ln_2                         layers.{i}.input_layernorm / post_attention_layernorm
+    h.{i}.attn.c_attn.weight [h, 3h]          layers.{i}.self_attention.query_key_value.weight^T
+                                              (columns Q of all heads, K, V: the same order as seqpar's rows)
+    h.{i}.attn.c_proj.weight [h, h]           layers.{i}.self_attention.dense.weight^T
+    h.{i}.mlp.c_fc.weight [h, f]              layers.{i}.mlp.dense_h_to_4h.weight^T
+    h.{i}.mlp.c_proj.weight [f, h]            layers.{i}.mlp.dense_4h_to_h.weight^T
+    transformer.ln_f                          final_layernorm
+
+Config mapping: ``n_embd``, ``n_head``, ``n_inner`` (None -> 4h), ``n_layer``, ``n_positions``
+(max_seq_len), ``vocab_size`` (padded inside GPTModel, see :mod:`seqpar.nn.model`),
+``layer_norm_epsilon``, ``activation_function`` ("gelu_new" and "gelu_pytorch_tanh" -> "gelu_tanh",
+"gelu" -> "gelu"), ``resid_pdrop`` / ``attn_pdrop`` / ``embd_pdrop`` -> hidden / attention / embedding
+dropout (seqpar's counter-based masks, not torch's: with dropout on, runs differ from HF's).
+``reorder_and_upcast_attn`` is accepted: seqpar always computes attention scores and softmax in fp32.
+GPT-2 variants seqpar does not implement raise ValueError naming the setting.
+
+Loss: GPTModel's labels are already shifted (position i predicts ``labels[:, i]``); HF's
+``labels=input_ids`` shifts inside. :func:`shift_labels` converts, and HF's mean loss is the sum of
+GPTModel's per-token losses over the labels that are not -100.
+
+This module never imports ``transformers``: it reads the config's attributes and the state dict.
+"""
+from __future__ import annotations
+
+import re
+from typing import Dict, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..config import TransformerConfig
+from ..nn.model import IGNORE_INDEX, GPTModel
+from ..parallel.state import ProcessGroup
+
+__all__ = ["from_gpt2", "to_gpt2_state_dict", "shift_labels"]
+
+#: GPT-2 activation_function -> TransformerConfig.activation (the same function, not an approximation of it).
+GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+
+# (GPT-2 key under "h.{i}.", seqpar key under "layers.{i}.", is a Conv1D weight to transpose)
+_LAYER_KEYS: Tuple[Tuple[str, str, bool], ...] = (
+    ("ln_1.weight", "input_layernorm.weight", False),
+    ("ln_1.bias", "input_layernorm.bias", False),
+    ("attn.c_attn.weight", "self_attention.query_key_value.weight", True),
+    ("attn.c_attn.bias", "self_attention.query_key_value.bias", False),
+    ("attn.c_proj.weight", "self_attention.dense.weight", True),
+    ("attn.c_proj.bias", "self_attention.dense.bias", False),
+    ("ln_2.weight", "post_attention_layernorm.weight", False),
+    ("ln_2.bias", "post_attention_layernorm.bias", False),
+    ("mlp.c_fc.weight", "mlp.dense_h_to_4h.weight", True),
+    ("mlp.c_fc.bias", "mlp.dense_h_to_4h.bias", False),
+    ("mlp.c_proj.weight", "mlp.dense_4h_to_h.weight", True),
+    ("mlp.c_proj.bias", "mlp.dense_4h_to_h.bias", False),
+)
+_TOP_KEYS: Tuple[Tuple[str, str], ...] = (
+    ("wte.weight", "embedding.word_embeddings.weight"),
+    ("wpe.weight", "embedding.position_embeddings.weight"),
+    ("ln_f.weight", "final_layernorm.weight"),
+    ("ln_f.bias", "final_layernorm.bias"),
+)
+_PREFIX = "transformer."
+_HEAD = "lm_head.weight"
+# Causal-mask buffers that transformers releases before 4.31 saved in state dicts: not weights.
+_MASK_BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$")
+
+
+def _gpt2_settings(config) -> dict:
+    """Read a GPT2Config into GPTModel's arguments; ValueError naming any setting seqpar can't honour."""
+    def get(name, default=None):
+        return getattr(config, name, default)
+
+    if get("model_type", "gpt2") != "gpt2":
+        raise ValueError(f"config.model_type {get('model_type')!r} is not 'gpt2'")
+    if config is None or get("n_embd") is None:
+        raise ValueError(f"config must be a transformers GPT2Config, got {type(config).__name__}")
+    unsupported = {  # setting: the value seqpar implements
+        "add_cross_attention": False, "scale_attn_by_inverse_layer_idx": False, "scale_attn_weights": True,
+        "tie_word_embeddings": True,
+    }
+    for name, supported in unsupported.items():
+        value = get(name, supported)
+        if value != supported:
+            raise ValueError(f"GPT-2 config {name}={value!r} is not supported by seqpar (it implements "
+                             f"{name}={supported!r})")
+    activation = get("activation_function", "gelu_new")
+    if activation not in GPT2_ACTIVATIONS:
+        raise ValueError(f"GPT-2 config activation_function={activation!r} is not supported by seqpar; "
+                         f"supported: {sorted(GPT2_ACTIVATIONS)}")
+    hidden, inner = get("n_embd"), get("n_inner")
+    return dict(hidden=hidden, heads=get("n_head"), ffn=4 * hidden if inner is None else inner,
+                layers=get("n_layer"), positions=get("n_positions"), vocab=get("vocab_size"),
+                eps=get("layer_norm_epsilon", 1e-5), activation=GPT2_ACTIVATIONS[activation],
+                resid_pdrop=get("resid_pdrop", 0.0), attn_pdrop=get("attn_pdrop", 0.0),
+                embd_pdrop=get("embd_pdrop", 0.0))
+
+
+def _gpt2_shapes(settings: dict) -> Dict[str, tuple]:
+    """GPT-2 state-dict keys (no "transformer." prefix) and their shapes, Conv1D layouts."""
+    h, f, v = settings["hidden"], settings["ffn"], settings["vocab"]
+    layer = {"ln_1.weight": (h,), "ln_1.bias": (h,), "attn.c_attn.weight": (h, 3 * h), "attn.c_attn.bias": (3 * h,),
+             "attn.c_proj.weight": (h, h), "attn.c_proj.bias": (h,), "ln_2.weight": (h,), "ln_2.bias": (h,),
+             "mlp.c_fc.weight": (h, f), "mlp.c_fc.bias": (f,), "mlp.c_proj.weight": (f, h), "mlp.c_proj.bias": (h,)}
+    shapes = {"wte.weight": (v, h), "wpe.weight": (settings["positions"], h)}
+    for i in range(settings["layers"]):
+        shapes.update({f"h.{i}.{key}": shape for key, shape in layer.items()})
+    shapes.update({"ln_f.weight": (h,), "ln_f.bias": (h,)})
+    return shapes
+
+
+def _transformer_state_dict(state_dict: Mapping[str, torch.Tensor], settings: dict) -> Dict[str, torch.Tensor]:
+    """A GPT2LMHeadModel / GPT2Model state dict -> the transformer's tensors without the prefix, with
+    keys, shapes and the tied head checked (ValueError naming the offending key)."""
+    sd = dict(state_dict)
+    head = sd.pop(_HEAD, None)
+    prefixed = [k for k in sd if k.startswith(_PREFIX)]
+    if prefixed:
+        bare = sorted(k for k in sd if not k.startswith(_PREFIX))
+        if bare:
+            raise ValueError(f"state dict mixes '{_PREFIX}'-prefixed keys with unprefixed ones: {bare[:5]}")
+        sd = {k[len(_PREFIX):]: v for k, v in sd.items()}
+    sd = {k: v for k, v in sd.items() if not _MASK_BUFFER.match(k)}
+    shapes = _gpt2_shapes(settings)
+    missing, unexpected = sorted(set(shapes) - set(sd)), sorted(set(sd) - set(shapes))
+    if missing or unexpected:
+        raise ValueError(f"GPT-2 state dict keys do not match the config (n_layer={settings['layers']}): "
+                         f"missing {missing}, unexpected {unexpected}")
+    for key, shape in shapes.items():
+        value = sd[key]
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"GPT-2 state dict {key} must have shape {shape} for this config, got {got}")
+    if head is not None and (not isinstance(head, torch.Tensor) or head.shape != sd["wte.weight"].shape
+                             or not torch.equal(head, sd["wte.weight"])):
+        raise ValueError(f"{_HEAD} is not tied to {_PREFIX}wte.weight: seqpar's output head is the word embedding")
+    return sd
+
+
+def _to_seqpar_keys(sd: Dict[str, torch.Tensor], num_layers: int) -> Dict[str, torch.Tensor]:
+    """GPT-2 keys (no prefix) and Conv1D layouts -> GPTModel's unsharded keys and [out, in] layouts."""
+    out = {ours: sd[theirs] for theirs, ours in _TOP_KEYS}
+    for i in range(num_layers):
+        for theirs, ours, conv1d in _LAYER_KEYS:
+            value = sd[f"h.{i}.{theirs}"]
+            out[f"layers.{i}.{ours}"] = value.t() if conv1d else value
+    return out
+
+
+def from_gpt2(source, *, config=None, tp_group: ProcessGroup = None, sequence_parallel: bool = False,
+              recompute: str = "none", backend: str = "auto", device=None,
+              params_dtype: Optional[torch.dtype] = None, dropout: Optional[float] = None) -> GPTModel:
+    """A :class:`seqpar.GPTModel` holding this rank's shards of a HuggingFace GPT-2.
+
+    Args:
+        source: a ``transformers`` ``GPT2LMHeadModel`` or ``GPT2Model``, or a state dict of either
+            (keys with or without the "transformer." prefix; ``lm_head.weight``, if present, must equal
+            ``wte.weight``) together with ``config=``.
+        config: the ``GPT2Config`` of a state-dict ``source`` (a model brings its own: leave None).
+        tp_group: tensor-parallel process group (None: no tensor parallelism). Every rank passes the
+            same source.
+        sequence_parallel, recompute, backend: as in :class:`seqpar.TransformerConfig` (``recompute``
+            is one policy, "none" | "selective" | "full", for every layer).
+        device: where the parameters go; None keeps the source's device.
+        params_dtype: the parameters' dtype; None keeps the source's.
+        dropout: one probability for the residual, attention and embedding dropout; None keeps the
+            config's ``resid_pdrop``, ``attn_pdrop`` and ``embd_pdrop``.
+
+    Returns the GPTModel, in training mode when ``source`` is a state dict and in ``source``'s mode
+    when it is a model. Raises ValueError naming a GPT-2 setting seqpar does not implement, or a
+    missing, unexpected or misshapen weight.
+    """
+    if isinstance(source, nn.Module):
+        if config is not None:
+            raise ValueError("config= is only for a state-dict source: a model brings its own config")
+        config = getattr(source, "config", None)
+        state_dict, training = source.state_dict(), source.training
+    elif isinstance(source, Mapping):
+        if config is None:
+            raise ValueError("a state-dict source needs config= (its transformers GPT2Config)")
+        state_dict, training = source, True
+    else:
+        raise ValueError(f"source must be a transformers GPT2LMHeadModel / GPT2Model or a state dict, "
+                         f"got {type(source).__name__}")
+    settings = _gpt2_settings(config)
+    sd = _transformer_state_dict(state_dict, settings)
+    wte = sd["wte.weight"]
+    if dropout is None:
+        hidden_p, attention_p, embedding_p = settings["resid_pdrop"], settings["attn_pdrop"], settings["embd_pdrop"]
+    elif isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and 0.0 <= dropout < 1.0:
+        hidden_p = attention_p = embedding_p = dropout
+    else:
+        raise ValueError(f"dropout must be None or a float in [0, 1), got {dropout!r}")
+    cfg = TransformerConfig(
+        hidden_size=settings["hidden"], num_attention_heads=settings["heads"], ffn_hidden_size=settings["ffn"],
+        hidden_dropout=hidden_p, attention_dropout=attention_p, layernorm_epsilon=settings["eps"],
+        activation=settings["activation"], sequence_parallel=sequence_parallel, recompute=recompute,
+        backend=backend, params_dtype=wte.dtype if params_dtype is None else params_dtype)
+    model = GPTModel(cfg, settings["layers"], settings["vocab"], settings["positions"], tp_group=tp_group,
+                     device=wte.device if device is None else device, embedding_dropout=embedding_p)
+    model.load_full_state_dict(_to_seqpar_keys(sd, settings["layers"]))
+    return model.train(training)
+
+
+def to_gpt2_state_dict(model: GPTModel) -> Dict[str, torch.Tensor]:
+    """The unsharded ``GPT2LMHeadModel`` state dict of ``model`` (HF key names, Conv1D [in, out]
+    layouts, the real vocabulary rows; ``lm_head.weight`` is the same tensor as ``transformer.wte.weight``,
+    as in HF's own state dict), loadable with ``load_state_dict(strict=True)``.
+
+    A collective under tensor parallelism: call it on every rank; every rank gets the same dict.
+    """
+    if not isinstance(model, GPTModel):
+        raise ValueError(f"model must be a seqpar.GPTModel, got {type(model).__name__}")
+    full = model.full_state_dict()
+    out = {_PREFIX + theirs: full[ours] for theirs, ours in _TOP_KEYS[:2]}
+    for i in range(len(model.layers)):
+        for theirs, ours, conv1d in _LAYER_KEYS:
+            value = full[f"layers.{i}.{ours}"]
+            out[f"{_PREFIX}h.{i}.{theirs}"] = value.t().contiguous() if conv1d else value
+    out.update({_PREFIX + theirs: full[ours] for theirs, ours in _TOP_KEYS[2:]})
+    out[_HEAD] = out[_PREFIX + "wte.weight"]
+    return out
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """HF causal-LM labels [b, s] (``labels=input_ids``, -100 = ignore) -> GPTModel's labels [b, s].
+
+    HF predicts ``labels[:, i + 1]`` from position i and drops the last position; GPTModel expects the
+    target of position i at ``labels[:, i]``, so this shifts left by one and ignores (-100) the last
+    position. ``GPTModel(input_ids, shift_labels(labels)).sum() / (shift_labels(labels) != -100).sum()``
+    is HF's ``.loss``.
+    """
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 2 or labels.dtype != torch.int64:
+        raise ValueError(f"labels must be an int64 [b, s] tensor, got "
+                         f"{getattr(labels, 'dtype', type(labels).__name__)} {tuple(getattr(labels, 'shape', ()))}")
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)

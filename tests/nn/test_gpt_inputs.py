@@ -1,0 +1,186 @@
+"""GPTModel on one device: token and label checking, ignore_index -100 against
+torch.nn.functional.cross_entropy, the padded vocabulary, the embedding-dropout knob and the
+model-level unsharded state dict (against a plain-torch GPT built from it)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import seqpar
+
+H, A, V, S, B = 32, 4, 50, 12, 3
+
+
+def _model(vocab=V, layers=2, **cfg):
+    config = seqpar.TransformerConfig(hidden_size=H, num_attention_heads=A, **cfg)
+    return seqpar.GPTModel(config, num_layers=layers, vocab_size=vocab, max_seq_len=16)
+
+
+def _tokens(vocab=V, seed=0):
+    return torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("bad", [-1, V, V + 1000, -100], ids=["minus1", "vocab", "far", "minus100"])
+def test_token_ids_outside_vocab_raise_naming_the_id(bad):
+    model = _model()
+    tokens = _tokens()
+    tokens[1, 7] = bad
+    with pytest.raises(ValueError, match=rf"token id {bad} at \[1, 7\] is outside the vocabulary"):
+        model(tokens)
+
+
+@pytest.mark.parametrize("bad", [-1, -101, V, 2 * V], ids=["minus1", "minus101", "vocab", "twice"])
+def test_labels_outside_vocab_raise_naming_the_id(bad):
+    model = _model()
+    tokens = _tokens()
+    labels = tokens.roll(-1, 1)
+    labels[2, 0] = bad
+    with pytest.raises(ValueError, match=rf"label id {bad} at \[2, 0\] is outside the vocabulary"):
+        model(tokens, labels)
+
+
+def test_labels_must_be_int64_of_the_tokens_shape():
+    model = _model()
+    tokens = _tokens()
+    for labels in (tokens[:, :-1], tokens.int()):
+        with pytest.raises(ValueError, match="labels must be an int64 tensor"):
+            model(tokens, labels)
+
+
+@pytest.mark.parametrize("vocab", [V, 128, 300], ids=["v50", "v128", "v300"])
+def test_ignore_index_loss_and_gradients_match_torch_cross_entropy(vocab):
+    """-100 labels give 0 loss and no gradient; the rest is F.cross_entropy on the model's own logits."""
+    tokens = _tokens(vocab)
+    labels = tokens.roll(-1, 1)
+    labels[:, -1] = -100
+    labels[0, :5] = -100
+    labels[2] = -100                                          # a whole sequence ignored
+    seqpar.manual_seed(3)
+    model = _model(vocab)
+    loss = model(tokens, labels)                              # [s, b]
+    loss.sum().backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    logits = model(tokens)                                    # [s, b, v]
+    assert logits.shape == (S, B, vocab)
+    expected = F.cross_entropy(logits.reshape(S * B, vocab).double(), labels.t().reshape(-1), ignore_index=-100,
+                               reduction="none").reshape(S, B)
+    expected.sum().backward()
+    torch.testing.assert_close(loss.double(), expected, atol=1e-5, rtol=1e-5)
+    assert torch.all(loss.t()[labels == -100] == 0)
+    for key, p in model.named_parameters():
+        torch.testing.assert_close(grads[key], p.grad, atol=1e-6, rtol=1e-4, msg=key)
+
+
+def test_all_labels_ignored_gives_zero_loss_and_zero_gradient():
+    model = _model()
+    tokens = _tokens()
+    loss = model(tokens, torch.full_like(tokens, -100))
+    loss.sum().backward()
+    assert torch.equal(loss, torch.zeros(S, B))
+    assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+
+
+@pytest.mark.parametrize("vocab, padded", [(1, 128), (V, 128), (128, 128), (129, 256), (1000, 1024), (50257, 50304)],
+                         ids=lambda v: str(v))
+def test_vocabulary_is_padded_and_padded_rows_stay_out(vocab, padded):
+    model = _model(vocab, layers=1)
+    weight = model.embedding.word_embeddings.weight
+    assert model.padded_vocab_size == padded and weight.shape == (padded, H)
+    assert (model.vocab_start, model.vocab_end) == (0, vocab)
+    assert model.full_state_dict()["embedding.word_embeddings.weight"].shape == (vocab, H)
+    tokens = _tokens(vocab)
+    assert model(tokens).shape == (S, B, vocab)
+    model(tokens, tokens.roll(-1, 1)).sum().backward()
+    assert torch.count_nonzero(weight[vocab:]) == 0 and torch.count_nonzero(weight.grad[vocab:]) == 0
+
+
+def _layer_zero_input(model, tokens):
+    """The hidden state entering layer 0 (the embedding output after its dropout)."""
+    seen = []
+    handle = model.layers[0].input_layernorm.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach()))
+    model(tokens)
+    handle.remove()
+    return seen[0]
+
+
+def test_embedding_dropout_knob():
+    tokens = _tokens()
+    model = _model(recompute="full", hidden_dropout=0.0, attention_dropout=0.0)
+    clean = _layer_zero_input(model.eval(), tokens)
+    model.train()
+    assert model.embedding_dropout == 0.0 and torch.equal(_layer_zero_input(model, tokens), clean)
+
+    model = _model(recompute="full", hidden_dropout=0.0)
+    model.load_full_state_dict(_model(recompute="full").full_state_dict())
+    model.embedding_dropout = 0.5
+    dropped = _layer_zero_input(model.train(), tokens)
+    zero = dropped == 0
+    assert 0.4 < zero.float().mean() < 0.6, zero.float().mean()
+    torch.testing.assert_close(dropped[~zero], 2 * clean[~zero])
+
+    # None follows hidden_dropout (the default of earlier releases); an explicit value overrides it
+    assert _model(hidden_dropout=0.2).embedding_dropout == 0.2
+    assert seqpar.GPTModel(seqpar.TransformerConfig(hidden_size=H, num_attention_heads=A, hidden_dropout=0.2),
+                           1, V, 16, embedding_dropout=0.0).embedding_dropout == 0.0
+    with pytest.raises(ValueError, match="embedding_dropout must be a float in \\[0, 1\\), got 1.5"):
+        seqpar.GPTModel(seqpar.TransformerConfig(hidden_size=H, num_attention_heads=A), 1, V, 16,
+                        embedding_dropout=1.5)
+
+
+def _plain_gpt_logits(sd, tokens, layers, heads, eps=1e-5):
+    """GPT written directly with torch ops from the unsharded state dict: the independent oracle."""
+    h = sd["embedding.word_embeddings.weight"].shape[1]
+    x = sd["embedding.word_embeddings.weight"][tokens] + sd["embedding.position_embeddings.weight"][:tokens.shape[1]]
+    for i in range(layers):
+        p = {k[len(f"layers.{i}."):]: v for k, v in sd.items() if k.startswith(f"layers.{i}.")}
+        a1 = F.layer_norm(x, (h,), p["input_layernorm.weight"], p["input_layernorm.bias"], eps)
+        q, k, v = (t.unflatten(-1, (heads, h // heads)).transpose(1, 2) for t in
+                   F.linear(a1, p["self_attention.query_key_value.weight"],
+                            p["self_attention.query_key_value.bias"]).split(h, dim=-1))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+        x = x + F.linear(o, p["self_attention.dense.weight"], p["self_attention.dense.bias"])
+        a2 = F.layer_norm(x, (h,), p["post_attention_layernorm.weight"], p["post_attention_layernorm.bias"], eps)
+        m = F.gelu(F.linear(a2, p["mlp.dense_h_to_4h.weight"], p["mlp.dense_h_to_4h.bias"]))
+        x = x + F.linear(m, p["mlp.dense_4h_to_h.weight"], p["mlp.dense_4h_to_h.bias"])
+    x = F.layer_norm(x, (h,), sd["final_layernorm.weight"], sd["final_layernorm.bias"], eps)
+    return (x @ sd["embedding.word_embeddings.weight"].t()).transpose(0, 1)      # [s, b, v]
+
+
+def test_full_state_dict_keys_and_math():
+    layers = 3
+    model = _model(layers=layers)
+    gen = torch.Generator().manual_seed(11)
+    sd = {k: torch.randn(shape, generator=gen) * (0.2 if len(shape) == 2 else 0.1)
+          + (1.0 if k.endswith("layernorm.weight") else 0.0) for k, shape in model.full_shapes().items()}
+    layer_keys = seqpar.TransformerLayer(model.config).full_shapes()
+    assert set(sd) == ({"embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+                        "final_layernorm.weight", "final_layernorm.bias"}
+                       | {f"layers.{i}.{k}" for i in range(layers) for k in layer_keys})
+    assert sd["embedding.word_embeddings.weight"].shape == (V, H)
+    assert sd["embedding.position_embeddings.weight"].shape == (16, H)
+    model.load_full_state_dict(sd)
+    out = model.full_state_dict()
+    assert set(out) == set(sd) and all(torch.equal(out[k], sd[k]) for k in sd)
+    tokens = _tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(tokens), _plain_gpt_logits(sd, tokens, layers, A),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_load_full_state_dict_names_bad_keys_and_shapes():
+    model = _model()
+    sd = model.full_state_dict()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for change, match in (
+            (lambda d: d.pop("layers.1.mlp.dense_h_to_4h.bias"), "missing \\['layers.1.mlp.dense_h_to_4h.bias'\\]"),
+            (lambda d: d.update({"layers.2.input_layernorm.weight": torch.ones(H)}),
+             "unexpected \\['layers.2.input_layernorm.weight'\\]"),
+            (lambda d: d.update({"embedding.word_embeddings.weight": torch.zeros(128, H)}),
+             "embedding.word_embeddings.weight must have shape \\(50, 32\\), got \\(128, 32\\)"),
+            (lambda d: d.update({"final_layernorm.bias": torch.zeros(H + 1)}), "final_layernorm.bias")):
+        bad = dict(sd)
+        change(bad)
+        with pytest.raises(ValueError, match=match):
+            model.load_full_state_dict(bad)
+    # nothing was loaded from a rejected dict
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
