@@ -18,9 +18,8 @@ from ..config import TransformerConfig
 from ..ops.dropout import DropoutSpec, dropout
 from ..parallel.mappings import (copy_to_tensor_region, gather_from_sequence_region, reduce_from_tensor_region,
                                  scatter_to_sequence_region)
-from ..parallel.state import ProcessGroup, group_rank, group_size
-from ..memory import saved_as
-from .layer import TransformerLayer
+from ..parallel.state import ProcessGroup, agreement_checked, check_ranks_agree, group_rank, group_size
+from .layer import AGREEMENT_HINT, TransformerLayer, agreement_values
 from .layernorm import LayerNorm
 
 EMBEDDING_RNG_LAYER = 2**31 - 1  # the embedding dropout's "layer number" in the RNG
@@ -52,6 +51,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return sum_exp.log() - target
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
         softmax, safe, in_shard = ctx.saved_tensors
         grad = softmax.clone()
@@ -63,9 +63,11 @@ class GPTModel(nn.Module):
     """GPT: embeddings (word: vocab-parallel, position: replicated) -> ``num_layers`` TransformerLayers
     (numbered 0..L-1 in the dropout RNG) -> final LayerNorm -> logits with the tied word embedding.
 
-    Each layer's final bias-dropout-add is fused with the following LayerNorm (the next layer's input
-    LayerNorm, or the final one) through :func:`seqpar.ops.bias_dropout_add_layer_norm`; with
-    ``recompute="full"`` layers run whole, so each checkpoint keeps only its layer input.
+    Every layer runs through its ``__call__`` (``hidden = layer(hidden)``), so hooks and wrappers on
+    ``model.layers[i]`` apply: ``checkpoint_wrapper`` / ``apply_activation_checkpointing``, FSDP, or
+    ``torch.utils.checkpoint`` around each layer (dropout seeds are drawn from torch's CPU generator,
+    which those restore, so recomputed layers replay their masks). Building the model checks once, over
+    ``tp_group``, that every rank passes the same arguments and RNG state (see TransformerLayer).
 
     ``forward(tokens, labels=None)``: tokens [b, s] -> per-token loss [s, b] with labels, else the
     local logits [s, b, v/t].
@@ -74,6 +76,8 @@ class GPTModel(nn.Module):
     def __init__(self, config: TransformerConfig, num_layers: int, vocab_size: int, max_seq_len: int,
                  tp_group: ProcessGroup = None, device=None):
         super().__init__()
+        check_ranks_agree(tp_group, agreement_values(config, num_layers=num_layers, vocab_size=vocab_size,
+                                                     max_seq_len=max_seq_len), what="GPTModel", hint=AGREEMENT_HINT)
         t = group_size(tp_group)
         for name, value in (("num_layers", num_layers), ("vocab_size", vocab_size), ("max_seq_len", max_seq_len)):
             if not isinstance(value, int) or value <= 0:
@@ -89,8 +93,11 @@ class GPTModel(nn.Module):
             word[self.vocab_start:self.vocab_start + vocab_size // t].to(device=device, dtype=dtype).clone())
         self.position_embeddings = nn.Parameter(
             (torch.randn(max_seq_len, h, generator=gen) * 0.02).to(device=device, dtype=dtype))
-        self.layers = nn.ModuleList(TransformerLayer(config, tp_group, device, layer_number=i)
-                                    for i in range(num_layers))
+        with agreement_checked():  # the check above covers every layer's
+            self.layers = nn.ModuleList(TransformerLayer(config, tp_group, device, layer_number=i)
+                                        for i in range(num_layers))
+        for layer in self.layers:
+            layer.check_rank_inputs = False  # the model builds their inputs (tokens checked in forward)
         self.final_layernorm = LayerNorm(h, config.layernorm_epsilon, tp_group=tp_group,
                                          sequence_parallel=config.sequence_parallel, backend=config.backend,
                                          device=device, dtype=dtype)
@@ -112,21 +119,10 @@ class GPTModel(nn.Module):
         return hidden
 
     def _layers(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Embedding output -> final LayerNorm output, fusing each bias-dropout-add with the next LN."""
-        if self.config.recompute == "full":
-            for layer in self.layers:
-                hidden = layer(hidden)
-            return self.final_layernorm(hidden)
-        pending = None
+        """Embedding output -> final LayerNorm output; each layer through its ``__call__``."""
         for layer in self.layers:
-            seed = layer.draw_dropout_seed()
-            with saved_as("LN1 input"):
-                if pending is None:
-                    normalized = layer.input_layernorm(hidden)
-                else:
-                    normalized, hidden = pending.apply_with_layer_norm(layer.input_layernorm)
-            pending = layer.forward_after_input_layernorm(hidden, normalized, seed)
-        return pending.apply_with_layer_norm(self.final_layernorm)[0]
+            hidden = layer(hidden)
+        return self.final_layernorm(hidden)
 
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64:
