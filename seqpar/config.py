@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -10,6 +11,8 @@ from .memory import RECOMPUTE_POLICIES
 from .ops.registry import validate_backend
 
 ACTIVATIONS = ("gelu", "gelu_tanh")
+#: What the fused kernels and the layer compute in (fp64 and others are rejected when the config is built).
+PARAMS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _check_prob(name: str, value) -> None:
@@ -17,9 +20,16 @@ def _check_prob(name: str, value) -> None:
         raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
 
 
-@dataclasses.dataclass
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-    """Hyper-parameters of a GPT layer (paper.md). Invalid values raise ValueError naming them.
+    """Hyper-parameters of a GPT layer (the paper's notation: h hidden size, a heads, ffn 4h by default).
+
+    Frozen: every field is validated once, when the config is built; invalid values raise ValueError
+    naming them. Derive variants with ``dataclasses.replace(cfg, field=value)`` (validated again).
 
     ``recompute``: "none" keeps every activation; "selective" recomputes only the attention core
     (QK^T, softmax, softmax dropout, attention over V) in backward; "full" keeps only the layer input.
@@ -27,6 +37,10 @@ class TransformerConfig:
     GEMMs (:func:`seqpar.ops.all_gather_matmul`), where the op judges it helps. On CPU (gloo) the
     transfers need CPU time beside the GEMMs: with more ranks than cores, turn it off (measured with
     bench/bench_overlap.py on 2 cores: 1.04-1.10x faster at t=2, 0.90-0.95x at t=4).
+    ``sequence_parallel`` with no tensor parallelism (``tp_group=None`` or a one-rank group, t = 1)
+    is accepted and computes exactly what ``sequence_parallel=False`` does: each rank's shard is the
+    whole sequence and g / g-bar are the identity (``python -m seqpar bench`` runs it at t = 1).
+    ``params_dtype``: torch.float32, torch.float16 or torch.bfloat16.
     """
 
     hidden_size: int
@@ -45,26 +59,28 @@ class TransformerConfig:
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_attention_heads"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
                              f"num_attention_heads {self.num_attention_heads}")
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
-        if not isinstance(self.ffn_hidden_size, int) or self.ffn_hidden_size <= 0:
+            object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)  # frozen: set once, here
+        if not _is_int(self.ffn_hidden_size) or self.ffn_hidden_size <= 0:
             raise ValueError(f"ffn_hidden_size must be a positive int, got {self.ffn_hidden_size!r}")
         _check_prob("hidden_dropout", self.hidden_dropout)
         _check_prob("attention_dropout", self.attention_dropout)
-        if not isinstance(self.layernorm_epsilon, (int, float)) or not self.layernorm_epsilon > 0:
-            raise ValueError(f"layernorm_epsilon must be a positive float, got {self.layernorm_epsilon!r}")
+        eps = self.layernorm_epsilon
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (math.isfinite(eps) and eps > 0):
+            raise ValueError(f"layernorm_epsilon must be a finite positive float, got {eps!r}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {self.activation!r}; expected one of {ACTIVATIONS}")
         if self.recompute not in RECOMPUTE_POLICIES:
             raise ValueError(f"unknown recompute {self.recompute!r}; expected one of {RECOMPUTE_POLICIES}")
         validate_backend(self.backend)
-        if not isinstance(self.params_dtype, torch.dtype) or not self.params_dtype.is_floating_point:
-            raise ValueError(f"params_dtype must be a floating torch.dtype, got {self.params_dtype!r}")
+        if self.params_dtype not in PARAMS_DTYPES:
+            raise ValueError(f"params_dtype must be one of {', '.join(map(str, PARAMS_DTYPES))}, "
+                             f"got {self.params_dtype!r}")
         for name in ("sequence_parallel", "overlap_comm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

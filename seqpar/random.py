@@ -19,21 +19,26 @@ hidden (bias-dropout)  token index ``seq_global * b + batch``                   
 attention probs        ``(head_global * b + batch) * s + query_pos``                key position
 =====================  ==========================================================  =============
 
-``stream_seed`` is derived from ``(seed, layer_number, site, call)`` by :func:`stream_seed`, where
-``call`` counts the training forwards of that layer since :func:`manual_seed` (so each step draws
-fresh masks, and recompute replays them because the seed is drawn once, before the recomputed region).
-Because nothing depends on the tensor-parallel rank or the sequence shard, the same seed gives the same
-masks for any TP size, with or without sequence parallelism.
+``stream_seed`` is derived from ``(seed, layer_number, site, draw)`` by :func:`stream_seed`, where
+``seed`` is :func:`manual_seed`'s and ``draw`` is a 63-bit number drawn from torch's default CPU
+generator once per training forward of a layer (:func:`next_layer_seed`; functional ops called with
+``seed=None`` draw the same way, :func:`next_op_seed`). Drawing from torch's generator is what makes the
+masks checkpoint-safe: seqpar's own ``recompute`` draws before the recomputed region and passes the seed
+in, and every external re-run of a forward - ``torch.utils.checkpoint`` (reentrant or not), FSDP's
+``checkpoint_wrapper``, HF gradient checkpointing - restores that generator's state first, so the re-run
+draws the same number and replays the same masks, while each new step draws fresh ones. Because nothing depends on the
+tensor-parallel rank or the sequence shard, the same seed gives the same masks for any TP size, with or
+without sequence parallelism; TP ranks must hold the same generator state, which layers and models check
+when they are built (:func:`seqpar.parallel.state.check_ranks_agree`).
 """
 from __future__ import annotations
 
-import threading
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
 __all__ = [
-    "manual_seed", "initial_seed", "stream_seed", "next_layer_seed", "next_op_seed",
+    "manual_seed", "initial_seed", "stream_seed", "next_layer_seed", "next_op_seed", "generator_fingerprint",
     "philox_uniform", "dropout_keep_mask", "Site",
 ]
 
@@ -58,32 +63,46 @@ class Site:
     EMBEDDING = 4        # embedding dropout (GPTModel)
 
 
-class _GeneratorState(threading.local):
-    def __init__(self) -> None:
-        self.seed = 0
-        self.layer_calls: dict = {}
-        self.op_calls = 0
+class _SeedState:
+    """The seqpar seed: one per process (not per thread), like torch's default generator."""
+
+    seed = 0
 
 
-_state = _GeneratorState()
+_state = _SeedState()
+_SEED_LIMIT = 2**64
 
 
 def manual_seed(seed: int) -> None:
-    """Seed every seqpar dropout mask. Call with the same seed on every rank.
+    """Seed every seqpar dropout mask and parameter init. Call with the same seed on every rank.
 
-    Resets the per-layer call counters, so building and running the same model after
-    ``manual_seed(s)`` reproduces its results exactly (like ``torch.manual_seed``).
+    Side effect: also seeds torch's default CPU generator (``torch.default_generator.manual_seed(seed)``,
+    what ``torch.manual_seed(seed)`` does on the CPU; CUDA generators are left alone), because each
+    training forward draws its dropout seed from that generator (module doc). So building and running
+    the same model after ``manual_seed(s)`` reproduces its results exactly, and random numbers the
+    program draws from torch's CPU generator afterwards depend on ``s`` too.
+
+    Args:
+        seed: int in [0, 2**64).
     """
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < _SEED_LIMIT:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
     _state.seed = int(seed)
-    _state.layer_calls = {}
-    _state.op_calls = 0
+    torch.default_generator.manual_seed(int(seed))
 
 
 def initial_seed() -> int:
     """The seed last passed to :func:`manual_seed` (0 by default)."""
     return _state.seed
+
+
+def generator_fingerprint(with_torch_state: bool = True) -> Dict[str, object]:
+    """What decides this process's dropout seeds and parameter init: the seqpar seed and the bytes of
+    torch's default CPU generator state (a placeholder when ``with_torch_state`` is False: the same
+    keys either way). Tensor-parallel ranks must agree on them (checked when layers and models are
+    built)."""
+    state = torch.get_rng_state().numpy().tobytes() if with_torch_state else "not compared (no dropout)"
+    return {"seqpar seed (seqpar.manual_seed)": _state.seed, "torch default CPU generator state": state}
 
 
 def _splitmix64(x: int) -> int:
@@ -101,22 +120,26 @@ def stream_seed(seed: int, layer_number: int, site: int, call: int = 0) -> int:
     return h >> (64 - _STREAM_SEED_BITS)
 
 
+def _draw() -> int:
+    """63 random bits from torch's default CPU generator (the state torch's checkpoint restores)."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=None))
+
+
 def next_layer_seed(layer_number: int) -> int:
     """Draw the seed of one training forward of layer ``layer_number``.
 
-    The per-site stream seeds are ``stream_seed(returned, layer_number, site)``; they are drawn once
-    per forward, before any recomputed region, so recomputation replays the same masks.
+    ``stream_seed(manual seed, layer_number, 0, draw)`` with ``draw`` taken from torch's default CPU
+    generator. The per-site stream seeds are ``stream_seed(returned, layer_number, site)``. Draw once
+    per forward, outside any region seqpar recomputes; an external checkpoint that re-runs the whole
+    forward restores the generator first, so the re-run gets the same seed.
     """
-    call = _state.layer_calls.get(layer_number, 0)
-    _state.layer_calls[layer_number] = call + 1
-    return stream_seed(_state.seed, layer_number, 0, call)
+    return stream_seed(_state.seed, layer_number, 0, _draw())
 
 
 def next_op_seed() -> int:
-    """A fresh stream seed for a functional op called with ``seed=None``."""
-    call = _state.op_calls
-    _state.op_calls += 1
-    return stream_seed(_state.seed, -1, 0, call)
+    """A fresh stream seed for a functional op called with ``seed=None`` (drawn like
+    :func:`next_layer_seed`, so a checkpointed re-run of the op replays its mask)."""
+    return stream_seed(_state.seed, -1, 0, _draw())
 
 
 def _philox_c0(k0: torch.Tensor, k1: torch.Tensor, c0: torch.Tensor) -> torch.Tensor:

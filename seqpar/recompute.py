@@ -1,7 +1,9 @@
 """Activation recomputation (checkpointing) without RNG bookkeeping.
 
 Dropout masks are pure functions of seeds drawn *before* the checkpointed region (seqpar.random), so
-the recomputation replays the same masks with no RNG state saved. The region's tensor inputs go through
+the recomputation replays the same masks with no RNG state saved; mode flags (``training``) are
+likewise decided before the region and passed in as arguments, never read inside it (the re-run happens
+in backward, after any ``train()`` / ``eval()``). The region's tensor inputs go through
 ``ctx.save_for_backward`` (so :class:`seqpar.memory.ActivationMeter` sees them); ``params`` are the
 tensors the function closes over (module parameters), passed through so their gradients flow and
 ``torch.autograd.grad`` works.
@@ -28,6 +30,7 @@ class _Checkpoint(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, *grad_outs):
         saved = ctx.saved_tensors
         n = len(ctx.tensor_index)
@@ -55,5 +58,8 @@ def checkpoint(fn: Callable, *args, params: Sequence[torch.Tensor] = ()):
     """Run ``fn(*args)`` without keeping its intermediates; recompute them in backward.
 
     Only the tensor ``args`` are kept (plus references to ``params``, which are not activations).
+    ``fn`` must compute the same thing when re-run in backward: everything it draws or reads from a
+    mode (dropout seeds, ``training``) comes in through ``args``. Once differentiable: a double
+    backward through it raises.
     """
     return _Checkpoint.apply(fn, len(args), *args, *params)

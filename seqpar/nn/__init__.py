@@ -1,9 +1,9 @@
 """Modules: parallel linear layers, LayerNorm, the transformer layer and a small GPT model."""
 from .fused_layer_norm import FusedBiasDropoutAddLayerNorm
-from .layer import ParallelAttention, ParallelMLP, PendingResidual, TransformerLayer
+from .layer import ParallelAttention, ParallelMLP, TransformerLayer
 from .layernorm import LayerNorm
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .model import GPTModel
 
-__all__ = ["FusedBiasDropoutAddLayerNorm", "PendingResidual", "ColumnParallelLinear", "RowParallelLinear", "LayerNorm", "ParallelAttention", "ParallelMLP",
+__all__ = ["FusedBiasDropoutAddLayerNorm", "ColumnParallelLinear", "RowParallelLinear", "LayerNorm", "ParallelAttention", "ParallelMLP",
            "TransformerLayer", "GPTModel"]

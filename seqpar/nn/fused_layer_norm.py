@@ -9,7 +9,7 @@ residual stream::
 
 Dropout is active only in training mode. Under sequence parallelism pass the global index of the shard's
 first row (flattened leading dims, sequence-major: ``seq_global * b + batch``) as ``row_offset`` so the
-shard draws the same mask as the unsharded tensor (design.md 4), and ``tp_group`` +
+shard draws the same mask as the unsharded tensor (:mod:`seqpar.random`), and ``tp_group`` +
 ``sequence_parallel=True`` so the replicated LayerNorm parameters get their gradients summed over the
 group (:class:`seqpar.nn.LayerNorm`, which this module extends).
 """
@@ -54,7 +54,8 @@ class FusedBiasDropoutAddLayerNorm(LayerNorm):
 
     def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, *,
                 seed: Optional[int] = None, row_offset: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(y, residual_out)``; ``seed`` None draws one from :func:`seqpar.manual_seed`'s stream."""
+        """Returns ``(y, residual_out)``. ``seed`` None draws one from torch's default CPU generator mixed
+        with :func:`seqpar.manual_seed`'s seed, so ``torch.utils.checkpoint`` around the call replays it."""
         spec = make_dropout_spec(self.p, self.training, seed, row_offset)
         return self.after_bias_dropout_add(x, bias, residual, spec)
 

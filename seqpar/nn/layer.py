@@ -1,4 +1,5 @@
-"""The GPT transformer layer of paper.md with tensor + sequence parallelism and selective recompute.
+"""The GPT transformer layer of Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+Models", with tensor + sequence parallelism and selective recompute.
 
 Forward, per rank (t = TP size, H = a / t local heads, d = h / a; shapes without SP in brackets)::
 
@@ -11,11 +12,15 @@ Forward, per rank (t = TP size, H = a / t local heads, d = h / a; shapes without
     y          [s/t, b, h]   ([s, b, h])
 
 Dropout masks come from seqpar.random with global coordinates, so results do not depend on t or SP.
+Each forward captures its mode (``training``) and draws its dropout seed once, at call time
+(:class:`ForwardMode`), and passes them down: a recomputation - seqpar's ``recompute`` in backward, or
+any external checkpoint re-running ``forward`` (which restores torch's CPU generator first) - replays
+the same masks, whatever ``train()`` / ``eval()`` did in between.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 from torch import nn
@@ -25,32 +30,41 @@ from ..config import TransformerConfig
 from ..memory import name_storage, saved_as
 from ..ops.attention_core import attention_core, select_backend
 from ..ops.dropout import DropoutSpec, bias_dropout_add
-from ..parallel.state import ProcessGroup, group_rank, group_size
+from ..parallel.state import ProcessGroup, check_ranks_agree, group_rank, group_size
 from ..recompute import checkpoint
 from .layernorm import LayerNorm
 from .linear import ColumnParallelLinear, RowParallelLinear
 
 
-@dataclasses.dataclass
-class PendingResidual:
-    """A layer's final bias-dropout-add, not yet applied: ``residual + dropout(x + bias)``.
+@dataclasses.dataclass(frozen=True)
+class ForwardMode:
+    """What one forward decided from the module's mode, captured at call time and passed down (never
+    re-read in a recomputed region): the dropout probabilities in effect (0 in eval mode) and the
+    layer seed drawn for this forward (0 without dropout)."""
 
-    Returned by :meth:`TransformerLayer.forward_after_input_layernorm` so that the next LayerNorm
-    (the next layer's input LayerNorm, or GPTModel's final one) can fuse with it.
-    """
+    hidden_p: float = 0.0
+    attention_p: float = 0.0
+    seed: int = 0
 
-    x: torch.Tensor
-    bias: Optional[torch.Tensor]
-    residual: torch.Tensor
-    spec: DropoutSpec
 
-    def apply(self) -> torch.Tensor:
-        """The layer output ``residual + dropout(x + bias)``."""
-        return bias_dropout_add(self.x, self.bias, self.residual, self.spec)
+def agreement_values(config: TransformerConfig, **arguments) -> Dict[str, object]:
+    """What every tensor-parallel rank must pass identically when building a layer or model: each
+    config field, the other constructor ``arguments`` and the RNG state dropout seeds are drawn from."""
+    if not isinstance(config, TransformerConfig):
+        raise ValueError(f"config must be a seqpar.TransformerConfig, got {type(config).__name__}")
+    values = {f"config.{f.name}": getattr(config, f.name) for f in dataclasses.fields(config)}
+    values.update(arguments)
+    # Without dropout nothing is drawn from torch's generator, so its state may differ (a program that
+    # never seeds it starts every process from a different state).
+    fingerprint = sp_random.generator_fingerprint(
+        with_torch_state=bool(config.hidden_dropout or config.attention_dropout))
+    values.update(fingerprint)
+    return values
 
-    def apply_with_layer_norm(self, norm: LayerNorm) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(output), output)`` in one fused op."""
-        return norm.after_bias_dropout_add(self.x, self.bias, self.residual, self.spec)
+
+AGREEMENT_HINT = ("Build every rank's modules from the same arguments after seqpar.manual_seed(s) with the same s "
+                  "(it also seeds torch's CPU generator, from which dropout seeds are drawn: a rank that drew "
+                  "random numbers from it since then holds a different state)")
 
 
 def _activation(name: str):
@@ -72,8 +86,12 @@ class ParallelAttention(nn.Module):
         self.query_key_value = ColumnParallelLinear(h, 3 * h, partition_blocks=3, **common)
         self.dense = RowParallelLinear(h, h, skip_bias_add=True, **common)
 
-    def forward(self, a1: torch.Tensor, attention_seed: int):
-        """a1 [s/t or s, b, h] -> (projection output without bias, bias) as RowParallelLinear gives them."""
+    def forward(self, a1: torch.Tensor, dropout_p: float, seed: int):
+        """a1 [s/t or s, b, h] -> (projection output without bias, bias) as RowParallelLinear gives them.
+
+        ``dropout_p``: the attention dropout in effect (0 in eval mode), ``seed``: its stream seed;
+        both decided by the caller at forward time (the core may be recomputed in backward).
+        """
         cfg = self.config
         with saved_as("QKV input"):
             qkv = name_storage(self.query_key_value(a1), "Q, K, V")
@@ -82,13 +100,12 @@ class ParallelAttention(nn.Module):
         # Views of the one QKV storage: [s, b, 3, H, d] -> 3 x [b, H, s, d]; nothing is copied.
         q, k, v = qkv.view(s, b, 3, heads, d).permute(2, 1, 3, 0, 4).unbind(0)
         impl = select_backend(q, k, v, causal=True, backend=cfg.backend)
-        p = cfg.attention_dropout if self.training else 0.0
         # Head-major global dropout rows: this rank's first head is rank * H (seqpar.random).
         row_offset = group_rank(self.tp_group) * heads * b * s
 
         def core(q, k, v):
-            return attention_core(q, k, v, causal=True, dropout_p=p, seed=attention_seed if p else None,
-                                  training=self.training, backend=impl.name, row_offset=row_offset)
+            return attention_core(q, k, v, causal=True, dropout_p=dropout_p, seed=seed if dropout_p else None,
+                                  training=True, backend=impl.name, row_offset=row_offset)
 
         with saved_as("attention core"):
             if cfg.recompute == "selective" and not impl.recompute_free:
@@ -126,12 +143,23 @@ class TransformerLayer(nn.Module):
 
     Args:
         config: :class:`seqpar.TransformerConfig`.
-        tp_group: tensor-parallel process group (None: no tensor parallelism).
+        tp_group: tensor-parallel process group containing this rank (None: no tensor parallelism,
+            t = 1, where ``sequence_parallel`` changes nothing).
         device: where the parameters live.
         layer_number: this layer's identity in the dropout RNG (GPTModel numbers its layers).
 
     ``forward(x)``: x [s_local, b, h] of ``config.params_dtype`` (s_local = s / t with sequence
-    parallelism, else s) -> y of the same shape. Causal self-attention.
+    parallelism, else s) -> y of the same shape. Causal self-attention. Dropout is active in training
+    mode; each training forward draws its seed from torch's default CPU generator (seqpar.random), so
+    ``torch.utils.checkpoint`` / ``checkpoint_wrapper`` around the layer replay its masks.
+
+    Rank checks (t > 1). Building the layer runs one small collective over ``tp_group``: every rank
+    must pass the same config and layer_number and hold the same RNG state (seqpar seed and torch's CPU
+    generator), else every rank raises ValueError naming the difference. Each forward with
+    ``check_rank_inputs`` (default True) runs one more: the ranks' x shapes (s_local, b) and dropout
+    seeds must agree, and an input one rank rejects makes every rank raise, instead of a collective
+    aborting or hanging (cost: :func:`seqpar.parallel.state.check_ranks_agree`). GPTModel turns it off
+    for its layers: it builds their inputs itself.
 
     Parameters are initialised deterministically from ``seqpar.manual_seed``'s seed and
     ``layer_number`` on the *unsharded* tensors, so any t starts from the same model.
@@ -140,12 +168,15 @@ class TransformerLayer(nn.Module):
     def __init__(self, config: TransformerConfig, tp_group: ProcessGroup = None, device=None,
                  layer_number: int = 0):
         super().__init__()
-        if not isinstance(config, TransformerConfig):
-            raise ValueError(f"config must be a seqpar.TransformerConfig, got {type(config).__name__}")
-        if not isinstance(layer_number, int) or layer_number < 0:
+        # First, before anything that can raise on one rank only: the ranks agree on every argument
+        # (then every later check fails on all ranks alike) and on the RNG state.
+        check_ranks_agree(tp_group, agreement_values(config, layer_number=layer_number),
+                          what=f"TransformerLayer(layer_number={layer_number!r})", hint=AGREEMENT_HINT)
+        if not isinstance(layer_number, int) or isinstance(layer_number, bool) or layer_number < 0:
             raise ValueError(f"layer_number must be a non-negative int, got {layer_number!r}")
         config.check_tensor_parallel(group_size(tp_group))
         self.config, self.tp_group, self.layer_number = config, tp_group, layer_number
+        self.check_rank_inputs = True
         norm = dict(tp_group=tp_group, sequence_parallel=config.sequence_parallel, backend=config.backend,
                     device=device, dtype=config.params_dtype)
         self.input_layernorm = LayerNorm(config.hidden_size, config.layernorm_epsilon, **norm)
@@ -155,59 +186,85 @@ class TransformerLayer(nn.Module):
         self.reset_parameters()
 
     # ------------------------------------------------------------------ forward
-    def _check_input(self, x) -> None:
+    def _input_problem(self, x) -> Optional[str]:
+        """Why ``x`` can't be this rank's input (None if it can)."""
         h = self.config.hidden_size
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[2] != h or not x.is_floating_point():
             got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x must be a floating [s_local, b, {h}] tensor, got {got}")
+            return f"x must be a floating [s_local, b, {h}] tensor, got {got}"
         if x.shape[0] == 0 or x.shape[1] == 0:
-            raise ValueError(f"x must have a non-empty sequence and batch, got shape {tuple(x.shape)}")
+            return f"x must have a non-empty sequence and batch, got shape {tuple(x.shape)}"
         if x.dtype != self.config.params_dtype:
-            raise ValueError(f"x dtype {x.dtype} != params_dtype {self.config.params_dtype}")
+            return f"x dtype {x.dtype} != params_dtype {self.config.params_dtype}"
         device = self.input_layernorm.weight.device
         if x.device != device:
-            raise ValueError(f"x is on {x.device} but the layer's parameters are on {device}")
+            return f"x is on {x.device} but the layer's parameters are on {device}"
+        return None
 
-    def _hidden_spec(self, layer_seed: int, site: int, x: torch.Tensor) -> DropoutSpec:
-        p = self.config.hidden_dropout if self.training else 0.0
-        if not p:
+    def _check_ranks(self, x, problem: Optional[str], mode: ForwardMode) -> None:
+        """Every rank's input shape and dropout seed agree and no rank rejected its x, else ValueError on
+        every rank: uneven SP shards (s = 127 at t = 2: 64 and 63 rows) would otherwise abort the process
+        inside gloo, or hang / corrupt NCCL, in the first all-gather.
+
+        Cost, every forward: one all-gather of 4 int64 per rank and the host reading the result. On
+        NCCL that read synchronises the host with the stream once per layer: the collective's latency
+        (~10-30 us) plus the host no longer queueing kernels ahead of the GPU at that point (a few tens
+        of us before the queue refills), small against a layer forward of milliseconds but not free:
+        set ``check_rank_inputs = False`` when the inputs are known to agree (GPTModel does, it builds
+        them from the same tokens on every rank)."""
+        shape = tuple(x.shape) if problem is None else (-1, -1)
+        sp = self.config.sequence_parallel
+        hint = ("Under sequence parallelism every rank passes its s/t positions of the same [s, b, h] sequence "
+                "(s divisible by t)" if sp else "Without sequence parallelism every rank passes the same [s, b, h] "
+                "input") + ("; dropout seeds differ when torch's CPU generator diverged after "
+                            "seqpar.manual_seed (one rank drew random numbers the others did not)")
+        check_ranks_agree(self.tp_group, {"x.shape[0] (s_local)" if sp else "x.shape[0] (s)": shape[0],
+                                          "x.shape[1] (b)": shape[1], "dropout seed of this forward": mode.seed},
+                          what=f"TransformerLayer(layer_number={self.layer_number}) input", error=problem,
+                          hint=hint, device=self.input_layernorm.weight.device)
+
+    def _forward_mode(self) -> ForwardMode:
+        """This call's mode: dropout in effect (training) and, if any, a seed drawn now from torch's
+        default CPU generator (seqpar.random.next_layer_seed)."""
+        cfg = self.config
+        hidden_p = cfg.hidden_dropout if self.training else 0.0
+        attention_p = cfg.attention_dropout if self.training else 0.0
+        seed = sp_random.next_layer_seed(self.layer_number) if (hidden_p or attention_p) else 0
+        return ForwardMode(hidden_p, attention_p, seed)
+
+    def _hidden_spec(self, mode: ForwardMode, site: int, x: torch.Tensor) -> DropoutSpec:
+        if not mode.hidden_p:
             return DropoutSpec()
         s_local, b = x.shape[0], x.shape[1]
         # Global token rows: this rank's shard starts at sequence position rank * s_local under SP.
         first_row = group_rank(self.tp_group) * s_local * b if self.config.sequence_parallel else 0
-        return DropoutSpec(p, sp_random.stream_seed(layer_seed, self.layer_number, site), first_row)
+        return DropoutSpec(mode.hidden_p, sp_random.stream_seed(mode.seed, self.layer_number, site), first_row)
 
-    def draw_dropout_seed(self) -> int:
-        """The seed of this forward's dropout masks (0 when no dropout is active); draw once per forward."""
-        cfg = self.config
-        uses_dropout = self.training and (cfg.hidden_dropout > 0 or cfg.attention_dropout > 0)
-        return sp_random.next_layer_seed(self.layer_number) if uses_dropout else 0
-
-    def forward_after_input_layernorm(self, x: torch.Tensor, a1: torch.Tensor, layer_seed: int) -> PendingResidual:
-        """The layer from its input ``x`` and ``a1 = input_layernorm(x)`` on, leaving the final
-        bias-dropout-add unapplied (see :class:`PendingResidual`). GPTModel uses it to fuse that
-        bias-dropout-add with the next LayerNorm."""
-        projection, projection_bias = self.self_attention(
-            a1, sp_random.stream_seed(layer_seed, self.layer_number, sp_random.Site.ATTENTION))
-        with saved_as("LN2 input"):
-            a2, x2 = self.post_attention_layernorm.after_bias_dropout_add(
-                projection, projection_bias, x, self._hidden_spec(layer_seed, sp_random.Site.ATTENTION_OUT, x))
-        mlp_out, mlp_bias = self.mlp(a2)
-        return PendingResidual(mlp_out, mlp_bias, x2, self._hidden_spec(layer_seed, sp_random.Site.MLP_OUT, x))
-
-    def _forward_impl(self, x: torch.Tensor, layer_seed: int) -> torch.Tensor:
+    def _forward_impl(self, x: torch.Tensor, mode: ForwardMode) -> torch.Tensor:
+        """The layer given this forward's ``mode``; reads no module state but parameters and the frozen
+        config, so the full-recompute re-run in backward computes exactly what the forward did."""
         with saved_as("LN1 input"):
             a1 = self.input_layernorm(x)
-        return self.forward_after_input_layernorm(x, a1, layer_seed).apply()
+        projection, projection_bias = self.self_attention(
+            a1, mode.attention_p, sp_random.stream_seed(mode.seed, self.layer_number, sp_random.Site.ATTENTION))
+        with saved_as("LN2 input"):
+            a2, x2 = self.post_attention_layernorm.after_bias_dropout_add(
+                projection, projection_bias, x, self._hidden_spec(mode, sp_random.Site.ATTENTION_OUT, x))
+        mlp_out, mlp_bias = self.mlp(a2)
+        return bias_dropout_add(mlp_out, mlp_bias, x2, self._hidden_spec(mode, sp_random.Site.MLP_OUT, x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
-        # Drawn once, outside any recomputed region: recomputation replays the same masks.
-        layer_seed = self.draw_dropout_seed()
+        problem = self._input_problem(x)
+        mode = self._forward_mode()  # drawn once, outside any region seqpar recomputes
+        if self.check_rank_inputs and group_size(self.tp_group) > 1:
+            self._check_ranks(x, problem, mode)
+        elif problem is not None:
+            raise ValueError(problem)
+        x = x.contiguous()  # the fused residual ops need rows; a no-op for the usual [s, b, h] layout
         if self.config.recompute == "full":
             with saved_as("layer input (full recompute)"):
-                return checkpoint(self._forward_impl, x, layer_seed, params=list(self.parameters()))
-        return self._forward_impl(x, layer_seed)
+                return checkpoint(self._forward_impl, x, mode, params=list(self.parameters()))
+        return self._forward_impl(x, mode)
 
     # ------------------------------------------------------------------ unsharded weights
     def _parts(self):
@@ -217,7 +274,7 @@ class TransformerLayer(nn.Module):
                 "mlp.dense_h_to_4h": self.mlp.dense_h_to_4h, "mlp.dense_4h_to_h": self.mlp.dense_4h_to_h}
 
     def full_shapes(self) -> Dict[str, tuple]:
-        """Unsharded state-dict keys and shapes (design.md section 2)."""
+        """Unsharded state-dict keys and shapes (PyTorch Linear layout, weight [out, in])."""
         h, f = self.config.hidden_size, self.config.ffn_hidden_size
         return {"input_layernorm.weight": (h,), "input_layernorm.bias": (h,),
                 "self_attention.query_key_value.weight": (3 * h, h), "self_attention.query_key_value.bias": (3 * h,),

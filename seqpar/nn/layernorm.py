@@ -3,7 +3,8 @@
 Under sequence parallelism each rank normalises only its sequence shard, so the replicated weight and
 bias see a shard of the tokens: they enter the computation through f (identity forward, all-reduce
 backward; weight and bias in one all-reduce) and after backward every rank holds the full, identical
-gradient, with no separate "finalize grads" step.
+gradient, with no separate "finalize grads" step. With ``tp_group=None`` (or a one-rank group, t = 1)
+``sequence_parallel`` changes nothing: the shard is the whole sequence and f is the identity.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from ..ops.bias_dropout_add_layer_norm import bias_dropout_add_layer_norm
 from ..ops.dropout import DropoutSpec
 from ..ops.registry import validate_backend
 from ..parallel.mappings import copy_to_tensor_region_coalesced
-from ..parallel.state import ProcessGroup
+from ..parallel.state import ProcessGroup, group_size
 
 
 class LayerNorm(nn.Module):
@@ -31,6 +32,7 @@ class LayerNorm(nn.Module):
             raise ValueError(f"eps must be a positive float, got {eps!r}")
         if dtype is not None and not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+        group_size(tp_group)  # ValueError now, not at the first backward, if this rank is not in tp_group
         self.hidden_size, self.eps = hidden_size, float(eps)
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.backend = validate_backend(backend)

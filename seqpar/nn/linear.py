@@ -14,6 +14,8 @@ GEMM by :func:`seqpar.ops.all_gather_matmul` (saves only the input shard, re-gat
 :func:`seqpar.ops.matmul_reduce_scatter`. ``RowParallelLinear(skip_bias_add=True)`` returns
 ``(output, bias)`` so the bias can be fused into the following bias-dropout-add; under SP that bias is
 replicated but sees only a sequence shard, so it passes f and its gradient is summed over the group.
+With ``tp_group=None`` (or a one-rank group, t = 1) both layers are plain ``nn.Linear`` math and
+``sequence_parallel`` changes nothing (g and g-bar are the identity on one rank).
 """
 from __future__ import annotations
 

@@ -31,9 +31,9 @@ from ..config import TransformerConfig
 from ..ops.dropout import DropoutSpec, dropout
 from ..parallel.mappings import (copy_to_tensor_region, gather_from_sequence_region, reduce_from_tensor_region,
                                  scatter_to_sequence_region)
-from ..parallel.state import ProcessGroup, group_rank, group_size
-from ..memory import recompute_policies, saved_as
-from .layer import TransformerLayer
+from ..parallel.state import ProcessGroup, agreement_checked, check_ranks_agree, group_rank, group_size
+from ..memory import recompute_policies
+from .layer import AGREEMENT_HINT, TransformerLayer, agreement_values
 from .layernorm import LayerNorm
 from .linear import _gather_rows
 
@@ -82,6 +82,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return torch.where(valid, sum_exp.log() - target, 0.0)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
         softmax, safe, in_shard, valid = ctx.saved_tensors
         grad = softmax.clone()
@@ -177,6 +178,12 @@ class GPTModel(nn.Module):
         embedding_dropout: dropout probability after the embeddings; None -> ``config.hidden_dropout``.
             (HF GPT-2's ``embd_pdrop`` may differ from its ``resid_pdrop``.)
 
+    Every layer runs through its ``__call__`` (``hidden = layer(hidden)``), so hooks and wrappers on
+    ``model.layers[i]`` apply: ``checkpoint_wrapper`` / ``apply_activation_checkpointing``, FSDP, or
+    ``torch.utils.checkpoint`` around each layer (dropout seeds are drawn from torch's CPU generator,
+    which those restore, so recomputed layers replay their masks). Building the model checks once, over
+    ``tp_group``, that every rank passes the same arguments and RNG state (see TransformerLayer).
+
     ``forward(tokens, labels=None)``: tokens [b, s] int64 ids in [0, v) (ValueError naming a bad id).
     With labels [b, s] int64, already shifted by the caller (``labels[:, i]`` is the token that should
     follow position i): the per-token cross-entropy [s, b] in fp32; a label of -100 gives 0 and no
@@ -187,10 +194,6 @@ class GPTModel(nn.Module):
     HF's ``GPT2LMHeadModel(input_ids, labels=input_ids).loss`` (which shifts inside and averages over
     the predicted tokens) is ``model(input_ids, labels).sum() / (labels != -100).sum()`` with
     ``labels = seqpar.integrations.hf.shift_labels(input_ids)``.
-
-    Each layer's final bias-dropout-add is fused with the following LayerNorm (the next layer's input
-    LayerNorm, or the final one) through :func:`seqpar.ops.bias_dropout_add_layer_norm`; layers with
-    full recompute run whole, so each checkpoint keeps only its layer input.
 
     ``recompute``: None (``config.recompute`` for every layer), one policy for every layer, or one of
     "none" | "selective" | "full" per layer, e.g. ``seqpar.memory.plan_recompute(...).policies``; layer
@@ -205,8 +208,10 @@ class GPTModel(nn.Module):
                  tp_group: ProcessGroup = None, device=None,
                  recompute: Union[None, str, Sequence[str]] = None, embedding_dropout: Optional[float] = None):
         super().__init__()
-        if not isinstance(config, TransformerConfig):
-            raise ValueError(f"config must be a seqpar.TransformerConfig, got {type(config).__name__}")
+        check_ranks_agree(tp_group, agreement_values(config, num_layers=num_layers, vocab_size=vocab_size,
+                                                     max_seq_len=max_seq_len, recompute=recompute,
+                                                     embedding_dropout=embedding_dropout),
+                          what="GPTModel", hint=AGREEMENT_HINT)
         for name, value in (("num_layers", num_layers), ("vocab_size", vocab_size), ("max_seq_len", max_seq_len)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -220,9 +225,12 @@ class GPTModel(nn.Module):
         h, dtype = config.hidden_size, config.params_dtype
         self.embedding = GPTEmbedding(vocab_size, max_seq_len, h, tp_group=tp_group, device=device, dtype=dtype)
         policies = recompute_policies(config.recompute if recompute is None else recompute, num_layers)
-        self.layers = nn.ModuleList(
-            TransformerLayer(dataclasses.replace(config, recompute=policy), tp_group, device, layer_number=i)
-            for i, policy in enumerate(policies))
+        with agreement_checked():  # the check above covers every layer's
+            self.layers = nn.ModuleList(
+                TransformerLayer(dataclasses.replace(config, recompute=policy), tp_group, device, layer_number=i)
+                for i, policy in enumerate(policies))
+        for layer in self.layers:
+            layer.check_rank_inputs = False  # the model builds their inputs (tokens checked in forward)
         self.final_layernorm = LayerNorm(h, config.layernorm_epsilon, tp_group=tp_group,
                                          sequence_parallel=config.sequence_parallel, backend=config.backend,
                                          device=device, dtype=dtype)
@@ -276,23 +284,10 @@ class GPTModel(nn.Module):
         return hidden
 
     def _layers(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Embedding output -> final LayerNorm output, fusing each bias-dropout-add with the next LN."""
-        pending = None
+        """Embedding output -> final LayerNorm output; each layer through its ``__call__``."""
         for layer in self.layers:
-            if layer.config.recompute == "full":  # a checkpoint keeping only the layer input: run it whole
-                hidden = layer(hidden if pending is None else pending.apply())
-                pending = None
-                continue
-            seed = layer.draw_dropout_seed()
-            with saved_as("LN1 input"):
-                if pending is None:
-                    normalized = layer.input_layernorm(hidden)
-                else:
-                    normalized, hidden = pending.apply_with_layer_norm(layer.input_layernorm)
-            pending = layer.forward_after_input_layernorm(hidden, normalized, seed)
-        if pending is None:
-            return self.final_layernorm(hidden)
-        return pending.apply_with_layer_norm(self.final_layernorm)[0]
+            hidden = layer(hidden)
+        return self.final_layernorm(hidden)
 
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64:

@@ -265,6 +265,7 @@ class _AttentionCore(torch.autograd.Function):
         return o
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_o):
         q, k, v, *saved = ctx.saved_tensors
         grad_q, grad_k, grad_v = ctx.impl.backward(grad_o, q, k, v, tuple(saved), *ctx.args)

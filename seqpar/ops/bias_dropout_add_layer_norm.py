@@ -248,6 +248,7 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
         return y, residual_out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y, grad_residual_out):
         residual_out, ln_weight, mean, rstd = ctx.saved_tensors
         if grad_y is None:

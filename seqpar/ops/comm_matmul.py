@@ -205,6 +205,7 @@ class _AllGatherMatmul(torch.autograd.Function):
         return y
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
         x_shard, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -256,6 +257,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         return y_shard
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y_shard):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]

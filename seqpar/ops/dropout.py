@@ -78,6 +78,7 @@ class _Dropout(torch.autograd.Function):
         return apply_keep_mask(x.reshape(-1, h), spec).view(x.shape)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         h = grad.shape[-1]
         return apply_keep_mask(grad.reshape(-1, h), ctx.spec).view(grad.shape), None

@@ -34,6 +34,7 @@ class _CopyToTensorRegion(torch.autograd.Function):
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         # the concatenation is a fresh contiguous buffer, so the in-place all-reduce touches no grad
         flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), ctx.group)
@@ -47,6 +48,7 @@ class _ReduceFromTensorRegion(torch.autograd.Function):
         return all_reduce(x.clone(memory_format=torch.contiguous_format), group)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         return grad, None
 
@@ -58,6 +60,7 @@ class _GatherFromSequenceRegion(torch.autograd.Function):
         return all_gather_seq(x_shard, group)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_full):
         return reduce_scatter_seq(grad_full, ctx.group), None
 
@@ -69,6 +72,7 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
         return reduce_scatter_seq(x_full, group)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_shard):
         return all_gather_seq(grad_shard, ctx.group), None
 
@@ -80,6 +84,7 @@ class _ScatterToSequenceRegion(torch.autograd.Function):
         return sequence_shard(x_full, group).clone()
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_shard):
         return all_gather_seq(grad_shard, ctx.group), None
 

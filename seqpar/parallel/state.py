@@ -1,10 +1,19 @@
 """Process-group queries and the collectives along the sequence dimension (dim 0).
 
-``group=None`` (or torch.distributed not initialised) means "no parallelism": size 1, rank 0.
+``group=None`` (or torch.distributed not initialised) means "no parallelism": size 1, rank 0. A group
+this process is not a member of is a ValueError.
+
+:func:`check_ranks_agree` is the one cross-rank consistency check: layers and models run it when they
+are built (same config, same RNG state on every rank) and TransformerLayer on every forward under TP
+(same input shapes, same dropout seed), so a disagreement is a ValueError on every rank instead of a
+hang, an abort inside the collective library or silently different dropout masks.
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import contextvars
+import hashlib
+from typing import Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -14,20 +23,35 @@ ProcessGroup = Optional["dist.ProcessGroup"]
 # torch 2.13 renamed the tensor collectives (the old names warn); older releases only have the old ones.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# The consistency checks' own reference: they are control traffic, not the data collectives above
+# (bench/bench_overlap.py replaces those with no-ops to time compute alone; the checks must still run).
+_all_gather_control = _all_gather_single
+
+
+def _not_a_member(group) -> ValueError:
+    return ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the tp_group it "
+                      f"was given; pass a group that contains the calling rank (or None for no tensor "
+                      f"parallelism)")
 
 
 def group_size(group: ProcessGroup) -> int:
-    """Number of ranks in ``group`` (1 for ``None``)."""
+    """Number of ranks in ``group`` (1 for ``None``); ValueError if this process is not a member."""
     if group is None or not dist.is_available() or not dist.is_initialized():
         return 1
-    return dist.get_world_size(group)
+    size = dist.get_world_size(group)
+    if size < 1:  # torch answers -1 for a group this rank is not part of
+        raise _not_a_member(group)
+    return size
 
 
 def group_rank(group: ProcessGroup) -> int:
-    """This process's rank inside ``group`` (0 for ``None``)."""
+    """This process's rank inside ``group`` (0 for ``None``); ValueError if it is not a member."""
     if group is None or not dist.is_available() or not dist.is_initialized():
         return 0
-    return dist.get_rank(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise _not_a_member(group)
+    return rank
 
 
 def sequence_shard(full: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -77,3 +101,95 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     if group_size(group) > 1:
         dist.all_reduce(x, group=group)
     return x
+
+
+# ---- cross-rank consistency ----------------------------------------------------------------------
+
+_SKIP_AGREEMENT = contextvars.ContextVar("seqpar_skip_agreement", default=False)
+
+
+@contextlib.contextmanager
+def agreement_checked() -> Iterator[None]:
+    """Inside, :func:`check_ranks_agree` only raises local errors (no collective): for a builder that
+    has already checked everything its parts would check (GPTModel: one check for all its layers)."""
+    token = _SKIP_AGREEMENT.set(True)
+    try:
+        yield
+    finally:
+        _SKIP_AGREEMENT.reset(token)
+
+
+def _plain_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63
+
+
+def _digest(value) -> int:
+    """A non-bool int in int64 range as itself (reported per rank); anything else as a 64-bit hash
+    of its bytes (``bytes``) or ``repr`` (exact for floats, dtypes, strings)."""
+    if _plain_int(value):
+        return value
+    data = value if isinstance(value, bytes) else repr(value).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+def _control_device(group: ProcessGroup) -> torch.device:
+    """Where a small control tensor must live for ``group``'s backend (CUDA for NCCL-only groups)."""
+    if str(dist.get_backend(group)).lower() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_ranks_agree(group: ProcessGroup, values: Mapping[str, object], *, what: str,
+                      error: Optional[str] = None, hint: str = "", device=None) -> None:
+    """Raise ValueError on EVERY rank of ``group`` unless all ranks passed equal ``values`` and no
+    rank passed an ``error``.
+
+    ``values``: name -> value, the same names in the same order on every rank (ints are compared and
+    reported as themselves, anything else by a 64-bit hash of its ``repr`` / bytes). ``error``: this
+    rank's own validation failure (or None); checking it here, not raising it at once, is what keeps
+    the other ranks from waiting in a collective the failing rank never enters. The message names
+    ``what`` was checked, each differing value and which ranks hold what, then ``hint``.
+
+    Cost: one all-gather of ``len(values) + 1`` int64 per rank (tens of bytes) and, for the answer,
+    a copy of the gathered [t, n] tensor to the host. On NCCL that copy synchronises the host with the
+    current stream: the host stops queueing kernels until everything queued before has run (the
+    ~10-30 us collective plus draining the launch queue). With ``group`` of one rank (or None) nothing
+    is communicated and only ``error`` is raised.
+    """
+    if group_size(group) == 1 or _SKIP_AGREEMENT.get():
+        if error is not None:
+            raise ValueError(error)
+        return
+    names = list(values)
+    local = [_digest(values[name]) for name in names] + [int(error is not None)]
+    device = _control_device(group) if device is None else torch.device(device)
+    mine = torch.tensor(local, dtype=torch.int64, device=device)
+    gathered = torch.empty(group_size(group) * mine.numel(), dtype=torch.int64, device=device)
+    _all_gather_control(gathered, mine, group=group)
+    rows = gathered.view(-1, mine.numel()).tolist()
+    rank = group_rank(group)
+    if error is not None:
+        raise ValueError(error)
+    failed = [r for r, row in enumerate(rows) if row[-1]]
+    if failed:
+        raise ValueError(f"{what}: tensor-parallel rank(s) {failed} rejected their arguments (see their "
+                         f"ValueError); rank {rank} raises too instead of waiting for them")
+    problems = []
+    for i, name in enumerate(names):
+        column = [row[i] for row in rows]
+        if len(set(column)) == 1:
+            continue
+        value = values[name]
+        if _plain_int(value):   # compared as itself: name every rank's value
+            held = ", ".join(f"rank {r}: {v}" for r, v in enumerate(column))
+        else:
+            by_value = {}
+            for r, v in enumerate(column):
+                by_value.setdefault(v, []).append(r)
+            held = " vs ".join(f"ranks {rs}" for rs in by_value.values())
+            if not isinstance(value, bytes):
+                held += f"; rank {rank} has {value!r}"
+        problems.append(f"{name} differs ({held})")
+    if problems:
+        raise ValueError(f"{what}: the tensor-parallel ranks disagree: " + "; ".join(problems)
+                         + (f". {hint}" if hint else ""))

@@ -1,6 +1,7 @@
 """TransformerLayer / GPTModel on 1, 2, 4 gloo ranks against a single-device reference built from the
 same unsharded weights: outputs, input gradients, every parameter gradient (through an SGD step and
-full_state_dict()), dropout masks across layouts, activation memory per rank vs Table 2, bad input."""
+full_state_dict()), dropout masks across layouts, activation memory per rank vs Table 2 (bad input and
+configurations that differ across ranks: test_rng_agreement.py)."""
 import functools
 import itertools
 
@@ -86,6 +87,7 @@ def _parity_worker(rank, world_size):
 def _memory_worker(rank, world_size):
     s, b, h, a = 256, 2, 128, 4
     out = {}
+    seqpar.manual_seed(3)  # dropout seeds come from torch's CPU generator: the same state on every rank
     for sp, recompute in itertools.product((False, True), RECOMPUTE):
         cfg = seqpar.TransformerConfig(hidden_size=h, num_attention_heads=a, hidden_dropout=0.1,
                                        attention_dropout=0.1, sequence_parallel=sp, recompute=recompute,
@@ -139,34 +141,6 @@ def test_memory_per_rank_within_table2_bounds(world_size):
             assert lower <= measured <= upper, (
                 f"rank {rank} t={world_size} sp={sp} recompute={recompute}: {measured} not in "
                 f"[{lower:.0f}, {upper:.0f}]\n{report}")
-
-
-def _bad_input_worker(rank, world_size, case):
-    group = dist.group.WORLD
-    if case == "heads":
-        seqpar.TransformerLayer(seqpar.TransformerConfig(hidden_size=48, num_attention_heads=6), tp_group=group)
-    elif case == "ffn":
-        seqpar.TransformerLayer(seqpar.TransformerConfig(hidden_size=48, num_attention_heads=4, ffn_hidden_size=90),
-                                tp_group=group)
-    elif case == "seq":
-        cfg = seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4, sequence_parallel=True)
-        model = seqpar.GPTModel(cfg, num_layers=1, vocab_size=64, max_seq_len=16, tp_group=group)
-        model(torch.randint(0, 64, (2, 7)))
-    elif case == "rank0_only":
-        # rank 0 raises before a collective the other ranks enter: the launcher must not hang
-        layer = seqpar.TransformerLayer(seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4,
-                                                                 sequence_parallel=True), tp_group=group)
-        x = torch.randn(4, 2, 33 if rank == 0 else 32)
-        layer(x).sum().backward()
-    return "no error"
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("case, match", [("heads", "num_attention_heads 6"), ("ffn", "ffn_hidden_size 90"),
-                                         ("seq", "sequence length 7"), ("rank0_only", "33")])
-def test_bad_configuration_raises_on_ranks(case, match):
-    with pytest.raises(AssertionError, match=f"ValueError: .*{match}"):
-        run_ranks(_bad_input_worker, 4 if case != "seq" else 2, case, timeout_s=90)
 
 
 def _gpt_worker(rank, world_size, steps):

@@ -101,6 +101,7 @@ def padded_vocab_shards(group):
 def worker(rank, world_size, cases_path):
     """Every check on this rank; ``cases_path``: torch.save'd dict(logit_cases, round_trip_cases,
     train_case (None: no training check))."""
+    seqpar.manual_seed(0)  # the same RNG state on every rank (GPT-2's default dropouts are on)
     cases = torch.load(cases_path)
     logit_cases, round_trip_cases, train_case = cases["logit_cases"], cases["round_trip_cases"], cases["train_case"]
     group = dist.group.WORLD

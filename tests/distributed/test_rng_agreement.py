@@ -1,0 +1,284 @@
+"""Dropout seeds and rank agreement on 2 gloo ranks (one spawn for everything, the cases run in turn):
+external checkpointing of SP layers and of GPTModel's layers replays the masks; ranks that disagree
+on config or RNG state, pass uneven sequence shards or inputs only one rank rejects, or use a group
+they are not in, get a ValueError on every rank (and the group stays usable); double backward through
+the f / g mappings raises."""
+import functools
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
+                                                                         apply_activation_checkpointing,
+                                                                         checkpoint_wrapper)
+from torch.utils.checkpoint import checkpoint
+
+import seqpar
+from seqpar.parallel import (copy_to_tensor_region, copy_to_tensor_region_coalesced, gather_from_sequence_region,
+                             reduce_from_tensor_region, reduce_scatter_to_sequence_region,
+                             scatter_to_sequence_region, sequence_shard)
+
+from launcher import run_ranks
+
+S, B, H, A = 14, 2, 32, 4          # s/t = 7: odd shards
+RECOMPUTE = ("none", "selective", "full")
+WRAPPERS = {
+    "torch-checkpoint": lambda layer, x: checkpoint(layer, x, use_reentrant=False),
+    "torch-checkpoint-reentrant": lambda layer, x: checkpoint(layer, x, use_reentrant=True),
+    "checkpoint_wrapper": lambda layer, x: checkpoint_wrapper(layer)(x),
+    "hf-style": lambda layer, x: functools.partial(checkpoint, use_reentrant=True)(layer.__call__, x),
+}
+
+
+def _cfg(**kw):
+    return seqpar.TransformerConfig(**{**dict(hidden_size=H, num_attention_heads=A, hidden_dropout=0.2,
+                                              attention_dropout=0.2, sequence_parallel=True), **kw})
+
+
+def _grads(module, call, seed=5):
+    seqpar.manual_seed(seed)
+    y, x = call()
+    y.backward(torch.linspace(-1, 1, y.numel()).view_as(y))
+    out = [y.detach()] + ([x.grad] if x is not None else [])
+    out += [p.grad.clone() for p in module.parameters()]
+    module.zero_grad(set_to_none=True)
+    return out
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def _checkpoint_cases(group):
+    """{(what, recompute, wrapper): bitwise equal to the unwrapped run from the same seed}."""
+    out = {}
+    x_full = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1))
+    x_shard = sequence_shard(x_full, group)
+    tokens = torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(2))
+
+    def leaf():
+        return x_shard.clone().requires_grad_()
+
+    for recompute in RECOMPUTE:
+        seqpar.manual_seed(0)
+        layer = seqpar.TransformerLayer(_cfg(recompute=recompute), tp_group=group)
+
+        def run(wrap=None):
+            x = leaf()
+            return (layer(x) if wrap is None else wrap(layer, x)), x
+
+        ref = _grads(layer, run)
+        for name, wrap in WRAPPERS.items():
+            out[("layer", recompute, name)] = _same(_grads(layer, functools.partial(run, wrap)), ref)
+
+        def gpt():
+            seqpar.manual_seed(0)
+            return seqpar.GPTModel(_cfg(recompute=recompute), num_layers=2, vocab_size=64, max_seq_len=S,
+                                   tp_group=group)
+
+        def loss(model):
+            return model(tokens, tokens.roll(-1, 1)).mean(), None
+
+        model = gpt()
+        ref = _grads(model, functools.partial(loss, model))
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, seqpar.TransformerLayer))
+        out[("gpt", recompute, "apply_activation_checkpointing")] = _same(
+            _grads(model, functools.partial(loss, model)), ref)
+        model = gpt()
+        for i, layer_i in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(layer_i, checkpoint_impl=CheckpointImpl.REENTRANT)
+        out[("gpt", recompute, "checkpoint_wrapper-reentrant")] = _same(
+            _grads(model, functools.partial(loss, model)), ref)
+    return out
+
+
+def _construction_cases(rank):
+    """name -> a callable building something that must raise on every rank."""
+    def layer(**kw):
+        return seqpar.TransformerLayer(_cfg(**kw), tp_group=dist.group.WORLD)
+
+    def seeded(seed, build):
+        seqpar.manual_seed(seed)
+        return build()
+
+    def drew_after_seed():
+        seqpar.manual_seed(1)
+        if rank == 1:
+            torch.rand(1)          # e.g. rank-dependent data augmentation from torch's CPU generator
+        return layer()
+
+    world = dist.group.WORLD
+    return {
+        "seed": lambda: seeded(rank, layer),
+        "torch-rng": drew_after_seed,
+        "sp-one-rank": lambda: layer(sequence_parallel=rank == 0),
+        "ffn": lambda: layer(ffn_hidden_size=128 if rank == 0 else 64),
+        "dropout": lambda: layer(hidden_dropout=0.1 if rank == 0 else 0.2),
+        "layer-number": lambda: seqpar.TransformerLayer(_cfg(), tp_group=world, layer_number=rank),
+        "gpt-vocab": lambda: seqpar.GPTModel(_cfg(), num_layers=2, vocab_size=64 if rank == 0 else 32,
+                                             max_seq_len=16, tp_group=world),
+        "gpt-seed": lambda: seeded(rank, lambda: seqpar.GPTModel(_cfg(), num_layers=3, vocab_size=64,
+                                                                 max_seq_len=16, tp_group=world)),
+        # the same invalid arguments on every rank: every rank raises the same error
+        "heads-indivisible": lambda: layer(hidden_size=48, num_attention_heads=3),
+        "ffn-indivisible": lambda: layer(ffn_hidden_size=91),
+    }
+
+
+def _randn(*shape, dtype=torch.float32):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=dtype)
+
+
+def _forward_cases(rank):
+    world = dist.group.WORLD
+    seqpar.manual_seed(3)
+    sp_layer = seqpar.TransformerLayer(_cfg(), tp_group=world)
+    plain_layer = seqpar.TransformerLayer(_cfg(sequence_parallel=False), tp_group=world)
+    gpt = seqpar.GPTModel(_cfg(), num_layers=1, vocab_size=64, max_seq_len=128, tp_group=world)
+
+    def diverged_seed():
+        seqpar.manual_seed(4)
+        if rank == 1:
+            torch.rand(1)
+        return sp_layer(_randn(7, B, H))
+
+    return {
+        # s = 127 at t = 2: shards of 64 and 63 rows (gloo aborts the process in the all-gather)
+        "uneven-sp-shards": lambda: sp_layer(_randn(64 if rank == 0 else 63, B, H)),
+        "different-s-without-sp": lambda: plain_layer(_randn(8 if rank == 0 else 9, B, H)),
+        "different-batch": lambda: sp_layer(_randn(7, 2 if rank == 0 else 3, H)),
+        "gpt-s127": lambda: gpt(torch.zeros(2, 127, dtype=torch.int64)),
+        "rank0-bad-hidden": lambda: sp_layer(_randn(7, B, 33 if rank == 0 else H)),
+        "rank1-bad-dtype": lambda: sp_layer(_randn(7, B, H, dtype=torch.float64 if rank == 1 else torch.float32)),
+        "diverged-torch-rng": diverged_seed,
+    }
+
+
+def _raises(build):
+    """``build()`` after seqpar.manual_seed(1) on every rank -> its ValueError's text (None: no error)."""
+    seqpar.manual_seed(1)
+    try:
+        build()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _double_backward_mappings(rank, group):
+    """Each mapping: y = op(x); HVP-style double backward -> the error text (None if it did not raise)."""
+    ops = {"f": copy_to_tensor_region, "f_bar": reduce_from_tensor_region, "g": gather_from_sequence_region,
+           "g_bar": reduce_scatter_to_sequence_region, "scatter": scatter_to_sequence_region,
+           "f_coalesced": lambda x, g: copy_to_tensor_region_coalesced([x], g)[0]}
+    out = {}
+    for name, op in ops.items():
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+        y = op(x, group)
+        (grad,) = torch.autograd.grad((y ** 2).sum(), x, create_graph=True)
+        try:
+            grad.sum().backward()
+            out[name] = None
+        except RuntimeError as error:
+            out[name] = str(error)
+    return out
+
+
+def _agreement_worker(rank, world_size):
+    group = dist.group.WORLD
+    results = {"checkpoint": _checkpoint_cases(group)}
+    results["construction"] = {name: _raises(build) for name, build in _construction_cases(rank).items()}
+    results["forward"] = {name: _raises(run) for name, run in _forward_cases(rank).items()}
+    # a group without this rank: ValueError on rank 1 for every module; rank 0 (its only member) builds
+    solo = dist.new_group([0])
+    results["non-member"] = {
+        "TransformerLayer": _raises(lambda: seqpar.TransformerLayer(_cfg(), tp_group=solo)),
+        "GPTModel": _raises(lambda: seqpar.GPTModel(_cfg(), num_layers=1, vocab_size=64, max_seq_len=16,
+                                                    tp_group=solo)),
+        "LayerNorm": _raises(lambda: seqpar.nn.LayerNorm(H, tp_group=solo, sequence_parallel=True)),
+        "ColumnParallelLinear": _raises(lambda: seqpar.nn.ColumnParallelLinear(H, H, tp_group=solo)),
+        "RowParallelLinear": _raises(lambda: seqpar.nn.RowParallelLinear(H, H, tp_group=solo)),
+    }
+    results["double-backward"] = _double_backward_mappings(rank, group)
+    # after all of the above, the group still works: a full SP step, identical on both ranks
+    seqpar.manual_seed(8)
+    layer = seqpar.TransformerLayer(_cfg(recompute="selective"), tp_group=group)
+    x = torch.randn(S // world_size, B, H, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+    layer(x).sum().backward()
+    grad = layer.input_layernorm.weight.grad.clone()
+    peer = [torch.empty_like(grad) for _ in range(world_size)]
+    dist.all_gather(peer, grad, group=group)
+    results["usable-after"] = all(torch.equal(p, peer[0]) for p in peer) and bool(grad.abs().sum() > 0)
+    return results
+
+
+@functools.lru_cache(maxsize=None)
+def agreement():
+    return run_ranks(_agreement_worker, 2, timeout_s=150)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("what", ["layer", "gpt"])
+def test_external_checkpoint_replays_masks_t2_sp(what):
+    for rank, results in enumerate(agreement()):
+        cases = {k: v for k, v in results["checkpoint"].items() if k[0] == what}
+        assert cases and all(cases.values()), f"rank {rank}: not bitwise equal: {[k for k, v in cases.items() if not v]}"
+
+
+CONSTRUCTION = {  # case -> what every rank's ValueError must name
+    "seed": r"seqpar seed \(seqpar.manual_seed\) differs \(rank 0: 0, rank 1: 1\)",
+    "torch-rng": r"torch default CPU generator state differs \(ranks \[0\] vs ranks \[1\]\)",
+    "sp-one-rank": r"config.sequence_parallel differs \(ranks \[0\] vs ranks \[1\]; rank \d has (True|False)\)",
+    "ffn": r"config.ffn_hidden_size differs \(rank 0: 128, rank 1: 64\)",
+    "dropout": r"config.hidden_dropout differs \(ranks \[0\] vs ranks \[1\]; rank \d has 0.[12]\)",
+    "layer-number": r"layer_number differs \(rank 0: 0, rank 1: 1\)",
+    "gpt-vocab": r"GPTModel: .*vocab_size differs \(rank 0: 64, rank 1: 32\)",
+    "gpt-seed": r"GPTModel: .*seqpar seed",
+    "heads-indivisible": r"num_attention_heads 3 is not divisible by the tensor-parallel size 2",
+    "ffn-indivisible": r"ffn_hidden_size 91 is not divisible",
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", list(CONSTRUCTION))
+def test_ranks_that_disagree_raise_at_construction(case):
+    for rank, results in enumerate(agreement()):
+        message = results["construction"][case]
+        assert message is not None, f"rank {rank}: {case} built without error"
+        assert re.search(CONSTRUCTION[case], message), f"rank {rank}: {message}"
+
+
+FORWARD = {  # case -> (rank 0's message, rank 1's message)
+    "uneven-sp-shards": (r"x.shape\[0\] \(s_local\) differs \(rank 0: 64, rank 1: 63\).*s/t positions",) * 2,
+    "different-s-without-sp": (r"x.shape\[0\] \(s\) differs \(rank 0: 8, rank 1: 9\)",) * 2,
+    "different-batch": (r"x.shape\[1\] \(b\) differs \(rank 0: 2, rank 1: 3\)",) * 2,
+    "gpt-s127": (r"sequence length 127 is not divisible by the tensor-parallel size 2",) * 2,
+    "rank0-bad-hidden": (r"x must be a floating \[s_local, b, 32\] tensor, got torch.float32 \(7, 2, 33\)",
+                         r"rank\(s\) \[0\] rejected their arguments"),
+    "rank1-bad-dtype": (r"rank\(s\) \[1\] rejected their arguments", r"x dtype torch.float64 != params_dtype"),
+    "diverged-torch-rng": (r"dropout seed of this forward differs",) * 2,
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", list(FORWARD))
+def test_bad_forward_inputs_raise_on_every_rank(case):
+    for rank, results in enumerate(agreement()):
+        message = results["forward"][case]
+        assert message is not None, f"rank {rank}: {case} ran without error"
+        assert re.search(FORWARD[case][rank], message), f"rank {rank}: {message}"
+
+
+@pytest.mark.timeout(240)
+def test_group_without_this_rank_raises_and_group_stays_usable():
+    results = agreement()
+    for module, message in results[1]["non-member"].items():
+        assert message is not None and "not a member of the tp_group" in message, (module, message)
+    assert all(message is None for message in results[0]["non-member"].values()), results[0]["non-member"]
+    assert all(r["usable-after"] for r in results)
+
+
+@pytest.mark.timeout(240)
+def test_double_backward_through_mappings_raises():
+    for rank, results in enumerate(agreement()):
+        for name, message in results["double-backward"].items():
+            assert message is not None and "differentiate twice" in message, f"rank {rank} {name}: {message}"

@@ -1,0 +1,96 @@
+"""TransformerConfig validation (frozen, every field checked once) and the seed state behind
+seqpar.manual_seed (bounded to 64 bits, one per process, seeds torch's CPU generator)."""
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+import seqpar
+
+BASE = dict(hidden_size=48, num_attention_heads=4)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(layernorm_epsilon=float("inf")), "layernorm_epsilon"),
+    (dict(layernorm_epsilon=float("nan")), "layernorm_epsilon"),
+    (dict(layernorm_epsilon=True), "layernorm_epsilon"),
+    (dict(layernorm_epsilon=0.0), "layernorm_epsilon"),
+    (dict(hidden_size=True, num_attention_heads=1), "hidden_size"),
+    (dict(num_attention_heads=True), "num_attention_heads"),
+    (dict(ffn_hidden_size=True), "ffn_hidden_size"),
+    (dict(ffn_hidden_size=96.0), "ffn_hidden_size"),
+    (dict(hidden_dropout=True), "hidden_dropout"),
+    (dict(attention_dropout=False), "attention_dropout"),
+    (dict(hidden_dropout=float("nan")), "hidden_dropout"),
+    (dict(sequence_parallel=1), "sequence_parallel"),
+    (dict(params_dtype=torch.float64), r"params_dtype must be one of torch.float32, torch.float16, torch.bfloat16"),
+    (dict(params_dtype="bf16"), "params_dtype"),
+], ids=["eps-inf", "eps-nan", "eps-bool", "eps-zero", "hidden-bool", "heads-bool", "ffn-bool", "ffn-float",
+        "hidden-dropout-bool", "attention-dropout-bool", "dropout-nan", "sp-int", "fp64", "dtype-str"])
+def test_config_rejects(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        seqpar.TransformerConfig(**{**BASE, **kwargs})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_config_accepts_supported_dtypes(dtype):
+    assert seqpar.TransformerConfig(**BASE, params_dtype=dtype).params_dtype is dtype
+
+
+def test_config_is_frozen_and_replace_revalidates():
+    cfg = seqpar.TransformerConfig(**BASE)
+    assert cfg.ffn_hidden_size == 4 * 48
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.hidden_dropout = 1.5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.layernorm_epsilon = float("inf")
+    assert cfg.hidden_dropout == 0.0
+    assert dataclasses.replace(cfg, hidden_dropout=0.25).hidden_dropout == 0.25
+    with pytest.raises(ValueError, match="hidden_dropout"):
+        dataclasses.replace(cfg, hidden_dropout=1.5)
+
+
+@pytest.mark.parametrize("bad", [-1, 2**64, 2**70, 1.5, "3", True, None], ids=repr)
+def test_manual_seed_rejects(bad):
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*64\)"):
+        seqpar.manual_seed(bad)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2**63, 2**64 - 1], ids=lambda s: f"seed{s:x}")
+def test_manual_seed_accepts_64_bits_and_seeds_torch_cpu_generator(seed):
+    seqpar.manual_seed(seed)
+    assert seqpar.random.initial_seed() == seed
+    first = torch.rand(4)
+    torch.default_generator.manual_seed(seed)
+    assert torch.equal(torch.rand(4), first)  # documented side effect: torch's CPU generator is seeded too
+
+
+def test_seed_state_is_process_wide():
+    """A model built and run in a worker thread uses the seed the main thread set."""
+    cfg = seqpar.TransformerConfig(**BASE, hidden_dropout=0.2, attention_dropout=0.2)
+    x = torch.randn(8, 2, 48)
+
+    def build_and_run(out):
+        layer = seqpar.TransformerLayer(cfg)
+        out.append((layer.full_state_dict()["mlp.dense_h_to_4h.weight"], layer(x)))
+
+    results = []
+    for in_thread in (False, True):
+        seqpar.manual_seed(1234)
+        out = []
+        if in_thread:
+            worker = threading.Thread(target=build_and_run, args=(out,))
+            worker.start()
+            worker.join()
+        else:
+            build_and_run(out)
+        results.append(out[0])
+    (w_main, y_main), (w_thread, y_thread) = results
+    assert torch.equal(w_main, w_thread)
+    assert torch.equal(y_main, y_thread)
+    # and a seed set in a thread is the process's seed afterwards
+    worker = threading.Thread(target=seqpar.manual_seed, args=(77,))
+    worker.start()
+    worker.join()
+    assert seqpar.random.initial_seed() == 77
