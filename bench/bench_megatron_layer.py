@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""The paper's five one-layer experiments on Megatron-Core's own layer, beside seqpar's, on one GPU.
+
+Megatron-Core (`pip install megatron-core`; carried to the GPU machine as a wheel) builds a one-layer
+``TransformerBlock`` from its local (torch-only, no TransformerEngine / Apex) GPT layer spec, with tensor
+parallelism 1 and world size 1, at the shape of ``python -m seqpar bench --device cuda`` (the 22B layer:
+s = 2048, b = 4, h = 6144, a = 64, bf16, dropout 0.1). A block rather than a bare ``TransformerLayer``
+because Megatron applies full recompute at the block level (``recompute_granularity="full"``,
+``recompute_method="uniform"``, ``recompute_num_layers=1``); selective recompute is
+``recompute_granularity="selective"`` (its default module list: the core attention). Megatron-Core
+rejects sequence parallelism without tensor parallelism ("Cannot use sequence parallelism without tensor
+parallelism"), so at t = 1 its two SP experiments are recorded as not applicable, with that reason.
+
+Per experiment: forward and backward ms (CUDA events, median of ``--iters`` after ``--warmup``), the
+activation bytes the layer keeps (:class:`seqpar.memory.ActivationMeter`: saved-tensor hooks see what
+Megatron's autograd functions and checkpoints save, parameters excluded) and the peak memory of one
+forward + backward above the parameters. Rows go to ``<out>/bench_megatron_layer.csv`` (device, date,
+commit, config, provider, metric, value), provider ``megatron-core-<version>``, next to the rows of
+``python -m seqpar bench --json`` for the same shape.
+
+    python bench/bench_megatron_layer.py --out DIR          # on the GPU machine
+    python bench/bench_megatron_layer.py --dry-run          # CPU: build the five configurations only
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from seqpar.bench.layer_bench import EXPERIMENTS  # noqa: E402
+from seqpar.bench.results import ResultRows  # noqa: E402
+from seqpar.bench.timing import median_ms  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def megatron_config(args, sequence_parallel: bool, recompute: str):
+    """Megatron-Core's TransformerConfig for one experiment (raises ValueError where it refuses one)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    granularity = {"none": {}, "selective": dict(recompute_granularity="selective"),
+                   "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
+    return TransformerConfig(
+        num_layers=1, hidden_size=args.hidden, num_attention_heads=args.heads, ffn_hidden_size=4 * args.hidden,
+        hidden_dropout=args.dropout, attention_dropout=args.dropout, layernorm_epsilon=1e-5,
+        tensor_model_parallel_size=1, sequence_parallel=sequence_parallel, params_dtype=DTYPES[args.dtype],
+        bf16=args.dtype == "bf16", fp16=args.dtype == "fp16", use_cpu_initialization=args.dry_run,
+        # The paper's layer: GeLU MLP with biases, pre-LayerNorm, causal self-attention.
+        add_bias_linear=True, gated_linear_unit=False, normalization="LayerNorm",
+        **granularity[recompute])
+
+
+def build_block(config):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    return TransformerBlock(config, get_gpt_layer_local_spec(), post_layer_norm=False)
+
+
+def init_megatron(device_type: str) -> str:
+    """World size 1, TP = PP = 1; returns Megatron-Core's version."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=0, world_size=1)
+    import megatron.core
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1)
+    if device_type == "cuda":
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(1234)
+    return getattr(megatron.core, "__version__", "unknown")
+
+
+def run(args) -> ResultRows:
+    from seqpar.memory import ActivationMeter
+
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    version = init_megatron(device.type)
+    provider = f"megatron-core-{version}"
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (dry run)"
+    rows = ResultRows(name, "bench_megatron_layer")
+    s, b, h = args.seq_len, args.batch, args.hidden
+    shape = f"s{s} b{b} h{h} a{args.heads} t1 {args.dtype} p{args.dropout}"
+    for experiment, sp, recompute in EXPERIMENTS:
+        config_name = f"{shape} {experiment}"
+        try:
+            config = megatron_config(args, sp, recompute)
+        except ValueError as exc:  # e.g. SP without TP
+            print(f"{experiment}: not applicable on Megatron-Core: {exc}", flush=True)
+            rows.add(config_name, provider, "not_applicable", str(exc))
+            continue
+        block = build_block(config).to(device)
+        if args.dry_run:
+            print(f"{experiment}: built ({sum(p.numel() for p in block.parameters()):,} parameters)", flush=True)
+            continue
+        x = torch.randn(s, b, h, device=device, dtype=DTYPES[args.dtype], requires_grad=True)
+        grad_y = torch.randn_like(x)
+        block.train()
+
+        def forward():
+            return block(x, attention_mask=None)
+
+        def forward_backward():
+            forward().backward(grad_y)
+
+        fwd_ms = median_ms(forward, device, args.warmup, args.iters)
+        fwdbwd_ms = median_ms(forward_backward, device, args.warmup, args.iters)
+        with ActivationMeter() as meter:
+            y = forward()
+        del y
+        torch.cuda.synchronize()
+        params = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        forward_backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - params
+        for metric, value in (("forward_ms", fwd_ms), ("backward_ms", fwdbwd_ms - fwd_ms),
+                              ("combined_ms", fwdbwd_ms), ("activation_bytes", float(meter.bytes)),
+                              ("peak_bytes_above_params", float(peak))):
+            rows.add(config_name, provider, metric, value)
+        print(f"{experiment}: fwd {fwd_ms:.2f} ms, bwd {fwdbwd_ms - fwd_ms:.2f} ms, "
+              f"{meter.bytes / 2**20:.1f} MiB saved, peak {peak / 2**20:.1f} MiB", flush=True)
+        del block, x, grad_y
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=6144)
+    p.add_argument("--heads", type=int, default=64)
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    p.add_argument("--dry-run", action="store_true", help="CPU: build the five configurations, run nothing")
+    args = p.parse_args(argv)
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as exc:
+        p.exit(2, f"bench_megatron_layer: megatron-core is not importable ({exc}); pip install megatron-core "
+                  "(on the GPU machine: carry its wheel, see bench/gpu_suite.sh)\n")
+    if not args.dry_run and not torch.cuda.is_available():
+        p.exit(2, "bench_megatron_layer: needs a CUDA device (or --dry-run)\n")
+    warnings.filterwarnings("ignore", message="Apex is not installed")
+    rows = run(args)
+    if not args.dry_run:
+        print(f"wrote {rows.write(args.out)}")
+
+
+if __name__ == "__main__":
+    main()
