@@ -4,7 +4,7 @@
 Parts (``--part``, default ``all``; rows appended to ``<out>/bench_overlap.csv``):
 
 ``gemm`` (GPU; CUDA events, median after warm-up): the cost of chunking. For every linear layer of the
-    paper's models (22B, 175B, 530B; per-GPU shards at t = 8, s = 2048, micro-batch b from paper.md)
+    paper's models (22B, 175B, 530B; per-GPU shards at t = 8, s = 2048, micro-batch b from the paper's Table 3)
     and each chunked pass -- forward and input gradient of both ops -- the plain GEMM over all s*b rows
     vs the same GEMM as t row chunks written into slices of one output (what the overlapped path runs),
     and the extra "sum of t partials" of the pairwise reduce-scatters (matmul_reduce_scatter forward,
@@ -63,7 +63,7 @@ from seqpar.bench.results import ResultRows  # noqa: E402
 from seqpar.bench.timing import median_ms, paired_speedup  # noqa: E402
 from seqpar.parallel.overlap import ChunkPlan  # noqa: E402
 
-# paper.md: (hidden, heads, micro-batch); s = 2048, t = 8 for all
+# The paper's Table 3: (hidden, heads, micro-batch); s = 2048, t = 8 for all
 MODELS = {"22B": (6144, 64, 4), "175B": (12288, 96, 1), "530B": (20480, 128, 1)}
 SEQ, TP = 2048, 8
 # (op, pass) whose GEMM the overlapped path splits into t row chunks (seqpar/ops/comm_matmul.py)

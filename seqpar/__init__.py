@@ -1,7 +1,7 @@
 """seqpar: sequence parallelism and selective activation recomputation for PyTorch transformers
 (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", MLSys 2023).
 
-Public API (design.md section 2): :class:`TransformerConfig`, :class:`TransformerLayer`,
+Public API: :class:`TransformerConfig`, :class:`TransformerLayer`,
 :class:`GPTModel`, :func:`manual_seed`, :mod:`seqpar.ops` (fused ops), :mod:`seqpar.memory`
 (paper formulas and :class:`~seqpar.memory.ActivationMeter`), :mod:`seqpar.parallel` (mappings).
 """

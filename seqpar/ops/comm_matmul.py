@@ -9,7 +9,7 @@ matmul_reduce_scatter       x [s, b, k_local]   [n, k_local]     y_shard [s/t, b
 
 ``all_gather_matmul``: ``y = all_gather_seq(x_shard) @ weight^T + bias``. Only ``x_shard`` is saved;
 backward re-gathers it while computing the input gradient, then reduce-scatters the input gradient
-while computing the weight gradient (Megatron's order, paper.md).
+while computing the weight gradient (Megatron-LM's order; the paper's Section 4.2.2).
 
 ``matmul_reduce_scatter``: ``y_shard = reduce_scatter_seq(x @ weight^T) + bias``; backward all-gathers
 the output gradient. ``bias`` here is added after the reduce-scatter, so its gradient is this rank's

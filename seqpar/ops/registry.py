@@ -1,6 +1,6 @@
 """Backend registry: each fused op has a torch reference and optional triton / cuda backends.
 
-Selection order (design.md 3): the explicit ``backend=`` argument, then the ``SEQPAR_BACKEND``
+Selection order: the explicit ``backend=`` argument, then the ``SEQPAR_BACKEND``
 environment variable, then "auto" = the first of cuda, triton, torch (or the op's own order, see
 :func:`set_auto_order`) that is available and supports the inputs. An explicitly requested backend that can't run raises ``ValueError`` with the reason; auto
 falls back silently (``python -m seqpar info`` shows why a backend is skipped).

@@ -304,7 +304,7 @@ def _saved_tensors(r, t):
 
 def _layer_counts(r, t):
     """One TransformerLayer (SP, t ranks) forward + backward: 4 all-gathers + 4 reduce-scatters of
-    activations (paper.md) plus the backward re-gathers of the 2 column-parallel inputs; overlapped
+    activations (the paper's Section 4.2.2) plus the backward re-gathers of the 2 column-parallel inputs; overlapped
     (the CPU plan), each of those 10 becomes t-1 point-to-point sends. Both give the same results."""
     import seqpar
     import seqpar.parallel.overlap as overlap_mod
