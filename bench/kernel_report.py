@@ -8,7 +8,7 @@ spent on the dropout mask.
 
 Usage::
 
-    python bench/kernel_report.py                       # print the report (about 10 min on 2 cores)
+    python bench/kernel_report.py                       # print the report (about 20 min on 2 cores)
     python bench/kernel_report.py --json PATH --text PATH
     python bench/kernel_report.py --quick               # d = 128 / h = 8192, bf16 only (a smoke run)
 
@@ -23,12 +23,13 @@ What is compiled
 
     - attention forward, dq, dk/dv: d in {64, 128}, bf16 and fp16, causal, dropout off and on;
     - bias-dropout-add + LayerNorm forward and backward: the launch configuration (BLOCK_M, BLOCK_N,
-      num_warps) of h in {1024, 4096, 8192, 12288, 16384} with 8192 rows (the backward's program count
-      assumes 132 SMs), bf16 and fp16, dropout off and on.
+      num_warps, and the backward's column chunks "cN") of h in {1024, 4096, 8192, 12288, 16384} with
+      8192 rows (the backward's program count assumes 132 SMs), bf16 and fp16, dropout off and on.
 
     CUDA: each csrc/*.cu with ``nvcc -cubin -arch=sm_90a -O3 -lineinfo -Xptxas -v`` (the flags of the
-    CMake build); every kernel instantiation for fp16 and bf16 (and the dtype-free ones) is reported.
-    Dropout is a template parameter of the CUDA kernels too, so on and off are separate instantiations.
+    CMake build); every kernel instantiation for fp16 and bf16 (and the dtype-free ones) is reported:
+    the launchers pick among exactly these. Dropout is a runtime flag of the CUDA kernels (one binary
+    serves both), so their table has one instruction count per kernel.
 
 How the main loop is found and counted
     ``nvdisasm -c -gi`` disassembles the cubin with inlined line information. A loop is a backward
@@ -52,11 +53,18 @@ Mask cost
     ``csrc/philox.cuh``. Integer instructions are the integer, logic, shift, move, select and
     predicate opcodes (IMAD*, IADD3, LOP3, SHF, LEA, PRMT, SEL, MOV, ISETP, IABS, IMNMX, VIADD*,
     BMSK, BFE, BFI, P2R, R2P, PLOP3, ...; their uniform U* forms; I2F conversions). Integer
-    instructions per element = the mask's integer instructions in the counted region (the innermost
-    loop holding mask code, or the whole kernel when that code is not in a loop) divided by the mask
-    elements one thread covers in one pass of that region (for Triton tiles: BLOCK_M * BLOCK_N /
-    threads). ``Δint/elem`` (Triton) is the same region's integer-instruction count with dropout on
-    minus off, per element: it includes applying the mask, not only drawing it.
+    instructions per element = the mask's integer instructions in the counted region (the main loop or
+    the whole kernel; or the innermost loop inside it that holds mask code, where the mask has its own
+    loop, as the v1 kernels' per-element Philox loops did) divided by the mask elements one thread
+    covers in one pass of that region (Triton tiles: BLOCK_M * BLOCK_N / threads; CUDA: the columns a
+    thread owns per row or per loop iteration). ``Δint/elem`` (Triton) is the same region's integer-
+    instruction count with dropout on minus off, per element: it includes applying the mask, not only
+    drawing it.
+
+Results
+    bench/results/kernel_report.{txt,json} (committed with the commit and date they measured);
+    bench/results/kernel_report.before.* hold the numbers of the v1 mask (one Philox-4x32-10 call per
+    element, commit 24eac00), measured by the first version of this script.
 """
 from __future__ import annotations
 
@@ -437,6 +445,8 @@ def _triton_row(job) -> dict:
     else:
         span = largest_loop(fn)
         config = "x".join(str(v) for k, v in sorted(kw.items()) if k.startswith("BLOCK_")) + f" w{warps}"
+        if kw.get("N_CHUNKS", 1) > 1:
+            config += f" c{kw['N_CHUNKS']}"
     stats = region_stats(fn, span)
     elements = kw.get("BLOCK_M", kw.get("BLOCK_P", 1)) * kw.get("BLOCK_N", 1) / (32 * warps)
     return dict(backend="triton", family=family, kernel=which, dim=dim, dtype=dtype_name, dropout=dropout,
@@ -466,17 +476,17 @@ def triton_jobs(quick: bool) -> List[tuple]:
 # mask elements one thread covers in one pass of the region the mask is drawn in ((template arguments,
 # region) -> count; region as in RegionStats.mask_region).
 def _ln_elements(targs: List[str], region: str) -> int:
-    vec, vpt = int(targs[1]), int(targs[2])          # <T, VEC, VPT, WARP>
-    return 1 if region == "inner loop" else vec * vpt  # inner loop: keep_bits' per-element Philox loop
+    vec, vpt = int(targs[1]), int(targs[2])          # <T, VEC, VPT, WARP>: VPT runs of VEC columns
+    return vec * vpt
 
 
 CUDA_KERNELS: Dict[str, Tuple[str, Callable[[List[str], str], int]]] = {
-    "seqpar::dropout_rows_kernel": ("largest", lambda t, r: 1),
+    "seqpar::dropout_rows_kernel": ("largest", lambda t, r: 16),      # a 16-column group per iteration
     "seqpar::bdaln::fwd_kernel": ("kernel", _ln_elements),
     "seqpar::bdaln::bwd_kernel": ("largest", _ln_elements),
     "seqpar::bdaln::reduce_partials_kernel": ("largest", lambda t, r: 1),
-    "seqpar::(anonymous namespace)::softmax_dropout_fwd_kernel": ("mask", lambda t, r: 1),
-    "seqpar::(anonymous namespace)::softmax_dropout_bwd_kernel": ("mask", lambda t, r: 1),
+    "seqpar::(anonymous namespace)::softmax_dropout_fwd_kernel": ("mask", lambda t, r: 16),
+    "seqpar::(anonymous namespace)::softmax_dropout_bwd_kernel": ("mask", lambda t, r: 16),
 }
 
 

@@ -11,10 +11,12 @@
 // warp per row, and reduce with shuffles only; the others have one block per row (RPB = 1) and reduce with
 // shuffles plus one shared-memory step. A thread owns VPT runs of VEC contiguous columns of its row,
 // strided by TPR runs so a warp's accesses are contiguous; the row stays in registers between the passes
-// over it. When the pointers, h and the row strides allow it, a run is one 16-byte vector
-// (VEC = 16 / sizeof(T): half a dropout group for 2-byte types, a quarter for fp32); otherwise a run is one
-// whole 16-column dropout group moved with scalar accesses (VEC = 16, columns past h masked). Either way
-// a run's mask comes from one Philox call (mask_words + mask_run).
+// over it (the backward's second pass re-reads it when a thread owns more than 16 elements). When the
+// pointers, h and the row strides allow it, a run is one 16-byte vector (VEC = 16 / sizeof(T): half a
+// dropout group for 2-byte types, a quarter for fp32); otherwise a run is one whole 16-column dropout group
+// moved with scalar accesses (VEC = 16, columns past h masked; the block-per-row forward then uses at most
+// 512 threads, 128 registers each). Either way a run's mask comes from one Philox call (mask_words +
+// mask_run).
 //
 // Forward: warp per row for 16-byte runs and h <= 4096 (4 rows per block), block per row beyond.
 // Backward: the block sums dw, db and dbias over the rows it visits (a grid-stride loop, one wave of
@@ -42,6 +44,7 @@ namespace bdaln {
 
 constexpr int kWarp = 32;
 constexpr int kMaxThreads = 1024;
+constexpr int kFwdScalarMaxThreads = 512;  // block-per-row forward with scalar runs: 128 registers per thread
 constexpr int64_t kMaxHidden = 16384;   // shared-memory running sums: 3 * h * 4 bytes <= 192 KiB
 constexpr int kFwdWarpRows = 4;         // rows per block of the warp-per-row forward
 constexpr int kFwdWarpMaxHidden = 4096;
@@ -149,7 +152,8 @@ struct BwdArgs {
 };
 
 template <typename T, int VEC, int VPT, bool WARP>
-__global__ void __launch_bounds__(WARP ? kWarp * kFwdWarpRows : kMaxThreads) fwd_kernel(const FwdArgs a) {
+__global__ void __launch_bounds__(WARP ? kWarp * kFwdWarpRows : kVectorRun<T, VEC> ? kMaxThreads : kFwdScalarMaxThreads)
+    fwd_kernel(const FwdArgs a) {
   constexpr bool kVector = kVectorRun<T, VEC>;
   const int tpr = WARP ? kWarp : blockDim.x;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (WARP ? kFwdWarpRows : 1) + threadIdx.y;
@@ -328,6 +332,10 @@ template <typename T, int VEC, int VPT, bool WARP>
 __global__ void __launch_bounds__(WARP ? kWarp * kBwdWarpRows : kBwdMaxThreads) bwd_kernel(const BwdArgs a) {
   constexpr bool kVector = kVectorRun<T, VEC>;
   static_assert(kVector || !WARP, "warp-per-row kernels use 16-byte runs");
+  // The row (residual_out, grad_y) stays in registers between the two passes over it while a thread owns
+  // at most 16 elements; beyond that (h > 8192 in 2-byte types) the second pass reads it again (from L2),
+  // or ptxas spills.
+  constexpr bool kKeepRow = VPT * VEC <= 16;
   const int tpr = WARP ? kWarp : blockDim.x;
   const int rpb = WARP ? kBwdWarpRows : 1;
   const int64_t nvec = (a.h + VEC - 1) / VEC;
@@ -370,20 +378,24 @@ __global__ void __launch_bounds__(WARP ? kWarp * kBwdWarpRows : kBwdMaxThreads) 
     const float mean = a.mean[row], rstd = a.rstd[row];
     const T* ro = static_cast<const T*>(a.residual_out) + off;
     const T* gy = static_cast<const T*>(a.grad_y) + off;
-    Pack<T, VEC> rv[VPT], gv[VPT];
+    Pack<T, VEC> rv[kKeepRow ? VPT : 1], gv[kKeepRow ? VPT : 1];
     float dots[2] = {0.0f, 0.0f};  // sum(g), sum(g * x_hat)
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int64_t j = threadIdx.x + static_cast<int64_t>(k) * tpr;
       if (j < nvec) {
-        rv[k] = load_run<T, VEC>(ro, j * VEC, a.h, kVector);
-        gv[k] = load_run<T, VEC>(gy, j * VEC, a.h, kVector);
+        const Pack<T, VEC> rk = load_run<T, VEC>(ro, j * VEC, a.h, kVector);
+        const Pack<T, VEC> gk = load_run<T, VEC>(gy, j * VEC, a.h, kVector);
+        if constexpr (kKeepRow) {
+          rv[k] = rk;
+          gv[k] = gk;
+        }
         float wv[VEC], dw[VEC], db[VEC];
         weights(k, j, wv);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          const float x_hat = (to_float(rv[k].v[i]) - mean) * rstd;
-          const float dy = to_float(gv[k].v[i]);  // 0 past h: adds nothing below
+          const float x_hat = (to_float(rk.v[i]) - mean) * rstd;
+          const float dy = to_float(gk.v[i]);  // 0 past h: adds nothing below
           const float g = dy * wv[i];
           dots[0] += g;
           dots[1] += g * x_hat;
@@ -405,6 +417,14 @@ __global__ void __launch_bounds__(WARP ? kWarp * kBwdWarpRows : kBwdMaxThreads) 
       const int64_t j = threadIdx.x + static_cast<int64_t>(k) * tpr;
       if (j < nvec) {
         const Pack<T, VEC> ov = load_run<T, VEC>(gro, j * VEC, a.h, kVector);
+        Pack<T, VEC> rk, gk;
+        if constexpr (kKeepRow) {
+          rk = rv[k];
+          gk = gv[k];
+        } else {
+          rk = load_run<T, VEC>(ro, j * VEC, a.h, kVector);
+          gk = load_run<T, VEC>(gy, j * VEC, a.h, kVector);
+        }
         MaskWords mask{};
         if (dropout) mask = run_mask<VEC>(a.seed, mask_row, j);
         Pack<T, VEC> res_pack, x_pack;
@@ -412,8 +432,8 @@ __global__ void __launch_bounds__(WARP ? kWarp * kBwdWarpRows : kBwdMaxThreads) 
         weights(k, j, wv);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          const float x_hat = (to_float(rv[k].v[i]) - mean) * rstd;
-          const float g = to_float(gv[k].v[i]) * wv[i];
+          const float x_hat = (to_float(rk.v[i]) - mean) * rstd;
+          const float g = to_float(gk.v[i]) * wv[i];
           const float d_res = rstd * (g - mean_g - x_hat * mean_gx) + to_float(ov.v[i]);
           const float d_x = !dropout ? d_res : keep_column(mask, i, a.threshold24) ? d_res * a.scale : 0.0f;
           dbias[i] = d_x;
@@ -478,7 +498,7 @@ inline Plan block_plan(int64_t nvec, int max_threads) {
 inline Plan fwd_plan(int64_t h, int vec, bool vector) {
   const int64_t nvec = cdiv(h, vec);
   if (vector && h <= kFwdWarpMaxHidden) return {true, pow2_ceil(cdiv(nvec, kWarp)), kWarp, kFwdWarpRows};
-  return block_plan(nvec, kMaxThreads);
+  return block_plan(nvec, vector ? kMaxThreads : kFwdScalarMaxThreads);
 }
 
 inline Plan bwd_plan(int64_t h, int vec, bool vector) {
@@ -493,7 +513,7 @@ inline Plan bwd_plan(int64_t h, int vec, bool vector) {
 // instantiated (build time grows with each instantiation). At most 32 (dispatch_vpt's cases).
 constexpr int max_vpt(bool forward, bool warp, int vec) {
   if (warp) return forward ? kFwdWarpMaxHidden / kWarp / vec : kBwdWarpVectors;
-  const int64_t threads = forward ? kMaxThreads : kBwdMaxThreads;
+  const int64_t threads = !forward ? kBwdMaxThreads : vec == kScalarRun ? kFwdScalarMaxThreads : kMaxThreads;
   const int64_t need = (kMaxHidden / vec + threads - 1) / threads;
   int p = 1;
   while (p < need) p <<= 1;

@@ -446,33 +446,42 @@ _EVEN = {
 _TUNE_KEY = ["S_Q", "S_K", "HEAD_DIM", "CAUSAL", "DROPOUT", "DOT"]
 
 
-def _configs(shapes):
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in shapes]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, largest D_PAD without dropout, largest D_PAD with dropout;
+# 0: never). Forward and dq keep a tall query tile resident and stream keys; dk/dv keeps a wide key tile
+# resident and streams queries. The limits come from bench/kernel_report.py (sm_90a, bf16 / fp16, causal;
+# bench/results/kernel_report.txt): a tile is offered only where ptxas doesn't spill, and with dropout
+# only where the main loop stays within 1.6x of its dropout-free instruction count. So the 4-warp tiles
+# stop at d_pad = 64, and with dropout the 128 x 128 forward (its mask costs ~1.75x) and, at d_pad = 128,
+# the 64-query dk/dv tiles (they spill) are left out.
+_FWD_TILES = [(128, 64, 8, 3, 128, 128), (128, 32, 8, 3, 128, 128), (128, 64, 8, 2, 128, 128),
+              (128, 128, 8, 2, 128, 0), (64, 64, 4, 3, 64, 64), (128, 32, 4, 4, 64, 64)]
+_DQ_TILES = [(128, 64, 8, 2, 128, 128), (128, 64, 8, 3, 128, 128), (128, 32, 8, 3, 128, 128),
+             (64, 64, 8, 3, 128, 128), (64, 64, 4, 3, 64, 64), (64, 32, 4, 4, 64, 64)]
+_DKDV_TILES = [(32, 128, 8, 3, 128, 128), (64, 128, 8, 3, 128, 64), (64, 128, 8, 2, 64, 64),
+               (64, 64, 8, 3, 128, 64), (64, 64, 4, 3, 64, 64), (32, 64, 4, 4, 64, 64)]
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages). Forward and dq keep a tall query tile resident and
-# stream keys; dk/dv keeps a wide key tile resident and streams queries. Chosen from ptxas resource
-# usage for sm_90 (bf16, causal, with and without dropout): the per-element Philox of the dropout mask
-# adds a lot of register pressure, so at d = 128 only 8-warp tiles avoid spilling (the 4-warp ones are
-# pruned there) and each list has a 32-wide variant for the dropout case.
-_FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2),
-                         (64, 64, 4, 3), (128, 32, 4, 4)])
-_DQ_CONFIGS = _configs([(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 8, 3),
-                        (64, 64, 4, 3), (64, 32, 4, 4)])
-_DKDV_CONFIGS = _configs([(32, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 8, 3),
-                          (64, 64, 4, 3), (32, 64, 4, 4)])
+def _configs(tiles):
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s, *_ in tiles]
 
 
-def _prune(configs, named_args, **meta):
-    """At d_pad = 128 the 4-warp tiles spill registers: don't spend autotuning time on them."""
-    if meta.get("DOT") == 1:
-        # fp32 inputs (testing only) use ieee dots, i.e. FMA loops without tensor cores: a 128 x 128
-        # tile unrolls into ~8k FMAs per thread per dot, so compiling all configs for every new shape
-        # key (each gpu test is one) takes minutes and big fp32 tiles can overflow shared memory.
-        # One modest 8-warp tile, no autotuning sweep.
-        return [min(configs, key=lambda c: (-c.num_warps, c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]))]
-    kept = [c for c in configs if meta.get("D_PAD", 0) < 128 or c.num_warps >= 8]
-    return kept or configs
+def _pruner(tiles):
+    """early_config_prune of one kernel: the configs of ``tiles`` offered for this D_PAD and DROPOUT."""
+    limits = {(bm, bn, w, s): (no_drop, drop) for bm, bn, w, s, no_drop, drop in tiles}
+
+    def prune(configs, named_args, **meta):
+        if meta.get("DOT") == 1:
+            # fp32 inputs (testing only) use ieee dots, i.e. FMA loops without tensor cores: a 128 x 128
+            # tile unrolls into ~8k FMAs per thread per dot, so compiling all configs for every new shape
+            # key (each gpu test is one) takes minutes and big fp32 tiles can overflow shared memory.
+            # One modest 8-warp tile, no autotuning sweep.
+            return [min(configs, key=lambda c: (-c.num_warps, c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]))]
+        d_pad, dropout = meta.get("D_PAD", 0), meta.get("DROPOUT", False)
+        kept = [c for c in configs
+                if d_pad <= limits[(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)][dropout]]
+        return kept or configs[:1]
+
+    return prune
 
 
 # Interpreter (CPU tests): one small fixed tile, distinct M and N so every mask path is exercised.
@@ -485,10 +494,12 @@ INTERPRET_CONFIG: Dict[str, Dict[str, int]] = {
 _fwd_even = triton.heuristics(_EVEN)(_attn_fwd_kernel)
 _dq_even = triton.heuristics(_EVEN)(_attn_bwd_dq_kernel)
 _dkdv_even = triton.heuristics(_EVEN)(_attn_bwd_dkdv_kernel)
-_PRUNE = {"early_config_prune": _prune}
-_fwd_tuned = triton.autotune(configs=_FWD_CONFIGS, key=_TUNE_KEY, prune_configs_by=_PRUNE)(_fwd_even)
-_dq_tuned = triton.autotune(configs=_DQ_CONFIGS, key=_TUNE_KEY, prune_configs_by=_PRUNE)(_dq_even)
-_dkdv_tuned = triton.autotune(configs=_DKDV_CONFIGS, key=_TUNE_KEY, prune_configs_by=_PRUNE)(_dkdv_even)
+_fwd_tuned = triton.autotune(configs=_configs(_FWD_TILES), key=_TUNE_KEY,
+                             prune_configs_by={"early_config_prune": _pruner(_FWD_TILES)})(_fwd_even)
+_dq_tuned = triton.autotune(configs=_configs(_DQ_TILES), key=_TUNE_KEY,
+                            prune_configs_by={"early_config_prune": _pruner(_DQ_TILES)})(_dq_even)
+_dkdv_tuned = triton.autotune(configs=_configs(_DKDV_TILES), key=_TUNE_KEY,
+                              prune_configs_by={"early_config_prune": _pruner(_DKDV_TILES)})(_dkdv_even)
 
 
 def _launch(which: str, even_kernel, tuned_kernel, grid_rows: int, bh: int, args, meta, config):

@@ -86,7 +86,7 @@ def _fwd_kernel(X, BIAS, RES, W, B, Y, RES_OUT, MEAN, RSTD,
         a += tl.load(BIAS + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_DROPOUT:
         # Global rows, whole 16-column groups (BLOCK_N >= 16): bit for bit seqpar.random.dropout_keep_mask.
-        keep = keep_mask(seed, rows64 + row_offset, 0, threshold, BLOCK_M, BLOCK_N)
+        keep = keep_mask(seed, rows64 + row_offset, 0, threshold, BLOCK_M, BLOCK_N, False, False)
         a = tl.where(keep, a * scale, 0.0)
     res = tl.load(RES + rows64[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     r_store = _cast(res + a, RES_OUT.dtype.element_ty, MANUAL_BF16)
@@ -107,16 +107,31 @@ def _fwd_kernel(X, BIAS, RES, W, B, Y, RES_OUT, MEAN, RSTD,
     tl.store(Y + rows64[:, None] * h + cols[None, :], _cast(y, Y.dtype.element_ty, MANUAL_BF16), mask=mask)
 
 
+@triton.jit
+def _row_sums(GY, RO, W, offs_row, cols, mask, w, mean, rstd):
+    """x_hat, g = grad_y * w, and the row sums sum(g), sum(g * x_hat) of one [BLOCK_M, BLOCK_N] chunk."""
+    r = tl.load(RO + offs_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x_hat = tl.where(mask, (r - mean[:, None]) * rstd[:, None], 0.0)
+    gy = tl.load(GY + offs_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = gy * w[None, :]
+    return x_hat, gy, g, tl.sum(g, axis=1), tl.sum(g * x_hat, axis=1)
+
+
 @triton.jit(do_not_specialize=["threshold", "seed", "row_offset"])
 def _bwd_kernel(GY, GRO, RO, W, MEAN, RSTD, GX, GRES, PART_W, PART_B, PART_BIAS,
                 n_rows, h, rows_per_program, threshold, scale, seed, row_offset,
                 HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, MANUAL_BF16: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Program `pid` owns rows [pid * rows_per_program, ...) and writes row `pid` of the partial buffers.
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_CHUNKS: tl.constexpr):
+    # Program (pid, chunk) owns rows [pid * rows_per_program, ...) and columns [chunk * BLOCK_N, ...) of
+    # them, and writes those columns of row `pid` of the partial buffers. Its registers hold BLOCK_N
+    # columns (three fp32 running sums each): rows wider than that are split over N_CHUNKS programs, each
+    # of which streams the row's other chunks for the row sums (read again from L2: the chunk programs of
+    # one row range run side by side).
     pid = tl.program_id(0)
+    chunk = tl.program_id(1)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, n_rows)
-    cols = tl.arange(0, BLOCK_N)
+    cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < h
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
 
@@ -127,25 +142,34 @@ def _bwd_kernel(GY, GRO, RO, W, MEAN, RSTD, GX, GRES, PART_W, PART_B, PART_BIAS,
         rows = start + tl.arange(0, BLOCK_M)
         row_mask = rows < row_end
         mask = row_mask[:, None] & col_mask[None, :]
-        offs = rows.to(tl.int64)[:, None] * h + cols[None, :]
-
+        offs_row = rows.to(tl.int64)[:, None] * h
+        offs = offs_row + cols[None, :]
         mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-        r = tl.load(RO + offs, mask=mask, other=0.0).to(tl.float32)
-        x_hat = tl.where(mask, (r - mean[:, None]) * rstd[:, None], 0.0)
-        gy = tl.load(GY + offs, mask=mask, other=0.0).to(tl.float32)
+
+        x_hat, gy, g, sum_g, sum_gx = _row_sums(GY, RO, W, offs_row, cols, mask, w, mean, rstd)
+        if N_CHUNKS > 1:  # the other chunks of the rows, for the row sums only
+            sum_g = tl.zeros([BLOCK_M], dtype=tl.float32)
+            sum_gx = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for c in tl.static_range(N_CHUNKS):
+                c_cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
+                c_mask = row_mask[:, None] & (c_cols < h)[None, :]
+                c_w = tl.load(W + c_cols, mask=c_cols < h, other=0.0).to(tl.float32)
+                _, _, _, c_g, c_gx = _row_sums(GY, RO, W, offs_row, c_cols, c_mask, c_w, mean, rstd)
+                sum_g += c_g
+                sum_gx += c_gx
         acc_w += gy * x_hat
         acc_b += gy
 
-        g = gy * w[None, :]
-        c_gx = tl.sum(g * x_hat, axis=1) / h
-        c_g = tl.sum(g, axis=1) / h
+        c_gx = sum_gx / h
+        c_g = sum_g / h
         gro = tl.load(GRO + offs, mask=mask, other=0.0).to(tl.float32)
         g_res = rstd[:, None] * (g - c_g[:, None] - x_hat * c_gx[:, None]) + gro
         g_res = tl.where(mask, g_res, 0.0)
         tl.store(GRES + offs, _cast(g_res, GRES.dtype.element_ty, MANUAL_BF16), mask=mask)
         if HAS_DROPOUT:
-            keep = keep_mask(seed, rows.to(tl.int64) + row_offset, 0, threshold, BLOCK_M, BLOCK_N)
+            keep = keep_mask(seed, rows.to(tl.int64) + row_offset, chunk * BLOCK_N, threshold, BLOCK_M, BLOCK_N,
+                             False, False)
             g_x = tl.where(keep, g_res * scale, 0.0)
         else:
             g_x = g_res
@@ -223,20 +247,29 @@ def _fwd_config(n_rows: int, h: int):
     return block_m, block_n, {"num_warps": _num_warps(block_m * block_n, 16), "enable_fp_fusion": False}
 
 
+# Columns of one backward program: 8 per thread at 16 warps, so its three fp32 running sums (24 registers)
+# and the working set fit the 128 registers a 512-thread program may use. With a whole 8192- or
+# 16384-wide row per program (32 warps: at most 64 registers) ptxas spilled 130-1500 bytes per thread.
+BWD_BLOCK_N = 4096
+
+
 def _bwd_config(n_rows: int, h: int, device: torch.device):
-    block_n = _block_n(h)
-    if _interpreting():
+    """(BLOCK_M, BLOCK_N, N_CHUNKS, programs per chunk, rows per program, launch options)."""
+    row_n = _block_n(h)
+    block_n = min(row_n, BWD_BLOCK_N)
+    if _interpreting():  # few fat programs: the interpreter's cost is per program
         block_m = _rows_per_block(n_rows, block_n, 1 << 14)
         max_programs, launch = 4, {}
     else:
         block_m = _rows_per_block(n_rows, block_n, 2048)
-        max_programs = 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-        launch = {"num_warps": _num_warps(block_m * block_n, 32 if block_n >= 8192 else 16)}
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        max_programs = max(1, 4 * sms // (row_n // block_n))
+        launch = {"num_warps": _num_warps(block_m * block_n, 16)}
     tiles = triton.cdiv(max(n_rows, 1), block_m)
     programs = min(tiles, max_programs)
     rows_per_program = triton.cdiv(tiles, programs) * block_m
     programs = triton.cdiv(max(n_rows, 1), rows_per_program)
-    return block_m, block_n, programs, rows_per_program, launch
+    return block_m, block_n, row_n // block_n, programs, rows_per_program, launch
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -304,18 +337,18 @@ def backward(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual_out
         return grad_x, grad_bias.zero_(), grad_res, grad_w.zero_(), grad_b.zero_()
     if not has_bias:
         grad_bias.zero_()
-    block_m, block_n, programs, rows_per_program, launch = _bwd_config(n_rows, h, device)
+    block_m, block_n, n_chunks, programs, rows_per_program, launch = _bwd_config(n_rows, h, device)
     partials = _empty((3 if has_bias else 2, programs, h), torch.float32, device)
     part_bias = partials[2] if has_bias else partials[1]
     drop_args, has_dropout = _drop_args(drop_threshold, seed, row_offset)
-    _bwd_kernel[(programs,)](
+    _bwd_kernel[(programs, n_chunks)](
         grad_y, grad_residual_out, residual_out, ln_weight.contiguous(), mean, rstd, grad_x, grad_res,
         partials[0], partials[1], part_bias,
         n_rows, h, rows_per_program, *drop_args,
         HAS_BIAS=has_bias, HAS_DROPOUT=has_dropout, MANUAL_BF16=_interpreting(),
-        BLOCK_M=block_m, BLOCK_N=block_n, **launch)
+        BLOCK_M=block_m, BLOCK_N=block_n, N_CHUNKS=n_chunks, **launch)
     if _interpreting():  # one program: a few [programs, h] numpy sums
-        red_n, red_p = block_n, triton.next_power_of_2(programs)
+        red_n, red_p = block_n * n_chunks, triton.next_power_of_2(programs)
     else:
         red_n, red_p = min(block_n, 128), min(triton.next_power_of_2(programs), 32)
     _reduce_partials_kernel[(triton.cdiv(h, red_n),)](

@@ -80,18 +80,23 @@ def column_bit(cols):
 
 @triton.jit
 def keep_mask(seed, rows, col_start, threshold, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-              TRANSPOSED: tl.constexpr = False):
+              TRANSPOSED: tl.constexpr = False, SHARED_GROUPS: tl.constexpr = True):
     """Bool keep-mask [BLOCK_R, BLOCK_C] of global ``rows`` ([BLOCK_R], int64) and columns
     ``col_start .. col_start + BLOCK_C - 1`` (``col_start`` and ``BLOCK_C`` multiples of 16), or its
     transpose [BLOCK_C, BLOCK_R] when ``TRANSPOSED`` (the groups then run along the first axis).
-    ``seed`` is the 64-bit stream seed (< 2**62), ``threshold`` the byte threshold P in [1, 255]."""
+    ``seed`` is the 64-bit stream seed (< 2**62), ``threshold`` the byte threshold P in [1, 255].
+
+    ``SHARED_GROUPS``: the tile's layout spreads a group over several threads of a row (the MMA
+    accumulator layouts: each lane of a quad holds 4 of a group's 16 columns), so each group's word is
+    drawn once and moved (an identity gather: without it, layout propagation recomputes the Philox in
+    the tile's layout, where the four lanes of a quad would each draw it). Tiles whose threads hold 8
+    contiguous columns (the row kernels' 16-byte vectors) draw in place instead: a group is shared by
+    two threads at most, cheaper than moving its word."""
     tl.static_assert(BLOCK_C % 16 == 0, "keep_mask draws whole 16-column groups")
     GROUPS: tl.constexpr = BLOCK_C // 16
     bits = group_keep_bits(seed, rows, col_start, threshold, BLOCK_R, GROUPS)
-    # An identity gather: it makes Triton move the one word per (row, group) into the tile's layout.
-    # Without it, layout propagation recomputes the Philox in the tile's (MMA) layout instead, where
-    # the four lanes of a quad share every (row, group) and would each draw it: 4x the work.
-    bits = tl.gather(bits, tl.broadcast_to(tl.arange(0, GROUPS)[None, :], [BLOCK_R, GROUPS]), axis=1)
+    if SHARED_GROUPS:
+        bits = tl.gather(bits, tl.broadcast_to(tl.arange(0, GROUPS)[None, :], [BLOCK_R, GROUPS]), axis=1)
     col_bit = column_bit(tl.arange(0, BLOCK_C))
     if TRANSPOSED:
         bits = tl.reshape(tl.broadcast_to(tl.trans(bits)[:, None, :], [GROUPS, 16, BLOCK_R]), [BLOCK_C, BLOCK_R])

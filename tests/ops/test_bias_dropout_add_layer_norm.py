@@ -203,6 +203,17 @@ def test_triton_mask_past_32_bit_rows(row_offset, poisoned_triton):
     _check_against_torch_fp32(got, ref)
 
 
+def test_triton_backward_column_chunks(monkeypatch, poisoned_triton):
+    """Rows wider than one backward program's columns (BWD_BLOCK_N; 4096 on a GPU, shrunk here) are split
+    over programs that stream the other chunks for the row sums: same results as the torch reference."""
+    monkeypatch.setattr(poisoned_triton, "BWD_BLOCK_N", 32)
+    inp = _make_inputs((9, 100), torch.float32)                       # 4 chunks, the last one ragged
+    ref = _run(inp, "torch", 0.3, row_offset=5)
+    got = _run(inp, "triton", 0.3, row_offset=5)
+    assert torch.equal(got[1], ref[1])
+    _check_against_torch_fp32(got, ref)
+
+
 def test_dropout_rate_and_seed_dependence():
     x, res = torch.randn(64, 256), torch.randn(64, 256)
     bias, w, b = torch.randn(256), torch.ones(256), torch.zeros(256)
