@@ -87,7 +87,6 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-os.environ.pop("TRITON_INTERPRET", None)  # the report compiles for the GPU: never the CPU interpreter
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -614,6 +613,31 @@ def format_report(meta: dict, rows: List[dict]) -> str:
     return "\n".join(out)
 
 
+def summarize(rows: List[dict]) -> Dict[str, object]:
+    """Per kernel family: the largest main-loop ratio dropout on / off (attention), the spilling
+    configurations, the largest mask cost in integer instructions per element."""
+    out: Dict[str, object] = {}
+    att = [r for r in rows if r["backend"] == "triton" and r["family"] == "attention"]
+    for kernel in ("fwd", "dq", "dkdv"):
+        ratios = []
+        for on in (r for r in att if r["kernel"] == kernel and r["dropout"]):
+            off = next((r for r in att if not r["dropout"] and all(r[k] == on[k] for k in
+                                                                   ("kernel", "dim", "dtype", "config"))), None)
+            if off is not None:
+                ratios.append(on["instructions"] / off["instructions"])
+        if ratios:
+            out[f"attention_{kernel}_max_ratio"] = round(max(ratios), 3)
+    out["spilling_configs"] = [f"{r['backend']} {r['family']} {r['kernel']} {r.get('dim', '')} {r.get('dtype', '')} "
+                               f"{r.get('config', '')} dropout={r.get('dropout', '-')}: {r['spill_bytes']} B"
+                               for r in rows if r["spill_bytes"]]
+    for name, pick in (("triton_ln", lambda r: r["backend"] == "triton" and r["family"] == "ln"),
+                       ("cuda", lambda r: r["backend"] == "cuda")):
+        costs = [_per_elem(r) for r in rows if pick(r) and _per_elem(r) is not None]
+        if costs:
+            out[f"{name}_max_mask_int_per_elem"] = round(max(costs), 2)
+    return out
+
+
 def _versions() -> Tuple[str, str]:
     import triton
 
@@ -635,6 +659,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--no-triton", action="store_true", help="skip the Triton kernels")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compile processes")
     args = parser.parse_args(argv)
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("kernel_report: run it without TRITON_INTERPRET=1 (it compiles for the GPU)")
+    os.environ.pop("TRITON_INTERPRET", None)  # before triton is imported: JIT kernels, not interpreted ones
 
     from seqpar.bench.results import git_commit
 
@@ -650,14 +677,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.no_cuda:
         print(f"compiling csrc/*.cu for {ARCH} ...", file=sys.stderr, flush=True)
         rows += cuda_rows(args.quick)
-    text = format_report(meta, rows)
+    summary = summarize(rows)
+    text = format_report(meta, rows) + "\nSummary\n" + "\n".join(
+        f"  {k}: {v if v != [] else 'none'}" for k, v in summary.items()) + "\n"
     print(text)
     if args.text:
         with open(args.text, "w") as f:
             f.write(text + "\n")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(meta, rows=rows), f, indent=1)
+            json.dump(dict(meta, summary=summary, rows=rows), f, indent=1)
             f.write("\n")
     return 0
 

@@ -9,7 +9,7 @@ residual stream::
 
 Dropout is active only in training mode. Under sequence parallelism pass the global index of the shard's
 first row (flattened leading dims, sequence-major: ``seq_global * b + batch``) as ``row_offset`` so the
-shard draws the same mask as the unsharded tensor (design.md 4), and ``tp_group`` +
+shard draws the same mask as the unsharded tensor (:mod:`seqpar.random`), and ``tp_group`` +
 ``sequence_parallel=True`` so the replicated LayerNorm parameters get their gradients summed over the
 group (:class:`seqpar.nn.LayerNorm`, which this module extends).
 """
@@ -31,7 +31,9 @@ class FusedBiasDropoutAddLayerNorm(LayerNorm):
     Args:
         hidden_size: h, the normalised (last) dimension.
         eps: LayerNorm epsilon (> 0).
-        p: dropout probability in [0, 1), applied in training mode.
+        p: dropout probability in [0, 1), applied in training mode; the effective probability is
+            ``round(p * 256) / 256`` (:func:`seqpar.random.effective_dropout_p`), and
+            ``round(p * 256) >= 256`` is a ValueError.
         backend: "auto" | "torch" | "triton" | "cuda" (see :mod:`seqpar.ops.registry`).
         device, dtype: of the LayerNorm parameters.
         tp_group, sequence_parallel: as :class:`seqpar.nn.LayerNorm`.
