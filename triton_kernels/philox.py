@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["group_keep_bits", "keep_mask"]
+__all__ = ["philox4x32", "group_keep_bits", "column_bit", "keep_mask"]
 
 PHILOX_ROUNDS = tl.constexpr(7)
 
