@@ -1,26 +1,32 @@
 // Fused bias + dropout + residual-add + LayerNorm, forward and backward: the CUDA twin of
 // triton_kernels/bias_dropout_add_layer_norm.py (math and shapes in seqpar/ops/bias_dropout_add_layer_norm.py).
 //
-//   keep         = philox_uniform(seed + row_offset + row, col) >= p          (csrc/philox.cuh)
-//   residual_out = residual + (keep ? (x + bias) * scale : 0)                   scale = 1 / (1 - p)
+//   keep         = mask_byte(seed, row_offset + row, col) >= P                (csrc/philox.cuh)
+//   residual_out = residual + (keep ? (x + bias) * scale : 0)                   scale = float(256 / (256 - P))
 //   y            = (residual_out - mean) * rstd * w + b                         stats of the rounded residual_out
 //   backward:      g = dy * w;  dres = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) + dres_out
 //                  dx = keep ? dres * scale : 0;  dw = sum_rows(dy * x_hat), db = sum_rows(dy), dbias = sum_rows(dx)
 //
 // Layout: a block is TPR x RPB threads (threads per row x rows per block). WARP kernels have TPR = 32, one
 // warp per row, and reduce with shuffles only; the others have one block per row (RPB = 1) and reduce with
-// shuffles plus one shared-memory step. A thread owns VPT vectors of VEC elements of its row (16-byte
-// loads when pointers and h allow VEC = 16 / sizeof(T), else VEC = 1), strided by TPR vectors so a warp's
-// accesses are contiguous; the row stays in registers between the passes over it.
+// shuffles plus one shared-memory step. A thread owns VPT runs of VEC contiguous columns of its row,
+// strided by TPR runs so a warp's accesses are contiguous; the row stays in registers between the passes
+// over it (the backward's second pass re-reads it when a thread owns more than 16 elements). When the
+// pointers, h and the row strides allow it, a run is one 16-byte vector (VEC = 16 / sizeof(T): half a
+// dropout group for 2-byte types, a quarter for fp32); otherwise a run is one whole 16-column dropout group
+// moved with scalar accesses (VEC = 16, columns past h masked; the block-per-row forward then uses at most
+// 512 threads, 128 registers each). Either way a run's mask comes from one Philox call (mask_words +
+// mask_run).
 //
-// Forward: warp per row for h <= 4096 (4 rows per block), block per row beyond.
+// Forward: warp per row for 16-byte runs and h <= 4096 (4 rows per block), block per row beyond.
 // Backward: the block sums dw, db and dbias over the rows it visits (a grid-stride loop, one wave of
 // blocks), writes them as one fp32 partial row, and a second small kernel sums the partial rows (no
 // atomics: deterministic). Those running sums are 3 fp32 values per owned element: in registers they
 // would cost 384 registers per lane for a warp-per-row h = 4096, so the warp-per-row backward is used
-// only while a lane owns at most two 16-byte vectors (h <= 512 for 2-byte types, 256 for fp32; sums in
+// only while a lane owns at most two 16-byte runs (h <= 512 for 2-byte types, 256 for fp32; sums in
 // registers), and block-per-row (<= 512 threads, 128 registers each) beyond keeps the sums in shared
-// memory (3 * h * 4 bytes; each thread owns its columns, so no synchronisation).
+// memory (3 * h * 4 bytes; each thread owns its columns, so no synchronisation). The backward draws the
+// mask in its second pass over the row, where it is used, so no decisions are kept in registers.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -38,58 +44,47 @@ namespace bdaln {
 
 constexpr int kWarp = 32;
 constexpr int kMaxThreads = 1024;
+constexpr int kFwdScalarMaxThreads = 512;  // block-per-row forward with scalar runs: 128 registers per thread
 constexpr int64_t kMaxHidden = 16384;   // shared-memory running sums: 3 * h * 4 bytes <= 192 KiB
 constexpr int kFwdWarpRows = 4;         // rows per block of the warp-per-row forward
 constexpr int kFwdWarpMaxHidden = 4096;
-constexpr int kBwdWarpVectors = 2;      // 16-byte vectors per lane of the warp-per-row backward (registers)
+constexpr int kBwdWarpVectors = 2;      // 16-byte runs per lane of the warp-per-row backward (registers)
 constexpr int kBwdWarpElements = 16;    // so at most 16 elements per lane
 constexpr int kBwdWarpRows = 16;        // rows per block of the warp-per-row backward (512 threads)
 constexpr int kBwdMaxThreads = 512;     // block-per-row backward: up to 128 registers per thread
 constexpr int kBwdWarpSmemFloats = (kBwdWarpRows - 1) * kWarp * kBwdWarpElements;  // fold of row slots
+constexpr int kScalarRun = kMaskGroup;  // VEC of the scalar-access kernels: one whole dropout group
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N > 16 ? 16 : sizeof(T) * N) Pack {
-  T v[N];
-};
+// True when the runs of VEC elements of T are single 16-byte vectors (else: scalar-access runs of a group).
+template <typename T, int VEC>
+constexpr bool kVectorRun = VEC * sizeof(T) == 16;
 
-template <typename T, int N>
-__device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
-  return *reinterpret_cast<const Pack<T, N>*>(p);
-}
-
-template <typename T, int N>
-__device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
-  *reinterpret_cast<Pack<T, N>*>(p) = v;
-}
-
-// VEC LayerNorm parameters from column j * VEC of p. Their dtype (fp32, fp16 or bf16) is a runtime code,
+// VEC LayerNorm parameters from run j of p (a row of h). Their dtype (fp32, fp16 or bf16) is a runtime code,
 // uniform across the grid, so the branch is free and the kernels need no template parameter for it.
 template <int VEC>
-__device__ __forceinline__ void load_params(const void* p, int64_t j, int wdtype, float (&out)[VEC]) {
+__device__ __forceinline__ void load_params(const void* p, int64_t j, int64_t h, bool vector, int wdtype,
+                                            float (&out)[VEC]) {
   if (wdtype == kFloat32) {
-    const Pack<float, VEC> v = load_pack<float, VEC>(static_cast<const float*>(p) + j * VEC);
+    const Pack<float, VEC> v = load_run<float, VEC>(static_cast<const float*>(p), j * VEC, h, vector);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) out[i] = v.v[i];
   } else if (wdtype == kFloat16) {
-    const Pack<__half, VEC> v = load_pack<__half, VEC>(static_cast<const __half*>(p) + j * VEC);
+    const Pack<__half, VEC> v = load_run<__half, VEC>(static_cast<const __half*>(p), j * VEC, h, vector);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) out[i] = to_float(v.v[i]);
   } else {
-    const Pack<__nv_bfloat16, VEC> v = load_pack<__nv_bfloat16, VEC>(static_cast<const __nv_bfloat16*>(p) + j * VEC);
+    const Pack<__nv_bfloat16, VEC> v =
+        load_run<__nv_bfloat16, VEC>(static_cast<const __nv_bfloat16*>(p), j * VEC, h, vector);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) out[i] = to_float(v.v[i]);
   }
 }
 
-// Bit i set: element i of the VEC-vector starting at column col0 of the row keyed row_seed is kept.
-// A rolled loop: one Philox in flight per thread keeps register pressure low (other warps hide its latency);
-// unrolled, the compiler interleaves VPT * VEC of them and spills.
+// The mask words of run j (columns j * VEC ..) of global row mask_row: one Philox call.
 template <int VEC>
-__device__ __forceinline__ uint32_t keep_bits(uint64_t row_seed, uint32_t col0, float p) {
-  uint32_t bits = 0;
-#pragma unroll 1
-  for (int i = 0; i < VEC; ++i) bits |= static_cast<uint32_t>(philox_uniform(row_seed, col0 + i) >= p) << i;
-  return bits;
+__device__ __forceinline__ MaskWords run_mask(uint64_t seed, uint64_t mask_row, int64_t j) {
+  const uint64_t col0 = static_cast<uint64_t>(j) * VEC;
+  return mask_run<VEC>(mask_words(seed, mask_row, static_cast<uint32_t>(col0 / kMaskGroup)), col0);
 }
 
 __device__ __forceinline__ float warp_allreduce(float v) {
@@ -130,8 +125,10 @@ struct FwdArgs {
   float* rstd;
   int wdtype;  // dtype code of w and b
   int64_t rows, h, stride_x, stride_res;
-  float eps, p, scale;
-  uint64_t seed;  // stream seed + row_offset: the Philox key of local row r is seed + r
+  float eps, scale;
+  uint32_t threshold24;  // P << 24; 0: no dropout
+  uint64_t seed;
+  int64_t row_offset;    // global row of local row 0
 };
 
 struct BwdArgs {
@@ -148,22 +145,26 @@ struct BwdArgs {
   float* part_b;
   float* part_bias;  // nullptr: no bias gradient
   int64_t rows, h;
-  float p, scale;
+  float scale;
+  uint32_t threshold24;
   uint64_t seed;
+  int64_t row_offset;
 };
 
 template <typename T, int VEC, int VPT, bool WARP>
-__global__ void __launch_bounds__(WARP ? kWarp * kFwdWarpRows : kMaxThreads) fwd_kernel(const FwdArgs a) {
+__global__ void __launch_bounds__(WARP ? kWarp * kFwdWarpRows : kVectorRun<T, VEC> ? kMaxThreads : kFwdScalarMaxThreads)
+    fwd_kernel(const FwdArgs a) {
+  constexpr bool kVector = kVectorRun<T, VEC>;
   const int tpr = WARP ? kWarp : blockDim.x;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (WARP ? kFwdWarpRows : 1) + threadIdx.y;
   if (WARP && row >= a.rows) return;  // block rows always exist (grid = rows)
-  const int64_t nvec = a.h / VEC;
+  const int64_t nvec = (a.h + VEC - 1) / VEC;
   const T* x = static_cast<const T*>(a.x) + row * a.stride_x;
   const T* res = static_cast<const T*>(a.residual) + row * a.stride_res;
   const T* bias = static_cast<const T*>(a.bias);
   T* res_out = static_cast<T*>(a.residual_out) + row * a.h;
-  const uint64_t row_seed = a.seed + static_cast<uint64_t>(row);
-  const bool dropout = a.p > 0.0f;
+  const uint64_t mask_row = static_cast<uint64_t>(a.row_offset + row);
+  const bool dropout = a.threshold24 != 0;
 
   Pack<T, VEC> r[VPT];  // residual_out, rounded to T: the statistics are of what backward will see
   float stat[1] = {0.0f};
@@ -171,21 +172,23 @@ __global__ void __launch_bounds__(WARP ? kWarp * kFwdWarpRows : kMaxThreads) fwd
   for (int k = 0; k < VPT; ++k) {
     const int64_t j = threadIdx.x + static_cast<int64_t>(k) * tpr;
     if (j < nvec) {
-      const Pack<T, VEC> xv = load_pack<T, VEC>(x + j * VEC);
-      const Pack<T, VEC> rv = load_pack<T, VEC>(res + j * VEC);
+      const Pack<T, VEC> xv = load_run<T, VEC>(x, j * VEC, a.h, kVector);
+      const Pack<T, VEC> rv = load_run<T, VEC>(res, j * VEC, a.h, kVector);
       Pack<T, VEC> bv;
-      if (bias != nullptr) bv = load_pack<T, VEC>(bias + j * VEC);
-      const uint32_t keep = dropout ? keep_bits<VEC>(row_seed, static_cast<uint32_t>(j * VEC), a.p) : 0u;
+      if (bias != nullptr) bv = load_run<T, VEC>(bias, j * VEC, a.h, kVector);
+      MaskWords mask{};
+      if (dropout) mask = run_mask<VEC>(a.seed, mask_row, j);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
         float v = to_float(xv.v[i]);
         if (bias != nullptr) v = __fadd_rn(v, to_float(bv.v[i]));
-        if (dropout) v = (keep >> i) & 1u ? __fmul_rn(v, a.scale) : 0.0f;
+        if (dropout) v = keep_column(mask, i, a.threshold24) ? __fmul_rn(v, a.scale) : 0.0f;
         // _rn intrinsics: no FMA contraction, so residual_out rounds exactly like the torch reference.
+        // (Columns past h of a scalar run load as 0 and add 0 to the sum.)
         r[k].v[i] = from_float<T>(__fadd_rn(to_float(rv.v[i]), v));
         stat[0] += to_float(r[k].v[i]);
       }
-      store_pack<T, VEC>(res_out + j * VEC, r[k]);
+      store_run<T, VEC>(res_out, j * VEC, a.h, kVector, r[k]);
     }
   }
   row_allreduce<WARP>(stat);
@@ -199,7 +202,7 @@ __global__ void __launch_bounds__(WARP ? kWarp * kFwdWarpRows : kMaxThreads) fwd
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
         const float d = to_float(r[k].v[i]) - mean;
-        stat[0] += d * d;
+        if (kVector || j * VEC + i < a.h) stat[0] += d * d;
       }
     }
   }
@@ -215,23 +218,25 @@ __global__ void __launch_bounds__(WARP ? kWarp * kFwdWarpRows : kMaxThreads) fwd
     const int64_t j = threadIdx.x + static_cast<int64_t>(k) * tpr;
     if (j < nvec) {
       float wv[VEC], bv[VEC];
-      load_params<VEC>(a.w, j, a.wdtype, wv);
-      load_params<VEC>(a.b, j, a.wdtype, bv);
+      load_params<VEC>(a.w, j, a.h, kVector, a.wdtype, wv);
+      load_params<VEC>(a.b, j, a.h, kVector, a.wdtype, bv);
       Pack<T, VEC> out;
 #pragma unroll
       for (int i = 0; i < VEC; ++i) out.v[i] = from_float<T>((to_float(r[k].v[i]) - mean) * rstd * wv[i] + bv[i]);
-      store_pack<T, VEC>(y + j * VEC, out);
+      store_run<T, VEC>(y, j * VEC, a.h, kVector, out);
     }
   }
 }
 
 // Running column sums of the backward. Registers (WARP: a lane owns few elements; row slots are folded
-// through shared memory at the end) or shared memory (block per row: [3][h] floats, dynamic).
-template <int VEC, int VPT, bool WARP>
+// through shared memory at the end) or shared memory (block per row: [3][h] floats, dynamic). VECTOR: the
+// runs are 16-byte vectors (every run lies inside the row); else scalar runs whose columns past h are
+// skipped.
+template <int VEC, int VPT, bool WARP, bool VECTOR>
 struct ColumnSums;
 
 template <int VEC, int VPT>
-struct ColumnSums<VEC, VPT, true> {
+struct ColumnSums<VEC, VPT, true, true> {
   float acc[3][VPT][VEC];
   __device__ __forceinline__ void init(int64_t) {
 #pragma unroll
@@ -280,15 +285,15 @@ struct ColumnSums<VEC, VPT, true> {
   }
 };
 
-template <int VEC, int VPT>
-struct ColumnSums<VEC, VPT, false> {
-  float* smem;  // [3][h]; thread t owns the columns of its vectors j = t + k * blockDim.x
+template <int VEC, int VPT, bool VECTOR>
+struct ColumnSums<VEC, VPT, false, VECTOR> {
+  float* smem;  // [3][h]; thread t owns the columns of its runs j = t + k * blockDim.x
   int64_t h;
   __device__ __forceinline__ void init(int64_t h_) {
     extern __shared__ float4 dynamic_smem[];
     smem = reinterpret_cast<float*>(dynamic_smem);
     h = h_;
-    const int64_t nvec = h / VEC;
+    const int64_t nvec = (h + VEC - 1) / VEC;
     Pack<float, VEC> zero;
 #pragma unroll
     for (int i = 0; i < VEC; ++i) zero.v[i] = 0.0f;
@@ -297,16 +302,16 @@ struct ColumnSums<VEC, VPT, false> {
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-        if (j < nvec) store_pack<float, VEC>(smem + q * h + j * VEC, zero);
+        if (j < nvec) store_run<float, VEC>(smem + q * h, j * VEC, h, VECTOR, zero);
       }
   }
-  // Only called for owned columns (j < nvec); no other thread touches them, so no synchronisation.
+  // Only called for owned runs (j < nvec); no other thread touches them, so no synchronisation.
+  // (VECTOR: 16-byte aligned, as h % VEC == 0.)
   __device__ __forceinline__ void add(int q, int k, int64_t j, const float (&v)[VEC]) {
-    float* p = smem + q * h + j * VEC;  // 16-byte aligned: h % VEC == 0
-    Pack<float, VEC> cur = load_pack<float, VEC>(p);
+    Pack<float, VEC> cur = load_run<float, VEC>(smem + q * h, j * VEC, h, VECTOR);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) cur.v[i] += v[i];
-    store_pack<float, VEC>(p, cur);
+    store_run<float, VEC>(smem + q * h, j * VEC, h, VECTOR, cur);
   }
   __device__ __forceinline__ void write(float* const (&parts)[3], int64_t nvec, int64_t) {
 #pragma unroll
@@ -316,7 +321,8 @@ struct ColumnSums<VEC, VPT, false> {
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int64_t j = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-        if (j < nvec) store_pack<float, VEC>(out + j * VEC, load_pack<float, VEC>(smem + q * h + j * VEC));
+        if (j < nvec)
+          store_run<float, VEC>(out, j * VEC, h, VECTOR, load_run<float, VEC>(smem + q * h, j * VEC, h, VECTOR));
       }
     }
   }
@@ -324,10 +330,16 @@ struct ColumnSums<VEC, VPT, false> {
 
 template <typename T, int VEC, int VPT, bool WARP>
 __global__ void __launch_bounds__(WARP ? kWarp * kBwdWarpRows : kBwdMaxThreads) bwd_kernel(const BwdArgs a) {
+  constexpr bool kVector = kVectorRun<T, VEC>;
+  static_assert(kVector || !WARP, "warp-per-row kernels use 16-byte runs");
+  // The row (residual_out, grad_y) stays in registers between the two passes over it while a thread owns
+  // at most 16 elements; beyond that (h > 8192 in 2-byte types) the second pass reads it again (from L2),
+  // or ptxas spills.
+  constexpr bool kKeepRow = VPT * VEC <= 16;
   const int tpr = WARP ? kWarp : blockDim.x;
   const int rpb = WARP ? kBwdWarpRows : 1;
-  const int64_t nvec = a.h / VEC;
-  const bool dropout = a.p > 0.0f;
+  const int64_t nvec = (a.h + VEC - 1) / VEC;
+  const bool dropout = a.threshold24 != 0;
   const bool has_bias = a.part_bias != nullptr;
   const float inv_h = 1.0f / static_cast<float>(a.h);
 
@@ -339,7 +351,7 @@ __global__ void __launch_bounds__(WARP ? kWarp * kBwdWarpRows : kBwdMaxThreads) 
     for (int k = 0; k < VPT; ++k) {
       const int64_t j = threadIdx.x + static_cast<int64_t>(k) * tpr;
       if (j < nvec) {
-        load_params<VEC>(a.w, j, a.wdtype, w_reg[k]);
+        load_params<VEC>(a.w, j, a.h, true, a.wdtype, w_reg[k]);
       } else {
 #pragma unroll
         for (int i = 0; i < VEC; ++i) w_reg[k][i] = 0.0f;
@@ -351,10 +363,10 @@ __global__ void __launch_bounds__(WARP ? kWarp * kBwdWarpRows : kBwdMaxThreads) 
 #pragma unroll
       for (int i = 0; i < VEC; ++i) out[i] = w_reg[k][i];
     } else {
-      load_params<VEC>(a.w, j, a.wdtype, out);
+      load_params<VEC>(a.w, j, a.h, kVector, a.wdtype, out);
     }
   };
-  ColumnSums<VEC, VPT, WARP> sums;
+  ColumnSums<VEC, VPT, WARP, kVector> sums;
   sums.init(a.h);
 
   // Grid-stride over groups of rpb rows; the trip count is uniform across the block.
@@ -366,22 +378,24 @@ __global__ void __launch_bounds__(WARP ? kWarp * kBwdWarpRows : kBwdMaxThreads) 
     const float mean = a.mean[row], rstd = a.rstd[row];
     const T* ro = static_cast<const T*>(a.residual_out) + off;
     const T* gy = static_cast<const T*>(a.grad_y) + off;
-    const uint64_t row_seed = a.seed + static_cast<uint64_t>(row);
-    Pack<T, VEC> rv[VPT], gv[VPT];
-    uint32_t keep[VPT];  // bit i: element i of vector k is kept (drawn here so the second pass stays light)
+    Pack<T, VEC> rv[kKeepRow ? VPT : 1], gv[kKeepRow ? VPT : 1];
     float dots[2] = {0.0f, 0.0f};  // sum(g), sum(g * x_hat)
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int64_t j = threadIdx.x + static_cast<int64_t>(k) * tpr;
       if (j < nvec) {
-        rv[k] = load_pack<T, VEC>(ro + j * VEC);
-        gv[k] = load_pack<T, VEC>(gy + j * VEC);
+        const Pack<T, VEC> rk = load_run<T, VEC>(ro, j * VEC, a.h, kVector);
+        const Pack<T, VEC> gk = load_run<T, VEC>(gy, j * VEC, a.h, kVector);
+        if constexpr (kKeepRow) {
+          rv[k] = rk;
+          gv[k] = gk;
+        }
         float wv[VEC], dw[VEC], db[VEC];
         weights(k, j, wv);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          const float x_hat = (to_float(rv[k].v[i]) - mean) * rstd;
-          const float dy = to_float(gv[k].v[i]);
+          const float x_hat = (to_float(rk.v[i]) - mean) * rstd;
+          const float dy = to_float(gk.v[i]);  // 0 past h: adds nothing below
           const float g = dy * wv[i];
           dots[0] += g;
           dots[1] += g * x_hat;
@@ -390,7 +404,6 @@ __global__ void __launch_bounds__(WARP ? kWarp * kBwdWarpRows : kBwdMaxThreads) 
         }
         sums.add(0, k, j, dw);
         sums.add(1, k, j, db);
-        keep[k] = dropout ? keep_bits<VEC>(row_seed, static_cast<uint32_t>(j * VEC), a.p) : 0u;
       }
     }
     row_allreduce<WARP>(dots);
@@ -398,27 +411,38 @@ __global__ void __launch_bounds__(WARP ? kWarp * kBwdWarpRows : kBwdMaxThreads) 
     const T* gro = static_cast<const T*>(a.grad_residual_out) + off;
     T* gx = static_cast<T*>(a.grad_x) + off;
     T* gres = static_cast<T*>(a.grad_residual) + off;
+    const uint64_t mask_row = static_cast<uint64_t>(a.row_offset + row);
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int64_t j = threadIdx.x + static_cast<int64_t>(k) * tpr;
       if (j < nvec) {
-        const Pack<T, VEC> ov = load_pack<T, VEC>(gro + j * VEC);
+        const Pack<T, VEC> ov = load_run<T, VEC>(gro, j * VEC, a.h, kVector);
+        Pack<T, VEC> rk, gk;
+        if constexpr (kKeepRow) {
+          rk = rv[k];
+          gk = gv[k];
+        } else {
+          rk = load_run<T, VEC>(ro, j * VEC, a.h, kVector);
+          gk = load_run<T, VEC>(gy, j * VEC, a.h, kVector);
+        }
+        MaskWords mask{};
+        if (dropout) mask = run_mask<VEC>(a.seed, mask_row, j);
         Pack<T, VEC> res_pack, x_pack;
         float wv[VEC], dbias[VEC];
         weights(k, j, wv);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          const float x_hat = (to_float(rv[k].v[i]) - mean) * rstd;
-          const float g = to_float(gv[k].v[i]) * wv[i];
+          const float x_hat = (to_float(rk.v[i]) - mean) * rstd;
+          const float g = to_float(gk.v[i]) * wv[i];
           const float d_res = rstd * (g - mean_g - x_hat * mean_gx) + to_float(ov.v[i]);
-          const float d_x = !dropout ? d_res : (keep[k] >> i) & 1u ? d_res * a.scale : 0.0f;
+          const float d_x = !dropout ? d_res : keep_column(mask, i, a.threshold24) ? d_res * a.scale : 0.0f;
           dbias[i] = d_x;
           res_pack.v[i] = from_float<T>(d_res);
           x_pack.v[i] = from_float<T>(d_x);
         }
         if (has_bias) sums.add(2, k, j, dbias);
-        store_pack<T, VEC>(gres + j * VEC, res_pack);
-        store_pack<T, VEC>(gx + j * VEC, x_pack);
+        store_run<T, VEC>(gres, j * VEC, a.h, kVector, res_pack);
+        store_run<T, VEC>(gx, j * VEC, a.h, kVector, x_pack);
       }
     }
   }
@@ -455,13 +479,14 @@ struct Plan {
   int rpb;    // rows per block
 };
 
+constexpr int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 inline int pow2_ceil(int64_t v) {
   int p = 1;
   while (p < v) p <<= 1;
   return p;
 }
 
-inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int round_up_warp(int64_t v) { return static_cast<int>(cdiv(v, kWarp) * kWarp); }
 
 inline Plan block_plan(int64_t nvec, int max_threads) {
@@ -469,15 +494,16 @@ inline Plan block_plan(int64_t nvec, int max_threads) {
   return {false, vpt, round_up_warp(cdiv(nvec, vpt)), 1};
 }
 
-inline Plan fwd_plan(int64_t h, int vec) {
-  const int64_t nvec = h / vec;
-  if (vec > 1 && h <= kFwdWarpMaxHidden) return {true, pow2_ceil(cdiv(nvec, kWarp)), kWarp, kFwdWarpRows};
-  return block_plan(nvec, kMaxThreads);
+// vector: the runs are 16-byte vectors (else scalar-access runs of one dropout group: block per row only).
+inline Plan fwd_plan(int64_t h, int vec, bool vector) {
+  const int64_t nvec = cdiv(h, vec);
+  if (vector && h <= kFwdWarpMaxHidden) return {true, pow2_ceil(cdiv(nvec, kWarp)), kWarp, kFwdWarpRows};
+  return block_plan(nvec, vector ? kMaxThreads : kFwdScalarMaxThreads);
 }
 
-inline Plan bwd_plan(int64_t h, int vec) {
-  const int64_t nvec = h / vec;
-  if (vec > 1 && nvec <= kWarp * kBwdWarpVectors) {
+inline Plan bwd_plan(int64_t h, int vec, bool vector) {
+  const int64_t nvec = cdiv(h, vec);
+  if (vector && nvec <= kWarp * kBwdWarpVectors) {
     return {true, pow2_ceil(cdiv(nvec, kWarp)), kWarp, kBwdWarpRows};
   }
   return block_plan(nvec, kBwdMaxThreads);
@@ -487,7 +513,7 @@ inline Plan bwd_plan(int64_t h, int vec) {
 // instantiated (build time grows with each instantiation). At most 32 (dispatch_vpt's cases).
 constexpr int max_vpt(bool forward, bool warp, int vec) {
   if (warp) return forward ? kFwdWarpMaxHidden / kWarp / vec : kBwdWarpVectors;
-  const int64_t threads = forward ? kMaxThreads : kBwdMaxThreads;
+  const int64_t threads = !forward ? kBwdMaxThreads : vec == kScalarRun ? kFwdScalarMaxThreads : kMaxThreads;
   const int64_t need = (kMaxHidden / vec + threads - 1) / threads;
   int p = 1;
   while (p < need) p <<= 1;
@@ -517,10 +543,10 @@ void dispatch_vpt(int vpt, Fn&& fn) {
 }
 
 // Calls fn(std::integral_constant<int, VPT>, std::bool_constant<WARP>) for the kernel of `plan`.
-template <bool kForward, int VEC, typename Fn>
+template <bool kForward, typename T, int VEC, typename Fn>
 void dispatch_plan(const Plan& plan, Fn&& fn) {
   if (plan.warp) {
-    if constexpr (VEC > 1) {
+    if constexpr (kVectorRun<T, VEC>) {
       dispatch_vpt<max_vpt(kForward, true, VEC)>(plan.vpt, [&](auto vpt) { fn(vpt, std::true_type{}); });
       return;
     }
@@ -546,7 +572,7 @@ void allow_smem(Kernel kernel, size_t bytes) {
 template <typename T, int VEC>
 int bwd_blocks_per_sm(const Plan& plan, int64_t h) {
   int blocks = 0;
-  dispatch_plan<false, VEC>(plan, [&](auto vpt, auto warp) {
+  dispatch_plan<false, T, VEC>(plan, [&](auto vpt, auto warp) {
     const auto kernel = bwd_kernel<T, VEC, decltype(vpt)::value, decltype(warp)::value>;
     const size_t smem = bwd_smem_bytes(plan, h);
     allow_smem(kernel, smem);
@@ -557,7 +583,7 @@ int bwd_blocks_per_sm(const Plan& plan, int64_t h) {
 }
 
 // Calls fn(T{}, std::integral_constant<int, VEC>{}) for the activation dtype code; VEC = 16 bytes of T when
-// `vectorized`, else 1.
+// `vectorized`, else kScalarRun (one dropout group, scalar accesses).
 template <typename Fn>
 void dispatch_type_vec(int dtype, bool vectorized, Fn&& fn) {
   dispatch_dtype(dtype, [&](auto tag) {
@@ -565,7 +591,7 @@ void dispatch_type_vec(int dtype, bool vectorized, Fn&& fn) {
     if (vectorized) {
       fn(tag, std::integral_constant<int, static_cast<int>(16 / sizeof(T))>{});
     } else {
-      fn(tag, std::integral_constant<int, 1>{});
+      fn(tag, std::integral_constant<int, kScalarRun>{});
     }
   });
 }
@@ -594,20 +620,24 @@ inline void check_aligned(bool vectorized, int64_t h, int dtype, std::initialize
                                 "h and row strides divisible by " + std::to_string(vec));
 }
 
-// Dropout scale float(1 / (1 - p)) from the unrounded (double) p: bit-equal to the scale the torch reference
-// (fp32 tensor * Python float) and the Triton kernels (fp32 argument) use; 1.0f / (1.0f - float(p)) is an
-// ulp off for many p (e.g. 0.15), which breaks the bitwise residual_out match. The keep test uses float(p).
-inline float drop_scale(double p) { return p > 0.0 ? static_cast<float>(1.0 / (1.0 - p)) : 1.0f; }
+// Dropout threshold P in [0, 256) (0: no dropout); its scale float(256 / (256 - P)), as every backend's.
+inline void check_threshold(int threshold) {
+  if (threshold < 0 || threshold > 255)
+    throw std::invalid_argument("bias_dropout_add_layer_norm: dropout threshold P must be in [0, 256), got " +
+                                std::to_string(threshold));
+}
+inline float drop_scale(int threshold) { return threshold > 0 ? dropout_scale(threshold) : 1.0f; }
 
 }  // namespace bdaln
 
 void bias_dropout_add_layer_norm_fwd(uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t ln_weight,
                                      uintptr_t ln_bias, uintptr_t y, uintptr_t residual_out, uintptr_t mean,
                                      uintptr_t rstd, int64_t rows, int64_t h, int64_t stride_x, int64_t stride_res,
-                                     int dtype, int wdtype, bool vectorized, float eps, double p, uint64_t seed,
+                                     int dtype, int wdtype, bool vectorized, float eps, int threshold, uint64_t seed,
                                      int64_t row_offset, uintptr_t stream) {
   using namespace bdaln;
   check_sizes(h, wdtype);
+  check_threshold(threshold);
   check_aligned(vectorized, h, dtype, {x, bias, residual, y, residual_out, ln_weight, ln_bias}, {stride_x, stride_res});
   if (rows == 0) return;
   if (rows >= (int64_t(1) << 31))  // the grid is rows / rpb blocks in gridDim.x (at most 2**31 - 1)
@@ -616,14 +646,14 @@ void bias_dropout_add_layer_norm_fwd(uintptr_t x, uintptr_t bias, uintptr_t resi
                   reinterpret_cast<const void*>(residual), reinterpret_cast<const void*>(ln_weight),
                   reinterpret_cast<const void*>(ln_bias), reinterpret_cast<void*>(y),
                   reinterpret_cast<void*>(residual_out), reinterpret_cast<float*>(mean),
-                  reinterpret_cast<float*>(rstd), wdtype, rows, h, stride_x, stride_res, eps, static_cast<float>(p),
-                  drop_scale(p), seed + static_cast<uint64_t>(row_offset)};
+                  reinterpret_cast<float*>(rstd), wdtype, rows, h, stride_x, stride_res, eps, drop_scale(threshold),
+                  static_cast<uint32_t>(threshold) << 24, seed, row_offset};
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   dispatch_type_vec(dtype, vectorized, [&](auto tag, auto vec) {
     using T = decltype(tag);
     constexpr int kVec = decltype(vec)::value;
-    const Plan plan = fwd_plan(h, kVec);
-    dispatch_plan<true, kVec>(plan, [&](auto vpt, auto warp) {
+    const Plan plan = fwd_plan(h, kVec, kVectorRun<T, kVec>);
+    dispatch_plan<true, T, kVec>(plan, [&](auto vpt, auto warp) {
       const dim3 block(plan.tpr, plan.rpb), grid(static_cast<unsigned>(cdiv(rows, plan.rpb)));
       fwd_kernel<T, kVec, decltype(vpt)::value, decltype(warp)::value><<<grid, block, 0, s>>>(a);
     });
@@ -639,7 +669,8 @@ int64_t bias_dropout_add_layer_norm_bwd_partials(int64_t rows, int64_t h, int dt
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count");
   dispatch_type_vec(dtype, vectorized, [&](auto tag, auto vec) {
-    const Plan plan = bwd_plan(h, decltype(vec)::value);
+    constexpr int kVec = decltype(vec)::value;
+    const Plan plan = bwd_plan(h, kVec, kVectorRun<decltype(tag), kVec>);
     rpb = plan.rpb;
     blocks_per_sm = bwd_blocks_per_sm<decltype(tag), decltype(vec)::value>(plan, h);
   });
@@ -651,10 +682,11 @@ void bias_dropout_add_layer_norm_bwd(uintptr_t grad_y, uintptr_t grad_residual_o
                                      uintptr_t ln_weight, uintptr_t mean, uintptr_t rstd, uintptr_t grad_x,
                                      uintptr_t grad_residual, uintptr_t partials, int64_t num_partials,
                                      uintptr_t grad_ln_weight, uintptr_t grad_ln_bias, uintptr_t grad_bias,
-                                     int64_t rows, int64_t h, int dtype, int wdtype, bool vectorized, double p,
+                                     int64_t rows, int64_t h, int dtype, int wdtype, bool vectorized, int threshold,
                                      uint64_t seed, int64_t row_offset, uintptr_t stream) {
   using namespace bdaln;
   check_sizes(h, wdtype);
+  check_threshold(threshold);
   if (num_partials < 1) throw std::invalid_argument("bias_dropout_add_layer_norm: num_partials must be >= 1");
   check_aligned(vectorized, h, dtype, {grad_y, grad_residual_out, residual_out, grad_x, grad_residual, ln_weight}, {});
   const auto s = reinterpret_cast<cudaStream_t>(stream);
@@ -665,13 +697,13 @@ void bias_dropout_add_layer_norm_bwd(uintptr_t grad_y, uintptr_t grad_residual_o
                     reinterpret_cast<const void*>(residual_out), reinterpret_cast<const void*>(ln_weight),
                     reinterpret_cast<const float*>(mean), reinterpret_cast<const float*>(rstd), wdtype,
                     reinterpret_cast<void*>(grad_x), reinterpret_cast<void*>(grad_residual), part,
-                    part + num_partials * h, part_bias, rows, h, static_cast<float>(p), drop_scale(p),
-                    seed + static_cast<uint64_t>(row_offset)};
+                    part + num_partials * h, part_bias, rows, h, drop_scale(threshold),
+                    static_cast<uint32_t>(threshold) << 24, seed, row_offset};
     dispatch_type_vec(dtype, vectorized, [&](auto tag, auto vec) {
       using T = decltype(tag);
       constexpr int kVec = decltype(vec)::value;
-      const Plan plan = bwd_plan(h, kVec);
-      dispatch_plan<false, kVec>(plan, [&](auto vpt, auto warp) {
+      const Plan plan = bwd_plan(h, kVec, kVectorRun<T, kVec>);
+      dispatch_plan<false, T, kVec>(plan, [&](auto vpt, auto warp) {
         const auto kernel = bwd_kernel<T, kVec, decltype(vpt)::value, decltype(warp)::value>;
         const size_t smem = bwd_smem_bytes(plan, h);
         allow_smem(kernel, smem);

@@ -1,6 +1,13 @@
-// y = x * keep / (1 - p) over a [rows, cols] row-major matrix, keep = philox(seed + row_offset + row, col) >= p.
-// The first kernel of seqpar._C: the CUDA twin of seqpar.ops.dropout.apply_keep_mask.
+// y = keep ? x * scale : 0 over a [rows, cols] row-major matrix, with the dropout mask of seqpar.random
+// (csrc/philox.cuh) for global rows row_offset + row: the CUDA twin of seqpar.ops.dropout.apply_keep_mask.
+//
+// A thread owns whole 16-column groups of a row (one Philox call each) and the block is TX x TY threads:
+// TX threads share a row (TX = its group count rounded up to a warp, at most 256) and TY = 256 / TX rows
+// share the block, so short rows still fill the block.
 #include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
 
 #include "dtypes.cuh"
 #include "philox.cuh"
@@ -8,33 +15,53 @@
 namespace seqpar {
 
 template <typename T>
-__global__ void dropout_rows_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int64_t cols,
-                                    uint64_t seed, int64_t row_offset, float p, float scale) {
-  const int64_t row = blockIdx.x;
-  const uint64_t row_seed = seed + static_cast<uint64_t>(row_offset + row);
+__global__ void __launch_bounds__(256) dropout_rows_kernel(const T* __restrict__ x, T* __restrict__ y,
+                                                           int64_t rows, int64_t cols, uint64_t seed,
+                                                           int64_t row_offset, uint32_t threshold24, float scale,
+                                                           bool vectorized) {
+  constexpr int kVec = 16 / sizeof(T);  // elements of one 16-byte access
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (row >= rows) return;
   const T* x_row = x + row * cols;
   T* y_row = y + row * cols;
-  for (int64_t col = threadIdx.x; col < cols; col += blockDim.x) {
-    const bool keep = philox_uniform(row_seed, static_cast<uint32_t>(col)) >= p;
-    y_row[col] = from_float<T>(keep ? to_float(x_row[col]) * scale : 0.0f);
+  const uint64_t mask_row = static_cast<uint64_t>(row_offset + row);
+  for (int64_t g = threadIdx.x; g * kMaskGroup < cols; g += blockDim.x) {
+    const MaskWords m = mask_words(seed, mask_row, static_cast<uint32_t>(g));
+    const int64_t c0 = g * kMaskGroup;
+    const bool vector = vectorized && c0 + kMaskGroup <= cols;
+#pragma unroll
+    for (int v = 0; v < kMaskGroup / kVec; ++v) {
+      const Pack<T, kVec> in = load_run<T, kVec>(x_row, c0 + v * kVec, cols, vector);
+      Pack<T, kVec> out;
+#pragma unroll
+      for (int i = 0; i < kVec; ++i)
+        out.v[i] = from_float<T>(keep_column(m, v * kVec + i, threshold24) ? to_float(in.v[i]) * scale : 0.0f);
+      store_run<T, kVec>(y_row, c0 + v * kVec, cols, vector, out);
+    }
   }
 }
 
-// p is a double (the Python float, unrounded) so that scale = float(1 / (1 - p)) rounds exactly like the
-// torch reference's `x * keep * (1 / (1 - p))` (fp32 tensor times a Python scalar); 1.0f / (1.0f - float(p))
-// differs from it by an ulp for many p (0.15, 0.025, ...). The keep test uses float(p), as torch does.
+// threshold: the byte threshold P = round(p * 256) in [1, 256) (seqpar.random.dropout_threshold).
 void dropout_rows(uintptr_t x, uintptr_t y, int64_t rows, int64_t cols, int dtype, uint64_t seed,
-                  int64_t row_offset, double p, uintptr_t stream) {
+                  int64_t row_offset, int threshold, uintptr_t stream) {
+  if (threshold < 1 || threshold > 255)
+    throw std::invalid_argument("dropout_rows: dropout threshold P must be in [1, 256), got " +
+                                std::to_string(threshold));
+  if (rows < 0 || cols < 0 || row_offset < 0) throw std::invalid_argument("dropout_rows: negative size or offset");
   if (rows == 0 || cols == 0) return;
-  // gridDim.x is at most 2**31 - 1 and Philox offsets (columns) are 32-bit (Triton's int32 offsets).
-  if (rows >= (int64_t(1) << 31) || cols >= (int64_t(1) << 31))
-    throw std::invalid_argument("dropout_rows: rows and cols must be < 2**31");
-  const float pf = static_cast<float>(p);
-  const float scale = static_cast<float>(1.0 / (1.0 - p));
+  // Groups are 32-bit Philox counters; gridDim.x is at most 2**31 - 1 blocks.
+  if (cols >= (int64_t(1) << 35) || rows >= (int64_t(1) << 31))
+    throw std::invalid_argument("dropout_rows: rows must be < 2**31 and cols < 2**35");
+  const int64_t groups = (cols + kMaskGroup - 1) / kMaskGroup;
+  const int tx = static_cast<int>(std::min<int64_t>(256, (groups + 31) / 32 * 32)), ty = 256 / tx;
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    dropout_rows_kernel<T><<<static_cast<unsigned>(rows), 256, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-        reinterpret_cast<const T*>(x), reinterpret_cast<T*>(y), rows, cols, seed, row_offset, pf, scale);
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vectorized = cols % kVec == 0 && x % 16 == 0 && y % 16 == 0;
+    dropout_rows_kernel<T><<<static_cast<unsigned>((rows + ty - 1) / ty), dim3(tx, ty), 0,
+                             reinterpret_cast<cudaStream_t>(stream)>>>(
+        reinterpret_cast<const T*>(x), reinterpret_cast<T*>(y), rows, cols, seed, row_offset,
+        static_cast<uint32_t>(threshold) << 24, dropout_scale(threshold), vectorized);
   });
   check_cuda(cudaGetLastError(), "dropout_rows launch");
 }

@@ -3,21 +3,23 @@
 //
 // Scores are a contiguous [b, H, s_q, s_k] tensor (one row per (batch, head, query i)). Per row:
 //   forward   P_j = softmax_j(scale * x_j + mask_j)     mask_j = -inf where causal and j > i
-//             D_j = P_j * keep_j / (1 - p)
-//             keep_j = philox(seed + row_offset + (head * b + batch) * s_q + i, j) >= p
-//   backward  given G_j = dL/dD_j:  gP_j = G_j * keep_j / (1 - p),
+//             D_j = P_j * keep_j * drop_scale            drop_scale = float(256 / (256 - P))
+//             keep_j = mask_byte(seed, row_offset + (head * b + batch) * s_q + i, j) >= P   (csrc/philox.cuh)
+//   backward  given G_j = dL/dD_j:  gP_j = G_j * keep_j * drop_scale,
 //             dL/dx_j = scale * P_j * (gP_j - sum_k gP_k P_k)
 // The dropout rows are head-major (seqpar.ops.attention_core.attention_keep_mask), so the masks are the
 // ones the torch reference and the Triton kernels draw. Nothing mask-sized is stored: backward
-// regenerates keep from the same counters (once per element; a per-row bitmask in shared memory serves
-// the second pass).
+// regenerates keep from the same counters (a per-row bitmask in shared memory serves its second pass).
 //
 // One thread block per row. Pass 1 reduces over the row (max and sum, or the gP . P dot product);
-// pass 2 re-reads it (from L2) and writes. Any s_k works (no register tile to size).
+// pass 2 re-reads it (from L2) and writes. Any s_k works (no register tile to size). The passes that
+// draw the mask go over 16-column groups: a thread owns whole groups (one Philox call, 16 decisions)
+// and moves each as two (fp32: four) 16-byte vectors when the rows allow it.
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -30,18 +32,18 @@ namespace {
 
 struct RowInfo {
   int64_t n_valid;   // columns 0 .. n_valid - 1 are unmasked
-  uint64_t drop_row; // seed + global head-major dropout row
+  uint64_t drop_row; // global head-major dropout row
 };
 
 __device__ __forceinline__ RowInfo row_info(int64_t row, int64_t batch, int64_t heads, int64_t s_q, int64_t s_k,
-                                            bool causal, uint64_t seed, int64_t row_offset) {
+                                            bool causal, int64_t row_offset) {
   const int64_t i = row % s_q;
   const int64_t bh = row / s_q;  // batch-major in memory: bh = batch * heads + head
   const int64_t b_idx = bh / heads;
   const int64_t h_idx = bh % heads;
   RowInfo info;
   info.n_valid = causal ? (i + 1 < s_k ? i + 1 : s_k) : s_k;
-  info.drop_row = seed + static_cast<uint64_t>(row_offset + (h_idx * batch + b_idx) * s_q + i);
+  info.drop_row = static_cast<uint64_t>(row_offset + (h_idx * batch + b_idx) * s_q + i);
   return info;
 }
 
@@ -89,14 +91,47 @@ __device__ float block_sum(float x) {
   return total;
 }
 
+// One 16-column group of a row from column j0: two 16-byte vectors (four for fp32) when `vector`, else
+// scalar accesses of the columns below n.
+constexpr int kGroup = kMaskGroup;
+template <typename T>
+using Group = Pack<T, kGroup>;
+
+template <typename T>
+__device__ __forceinline__ Group<T> load_group(const T* row, int64_t j0, int64_t n, bool vector) {
+  constexpr int kVec = 16 / sizeof(T);
+  Group<T> out;
+#pragma unroll
+  for (int v = 0; v < kGroup / kVec; ++v) {
+    const Pack<T, kVec> part = load_run<T, kVec>(row, j0 + v * kVec, n, vector);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) out.v[v * kVec + i] = part.v[i];
+  }
+  return out;
+}
+
+template <typename T>
+__device__ __forceinline__ void store_group(T* row, int64_t j0, int64_t n, bool vector, const Group<T>& g) {
+  constexpr int kVec = 16 / sizeof(T);
+#pragma unroll
+  for (int v = 0; v < kGroup / kVec; ++v) {
+    Pack<T, kVec> part;
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) part.v[i] = g.v[v * kVec + i];
+    store_run<T, kVec>(row, j0 + v * kVec, n, vector, part);
+  }
+}
+
 // scores (in): raw q k^T; scores (out): dropped probabilities D (only when dropout is on).
+// vectorized: rows start 16-byte aligned (s_k a multiple of 16 / sizeof(T), aligned pointers).
 template <typename T, int THREADS>
 __global__ void __launch_bounds__(THREADS)
 softmax_dropout_fwd_kernel(T* __restrict__ scores, T* __restrict__ probs, int64_t batch, int64_t heads,
                            int64_t s_q, int64_t s_k, float scale, bool causal, uint64_t seed,
-                           int64_t row_offset, float p, float drop_scale, bool dropout) {
+                           int64_t row_offset, uint32_t threshold24, float drop_scale, bool vectorized) {
   const int64_t row = blockIdx.x;
-  const RowInfo info = row_info(row, batch, heads, s_q, s_k, causal, seed, row_offset);
+  const RowInfo info = row_info(row, batch, heads, s_q, s_k, causal, row_offset);
+  const bool dropout = threshold24 != 0;
   T* x_row = scores + row * s_k;
   T* p_row = probs + row * s_k;
 
@@ -113,16 +148,23 @@ softmax_dropout_fwd_kernel(T* __restrict__ scores, T* __restrict__ probs, int64_
   block_max_sum<THREADS>(m, l);  // column 0 is always valid, so l > 0
   const float inv_l = 1.0f / l;
 
-  for (int64_t j = threadIdx.x; j < s_k; j += THREADS) {
-    float prob = 0.0f;
-    if (j < info.n_valid) prob = expf(to_float(x_row[j]) * scale - m) * inv_l;
-    const T prob_t = from_float<T>(prob);
-    p_row[j] = prob_t;
-    if (dropout) {
+  for (int64_t g = threadIdx.x; g * kGroup < s_k; g += THREADS) {
+    const int64_t j0 = g * kGroup;
+    const bool vector = vectorized && j0 + kGroup <= s_k;
+    const Group<T> x = load_group<T>(x_row, j0, s_k, vector);
+    MaskWords mask{};
+    if (dropout && j0 < info.n_valid) mask = mask_words(seed, info.drop_row, static_cast<uint32_t>(g));
+    Group<T> prob, dropped;
+#pragma unroll
+    for (int i = 0; i < kGroup; ++i) {
+      const bool valid = j0 + i < info.n_valid;
+      prob.v[i] = from_float<T>(valid ? expf(to_float(x.v[i]) * scale - m) * inv_l : 0.0f);
       // Dropped from the rounded probability, exactly like the torch reference.
-      const bool keep = j < info.n_valid && philox_uniform(info.drop_row, static_cast<uint32_t>(j)) >= p;
-      x_row[j] = from_float<T>(keep ? to_float(prob_t) * drop_scale : 0.0f);
+      dropped.v[i] = from_float<T>(valid && keep_column(mask, i, threshold24) ? to_float(prob.v[i]) * drop_scale
+                                                                              : 0.0f);
     }
+    store_group<T>(p_row, j0, s_k, vector, prob);
+    if (dropout) store_group<T>(x_row, j0, s_k, vector, dropped);
   }
 }
 
@@ -131,41 +173,56 @@ template <typename T, int THREADS>
 __global__ void __launch_bounds__(THREADS)
 softmax_dropout_bwd_kernel(const T* __restrict__ probs, T* __restrict__ grad, T* __restrict__ dropped,
                            int64_t batch, int64_t heads, int64_t s_q, int64_t s_k, float scale, bool causal,
-                           uint64_t seed, int64_t row_offset, float p, float drop_scale, bool dropout) {
-  extern __shared__ uint32_t keep_bits[];  // ceil(s_k / 32) words when dropout is on
+                           uint64_t seed, int64_t row_offset, uint32_t threshold24, float drop_scale,
+                           bool vectorized) {
+  extern __shared__ uint16_t keep_bits_smem[];  // one 16-bit word per 16-column group when dropout is on
   const int64_t row = blockIdx.x;
-  const RowInfo info = row_info(row, batch, heads, s_q, s_k, causal, seed, row_offset);
+  const RowInfo info = row_info(row, batch, heads, s_q, s_k, causal, row_offset);
+  const bool dropout = threshold24 != 0;
   const T* p_row = probs + row * s_k;
   T* g_row = grad + row * s_k;
-  const int lane = threadIdx.x % 32;
 
-  // Pass 1: dot = sum_j gP_j P_j; the keep bits of each 32-column word come from one warp ballot.
+  // Pass 1: dot = sum_j gP_j P_j over the unmasked columns; a group's keep bits are kept for pass 2 (the
+  // same thread owns the group then).
   float dot = 0.0f;
-  for (int64_t j0 = 0; j0 < info.n_valid; j0 += THREADS) {  // uniform trip count: ballots stay converged
-    const int64_t j = j0 + threadIdx.x;
-    const bool valid = j < info.n_valid;
-    float z = valid ? 1.0f : 0.0f;
+  for (int64_t g = threadIdx.x; g * kGroup < info.n_valid; g += THREADS) {
+    const int64_t j0 = g * kGroup;
+    const bool vector = vectorized && j0 + kGroup <= s_k;
+    const Group<T> gv = load_group<T>(g_row, j0, s_k, vector);
+    const Group<T> pv = load_group<T>(p_row, j0, s_k, vector);
+    uint32_t bits = 0xFFFFu;
     if (dropout) {
-      const bool keep = valid && philox_uniform(info.drop_row, static_cast<uint32_t>(j)) >= p;
-      const uint32_t word = __ballot_sync(0xffffffffu, keep);
-      if (lane == 0 && j < info.n_valid) keep_bits[j / 32] = word;  // words past the row stay unread
-      z = keep ? drop_scale : 0.0f;
+      bits = keep_bits<kGroup>(mask_words(seed, info.drop_row, static_cast<uint32_t>(g)), threshold24);
+      keep_bits_smem[g] = static_cast<uint16_t>(bits);
     }
-    if (valid) dot += to_float(g_row[j]) * z * to_float(p_row[j]);
+    const float z = dropout ? drop_scale : 1.0f;
+#pragma unroll
+    for (int i = 0; i < kGroup; ++i)
+      if (j0 + i < info.n_valid && (bits >> i) & 1u) dot += to_float(gv.v[i]) * z * to_float(pv.v[i]);
   }
-  dot = block_sum<THREADS>(dot);  // its __syncthreads also publishes keep_bits
+  dot = block_sum<THREADS>(dot);
 
-  for (int64_t j = threadIdx.x; j < s_k; j += THREADS) {
-    float g_score = 0.0f, d = 0.0f;
-    if (j < info.n_valid) {
-      const bool keep = !dropout || ((keep_bits[j / 32] >> (j % 32)) & 1u);
-      const float prob = to_float(p_row[j]);
-      const float z = keep ? drop_scale : 0.0f;
-      g_score = scale * prob * (to_float(g_row[j]) * z - dot);
-      d = prob * z;
+  for (int64_t g = threadIdx.x; g * kGroup < s_k; g += THREADS) {
+    const int64_t j0 = g * kGroup;
+    const bool vector = vectorized && j0 + kGroup <= s_k;
+    const Group<T> gv = load_group<T>(g_row, j0, s_k, vector);
+    const Group<T> pv = load_group<T>(p_row, j0, s_k, vector);
+    const uint32_t bits = dropout && j0 < info.n_valid ? keep_bits_smem[g] : 0xFFFFu;
+    Group<T> g_score, d;
+#pragma unroll
+    for (int i = 0; i < kGroup; ++i) {
+      float gs = 0.0f, dv = 0.0f;
+      if (j0 + i < info.n_valid) {
+        const float prob = to_float(pv.v[i]);
+        const float z = !dropout ? 1.0f : (bits >> i) & 1u ? drop_scale : 0.0f;
+        gs = scale * prob * (to_float(gv.v[i]) * z - dot);
+        dv = prob * z;
+      }
+      g_score.v[i] = from_float<T>(gs);
+      d.v[i] = from_float<T>(dv);
     }
-    g_row[j] = from_float<T>(g_score);
-    if (dropped != nullptr) dropped[row * s_k + j] = from_float<T>(d);
+    store_group<T>(g_row, j0, s_k, vector, g_score);
+    if (dropped != nullptr) store_group<T>(dropped + row * s_k, j0, s_k, vector, d);
   }
 }
 
@@ -181,39 +238,43 @@ void dispatch_threads(int64_t s_k, Fn&& fn) {
   }
 }
 
-void check_sizes(const char* what, int64_t batch, int64_t heads, int64_t s_q, int64_t s_k, double p) {
+void check_sizes(const char* what, int64_t batch, int64_t heads, int64_t s_q, int64_t s_k, int threshold) {
   if (batch < 0 || heads < 0 || s_q < 0 || s_k < 0)
     throw std::invalid_argument(std::string(what) + ": negative size");
   if (s_k >= (int64_t(1) << 31)) throw std::invalid_argument(std::string(what) + ": s_k must be < 2**31");
   if (batch * heads * s_q >= (int64_t(1) << 31))
     throw std::invalid_argument(std::string(what) + ": b * heads * s_q must be < 2**31 rows");
-  if (!(p >= 0.0 && p < 1.0))
-    throw std::invalid_argument(std::string(what) + ": dropout p must be in [0, 1), got " + std::to_string(p));
+  if (threshold < 0 || threshold > 255)
+    throw std::invalid_argument(std::string(what) + ": dropout threshold P must be in [0, 256), got " +
+                                std::to_string(threshold));
 }
 
-// float(1 / (1 - p)) from the unrounded (double) p: bit-equal to the torch reference's fp32 * Python-float
-// scale and the Triton kernels' fp32 argument; 1.0f / (1.0f - float(p)) is an ulp off for many p (e.g. 0.15).
-// The keep test uses float(p), as torch's fp32 comparison does.
-float drop_scale(double p) { return static_cast<float>(1.0 / (1.0 - p)); }
+// 16-byte vectors: every row starts on a 16-byte boundary.
+template <typename T>
+bool rows_aligned(int64_t s_k, std::initializer_list<uintptr_t> ptrs) {
+  bool ok = s_k % (16 / sizeof(T)) == 0;
+  for (uintptr_t p : ptrs) ok = ok && p % 16 == 0;
+  return ok;
+}
 
 }  // namespace
 
 void attention_softmax_dropout_fwd(uintptr_t scores, uintptr_t probs, int64_t batch, int64_t heads, int64_t s_q,
                                    int64_t s_k, int dtype, float scale, bool causal, uint64_t seed,
-                                   int64_t row_offset, double p, uintptr_t stream) {
-  check_sizes("attention_softmax_dropout_fwd", batch, heads, s_q, s_k, p);
+                                   int64_t row_offset, int threshold, uintptr_t stream) {
+  check_sizes("attention_softmax_dropout_fwd", batch, heads, s_q, s_k, threshold);
   const int64_t rows = batch * heads * s_q;
   if (rows == 0 || s_k == 0) return;
-  const bool dropout = p > 0.0;
-  const float scale_p = drop_scale(p), pf = static_cast<float>(p);
+  const float scale_p = threshold > 0 ? dropout_scale(threshold) : 1.0f;
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
+    const bool vectorized = rows_aligned<T>(s_k, {scores, probs});
     dispatch_threads(s_k, [&](auto threads) {
       constexpr int THREADS = decltype(threads)::value;
       softmax_dropout_fwd_kernel<T, THREADS>
           <<<static_cast<unsigned>(rows), THREADS, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
               reinterpret_cast<T*>(scores), reinterpret_cast<T*>(probs), batch, heads, s_q, s_k, scale, causal,
-              seed, row_offset, pf, scale_p, dropout);
+              seed, row_offset, static_cast<uint32_t>(threshold) << 24, scale_p, vectorized);
     });
   });
   check_cuda(cudaGetLastError(), "attention_softmax_dropout_fwd launch");
@@ -221,25 +282,27 @@ void attention_softmax_dropout_fwd(uintptr_t scores, uintptr_t probs, int64_t ba
 
 void attention_softmax_dropout_bwd(uintptr_t probs, uintptr_t grad, uintptr_t dropped, int64_t batch,
                                    int64_t heads, int64_t s_q, int64_t s_k, int dtype, float scale, bool causal,
-                                   uint64_t seed, int64_t row_offset, double p, uintptr_t stream) {
-  check_sizes("attention_softmax_dropout_bwd", batch, heads, s_q, s_k, p);
+                                   uint64_t seed, int64_t row_offset, int threshold, uintptr_t stream) {
+  check_sizes("attention_softmax_dropout_bwd", batch, heads, s_q, s_k, threshold);
   const int64_t rows = batch * heads * s_q;
   if (rows == 0 || s_k == 0) return;
-  const bool dropout = p > 0.0;
+  const bool dropout = threshold > 0;
   if (dropout && dropped == 0)
     throw std::invalid_argument("attention_softmax_dropout_bwd: dropout needs the `dropped` output buffer");
-  const float scale_p = drop_scale(p), pf = static_cast<float>(p);
-  const size_t smem = dropout ? static_cast<size_t>((s_k + 31) / 32) * sizeof(uint32_t) : 0;
+  const float scale_p = dropout ? dropout_scale(threshold) : 1.0f;
+  const size_t smem = dropout ? static_cast<size_t>((s_k + kGroup - 1) / kGroup) * sizeof(uint16_t) : 0;
   if (smem > 47 * 1024)  // the default 48 KiB limit covers static shared memory (block_sum's) too
     throw std::invalid_argument("attention_softmax_dropout_bwd: s_k too long for the shared keep bitmask");
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
+    const bool vectorized = rows_aligned<T>(s_k, {probs, grad, dropped});
     dispatch_threads(s_k, [&](auto threads) {
       constexpr int THREADS = decltype(threads)::value;
       softmax_dropout_bwd_kernel<T, THREADS>
           <<<static_cast<unsigned>(rows), THREADS, smem, reinterpret_cast<cudaStream_t>(stream)>>>(
               reinterpret_cast<const T*>(probs), reinterpret_cast<T*>(grad), reinterpret_cast<T*>(dropped), batch,
-              heads, s_q, s_k, scale, causal, seed, row_offset, pf, scale_p, dropout);
+              heads, s_q, s_k, scale, causal, seed, row_offset, static_cast<uint32_t>(threshold) << 24, scale_p,
+              vectorized);
     });
   });
   check_cuda(cudaGetLastError(), "attention_softmax_dropout_bwd launch");

@@ -9,6 +9,7 @@ import torch
 
 from .memory import RECOMPUTE_POLICIES
 from .ops.registry import validate_backend
+from .random import dropout_threshold
 
 ACTIVATIONS = ("gelu", "gelu_tanh")
 #: What the fused kernels and the layer compute in (fp64 and others are rejected when the config is built).
@@ -16,8 +17,7 @@ PARAMS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _check_prob(name: str, value) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value < 1.0:
-        raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
+    dropout_threshold(value, name)  # [0, 1) with round(p * 256) < 256: the mask's byte threshold
 
 
 def _is_int(value) -> bool:
@@ -33,6 +33,9 @@ class TransformerConfig:
 
     ``recompute``: "none" keeps every activation; "selective" recomputes only the attention core
     (QK^T, softmax, softmax dropout, attention over V) in backward; "full" keeps only the layer input.
+    ``hidden_dropout``, ``attention_dropout``: probabilities in [0, 1); the effective probability is
+    ``round(p * 256) / 256`` (:func:`seqpar.random.effective_dropout_p`: 0.1 drops 26/256), and a p with
+    ``round(p * 256) = 256`` is rejected when the layer builds its dropout.
     ``overlap_comm``: under sequence parallelism, overlap the all-gather / reduce-scatter with the
     GEMMs (:func:`seqpar.ops.all_gather_matmul`), where the op judges it helps. On CPU (gloo) the
     transfers need CPU time beside the GEMMs: with more ranks than cores, turn it off (measured with

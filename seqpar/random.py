@@ -1,14 +1,19 @@
 """Counter-based dropout randomness shared by every backend.
 
-Every dropout mask element is a pure function of ``(stream_seed, row, col)``::
+Every dropout mask element is a pure function of ``(stream_seed, row, col)``: one Philox-4x32-7 call
+(Salmon et al., SC'11) gives the 16 mask bytes of a row's 16-column group::
 
-    u = philox_uniform(stream_seed + row, col)      # Triton: tl.rand(stream_seed + row, col)
-    keep = u >= p                                   # kept elements are scaled by 1 / (1 - p)
+    (w0, w1, w2, w3) = Philox-4x32-7(key = stream_seed, counter = (col // 16, row & 0xffffffff, row >> 32, 0))
+    byte = (w[(col % 16) // 4] >> (8 * (col % 4))) & 0xff          # Triton: tl.philox(seed, col // 16,
+    P    = round(p * 256);  keep = byte >= P                         #   row_lo, row_hi, 0, n_rounds=7)
+    kept values are scaled by float32(256 / (256 - P))
 
-``philox_uniform`` is Philox-4x32-10 with key ``(seed & 0xffffffff, seed >> 32)`` and counter
-``(col, 0, 0, 0)``, mapped to ``[0, 1)`` exactly as ``triton.language.rand`` does for 32-bit offsets,
-so the torch reference, the Triton kernels and the CUDA kernels (``csrc/philox.cuh``) agree bit for
-bit.
+so the effective dropout probability is ``P / 256`` (:func:`effective_dropout_p`; p = 0.1 drops 26/256),
+``P = 0`` means no dropout and ``P >= 256`` is rejected. The key is the 64-bit stream seed (low word
+first), the counter's 32-bit words are (group, row low, row high, 0). The torch reference here
+(:func:`mask_bytes`, :func:`dropout_keep_mask`), the Triton kernels (``triton_kernels/philox.py``) and
+the CUDA kernels (``csrc/philox.cuh``) agree bit for bit; kernels draw whole 16-column groups, one
+Philox call per 16 decisions.
 
 ``row`` and ``col`` are *global* coordinates, never shard-local ones:
 
@@ -26,20 +31,21 @@ generator once per training forward of a layer (:func:`next_layer_seed`; functio
 masks checkpoint-safe: seqpar's own ``recompute`` draws before the recomputed region and passes the seed
 in, and every external re-run of a forward - ``torch.utils.checkpoint`` (reentrant or not), FSDP's
 ``checkpoint_wrapper``, HF gradient checkpointing - restores that generator's state first, so the re-run
-draws the same number and replays the same masks, while each new step draws fresh ones. Because nothing depends on the
-tensor-parallel rank or the sequence shard, the same seed gives the same masks for any TP size, with or
-without sequence parallelism; TP ranks must hold the same generator state, which layers and models check
+draws the same number and replays the same masks, while each new step draws fresh ones. Because
+nothing depends on the tensor-parallel rank or the sequence shard, the same seed gives the same masks for
+any TP size, with or without sequence parallelism; TP ranks must hold the same generator state, which layers and models check
 when they are built (:func:`seqpar.parallel.state.check_ranks_agree`).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
 __all__ = [
     "manual_seed", "initial_seed", "stream_seed", "next_layer_seed", "next_op_seed", "generator_fingerprint",
-    "philox_uniform", "dropout_keep_mask", "Site",
+    "Site", "philox4x32", "mask_bytes", "dropout_keep_mask", "dropout_threshold", "dropout_scale",
+    "effective_dropout_p", "MASK_GROUP",
 ]
 
 _MASK32 = 0xFFFFFFFF
@@ -47,10 +53,10 @@ _PHILOX_KEY_A = 0x9E3779B9
 _PHILOX_KEY_B = 0xBB67AE85
 _PHILOX_ROUND_A = 0xD2511F53
 _PHILOX_ROUND_B = 0xCD9E8D57
-_PHILOX_ROUNDS = 10
-# Largest int32 times this scale stays below 1.0 in fp32 (the constant tl.rand uses).
-_UNIFORM_SCALE = 4.6566127342e-10
-# Stream seeds are kept below 2**62 so that ``stream_seed + row`` never overflows int64.
+_PHILOX_ROUNDS = 7
+#: Mask columns drawn by one Philox call (4 words x 4 bytes).
+MASK_GROUP = 16
+# Stream seeds (Philox keys) are kept below 2**62.
 _STREAM_SEED_BITS = 62
 
 
@@ -142,43 +148,72 @@ def next_op_seed() -> int:
     return stream_seed(_state.seed, -1, 0, _draw())
 
 
-def _philox_c0(k0: torch.Tensor, k1: torch.Tensor, c0: torch.Tensor) -> torch.Tensor:
-    c1 = c2 = c3 = torch.zeros_like(c0)
-    for _ in range(_PHILOX_ROUNDS):
-        # 32 x 32-bit products in int64: the 64-bit result wraps modulo 2**64 (two's complement), so
-        # its high and low words are exactly the unsigned product's.
-        prod_b = c2 * _PHILOX_ROUND_B
+def philox4x32(key: int, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor,
+               rounds: int = _PHILOX_ROUNDS) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Philox-4x32-``rounds`` of counters ``(c0, c1, c2, c3)`` under the 64-bit ``key``, as ``tl.philox``.
+
+    The counters are int64 tensors holding uint32 values (broadcast together); so are the four output
+    words. The key is ``(key & 0xffffffff, key >> 32)``; each round is the standard Philox round with
+    the multipliers 0xD2511F53, 0xCD9E8D57 and the Weyl key increments 0x9E3779B9, 0xBB67AE85.
+    """
+    c0, c1, c2, c3 = torch.broadcast_tensors(c0.to(torch.int64), c1.to(torch.int64), c2.to(torch.int64),
+                                             c3.to(torch.int64))
+    k0, k1 = key & _MASK32, (key >> 32) & _MASK32
+    for _ in range(rounds):
+        # 32 x 32-bit products in int64 wrap modulo 2**64 (two's complement), so their high and low
+        # words are exactly the unsigned product's.
         prod_a = c0 * _PHILOX_ROUND_A
-        c0 = ((prod_b >> 32) & _MASK32).bitwise_xor_(c1).bitwise_xor_(k0)
-        c2 = ((prod_a >> 32) & _MASK32).bitwise_xor_(c3).bitwise_xor_(k1)
-        c1 = prod_b.bitwise_and_(_MASK32)
-        c3 = prod_a.bitwise_and_(_MASK32)
+        prod_b = c2 * _PHILOX_ROUND_B
+        c0, c1, c2, c3 = (((prod_b >> 32) & _MASK32) ^ c1 ^ k0, prod_b & _MASK32,
+                          ((prod_a >> 32) & _MASK32) ^ c3 ^ k1, prod_a & _MASK32)
         k0 = (k0 + _PHILOX_KEY_A) & _MASK32
         k1 = (k1 + _PHILOX_KEY_B) & _MASK32
-    return c0
+    return c0, c1, c2, c3
 
 
-def philox_uniform(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """``tl.rand(seed, offset)`` in torch, bit for bit: float32 uniforms in [0, 1).
+def mask_bytes(stream: int, rows: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """The mask bytes [*rows.shape, n_cols] (uint8) of global rows ``rows`` and columns 0 .. n_cols - 1.
 
-    Philox-4x32-10, key ``(seed & 0xffffffff, seed >> 32)``, counter ``(offset, 0, 0, 0)``; the first
-    output word is mapped to [0, 1) like ``uint_to_uniform_float``.
-
-    Args:
-        seed: int64 tensor of non-negative seeds (broadcast against ``offset``).
-        offset: int64 tensor of offsets in [0, 2**31) (Triton's int32 offsets).
+    One Philox call per (row, 16-column group), counter ``(group, row & 0xffffffff, row >> 32, 0)``;
+    column ``c`` gets byte ``c % 4`` (little-endian) of word ``(c % 16) // 4``.
     """
-    seed, offset = torch.broadcast_tensors(seed.to(torch.int64), offset.to(torch.int64))
-    words = _philox_c0(seed & _MASK32, (seed >> 32) & _MASK32, offset & _MASK32)
-    # Reinterpret as int32, fold negatives (~x), scale: uint_to_uniform_float in triton.language.random.
-    x = torch.where(words >= 2**31, words - 2**32, words)
-    x = torch.where(x < 0, -x - 1, x)
-    return x.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32)
+    if not isinstance(n_cols, int) or n_cols < 0:
+        raise ValueError(f"n_cols must be a non-negative int, got {n_cols!r}")
+    rows = rows.to(torch.int64).unsqueeze(-1)                                 # [..., 1]
+    groups = torch.arange(-(-n_cols // MASK_GROUP), device=rows.device)       # [G]
+    words = torch.stack(philox4x32(stream, groups, rows & _MASK32, rows >> 32, torch.zeros_like(groups)), -1)
+    shifts = torch.arange(0, 32, 8, device=rows.device)                       # byte b of a word: >> 8b
+    group_bytes = (words.unsqueeze(-1) >> shifts) & 0xFF                      # [..., G, word, byte]
+    return group_bytes.flatten(-3)[..., :n_cols].to(torch.uint8)
 
 
-def dropout_keep_mask(stream: int, rows: torch.Tensor, cols: torch.Tensor, p: float) -> torch.Tensor:
-    """Boolean keep-mask ``philox_uniform(stream + rows, cols) >= p`` (broadcast of rows and cols)."""
-    return philox_uniform(rows.to(torch.int64) + stream, cols) >= p
+def dropout_keep_mask(stream: int, rows: torch.Tensor, n_cols: int, threshold: int) -> torch.Tensor:
+    """Bool keep-mask [*rows.shape, n_cols]: ``mask_bytes(stream, rows, n_cols) >= threshold`` (P)."""
+    return mask_bytes(stream, rows, n_cols) >= threshold
+
+
+def dropout_threshold(p, name: str = "dropout probability p") -> int:
+    """``P = round(p * 256)``, the byte threshold of dropout probability ``p`` (kept iff byte >= P).
+
+    Raises ValueError, naming ``name``, unless p is a number in [0, 1) with ``P < 256`` (p < 255.5 / 256).
+    """
+    if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 <= float(p) < 1.0 \
+            or round(float(p) * 256) >= 256:
+        raise ValueError(f"{name} must be in [0, 1) with round(p * 256) < 256 (p < 0.998046875), got {p!r}")
+    return round(float(p) * 256)
+
+
+def dropout_scale(threshold: int) -> float:
+    """``float32(256 / (256 - P))``: the factor of kept values, as a Python float (exactly an fp32).
+
+    The quotient is computed in double and rounded to fp32 once; every backend uses this value.
+    """
+    return float(torch.tensor(256.0 / (256 - threshold), dtype=torch.float32))
+
+
+def effective_dropout_p(p: float) -> float:
+    """The probability dropout ``p`` really drops with: ``round(p * 256) / 256`` (p = 0.1 -> 0.1015625)."""
+    return dropout_threshold(p) / 256
 
 
 def resolve_seed(seed: Optional[int]) -> int:

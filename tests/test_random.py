@@ -1,59 +1,150 @@
-"""The counter-based RNG: torch reference == tl.rand == csrc/philox.cuh, and the mask scheme."""
+"""The dropout mask: torch reference == Triton kernel helper (interpreter) == host build of csrc/philox.cuh,
+against an element-wise statement of the convention and Random123's known answers; its statistics; the
+probability rounding; and the seed streams."""
 import os
 import random
 import shutil
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import seqpar
-from seqpar.random import philox_uniform, stream_seed
+from seqpar.random import (dropout_keep_mask, dropout_scale, dropout_threshold, effective_dropout_p, mask_bytes,
+                           philox4x32, stream_seed)
+from seqpar.triton_kernels.philox import keep_mask
+
+# Global rows around the 32-bit boundaries: the row's high word is the third Philox counter word.
+ROW_OFFSETS = [0, 2**31 - 3, 2**32 - 2, 2**40 + 5]
+ROW_IDS = ["r0", "r2^31", "r2^32", "r2^40"]
+SEEDS = [0, 12345, 2**40 + 17, 2**62 - 9]  # the key's high word matters past 2**32
+
+# Random123's known-answer vectors for Philox-4x32-10: (key, counter) -> output words.
+KNOWN_ANSWERS = [
+    (0, (0, 0, 0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    (2**64 - 1, (2**32 - 1,) * 4, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x299F31D0 << 32) | 0xA4093822, (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
 
 
-def test_philox_matches_triton_rand():
-    triton = pytest.importorskip("triton")
-    import triton.language as tl
-
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
-
-    @triton.jit
-    def rand_rows(out, seed, n_cols, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
-        u = tl.rand(seed.to(tl.int64) + row, cols)
-        tl.store(out + row * n_cols + cols, u, mask=cols < n_cols)
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    for seed in (0, 12345, 2**40 + 17, 2**62 - 9):
-        out = torch.full((3, 300), float("nan"), device=device)
-        rand_rows[(3,)](out, seed, 300, BLOCK=512)
-        ref = philox_uniform(torch.arange(3).unsqueeze(1) + seed, torch.arange(300).unsqueeze(0))
-        assert torch.equal(out.cpu(), ref), f"seed {seed}"
-
-
-def test_philox_matches_cuda_header_host_build():
+def _cuda_ext():
     from seqpar import _ext
 
     if _ext.cuda_extension_error():
         if shutil.which("nvcc"):
             pytest.fail(f"nvcc is present but seqpar._C is not built: {_ext.cuda_extension_error()}")
         pytest.skip(f"seqpar._C not built: {_ext.cuda_extension_error()}")
-    ext = _ext.cuda_extension()
+    return _ext.cuda_extension()
+
+
+def elementwise_bytes(stream, rows, n_cols):
+    """The convention stated per element, independently of mask_bytes' group expansion:
+    byte (c % 4) of word (c % 16) // 4 of Philox-4x32-7(stream, (c // 16, r & 0xffffffff, r >> 32, 0))."""
+    r = torch.as_tensor(rows, dtype=torch.int64).view(-1, 1)
+    c = torch.arange(n_cols).view(1, -1)
+    words = philox4x32(stream, c // 16, r & 0xFFFFFFFF, r >> 32, torch.zeros(1, dtype=torch.int64))
+    word = torch.stack(words).gather(0, ((c % 16) // 4).expand(r.shape[0], -1).unsqueeze(0))[0]
+    return ((word >> (8 * (c % 4))) & 0xFF).to(torch.uint8)
+
+
+def test_philox_known_answers():
+    for key, counter, expected in KNOWN_ANSWERS:
+        got = philox4x32(key, *(torch.tensor([w]) for w in counter), rounds=10)
+        assert tuple(w.item() for w in got) == expected
+
+
+@pytest.mark.parametrize("row_offset", ROW_OFFSETS, ids=ROW_IDS)
+def test_mask_bytes_match_the_elementwise_convention(row_offset):
+    rows = torch.arange(5) + row_offset
+    for seed in SEEDS:
+        assert torch.equal(mask_bytes(seed, rows, 53), elementwise_bytes(seed, rows, 53)), seed
+    keep = dropout_keep_mask(SEEDS[1], rows.view(5, 1, 1), 53, 77)    # any leading shape
+    assert keep.shape == (5, 1, 1, 53) and torch.equal(keep.view(5, 53), mask_bytes(SEEDS[1], rows, 53) >= 77)
+
+
+def test_host_build_matches_reference():
+    """csrc/philox.cuh compiled for the host: the Philox known answers, and the kernels' mask path (one call
+    per run of 4, 8 or 16 columns) against the reference, rows past 2**31 and 2**40."""
+    ext = _cuda_ext()
+    for key, counter, expected in KNOWN_ANSWERS:
+        assert tuple(ext.philox4x32_host(key, *counter, rounds=10)) == expected
     rng = random.Random(0)
-    pairs = [(rng.randrange(2**62), rng.randrange(2**31)) for _ in range(300)] + [(0, 0), (2**62 - 1, 2**31 - 1)]
-    ref = philox_uniform(torch.tensor([s for s, _ in pairs]), torch.tensor([o for _, o in pairs]))
-    host = torch.tensor([ext.philox_uniform_host(s, o) for s, o in pairs])
-    assert torch.equal(host, ref)
+    cases = [(rng.choice(SEEDS + [rng.randrange(2**62)]), rng.choice(ROW_OFFSETS) + rng.randrange(64),
+              rng.choice([4, 8, 16]), rng.randrange(256)) for _ in range(200)]
+    for seed, row, n, threshold in cases:
+        col0 = n * rng.randrange(64)
+        ref = mask_bytes(seed, torch.tensor([row]), col0 + n)[0, col0:] >= threshold
+        bits = ext.keep_run_host(seed, row, col0, n, threshold)
+        assert [bool(bits >> i & 1) for i in range(n)] == ref.tolist(), (seed, row, col0, n, threshold)
+        c0, c1, c2 = col0 // 16, row & 0xFFFFFFFF, row >> 32
+        ref_words = philox4x32(seed, *(torch.tensor([w]) for w in (c0, c1, c2, 0)))
+        assert tuple(ext.philox4x32_host(seed, c0, c1, c2, 0)) == tuple(w.item() for w in ref_words)
 
 
-def test_uniform_statistics():
-    u = philox_uniform(torch.arange(64).unsqueeze(1) + 99, torch.arange(4096).unsqueeze(0))
-    assert u.min() >= 0 and u.max() < 1
-    assert abs(u.mean().item() - 0.5) < 0.01
-    assert abs(u.var().item() - 1 / 12) < 0.005
-    keep = (u >= 0.3).float().mean().item()
-    assert abs(keep - 0.7) < 0.01
+@triton.jit
+def _keep_mask_tiles(out, seed, row_offset, threshold, n_rows, n_cols, BLOCK_R: tl.constexpr,
+                     BLOCK_C: tl.constexpr, TRANSPOSED: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    keep = keep_mask(seed, rows.to(tl.int64) + row_offset, tl.program_id(1) * BLOCK_C, threshold,
+                     BLOCK_R, BLOCK_C, TRANSPOSED)
+    if TRANSPOSED:  # [cols, rows]
+        mask = (cols[:, None] < n_cols) & (rows[None, :] < n_rows)
+        tl.store(out + rows[None, :] * n_cols + cols[:, None], keep.to(tl.int8), mask=mask)
+    else:
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+        tl.store(out + rows[:, None] * n_cols + cols[None, :], keep.to(tl.int8), mask=mask)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["tile", "transposed"])
+def test_triton_keep_mask_matches_reference(transposed):
+    """triton_kernels/philox.py's keep_mask (what the attention and LayerNorm kernels call) over tiles of a
+    ragged [rows, 53] mask, as is and transposed (the dk/dv tile), rows past 2**31, 2**32 and 2**40."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n_rows, n_cols = 19, 53
+    for seed, row_offset, threshold in zip(SEEDS, ROW_OFFSETS, (1, 26, 128, 255)):
+        out = torch.full((n_rows, n_cols), -1, dtype=torch.int8, device=device)
+        _keep_mask_tiles[(triton.cdiv(n_rows, 16), triton.cdiv(n_cols, 32))](
+            out, seed, row_offset, threshold, n_rows, n_cols, BLOCK_R=16, BLOCK_C=32, TRANSPOSED=transposed)
+        ref = dropout_keep_mask(seed, torch.arange(n_rows) + row_offset, n_cols, threshold)
+        assert torch.equal(out.cpu(), ref.to(torch.int8)), (seed, row_offset, threshold)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_mask_statistics(p):
+    """Keep rate within 4 sigma of 1 - P/256; no correlation between adjacent columns, adjacent rows,
+    columns 16 apart (the next Philox call) or the bytes of one word."""
+    threshold = dropout_threshold(p)
+    keep = dropout_keep_mask(99, torch.arange(1024) + 2**31 - 512, 4099, threshold).double()
+    q = 1 - threshold / 256
+    sigma = (q * (1 - q) / keep.numel()) ** 0.5
+    assert abs(keep.mean().item() - q) < 4 * sigma
+
+    def corr(a, b):
+        a, b = a.flatten() - a.mean(), b.flatten() - b.mean()
+        return ((a * b).mean() / (a.std() * b.std())).item()
+
+    for name, a, b in (("adjacent columns", keep[:, :-1], keep[:, 1:]), ("adjacent rows", keep[:-1], keep[1:]),
+                       ("columns 16 apart", keep[:, :-16], keep[:, 16:]),
+                       ("bytes 4 apart", keep[:, :-4], keep[:, 4:])):
+        assert abs(corr(a, b)) < 0.01, name
+
+
+def test_effective_dropout_p_and_threshold():
+    assert dropout_threshold(0.1) == 26 and effective_dropout_p(0.1) == 26 / 256
+    assert effective_dropout_p(0.5) == 0.5 and effective_dropout_p(0) == 0.0
+    assert effective_dropout_p(1 / 512) == 0.0            # round half to even: P = 0, no dropout
+    assert effective_dropout_p(0.998) == 255 / 256
+    assert dropout_scale(26) == float(torch.tensor(256 / 230, dtype=torch.float32))
+    for bad in (0.999, 1.0, -0.1, 1.5, "0.1", True, None):
+        with pytest.raises(ValueError, match="round"):
+            dropout_threshold(bad)
+    with pytest.raises(ValueError, match="0.999"):
+        effective_dropout_p(0.999)
 
 
 def test_stream_seeds_differ_and_are_deterministic():

@@ -1,12 +1,12 @@
 """Flash-style attention core with counter-based dropout: Triton kernels and launchers (no autograd).
 
-Math, per (batch, head); rows i are queries, columns j keys, ``c`` the softmax scale, ``p`` the
-dropout probability::
+Math, per (batch, head); rows i are queries, columns j keys, ``c`` the softmax scale, ``P`` the
+dropout byte threshold round(p * 256)::
 
     S_ij   = c * q_i . k_j                       (-inf where causal and j > i)
     lse_i  = log sum_j exp(S_ij)                 (natural log, fp32: the only per-row state saved)
     P_ij   = exp(S_ij - lse_i)
-    Z_ij   = keep_ij / (1 - p),  keep_ij = philox(seed + row_offset + (head*b + batch)*s_q + i, j) >= p
+    Z_ij   = keep_ij * 256 / (256 - P),  keep_ij = mask_byte(seed, row_offset + (head*b + batch)*s_q + i, j) >= P
     o_i    = sum_j P_ij Z_ij v_j
 
 Backward, given dO::
@@ -17,9 +17,10 @@ Backward, given dO::
     dq_i = c sum_j dS_ij k_j,   dk_j = c sum_i dS_ij q_i,   dv_j = sum_i P_ij Z_ij dO_i
 
 The forward runs an online softmax over key blocks (causal programs stop at the diagonal) and keeps
-only ``o`` and ``lse``; the backward recomputes P block by block and regenerates Z with ``tl.rand``
-from the same (row, col) counters as :func:`seqpar.ops.attention_core.attention_keep_mask`, so no
-s_q x s_k tensor is ever written to memory. Two backward kernels avoid atomics: ``dq`` (one program
+only ``o`` and ``lse``; the backward recomputes P block by block and regenerates Z with
+:func:`triton_kernels.philox.keep_mask` (one Philox call per row and 16 keys, the mask of
+:func:`seqpar.ops.attention_core.attention_keep_mask`; the dk/dv kernel transposes its [queries, keys]
+tile), so no s_q x s_k tensor is ever written to memory. Two backward kernels avoid atomics: ``dq`` (one program
 per query block, which also writes ``delta``) and then ``dk, dv`` (one program per key block).
 
 ==============  ===================  ===============================================================
@@ -44,6 +45,9 @@ from typing import Dict, Optional, Tuple
 import torch
 import triton
 import triton.language as tl
+
+from ..random import dropout_scale
+from .philox import keep_mask
 
 __all__ = ["attention_fwd", "attention_bwd", "HEAD_DIMS", "unsupported_reason"]
 
@@ -131,10 +135,10 @@ def _load_1d(ptrs, mask, EVEN: tl.constexpr):
 
 # ----------------------------------------------------------------------------- forward
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, K_base, V_base, k_offs, v_offs, start, end, offs_m, offs_n, mask_d, row_seed,
-               stride_kn, stride_vn, S_K, qk_scale, p_drop,
-               MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr,
-               EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT: tl.constexpr):
+def _fwd_inner(acc, l_i, m_i, q, K_base, V_base, k_offs, v_offs, start, end, offs_m, offs_n, mask_d, drop_rows,
+               stride_kn, stride_vn, S_K, qk_scale, seed, threshold,
+               MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT: tl.constexpr):
     """Online softmax over key blocks [start, end); MASK applies the bound and causal masks."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
@@ -154,8 +158,7 @@ def _fwd_inner(acc, l_i, m_i, q, K_base, V_base, k_offs, v_offs, start, end, off
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            keep = tl.rand(row_seed[:, None], cols[None, :]) >= p_drop
-            p = tl.where(keep, p, 0.0)
+            p = tl.where(keep_mask(seed, drop_rows, start_n, threshold, BLOCK_M, BLOCK_N), p, 0.0)
         v_ptrs = V_base + tl.cast(start_n, tl.int64) * stride_vn + v_offs
         if MASK:
             v = _load_2d(v_ptrs, (cols < S_K)[:, None], mask_d[None, :], EVEN_N, EVEN_D)
@@ -166,13 +169,13 @@ def _fwd_inner(acc, l_i, m_i, q, K_base, V_base, k_offs, v_offs, start, end, off
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["seed", "row_offset"])
+@triton.jit(do_not_specialize=["seed", "row_offset", "threshold"])
 def _attn_fwd_kernel(Q, K, V, O, LSE,
                      stride_qb, stride_qh, stride_qm, stride_qd,
                      stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd,
                      stride_ob, stride_oh, stride_om, stride_od,
-                     B, H, S_Q, S_K, qk_scale, seed, row_offset, p_drop, drop_scale,
+                     B, H, S_Q, S_K, qk_scale, seed, row_offset, threshold, drop_scale,
                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                      DROPOUT: tl.constexpr, DOT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -198,8 +201,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
     V_base = V + tl.cast(batch, tl.int64) * stride_vb + tl.cast(head, tl.int64) * stride_vh
     k_offs = offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn          # [D_PAD, BLOCK_N]
     v_offs = offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd          # [BLOCK_N, D_PAD]
-    row_seed = (tl.cast(seed, tl.int64) + tl.cast(row_offset, tl.int64)
-                + tl.cast(bh, tl.int64) * S_Q + offs_m)
+    drop_rows = tl.cast(row_offset, tl.int64) + tl.cast(bh, tl.int64) * S_Q + offs_m   # global dropout rows
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -212,11 +214,11 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
         hi = S_K
         full_end = (S_K // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_base, V_base, k_offs, v_offs, 0, full_end, offs_m, offs_n,
-                               mask_d, row_seed, stride_kn, stride_vn, S_K, qk_scale, p_drop,
-                               False, CAUSAL, DROPOUT, BLOCK_N, EVEN_N, EVEN_D, DOT)
+                               mask_d, drop_rows, stride_kn, stride_vn, S_K, qk_scale, seed, threshold,
+                               False, CAUSAL, DROPOUT, BLOCK_M, BLOCK_N, EVEN_N, EVEN_D, DOT)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_base, V_base, k_offs, v_offs, full_end, hi, offs_m, offs_n,
-                               mask_d, row_seed, stride_kn, stride_vn, S_K, qk_scale, p_drop,
-                               True, CAUSAL, DROPOUT, BLOCK_N, EVEN_N, EVEN_D, DOT)
+                               mask_d, drop_rows, stride_kn, stride_vn, S_K, qk_scale, seed, threshold,
+                               True, CAUSAL, DROPOUT, BLOCK_M, BLOCK_N, EVEN_N, EVEN_D, DOT)
     inv_l = 1.0 / l_i
     if DROPOUT:
         inv_l = inv_l * drop_scale
@@ -235,10 +237,10 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
 
 # ----------------------------------------------------------------------------- backward: dq (+ delta)
 @triton.jit
-def _bwd_dq_inner(dq, q, do, lse2, delta, K_base, V_base, k_offs, v_offs, start, end, offs_m, offs_n, mask_d, row_seed,
-                  stride_kn, stride_vn, S_K, qk_scale, p_drop, drop_scale,
-                  MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr,
-                  EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT: tl.constexpr):
+def _bwd_dq_inner(dq, q, do, lse2, delta, K_base, V_base, k_offs, v_offs, start, end, offs_m, offs_n, mask_d,
+                  drop_rows, stride_kn, stride_vn, S_K, qk_scale, seed, threshold, drop_scale,
+                  MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT: tl.constexpr):
     """Online softmax over key blocks [start, end); MASK applies the bound and causal masks."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
@@ -258,15 +260,14 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, K_base, V_base, k_offs, v_offs, start,
                 valid = valid & (cols[None, :] <= offs_m[:, None])
             p = tl.where(valid, p, 0.0)
         dp = _dot(do, vT, DOT)                                  # dO v^T: gradient of the dropped P
-        if DROPOUT:
-            keep = tl.rand(row_seed[:, None], cols[None, :]) >= p_drop
-            dp = tl.where(keep, dp * drop_scale, 0.0)
+        if DROPOUT:  # (select, then one FFMA with the delta subtraction below)
+            dp = tl.where(keep_mask(seed, drop_rows, start_n, threshold, BLOCK_M, BLOCK_N), dp, 0.0) * drop_scale
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(kT.dtype), tl.trans(kT), DOT)
     return dq
 
 
-@triton.jit(do_not_specialize=["seed", "row_offset"])
+@triton.jit(do_not_specialize=["seed", "row_offset", "threshold"])
 def _attn_bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA,
                         stride_qb, stride_qh, stride_qm, stride_qd,
                         stride_kb, stride_kh, stride_kn, stride_kd,
@@ -274,7 +275,7 @@ def _attn_bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA,
                         stride_ob, stride_oh, stride_om, stride_od,
                         stride_dob, stride_doh, stride_dom, stride_dod,
                         stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-                        B, H, S_Q, S_K, qk_scale, sm_scale, seed, row_offset, p_drop, drop_scale,
+                        B, H, S_Q, S_K, qk_scale, sm_scale, seed, row_offset, threshold, drop_scale,
                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                         DROPOUT: tl.constexpr, DOT: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -315,8 +316,7 @@ def _attn_bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA,
     V_base = V + tl.cast(batch, tl.int64) * stride_vb + tl.cast(head, tl.int64) * stride_vh
     k_offs = offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn          # [D_PAD, BLOCK_N]
     v_offs = offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vn          # [D_PAD, BLOCK_N]
-    row_seed = (tl.cast(seed, tl.int64) + tl.cast(row_offset, tl.int64)
-                + tl.cast(bh, tl.int64) * S_Q + offs_m)
+    drop_rows = tl.cast(row_offset, tl.int64) + tl.cast(bh, tl.int64) * S_Q + offs_m   # global dropout rows
     if CAUSAL:
         hi = tl.minimum(m0 + BLOCK_M, S_K)
         full_end = (tl.minimum(m0 + 1, S_K) // BLOCK_N) * BLOCK_N
@@ -325,11 +325,11 @@ def _attn_bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA,
         full_end = (S_K // BLOCK_N) * BLOCK_N
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_base, V_base, k_offs, v_offs, 0, full_end, offs_m, offs_n, mask_d,
-                       row_seed, stride_kn, stride_vn, S_K, qk_scale, p_drop, drop_scale,
-                       False, CAUSAL, DROPOUT, BLOCK_N, EVEN_N, EVEN_D, DOT)
+                       drop_rows, stride_kn, stride_vn, S_K, qk_scale, seed, threshold, drop_scale,
+                       False, CAUSAL, DROPOUT, BLOCK_M, BLOCK_N, EVEN_N, EVEN_D, DOT)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_base, V_base, k_offs, v_offs, full_end, hi, offs_m, offs_n, mask_d,
-                       row_seed, stride_kn, stride_vn, S_K, qk_scale, p_drop, drop_scale,
-                       True, CAUSAL, DROPOUT, BLOCK_N, EVEN_N, EVEN_D, DOT)
+                       drop_rows, stride_kn, stride_vn, S_K, qk_scale, seed, threshold, drop_scale,
+                       True, CAUSAL, DROPOUT, BLOCK_M, BLOCK_N, EVEN_N, EVEN_D, DOT)
     dq = dq * sm_scale
     _store_2d(DQ + tl.cast(batch, tl.int64) * stride_dqb + tl.cast(head, tl.int64) * stride_dqh
               + tl.cast(m0, tl.int64) * stride_dqm + rows * stride_dqm + offs_d[None, :] * stride_dqd,
@@ -338,11 +338,10 @@ def _attn_bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA,
 
 # ----------------------------------------------------------------------------- backward: dk, dv
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, q_offs, do_offs, LSE_base, DELTA_base, start, end, offs_n,
-                    offs_m_local,
-                    mask_d, seed_base, stride_qm, stride_dom, S_Q, qk_scale, p_drop, drop_scale,
-                    MASK: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
-                    EVEN_M: tl.constexpr, EVEN_D: tl.constexpr, DOT: tl.constexpr):
+def _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, q_offs, do_offs, LSE_base, DELTA_base, start, end, n0, offs_n,
+                    offs_m_local, mask_d, drop_row_base, stride_qm, stride_dom, S_Q, qk_scale, seed, threshold,
+                    drop_scale, MASK: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr, DOT: tl.constexpr):
     """Accumulate dk, dv of one key block over query blocks [start, end); MASK = causal diagonal."""
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + offs_m_local
@@ -356,22 +355,23 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, q_offs, do_offs, LSE_base, DE
         if MASK:
             pT = tl.where(rows[None, :] >= offs_n[:, None], pT, 0.0)
         do = _load_2d(do_ptrs, (rows < S_Q)[:, None], mask_d[None, :], EVEN_M, EVEN_D)   # [BLOCK_M, D_PAD]
+        dpT = _dot(v, tl.trans(do), DOT)
         if DROPOUT:
-            keep = tl.rand((seed_base + rows)[None, :], offs_n[:, None]) >= p_drop
-            ppT = tl.where(keep, pT * drop_scale, 0.0)
+            # The mask of (query rows, key columns), drawn transposed for this [keys, queries] tile. The
+            # dropout scale of dv is applied once after the loop; dpT's fuses with the delta subtraction.
+            z = tl.where(keep_mask(seed, drop_row_base + rows, n0, threshold, BLOCK_M, BLOCK_N, True), drop_scale, 0.0)
+            ppT = pT * z
+            dpT = dpT * z
         else:
             ppT = pT
         dv += _dot(ppT.to(do.dtype), do, DOT)
-        dpT = _dot(v, tl.trans(do), DOT)
-        if DROPOUT:
-            dpT = tl.where(keep, dpT * drop_scale, 0.0)
         delta = _load_1d(DELTA_base + rows, rows < S_Q, EVEN_M)
         dsT = pT * (dpT - delta[None, :])
         dk += _dot(dsT.to(qT.dtype), tl.trans(qT), DOT)
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["seed", "row_offset"])
+@triton.jit(do_not_specialize=["seed", "row_offset", "threshold"])
 def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
                           stride_qb, stride_qh, stride_qm, stride_qd,
                           stride_kb, stride_kh, stride_kn, stride_kd,
@@ -379,7 +379,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
                           stride_dob, stride_doh, stride_dom, stride_dod,
                           stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                           stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                          B, H, S_Q, S_K, qk_scale, sm_scale, seed, row_offset, p_drop, drop_scale,
+                          B, H, S_Q, S_K, qk_scale, sm_scale, seed, row_offset, threshold, drop_scale,
                           HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                           DROPOUT: tl.constexpr, DOT: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -410,7 +410,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
     stat_base = tl.cast(batch * H + head, tl.int64) * S_Q
     LSE_base = LSE + stat_base
     DELTA_base = DELTA + stat_base
-    seed_base = tl.cast(seed, tl.int64) + tl.cast(row_offset, tl.int64) + tl.cast(bh, tl.int64) * S_Q
+    drop_row_base = tl.cast(row_offset, tl.int64) + tl.cast(bh, tl.int64) * S_Q      # global row of query 0
 
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
@@ -420,15 +420,15 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
         m_start = (n0 // BLOCK_M) * BLOCK_M
         m_mid = tl.minimum(((n0 + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, S_Q)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, q_offs, do_offs, LSE_base, DELTA_base, m_start, m_mid,
-                                 offs_n, offs_m_local, mask_d, seed_base, stride_qm, stride_dom, S_Q,
-                                 qk_scale, p_drop, drop_scale, True, DROPOUT, BLOCK_M, EVEN_M, EVEN_D, DOT)
+                                 n0, offs_n, offs_m_local, mask_d, drop_row_base, stride_qm, stride_dom, S_Q,
+                                 qk_scale, seed, threshold, drop_scale, True, DROPOUT, BLOCK_M, BLOCK_N, EVEN_M, EVEN_D, DOT)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, q_offs, do_offs, LSE_base, DELTA_base, m_mid, S_Q,
-                                 offs_n, offs_m_local, mask_d, seed_base, stride_qm, stride_dom, S_Q,
-                                 qk_scale, p_drop, drop_scale, False, DROPOUT, BLOCK_M, EVEN_M, EVEN_D, DOT)
+                                 n0, offs_n, offs_m_local, mask_d, drop_row_base, stride_qm, stride_dom, S_Q,
+                                 qk_scale, seed, threshold, drop_scale, False, DROPOUT, BLOCK_M, BLOCK_N, EVEN_M, EVEN_D, DOT)
     else:
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, q_offs, do_offs, LSE_base, DELTA_base, 0, S_Q,
-                                 offs_n, offs_m_local, mask_d, seed_base, stride_qm, stride_dom, S_Q,
-                                 qk_scale, p_drop, drop_scale, False, DROPOUT, BLOCK_M, EVEN_M, EVEN_D, DOT)
+                                 n0, offs_n, offs_m_local, mask_d, drop_row_base, stride_qm, stride_dom, S_Q,
+                                 qk_scale, seed, threshold, drop_scale, False, DROPOUT, BLOCK_M, BLOCK_N, EVEN_M, EVEN_D, DOT)
     dk = dk * sm_scale
     _store_2d(DK + tl.cast(batch, tl.int64) * stride_dkb + tl.cast(head, tl.int64) * stride_dkh
               + tl.cast(n0, tl.int64) * stride_dkn + cols * stride_dkn + offs_d[None, :] * stride_dkd,
@@ -446,33 +446,42 @@ _EVEN = {
 _TUNE_KEY = ["S_Q", "S_K", "HEAD_DIM", "CAUSAL", "DROPOUT", "DOT"]
 
 
-def _configs(shapes):
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in shapes]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, largest D_PAD without dropout, largest D_PAD with dropout;
+# 0: never). Forward and dq keep a tall query tile resident and stream keys; dk/dv keeps a wide key tile
+# resident and streams queries. The limits come from bench/kernel_report.py (sm_90a, bf16 / fp16, causal;
+# bench/results/kernel_report.txt): a tile is offered only where ptxas doesn't spill, and with dropout
+# only where the main loop stays within 1.6x of its dropout-free instruction count. So the 4-warp tiles
+# stop at d_pad = 64, and with dropout the 128 x 128 forward (its mask costs ~1.75x) and, at d_pad = 128,
+# the 64-query dk/dv tiles (they spill) are left out.
+_FWD_TILES = [(128, 64, 8, 3, 128, 128), (128, 32, 8, 3, 128, 128), (128, 64, 8, 2, 128, 128),
+              (128, 128, 8, 2, 128, 0), (64, 64, 4, 3, 64, 64), (128, 32, 4, 4, 64, 64)]
+_DQ_TILES = [(128, 64, 8, 2, 128, 128), (128, 64, 8, 3, 128, 128), (128, 32, 8, 3, 128, 128),
+             (64, 64, 8, 3, 128, 128), (64, 64, 4, 3, 64, 64), (64, 32, 4, 4, 64, 64)]
+_DKDV_TILES = [(32, 128, 8, 3, 128, 128), (64, 128, 8, 3, 128, 64), (64, 128, 8, 2, 64, 64),
+               (64, 64, 8, 3, 128, 64), (64, 64, 4, 3, 64, 64), (32, 64, 4, 4, 64, 64)]
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages). Forward and dq keep a tall query tile resident and
-# stream keys; dk/dv keeps a wide key tile resident and streams queries. Chosen from ptxas resource
-# usage for sm_90 (bf16, causal, with and without dropout): the per-element Philox of the dropout mask
-# adds a lot of register pressure, so at d = 128 only 8-warp tiles avoid spilling (the 4-warp ones are
-# pruned there) and each list has a 32-wide variant for the dropout case.
-_FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2),
-                         (64, 64, 4, 3), (128, 32, 4, 4)])
-_DQ_CONFIGS = _configs([(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 8, 3),
-                        (64, 64, 4, 3), (64, 32, 4, 4)])
-_DKDV_CONFIGS = _configs([(32, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 8, 3),
-                          (64, 64, 4, 3), (32, 64, 4, 4)])
+def _configs(tiles):
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s, *_ in tiles]
 
 
-def _prune(configs, named_args, **meta):
-    """At d_pad = 128 the 4-warp tiles spill registers: don't spend autotuning time on them."""
-    if meta.get("DOT") == 1:
-        # fp32 inputs (testing only) use ieee dots, i.e. FMA loops without tensor cores: a 128 x 128
-        # tile unrolls into ~8k FMAs per thread per dot, so compiling all configs for every new shape
-        # key (each gpu test is one) takes minutes and big fp32 tiles can overflow shared memory.
-        # One modest 8-warp tile, no autotuning sweep.
-        return [min(configs, key=lambda c: (-c.num_warps, c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]))]
-    kept = [c for c in configs if meta.get("D_PAD", 0) < 128 or c.num_warps >= 8]
-    return kept or configs
+def _pruner(tiles):
+    """early_config_prune of one kernel: the configs of ``tiles`` offered for this D_PAD and DROPOUT."""
+    limits = {(bm, bn, w, s): (no_drop, drop) for bm, bn, w, s, no_drop, drop in tiles}
+
+    def prune(configs, named_args, **meta):
+        if meta.get("DOT") == 1:
+            # fp32 inputs (testing only) use ieee dots, i.e. FMA loops without tensor cores: a 128 x 128
+            # tile unrolls into ~8k FMAs per thread per dot, so compiling all configs for every new shape
+            # key (each gpu test is one) takes minutes and big fp32 tiles can overflow shared memory.
+            # One modest 8-warp tile, no autotuning sweep.
+            return [min(configs, key=lambda c: (-c.num_warps, c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]))]
+        d_pad, dropout = meta.get("D_PAD", 0), meta.get("DROPOUT", False)
+        kept = [c for c in configs
+                if d_pad <= limits[(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)][dropout]]
+        return kept or configs[:1]
+
+    return prune
 
 
 # Interpreter (CPU tests): one small fixed tile, distinct M and N so every mask path is exercised.
@@ -485,10 +494,12 @@ INTERPRET_CONFIG: Dict[str, Dict[str, int]] = {
 _fwd_even = triton.heuristics(_EVEN)(_attn_fwd_kernel)
 _dq_even = triton.heuristics(_EVEN)(_attn_bwd_dq_kernel)
 _dkdv_even = triton.heuristics(_EVEN)(_attn_bwd_dkdv_kernel)
-_PRUNE = {"early_config_prune": _prune}
-_fwd_tuned = triton.autotune(configs=_FWD_CONFIGS, key=_TUNE_KEY, prune_configs_by=_PRUNE)(_fwd_even)
-_dq_tuned = triton.autotune(configs=_DQ_CONFIGS, key=_TUNE_KEY, prune_configs_by=_PRUNE)(_dq_even)
-_dkdv_tuned = triton.autotune(configs=_DKDV_CONFIGS, key=_TUNE_KEY, prune_configs_by=_PRUNE)(_dkdv_even)
+_fwd_tuned = triton.autotune(configs=_configs(_FWD_TILES), key=_TUNE_KEY,
+                             prune_configs_by={"early_config_prune": _pruner(_FWD_TILES)})(_fwd_even)
+_dq_tuned = triton.autotune(configs=_configs(_DQ_TILES), key=_TUNE_KEY,
+                            prune_configs_by={"early_config_prune": _pruner(_DQ_TILES)})(_dq_even)
+_dkdv_tuned = triton.autotune(configs=_configs(_DKDV_TILES), key=_TUNE_KEY,
+                              prune_configs_by={"early_config_prune": _pruner(_DKDV_TILES)})(_dkdv_even)
 
 
 def _launch(which: str, even_kernel, tuned_kernel, grid_rows: int, bh: int, args, meta, config):
@@ -525,18 +536,22 @@ def _seq_major(b: int, heads: int, s: int, d: int, like: torch.Tensor) -> torch.
     return torch.empty((s, b, heads, d), dtype=like.dtype, device=like.device).permute(1, 2, 0, 3)
 
 
-def _drop_args(dropout_p: float, seed: int, row_offset: int):
-    active = dropout_p > 0.0
-    return (int(seed) if active else 0, int(row_offset) if active else 0, float(dropout_p),
-            1.0 / (1.0 - dropout_p)), active
+def _drop_args(drop_threshold: int, seed: int, row_offset: int):
+    """Kernel arguments (seed, row_offset, threshold, drop_scale) and whether dropout is on."""
+    if not isinstance(drop_threshold, int) or not 0 <= drop_threshold < 256:
+        raise ValueError(f"dropout threshold P must be an int in [0, 256), got {drop_threshold!r}")
+    if drop_threshold == 0:
+        return (0, 0, 0, 1.0), False
+    return (int(seed), int(row_offset), drop_threshold, dropout_scale(drop_threshold)), True
 
 
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                  dropout_p: float = 0.0, seed: int = 0, row_offset: int = 0,
+                  drop_threshold: int = 0, seed: int = 0, row_offset: int = 0,
                   config: Optional[dict] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Forward: returns ``(o, lse)``; ``o`` [b, H, s_q, d] (a view of [s_q, b, H, d]), ``lse`` fp32 [b, H, s_q].
 
-    ``config`` (tests) pins ``BLOCK_M``/``BLOCK_N`` (and optionally num_warps/num_stages) instead of
+    ``drop_threshold`` is the dropout byte threshold P = round(p * 256) (0: no dropout; see
+    :func:`seqpar.random.dropout_threshold`). ``config`` (tests) pins ``BLOCK_M``/``BLOCK_N`` (and optionally num_warps/num_stages) instead of
     autotuning.
     """
     _check(q, k, v)
@@ -550,9 +565,9 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         o.zero_()
         lse.fill_(float("-inf"))
         return o, lse
-    (seed, row_offset, p, drop_scale), active = _drop_args(dropout_p, seed, row_offset)
+    (seed, row_offset, threshold, drop_scale), active = _drop_args(drop_threshold, seed, row_offset)
     args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-            b, heads, s_q, s_k, scale * _LOG2E, seed, row_offset, p, drop_scale)
+            b, heads, s_q, s_k, scale * _LOG2E, seed, row_offset, threshold, drop_scale)
     meta = dict(HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), CAUSAL=bool(causal), DROPOUT=active,
                 DOT=_dot_mode(q.dtype))
     _launch("fwd", _fwd_even, _fwd_tuned, s_q, b * heads, args, meta, config)
@@ -560,7 +575,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 
 def attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  o: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, dropout_p: float = 0.0,
+                  o: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, drop_threshold: int = 0,
                   seed: int = 0, row_offset: int = 0,
                   config: Optional[Dict[str, dict]] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward: ``(dq, dk, dv)`` (views of [s, b, H, d] buffers) from ``grad_o`` (any strides) and the
@@ -578,11 +593,11 @@ def attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     grad_o = grad_o.to(q.dtype)
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
-    (seed, row_offset, p, drop_scale), active = _drop_args(dropout_p, seed, row_offset)
+    (seed, row_offset, threshold, drop_scale), active = _drop_args(drop_threshold, seed, row_offset)
     meta = dict(HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), CAUSAL=bool(causal), DROPOUT=active,
                 DOT=_dot_mode(q.dtype))
     config = config or {}
-    common = (b, heads, s_q, s_k, scale * _LOG2E, scale, seed, row_offset, p, drop_scale)
+    common = (b, heads, s_q, s_k, scale * _LOG2E, scale, seed, row_offset, threshold, drop_scale)
     _launch("dq", _dq_even, _dq_tuned, s_q, b * heads,
             (q, k, v, o, grad_o, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
              *grad_o.stride(), *dq.stride(), *common), meta, config.get("dq"))

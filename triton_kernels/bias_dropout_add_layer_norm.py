@@ -2,15 +2,15 @@
 
 Math on a ``[rows, h]`` view (statistics in fp32; see :mod:`seqpar.ops.bias_dropout_add_layer_norm`)::
 
-    keep[r, c]      = tl.rand(seed + row_offset + r, c) >= p         # the counter-based mask of seqpar.random
-    residual_out    = residual + where(keep, (x + bias) * 1/(1-p), 0)
+    keep[r, c]      = mask_byte(seed, row_offset + r, c) >= P        # seqpar.random's mask, P = round(p * 256)
+    residual_out    = residual + where(keep, (x + bias) * scale, 0)  # scale = float32(256 / (256 - P))
     x_hat           = (residual_out - mean) * rstd                    # of the *rounded* residual_out
     y               = x_hat * ln_weight + ln_bias
 
 Backward, per row (g = grad_y * ln_weight)::
 
     grad_residual   = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) + grad_residual_out
-    grad_x          = where(keep, grad_residual * 1/(1-p), 0)
+    grad_x          = where(keep, grad_residual * scale, 0)
     grad_ln_weight  = sum_rows(grad_y * x_hat),  grad_ln_bias = sum_rows(grad_y),  grad_bias = sum_rows(grad_x)
 
 The column sums are reduced without atomics (the CPU interpreter runs programs one after another):
@@ -41,6 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..random import dropout_scale
+from .philox import keep_mask
+
 __all__ = ["forward", "backward", "MAX_HIDDEN"]
 
 # One row must fit in one block of the forward kernel: the whole row stays in registers.
@@ -63,10 +66,10 @@ def _cast(v, dtype: tl.constexpr, MANUAL_BF16: tl.constexpr):
         return v.to(dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["threshold", "seed", "row_offset"])
 def _fwd_kernel(X, BIAS, RES, W, B, Y, RES_OUT, MEAN, RSTD,
                 n_rows, h, stride_x, stride_res,
-                eps, p, scale, seed,
+                eps, threshold, scale, seed, row_offset,
                 HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, MANUAL_BF16: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # One program normalises BLOCK_M whole rows (BLOCK_M = 1 for wide rows on a GPU).
@@ -82,11 +85,9 @@ def _fwd_kernel(X, BIAS, RES, W, B, Y, RES_OUT, MEAN, RSTD,
     if HAS_BIAS:
         a += tl.load(BIAS + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_DROPOUT:
-        # Global row (seed already includes row_offset) as the int64 Philox key, int32 column as counter:
-        # bit for bit seqpar.random.philox_uniform, so torch / triton / cuda masks agree. (rows64 + seed,
-        # not seed.to(): an int argument may arrive as a constexpr, e.g. when it equals 1.)
-        u = tl.rand(rows64[:, None] + seed, cols[None, :])
-        a = tl.where(u >= p, a * scale, 0.0)
+        # Global rows, whole 16-column groups (BLOCK_N >= 16): bit for bit seqpar.random.dropout_keep_mask.
+        keep = keep_mask(seed, rows64 + row_offset, 0, threshold, BLOCK_M, BLOCK_N, False, False)
+        a = tl.where(keep, a * scale, 0.0)
     res = tl.load(RES + rows64[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     r_store = _cast(res + a, RES_OUT.dtype.element_ty, MANUAL_BF16)
     tl.store(RES_OUT + rows64[:, None] * h + cols[None, :], r_store, mask=mask)
@@ -107,15 +108,30 @@ def _fwd_kernel(X, BIAS, RES, W, B, Y, RES_OUT, MEAN, RSTD,
 
 
 @triton.jit
+def _row_sums(GY, RO, W, offs_row, cols, mask, w, mean, rstd):
+    """x_hat, g = grad_y * w, and the row sums sum(g), sum(g * x_hat) of one [BLOCK_M, BLOCK_N] chunk."""
+    r = tl.load(RO + offs_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x_hat = tl.where(mask, (r - mean[:, None]) * rstd[:, None], 0.0)
+    gy = tl.load(GY + offs_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = gy * w[None, :]
+    return x_hat, gy, g, tl.sum(g, axis=1), tl.sum(g * x_hat, axis=1)
+
+
+@triton.jit(do_not_specialize=["threshold", "seed", "row_offset"])
 def _bwd_kernel(GY, GRO, RO, W, MEAN, RSTD, GX, GRES, PART_W, PART_B, PART_BIAS,
-                n_rows, h, rows_per_program, p, scale, seed,
+                n_rows, h, rows_per_program, threshold, scale, seed, row_offset,
                 HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, MANUAL_BF16: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Program `pid` owns rows [pid * rows_per_program, ...) and writes row `pid` of the partial buffers.
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_CHUNKS: tl.constexpr):
+    # Program (pid, chunk) owns rows [pid * rows_per_program, ...) and columns [chunk * BLOCK_N, ...) of
+    # them, and writes those columns of row `pid` of the partial buffers. Its registers hold BLOCK_N
+    # columns (three fp32 running sums each): rows wider than that are split over N_CHUNKS programs, each
+    # of which streams the row's other chunks for the row sums (read again from L2: the chunk programs of
+    # one row range run side by side).
     pid = tl.program_id(0)
+    chunk = tl.program_id(1)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, n_rows)
-    cols = tl.arange(0, BLOCK_N)
+    cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < h
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
 
@@ -126,26 +142,35 @@ def _bwd_kernel(GY, GRO, RO, W, MEAN, RSTD, GX, GRES, PART_W, PART_B, PART_BIAS,
         rows = start + tl.arange(0, BLOCK_M)
         row_mask = rows < row_end
         mask = row_mask[:, None] & col_mask[None, :]
-        offs = rows.to(tl.int64)[:, None] * h + cols[None, :]
-
+        offs_row = rows.to(tl.int64)[:, None] * h
+        offs = offs_row + cols[None, :]
         mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-        r = tl.load(RO + offs, mask=mask, other=0.0).to(tl.float32)
-        x_hat = tl.where(mask, (r - mean[:, None]) * rstd[:, None], 0.0)
-        gy = tl.load(GY + offs, mask=mask, other=0.0).to(tl.float32)
+
+        x_hat, gy, g, sum_g, sum_gx = _row_sums(GY, RO, W, offs_row, cols, mask, w, mean, rstd)
+        if N_CHUNKS > 1:  # the other chunks of the rows, for the row sums only
+            sum_g = tl.zeros([BLOCK_M], dtype=tl.float32)
+            sum_gx = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for c in tl.static_range(N_CHUNKS):
+                c_cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
+                c_mask = row_mask[:, None] & (c_cols < h)[None, :]
+                c_w = tl.load(W + c_cols, mask=c_cols < h, other=0.0).to(tl.float32)
+                _, _, _, c_g, c_gx = _row_sums(GY, RO, W, offs_row, c_cols, c_mask, c_w, mean, rstd)
+                sum_g += c_g
+                sum_gx += c_gx
         acc_w += gy * x_hat
         acc_b += gy
 
-        g = gy * w[None, :]
-        c_gx = tl.sum(g * x_hat, axis=1) / h
-        c_g = tl.sum(g, axis=1) / h
+        c_gx = sum_gx / h
+        c_g = sum_g / h
         gro = tl.load(GRO + offs, mask=mask, other=0.0).to(tl.float32)
         g_res = rstd[:, None] * (g - c_g[:, None] - x_hat * c_gx[:, None]) + gro
         g_res = tl.where(mask, g_res, 0.0)
         tl.store(GRES + offs, _cast(g_res, GRES.dtype.element_ty, MANUAL_BF16), mask=mask)
         if HAS_DROPOUT:
-            u = tl.rand(rows.to(tl.int64)[:, None] + seed, cols[None, :])
-            g_x = tl.where(u >= p, g_res * scale, 0.0)
+            keep = keep_mask(seed, rows.to(tl.int64) + row_offset, chunk * BLOCK_N, threshold, BLOCK_M, BLOCK_N,
+                             False, False)
+            g_x = tl.where(keep, g_res * scale, 0.0)
         else:
             g_x = g_res
         tl.store(GX + offs, _cast(g_x, GX.dtype.element_ty, MANUAL_BF16), mask=mask)
@@ -196,7 +221,7 @@ def _sm_count(device_index: int) -> int:
 def _block_n(h: int) -> int:
     if not 1 <= h <= MAX_HIDDEN:
         raise ValueError(f"hidden size h={h} is outside the Triton kernel's range [1, {MAX_HIDDEN}]")
-    return triton.next_power_of_2(h)
+    return max(16, triton.next_power_of_2(h))  # the dropout mask comes in whole 16-column groups
 
 
 def _rows_per_block(n_rows: int, block_n: int, elements: int) -> int:
@@ -222,20 +247,29 @@ def _fwd_config(n_rows: int, h: int):
     return block_m, block_n, {"num_warps": _num_warps(block_m * block_n, 16), "enable_fp_fusion": False}
 
 
+# Columns of one backward program: 8 per thread at 16 warps, so its three fp32 running sums (24 registers)
+# and the working set fit the 128 registers a 512-thread program may use. With a whole 8192- or
+# 16384-wide row per program (32 warps: at most 64 registers) ptxas spilled 130-1500 bytes per thread.
+BWD_BLOCK_N = 4096
+
+
 def _bwd_config(n_rows: int, h: int, device: torch.device):
-    block_n = _block_n(h)
-    if _interpreting():
+    """(BLOCK_M, BLOCK_N, N_CHUNKS, programs per chunk, rows per program, launch options)."""
+    row_n = _block_n(h)
+    block_n = min(row_n, BWD_BLOCK_N)
+    if _interpreting():  # few fat programs: the interpreter's cost is per program
         block_m = _rows_per_block(n_rows, block_n, 1 << 14)
         max_programs, launch = 4, {}
     else:
         block_m = _rows_per_block(n_rows, block_n, 2048)
-        max_programs = 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-        launch = {"num_warps": _num_warps(block_m * block_n, 32 if block_n >= 8192 else 16)}
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        max_programs = max(1, 4 * sms // (row_n // block_n))
+        launch = {"num_warps": _num_warps(block_m * block_n, 16)}
     tiles = triton.cdiv(max(n_rows, 1), block_m)
     programs = min(tiles, max_programs)
     rows_per_program = triton.cdiv(tiles, programs) * block_m
     programs = triton.cdiv(max(n_rows, 1), rows_per_program)
-    return block_m, block_n, programs, rows_per_program, launch
+    return block_m, block_n, row_n // block_n, programs, rows_per_program, launch
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -244,12 +278,22 @@ def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _drop_args(drop_threshold: int, seed: int, row_offset: int):
+    """Kernel arguments (threshold, scale, seed, row_offset) and whether dropout is on."""
+    if not isinstance(drop_threshold, int) or not 0 <= drop_threshold < 256:
+        raise ValueError(f"dropout threshold P must be an int in [0, 256), got {drop_threshold!r}")
+    if drop_threshold == 0:
+        return (0, 1.0, 0, 0), False
+    return (drop_threshold, dropout_scale(drop_threshold), int(seed), int(row_offset)), True
+
+
 def forward(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, ln_weight: torch.Tensor,
-            ln_bias: torch.Tensor, eps: float, p: float, seed: int, row_offset: int
+            ln_bias: torch.Tensor, eps: float, drop_threshold: int, seed: int, row_offset: int
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward on 2-D ``[rows, h]`` inputs with unit column stride.
 
-    ``p == 0`` disables dropout (then ``seed`` / ``row_offset`` are ignored). Returns
+    ``drop_threshold`` is the dropout byte threshold P = round(p * 256) (:mod:`seqpar.random`); 0
+    disables dropout (then ``seed`` / ``row_offset`` are ignored). Returns
     ``(y, residual_out, mean, rstd)``; y and residual_out are new contiguous tensors.
     """
     n_rows, h = x.shape
@@ -260,20 +304,18 @@ def forward(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tenso
     if n_rows == 0:
         return y, residual_out, mean, rstd
     block_m, block_n, launch = _fwd_config(n_rows, h)
-    has_dropout = p > 0.0
+    drop_args, has_dropout = _drop_args(drop_threshold, seed, row_offset)
     _fwd_kernel[(triton.cdiv(n_rows, block_m),)](
         x, x if bias is None else bias, residual, ln_weight.contiguous(), ln_bias.contiguous(),
         y, residual_out, mean, rstd,
-        n_rows, h, x.stride(0), residual.stride(0),
-        float(eps), float(p), 1.0 / (1.0 - p) if has_dropout else 1.0,
-        (seed + row_offset) if has_dropout else 0,
+        n_rows, h, x.stride(0), residual.stride(0), float(eps), *drop_args,
         HAS_BIAS=bias is not None, HAS_DROPOUT=has_dropout, MANUAL_BF16=_interpreting(),
         BLOCK_M=block_m, BLOCK_N=block_n, **launch)
     return y, residual_out, mean, rstd
 
 
 def backward(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual_out: torch.Tensor,
-             ln_weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, p: float, seed: int,
+             ln_weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, drop_threshold: int, seed: int,
              row_offset: int, has_bias: bool
              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward on 2-D ``[rows, h]`` gradients (made contiguous).
@@ -295,19 +337,18 @@ def backward(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual_out
         return grad_x, grad_bias.zero_(), grad_res, grad_w.zero_(), grad_b.zero_()
     if not has_bias:
         grad_bias.zero_()
-    block_m, block_n, programs, rows_per_program, launch = _bwd_config(n_rows, h, device)
+    block_m, block_n, n_chunks, programs, rows_per_program, launch = _bwd_config(n_rows, h, device)
     partials = _empty((3 if has_bias else 2, programs, h), torch.float32, device)
     part_bias = partials[2] if has_bias else partials[1]
-    has_dropout = p > 0.0
-    _bwd_kernel[(programs,)](
+    drop_args, has_dropout = _drop_args(drop_threshold, seed, row_offset)
+    _bwd_kernel[(programs, n_chunks)](
         grad_y, grad_residual_out, residual_out, ln_weight.contiguous(), mean, rstd, grad_x, grad_res,
         partials[0], partials[1], part_bias,
-        n_rows, h, rows_per_program, float(p), 1.0 / (1.0 - p) if has_dropout else 1.0,
-        (seed + row_offset) if has_dropout else 0,
+        n_rows, h, rows_per_program, *drop_args,
         HAS_BIAS=has_bias, HAS_DROPOUT=has_dropout, MANUAL_BF16=_interpreting(),
-        BLOCK_M=block_m, BLOCK_N=block_n, **launch)
+        BLOCK_M=block_m, BLOCK_N=block_n, N_CHUNKS=n_chunks, **launch)
     if _interpreting():  # one program: a few [programs, h] numpy sums
-        red_n, red_p = block_n, triton.next_power_of_2(programs)
+        red_n, red_p = block_n * n_chunks, triton.next_power_of_2(programs)
     else:
         red_n, red_p = min(block_n, 128), min(triton.next_power_of_2(programs), 32)
     _reduce_partials_kernel[(triton.cdiv(h, red_n),)](

@@ -31,7 +31,9 @@ class FusedBiasDropoutAddLayerNorm(LayerNorm):
     Args:
         hidden_size: h, the normalised (last) dimension.
         eps: LayerNorm epsilon (> 0).
-        p: dropout probability in [0, 1), applied in training mode.
+        p: dropout probability in [0, 1), applied in training mode; the effective probability is
+            ``round(p * 256) / 256`` (:func:`seqpar.random.effective_dropout_p`), and
+            ``round(p * 256) >= 256`` is a ValueError.
         backend: "auto" | "torch" | "triton" | "cuda" (see :mod:`seqpar.ops.registry`).
         device, dtype: of the LayerNorm parameters.
         tp_group, sequence_parallel: as :class:`seqpar.nn.LayerNorm`.

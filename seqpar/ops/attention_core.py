@@ -9,10 +9,11 @@ o           [b, heads, s_q, d]     dtype of q
 ==========  =====================  ==========================================
 
 ``causal`` masks key j > query i (top-left aligned, like SDPA's ``is_causal``). ``scale`` defaults to
-``1/sqrt(d)``. The dropout mask element (batch, head, i, j) is
-``philox(seed + row_offset + (head * b + batch) * s_q + i, j) >= p`` (:mod:`seqpar.random`): rows are
-head-major so that a tensor-parallel rank owning heads ``r*H_local ..`` passes
-``row_offset = r * H_local * b * s_q`` and draws the same masks as one device.
+``1/sqrt(d)``. The dropout mask element (batch, head, i, j) is kept iff
+``mask_byte(seed, row_offset + (head * b + batch) * s_q + i, j) >= round(p * 256)`` (:mod:`seqpar.random`;
+the effective probability is ``round(p * 256) / 256``): rows are head-major so that a tensor-parallel
+rank owning heads ``r*H_local ..`` passes ``row_offset = r * H_local * b * s_q`` and draws the same
+masks as one device.
 
 Backend interface (:func:`seqpar.ops.registry.register`)::
 
@@ -57,12 +58,11 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def attention_keep_mask(spec: DropoutSpec, b: int, heads: int, s_q: int, s_k: int, device) -> torch.Tensor:
     """Bool keep-mask [b, heads, s_q, s_k] of the attention dropout (head-major rows, see module doc)."""
-    batch = torch.arange(b, device=device).view(b, 1, 1, 1)
-    head = torch.arange(heads, device=device).view(1, heads, 1, 1)
-    query = torch.arange(s_q, device=device).view(1, 1, s_q, 1)
+    batch = torch.arange(b, device=device).view(b, 1, 1)
+    head = torch.arange(heads, device=device).view(1, heads, 1)
+    query = torch.arange(s_q, device=device).view(1, 1, s_q)
     rows = (head * b + batch) * s_q + query + spec.row_offset
-    cols = torch.arange(s_k, device=device).view(1, 1, 1, s_k)
-    return dropout_keep_mask(spec.seed, rows, cols, spec.p)
+    return dropout_keep_mask(spec.seed, rows, s_k, spec.threshold)
 
 
 def causal_mask(s_q: int, s_k: int, device) -> torch.Tensor:
@@ -112,31 +112,31 @@ def _seq_major_empty(b: int, heads: int, s: int, d: int, like: torch.Tensor) -> 
 
 @torch.library.custom_op("seqpar::attention_core_triton_fwd", mutates_args=())
 def _triton_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                   dropout_p: float, seed: int, row_offset: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                   drop_threshold: int, seed: int, row_offset: int) -> Tuple[torch.Tensor, torch.Tensor]:
     from ..triton_kernels.attention import attention_fwd
 
     with _ext.on_device(q):
-        return attention_fwd(q, k, v, causal, scale, dropout_p, seed, row_offset)
+        return attention_fwd(q, k, v, causal, scale, drop_threshold, seed, row_offset)
 
 
 @_triton_fwd_op.register_fake
-def _(q, k, v, causal, scale, dropout_p, seed, row_offset):
+def _(q, k, v, causal, scale, drop_threshold, seed, row_offset):
     b, heads, s_q, d = q.shape
     return _seq_major_empty(b, heads, s_q, d, q), q.new_empty((b, heads, s_q), dtype=torch.float32)
 
 
 @torch.library.custom_op("seqpar::attention_core_triton_bwd", mutates_args=())
 def _triton_bwd_op(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                   lse: torch.Tensor, causal: bool, scale: float, dropout_p: float, seed: int,
+                   lse: torch.Tensor, causal: bool, scale: float, drop_threshold: int, seed: int,
                    row_offset: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from ..triton_kernels.attention import attention_bwd
 
     with _ext.on_device(q):
-        return attention_bwd(grad_o, q, k, v, o, lse, causal, scale, dropout_p, seed, row_offset)
+        return attention_bwd(grad_o, q, k, v, o, lse, causal, scale, drop_threshold, seed, row_offset)
 
 
 @_triton_bwd_op.register_fake
-def _(grad_o, q, k, v, o, lse, causal, scale, dropout_p, seed, row_offset):
+def _(grad_o, q, k, v, o, lse, causal, scale, drop_threshold, seed, row_offset):
     b, heads, s_q, d = q.shape
     s_k = k.shape[2]
     return (_seq_major_empty(b, heads, s_q, d, q), _seq_major_empty(b, heads, s_k, d, k),
@@ -144,13 +144,13 @@ def _(grad_o, q, k, v, o, lse, causal, scale, dropout_p, seed, row_offset):
 
 
 def _triton_forward(q, k, v, causal: bool, scale: float, spec: DropoutSpec):
-    o, lse = _triton_fwd_op(q, k, v, causal, scale, spec.p, spec.seed, spec.row_offset)
+    o, lse = _triton_fwd_op(q, k, v, causal, scale, spec.threshold, spec.seed, spec.row_offset)
     return o, (o, lse)
 
 
 def _triton_backward(grad_o, q, k, v, saved, causal: bool, scale: float, spec: DropoutSpec):
     o, lse = saved
-    return _triton_bwd_op(grad_o, q, k, v, o, lse, causal, scale, spec.p, spec.seed, spec.row_offset)
+    return _triton_bwd_op(grad_o, q, k, v, o, lse, causal, scale, spec.threshold, spec.seed, spec.row_offset)
 
 
 def _triton_check(q=None, k=None, v=None, causal=True, **_) -> Optional[str]:
@@ -172,52 +172,49 @@ registry.register(registry.Backend(OP, "triton", _triton_forward, _triton_backwa
 # and the dropped probabilities are regenerated in backward.
 
 
-def _cuda_launch_args(scores: torch.Tensor, causal: bool, scale: float, dropout_p: float, seed: int,
+def _cuda_launch_args(scores: torch.Tensor, causal: bool, scale: float, drop_threshold: int, seed: int,
                       row_offset: int):
     b, heads, s_q, s_k = scores.shape
+    active = drop_threshold > 0
     return (b, heads, s_q, s_k, _ext.DTYPE_CODES[scores.dtype], float(scale), bool(causal),
-            int(seed) if dropout_p > 0 else 0, int(row_offset) if dropout_p > 0 else 0, float(dropout_p),
+            int(seed) if active else 0, int(row_offset) if active else 0, int(drop_threshold),
             _ext.cuda_stream(scores.device))
 
 
 @torch.library.custom_op("seqpar::attention_core_cuda_fwd", mutates_args=())
 def _cuda_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                 dropout_p: float, seed: int, row_offset: int) -> Tuple[torch.Tensor, torch.Tensor]:
-
-
+                 drop_threshold: int, seed: int, row_offset: int) -> Tuple[torch.Tensor, torch.Tensor]:
     scores = torch.matmul(q, k.transpose(-2, -1)).contiguous()      # [b, H, s_q, s_k], unscaled
     probs = torch.empty_like(scores)
-    # Writes softmax(scale * scores + mask) to probs and its dropped copy over scores. The launch goes to the
+    # Writes softmax(scale * scores + mask) to probs and, with dropout, its dropped copy over scores.
     with _ext.on_device(q):
         _ext.cuda_extension().attention_softmax_dropout_fwd(
-            scores.data_ptr(), probs.data_ptr(), *_cuda_launch_args(scores, causal, scale, dropout_p, seed,
+            scores.data_ptr(), probs.data_ptr(), *_cuda_launch_args(scores, causal, scale, drop_threshold, seed,
                                                                     row_offset))
-    dropped = scores if dropout_p > 0 else probs
+    dropped = scores if drop_threshold > 0 else probs
     return torch.matmul(dropped, v), probs
 
 
 @_cuda_fwd_op.register_fake
-def _(q, k, v, causal, scale, dropout_p, seed, row_offset):
+def _(q, k, v, causal, scale, drop_threshold, seed, row_offset):
     b, heads, s_q, d = q.shape
     return q.new_empty((b, heads, s_q, d)), q.new_empty((b, heads, s_q, k.shape[2]))
 
 
 @torch.library.custom_op("seqpar::attention_core_cuda_bwd", mutates_args=())
 def _cuda_bwd_op(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, probs: torch.Tensor,
-                 causal: bool, scale: float, dropout_p: float, seed: int,
+                 causal: bool, scale: float, drop_threshold: int, seed: int,
                  row_offset: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-
-
     grad_o = grad_o.to(q.dtype)
     grad = torch.matmul(grad_o, v.transpose(-2, -1)).contiguous()   # d loss / d dropped probs
-    dropped = torch.empty_like(probs) if dropout_p > 0 else probs
+    dropped = torch.empty_like(probs) if drop_threshold > 0 else probs
     # In place: grad becomes d loss / d (q k^T) (scale folded in); dropped is regenerated from probs.
     # probs is the saved forward output (contiguous); .contiguous() guards a direct call of this op.
     probs = probs.contiguous()
     with _ext.on_device(q):
         _ext.cuda_extension().attention_softmax_dropout_bwd(
-            probs.data_ptr(), grad.data_ptr(), dropped.data_ptr() if dropout_p > 0 else 0,
-            *_cuda_launch_args(probs, causal, scale, dropout_p, seed, row_offset))
+            probs.data_ptr(), grad.data_ptr(), dropped.data_ptr() if drop_threshold > 0 else 0,
+            *_cuda_launch_args(probs, causal, scale, drop_threshold, seed, row_offset))
     grad_v = torch.matmul(dropped.transpose(-2, -1), grad_o)
     grad_q = torch.matmul(grad, k)
     grad_k = torch.matmul(grad.transpose(-2, -1), q)
@@ -225,18 +222,18 @@ def _cuda_bwd_op(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
 
 @_cuda_bwd_op.register_fake
-def _(grad_o, q, k, v, probs, causal, scale, dropout_p, seed, row_offset):
+def _(grad_o, q, k, v, probs, causal, scale, drop_threshold, seed, row_offset):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _cuda_forward(q, k, v, causal: bool, scale: float, spec: DropoutSpec):
-    o, probs = _cuda_fwd_op(q, k, v, causal, scale, spec.p, spec.seed, spec.row_offset)
+    o, probs = _cuda_fwd_op(q, k, v, causal, scale, spec.threshold, spec.seed, spec.row_offset)
     return o, (probs,)
 
 
 def _cuda_backward(grad_o, q, k, v, saved, causal: bool, scale: float, spec: DropoutSpec):
     (probs,) = saved
-    return _cuda_bwd_op(grad_o, q, k, v, probs, causal, scale, spec.p, spec.seed, spec.row_offset)
+    return _cuda_bwd_op(grad_o, q, k, v, probs, causal, scale, spec.threshold, spec.seed, spec.row_offset)
 
 
 def _cuda_check(q=None, k=None, v=None, causal=True, **_) -> Optional[str]:
@@ -305,7 +302,9 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
 
     Args:
         causal: mask keys after the query (top-left aligned).
-        dropout_p: attention-probability dropout in [0, 1) (ignored when ``training`` is False).
+        dropout_p: attention-probability dropout in [0, 1) (ignored when ``training`` is False). The
+            effective probability is ``round(dropout_p * 256) / 256``
+            (:func:`seqpar.random.effective_dropout_p`); ``round(dropout_p * 256) >= 256`` is a ValueError.
         scale: softmax scale, default ``1/sqrt(d)``.
         seed: dropout stream seed; None draws one from :func:`seqpar.manual_seed`'s generator.
         backend: "auto" | "torch" | "triton" | "cuda" ("auto": triton, then cuda, then torch).

@@ -2,7 +2,8 @@
 
 Math (rows of the last dimension h; statistics in fp32)::
 
-    residual_out = residual + dropout_p(x + bias)          # bias may be None
+    residual_out = residual + dropout_p(x + bias)          # bias may be None; mask of seqpar.random,
+                                                           # effective p = round(p * 256) / 256
     y            = (residual_out - mean) * rstd * ln_weight + ln_bias
     mean, rstd   = mean(residual_out), 1 / sqrt(var(residual_out) + eps)
 
@@ -110,11 +111,11 @@ def _kernel_backend(name: str, fwd_op, bwd_op) -> registry.Backend:
     zeros for grad_bias without a bias because a custom op can't return None)."""
 
     def forward(x, bias, residual, ln_weight, ln_bias, eps: float, spec: DropoutSpec):
-        return fwd_op(x, bias, residual, ln_weight, ln_bias, eps, spec.p, spec.seed, spec.row_offset)
+        return fwd_op(x, bias, residual, ln_weight, ln_bias, eps, spec.threshold, spec.seed, spec.row_offset)
 
     def backward(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, spec: DropoutSpec, has_bias: bool):
         g_x, g_bias, g_res, g_w, g_b = bwd_op(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd,
-                                              spec.p, spec.seed, spec.row_offset, has_bias)
+                                              spec.threshold, spec.seed, spec.row_offset, has_bias)
         return g_x, (g_bias if has_bias else None), g_res, g_w, g_b
 
     return registry.Backend(OP, name, forward, backward, _kernel_check)
@@ -123,33 +124,33 @@ def _kernel_backend(name: str, fwd_op, bwd_op) -> registry.Backend:
 # ----------------------------------------------------------------------------- triton backend
 @torch.library.custom_op("seqpar::bias_dropout_add_layer_norm_triton_fwd", mutates_args=())
 def _triton_fwd_op(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, ln_weight: torch.Tensor,
-                   ln_bias: torch.Tensor, eps: float, p: float, seed: int, row_offset: int
+                   ln_bias: torch.Tensor, eps: float, drop_threshold: int, seed: int, row_offset: int
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from ..triton_kernels import bias_dropout_add_layer_norm as kernels
 
     with _ext.on_device(x):
-        return kernels.forward(x, bias, residual, ln_weight, ln_bias, eps, p, seed, row_offset)
+        return kernels.forward(x, bias, residual, ln_weight, ln_bias, eps, drop_threshold, seed, row_offset)
 
 
 @_triton_fwd_op.register_fake
-def _(x, bias, residual, ln_weight, ln_bias, eps, p, seed, row_offset):
+def _(x, bias, residual, ln_weight, ln_bias, eps, drop_threshold, seed, row_offset):
     return _fwd_fake(x, residual)
 
 
 @torch.library.custom_op("seqpar::bias_dropout_add_layer_norm_triton_bwd", mutates_args=())
 def _triton_bwd_op(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual_out: torch.Tensor,
-                   ln_weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, p: float, seed: int,
+                   ln_weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, drop_threshold: int, seed: int,
                    row_offset: int, has_bias: bool
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from ..triton_kernels import bias_dropout_add_layer_norm as kernels
 
     with _ext.on_device(grad_y):
-        return kernels.backward(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, p, seed,
-                                row_offset, has_bias)
+        return kernels.backward(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, drop_threshold,
+                                seed, row_offset, has_bias)
 
 
 @_triton_bwd_op.register_fake
-def _(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, p, seed, row_offset, has_bias):
+def _(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, drop_threshold, seed, row_offset, has_bias):
     return _bwd_fake(grad_y)
 
 
@@ -173,7 +174,7 @@ def _vectorized(dtype: torch.dtype, h: int, tensors, strides=()) -> bool:
 
 @torch.library.custom_op("seqpar::bias_dropout_add_layer_norm_cuda_fwd", mutates_args=())
 def _cuda_fwd_op(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, ln_weight: torch.Tensor,
-                 ln_bias: torch.Tensor, eps: float, p: float, seed: int, row_offset: int
+                 ln_bias: torch.Tensor, eps: float, drop_threshold: int, seed: int, row_offset: int
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     ext = _ext.cuda_extension()
     y, residual_out, mean, rstd = _fwd_fake(x, residual)
@@ -187,18 +188,18 @@ def _cuda_fwd_op(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.
             y.data_ptr(), residual_out.data_ptr(), mean.data_ptr(), rstd.data_ptr(), rows, h, x.stride(0),
             residual.stride(0), _ext.DTYPE_CODES[x.dtype], _ext.DTYPE_CODES[w.dtype],
             _vectorized(x.dtype, h, (x, bias, residual, w, b, y, residual_out), (x.stride(0), residual.stride(0))),
-            float(eps), float(p), int(seed), int(row_offset), _ext.cuda_stream(x.device))
+            float(eps), int(drop_threshold), int(seed), int(row_offset), _ext.cuda_stream(x.device))
     return y, residual_out, mean, rstd
 
 
 @_cuda_fwd_op.register_fake
-def _(x, bias, residual, ln_weight, ln_bias, eps, p, seed, row_offset):
+def _(x, bias, residual, ln_weight, ln_bias, eps, drop_threshold, seed, row_offset):
     return _fwd_fake(x, residual)
 
 
 @torch.library.custom_op("seqpar::bias_dropout_add_layer_norm_cuda_bwd", mutates_args=())
 def _cuda_bwd_op(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual_out: torch.Tensor,
-                 ln_weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, p: float, seed: int,
+                 ln_weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, drop_threshold: int, seed: int,
                  row_offset: int, has_bias: bool
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     ext = _ext.cuda_extension()
@@ -215,14 +216,14 @@ def _cuda_bwd_op(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual
             grad_y.data_ptr(), grad_residual_out.data_ptr(), residual_out.data_ptr(), w.data_ptr(), mean.data_ptr(),
             rstd.data_ptr(), g_x.data_ptr(), g_res.data_ptr(), partials.data_ptr(), n_partials, g_w.data_ptr(),
             g_b.data_ptr(), g_bias.data_ptr() if has_bias else 0, rows, h, dtype, _ext.DTYPE_CODES[w.dtype], vec,
-            float(p), int(seed), int(row_offset), _ext.cuda_stream(grad_y.device))
+            int(drop_threshold), int(seed), int(row_offset), _ext.cuda_stream(grad_y.device))
     if not has_bias:
         g_bias.zero_()
     return g_x, g_bias, g_res, g_w, g_b
 
 
 @_cuda_bwd_op.register_fake
-def _(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, p, seed, row_offset, has_bias):
+def _(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, drop_threshold, seed, row_offset, has_bias):
     return _bwd_fake(grad_y)
 
 
@@ -298,12 +299,14 @@ def bias_dropout_add_layer_norm(x: torch.Tensor, bias: Optional[torch.Tensor], r
     Returns ``(y, residual_out)``; gradients flow to x, bias, residual, ln_weight and ln_bias.
 
     Args:
-        p: dropout probability in [0, 1) (ignored when ``training`` is False).
+        p: dropout probability in [0, 1) (ignored when ``training`` is False). The effective probability
+            is ``round(p * 256) / 256`` (:func:`seqpar.random.effective_dropout_p`): p = 0.1 drops 26/256
+            of the elements, p <= 1/512 none; ``round(p * 256) >= 256`` is a ValueError.
         seed: dropout stream seed (int in [0, 2**62)); None draws one from :func:`seqpar.manual_seed`'s
             generator.
         backend: "auto" | "torch" | "triton" | "cuda" (see :mod:`seqpar.ops.registry`).
         row_offset: global index of the first row (flattened leading dims) in the dropout RNG, so a
-            sequence shard draws the same mask as the unsharded tensor would (design.md 4).
+            sequence shard draws the same mask as the unsharded tensor would.
     """
     h = _check_inputs(x, bias, residual, ln_weight, ln_bias)
     if not isinstance(eps, (int, float)) or eps <= 0:

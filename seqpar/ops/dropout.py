@@ -1,7 +1,8 @@
 """Dropout whose mask is regenerated from the counter-based RNG instead of being stored.
 
-A 2-D view ``[rows, cols]`` of the input is dropped with ``keep = philox(seed + row_offset + row, col) >= p``
-(see :mod:`seqpar.random`); nothing mask-sized is saved for backward.
+A 2-D view ``[rows, cols]`` of the input is dropped with ``keep = mask_byte(seed, row_offset + row, col) >= P``,
+``P = round(p * 256)``, and kept values are scaled by ``float32(256 / (256 - P))`` (see :mod:`seqpar.random`);
+nothing mask-sized is saved for backward.
 """
 from __future__ import annotations
 
@@ -10,51 +11,61 @@ import dataclasses
 import torch
 
 from .. import _ext
-from ..random import dropout_keep_mask, resolve_seed
+from ..random import dropout_keep_mask, dropout_scale, dropout_threshold, resolve_seed
 
 
 @dataclasses.dataclass(frozen=True)
 class DropoutSpec:
     """Which dropout mask to apply: probability ``p``, stream ``seed`` and the global index of row 0.
 
-    ``p == 0`` means no dropout (seed and row_offset are then ignored).
+    ``p`` is validated on construction (:func:`seqpar.random.dropout_threshold`: ValueError unless
+    ``round(p * 256) < 256``); its byte threshold ``P = round(p * 256) == 0`` means no dropout (seed and
+    row_offset are then ignored).
     """
 
     p: float = 0.0
     seed: int = 0
     row_offset: int = 0
 
+    def __post_init__(self) -> None:
+        dropout_threshold(self.p)
+
+    @property
+    def threshold(self) -> int:
+        """``P = round(p * 256)``: an element is kept iff its mask byte is >= P."""
+        return dropout_threshold(self.p)
+
     @property
     def active(self) -> bool:
-        return self.p > 0.0
+        return self.threshold > 0
 
     @property
     def scale(self) -> float:
-        return 1.0 / (1.0 - self.p)
+        """``float32(256 / (256 - P))``, the factor of kept values."""
+        return dropout_scale(self.threshold)
 
     def keep_mask_2d(self, n_rows: int, n_cols: int, device) -> torch.Tensor:
         """Bool [n_rows, n_cols] keep-mask for rows ``row_offset .. row_offset + n_rows - 1``."""
-        rows = torch.arange(n_rows, device=device).unsqueeze(1) + self.row_offset
-        cols = torch.arange(n_cols, device=device).unsqueeze(0)
-        return dropout_keep_mask(self.seed, rows, cols, self.p)
+        rows = torch.arange(n_rows, device=device) + self.row_offset
+        return dropout_keep_mask(self.seed, rows, n_cols, self.threshold)
 
 
 def make_dropout_spec(p: float, training: bool, seed, row_offset: int = 0) -> DropoutSpec:
-    """Validate ``p`` (ValueError outside [0, 1)) and resolve the seed when dropout is active."""
-    if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 <= float(p) < 1.0:
-        raise ValueError(f"dropout probability p must be in [0, 1), got {p!r}")
+    """Validate ``p`` (ValueError outside [0, 1) or when ``round(p * 256) >= 256``) and resolve the seed
+    when dropout is active (``round(p * 256) > 0`` and training)."""
+    threshold = dropout_threshold(p)
     if not isinstance(row_offset, int) or row_offset < 0:
         raise ValueError(f"row_offset must be a non-negative int, got {row_offset!r}")
-    if not training or p == 0.0:
+    if not training or threshold == 0:
         return DropoutSpec()
     return DropoutSpec(float(p), resolve_seed(seed), row_offset)
 
 
 def apply_keep_mask(x2d: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
-    """``x2d * keep * 1/(1-p)`` (``x2d`` unchanged when the spec is inactive).
+    """``x2d * keep * scale`` (``x2d`` unchanged when the spec is inactive).
 
     CUDA tensors use the kernel of csrc/dropout.cu when seqpar._C is built (the same mask, computed in
-    registers instead of ~100 int64 passes over memory); everything else uses the torch reference.
+    registers, one Philox call per 16 columns); everything else uses the torch reference.
     """
     if not spec.active:
         return x2d
@@ -63,8 +74,8 @@ def apply_keep_mask(x2d: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
         out = torch.empty_like(x2d)
         with _ext.on_device(x2d):
             _ext.cuda_extension().dropout_rows(x2d.data_ptr(), out.data_ptr(), x2d.shape[0], x2d.shape[1],
-                                               _ext.DTYPE_CODES[x2d.dtype], spec.seed, spec.row_offset, spec.p,
-                                               _ext.cuda_stream(x2d.device))
+                                               _ext.DTYPE_CODES[x2d.dtype], spec.seed, spec.row_offset,
+                                               spec.threshold, _ext.cuda_stream(x2d.device))
         return out
     keep = spec.keep_mask_2d(x2d.shape[0], x2d.shape[1], x2d.device)
     return x2d * keep * spec.scale

@@ -10,6 +10,7 @@ import torch
 from seqpar.ops import registry
 from seqpar.ops.attention_core import OP, attention_core, attention_keep_mask, causal_mask, select_backend
 from seqpar.ops.dropout import DropoutSpec
+from seqpar.random import dropout_threshold
 from tests.tolerances import TOLERANCES, assert_error_within
 
 HAS_CUDA = torch.cuda.is_available()
@@ -32,8 +33,9 @@ def reference_fp64(q, k, v, grad_o, causal, p, seed, row_offset=0, scale=None):
         scores = scores.masked_fill(causal_mask(s_q, s_k, q.device), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if p > 0:
-        keep = attention_keep_mask(DropoutSpec(p, seed, row_offset), b, heads, s_q, s_k, q.device)
-        probs = probs * keep / (1.0 - p)
+        spec = DropoutSpec(p, seed, row_offset)
+        keep = attention_keep_mask(spec, b, heads, s_q, s_k, q.device)
+        probs = probs * keep * (256 / (256 - spec.threshold))     # the exact scale (kernels: its fp32 rounding)
     o = probs @ v64
     grads = torch.autograd.grad(o, (q64, k64, v64), grad_o.double())
     return o.detach(), grads
@@ -71,20 +73,30 @@ def test_triton_matches_fp64(shape, causal, p):
         torch.testing.assert_close(g.double(), g_ref, atol=5e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
-def test_triton_dropout_mask_is_the_reference_mask():
-    """With v = I (s_k = d) the output *is* the dropped probability matrix: its zero pattern is the
-    keep-mask, bit for bit, for several heads and batches and a nonzero row offset (head-major rows)."""
-    b, heads, s_q, s_k, p, row_offset = 2, 3, 19, 32, 0.5, 12345
-    q, k = randn(b, heads, s_q, s_k), randn(b, heads, s_k, s_k)
-    eye = torch.eye(s_k, device=DEVICE).expand(b, heads, s_k, s_k)     # stride-0 batch/head dims
-    o = attention_core(q, k, eye, causal=False, dropout_p=p, seed=SEED, row_offset=row_offset,
-                       backend="triton")
-    keep = attention_keep_mask(DropoutSpec(p, SEED, row_offset), b, heads, s_q, s_k, q.device)
+@pytest.mark.parametrize("row_offset", [2**31 - 50, 2**40 + 3], ids=["r2^31", "r2^40"])
+def test_triton_dropout_mask_is_the_reference_mask(row_offset):
+    """With v = I (s_k = d) the output *is* the dropped probability matrix, and with grad_o = I (s_q = d)
+    dv is its transpose: their zero patterns are the keep-mask, bit for bit, from the forward and from
+    the transposed dk/dv tile, for several heads and batches, rows past 2**31 and 2**40 and a ragged
+    s = 40 (not a multiple of 16). dq and dk match the torch reference (same mask) too."""
+    b, heads, s, p = 2, 3, 40, 0.5
+    q, k = randn(b, heads, s, s), randn(b, heads, s, s)
+    eye = torch.eye(s, device=DEVICE).expand(b, heads, s, s)     # stride-0 batch/head dims
+    keep = attention_keep_mask(DropoutSpec(p, SEED, row_offset), b, heads, s, s, q.device)
     assert 0.3 < keep.float().mean().item() < 0.7
-    assert torch.equal(o != 0, keep)
-    ref = attention_core(q, k, eye, causal=False, dropout_p=p, seed=SEED, row_offset=row_offset,
-                         backend="torch")
-    torch.testing.assert_close(o, ref, atol=1e-6, rtol=1e-5)
+    grads = {}
+    for backend in ("triton", "torch"):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, eye))
+        o = attention_core(qq, kk, vv, causal=False, dropout_p=p, seed=SEED, row_offset=row_offset, backend=backend)
+        grads[backend] = torch.autograd.grad(o, (qq, kk, vv), eye)
+        if backend == "triton":
+            assert torch.equal(o != 0, keep)
+            o_triton = o.detach()
+        else:
+            torch.testing.assert_close(o_triton, o.detach(), atol=1e-6, rtol=1e-5)
+    assert torch.equal(grads["triton"][2] != 0, keep.transpose(-2, -1))
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads["triton"], grads["torch"]):
+        torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
     other_seed = attention_core(q, k, eye, causal=False, dropout_p=p, seed=SEED + 1, row_offset=row_offset,
                                 backend="triton")
     assert not torch.equal(other_seed != 0, keep)
@@ -180,10 +192,10 @@ def test_triton_launcher_tiles_and_unequal_lengths(s_q, s_k, tiles):
     b, heads, d, p, causal = 1, 2, 32, 0.25, True
     q, grad_o = randn(b, heads, s_q, d), randn(b, heads, s_q, d)
     k, v = randn(b, heads, s_k, d), randn(b, heads, s_k, d)
-    scale = 0.3
+    scale, threshold = 0.3, dropout_threshold(p)
     fwd_cfg = {"BLOCK_M": bm, "BLOCK_N": bn}
-    o, lse = attention_fwd(q, k, v, causal, scale, p, SEED, 7, config=fwd_cfg)
-    dq, dk, dv = attention_bwd(grad_o, q, k, v, o, lse, causal, scale, p, SEED, 7,
+    o, lse = attention_fwd(q, k, v, causal, scale, threshold, SEED, 7, config=fwd_cfg)
+    dq, dk, dv = attention_bwd(grad_o, q, k, v, o, lse, causal, scale, threshold, SEED, 7,
                                config={"dq": fwd_cfg, "dkdv": {"BLOCK_M": bm, "BLOCK_N": bn}})
     o_ref, (dq_ref, dk_ref, dv_ref) = reference_fp64(q, k, v, grad_o, causal, p, SEED, row_offset=7, scale=scale)
     scores = (q.double() @ k.double().transpose(-2, -1)) * scale
@@ -201,9 +213,9 @@ def test_triton_custom_ops_have_fake_implementations():
     with FakeTensorMode():
         q = torch.empty(2, 3, 17, 64)
         k = torch.empty(2, 3, 29, 64)
-        o, lse = torch.ops.seqpar.attention_core_triton_fwd(q, k, k, True, 0.125, 0.1, 5, 0)
-        dq, dk, dv = torch.ops.seqpar.attention_core_triton_bwd(o, q, k, k, o, lse, True, 0.125, 0.1, 5, 0)
-        o_c, probs = torch.ops.seqpar.attention_core_cuda_fwd(q, k, k, True, 0.125, 0.1, 5, 0)
+        o, lse = torch.ops.seqpar.attention_core_triton_fwd(q, k, k, True, 0.125, 26, 5, 0)
+        dq, dk, dv = torch.ops.seqpar.attention_core_triton_bwd(o, q, k, k, o, lse, True, 0.125, 26, 5, 0)
+        o_c, probs = torch.ops.seqpar.attention_core_cuda_fwd(q, k, k, True, 0.125, 26, 5, 0)
     assert o.shape == (2, 3, 17, 64) and o.permute(2, 0, 1, 3).is_contiguous()
     assert lse.shape == (2, 3, 17) and lse.dtype == torch.float32
     assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
@@ -219,25 +231,30 @@ class _EmulatedSoftmaxDropout:
         buf = (ctypes.c_float * math.prod(shape)).from_address(ptr)
         return torch.frombuffer(buf, dtype=torch.float32).view(shape)
 
+    @staticmethod
+    def _spec(threshold, seed, row_offset):
+        return DropoutSpec(threshold / 256, seed, row_offset)     # round(threshold / 256 * 256) == threshold
+
     def attention_softmax_dropout_fwd(self, scores, probs, b, heads, s_q, s_k, dtype, scale, causal, seed,
-                                      row_offset, p, stream):
+                                      row_offset, threshold, stream):
         assert dtype == 0
         x, probs_t = self._view(scores, (b, heads, s_q, s_k)), self._view(probs, (b, heads, s_q, s_k))
         y = x * scale
         if causal:
             y = y.masked_fill(causal_mask(s_q, s_k, "cpu"), float("-inf"))
         probs_t.copy_(torch.softmax(y, dim=-1))
-        if p > 0:
-            keep = attention_keep_mask(DropoutSpec(p, seed, row_offset), b, heads, s_q, s_k, "cpu")
-            x.copy_(probs_t * keep / (1 - p))
+        if threshold > 0:
+            spec = self._spec(threshold, seed, row_offset)
+            x.copy_(probs_t * attention_keep_mask(spec, b, heads, s_q, s_k, "cpu") * spec.scale)
 
     def attention_softmax_dropout_bwd(self, probs, grad, dropped, b, heads, s_q, s_k, dtype, scale, causal,
-                                      seed, row_offset, p, stream):
+                                      seed, row_offset, threshold, stream):
         shape = (b, heads, s_q, s_k)
         probs_t, g = self._view(probs, shape), self._view(grad, shape)
         z = torch.ones(shape)
-        if p > 0:
-            z = attention_keep_mask(DropoutSpec(p, seed, row_offset), *shape, "cpu") / (1 - p)
+        if threshold > 0:
+            spec = self._spec(threshold, seed, row_offset)
+            z = attention_keep_mask(spec, *shape, "cpu") * spec.scale
             self._view(dropped, shape).copy_(probs_t * z)
         gp = g * z
         g.copy_(scale * probs_t * (gp - (gp * probs_t).sum(-1, keepdim=True)))
@@ -266,11 +283,11 @@ def test_cuda_backend_python_side_with_emulated_kernels(monkeypatch, p):
 def test_triton_custom_ops_pass_opcheck():
     """Schema, fake tensor and AOT-dispatch checks of the registered custom ops on real (tiny) inputs."""
     q, k, v = randn(1, 2, 17, 16), randn(1, 2, 9, 16), randn(1, 2, 9, 16)
-    args = (q, k, v, True, 0.25, 0.1, 7, 3)
+    args = (q, k, v, True, 0.25, 26, 7, 3)
     torch.library.opcheck(torch.ops.seqpar.attention_core_triton_fwd.default, args)
     o, lse = torch.ops.seqpar.attention_core_triton_fwd(*args)
     torch.library.opcheck(torch.ops.seqpar.attention_core_triton_bwd.default,
-                          (randn(1, 2, 17, 16), q, k, v, o, lse, True, 0.25, 0.1, 7, 3))
+                          (randn(1, 2, 17, 16), q, k, v, o, lse, True, 0.25, 26, 7, 3))
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -307,7 +324,7 @@ def test_triton_check_accepts_the_issue_head_dims():
         assert registry._REGISTRY[OP]["triton"].check(q=q, k=q, v=q, causal=True) is None, d
 
 
-@pytest.mark.parametrize("case", ["dtype", "kv_shape", "head_dim", "p_one", "p_negative", "rank3"])
+@pytest.mark.parametrize("case", ["dtype", "kv_shape", "head_dim", "p_one", "p_negative", "p_rounds_to_256", "rank3"])
 def test_bad_input_raises_value_error(case):
     q, k, v = (randn(1, 2, 8, 32) for _ in range(3))
     kwargs, match = {}, None
@@ -321,6 +338,8 @@ def test_bad_input_raises_value_error(case):
         kwargs, match = {"dropout_p": 1.0}, "1.0"
     elif case == "p_negative":
         kwargs, match = {"dropout_p": -0.1}, "-0.1"
+    elif case == "p_rounds_to_256":
+        kwargs, match = {"dropout_p": 0.999}, r"round\(p \* 256\) < 256.*0.999"
     elif case == "rank3":
         q, match = q[0], r"\[b, heads, s, d\]"
     with pytest.raises(ValueError, match=match):
@@ -380,8 +399,8 @@ def eager_same_dtype(q, k, v, grad_o, causal, p, seed):
         scores = scores.masked_fill(causal_mask(s_q, s_k, q.device), float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     if p > 0:
-        keep = attention_keep_mask(DropoutSpec(p, seed, 0), b, heads, s_q, s_k, q.device)
-        probs = probs * keep * (1.0 / (1.0 - p))
+        spec = DropoutSpec(p, seed, 0)
+        probs = probs * attention_keep_mask(spec, b, heads, s_q, s_k, q.device) * spec.scale
     o = probs @ v
     return o.detach(), torch.autograd.grad(o, (q, k, v), grad_o)
 

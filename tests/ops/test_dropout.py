@@ -3,19 +3,31 @@ import pytest
 import torch
 
 from seqpar.ops.dropout import DropoutSpec, apply_keep_mask, bias_dropout_add, dropout, make_dropout_spec
-from seqpar.random import philox_uniform
+from seqpar.random import dropout_threshold, philox4x32
 
 
-def test_mask_matches_definition_and_backward_regenerates():
-    spec = DropoutSpec(0.25, 1234, 40)
+def _keep_by_definition(seed, rows, n_cols, p):
+    """Element (r, c) is kept iff byte c % 4 of word (c % 16) // 4 of Philox-4x32-7(seed, (c // 16, r_lo,
+    r_hi, 0)) is >= round(p * 256): computed per element, without the reference's group expansion."""
+    r = rows.view(-1, 1)
+    c = torch.arange(n_cols).view(1, -1)
+    words = torch.stack(philox4x32(seed, c // 16, r & 0xFFFFFFFF, r >> 32, torch.zeros(1, dtype=torch.int64)))
+    word = words.gather(0, ((c % 16) // 4).expand(r.shape[0], -1).unsqueeze(0))[0]
+    return ((word >> (8 * (c % 4))) & 0xFF) >= round(p * 256)
+
+
+@pytest.mark.parametrize("row_offset", [40, 2**31 - 9, 2**40 + 3], ids=["r40", "r2^31", "r2^40"])
+def test_mask_matches_definition_and_backward_regenerates(row_offset):
+    spec = DropoutSpec(0.25, 2**40 + 1234, row_offset)
     x = torch.randn(5, 7, 33, requires_grad=True)
     y = dropout(x, spec)
-    u = philox_uniform(torch.arange(35).view(35, 1) + 40 + 1234, torch.arange(33).view(1, 33)).view(5, 7, 33)
-    keep = u >= 0.25
-    torch.testing.assert_close(y, x * keep * (1 / 0.75), rtol=0, atol=0)
+    keep = _keep_by_definition(spec.seed, torch.arange(35) + row_offset, 33, 0.25).view(5, 7, 33)
+    assert 0.6 < keep.float().mean() < 0.9
+    scale = float(torch.tensor(256 / 192, dtype=torch.float32))
+    torch.testing.assert_close(y, x * keep * scale, rtol=0, atol=0)
     g = torch.randn_like(y)
     y.backward(g)
-    torch.testing.assert_close(x.grad, g * keep * (1 / 0.75), rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, g * keep * scale, rtol=0, atol=0)
 
 
 def test_row_offset_shards_compose():
@@ -27,28 +39,40 @@ def test_row_offset_shards_compose():
     assert torch.equal(torch.cat([top, bottom]), full)
 
 
+def test_spec_threshold_scale_and_small_p():
+    spec = DropoutSpec(0.1, 3, 0)
+    assert spec.threshold == 26 and spec.active
+    assert spec.scale == float(torch.tensor(256 / 230, dtype=torch.float32))
+    assert not DropoutSpec(0.001, 3, 0).active       # round(0.256) = 0: nothing to drop
+    x = torch.randn(4, 40)
+    assert apply_keep_mask(x, DropoutSpec(0.001, 3, 0)) is x
+    assert not make_dropout_spec(0.001, True, 3).active
+
+
 def test_bias_dropout_add_and_validation():
     x, bias, res = torch.randn(4, 8), torch.randn(8), torch.randn(4, 8)
     spec = DropoutSpec(0.3, 5, 0)
     torch.testing.assert_close(bias_dropout_add(x, bias, res, spec), res + apply_keep_mask(x + bias, spec))
     assert not make_dropout_spec(0.3, False, None).active
-    for bad in (1.0, -0.1, "0.1"):
+    for bad in (1.0, -0.1, "0.1", 0.999):
         with pytest.raises(ValueError, match="dropout probability"):
             make_dropout_spec(bad, True, 1)
+    with pytest.raises(ValueError, match=r"round\(p \* 256\) < 256.*0.9985"):
+        DropoutSpec(0.9985, 1, 0)
+    assert dropout_threshold(0.9975) == 255
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cols", [1000, 1003], ids=["aligned", "ragged"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cuda_kernel_matches_reference(dtype):
+def test_cuda_kernel_matches_reference(dtype, cols):
     from seqpar import _ext
 
     if _ext.cuda_extension_error():
         pytest.skip(_ext.cuda_extension_error())
-    spec = DropoutSpec(0.1, 2**40 + 3, 77)
-    x = torch.randn(300, 1000, device="cuda", dtype=dtype)
+    spec = DropoutSpec(0.1, 2**40 + 3, 2**32 - 77)
+    x = torch.randn(300, cols, device="cuda", dtype=dtype)
     got = apply_keep_mask(x, spec)
-    keep = spec.keep_mask_2d(300, 1000, "cpu")
+    keep = spec.keep_mask_2d(300, cols, "cpu")
     expected = (x.float().cpu() * keep * spec.scale).to(dtype)
-    torch.testing.assert_close(got.cpu().float(), expected.float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-6,
-                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
-    assert torch.equal(got.cpu() != 0, keep & (x.cpu() != 0))
+    assert torch.equal(got.cpu(), expected)

@@ -1,0 +1,71 @@
+"""bench/kernel_report.py: its SASS loop and mask accounting on hand-made instruction lists, and one real
+sm_90a compile (no GPU needed) of a LayerNorm kernel with dropout, whose static budget it checks."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench import kernel_report as K
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MASK = (("/x/triton_kernels/philox.py", 40), ("/x/triton_kernels/attention.py", 161), ("/x/k.py", 214))
+BODY = (("/x/triton_kernels/attention.py", 150), ("/x/k.py", 214))
+TAIL = (("/x/k.py", 230),)
+
+
+def _fn(specs, branches):
+    """A Function from (opcode, chain) pairs and backward branches (from index, to index)."""
+    instrs = [K.Instr(op, op, chain) for op, chain in specs]
+    spans = [(to, frm) for frm, to in branches]
+    return K.Function("k", instrs, spans, K._merge(spans))
+
+
+def test_loops_regions_and_mask_counts():
+    specs = ([("IMAD", BODY)] + [("LOP3", MASK)] * 6 + [("FSEL", MASK), ("HGMMA", BODY), ("BRA", BODY)]
+             + [("FMUL", TAIL), ("BRA", TAIL)])
+    fn = _fn(specs, [(9, 0), (11, 10)])
+    assert fn.loops == [(0, 9), (10, 11)]
+    assert K.loop_by_call(fn, [214], "k.py") == (0, 9)            # the loop inlined at line 214
+    assert K.loop_by_call(fn, [999], "k.py") is None
+    stats = K.region_stats(fn, (0, 9))
+    # 10 instructions; integer: IMAD + 6 LOP3 (BRA, FSEL, HGMMA are not); of which mask: the 6 LOP3.
+    assert (stats.instructions, stats.int_instructions, stats.mask_int, stats.mask_region) == (10, 7, 6, "main loop")
+    assert K.largest_loop(fn) == (0, 9) and K.largest_loop(fn, with_mask=True) == (0, 9)
+    assert K.is_int("UIADD3") and K.is_int("PRMT") and not K.is_int("FFMA")
+
+
+def test_mask_in_its_own_inner_loop_is_counted_per_pass():
+    """The v1 kernels drew each element's mask in a rolled loop: the region is that inner loop."""
+    specs = [("LDG", BODY)] + [("IMAD", MASK)] * 4 + [("BRA", MASK), ("STG", BODY), ("BRA", BODY)]
+    fn = _fn(specs, [(5, 1), (7, 0)])
+    assert fn.loops == [(0, 7)]
+    stats = K.region_stats(fn, (0, 7))
+    assert stats.mask_region == "inner loop" and stats.mask_int == 4 and stats.instructions == 8
+
+
+def test_cuda_template_arguments_are_parsed():
+    base, args = K._template_args("void seqpar::bdaln::fwd_kernel<__nv_bfloat16, 8, 4, true>(seqpar::bdaln::FwdArgs)")
+    assert base == "seqpar::bdaln::fwd_kernel" and args == ["__nv_bfloat16", "8", "4", "true"]
+    base, args = K._template_args("void seqpar::(anonymous namespace)::softmax_dropout_fwd_kernel<__half, 128>(__half*)")
+    assert base == "seqpar::(anonymous namespace)::softmax_dropout_fwd_kernel" and args == ["__half", "128"]
+
+
+def test_ln_forward_compiles_for_sm90_within_budget():
+    """One real configuration end to end (Triton's bundled ptxas and nvdisasm, in a process without the
+    CPU interpreter): bf16, h = 1024, dropout on: no spills, the mask within 12 integer instructions per
+    element (bench/results/kernel_report.txt has every configuration)."""
+    pytest.importorskip("triton")
+    code = ("import json, sys; sys.path.insert(0, 'bench'); import kernel_report as K; "
+            "print(json.dumps(K._triton_row(('ln', 'fwd', 1024, 'bf16', True, 0))))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=240)
+    if proc.returncode != 0 and "not found (Triton's bundled copy or PATH)" in proc.stderr:
+        pytest.skip(proc.stderr.strip().splitlines()[-1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row["registers"] > 0 and row["spill_bytes"] == 0
+    assert row["counted"] == "whole kernel" and row["mask_int"] > 0
+    assert row["mask_int"] / row["elements_per_thread"] <= 12
