@@ -44,8 +44,9 @@ constexpr int kStaticSmemSlack = 8 * 1024;  // static shared memory of the kerne
 
 // Vectors per thread per chunk, the most each kernel is instantiated for (ptxas -v: no spills at these).
 // Forward: 4 (a thread of a 1024-thread block has 64 registers; a warp-per-row lane with 8 vectors spills
-// for fp16 although it may use 255). Backward with running sums in registers: at most 16 elements and 4 vectors per thread
-// (the row and the gradient are held as well); kChunked keeps its sums in memory and holds 4 vectors.
+// for fp16 although it may use 255). Backward with running sums in registers: at most 16 elements and 4
+// vectors per thread (the row and the gradient are held as well); kChunked keeps its sums in memory and
+// holds 4 vectors.
 constexpr int fwd_max_vpt(RowKind) { return 4; }
 constexpr int bwd_max_vpt(RowKind kind, int vec) { return kind == RowKind::kChunked ? 4 : std::min(4, 16 / vec); }
 
@@ -76,7 +77,8 @@ struct BwdArgs {
 
 template <RowKind KIND>
 constexpr int threads_bound(bool forward) {
-  return KIND == RowKind::kWarp ? kWarp * (forward ? kFwdWarpRows : kBwdWarpRows) : (forward ? kMaxThreads : kBwdMaxThreads);
+  if (KIND == RowKind::kWarp) return kWarp * (forward ? kFwdWarpRows : kBwdWarpRows);
+  return forward ? kMaxThreads : kBwdMaxThreads;
 }
 
 template <typename T, int VEC, int VPT, RowKind KIND>
