@@ -44,6 +44,10 @@ void add_rms_norm_bwd(uintptr_t grad_y, uintptr_t grad_residual_out, uintptr_t r
                       uintptr_t weight, uintptr_t rstd, uintptr_t grad_x, uintptr_t grad_residual, uintptr_t partials,
                       int64_t num_partials, uintptr_t grad_weight, int64_t rows, int64_t h, int dtype, int wdtype,
                       bool vectorized, uintptr_t stream);
+// ---- rotary.cu
+void rotary_embedding(uintptr_t x, uintptr_t out, uintptr_t inv_freq, int64_t s, int64_t b, int64_t heads, int64_t d,
+                      int64_t in_s, int64_t in_b, int64_t in_h, int64_t out_s, int64_t out_b, int64_t out_h,
+                      int64_t position_offset, bool inverse, int dtype, bool vectorized, uintptr_t stream);
 }  // namespace seqpar
 
 PYBIND11_MODULE(_C, m) {
@@ -100,4 +104,11 @@ PYBIND11_MODULE(_C, m) {
         py::arg("rows"), py::arg("h"), py::arg("dtype"), py::arg("wdtype"), py::arg("vectorized"), py::arg("stream"),
         "Backward of add_rms_norm_fwd: grad_x, its copy grad_residual (0: not written) and the fp32 weight "
         "gradient (grad_residual_out = 0: none).");
+
+  // ---- rotary.cu
+  m.def("rotary_embedding", &seqpar::rotary_embedding, py::arg("x"), py::arg("out"), py::arg("inv_freq"),
+        py::arg("s"), py::arg("b"), py::arg("heads"), py::arg("d"), py::arg("in_s"), py::arg("in_b"), py::arg("in_h"),
+        py::arg("out_s"), py::arg("out_b"), py::arg("out_h"), py::arg("position_offset"), py::arg("inverse"),
+        py::arg("dtype"), py::arg("vectorized"), py::arg("stream"),
+        "Rotate-half RoPE of x [s, b, heads, d] into out (may be x); inverse: by -angle.");
 }
