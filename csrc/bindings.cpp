@@ -48,6 +48,11 @@ void add_rms_norm_bwd(uintptr_t grad_y, uintptr_t grad_residual_out, uintptr_t r
 void rotary_embedding(uintptr_t x, uintptr_t out, uintptr_t inv_freq, int64_t s, int64_t b, int64_t heads, int64_t d,
                       int64_t in_s, int64_t in_b, int64_t in_h, int64_t out_s, int64_t out_b, int64_t out_h,
                       int64_t position_offset, bool inverse, int dtype, bool vectorized, uintptr_t stream);
+// ---- swiglu.cu
+void swiglu_fwd(uintptr_t gate_up, uintptr_t y, int64_t rows, int64_t n, int64_t ld, int dtype, bool vectorized,
+                uintptr_t stream);
+void swiglu_bwd(uintptr_t grad_y, uintptr_t gate_up, uintptr_t grad_gate_up, int64_t rows, int64_t n, int64_t ld,
+                int dtype, bool vectorized, uintptr_t stream);
 }  // namespace seqpar
 
 PYBIND11_MODULE(_C, m) {
@@ -111,4 +116,12 @@ PYBIND11_MODULE(_C, m) {
         py::arg("out_s"), py::arg("out_b"), py::arg("out_h"), py::arg("position_offset"), py::arg("inverse"),
         py::arg("dtype"), py::arg("vectorized"), py::arg("stream"),
         "Rotate-half RoPE of x [s, b, heads, d] into out (may be x); inverse: by -angle.");
+
+  // ---- swiglu.cu
+  m.def("swiglu_fwd", &seqpar::swiglu_fwd, py::arg("gate_up"), py::arg("y"), py::arg("rows"), py::arg("n"),
+        py::arg("ld"), py::arg("dtype"), py::arg("vectorized"), py::arg("stream"),
+        "y [rows, n] = silu(gate_up[:, :n]) * gate_up[:, n:] (row stride ld).");
+  m.def("swiglu_bwd", &seqpar::swiglu_bwd, py::arg("grad_y"), py::arg("gate_up"), py::arg("grad_gate_up"),
+        py::arg("rows"), py::arg("n"), py::arg("ld"), py::arg("dtype"), py::arg("vectorized"), py::arg("stream"),
+        "grad_gate_up [rows, 2n] = [dgate | dup] of swiglu_fwd, silu recomputed.");
 }
