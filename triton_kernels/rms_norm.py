@@ -11,8 +11,8 @@ Backward, per row (n = residual_out * rstd, g = grad_y * weight)::
     grad_x = grad_residual = rstd * (g - n * mean(g * n)) + grad_residual_out    # grad_residual on request
     grad_weight            = sum_rows(grad_y * n)
 
-A row of up to ``MAX_FUSED_HIDDEN`` columns is held in one program's registers. A longer row (any h
-is accepted) is covered in chunks of ``CHUNK_COLUMNS``: the forward makes a second pass over the chunks,
+A row of up to ``MAX_FUSED_HIDDEN`` (forward) / ``MAX_FUSED_HIDDEN_BWD`` (backward) columns is held in one
+program's registers. A longer row (any h is accepted) is covered in chunks of ``CHUNK_COLUMNS``: the forward makes a second pass over the chunks,
 reading back the residual_out it has just written; the backward runs one program per (row range, column
 chunk), each streaming the whole row once for the row sum mean(g * n) (from L2 mostly: the chunk programs of
 a row range run side by side). The column sums are reduced without atomics, like the LayerNorm kernels:
@@ -45,11 +45,13 @@ import triton.language as tl
 from .bias_dropout_add_layer_norm import (_cast, _empty, _interpreting, _num_warps, _reduce_partials_kernel,
                                           _rows_per_block, _sm_count)
 
-__all__ = ["forward", "backward", "MAX_FUSED_HIDDEN", "CHUNK_COLUMNS"]
+__all__ = ["forward", "backward", "MAX_FUSED_HIDDEN", "MAX_FUSED_HIDDEN_BWD", "CHUNK_COLUMNS"]
 
-# Longest row held in one program's registers; longer rows are covered in chunks of CHUNK_COLUMNS.
-# Read at launch time (tests lower them to exercise the chunked kernels on small rows).
+# Longest row held in one program's registers (forward, backward: the backward holds more per column;
+# ptxas finds no spills at these with the warps _num_warps gives); longer rows are covered in chunks of
+# CHUNK_COLUMNS. Read at launch time (tests lower them to exercise the chunked kernels on small rows).
 MAX_FUSED_HIDDEN = 16384
+MAX_FUSED_HIDDEN_BWD = 8192
 CHUNK_COLUMNS = 4096
 
 
@@ -170,34 +172,34 @@ def _bwd_kernel(GY, GRO, RO, W, RSTD, GX, GRES, PART_W, n_rows, h, stride_ro, ro
 
 
 # ----------------------------------------------------------------------------- launch policy
-def _block_n(h: int) -> Tuple[int, bool]:
+def _block_n(h: int, max_fused: int) -> Tuple[int, bool]:
     """(columns per tile, chunked)."""
-    if h <= MAX_FUSED_HIDDEN:
+    if h <= max_fused:
         return triton.next_power_of_2(h), False
     return CHUNK_COLUMNS, True
 
 
 def _fwd_config(n_rows: int, h: int):
-    block_n, chunked = _block_n(h)
+    block_n, chunked = _block_n(h, MAX_FUSED_HIDDEN)
     if _interpreting():
         # Fewer, fatter programs: the interpreter's cost is per program, numpy vectorises the tile.
         return _rows_per_block(n_rows, block_n, 1 << 15), block_n, chunked, {}
     block_m = 1 if chunked else _rows_per_block(n_rows, block_n, 4096)
     # No FMA contraction: residual_out rounds like the torch reference (x + residual, then round).
-    return block_m, block_n, chunked, {"num_warps": _num_warps(block_m * block_n, 16), "enable_fp_fusion": False}
+    return block_m, block_n, chunked, {"num_warps": _num_warps(block_m * block_n, 32), "enable_fp_fusion": False}
 
 
 def _bwd_config(n_rows: int, h: int, device: torch.device):
-    block_n, chunked = _block_n(h)
+    block_n, chunked = _block_n(h, min(MAX_FUSED_HIDDEN, MAX_FUSED_HIDDEN_BWD))
     if _interpreting():
         block_m = _rows_per_block(n_rows, block_n, 1 << 14)
         max_programs, launch = 4, {}
     else:
         block_m = 1 if chunked else _rows_per_block(n_rows, block_n, 2048)
         max_programs = 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-        if chunked:
+        if chunked:  # the (row range, chunk) programs of one wave
             max_programs = max(1, max_programs // triton.cdiv(h, block_n))
-        launch = {"num_warps": _num_warps(block_m * block_n, 32 if block_n >= 8192 else 16)}
+        launch = {"num_warps": _num_warps(block_m * block_n, 32)}
     tiles = triton.cdiv(max(n_rows, 1), block_m)
     programs = min(tiles, max_programs)
     rows_per_program = triton.cdiv(tiles, programs) * block_m

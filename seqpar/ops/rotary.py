@@ -80,7 +80,9 @@ def _inv_freq_on(device: torch.device, d: int, theta: float) -> torch.Tensor:
 def _cos_sin(s: int, d: int, position_offset: int, theta: float, device: torch.device):
     """fp32 ``[s, d/2]`` cos and sin of the angles of rows position_offset .. position_offset + s - 1."""
     positions = torch.arange(position_offset, position_offset + s, device=device)
-    angle = positions[:, None].float() * _inv_freq_on(device, d, theta)[None, :]
+    # Under torch.compile the frequencies are built in the graph (Dynamo would trace past the cache anyway).
+    inv_freq = rope_inv_freq(d, theta).to(device) if torch.compiler.is_compiling() else _inv_freq_on(device, d, theta)
+    angle = positions[:, None].float() * inv_freq[None, :]
     return angle.cos(), angle.sin()
 
 

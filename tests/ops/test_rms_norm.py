@@ -96,6 +96,7 @@ def poisoned_triton(monkeypatch):
 def chunked_triton(poisoned_triton, monkeypatch):
     """Rows longer than 64 columns take the chunked kernels (32-column chunks)."""
     monkeypatch.setattr(poisoned_triton, "MAX_FUSED_HIDDEN", 64)
+    monkeypatch.setattr(poisoned_triton, "MAX_FUSED_HIDDEN_BWD", 64)
     monkeypatch.setattr(poisoned_triton, "CHUNK_COLUMNS", 32)
     return poisoned_triton
 
@@ -178,6 +179,19 @@ def test_unused_residual_out_and_strided_rows(backend):
     assert inp["x"].stride() == (96, 1)
     got = _run(inp, backend, use_residual_out=False)
     _check_fp32(got, _reference_fp64(inp, use_residual_out=False))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("has_residual", [True, False], ids=["residual", "no_residual"])
+def test_only_residual_out_used(backend, has_residual):
+    """No gradient reaches y: x and residual get grad_residual_out, the weight zeros."""
+    inp = _make_inputs((5, 24), torch.float32, has_residual=has_residual)
+    _, ro = add_rms_norm(inp["x"], inp["residual"], inp["weight"], backend=backend)
+    leaves = [t for t in (inp["x"], inp["residual"], inp["weight"]) if t is not None]
+    grads = torch.autograd.grad((ro * inp["grad_residual_out"]).sum(), leaves, allow_unused=True)
+    for g in grads[:-1]:
+        torch.testing.assert_close(g, inp["grad_residual_out"], rtol=0, atol=0)
+    assert grads[-1] is None or not grads[-1].abs().sum()
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
