@@ -38,6 +38,24 @@ void attention_softmax_dropout_fwd(uintptr_t scores, uintptr_t probs, int64_t ba
 void attention_softmax_dropout_bwd(uintptr_t probs, uintptr_t grad, uintptr_t dropped, int64_t batch,
                                    int64_t heads, int64_t s_q, int64_t s_k, int dtype, float scale, bool causal,
                                    uint64_t seed, int64_t row_offset, int threshold, uintptr_t stream);
+// ---- rms_norm.cu
+void add_rms_norm_fwd(uintptr_t x, uintptr_t residual, uintptr_t weight, uintptr_t y, uintptr_t residual_out,
+                      uintptr_t rstd, int64_t rows, int64_t h, int64_t stride_x, int64_t stride_res, int dtype,
+                      int wdtype, bool vectorized, float eps, uintptr_t stream);
+int64_t add_rms_norm_bwd_partials(int64_t rows, int64_t h, int dtype, bool vectorized);
+void add_rms_norm_bwd(uintptr_t grad_y, uintptr_t grad_residual_out, uintptr_t residual_out, int64_t stride_ro,
+                      uintptr_t weight, uintptr_t rstd, uintptr_t grad_x, uintptr_t grad_residual, uintptr_t partials,
+                      int64_t num_partials, uintptr_t grad_weight, int64_t rows, int64_t h, int dtype, int wdtype,
+                      bool vectorized, uintptr_t stream);
+// ---- rotary.cu
+void rotary_embedding(uintptr_t x, uintptr_t out, uintptr_t inv_freq, int64_t s, int64_t b, int64_t heads, int64_t d,
+                      int64_t in_s, int64_t in_b, int64_t in_h, int64_t out_s, int64_t out_b, int64_t out_h,
+                      int64_t position_offset, bool inverse, int dtype, bool vectorized, uintptr_t stream);
+// ---- swiglu.cu
+void swiglu_fwd(uintptr_t gate_up, uintptr_t y, int64_t rows, int64_t n, int64_t ld, int dtype, bool vectorized,
+                uintptr_t stream);
+void swiglu_bwd(uintptr_t grad_y, uintptr_t gate_up, uintptr_t grad_gate_up, int64_t rows, int64_t n, int64_t ld,
+                int dtype, bool vectorized, uintptr_t stream);
 
 // ---- host builds of csrc/philox.cuh (the CPU bitwise tests)
 std::tuple<uint32_t, uint32_t, uint32_t, uint32_t> philox4x32_host(uint64_t key, uint32_t c0, uint32_t c1, uint32_t c2,
@@ -110,4 +128,35 @@ PYBIND11_MODULE(_C, m) {
         py::arg("dtype"), py::arg("scale"), py::arg("causal"), py::arg("seed"), py::arg("row_offset"),
         py::arg("threshold"), py::arg("stream"),
         "grad (dL/d dropped) <- dL/d(q k^T) in place; dropped <- dropout(probs) when p > 0 (pointer may be 0 otherwise).");
+
+  // ---- rms_norm.cu
+  m.def("add_rms_norm_fwd", &seqpar::add_rms_norm_fwd, py::arg("x"), py::arg("residual"), py::arg("weight"),
+        py::arg("y"), py::arg("residual_out"), py::arg("rstd"), py::arg("rows"), py::arg("h"), py::arg("stride_x"),
+        py::arg("stride_res"), py::arg("dtype"), py::arg("wdtype"), py::arg("vectorized"), py::arg("eps"),
+        py::arg("stream"),
+        "Fused residual add + RMSNorm forward (residual = residual_out = 0: no residual).");
+  m.def("add_rms_norm_bwd_partials", &seqpar::add_rms_norm_bwd_partials, py::arg("rows"), py::arg("h"),
+        py::arg("dtype"), py::arg("vectorized"),
+        "Rows of the fp32 partial buffer [n, h] that add_rms_norm_bwd should get.");
+  m.def("add_rms_norm_bwd", &seqpar::add_rms_norm_bwd, py::arg("grad_y"), py::arg("grad_residual_out"),
+        py::arg("residual_out"), py::arg("stride_ro"), py::arg("weight"), py::arg("rstd"), py::arg("grad_x"),
+        py::arg("grad_residual"), py::arg("partials"), py::arg("num_partials"), py::arg("grad_weight"),
+        py::arg("rows"), py::arg("h"), py::arg("dtype"), py::arg("wdtype"), py::arg("vectorized"), py::arg("stream"),
+        "Backward of add_rms_norm_fwd: grad_x, its copy grad_residual (0: not written) and the fp32 weight "
+        "gradient (grad_residual_out = 0: none).");
+
+  // ---- rotary.cu
+  m.def("rotary_embedding", &seqpar::rotary_embedding, py::arg("x"), py::arg("out"), py::arg("inv_freq"),
+        py::arg("s"), py::arg("b"), py::arg("heads"), py::arg("d"), py::arg("in_s"), py::arg("in_b"), py::arg("in_h"),
+        py::arg("out_s"), py::arg("out_b"), py::arg("out_h"), py::arg("position_offset"), py::arg("inverse"),
+        py::arg("dtype"), py::arg("vectorized"), py::arg("stream"),
+        "Rotate-half RoPE of x [s, b, heads, d] into out (may be x); inverse: by -angle.");
+
+  // ---- swiglu.cu
+  m.def("swiglu_fwd", &seqpar::swiglu_fwd, py::arg("gate_up"), py::arg("y"), py::arg("rows"), py::arg("n"),
+        py::arg("ld"), py::arg("dtype"), py::arg("vectorized"), py::arg("stream"),
+        "y [rows, n] = silu(gate_up[:, :n]) * gate_up[:, n:] (row stride ld).");
+  m.def("swiglu_bwd", &seqpar::swiglu_bwd, py::arg("grad_y"), py::arg("gate_up"), py::arg("grad_gate_up"),
+        py::arg("rows"), py::arg("n"), py::arg("ld"), py::arg("dtype"), py::arg("vectorized"), py::arg("stream"),
+        "grad_gate_up [rows, 2n] = [dgate | dup] of swiglu_fwd, silu recomputed.");
 }

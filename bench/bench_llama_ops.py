@@ -1,0 +1,354 @@
+#!/usr/bin/env python3
+"""Benchmark: the Llama-block ops (issue 14), fwd / bwd / fwd+bwd: residual add + RMSNorm, SwiGLU, RoPE.
+
+    rmsnorm  y, residual_out = add_rms_norm(x, residual, w)            x, residual [tokens, h]
+    swiglu   y = silu(gate) * up                                        gate_up [tokens, 2n]
+    rope     q_rot, k_rot = rotary_embedding(q, k)                      q [s, b, Hq, d], k [s, b, Hk, d]
+
+Default sweep (bf16): rmsnorm tokens 16384 x h {4096, 8192}; swiglu tokens 16384 x n {11008, 14336};
+rope s 4096 x b 4, Hq 32, Hk 8, d 128 (``--ops``, ``--tokens``, ``--hidden``, ``--ffn``, ``--seq``,
+``--batch``, ``--heads``, ``--kv-heads``, ``--head-dim``, ``--dtype`` change it).
+
+Providers (a provider that can't run is reported and skipped):
+    seqpar-cuda       the op with backend="cuda"
+    seqpar-triton     the op with backend="triton"
+    torch-eager       HF Llama's formulas: residual + hidden then LlamaRMSNorm; F.silu(gate) * up;
+                      apply_rotary_pos_emb on HF's [b, H, s, d] layout
+    torch-compile     torch.compile of the torch-eager functions (Inductor, default mode)
+    liger             Liger-Kernel, if importable: torch add + LigerRMSNorm; LigerSiLUMulFunction;
+                      liger_rotary_pos_emb on HF's layout
+    seqpar-torch      the ops' torch reference backend (only with --quick: an oracle, not a contender)
+HF and Liger take cos / sin tables, built once outside the timed region (as a model builds them once per
+forward for all its layers); seqpar's kernels compute cos / sin themselves, inside the timed region.
+
+Bandwidth counts the minimal bytes, each input read once and each output written once (E bytes per
+element, N tokens; weights and per-row statistics ignored):
+    rmsnorm  fwd  reads x, residual, writes y, residual_out                      4 N h E
+             bwd  reads grad_y, grad_residual_out, residual_out, writes the x and residual gradients
+                  (two tensors: both inputs need one)                            5 N h E
+    swiglu   fwd  reads gate_up, writes y                                        3 N n E
+             bwd  reads grad_y, gate_up, writes grad_gate_up                     5 N n E
+    rope     fwd  reads and writes q and k                                       2 s b (Hq + Hk) d E
+             bwd  the same on the gradients                                      2 s b (Hq + Hk) d E
+and is reported as GB/s and as a fraction of the device's copy bandwidth, measured by the script (a
+device-to-device copy of a 1 GiB buffer). Issue target (GPU): rmsnorm and swiglu >= 0.85 of copy bandwidth.
+
+Timing: CUDA events, median of ``--reps`` runs after ``--warmup`` runs, the L2 cache flushed before every
+run (seqpar.bench.timing via bench_layernorm_dropout.Timer); backward on a retained graph; random inputs.
+ResultRows (device, date, commit, config, provider, metric, value) are appended to
+``<out>/bench_llama_ops.csv``; metrics {fwd,bwd,fwdbwd}_{ms,gbps,frac_copy}, and one copy_gbps row.
+
+Usage:
+    python bench/bench_llama_ops.py                          # GPU: the default sweep, rows to bench/results/
+    python bench/bench_llama_ops.py --ops rmsnorm --hidden 4096 --providers seqpar-cuda,liger
+    python bench/bench_llama_ops.py --quick                  # CPU smoke test (tiny, Triton interpreter)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+if __name__ == "__main__" and "--quick" in sys.argv[1:]:
+    # The Triton interpreter must be chosen before anything imports triton (importing seqpar does): set in
+    # main() it is too late for the @triton.jit helpers the kernels call.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from bench.bench_layernorm_dropout import Timer, _device_name, measure_copy_gbps  # noqa: E402
+from seqpar.bench.results import ResultRows  # noqa: E402
+
+OPS = ("rmsnorm", "swiglu", "rope")
+PROVIDERS = ["seqpar-cuda", "seqpar-triton", "torch-eager", "torch-compile", "liger", "seqpar-torch"]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DIRECTIONS = ("fwd", "bwd", "fwdbwd")
+EPS = 1e-6
+THETA = 10000.0
+
+
+# ----------------------------------------------------------------------------- problems
+class Problem:
+    """One configuration of one op: its inputs (leaves needing gradients first), incoming gradients,
+    minimal bytes per direction, and the functions each provider times."""
+
+    def __init__(self, op: str, config: str, leaves: List[torch.Tensor], grads: List[torch.Tensor],
+                 nbytes: Dict[str, int], fns: Dict[str, Callable[[], Sequence[torch.Tensor]]]):
+        self.op, self.config, self.leaves, self.grads, self.nbytes, self.fns = op, config, leaves, grads, nbytes, fns
+
+
+def _hf_rms_norm(hidden, weight):
+    dtype = hidden.dtype
+    hidden = hidden.to(torch.float32)
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + EPS)
+    return weight * hidden.to(dtype)
+
+
+def _eager_add_rms_norm(x, residual, weight):
+    residual_out = residual + x
+    return _hf_rms_norm(residual_out, weight), residual_out
+
+
+def _eager_swiglu(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _eager_rope(q, k, cos, sin):  # HF apply_rotary_pos_emb, q / k [b, H, s, d], cos / sin [b, s, d]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin)
+
+
+def _hf_cos_sin(b: int, s: int, d: int, dtype, device):
+    """HF LlamaRotaryEmbedding's cos / sin [b, s, d] for positions 0 .. s-1."""
+    from seqpar.ops.rotary import rope_inv_freq
+
+    inv_freq = rope_inv_freq(d, THETA).to(device)
+    freqs = torch.arange(s, device=device)[None, :, None].float().expand(b, -1, -1) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _compiled(fn: Callable, device: torch.device) -> Callable:
+    if device.type != "cuda":
+        raise RuntimeError("torch.compile is benchmarked on CUDA only (Inductor's CPU build takes minutes)")
+    return torch.compile(fn)
+
+
+def _liger(name: str):
+    if name == "rmsnorm":
+        from liger_kernel.transformers.rms_norm import LigerRMSNorm
+
+        return LigerRMSNorm
+    if name == "swiglu":
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+        return LigerSiLUMulFunction
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+    return liger_rotary_pos_emb
+
+
+def _rnd(g: torch.Generator, *shape, dtype, device, scale=1.0, grad=False):
+    return (scale * torch.randn(*shape, generator=g)).to(device=device, dtype=dtype).requires_grad_(grad)
+
+
+def make_problem(op: str, provider: str, size: Dict[str, int], dtype, device: torch.device) -> Problem:
+    """Inputs and the timed function of ``provider`` on ``op``; RuntimeError when it can't run here."""
+    from seqpar import ops
+    from seqpar.ops import registry
+
+    def check(op_name: str, **inputs) -> None:
+        reason = registry.unavailable_reason(op_name, backend, device, dtype=dtype, **inputs) if backend else None
+        if reason:
+            raise RuntimeError(reason)
+
+    g = torch.Generator().manual_seed(sum(size.values()))
+    elem = torch.empty((), dtype=dtype).element_size()
+    backend = provider.split("-", 1)[1] if provider.startswith("seqpar-") else None
+    if provider == "liger":
+        if device.type != "cuda":
+            raise RuntimeError("Liger-Kernel needs CUDA")
+        try:
+            peer = _liger(op)
+        except ImportError as exc:
+            raise RuntimeError(f"not importable ({exc})") from None
+    if op == "rmsnorm":
+        n, h = size["tokens"], size["hidden"]
+        check("add_rms_norm")
+        x = _rnd(g, n, h, dtype=dtype, device=device, grad=True)
+        res = _rnd(g, n, h, dtype=dtype, device=device, scale=2.0, grad=True)
+        w = (1 + 0.1 * torch.randn(h, generator=g)).to(device=device, dtype=dtype).requires_grad_()
+        if backend:
+            fn = lambda: ops.add_rms_norm(x, res, w, eps=EPS, backend=backend)  # noqa: E731
+        elif provider == "torch-eager":
+            fn = lambda: _eager_add_rms_norm(x, res, w)  # noqa: E731
+        elif provider == "torch-compile":
+            compiled = _compiled(_eager_add_rms_norm, device)
+            fn = lambda: compiled(x, res, w)  # noqa: E731
+        else:
+            norm = peer(h, eps=EPS).to(device=device, dtype=dtype)
+            norm.weight = torch.nn.Parameter(w.detach().clone())
+            w = norm.weight
+
+            def fn():
+                residual_out = res + x
+                return norm(residual_out), residual_out
+        grads = [_rnd(g, n, h, dtype=dtype, device=device), _rnd(g, n, h, dtype=dtype, device=device)]
+        nbytes = {"fwd": 4 * n * h * elem, "bwd": 5 * n * h * elem}
+        return Problem(op, f"tokens={n},h={h}", [x, res, w], grads, nbytes | {"fwdbwd": 9 * n * h * elem},
+                       {provider: fn})
+    if op == "swiglu":
+        n, f = size["tokens"], size["ffn"]
+        check("swiglu")
+        gate_up = _rnd(g, n, 2 * f, dtype=dtype, device=device, scale=2.0, grad=True)
+        if backend:
+            fn = lambda: (ops.swiglu(gate_up, backend=backend),)  # noqa: E731
+        elif provider == "torch-eager":
+            fn = lambda: (_eager_swiglu(gate_up),)  # noqa: E731
+        elif provider == "torch-compile":
+            compiled = _compiled(_eager_swiglu, device)
+            fn = lambda: (compiled(gate_up),)  # noqa: E731
+        else:
+            fn = lambda: (peer.apply(*gate_up.chunk(2, dim=-1)),)  # noqa: E731
+        nbytes = {"fwd": 3 * n * f * elem, "bwd": 5 * n * f * elem, "fwdbwd": 8 * n * f * elem}
+        return Problem(op, f"tokens={n},n={f}", [gate_up], [_rnd(g, n, f, dtype=dtype, device=device)], nbytes,
+                       {provider: fn})
+    s, b, hq, hk, d = size["seq"], size["batch"], size["heads"], size["kv_heads"], size["head_dim"]
+    check("rotary_embedding", d=d)
+    if backend:  # the layer's layout: q, k [s, b, H, d]
+        q = _rnd(g, s, b, hq, d, dtype=dtype, device=device, grad=True)
+        k = _rnd(g, s, b, hk, d, dtype=dtype, device=device, grad=True)
+        fn = lambda: ops.rotary_embedding(q, k, theta=THETA, backend=backend)  # noqa: E731
+    else:  # HF's layout: [b, H, s, d] with cos / sin tables built once
+        q = _rnd(g, b, hq, s, d, dtype=dtype, device=device, grad=True)
+        k = _rnd(g, b, hk, s, d, dtype=dtype, device=device, grad=True)
+        cos, sin = _hf_cos_sin(b, s, d, dtype, device)
+        if provider == "torch-eager":
+            fn = lambda: _eager_rope(q, k, cos, sin)  # noqa: E731
+        elif provider == "torch-compile":
+            compiled = _compiled(_eager_rope, device)
+            fn = lambda: compiled(q, k, cos, sin)  # noqa: E731
+        else:
+            fn = lambda: peer(q, k, cos, sin)  # noqa: E731
+    grads = [torch.randn_like(q.detach()), torch.randn_like(k.detach())]
+    moved = 2 * s * b * (hq + hk) * d * elem
+    return Problem(op, f"s={s},b={b},hq={hq},hk={hk},d={d}", [q, k], grads,
+                   {"fwd": moved, "bwd": moved, "fwdbwd": 2 * moved}, {provider: fn})
+
+
+# ----------------------------------------------------------------------------- one configuration
+def bench_config(op: str, provider: str, size: Dict[str, int], dtype, device: torch.device, timer: Timer,
+                 copy_gbps: float, rows: ResultRows) -> Optional[Dict[str, float]]:
+    label = ",".join(f"{k}={v}" for k, v in size.items())
+    try:
+        problem = make_problem(op, provider, size, dtype, device)
+    except RuntimeError as exc:
+        print(f"  {op:8s} {provider:14s} {label}: skipped ({exc})")
+        return None
+    fn = problem.fns[provider]
+    config = f"op={op},{problem.config},dtype={str(dtype).replace('torch.', '')}"
+
+    def fwdbwd():
+        return torch.autograd.grad(fn(), problem.leaves, problem.grads)
+
+    try:
+        ms = {"fwd": timer(fn)}
+        outs = fn()
+        ms["bwd"] = timer(lambda: torch.autograd.grad(outs, problem.leaves, problem.grads, retain_graph=True))
+        del outs
+        ms["fwdbwd"] = timer(fwdbwd)
+    except Exception as exc:  # a provider failing on one configuration must not stop the sweep
+        print(f"  {op:8s} {provider:14s} {label}: failed ({type(exc).__name__}: {exc})")
+        return None
+    gbps = {dr: problem.nbytes[dr] / (ms[dr] * 1e-3) / 1e9 for dr in DIRECTIONS}
+    for dr in DIRECTIONS:
+        rows.add(config, provider, f"{dr}_ms", ms[dr])
+        rows.add(config, provider, f"{dr}_gbps", gbps[dr])
+        rows.add(config, provider, f"{dr}_frac_copy", gbps[dr] / copy_gbps)
+    print(f"  {op:8s} {provider:14s} {problem.config}: " + "  ".join(
+        f"{dr} {ms[dr]:8.3f} ms {gbps[dr]:7.1f} GB/s ({gbps[dr] / copy_gbps:4.0%})" for dr in DIRECTIONS), flush=True)
+    return ms
+
+
+def _sizes(op: str, args) -> List[Dict[str, int]]:
+    ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
+    if op == "rmsnorm":
+        return [dict(tokens=n, hidden=h) for n in ints(args.tokens) for h in ints(args.hidden)]
+    if op == "swiglu":
+        return [dict(tokens=n, ffn=f) for n in ints(args.tokens) for f in ints(args.ffn)]
+    return [dict(seq=s, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
+            for s in ints(args.seq)]
+
+
+def _summary(results: Dict[Tuple[str, str], Dict[str, Dict[str, float]]]) -> None:
+    print("\nfwd+bwd speed-up of the seqpar kernels over the other providers")
+    for (op, label), by_provider in results.items():
+        for ours in ("seqpar-cuda", "seqpar-triton"):
+            if ours in by_provider:
+                parts = [f"{other} {by_provider[other]['fwdbwd'] / by_provider[ours]['fwdbwd']:.2f}x"
+                         for other in ("torch-eager", "torch-compile", "liger") if other in by_provider]
+                print(f"  {op:8s} {label:40s} {ours:14s} " + ", ".join(parts))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(__doc__.split("\n")[1:]))
+    ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {OPS}")
+    ap.add_argument("--tokens", default="16384", help="rmsnorm / swiglu rows (comma-separated)")
+    ap.add_argument("--hidden", default="4096,8192", help="rmsnorm hidden sizes h (comma-separated)")
+    ap.add_argument("--ffn", default="11008,14336", help="swiglu widths n (gate_up has 2n; comma-separated)")
+    ap.add_argument("--seq", default="4096", help="rope sequence lengths s (comma-separated)")
+    ap.add_argument("--batch", type=int, default=4, help="rope batch b")
+    ap.add_argument("--heads", type=int, default=32, help="rope query heads Hq")
+    ap.add_argument("--kv-heads", type=int, default=8, help="rope key/value heads Hk")
+    ap.add_argument("--head-dim", type=int, default=128, help="rope head dim d")
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    ap.add_argument("--providers", default=",".join(p for p in PROVIDERS if p != "seqpar-torch"))
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--out", default=None, help="directory (or .csv path) for rows; default bench/results "
+                    "(--quick writes nothing unless --out is given)")
+    ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny shapes, few runs, Triton in its "
+                    "interpreter")
+    args = ap.parse_args(argv)
+    ops_list = args.ops.split(",")
+    bad = [o for o in ops_list if o not in OPS]
+    if bad:
+        ap.error(f"unknown ops {bad}; choose from {OPS}")
+
+    if args.quick:
+        device = torch.device("cpu")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            ap.error("--quick runs Triton in its interpreter: set TRITON_INTERPRET=1 before importing this module "
+                     "(running it as a script with --quick does)")
+        args.tokens, args.hidden, args.ffn, args.seq = "24", "40", "24", "6"
+        args.batch, args.heads, args.kv_heads, args.head_dim = 2, 4, 2, 16
+        providers = ["seqpar-triton", "seqpar-torch", "torch-eager"]
+        warmup, reps, copy_bytes = 1, 3, 2**22
+    else:
+        if not torch.cuda.is_available():
+            print("bench_llama_ops: needs a CUDA device (none found); run with --quick for the CPU smoke test",
+                  file=sys.stderr)
+            return 2
+        device = torch.device("cuda")
+        providers = args.providers.split(",")
+        warmup, reps, copy_bytes = args.warmup, args.reps, 2**30
+    unknown = [p for p in providers if p not in PROVIDERS]
+    if unknown:
+        ap.error(f"unknown providers {unknown}; choose from {PROVIDERS}")
+    dtype = DTYPES[args.dtype]
+
+    timer = Timer(device, warmup, reps)
+    rows = ResultRows(_device_name(device), "bench_llama_ops")
+    copy_gbps = measure_copy_gbps(device, timer, copy_bytes)
+    rows.add(f"bytes={copy_bytes}", "device-copy", "copy_gbps", copy_gbps)
+    print(f"device: {rows.meta['device']}   commit: {rows.meta['commit']}   copy bandwidth: {copy_gbps:.1f} GB/s")
+    results: Dict[Tuple[str, str], Dict[str, Dict[str, float]]] = {}
+    for op in ops_list:
+        for size in _sizes(op, args):
+            label = ",".join(f"{k}={v}" for k, v in size.items())
+            for provider in providers:
+                ms = bench_config(op, provider, size, dtype, device, timer, copy_gbps, rows)
+                if ms is not None:
+                    results.setdefault((op, label), {})[provider] = ms
+    _summary(results)
+    out = args.out if args.out is not None else (None if args.quick else os.path.join(ROOT, "bench", "results"))
+    if out is not None:
+        print(f"rows appended to {rows.write(out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

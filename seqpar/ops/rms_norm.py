@@ -1,0 +1,317 @@
+"""Fused residual add + RMSNorm, rounded like HF Llama's ``LlamaRMSNorm``.
+
+Math (rows of the last dimension h; statistics in fp32)::
+
+    residual_out = x + residual                    # rounded to x's dtype; residual None: residual_out = x
+    rstd         = rsqrt(mean(residual_out**2) + eps)
+    y            = round(round(residual_out * rstd) * weight)
+
+The inner rounding is LlamaRMSNorm's (normalise in fp32, cast to the input dtype, then multiply by the
+weight): in fp32 the torch reference equals ``LlamaRMSNorm(residual_out)`` bit for bit, and so it does in
+fp16 / bf16 when the weight has the input's dtype (a weight of another dtype is read as fp32 and y still
+has x's dtype, where HF would promote). The statistics are those of the stored (rounded) residual_out.
+
+==============  ===========  =========================================
+tensor          shape        dtype
+==============  ===========  =========================================
+x, residual     [..., h]     fp32 / fp16 / bf16 (the same); residual may be None
+weight          [h]          any floating dtype
+y               [..., h]     like x
+residual_out    [..., h]     like x (x itself when residual is None)
+==============  ===========  =========================================
+
+Saved for backward: residual_out and the per-row fp32 rstd (and the weight, a parameter). float64 inputs
+(for gradcheck) run on the torch backend, in float64 throughout. Backward::
+
+    n = residual_out * rstd,  g = grad_y * weight
+    grad_x = grad_residual = rstd * (g - n * mean(g * n)) + grad_residual_out
+    grad_weight = sum_rows(grad_y * n)
+
+grad_x and grad_residual have the same values; they are two tensors (the kernels write both) only when x
+and residual both need a gradient: one tensor given to both could end up as the .grad of both leaves,
+aliased through the view nodes between them and this op.
+
+Backend interface (registered with :func:`seqpar.ops.registry.register`), on 2-D ``[rows, h]`` views with
+unit column stride (any row stride)::
+
+    forward(x, residual or None, weight, eps) -> (y, residual_out, rstd)        # residual None: residual_out is x
+    backward(grad_y, grad_residual_out or None, residual_out, weight, rstd, residual_grad)
+        -> (grad_x, grad_residual or None, grad_weight fp32)
+
+``grad_residual_out`` None means no gradient reached residual_out; ``residual_grad`` asks for the second
+copy grad_residual.
+
+========  ================================================================  ==========
+backend   what runs                                                         h
+========  ================================================================  ==========
+torch     fp32 reference (the test oracle, CPU fallback)                    any
+triton    ``triton_kernels/rms_norm.py``: a row (or a few) per program,     any
+          chunked beyond 16384 (forward) / 8192 (backward) columns;
+          backward with per-program fp32 partial column sums + a
+          second reduction kernel (no atomics)
+cuda      ``csrc/rms_norm.cu``: 16-byte vectors, warp per row (small h) or   any
+          block per row, chunked rows beyond the registers; same
+          partial-sum scheme
+========  ================================================================  ==========
+
+The kernel backends are ``torch.library`` custom ops (``seqpar::add_rms_norm_{triton,cuda}_{fwd,bwd}``)
+with fake implementations, so ``torch.compile`` traces through them. A custom op can't return an input
+or None, so without a residual their forward returns an empty residual_out and the backend substitutes x.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from . import registry
+from .bias_dropout_add_layer_norm import _vectorized
+from .. import _ext
+
+OP = "add_rms_norm"
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # float64: the torch backend only
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the torch references compute in: fp32, or fp64 for fp64 inputs (gradcheck)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def float64_torch_only(dtype=None, **_):
+    """Registry check of the kernel backends of the Llama ops: they take fp32 / fp16 / bf16."""
+    return "float64 inputs run on the torch backend only" if dtype == torch.float64 else None
+
+
+# ----------------------------------------------------------------------------- torch reference
+def _torch_forward(x, residual, weight, eps: float):
+    acc = acc_dtype(x.dtype)
+    residual_out = x if residual is None else (x.to(acc) + residual.to(acc)).to(x.dtype)
+    r = residual_out.to(acc)
+    rstd = torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps)  # LlamaRMSNorm's ops, in its order
+    y = (weight.to(acc) * (r * rstd).to(x.dtype).to(acc)).to(x.dtype)
+    return y, residual_out, rstd.squeeze(-1)
+
+
+def _torch_backward(grad_y, grad_residual_out, residual_out, weight, rstd, residual_grad: bool):
+    acc = acc_dtype(grad_y.dtype)
+    n = residual_out.to(acc) * rstd[:, None]
+    gy = grad_y.to(acc)
+    grad_weight = (gy * n).sum(dim=0)
+    g = gy * weight.to(acc)
+    grad = rstd[:, None] * (g - n * (g * n).mean(dim=1, keepdim=True))
+    if grad_residual_out is not None:
+        grad = grad + grad_residual_out.to(acc)
+    grad_x = grad.to(grad_y.dtype)
+    return grad_x, (grad_x.clone() if residual_grad else None), grad_weight
+
+
+registry.register(registry.Backend(OP, "torch", _torch_forward, _torch_backward))
+
+
+def _fwd_fake(x: torch.Tensor, has_residual: bool):
+    rows, h = x.shape
+    residual_out = x.new_empty((rows, h) if has_residual else (0,))
+    return x.new_empty((rows, h)), residual_out, x.new_empty((rows,), dtype=torch.float32)
+
+
+def _bwd_fake(grad_y: torch.Tensor, residual_grad: bool):
+    rows, h = grad_y.shape
+    return (grad_y.new_empty((rows, h)), grad_y.new_empty((rows, h) if residual_grad else (0,)),
+            grad_y.new_empty((h,), dtype=torch.float32))
+
+
+def _kernel_backend(name: str, fwd_op, bwd_op) -> registry.Backend:
+    """A registry backend over a pair of kernel custom ops (which return empty tensors for the outputs
+    that are absent: a custom op can't return None or an input)."""
+
+    def forward(x, residual, weight, eps: float):
+        y, residual_out, rstd = fwd_op(x, residual, weight, eps)
+        return y, (x if residual is None else residual_out), rstd
+
+    def backward(grad_y, grad_residual_out, residual_out, weight, rstd, residual_grad: bool):
+        grad_x, grad_res, grad_w = bwd_op(grad_y, grad_residual_out, residual_out, weight, rstd, residual_grad)
+        return grad_x, (grad_res if residual_grad else None), grad_w
+
+    return registry.Backend(OP, name, forward, backward, float64_torch_only)
+
+
+# ----------------------------------------------------------------------------- triton backend
+@torch.library.custom_op("seqpar::add_rms_norm_triton_fwd", mutates_args=())
+def _triton_fwd_op(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from ..triton_kernels import rms_norm as kernels
+
+    with _ext.on_device(x):
+        y, residual_out, rstd = kernels.forward(x, residual, weight, eps)
+    return y, (x.new_empty((0,)) if residual_out is None else residual_out), rstd
+
+
+@_triton_fwd_op.register_fake
+def _(x, residual, weight, eps):
+    return _fwd_fake(x, residual is not None)
+
+
+@torch.library.custom_op("seqpar::add_rms_norm_triton_bwd", mutates_args=())
+def _triton_bwd_op(grad_y: torch.Tensor, grad_residual_out: Optional[torch.Tensor], residual_out: torch.Tensor,
+                   weight: torch.Tensor, rstd: torch.Tensor, residual_grad: bool
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from ..triton_kernels import rms_norm as kernels
+
+    with _ext.on_device(grad_y):
+        grad_x, grad_res, grad_w = kernels.backward(grad_y, grad_residual_out, residual_out, weight, rstd,
+                                                    residual_grad)
+    return grad_x, (grad_y.new_empty((0,)) if grad_res is None else grad_res), grad_w
+
+
+@_triton_bwd_op.register_fake
+def _(grad_y, grad_residual_out, residual_out, weight, rstd, residual_grad):
+    return _bwd_fake(grad_y, residual_grad)
+
+
+registry.register(_kernel_backend("triton", _triton_fwd_op, _triton_bwd_op))
+
+
+# ----------------------------------------------------------------------------- cuda backend
+def _cuda_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in a dtype the kernels read (fp32 / fp16 / bf16), contiguous."""
+    return weight.contiguous() if weight.dtype in _ext.DTYPE_CODES else weight.float()  # [h]: negligible
+
+
+@torch.library.custom_op("seqpar::add_rms_norm_cuda_fwd", mutates_args=())
+def _cuda_fwd_op(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ext = _ext.cuda_extension()
+    y, residual_out, rstd = _fwd_fake(x, residual is not None)
+    rows, h = x.shape
+    w = _cuda_weight(weight)
+    res_out = None if residual is None else residual_out
+    strides = (x.stride(0),) + (() if residual is None else (residual.stride(0),))
+    with _ext.on_device(x):
+        ext.add_rms_norm_fwd(
+            x.data_ptr(), 0 if residual is None else residual.data_ptr(), w.data_ptr(), y.data_ptr(),
+            0 if res_out is None else res_out.data_ptr(), rstd.data_ptr(), rows, h, x.stride(0),
+            0 if residual is None else residual.stride(0), _ext.DTYPE_CODES[x.dtype], _ext.DTYPE_CODES[w.dtype],
+            _vectorized(x.dtype, h, (x, residual, w, y, res_out), strides), float(eps), _ext.cuda_stream(x.device))
+    return y, residual_out, rstd
+
+
+@_cuda_fwd_op.register_fake
+def _(x, residual, weight, eps):
+    return _fwd_fake(x, residual is not None)
+
+
+@torch.library.custom_op("seqpar::add_rms_norm_cuda_bwd", mutates_args=())
+def _cuda_bwd_op(grad_y: torch.Tensor, grad_residual_out: Optional[torch.Tensor], residual_out: torch.Tensor,
+                 weight: torch.Tensor, rstd: torch.Tensor, residual_grad: bool
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ext = _ext.cuda_extension()
+    grad_y = grad_y.contiguous()
+    if grad_residual_out is not None:
+        grad_residual_out = grad_residual_out.contiguous()
+    if residual_out.stride(-1) != 1:
+        residual_out = residual_out.contiguous()
+    grad_x, grad_res, grad_w = _bwd_fake(grad_y, residual_grad)
+    rows, h = grad_y.shape
+    w = _cuda_weight(weight)
+    dtype = _ext.DTYPE_CODES[grad_y.dtype]
+    vec = _vectorized(grad_y.dtype, h, (grad_y, grad_residual_out, residual_out, w, grad_x, grad_res),
+                      (residual_out.stride(0),))
+    with _ext.on_device(grad_y):
+        n_partials = ext.add_rms_norm_bwd_partials(rows, h, dtype, vec)  # one wave of the kernel's blocks
+        partials = torch.empty((n_partials, h), dtype=torch.float32, device=grad_y.device)
+        ext.add_rms_norm_bwd(
+            grad_y.data_ptr(), 0 if grad_residual_out is None else grad_residual_out.data_ptr(),
+            residual_out.data_ptr(), residual_out.stride(0), w.data_ptr(), rstd.data_ptr(), grad_x.data_ptr(),
+            grad_res.data_ptr() if residual_grad else 0, partials.data_ptr(), n_partials, grad_w.data_ptr(), rows,
+            h, dtype, _ext.DTYPE_CODES[w.dtype], vec, _ext.cuda_stream(grad_y.device))
+    return grad_x, grad_res, grad_w
+
+
+@_cuda_bwd_op.register_fake
+def _(grad_y, grad_residual_out, residual_out, weight, rstd, residual_grad):
+    return _bwd_fake(grad_y, residual_grad)
+
+
+registry.register(_kernel_backend("cuda", _cuda_fwd_op, _cuda_bwd_op))
+
+
+@torch.compiler.assume_constant_result
+def _select_backend_name(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Name of the backend that runs these inputs (registry.select). A constant to torch.compile: it only
+    looks at the environment, the device and the dtype, and Dynamo can't trace its import probes."""
+    return registry.select(OP, backend, device, dtype=dtype).name
+
+
+# ----------------------------------------------------------------------------- autograd
+class _AddRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, impl):
+        y, residual_out, rstd = impl.forward(x, residual, weight, eps)
+        ctx.save_for_backward(residual_out, weight, rstd)
+        ctx.impl, ctx.has_residual = impl, residual is not None
+        ctx.set_materialize_grads(False)  # an unused residual_out costs no zeros tensor to read
+        return y, residual_out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y, grad_residual_out):
+        residual_out, weight, rstd = ctx.saved_tensors
+        if grad_y is None:
+            grad_y = torch.zeros(residual_out.shape, dtype=residual_out.dtype, device=residual_out.device)
+        x_grad, res_grad = ctx.needs_input_grad[0], ctx.has_residual and ctx.needs_input_grad[1]
+        grad_x, grad_res, grad_weight = ctx.impl.backward(grad_y.contiguous(), grad_residual_out, residual_out,
+                                                          weight, rstd, x_grad and res_grad)
+        if not x_grad:  # the one tensor goes to whichever input needs it
+            grad_x, grad_res = None, (grad_x if res_grad else None)
+        return grad_x, grad_res, grad_weight.to(weight.dtype), None, None
+
+
+def _rows(t: torch.Tensor, h: int) -> torch.Tensor:
+    """``[rows, h]`` view of t (a copy only when its layout has none), with unit column stride."""
+    t2d = t.reshape(-1, h)
+    return t2d if t2d.stride(-1) == 1 or t2d.shape[0] == 0 else t2d.contiguous()
+
+
+def _check_inputs(x, residual, weight, eps) -> int:
+    for name, t in (("x", x), ("weight", weight)) + ((("residual", residual),) if residual is not None else ()):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if x.dim() < 1 or x.dtype not in _DTYPES:
+        raise ValueError(f"x must be a floating [..., h] tensor of {_DTYPES}, got {x.dtype} {tuple(x.shape)}")
+    h = x.shape[-1]
+    if h == 0:
+        raise ValueError(f"x must have a non-empty last (hidden) dimension, got shape {tuple(x.shape)}")
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+        if residual.dtype != x.dtype:
+            raise ValueError(f"residual dtype {residual.dtype} != x dtype {x.dtype}")
+    if weight.shape != (h,) or not weight.is_floating_point():
+        raise ValueError(f"weight must be a floating [{h}] tensor, got {tuple(weight.shape)} {weight.dtype}")
+    devices = {t.device for t in (x, weight) + (() if residual is None else (residual,))}
+    if len(devices) > 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"eps must be a positive finite float, got {eps!r}")
+    return h
+
+
+def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, *, eps: float = 1e-6,
+                 backend: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
+    """``residual_out = x + residual``; ``y = RMSNorm(residual_out) * weight`` (HF LlamaRMSNorm rounding).
+
+    Returns ``(y, residual_out)``; with ``residual=None``, residual_out is x's values (no copy). Gradients
+    flow to x, residual and weight. Any layout of x / residual: rows that can't be viewed as ``[rows, h]``
+    with unit column stride are copied first.
+
+    Args:
+        eps: added to the mean square (positive, finite).
+        backend: "auto" | "torch" | "triton" | "cuda" (see :mod:`seqpar.ops.registry`).
+    """
+    h = _check_inputs(x, residual, weight, eps)
+    impl = registry.get(OP, _select_backend_name(backend, x.device, x.dtype))
+    shape = x.shape
+    y, residual_out = _AddRMSNorm.apply(_rows(x, h), None if residual is None else _rows(residual, h), weight,
+                                        float(eps), impl)
+    return y.view(shape), residual_out.view(shape)

@@ -1,0 +1,270 @@
+"""Rotary position embeddings (RoPE) on q and k, HF Llama's default "rotate half" form.
+
+Math, for each head ``x = [x1 | x2]`` (the two halves of d) of sequence row i::
+
+    inv_freq_j = 1 / theta**(2j / d)                      j < d / 2   (fp32, computed as HF does)
+    angle_ij   = float(position_offset + i) * inv_freq_j  (fp32)
+    out[..., :d/2] = x1 * cos(angle) - x2 * sin(angle)
+    out[..., d/2:] = x2 * cos(angle) + x1 * sin(angle)
+
+evaluated in fp32 and rounded once. This is ``apply_rotary_pos_emb(q, k, cos, sin)`` of HF Llama with
+``LlamaRotaryEmbedding``'s cos / sin (default rope type, attention scaling 1): in fp32 the two agree to
+within an ulp or so of cos / sin (bit for bit where both evaluate cos / sin alike); in fp16 / bf16 the
+result here is the fp32 rotation rounded once, where HF rounds cos / sin and each product to the input
+dtype. Positions are global: a sequence shard passes the global position of its first row as
+``position_offset`` and gets exactly the unsharded result's rows.
+
+==============  ================  ================================================================
+tensor          shape             layout
+==============  ================  ================================================================
+q               [s, b, Hq, d]     fp32 / fp16 / bf16; any strides (e.g. views of a fused QKV output)
+k               [s, b, Hk, d]     like q; Hk may differ from Hq (grouped-query attention)
+q_rot, k_rot    like q, k         new contiguous tensors, or q and k themselves with ``inplace=True``
+==============  ================  ================================================================
+
+float64 inputs (for gradcheck) run on the torch backend (the rotation in float64, the angles as above).
+Nothing is saved for backward but the sizes: the gradient is the rotation of the incoming gradients by
+-angle (``inverse=True``).
+
+The autograd function rotates one tensor (q and k are two calls): autograd can't take a function that
+modifies two views of one tensor (a fused QKV output) in place. Backend interface (registered with
+:func:`seqpar.ops.registry.register`), on one ``[s, b, H, d]`` tensor::
+
+    forward(x, position_offset, theta, inplace) -> x_rot      # inplace: x itself, rotated in place
+    backward(grad_x_rot, position_offset, theta) -> grad_x
+
+========  ===============================================================  ==============
+backend   what runs                                                        d
+========  ===============================================================  ==============
+torch     fp32 reference (the test oracle, CPU fallback)                   any even
+triton    ``triton_kernels/rotary.py``: a program per (sequence row, block  even, <= 8192
+          of heads), cos / sin once per program
+cuda      ``csrc/rotary.cu``: a block per (sequence row, group of heads),   any even
+          16-byte vectors, cos / sin once per thread for its heads
+========  ===============================================================  ==============
+
+The kernels compute cos / sin themselves (the accurate ``cosf`` / ``sinf`` on CUDA, as torch's cos / sin
+are) from ``inv_freq`` computed by torch on the CPU exactly as HF does; they take q and k with unit stride
+along d (another stride is copied first, or refused with ``inplace=True``). Custom ops:
+``seqpar::rotary_embedding_{triton,cuda}`` (out of place) and ``..._inplace`` (mutating x).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Tuple
+
+import torch
+
+from . import registry
+from .bias_dropout_add_layer_norm import _vectorized
+from .rms_norm import _DTYPES, acc_dtype, float64_torch_only
+from .. import _ext
+
+OP = "rotary_embedding"
+MAX_TRITON_HEAD_DIM = 8192  # the Triton kernel holds half a head per program row
+
+
+def rope_inv_freq(d: int, theta: float) -> torch.Tensor:
+    """``1 / theta**(2j / d)``, j < d / 2: fp32 on the CPU, by the same ops as HF's default RoPE."""
+    return 1.0 / (float(theta) ** (torch.arange(0, d, 2, dtype=torch.int64).to(dtype=torch.float) / d))
+
+
+@functools.lru_cache(maxsize=64)
+def _inv_freq_on(device: torch.device, d: int, theta: float) -> torch.Tensor:
+    """:func:`rope_inv_freq` on ``device``, copied there once (a copy per call would synchronise the stream)."""
+    return rope_inv_freq(d, theta).to(device)
+
+
+# ----------------------------------------------------------------------------- torch reference
+def _cos_sin(s: int, d: int, position_offset: int, theta: float, device: torch.device):
+    """fp32 ``[s, d/2]`` cos and sin of the angles of rows position_offset .. position_offset + s - 1."""
+    positions = torch.arange(position_offset, position_offset + s, device=device)
+    # Under torch.compile the frequencies are built in the graph (Dynamo would trace past the cache anyway).
+    inv_freq = rope_inv_freq(d, theta).to(device) if torch.compiler.is_compiling() else _inv_freq_on(device, d, theta)
+    angle = positions[:, None].float() * inv_freq[None, :]
+    return angle.cos(), angle.sin()
+
+
+def _torch_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half, acc = x.shape[-1] // 2, acc_dtype(x.dtype)
+    x1, x2 = x[..., :half].to(acc), x[..., half:].to(acc)
+    c, s = cos[:, None, None, :].to(acc), sin[:, None, None, :].to(acc)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+def _torch_forward(x, position_offset: int, theta: float, inplace: bool):
+    cos, sin = _cos_sin(x.shape[0], x.shape[-1], position_offset, theta, x.device)
+    x_rot = _torch_rotate(x, cos, sin)
+    return x.copy_(x_rot) if inplace else x_rot
+
+
+def _torch_backward(grad, position_offset: int, theta: float):
+    cos, sin = _cos_sin(grad.shape[0], grad.shape[-1], position_offset, theta, grad.device)
+    return _torch_rotate(grad, cos, -sin)
+
+
+registry.register(registry.Backend(OP, "torch", _torch_forward, _torch_backward))
+
+
+def _kernel_backend(name: str, out_of_place_op, inplace_op, check) -> registry.Backend:
+    """A registry backend over a kernel's out-of-place and in-place custom ops."""
+
+    def forward(x, position_offset: int, theta: float, inplace: bool):
+        if inplace:
+            inplace_op(x, position_offset, theta, False)
+            return x
+        return out_of_place_op(_unit_d(x), position_offset, theta, False)
+
+    def backward(grad, position_offset: int, theta: float):
+        return out_of_place_op(_unit_d(grad), position_offset, theta, True)
+
+    return registry.Backend(OP, name, forward, backward, check)
+
+
+def _unit_d(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.numel() == 0 else t.contiguous()
+
+
+def _new_like(x: torch.Tensor) -> torch.Tensor:
+    """The out-of-place output: contiguous, x's shape (every buffer the custom ops allocate; tests poison it)."""
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+# ----------------------------------------------------------------------------- triton backend
+def _triton_rotate(x, out, position_offset: int, theta: float, inverse: bool) -> None:
+    from ..triton_kernels import rotary as kernels
+
+    with _ext.on_device(x):
+        kernels.rotate(x, out, _inv_freq_on(x.device, x.shape[-1], theta), position_offset, inverse)
+
+
+@torch.library.custom_op("seqpar::rotary_embedding_triton", mutates_args=())
+def _triton_op(x: torch.Tensor, position_offset: int, theta: float, inverse: bool) -> torch.Tensor:
+    out = _new_like(x)
+    _triton_rotate(x, out, position_offset, theta, inverse)
+    return out
+
+
+@_triton_op.register_fake
+def _(x, position_offset, theta, inverse):
+    return _new_like(x)
+
+
+@torch.library.custom_op("seqpar::rotary_embedding_triton_inplace", mutates_args=("x",))
+def _triton_inplace_op(x: torch.Tensor, position_offset: int, theta: float, inverse: bool) -> None:
+    _triton_rotate(x, x, position_offset, theta, inverse)
+
+
+def _triton_check(d=None, dtype=None, **_):
+    if d is not None and d > MAX_TRITON_HEAD_DIM:
+        return f"head dim d={d} exceeds the Triton kernel's {MAX_TRITON_HEAD_DIM}"
+    return float64_torch_only(dtype)
+
+
+registry.register(_kernel_backend("triton", _triton_op, _triton_inplace_op, _triton_check))
+
+
+# ----------------------------------------------------------------------------- cuda backend
+def _cuda_rotate(x, out, position_offset: int, theta: float, inverse: bool) -> None:
+    ext = _ext.cuda_extension()
+    s, b, heads, d = x.shape
+    strides = x.stride()[:3] + out.stride()[:3]
+    with _ext.on_device(x):
+        ext.rotary_embedding(x.data_ptr(), out.data_ptr(), _inv_freq_on(x.device, d, theta).data_ptr(), s, b, heads,
+                             d, *strides, int(position_offset), bool(inverse), _ext.DTYPE_CODES[x.dtype],
+                             _vectorized(x.dtype, d // 2, (x, out), strides), _ext.cuda_stream(x.device))
+
+
+@torch.library.custom_op("seqpar::rotary_embedding_cuda", mutates_args=())
+def _cuda_op(x: torch.Tensor, position_offset: int, theta: float, inverse: bool) -> torch.Tensor:
+    out = _new_like(x)
+    _cuda_rotate(x, out, position_offset, theta, inverse)
+    return out
+
+
+@_cuda_op.register_fake
+def _(x, position_offset, theta, inverse):
+    return _new_like(x)
+
+
+@torch.library.custom_op("seqpar::rotary_embedding_cuda_inplace", mutates_args=("x",))
+def _cuda_inplace_op(x: torch.Tensor, position_offset: int, theta: float, inverse: bool) -> None:
+    _cuda_rotate(x, x, position_offset, theta, inverse)
+
+
+registry.register(_kernel_backend("cuda", _cuda_op, _cuda_inplace_op, float64_torch_only))
+
+
+@torch.compiler.assume_constant_result
+def _select_backend_name(backend: str, device: torch.device, dtype: torch.dtype, d: int) -> str:
+    """Name of the backend that runs these inputs (registry.select), a constant to torch.compile."""
+    return registry.select(OP, backend, device, dtype=dtype, d=d).name
+
+
+# ----------------------------------------------------------------------------- autograd
+class _RotaryEmbedding(torch.autograd.Function):
+    """One tensor (q or k): saves nothing, backward rotates the gradient by -angle."""
+
+    @staticmethod
+    def forward(ctx, x, position_offset, theta, inplace, impl):
+        x_rot = impl.forward(x, position_offset, theta, inplace)
+        if inplace:
+            ctx.mark_dirty(x)
+        ctx.position_offset, ctx.theta, ctx.impl = position_offset, theta, impl
+        return x_rot
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_x_rot):
+        return ctx.impl.backward(grad_x_rot, ctx.position_offset, ctx.theta), None, None, None, None
+
+
+def _check_inputs(q, k, position_offset, theta, inplace) -> int:
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != 4 or t.dtype not in _DTYPES:
+            raise ValueError(f"{name} must be a [s, b, heads, d] tensor of {_DTYPES}, got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    if k.dtype != q.dtype:
+        raise ValueError(f"k dtype {k.dtype} != q dtype {q.dtype}")
+    if (k.shape[0], k.shape[1], k.shape[3]) != (q.shape[0], q.shape[1], q.shape[3]):
+        raise ValueError(f"k shape {tuple(k.shape)} must match q shape {tuple(q.shape)} in s, b and d")
+    d = q.shape[3]
+    if d == 0 or d % 2:
+        raise ValueError(f"head dim d must be even and positive, got d={d}")
+    if k.device != q.device:
+        raise ValueError(f"q and k must be on one device, got {q.device} and {k.device}")
+    if isinstance(position_offset, bool) or not isinstance(position_offset, int) or position_offset < 0:
+        raise ValueError(f"position_offset must be a non-negative int, got {position_offset!r}")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+        raise ValueError(f"theta must be a positive finite float, got {theta!r}")
+    if not isinstance(inplace, bool):
+        raise ValueError(f"inplace must be a bool, got {inplace!r}")
+    if inplace:
+        for name, t in (("q", q), ("k", k)):
+            if t.numel() and t.stride(-1) != 1:
+                raise ValueError(f"inplace=True needs {name} with unit stride along d, got strides {t.stride()}")
+        if q.numel() and q.data_ptr() == k.data_ptr():
+            raise ValueError("inplace=True needs q and k to be different tensors (they start at one address)")
+    return d
+
+
+def rotary_embedding(q: torch.Tensor, k: torch.Tensor, *, position_offset: int = 0, theta: float = 10000.0,
+                     inplace: bool = False, backend: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q ``[s, b, Hq, d]`` and k ``[s, b, Hk, d]`` by their positions (HF Llama's default RoPE).
+
+    Returns ``(q_rot, k_rot)``. Row i of the sequence has position ``position_offset + i`` (global: a
+    sequence shard passes the position of its first row). ``inplace=True`` writes into q and k (unit
+    stride along d) and returns them; autograd sees them modified in place. Gradients flow to q and k.
+
+    Args:
+        position_offset: global position of sequence row 0 (non-negative int).
+        theta: RoPE base (HF ``rope_theta``), positive.
+        backend: "auto" | "torch" | "triton" | "cuda" (see :mod:`seqpar.ops.registry`).
+    """
+    d = _check_inputs(q, k, position_offset, theta, inplace)
+    impl = registry.get(OP, _select_backend_name(backend, q.device, q.dtype, d))
+    args = (int(position_offset), float(theta), inplace, impl)
+    return _RotaryEmbedding.apply(q, *args), _RotaryEmbedding.apply(k, *args)

@@ -1,0 +1,197 @@
+"""SwiGLU: ``silu(gate) * up`` on the concatenated output of the MLP's first projection.
+
+Math (fp32, rounded once), on rows of ``gate_up = cat(gate, up)`` along the last dimension::
+
+    y = silu(gate) * up,   silu(g) = g * sigmoid(g) = g / (1 + exp(-g))
+
+``gate_up`` is each tensor-parallel rank's column-parallel output of a dense_h_to_4h whose rows are
+"gate, then up", so both halves of a column pair live on one rank.
+
+==============  ===========  =========================================
+tensor          shape        dtype
+==============  ===========  =========================================
+gate_up         [..., 2n]    fp32 / fp16 / bf16
+y               [..., n]     like gate_up
+==============  ===========  =========================================
+
+Saved for backward: gate_up only (an input: no new memory); silu is recomputed, never stored::
+
+    sig = sigmoid(gate);  grad_gate = grad_y * up * sig * (1 + gate * (1 - sig));  grad_up = grad_y * silu(gate)
+
+Backend interface (registered with :func:`seqpar.ops.registry.register`), on 2-D views with unit column
+stride (any row stride)::
+
+    forward(gate_up [rows, 2n]) -> y [rows, n]
+    backward(grad_y [rows, n], gate_up) -> grad_gate_up [rows, 2n]
+
+========  ========================================================  =====
+backend   what runs                                                 n
+========  ========================================================  =====
+torch     fp32 reference (the test oracle, CPU fallback)            any
+triton    ``triton_kernels/swiglu.py``: 2-D tiles                   any
+cuda      ``csrc/swiglu.cu``: 16-byte vectors, grid-stride loop     any
+========  ========================================================  =====
+
+float64 inputs (for gradcheck) run on the torch backend, in float64. The kernel backends are
+``torch.library`` custom ops (``seqpar::swiglu_{triton,cuda}_{fwd,bwd}``) with fake implementations, so
+``torch.compile`` traces through them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import registry
+from .bias_dropout_add_layer_norm import _vectorized
+from .rms_norm import _DTYPES, acc_dtype, float64_torch_only
+from .. import _ext
+
+OP = "swiglu"
+
+
+# ----------------------------------------------------------------------------- torch reference
+def _torch_forward(gate_up):
+    gate, up = gate_up.to(acc_dtype(gate_up.dtype)).chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+def _torch_backward(grad_y, gate_up):
+    acc = acc_dtype(grad_y.dtype)
+    gate, up = gate_up.to(acc).chunk(2, dim=-1)
+    dy = grad_y.to(acc)
+    sig = torch.sigmoid(gate)
+    grad_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
+    grad_up = dy * F.silu(gate)
+    return torch.cat([grad_gate, grad_up], dim=-1).to(grad_y.dtype)
+
+
+registry.register(registry.Backend(OP, "torch", _torch_forward, _torch_backward))
+
+
+def _fwd_fake(gate_up: torch.Tensor) -> torch.Tensor:
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+def _bwd_fake(grad_y: torch.Tensor) -> torch.Tensor:
+    return grad_y.new_empty((grad_y.shape[0], 2 * grad_y.shape[1]))
+
+
+# ----------------------------------------------------------------------------- triton backend
+@torch.library.custom_op("seqpar::swiglu_triton_fwd", mutates_args=())
+def _triton_fwd_op(gate_up: torch.Tensor) -> torch.Tensor:
+    from ..triton_kernels import swiglu as kernels
+
+    with _ext.on_device(gate_up):
+        return kernels.forward(gate_up)
+
+
+@_triton_fwd_op.register_fake
+def _(gate_up):
+    return _fwd_fake(gate_up)
+
+
+@torch.library.custom_op("seqpar::swiglu_triton_bwd", mutates_args=())
+def _triton_bwd_op(grad_y: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    from ..triton_kernels import swiglu as kernels
+
+    with _ext.on_device(grad_y):
+        return kernels.backward(grad_y, gate_up)
+
+
+@_triton_bwd_op.register_fake
+def _(grad_y, gate_up):
+    return _bwd_fake(grad_y)
+
+
+registry.register(registry.Backend(OP, "triton", _triton_fwd_op, _triton_bwd_op, float64_torch_only))
+
+
+# ----------------------------------------------------------------------------- cuda backend
+def _row_stride(gate_up: torch.Tensor) -> int:
+    """Row stride of [rows, 2n] (a single row's stride is arbitrary in torch: use the row length)."""
+    return gate_up.stride(0) if gate_up.shape[0] > 1 else gate_up.shape[1]
+
+
+@torch.library.custom_op("seqpar::swiglu_cuda_fwd", mutates_args=())
+def _cuda_fwd_op(gate_up: torch.Tensor) -> torch.Tensor:
+    ext = _ext.cuda_extension()
+    y = _fwd_fake(gate_up)
+    rows, n = y.shape
+    ld = _row_stride(gate_up)
+    with _ext.on_device(gate_up):
+        ext.swiglu_fwd(gate_up.data_ptr(), y.data_ptr(), rows, n, ld, _ext.DTYPE_CODES[gate_up.dtype],
+                       _vectorized(gate_up.dtype, n, (gate_up, y), (ld,)), _ext.cuda_stream(gate_up.device))
+    return y
+
+
+@_cuda_fwd_op.register_fake
+def _(gate_up):
+    return _fwd_fake(gate_up)
+
+
+@torch.library.custom_op("seqpar::swiglu_cuda_bwd", mutates_args=())
+def _cuda_bwd_op(grad_y: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    ext = _ext.cuda_extension()
+    grad_y = grad_y.contiguous()
+    grad = _bwd_fake(grad_y)
+    rows, n = grad_y.shape
+    ld = _row_stride(gate_up)
+    with _ext.on_device(grad_y):
+        ext.swiglu_bwd(grad_y.data_ptr(), gate_up.data_ptr(), grad.data_ptr(), rows, n, ld,
+                       _ext.DTYPE_CODES[grad_y.dtype], _vectorized(grad_y.dtype, n, (grad_y, gate_up, grad), (ld,)),
+                       _ext.cuda_stream(grad_y.device))
+    return grad
+
+
+@_cuda_bwd_op.register_fake
+def _(grad_y, gate_up):
+    return _bwd_fake(grad_y)
+
+
+registry.register(registry.Backend(OP, "cuda", _cuda_fwd_op, _cuda_bwd_op, float64_torch_only))
+
+
+@torch.compiler.assume_constant_result
+def _select_backend_name(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Name of the backend that runs these inputs (registry.select), a constant to torch.compile."""
+    return registry.select(OP, backend, device, dtype=dtype).name
+
+
+# ----------------------------------------------------------------------------- autograd
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up, impl):
+        ctx.save_for_backward(gate_up)
+        ctx.impl = impl
+        return impl.forward(gate_up)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y):
+        (gate_up,) = ctx.saved_tensors
+        return ctx.impl.backward(grad_y.contiguous(), gate_up), None
+
+
+def swiglu(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """``y = silu(gate) * up`` with ``gate, up = gate_up.chunk(2, dim=-1)``, computed in fp32.
+
+    ``gate_up`` is ``[..., 2n]`` (any layout: rows that can't be viewed as ``[rows, 2n]`` with unit column
+    stride are copied first); returns ``[..., n]``. Only gate_up is saved for backward.
+
+    Args:
+        backend: "auto" | "torch" | "triton" | "cuda" (see :mod:`seqpar.ops.registry`).
+    """
+    if not isinstance(gate_up, torch.Tensor):
+        raise ValueError(f"gate_up must be a tensor, got {type(gate_up).__name__}")
+    if gate_up.dim() < 1 or gate_up.dtype not in _DTYPES:
+        raise ValueError(f"gate_up must be a floating [..., 2n] tensor of {_DTYPES}, got {gate_up.dtype} "
+                         f"{tuple(gate_up.shape)}")
+    width = gate_up.shape[-1]
+    if width == 0 or width % 2:
+        raise ValueError(f"gate_up's last dimension must be even and positive (gate, then up), got {width}")
+    impl = registry.get(OP, _select_backend_name(backend, gate_up.device, gate_up.dtype))
+    rows = gate_up.reshape(-1, width)
+    if rows.stride(-1) != 1 and rows.shape[0]:
+        rows = rows.contiguous()
+    y = _SwiGLU.apply(rows, impl)
+    return y.view(gate_up.shape[:-1] + (width // 2,))

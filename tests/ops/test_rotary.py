@@ -1,0 +1,302 @@
+"""Rotary position embeddings: HF Llama's default RoPE (reimplemented here) and an fp64 reference against
+the torch reference, the triton backend (CPU interpreter here) and the cuda backend (GPU-marked); shard
+offsets, in place vs out of place, gradients, validation and torch.compile."""
+import pytest
+import torch
+
+from seqpar.ops import rotary_embedding
+from tests.tolerances import assert_error_within
+
+THETA = 10000.0
+
+
+# ----------------------------------------------------------------------------- helpers
+def _qk(s, b, hq, hk, d, dtype, device="cpu", gen_seed=0, requires_grad=False):
+    g = torch.Generator().manual_seed(gen_seed)
+    q = torch.randn(s, b, hq, d, generator=g).to(dtype).to(device)
+    k = torch.randn(s, b, hk, d, generator=g).to(dtype).to(device)
+    return q.requires_grad_(requires_grad), k.requires_grad_(requires_grad)
+
+
+def _rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _hf_rope(q, k, position_offset=0, theta=THETA):
+    """HF Llama: LlamaRotaryEmbedding (default rope type) + apply_rotary_pos_emb, on the [b, H, s, d]
+    layout HF uses, written out (transformers is not imported in these tests)."""
+    s, b, _, d = q.shape
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(dtype=torch.float) / d))
+    inv_freq = inv_freq.to(q.device)
+    position_ids = torch.arange(position_offset, position_offset + s, device=q.device)[None, :].expand(b, -1)
+    freqs = position_ids[..., None].float() * inv_freq.to(dtype=torch.float)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = (emb.cos() * 1.0).to(q.dtype), (emb.sin() * 1.0).to(q.dtype)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    qh, kh = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3)
+    q_embed = (qh * cos) + (_rotate_half(qh) * sin)
+    k_embed = (kh * cos) + (_rotate_half(kh) * sin)
+    return q_embed.permute(2, 0, 1, 3), k_embed.permute(2, 0, 1, 3)
+
+
+def _reference_fp64(x, position_offset=0, theta=THETA, inverse=False):
+    """The rotation in float64: the op's fp32 angles (as HF forms them), their cos / sin in float64."""
+    s, d = x.shape[0], x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    angle = (torch.arange(position_offset, position_offset + s).float()[:, None] * inv_freq).double()
+    cos, sin = angle.cos()[:, None, None, :], angle.sin()[:, None, None, :] * (-1 if inverse else 1)
+    x64 = x.detach().double().cpu()
+    x1, x2 = x64[..., : d // 2], x64[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _run(q, k, backend, grads, **kwargs):
+    """(q_rot, k_rot, grad_q, grad_k) for incoming gradients ``grads``."""
+    q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+    q_rot, k_rot = rotary_embedding(q, k, backend=backend, **kwargs)
+    gq, gk = torch.autograd.grad((q_rot, k_rot), (q, k), grads)
+    return q_rot, k_rot, gq, gk
+
+
+@pytest.fixture
+def poisoned_triton(monkeypatch):
+    """Outputs the rotary launchers write start as NaN (the custom op allocates them with torch.empty)."""
+    from seqpar.ops import rotary
+
+    real = rotary._new_like
+    monkeypatch.setattr(rotary, "_new_like", lambda x: real(x).fill_(float("nan")))
+
+
+# Ugly shapes: s not a power of two, d = 80 (half = 40), Hq != Hk (grouped-query attention).
+CASES = [pytest.param(37, 2, 4, 2, 80, 0, THETA, id="s37-b2-gqa4x2-d80"),
+         pytest.param(5, 3, 3, 3, 64, 1000, 500000.0, id="s5-b3-mha3-d64-offset1000-theta5e5"),
+         pytest.param(9, 1, 6, 1, 18, 4093, THETA, id="s9-b1-mqa6x1-d18-offset4093")]
+
+
+# ----------------------------------------------------------------------------- fp32 against HF
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("s,b,hq,hk,d,offset,theta", CASES)
+def test_fp32_matches_hf_llama_rope(backend, s, b, hq, hk, d, offset, theta, poisoned_triton):
+    q, k = _qk(s, b, hq, hk, d, torch.float32)
+    q_rot, k_rot = rotary_embedding(q, k, position_offset=offset, theta=theta, backend=backend)
+    q_hf, k_hf = _hf_rope(q, k, offset, theta)
+    torch.testing.assert_close(q_rot, q_hf, atol=1e-6, rtol=0)
+    torch.testing.assert_close(k_rot, k_hf, atol=1e-6, rtol=0)
+    torch.testing.assert_close(q_rot.double(), _reference_fp64(q, offset, theta), atol=2e-6, rtol=0)
+    assert q_rot.is_contiguous() and k_rot.is_contiguous()
+
+
+@pytest.mark.parametrize("s,b,hq,hk,d,offset,theta", CASES[:2])
+def test_triton_gradients_match_torch(s, b, hq, hk, d, offset, theta, poisoned_triton):
+    q, k = _qk(s, b, hq, hk, d, torch.float32)
+    grads = _qk(s, b, hq, hk, d, torch.float32, gen_seed=1)
+    ref = _run(q, k, "torch", grads, position_offset=offset, theta=theta)
+    got = _run(q, k, "triton", grads, position_offset=offset, theta=theta)
+    for name, a, e in zip(("q_rot", "k_rot", "grad_q", "grad_k"), got, ref):
+        torch.testing.assert_close(a, e, atol=1e-6, rtol=0, msg=name)
+    # backward is the rotation by -angle
+    torch.testing.assert_close(got[2].double(), _reference_fp64(grads[0], offset, theta, inverse=True),
+                               atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_triton_half_error_within_2x_torch(dtype, poisoned_triton):
+    q, k = _qk(37, 2, 4, 2, 80, dtype)
+    grads = _qk(37, 2, 4, 2, 80, dtype, gen_seed=1)
+    torch_same = _run(q, k, "torch", grads, position_offset=3)
+    got = _run(q, k, "triton", grads, position_offset=3)
+    refs = (_reference_fp64(q, 3), _reference_fp64(k, 3), _reference_fp64(grads[0], 3, inverse=True),
+            _reference_fp64(grads[1], 3, inverse=True))
+    for name, a, t, e in zip(("q_rot", "k_rot", "grad_q", "grad_k"), got, torch_same, refs):
+        assert a.dtype == dtype, name
+        assert_error_within(a, t, e, name=name)
+    # and the once-rounded rotation is at least as close to the exact one as HF's bf16 arithmetic
+    q_hf, _ = _hf_rope(q, k, 3)
+    assert (torch_same[0].double() - refs[0]).abs().max() <= (q_hf.double() - refs[0]).abs().max()
+
+
+# ----------------------------------------------------------------------------- sequence shards
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_shard_with_offset_equals_unsharded_slice(backend):
+    """Global positions: each sequence shard, given its first row's position, reproduces the rows of the
+    unsharded result exactly (and a wrong offset does not)."""
+    q, k = _qk(24, 2, 4, 2, 32, torch.float32)
+    q_full, k_full = rotary_embedding(q, k, backend=backend)
+    for start, stop in ((0, 8), (8, 16), (16, 24), (5, 19)):
+        q_s, k_s = rotary_embedding(q[start:stop], k[start:stop], position_offset=start, backend=backend)
+        assert torch.equal(q_s, q_full[start:stop]) and torch.equal(k_s, k_full[start:stop]), (start, stop)
+    q_wrong, _ = rotary_embedding(q[8:16], k[8:16], backend=backend)
+    assert not torch.equal(q_wrong, q_full[8:16])
+
+
+# ----------------------------------------------------------------------------- in place
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_inplace_on_fused_qkv_views_matches_out_of_place(backend):
+    """q and k as views of one fused QKV projection output [s, b, (Hq + 2 Hk) * d] (non-contiguous, any
+    strides): in place writes into them and returns them; values and gradients equal the out-of-place op's."""
+    s, b, hq, hk, d = 11, 2, 4, 2, 16
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(s, b, 8, generator=g, requires_grad=True)
+    w = torch.randn((hq + 2 * hk) * d, 8, generator=g)
+    grads = _qk(s, b, hq, hk, d, torch.float32, gen_seed=2)
+
+    def rotated(inplace):
+        qkv = (x @ w.t()).view(s, b, hq + 2 * hk, d)
+        q, k = qkv[:, :, :hq], qkv[:, :, hq:hq + hk]
+        q_rot, k_rot = rotary_embedding(q, k, position_offset=7, inplace=inplace, backend=backend)
+        if inplace:
+            assert q_rot is q and k_rot is k
+        loss = (q_rot * grads[0]).sum() + (k_rot * grads[1]).sum() + qkv[:, :, hq + hk:].square().sum()
+        return q_rot.detach().clone(), k_rot.detach().clone(), torch.autograd.grad(loss, x)[0]
+
+    out_of_place, in_place = rotated(False), rotated(True)
+    for a, e in zip(in_place, out_of_place):
+        torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-6)
+
+
+def test_gradcheck_fp64_torch_backend():
+    q, k = _qk(5, 2, 3, 1, 8, torch.float64, requires_grad=True)
+    for inplace in (False, True):
+        assert torch.autograd.gradcheck(
+            lambda a, c: rotary_embedding(a.clone(), c.clone(), position_offset=3, inplace=inplace, backend="torch"),
+            (q, k))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_nothing_is_saved_for_backward(backend):
+    q, k = _qk(4, 1, 2, 2, 8, torch.float32, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        q_rot, k_rot = rotary_embedding(q, k, backend=backend)
+    assert saved == []
+    (q_rot.sum() + k_rot.sum()).backward()
+    assert q.grad is not None and k.grad is not None
+
+
+def test_triton_custom_ops_pass_opcheck():
+    q, k = _qk(3, 2, 2, 1, 8, torch.float32)
+    torch.library.opcheck(torch.ops.seqpar.rotary_embedding_triton, (q, 5, THETA, False))
+    torch.library.opcheck(torch.ops.seqpar.rotary_embedding_triton, (k, 0, THETA, True))
+    torch.library.opcheck(torch.ops.seqpar.rotary_embedding_triton_inplace, (q.clone(), 5, THETA, True))
+
+
+def test_torch_compile_traces_the_op():
+    torch._dynamo.reset()
+
+    def f(q, k):
+        q_rot, k_rot = rotary_embedding(q, k, position_offset=2, backend="triton")
+        return q_rot * 2.0, k_rot + 1.0
+
+    q, k = _qk(6, 2, 2, 1, 16, torch.float32, requires_grad=True)
+    outs_c = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k)
+    grads_c = torch.autograd.grad(outs_c[0].square().sum() + outs_c[1].sum(), (q, k))
+    outs_e = f(q, k)
+    grads_e = torch.autograd.grad(outs_e[0].square().sum() + outs_e[1].sum(), (q, k))
+    for a, e in zip(outs_c + grads_c, outs_e + grads_e):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- validation
+BAD = [
+    ("q_3d", dict(q=torch.randn(4, 2, 8)), "q must be"),
+    ("q_int", dict(q=torch.ones(4, 2, 2, 8, dtype=torch.int32)), "q must be"),
+    ("k_not_tensor", dict(k=1.0), "k must be a tensor"),
+    ("k_dtype", dict(k=torch.randn(4, 2, 1, 8, dtype=torch.bfloat16)), "k dtype"),
+    ("k_seq", dict(k=torch.randn(5, 2, 1, 8)), "k shape"),
+    ("k_head_dim", dict(k=torch.randn(4, 2, 1, 10)), "k shape"),
+    ("d_odd", dict(q=torch.randn(4, 2, 2, 7), k=torch.randn(4, 2, 1, 7)), "d must be even"),
+    ("device", dict(k=torch.randn(4, 2, 1, 8, device="meta")), "one device"),
+    ("offset_negative", dict(position_offset=-1), "position_offset"),
+    ("offset_float", dict(position_offset=2.0), "position_offset"),
+    ("offset_bool", dict(position_offset=True), "position_offset"),
+    ("theta_zero", dict(theta=0.0), "theta"),
+    ("theta_inf", dict(theta=float("inf")), "theta"),
+    ("inplace_int", dict(inplace=1), "inplace must be a bool"),
+    ("inplace_strided_d", dict(q=torch.randn(4, 2, 2, 16)[..., ::2], inplace=True), "unit stride along d"),
+    ("inplace_same_tensor", dict(k="q", inplace=True), "different tensors"),
+    ("backend_unknown", dict(backend="cudnn"), "unknown backend"),
+]
+
+
+@pytest.mark.parametrize("overrides,match", [pytest.param(o, m, id=i) for i, o, m in BAD])
+def test_bad_inputs_raise_value_error(overrides, match):
+    args = dict(q=torch.randn(4, 2, 2, 8), k=torch.randn(4, 2, 1, 8), position_offset=0, theta=THETA,
+                inplace=False, backend="torch")
+    args.update(overrides)
+    if args["k"] == "q":
+        args["k"] = args["q"]
+    with pytest.raises(ValueError, match=match):
+        rotary_embedding(args.pop("q"), args.pop("k"), **args)
+
+
+def test_strided_head_dim_is_copied_out_of_place():
+    q, k = torch.randn(4, 2, 2, 16)[..., ::2], torch.randn(4, 2, 1, 8)
+    got = rotary_embedding(q, k, backend="triton")
+    ref = rotary_embedding(q.contiguous(), k, backend="triton")
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+# ----------------------------------------------------------------------------- GPU
+GPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+GPU_CASES = [(1024, 2, 32, 8, 128, 0), (4096, 1, 32, 8, 128, 0), (333, 3, 12, 4, 80, 77), (64, 4, 16, 16, 64, 8192),
+             (17, 2, 8, 2, 256, 131000), (5, 1, 3, 1, 18, 1)]
+
+
+def _gpu_backend_available(backend):
+    from seqpar import _ext
+
+    reason = (_ext.cuda_unavailable_reason(torch.device("cuda")) if backend == "cuda"
+              else _ext.triton_unavailable_reason(torch.device("cuda")))
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", list(GPU_DTYPES))
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "s{}-b{}-h{}x{}-d{}-off{}".format(*c))
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_backend_matches_references(backend, case, dtype_name):
+    """Against HF (fp32, within 1e-6; angles up to 131000 rad take cos / sin's slow range reduction) and
+    the fp64 rotation (half precision: within 2x the torch reference's error), forward and backward."""
+    _gpu_backend_available(backend)
+    s, b, hq, hk, d, offset = case
+    dtype = GPU_DTYPES[dtype_name]
+    q, k = _qk(s, b, hq, hk, d, dtype, device="cuda")
+    grads = _qk(s, b, hq, hk, d, dtype, device="cuda", gen_seed=1)
+    got = _run(q, k, backend, grads, position_offset=offset)
+    torch_same = _run(q, k, "torch", grads, position_offset=offset)
+    if dtype == torch.float32:
+        q_hf, k_hf = _hf_rope(q, k, offset)
+        torch.testing.assert_close(got[0], q_hf, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got[1], k_hf, atol=1e-6, rtol=0)
+        for a, e in zip(got, torch_same):
+            torch.testing.assert_close(a, e, atol=1e-6, rtol=0)
+    else:
+        refs = (_reference_fp64(q, offset), _reference_fp64(k, offset),
+                _reference_fp64(grads[0], offset, inverse=True), _reference_fp64(grads[1], offset, inverse=True))
+        for a, t, e in zip(got, torch_same, refs):
+            assert_error_within(a.cpu(), t.cpu(), e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_inplace_fused_qkv_and_unaligned(backend):
+    """In place on strided views of a fused QKV output, and the scalar path (a 2-byte offset)."""
+    _gpu_backend_available(backend)
+    s, b, hq, hk, d = 300, 2, 8, 2, 128
+    qkv = torch.randn(s, b, (hq + 2 * hk) * d, device="cuda", dtype=torch.bfloat16).view(s, b, hq + 2 * hk, d)
+    q, k = qkv[:, :, :hq], qkv[:, :, hq:hq + hk]
+    q0, k0, v0 = q.clone(), k.clone(), qkv[:, :, hq + hk:].clone()
+    ref = rotary_embedding(q0, k0, position_offset=40, backend="torch")
+    out = rotary_embedding(q, k, position_offset=40, inplace=True, backend=backend)
+    assert out[0] is q and out[1] is k
+    assert torch.equal(qkv[:, :, hq + hk:], v0), "v must be untouched"
+    assert_error_within(q.cpu(), ref[0].cpu(), _reference_fp64(q0, 40))
+    assert_error_within(k.cpu(), ref[1].cpu(), _reference_fp64(k0, 40))
+    base = torch.randn(s * b * hq * d + 1, device="cuda", dtype=torch.bfloat16)
+    q2 = base[1:].view(s, b, hq, d)
+    k2 = torch.randn(s, b, hk, d, device="cuda", dtype=torch.bfloat16)
+    got = rotary_embedding(q2, k2, position_offset=5, backend=backend)
+    want = rotary_embedding(q2, k2, position_offset=5, backend="torch")
+    assert_error_within(got[0].cpu(), want[0].cpu(), _reference_fp64(q2, 5))

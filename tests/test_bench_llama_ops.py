@@ -1,0 +1,27 @@
+"""bench/bench_llama_ops.py: --help, and a --quick CPU smoke run (Triton interpreter) writing its rows."""
+import csv
+import os
+
+import pytest
+
+from bench import bench_llama_ops
+
+
+def test_help_exits_cleanly(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_llama_ops.main(["--help"])
+    assert exc.value.code == 0
+    assert "copy bandwidth" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="--quick runs Triton in its CPU interpreter")
+def test_quick_run_writes_rows(tmp_path):
+    assert bench_llama_ops.main(["--quick", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "bench_llama_ops.csv") as f:
+        rows = list(csv.DictReader(f))
+    got = {(r["config"].split(",")[0], r["provider"], r["metric"]) for r in rows}
+    for op in ("op=rmsnorm", "op=swiglu", "op=rope"):
+        for provider in ("seqpar-triton", "seqpar-torch", "torch-eager"):
+            for metric in ("fwd_ms", "bwd_gbps", "fwdbwd_frac_copy"):
+                assert (op, provider, metric) in got, (op, provider, metric)
+    assert all(float(r["value"]) > 0 for r in rows)

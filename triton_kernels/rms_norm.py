@@ -1,0 +1,272 @@
+"""Triton kernels for the fused residual add + RMSNorm (no autograd here).
+
+Math on a ``[rows, h]`` view (statistics in fp32; see :mod:`seqpar.ops.rms_norm`)::
+
+    residual_out = x + residual                     # rounded to x's dtype; no residual: residual_out = x
+    rstd         = 1 / sqrt(mean(residual_out^2) + eps)
+    y            = round(round(residual_out * rstd) * weight)     # HF LlamaRMSNorm's rounding
+
+Backward, per row (n = residual_out * rstd, g = grad_y * weight)::
+
+    grad_x = grad_residual = rstd * (g - n * mean(g * n)) + grad_residual_out    # grad_residual on request
+    grad_weight            = sum_rows(grad_y * n)
+
+A row of up to ``MAX_FUSED_HIDDEN`` (forward) / ``MAX_FUSED_HIDDEN_BWD`` (backward) columns is held in one
+program's registers. A longer row (any h is accepted) is covered in chunks of ``CHUNK_COLUMNS``: the forward makes a second pass over the chunks,
+reading back the residual_out it has just written; the backward runs one program per (row range, column
+chunk), each streaming the whole row once for the row sum mean(g * n) (from L2 mostly: the chunk programs of
+a row range run side by side). The column sums are reduced without atomics, like the LayerNorm kernels:
+each backward program writes its columns of one fp32 partial row of a ``[n_partials, h]`` buffer and
+``_reduce_partials_kernel`` sums the partial rows.
+
+==================  ===============  =============================================
+tensor              shape            dtype
+==================  ===============  =============================================
+x, residual         [rows, h]        fp32 / fp16 / bf16 (the same); last dim contiguous
+weight              [h]              any floating dtype (read as fp32)
+y, residual_out     [rows, h]        like x (contiguous)
+rstd                [rows]           fp32
+grad_x              [rows, h]        like grad_y (contiguous)
+grad_weight         [h]              fp32
+==================  ===============  =============================================
+
+Only core ``tl`` ops are used, so everything runs under ``TRITON_INTERPRET=1`` on CPU tensors.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+# The LayerNorm kernels' helpers: bf16 rounding under the interpreter, the partial-row reduction, the
+# launch heuristics and the (test-poisonable) allocator.
+from .bias_dropout_add_layer_norm import (_cast, _empty, _interpreting, _num_warps, _reduce_partials_kernel,
+                                          _rows_per_block, _sm_count)
+
+__all__ = ["forward", "backward", "MAX_FUSED_HIDDEN", "MAX_FUSED_HIDDEN_BWD", "CHUNK_COLUMNS"]
+
+# Longest row held in one program's registers (forward, backward: the backward holds more per column;
+# ptxas finds no spills at these with the warps _num_warps gives); longer rows are covered in chunks of
+# CHUNK_COLUMNS. Read at launch time (tests lower them to exercise the chunked kernels on small rows).
+MAX_FUSED_HIDDEN = 16384
+MAX_FUSED_HIDDEN_BWD = 8192
+CHUNK_COLUMNS = 4096
+
+
+# ----------------------------------------------------------------------------- kernels
+@triton.jit
+def _residual_chunk(X, RES, RES_OUT, x_off, res_off, out_off, mask, HAS_RES: tl.constexpr,
+                    MANUAL_BF16: tl.constexpr):
+    """residual_out of one tile, rounded to its storage dtype (stored when there is a residual), as fp32."""
+    r = tl.load(X + x_off, mask=mask, other=0.0)
+    if HAS_RES:
+        a = r.to(tl.float32) + tl.load(RES + res_off, mask=mask, other=0.0).to(tl.float32)
+        r = _cast(a, RES_OUT.dtype.element_ty, MANUAL_BF16)
+        tl.store(RES_OUT + out_off, r, mask=mask)
+    return r.to(tl.float32)
+
+
+@triton.jit
+def _scale_chunk(r, rstd, W, Y, cols, out_off, mask, col_mask, MANUAL_BF16: tl.constexpr):
+    """y = round(round(r * rstd) * w) for one tile (HF: normalise in fp32, round, then scale)."""
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    n = _cast(r * rstd[:, None], Y.dtype.element_ty, MANUAL_BF16).to(tl.float32)
+    tl.store(Y + out_off, _cast(n * w[None, :], Y.dtype.element_ty, MANUAL_BF16), mask=mask)
+
+
+@triton.jit
+def _fwd_kernel(X, RES, W, Y, RES_OUT, RSTD, n_rows, h, stride_x, stride_res, eps,
+                HAS_RES: tl.constexpr, MANUAL_BF16: tl.constexpr, CHUNKED: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # One program normalises BLOCK_M rows: whole (BLOCK_N >= h) or in chunks of BLOCK_N columns.
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    rows64 = rows.to(tl.int64)  # rows * stride can pass 2**31 for large activations
+    x_row = rows64[:, None] * stride_x
+    res_row = rows64[:, None] * stride_res
+    out_row = rows64[:, None] * h
+    if not CHUNKED:
+        cols = tl.arange(0, BLOCK_N)
+        col_mask = cols < h
+        mask = row_mask[:, None] & col_mask[None, :]
+        r = _residual_chunk(X, RES, RES_OUT, x_row + cols[None, :], res_row + cols[None, :],
+                            out_row + cols[None, :], mask, HAS_RES, MANUAL_BF16)
+        rstd = 1.0 / tl.sqrt(tl.sum(r * r, axis=1) / h + eps)
+        _scale_chunk(r, rstd, W, Y, cols, out_row + cols[None, :], mask, col_mask, MANUAL_BF16)
+    else:
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for start in range(0, h, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = row_mask[:, None] & (cols < h)[None, :]
+            r = _residual_chunk(X, RES, RES_OUT, x_row + cols[None, :], res_row + cols[None, :],
+                                out_row + cols[None, :], mask, HAS_RES, MANUAL_BF16)
+            ss += tl.sum(r * r, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / h + eps)
+        for start in range(0, h, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_mask = cols < h
+            mask = row_mask[:, None] & col_mask[None, :]
+            # Read back what this program stored (the same tile shape and addresses, so the same threads).
+            if HAS_RES:
+                r = tl.load(RES_OUT + out_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            else:
+                r = tl.load(X + x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            _scale_chunk(r, rstd, W, Y, cols, out_row + cols[None, :], mask, col_mask, MANUAL_BF16)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _normed_chunk(RO, GY, ro_row, g_row, cols, mask, rstd):
+    """n = residual_out * rstd and grad_y of one tile, fp32 (zeros outside the mask)."""
+    n = tl.load(RO + ro_row + cols[None, :], mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+    gy = tl.load(GY + g_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return n, gy
+
+
+@triton.jit
+def _bwd_kernel(GY, GRO, RO, W, RSTD, GX, GRES, PART_W, n_rows, h, stride_ro, rows_per_program,
+                HAS_GRO: tl.constexpr, HAS_GRES: tl.constexpr, MANUAL_BF16: tl.constexpr, CHUNKED: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Program (pid, chunk) owns rows [pid * rows_per_program, ...) and columns [chunk * BLOCK_N, ...) of
+    # them, and writes those columns of row `pid` of the partial buffer.
+    pid = tl.program_id(0)
+    chunk = tl.program_id(1)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+    cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < h
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    acc_w = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(row_start, row_end, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_mask = rows < row_end
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)
+        ro_row = rows64[:, None] * stride_ro
+        g_row = rows64[:, None] * h
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        n, gy = _normed_chunk(RO, GY, ro_row, g_row, cols, mask, rstd)
+        g = gy * w[None, :]
+        if CHUNKED:  # the row sum needs every chunk of the row
+            dot = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for c0 in range(0, h, BLOCK_N):
+                cc = c0 + tl.arange(0, BLOCK_N)
+                cc_mask = cc < h
+                n2, gy2 = _normed_chunk(RO, GY, ro_row, g_row, cc, row_mask[:, None] & cc_mask[None, :], rstd)
+                w2 = tl.load(W + cc, mask=cc_mask, other=0.0).to(tl.float32)
+                dot += tl.sum(gy2 * w2[None, :] * n2, axis=1)
+        else:
+            dot = tl.sum(g * n, axis=1)
+        acc_w += gy * n
+        gx = rstd[:, None] * (g - n * (dot / h)[:, None])
+        if HAS_GRO:
+            gx += tl.load(GRO + g_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        gx = _cast(gx, GX.dtype.element_ty, MANUAL_BF16)
+        tl.store(GX + g_row + cols[None, :], gx, mask=mask)
+        if HAS_GRES:  # the same values in a second tensor
+            tl.store(GRES + g_row + cols[None, :], gx, mask=mask)
+    tl.store(PART_W + pid.to(tl.int64) * h + cols, tl.sum(acc_w, axis=0), mask=col_mask)
+
+
+# ----------------------------------------------------------------------------- launch policy
+def _block_n(h: int, max_fused: int) -> Tuple[int, bool]:
+    """(columns per tile, chunked)."""
+    if h <= max_fused:
+        return triton.next_power_of_2(h), False
+    return CHUNK_COLUMNS, True
+
+
+def _fwd_config(n_rows: int, h: int):
+    block_n, chunked = _block_n(h, MAX_FUSED_HIDDEN)
+    if _interpreting():
+        # Fewer, fatter programs: the interpreter's cost is per program, numpy vectorises the tile.
+        return _rows_per_block(n_rows, block_n, 1 << 15), block_n, chunked, {}
+    block_m = 1 if chunked else _rows_per_block(n_rows, block_n, 4096)
+    # No FMA contraction: residual_out rounds like the torch reference (x + residual, then round).
+    return block_m, block_n, chunked, {"num_warps": _num_warps(block_m * block_n, 32), "enable_fp_fusion": False}
+
+
+def _bwd_config(n_rows: int, h: int, device: torch.device):
+    block_n, chunked = _block_n(h, min(MAX_FUSED_HIDDEN, MAX_FUSED_HIDDEN_BWD))
+    if _interpreting():
+        block_m = _rows_per_block(n_rows, block_n, 1 << 14)
+        max_programs, launch = 4, {}
+    else:
+        block_m = 1 if chunked else _rows_per_block(n_rows, block_n, 2048)
+        max_programs = 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        if chunked:  # the (row range, chunk) programs of one wave
+            max_programs = max(1, max_programs // triton.cdiv(h, block_n))
+        launch = {"num_warps": _num_warps(block_m * block_n, 32)}
+    tiles = triton.cdiv(max(n_rows, 1), block_m)
+    programs = min(tiles, max_programs)
+    rows_per_program = triton.cdiv(tiles, programs) * block_m
+    programs = triton.cdiv(max(n_rows, 1), rows_per_program)
+    return block_m, block_n, chunked, programs, rows_per_program, launch
+
+
+# ----------------------------------------------------------------------------- launchers
+def forward(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float
+            ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """Launch the forward on 2-D ``[rows, h]`` inputs with unit column stride (any row strides).
+
+    Returns ``(y, residual_out, rstd)``; y and residual_out are new contiguous tensors, residual_out is
+    None without a residual (it is x then).
+    """
+    n_rows, h = x.shape
+    y = _empty((n_rows, h), x.dtype, x.device)
+    residual_out = None if residual is None else _empty((n_rows, h), x.dtype, x.device)
+    rstd = _empty((n_rows,), torch.float32, x.device)
+    if n_rows == 0:
+        return y, residual_out, rstd
+    block_m, block_n, chunked, launch = _fwd_config(n_rows, h)
+    _fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+        x, x if residual is None else residual, weight.contiguous(), y,
+        y if residual_out is None else residual_out, rstd,
+        n_rows, h, x.stride(0), 0 if residual is None else residual.stride(0), float(eps),
+        HAS_RES=residual is not None, MANUAL_BF16=_interpreting(), CHUNKED=chunked,
+        BLOCK_M=block_m, BLOCK_N=block_n, **launch)
+    return y, residual_out, rstd
+
+
+def backward(grad_y: torch.Tensor, grad_residual_out: Optional[torch.Tensor], residual_out: torch.Tensor,
+             weight: torch.Tensor, rstd: torch.Tensor, residual_grad: bool
+             ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """Launch the backward on 2-D ``[rows, h]`` gradients (made contiguous); residual_out may have any row
+    stride. ``grad_residual_out`` None: no gradient reached residual_out.
+
+    Returns ``(grad_x, grad_residual, grad_weight)``: grad_x in grad_y's dtype; grad_residual, its values
+    in a second tensor, only when ``residual_grad`` (else None); grad_weight fp32.
+    """
+    grad_y = grad_y.contiguous()
+    if grad_residual_out is not None:
+        grad_residual_out = grad_residual_out.contiguous()
+    if residual_out.stride(-1) != 1:
+        residual_out = residual_out.contiguous()
+    n_rows, h = grad_y.shape
+    device = grad_y.device
+    grad_x = _empty((n_rows, h), grad_y.dtype, device)
+    grad_res = _empty((n_rows, h), grad_y.dtype, device) if residual_grad else None
+    grad_w = _empty((h,), torch.float32, device)
+    if n_rows == 0:
+        return grad_x, grad_res, grad_w.zero_()
+    block_m, block_n, chunked, programs, rows_per_program, launch = _bwd_config(n_rows, h, device)
+    partials = _empty((programs, h), torch.float32, device)
+    _bwd_kernel[(programs, triton.cdiv(h, block_n))](
+        grad_y, grad_y if grad_residual_out is None else grad_residual_out, residual_out, weight.contiguous(),
+        rstd, grad_x, grad_x if grad_res is None else grad_res, partials, n_rows, h, residual_out.stride(0),
+        rows_per_program, HAS_GRO=grad_residual_out is not None, HAS_GRES=grad_res is not None,
+        MANUAL_BF16=_interpreting(), CHUNKED=chunked,
+        BLOCK_M=block_m, BLOCK_N=block_n, **launch)
+    if _interpreting():  # one program: a few [programs, h] numpy sums
+        red_n, red_p = triton.next_power_of_2(h), triton.next_power_of_2(programs)
+    else:
+        red_n, red_p = min(triton.next_power_of_2(h), 128), min(triton.next_power_of_2(programs), 32)
+    # The LayerNorm reduction sums two buffers (weight, bias) and an optional third: given the one partial
+    # buffer twice, it writes the same column sums to grad_w twice.
+    _reduce_partials_kernel[(triton.cdiv(h, red_n),)](
+        partials, partials, partials, grad_w, grad_w, grad_w, programs, h,
+        HAS_BIAS=False, BLOCK_P=red_p, BLOCK_N=red_n)
+    return grad_x, grad_res, grad_w
