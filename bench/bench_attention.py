@@ -132,7 +132,7 @@ def _bench_ms(fn: Callable, device: torch.device, quick: bool, grad_to_none=None
         return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none,
                                        return_mode="median")
     times = []
-    for i in range(4 if quick else 10):
+    for i in range(3 if quick else 10):
         if grad_to_none:
             for t in grad_to_none:
                 t.grad = None
@@ -186,7 +186,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not has_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             ap.error("--quick on CPU runs Triton in its interpreter: set TRITON_INTERPRET=1 before importing this "
                      "module (running it as a script with --quick does)")
-        seqlens, head_dims, tokens, hidden = [64], [32], 64, 64 * args.gqa_group
+        seqlens, head_dims, tokens, hidden = [32], [16], 32, 32 * args.gqa_group
     else:
         if not has_cuda:
             print("bench_attention: needs a CUDA device (none found); use --quick for a CPU smoke test")

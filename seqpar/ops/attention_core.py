@@ -282,18 +282,25 @@ def _cuda_backward(grad_o, q, k, v, saved, causal: bool, scale: float, spec: Dro
     return _cuda_bwd_op(grad_o, q, k, v, probs, causal, scale, spec.threshold, spec.seed, spec.row_offset)
 
 
-def _cuda_check(q=None, k=None, v=None, causal=True, **_) -> Optional[str]:
+# The backward keeps a row's keep bits in shared memory (2 bytes per 16 keys, within 47 KiB) with dropout.
+_CUDA_MAX_KEYS_DROPOUT = 47 * 1024 // 2 * 16
+
+
+def _cuda_check(q=None, k=None, v=None, causal=True, dropout=True, **_) -> Optional[str]:
     if q is None:
         return None
     if q.dtype not in _ext.DTYPE_CODES:
         return f"dtype {q.dtype} is not supported by the cuda softmax-dropout kernel"
     if k.shape[2] >= 2**31 or q.shape[0] * q.shape[1] * q.shape[2] >= 2**31:
         return f"s_k = {k.shape[2]} or b * heads * s_q rows exceed the cuda kernel's 2**31 limit"
+    if dropout and k.shape[2] > _CUDA_MAX_KEYS_DROPOUT:
+        return f"s_k = {k.shape[2]} > {_CUDA_MAX_KEYS_DROPOUT}: too long for the cuda backward's keep bitmask"
     return None
 
 
-registry.register(registry.Backend(OP, "cuda", _cuda_forward, _cuda_backward, _cuda_check,
-                                   limits="s_k < 2**31 and b * Hq * s_q < 2**31"))
+registry.register(registry.Backend(
+    OP, "cuda", _cuda_forward, _cuda_backward, _cuda_check,
+    limits=f"b * Hq * s_q < 2**31; s_k < 2**31, with dropout s_k <= {_CUDA_MAX_KEYS_DROPOUT}"))
 # Prefer the flash-style kernel (nothing s^2-sized kept) over the cuda softmax-dropout (keeps probs).
 registry.set_auto_order(OP, ("triton", "cuda", "torch"))
 
@@ -341,13 +348,14 @@ def _check_inputs(q, k, v, enable_gqa: bool) -> None:
 
 
 def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                   backend: Optional[str] = "auto") -> registry.Backend:
+                   backend: Optional[str] = "auto", dropout: bool = True) -> registry.Backend:
     """The backend :func:`attention_core` runs for these inputs (the layer reads ``.recompute_free``).
 
     Explicit ``backend`` / ``SEQPAR_BACKEND`` as in :mod:`seqpar.ops.registry`; "auto" tries triton
     (flash-style, saves nothing s^2-sized), then cuda (saves the softmax output), then torch.
+    ``dropout``: whether dropout may be active (True: choose a backend that can run it).
     """
-    return registry.select(OP, backend, q.device, q=q, k=k, v=v, causal=bool(causal))
+    return registry.select(OP, backend, q.device, q=q, k=k, v=v, causal=bool(causal), dropout=bool(dropout))
 
 
 class _FalseDefault(int):
@@ -408,5 +416,5 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_ma
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale) or not scale > 0:
         raise ValueError(f"scale must be a positive finite float, got {scale!r}")
     spec = make_dropout_spec(dropout_p, training, seed, row_offset)
-    impl = select_backend(q, k, v, causal=causal, backend=backend)
+    impl = select_backend(q, k, v, causal=causal, backend=backend, dropout=spec.active)
     return _AttentionCore.apply(q, k, v, causal, float(scale), spec, impl)

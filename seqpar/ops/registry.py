@@ -23,6 +23,10 @@ BACKENDS: Tuple[str, ...] = ("cuda", "triton", "torch")
 BACKEND_CHOICES: Tuple[str, ...] = ("auto",) + BACKENDS
 
 
+def _TAKES_EVERYTHING(**inputs) -> Optional[str]:
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """One backend of one op.
@@ -39,7 +43,7 @@ class Backend:
     name: str
     forward: Callable
     backward: Callable
-    check: Callable[..., Optional[str]] = lambda **inputs: None
+    check: Callable[..., Optional[str]] = _TAKES_EVERYTHING
     recompute_free: bool = False
     limits: str = ""
 
@@ -179,8 +183,10 @@ def auto_report(device: torch.device) -> Dict[str, AutoChoice]:
 
 def describe_limits(backend: Backend) -> str:
     """The inputs ``backend`` turns away, in words: its ``limits``, else the first line of its check's
-    docstring ("" when neither says)."""
+    docstring, else a note that it has an undescribed check ("" when it takes every input)."""
     if backend.limits:
         return backend.limits
+    if backend.check is _TAKES_EVERYTHING:
+        return ""
     doc = (getattr(backend.check, "__doc__", None) or "").strip()
-    return doc.splitlines()[0] if doc else ""
+    return doc.splitlines()[0] if doc else "some inputs (not described; the check names them when it refuses)"
