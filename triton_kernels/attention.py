@@ -460,22 +460,26 @@ _EVEN = {
     "EVEN_M": lambda args: args["S_Q"] % args["BLOCK_M"] == 0,
     "EVEN_N": lambda args: args["S_K"] % args["BLOCK_N"] == 0,
 }
-_TUNE_KEY = ["S_Q", "S_K", "HEAD_DIM", "CAUSAL", "DROPOUT", "DOT"]
+_TUNE_KEY = ["S_Q", "S_K", "HEAD_DIM", "CAUSAL", "DROPOUT", "DOT", "GROUP"]
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, largest D_PAD without dropout, largest D_PAD with dropout;
-# 0: never). Forward and dq keep a tall query tile resident and stream keys; dk/dv keeps a wide key tile
-# resident and streams queries. The limits come from bench/kernel_report.py (sm_90a, bf16 / fp16, causal;
-# bench/results/kernel_report.txt): a tile is offered only where ptxas doesn't spill, and with dropout
-# only where the main loop stays within 1.6x of its dropout-free instruction count. So the 4-warp tiles
-# stop at d_pad = 64, and with dropout the 128 x 128 forward (its mask costs ~1.75x) and, at d_pad = 128,
-# the 64-query dk/dv tiles (they spill) are left out.
+# 0: never), and for dk/dv the same two limits again under GQA (GROUP > 1). Forward and dq keep a tall
+# query tile resident and stream keys; dk/dv keeps a wide key tile resident and streams queries. The limits
+# come from bench/kernel_report.py (sm_90a, bf16 / fp16, causal; bench/results/kernel_report.txt): a tile
+# is offered only where ptxas doesn't spill, and with dropout only where the main loop stays within 1.6x of
+# its dropout-free instruction count. So the 4-warp tiles stop at d_pad = 64, and with dropout the
+# 128 x 128 forward (its mask costs ~1.75x) and, at d_pad = 128, the 64-query dk/dv tiles (they spill) are
+# left out. A GQA dk/dv program loops over its kv head's q heads around the query-block loops; that loop
+# costs registers (the dk, dv accumulators and the k, v tiles stay live across it), so under GQA the
+# larger tiles spill earlier and d_pad = 128 with dropout takes a 16-query tile.
 _FWD_TILES = [(128, 64, 8, 3, 128, 128), (128, 32, 8, 3, 128, 128), (128, 64, 8, 2, 128, 128),
               (128, 128, 8, 2, 128, 0), (64, 64, 4, 3, 64, 64), (128, 32, 4, 4, 64, 64)]
 _DQ_TILES = [(128, 64, 8, 2, 128, 128), (128, 64, 8, 3, 128, 128), (128, 32, 8, 3, 128, 128),
              (64, 64, 8, 3, 128, 128), (64, 64, 4, 3, 64, 64), (64, 32, 4, 4, 64, 64)]
-_DKDV_TILES = [(32, 128, 8, 3, 128, 128), (64, 128, 8, 3, 128, 64), (64, 128, 8, 2, 64, 64),
-               (64, 64, 8, 3, 128, 64), (64, 64, 4, 3, 64, 64), (32, 64, 4, 4, 64, 64)]
+_DKDV_TILES = [(32, 128, 8, 3, 128, 128, 128, 64), (64, 128, 8, 3, 128, 64, 64, 0), (64, 128, 8, 2, 64, 64, 64, 0),
+               (64, 64, 8, 3, 128, 64, 64, 64), (64, 64, 4, 3, 64, 64, 64, 0), (32, 64, 4, 4, 64, 64, 0, 0),
+               (16, 128, 8, 3, 0, 0, 128, 128)]
 
 
 def _configs(tiles):
@@ -483,8 +487,10 @@ def _configs(tiles):
 
 
 def _pruner(tiles):
-    """early_config_prune of one kernel: the configs of ``tiles`` offered for this D_PAD and DROPOUT."""
-    limits = {(bm, bn, w, s): (no_drop, drop) for bm, bn, w, s, no_drop, drop in tiles}
+    """early_config_prune of one kernel: the configs of ``tiles`` offered for this D_PAD, DROPOUT and GQA."""
+    limits = {}
+    for bm, bn, w, s, no_drop, drop, *gqa in tiles:
+        limits[(bm, bn, w, s)] = ((no_drop, drop), tuple(gqa) or (no_drop, drop))
 
     def prune(configs, named_args, **meta):
         if meta.get("DOT") == 1:
@@ -494,8 +500,9 @@ def _pruner(tiles):
             # One modest 8-warp tile, no autotuning sweep.
             return [min(configs, key=lambda c: (-c.num_warps, c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]))]
         d_pad, dropout = meta.get("D_PAD", 0), meta.get("DROPOUT", False)
-        kept = [c for c in configs
-                if d_pad <= limits[(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)][dropout]]
+        gqa = named_args.get("GROUP", 1) != 1
+        kept = [c for c in configs if d_pad <= limits[(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps,
+                                                       c.num_stages)][gqa][dropout]]
         return kept or configs[:1]
 
     return prune

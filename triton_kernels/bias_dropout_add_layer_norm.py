@@ -81,13 +81,13 @@ def _residual_chunk(X, BIAS, RES, RES_OUT, rows64, cols, row_mask, h, stride_x, 
 
 
 @triton.jit
-def _normalize_chunk(r, mean, rstd, W, B, Y, rows64, cols, row_mask, h, MANUAL_BF16: tl.constexpr):
-    """y = (r - mean) * rstd * w + b of one tile, stored."""
+def _normalize_chunk(d, rstd, W, B, Y, rows64, cols, row_mask, h, MANUAL_BF16: tl.constexpr):
+    """y = d * rstd * w + b of one tile (d = residual_out - mean), stored."""
     col_mask = cols < h
     mask = row_mask[:, None] & col_mask[None, :]
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
-    y = (r - mean[:, None]) * rstd[:, None] * w[None, :] + b[None, :]
+    y = d * rstd[:, None] * w[None, :] + b[None, :]
     tl.store(Y + rows64[:, None] * h + cols[None, :], cast_rne(y, Y.dtype.element_ty, MANUAL_BF16), mask=mask)
 
 
@@ -113,7 +113,7 @@ def _fwd_kernel(X, BIAS, RES, W, B, Y, RES_OUT, MEAN, RSTD,
         d = tl.where(mask, r - mean[:, None], 0.0)
         var = tl.sum(d * d, axis=1) / h
         rstd = 1.0 / tl.sqrt(var + eps)
-        _normalize_chunk(r, mean, rstd, W, B, Y, rows64, cols, row_mask, h, MANUAL_BF16)
+        _normalize_chunk(d, rstd, W, B, Y, rows64, cols, row_mask, h, MANUAL_BF16)
     else:
         total = tl.zeros([BLOCK_M], dtype=tl.float32)
         for start in range(0, h, BLOCK_N):
@@ -136,7 +136,7 @@ def _fwd_kernel(X, BIAS, RES, W, B, Y, RES_OUT, MEAN, RSTD,
             cols = start + tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols < h)[None, :]
             r = tl.load(RES_OUT + rows64[:, None] * h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            _normalize_chunk(r, mean, rstd, W, B, Y, rows64, cols, row_mask, h, MANUAL_BF16)
+            _normalize_chunk(r - mean[:, None], rstd, W, B, Y, rows64, cols, row_mask, h, MANUAL_BF16)
     tl.store(MEAN + rows, mean, mask=row_mask)
     tl.store(RSTD + rows, rstd, mask=row_mask)
 
@@ -151,17 +151,28 @@ def _row_sums(GY, RO, W, offs_row, cols, mask, w, mean, rstd):
     return x_hat, gy, g, tl.sum(g, axis=1), tl.sum(g * x_hat, axis=1)
 
 
+@triton.jit
+def _chunk_row_sums(GY, RO, W, offs_row, c0, row_mask, h, mean, rstd, BLOCK_N: tl.constexpr):
+    """sum(g), sum(g * x_hat) of the rows' columns c0 .. c0 + BLOCK_N - 1."""
+    c_cols = c0 + tl.arange(0, BLOCK_N)
+    c_mask = row_mask[:, None] & (c_cols < h)[None, :]
+    c_w = tl.load(W + c_cols, mask=c_cols < h, other=0.0).to(tl.float32)
+    _, _, _, c_g, c_gx = _row_sums(GY, RO, W, offs_row, c_cols, c_mask, c_w, mean, rstd)
+    return c_g, c_gx
+
+
 @triton.jit(do_not_specialize=["threshold", "seed", "row_offset"])
 def _bwd_kernel(GY, GRO, RO, W, MEAN, RSTD, GX, GRES, PARTS,
                 n_rows, h, rows_per_program, threshold, scale, seed, row_offset,
                 HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, MANUAL_BF16: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKED: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_CHUNKS: tl.constexpr):
     # Program (pid, chunk) owns rows [pid * rows_per_program, ...) and columns [chunk * BLOCK_N, ...) of
     # them, and writes those columns of row `pid` of the partial buffers PARTS [2 or 3, programs, h]
     # (grad_ln_weight, grad_ln_bias, grad_bias). Its registers hold BLOCK_N columns (three fp32 running
-    # sums each): rows wider than that (CHUNKED) are split over programs, each of which streams all chunks
+    # sums each): rows wider than that are split over N_CHUNKS programs, each of which streams all chunks
     # of its rows for the row sums (read again from L2: the chunk programs of one row range run side by
-    # side).
+    # side). Up to UNROLL_CHUNKS chunks that loop is unrolled (its loads all in flight at once); longer rows
+    # (any h) take a rolled loop.
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
     row_start = pid * rows_per_program
@@ -183,16 +194,19 @@ def _bwd_kernel(GY, GRO, RO, W, MEAN, RSTD, GX, GRES, PARTS,
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
 
         x_hat, gy, g, sum_g, sum_gx = _row_sums(GY, RO, W, offs_row, cols, mask, w, mean, rstd)
-        if CHUNKED:  # every chunk of the rows, for the row sums only
+        if N_CHUNKS > 1:  # every chunk of the rows, for the row sums only
             sum_g = tl.zeros([BLOCK_M], dtype=tl.float32)
             sum_gx = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for c0 in range(0, h, BLOCK_N):
-                c_cols = c0 + tl.arange(0, BLOCK_N)
-                c_mask = row_mask[:, None] & (c_cols < h)[None, :]
-                c_w = tl.load(W + c_cols, mask=c_cols < h, other=0.0).to(tl.float32)
-                _, _, _, c_g, c_gx = _row_sums(GY, RO, W, offs_row, c_cols, c_mask, c_w, mean, rstd)
-                sum_g += c_g
-                sum_gx += c_gx
+            if N_CHUNKS <= UNROLL_CHUNKS:
+                for c in tl.static_range(N_CHUNKS):
+                    c_g, c_gx = _chunk_row_sums(GY, RO, W, offs_row, c * BLOCK_N, row_mask, h, mean, rstd, BLOCK_N)
+                    sum_g += c_g
+                    sum_gx += c_gx
+            else:
+                for c0 in range(0, h, BLOCK_N):
+                    c_g, c_gx = _chunk_row_sums(GY, RO, W, offs_row, c0, row_mask, h, mean, rstd, BLOCK_N)
+                    sum_g += c_g
+                    sum_gx += c_gx
         acc_w += gy * x_hat
         acc_b += gy
 
@@ -241,6 +255,7 @@ def _fwd_config(n_rows: int, h: int):
 # and the working set fit the 128 registers a 512-thread program may use. With a whole 8192- or
 # 16384-wide row per program (32 warps: at most 64 registers) ptxas spilled 130-1500 bytes per thread.
 BWD_BLOCK_N = 4096
+UNROLL_CHUNKS = tl.constexpr(8)  # the backward's row-sum loop is unrolled up to this many chunks
 
 
 def _bwd_config(n_rows: int, h: int, device: torch.device):
@@ -325,7 +340,7 @@ def backward(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual_out
         grad_y, grad_residual_out, residual_out, ln_weight.contiguous(), mean, rstd, grad_x, grad_res, partials,
         n_rows, h, rows_per_program, *drop_args,
         HAS_BIAS=has_bias, HAS_DROPOUT=has_dropout, MANUAL_BF16=R.interpreting(),
-        BLOCK_M=block_m, BLOCK_N=block_n, CHUNKED=n_chunks > 1, **launch)
+        BLOCK_M=block_m, BLOCK_N=block_n, N_CHUNKS=n_chunks, **launch)
     sums = R.reduce_partials(partials)                     # grad_ln_weight, grad_ln_bias (, grad_bias)
     grad_bias = sums[2] if has_bias else torch.zeros((h,), dtype=torch.float32, device=device)
     return grad_x, grad_bias, grad_res, sums[0], sums[1]

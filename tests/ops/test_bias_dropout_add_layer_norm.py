@@ -204,10 +204,15 @@ def test_triton_mask_past_32_bit_rows(row_offset, poisoned_triton):
     _check_against_torch_fp32(got, ref)
 
 
-def test_triton_backward_column_chunks(monkeypatch, poisoned_triton):
+@pytest.mark.parametrize("unroll", [8, 2], ids=["unrolled", "rolled"])
+def test_triton_backward_column_chunks(unroll, monkeypatch, poisoned_triton):
     """Rows wider than one backward program's columns (BWD_BLOCK_N; 4096 on a GPU, shrunk here) are split
-    over programs that stream the other chunks for the row sums: same results as the torch reference."""
+    over programs that stream the other chunks for the row sums (an unrolled loop up to UNROLL_CHUNKS
+    chunks, a rolled one beyond): same results as the torch reference."""
+    import triton.language as tl
+
     monkeypatch.setattr(poisoned_triton, "BWD_BLOCK_N", 32)
+    monkeypatch.setattr(poisoned_triton, "UNROLL_CHUNKS", tl.constexpr(unroll))
     inp = _make_inputs((9, 100), torch.float32)                       # 4 chunks, the last one ragged
     ref = _run(inp, "torch", 0.3, row_offset=5)
     got = _run(inp, "triton", 0.3, row_offset=5)
