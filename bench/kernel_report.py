@@ -426,7 +426,8 @@ def ln_launches(h: int, dtype: torch.dtype, dropout: bool) -> Dict[str, Launch]:
     p = DROPOUT_THRESHOLD if dropout else 0
     sink: List[Launch] = []
     with _patched(L, **{n: _Recorder(getattr(L, n), sink) for n in ("_fwd_kernel", "_bwd_kernel")}), \
-            _patched(R, sm_count=lambda index: SMS, _reduce_partials_kernel=_Recorder(R._reduce_partials_kernel, sink)), \
+            _patched(R, sm_count=lambda index: SMS,
+                     _reduce_partials_kernel=_Recorder(R._reduce_partials_kernel, sink)), \
             _patched(torch.cuda, current_device=lambda: 0):
         L.forward(x, w, x, w, w, 1e-5, p, 12345, 0)
         L.backward(x, x, x, w, stats, stats, p, 12345, 0, True)
@@ -507,11 +508,21 @@ def _demangle(names: Sequence[str]) -> Dict[str, str]:
     return dict(zip(names, out.splitlines()))
 
 
+_ROW_KINDS = ("warp", "block", "chunked")  # csrc/row_reduce.cuh's RowKind values
+
+
 def _template_args(demangled: str) -> Tuple[str, List[str]]:
-    """("ns::kernel", [template arguments]) of a demangled ``void ns::kernel<A, B>(params)``."""
+    """("ns::kernel", [template arguments]) of a demangled ``void ns::kernel<A, B>(params)``; a RowKind
+    argument (``(seqpar::rows::RowKind)1``) reads as its name ("block")."""
     text = demangled.replace("(anonymous namespace)", "{anon}")
+    text = re.sub(r"\((?:\w+::)*RowKind\)(\d)", lambda m: _ROW_KINDS[int(m.group(1))], text)
     text = text[5:] if text.startswith("void ") else text
-    text = text[:text.index("(")] if "(" in text else text
+    depth = 0
+    for i, ch in enumerate(text):  # the parameter list: the first "(" outside the template arguments
+        depth += (ch == "<") - (ch == ">")
+        if ch == "(" and depth == 0:
+            text = text[:i]
+            break
     if "<" not in text:
         return text.replace("{anon}", "(anonymous namespace)"), []
     base, inner = text[:text.index("<")], text[text.index("<") + 1:text.rindex(">")]
@@ -558,7 +569,9 @@ def cuda_rows(quick: bool) -> List[dict]:
             span = None if rule == "kernel" else largest_loop(fn, with_mask=rule == "mask")
             stats = region_stats(fn, span)
             res = resources.get(mangled, Resources())
-            label = base.split("::")[-1] + (f"<{', '.join(targs)}>" if targs else "")
+            parts = base.split("::")   # the kernel and its namespace (several files have a fwd_kernel)
+            name = "::".join(parts[-2:]) if len(parts) > 2 and not parts[-2].startswith("(") else parts[-1]
+            label = name + (f"<{', '.join(targs)}>" if targs else "")
             rows.append(dict(backend="cuda", family=src, kernel=label,
                              registers=res.registers, spill_bytes=res.spill_stores + res.spill_loads,
                              elements_per_thread=elements(targs, stats.mask_region), **asdict(stats)))
@@ -594,7 +607,8 @@ def format_report(meta: dict, rows: List[dict]) -> str:
                            f"{field(off, 'instructions'):>9} {field(on, 'instructions'):>8}")
                 continue
             pe = _per_elem(on)
-            out.append(f"{key[0]:6} {key[1]:>4} {key[2]:>2} {key[3]:5} {key[4]:16} {off['registers']:>5}/{on['registers']:<6} "
+            out.append(f"{key[0]:6} {key[1]:>4} {key[2]:>2} {key[3]:5} {key[4]:16} "
+                       f"{off['registers']:>5}/{on['registers']:<6} "
                        f"{off['spill_bytes']:>7}/{on['spill_bytes']:<7} {off['instructions']:>9} "
                        f"{on['instructions']:>8} {on['instructions'] / off['instructions']:>6.2f} "
                        f"{'' if pe is None else f'{pe:.2f}':>14}")

@@ -63,6 +63,9 @@ def test_cuda_template_arguments_are_parsed():
     assert base == "seqpar::bdaln::fwd_kernel" and args == ["__nv_bfloat16", "8", "4", "true"]
     base, args = K._template_args("void seqpar::(anonymous namespace)::softmax_dropout_fwd_kernel<__half, 128>(__half*)")
     assert base == "seqpar::(anonymous namespace)::softmax_dropout_fwd_kernel" and args == ["__half", "128"]
+    base, args = K._template_args("void seqpar::bdaln::bwd_kernel<float, 4, 8, (seqpar::rows::RowKind)2>"
+                                  "(seqpar::bdaln::BwdArgs, long)")
+    assert base == "seqpar::bdaln::bwd_kernel" and args == ["float", "4", "8", "chunked"]
 
 
 def test_ln_forward_compiles_for_sm90_within_budget():
