@@ -4,6 +4,8 @@
 FLOPs: forward 4 * b * H * s^2 * d (q k^T and P v), backward 2.5x forward (five GEMM-sized products,
 recompute not counted), fwd+bwd 3.5x; causal counts half. Shapes fill the GPU as the usual flash
 benchmarks do: b * s = ``--tokens`` (16384) and H * d = ``--hidden`` (2048). bf16 by default.
+``--gqa-group G`` gives k and v H / G heads (grouped-query attention, SDPA's ``enable_gqa``); FLOPs are
+counted per q head as above.
 
 Providers:
     seqpar-triton         attention_core(backend="triton")  (flash-style, recompute-free)
@@ -25,6 +27,7 @@ Usage:
     python bench/bench_attention.py --causal both --seqlens 2048,4096 --head-dims 128
     python bench/bench_attention.py --providers seqpar-triton,torch-sdpa-flash
     python bench/bench_attention.py --out DIR               # rows to DIR/bench_attention.csv (gpu_suite.sh)
+    python bench/bench_attention.py --gqa-group 4           # Llama-style GQA: 4 q heads per kv head
     python bench/bench_attention.py --quick                 # CPU smoke test (Triton interpreter, tiny shapes)
 """
 from __future__ import annotations
@@ -43,6 +46,11 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+if __name__ == "__main__" and "--quick" in sys.argv[1:] and not torch.cuda.is_available():
+    # The Triton interpreter must be chosen before anything imports triton (importing seqpar does): set in
+    # main() it is too late for the @triton.jit helpers the kernels call.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from seqpar.bench.results import ResultRows  # noqa: E402
 
 PROVIDERS = ["seqpar-triton", "seqpar-cuda", "torch-eager", "torch-sdpa-flash", "torch-sdpa-efficient",
@@ -53,6 +61,9 @@ SEED = 1
 
 # ----------------------------------------------------------------------------- providers
 def _eager(q, k, v, causal: bool, p: float):
+    group = q.shape[1] // k.shape[1]
+    if group > 1:      # plain torch has no GQA: repeat k, v to q's heads (as HF's repeat_kv)
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
     if causal:
         s_q, s_k = q.shape[2], k.shape[2]
@@ -72,8 +83,8 @@ def make_provider(name: str, causal: bool, p: float, device: torch.device) -> Ca
         reason = registry.unavailable_reason("attention_core", backend, device)
         if reason:
             raise RuntimeError(reason)
-        return lambda q, k, v: seqpar.ops.attention_core(q, k, v, causal=causal, dropout_p=p, seed=SEED,
-                                                         backend=backend)
+        return lambda q, k, v: seqpar.ops.attention_core(q, k, v, is_causal=causal, dropout_p=p, seed=SEED,
+                                                         enable_gqa=True, backend=backend)
     if name == "torch-eager":
         return lambda q, k, v: _eager(q, k, v, causal, p)
     if name in SDPA:
@@ -85,7 +96,8 @@ def make_provider(name: str, causal: bool, p: float, device: torch.device) -> Ca
 
         def sdpa(q, k, v):
             with sdpa_kernel(which):   # the backward uses the kernel chosen in forward
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal,
+                                                                        enable_gqa=q.shape[1] != k.shape[1])
 
         return sdpa
     if name == "flash-attn":
@@ -100,15 +112,15 @@ def make_provider(name: str, causal: bool, p: float, device: torch.device) -> Ca
     raise ValueError(f"unknown provider {name!r}; expected one of {PROVIDERS}")
 
 
-def _inputs(provider: str, b: int, heads: int, s: int, d: int, dtype, device):
-    def one():
+def _inputs(provider: str, b: int, heads: int, kv_heads: int, s: int, d: int, dtype, device):
+    def one(h):
         if provider == "flash-attn":     # contiguous [b, s, H, d], viewed as [b, H, s, d]
-            t = torch.randn(b, s, heads, d, dtype=dtype, device=device).transpose(1, 2)
+            t = torch.randn(b, s, h, d, dtype=dtype, device=device).transpose(1, 2)
         else:
-            t = torch.randn(b, heads, s, d, dtype=dtype, device=device)
+            t = torch.randn(b, h, s, d, dtype=dtype, device=device)
         return t.requires_grad_()
 
-    q, k, v = one(), one(), one()
+    q, k, v = one(heads), one(kv_heads), one(kv_heads)
     return q, k, v, torch.randn(b, heads, s, d, dtype=dtype, device=device)
 
 
@@ -120,7 +132,7 @@ def _bench_ms(fn: Callable, device: torch.device, quick: bool, grad_to_none=None
         return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none,
                                        return_mode="median")
     times = []
-    for i in range(4 if quick else 10):
+    for i in range(3 if quick else 10):
         if grad_to_none:
             for t in grad_to_none:
                 t.grad = None
@@ -134,9 +146,9 @@ def _bench_ms(fn: Callable, device: torch.device, quick: bool, grad_to_none=None
 
 
 def bench_config(provider: str, b: int, heads: int, s: int, d: int, causal: bool, p: float, dtype,
-                 device, quick: bool) -> Dict[str, float]:
+                 device, quick: bool, group: int = 1) -> Dict[str, float]:
     fn = make_provider(provider, causal, p, device)
-    q, k, v, grad_o = _inputs(provider, b, heads, s, d, dtype, device)
+    q, k, v, grad_o = _inputs(provider, b, heads, heads // group, s, d, dtype, device)
     out = {}
     out["fwd_ms"] = _bench_ms(lambda: fn(q, k, v), device, quick)
     o = fn(q, k, v)
@@ -163,13 +175,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--tokens", type=int, default=16384, help="b * s")
     ap.add_argument("--hidden", type=int, default=2048, help="H * d")
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    ap.add_argument("--gqa-group", type=int, default=1,
+                    help="q heads per k/v head (grouped-query attention; must divide the head count)")
     args = ap.parse_args(argv)
+    if args.gqa_group < 1:
+        ap.error(f"--gqa-group must be >= 1, got {args.gqa_group}")
 
     has_cuda = torch.cuda.is_available()
     if args.quick:
-        if not has_cuda:
-            os.environ.setdefault("TRITON_INTERPRET", "1")   # before anything imports triton
-        seqlens, head_dims, tokens, hidden = [64], [32], 64, 64
+        if not has_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            ap.error("--quick on CPU runs Triton in its interpreter: set TRITON_INTERPRET=1 before importing this "
+                     "module (running it as a script with --quick does)")
+        seqlens, head_dims, tokens, hidden = [32], [16], 32, 32 * args.gqa_group
     else:
         if not has_cuda:
             print("bench_attention: needs a CUDA device (none found); use --quick for a CPU smoke test")
@@ -199,10 +216,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             for s in seqlens:
                 for p in dropouts:
                     b, heads = max(1, tokens // s), max(1, hidden // d)
-                    config = f"b={b} H={heads} s={s} d={d} causal={int(causal)} p={p} {dtype_name}"
+                    if heads % args.gqa_group:
+                        ap.error(f"--gqa-group {args.gqa_group} does not divide H={heads} (d={d})")
+                    gqa = f" Hkv={heads // args.gqa_group}" if args.gqa_group > 1 else ""
+                    config = f"b={b} H={heads}{gqa} s={s} d={d} causal={int(causal)} p={p} {dtype_name}"
                     for name in providers:
                         try:
-                            r = bench_config(name, b, heads, s, d, causal, p, dtype, device, args.quick)
+                            r = bench_config(name, b, heads, s, d, causal, p, dtype, device, args.quick,
+                                             args.gqa_group)
                         except Exception as exc:  # noqa: BLE001 - a provider that can't run is skipped
                             msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
                             if skipped.get(name) != msg:

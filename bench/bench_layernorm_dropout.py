@@ -3,8 +3,9 @@
 
     residual_out = residual + dropout_p(x + bias);  y = LayerNorm(residual_out) * w + b
 
-Sweep: h in {1024, 4096, 6144, 12288} x tokens in {4096, 16384}, bf16, p = 0.1 (``--hidden``,
-``--tokens``, ``--dtype``, ``-p`` change it).
+Sweep: h in {1024, 4096, 12288, 20480} x tokens in {256, 1024, 16384} x p in {0, 0.1} (dropout off and
+on), bf16 (``--hidden``, ``--tokens``, ``-p``, ``--dtype`` change it). h = 20480 (the paper's 530B model)
+takes the kernels' column-chunked rows.
 
 Providers (a provider that can't run is reported and skipped):
     seqpar-triton     bias_dropout_add_layer_norm(backend="triton")
@@ -37,6 +38,7 @@ Usage:
     python bench/bench_layernorm_dropout.py                       # GPU: the full sweep, rows to bench/results/
     python bench/bench_layernorm_dropout.py --out DIR             # rows to DIR/bench_layernorm_dropout.csv
     python bench/bench_layernorm_dropout.py --hidden 4096 --tokens 16384 --providers seqpar-cuda,torch-eager
+    python bench/bench_layernorm_dropout.py -p 0.1                # dropout on only
     python bench/bench_layernorm_dropout.py --quick               # CPU smoke test (tiny, Triton interpreter)
 """
 from __future__ import annotations
@@ -50,6 +52,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+if __name__ == "__main__" and "--quick" in sys.argv[1:]:
+    # The Triton interpreter must be chosen before anything imports triton (importing seqpar does): set in
+    # main() it is too late for the @triton.jit helpers the kernels call.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
@@ -207,23 +213,23 @@ def bench_config(provider: str, tokens: int, h: int, p: float, dtype, device: to
     return ms
 
 
-def _summary(results: Dict[Tuple[int, int], Dict[str, Dict[str, float]]]) -> None:
+def _summary(results: Dict[Tuple[int, int, float], Dict[str, Dict[str, float]]]) -> None:
     print("\nfwd+bwd speed-up of the seqpar kernels (issue targets: >= 2.5x torch-eager, >= 1.2x torch-compile)")
-    for (tokens, h), by_provider in results.items():
+    for (tokens, h, p), by_provider in results.items():
         for ours in ("seqpar-cuda", "seqpar-triton"):
             if ours not in by_provider:
                 continue
             parts = [f"{base} {by_provider[base]['fwdbwd'] / by_provider[ours]['fwdbwd']:.2f}x"
                      for base in ("torch-eager", "torch-compile") if base in by_provider]
-            print(f"  tokens={tokens:6d} h={h:6d} {ours:14s} " + ", ".join(parts))
+            print(f"  tokens={tokens:6d} h={h:6d} p={p:<4} {ours:14s} " + ", ".join(parts))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--hidden", default="1024,4096,6144,12288", help="comma-separated hidden sizes")
-    ap.add_argument("--tokens", default="4096,16384", help="comma-separated token counts (rows)")
+    ap.add_argument("--hidden", default="1024,4096,12288,20480", help="comma-separated hidden sizes")
+    ap.add_argument("--tokens", default="256,1024,16384", help="comma-separated token counts (rows)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    ap.add_argument("-p", type=float, default=0.1, help="dropout probability")
+    ap.add_argument("-p", default="0,0.1", help="comma-separated dropout probabilities (0: dropout off)")
     ap.add_argument("--providers", default=",".join(p for p in PROVIDERS if p != "seqpar-torch"))
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--reps", type=int, default=50)
@@ -235,7 +241,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if args.quick:
         device = torch.device("cpu")
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            ap.error("--quick runs Triton in its interpreter: set TRITON_INTERPRET=1 before importing this module "
+                     "(running it as a script with --quick does)")
         hidden, tokens = [64, 200], [48]
         providers = ["seqpar-triton", "seqpar-torch", "torch-eager", "torch-compile"]
         warmup, reps, copy_bytes = 1, 3, 2**24
@@ -253,21 +261,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     if unknown:
         ap.error(f"unknown providers {unknown}; choose from {PROVIDERS}")
     dtype = DTYPES[args.dtype]
-    if not 0.0 <= args.p < 1.0:
-        ap.error(f"-p must be in [0, 1), got {args.p}")
+    try:
+        dropouts = [float(v) for v in args.p.split(",")]
+    except ValueError:
+        ap.error(f"-p must be comma-separated probabilities, got {args.p!r}")
+    for p in dropouts:
+        if not 0.0 <= p < 1.0:
+            ap.error(f"-p must be in [0, 1), got {p}")
 
     timer = Timer(device, warmup, reps)
     rows = ResultRows(_device_name(device), "bench_layernorm_dropout")
     copy_gbps = measure_copy_gbps(device, timer, copy_bytes)
     rows.add(f"bytes={copy_bytes}", "device-copy", "copy_gbps", copy_gbps)
     print(f"device: {rows.meta['device']}   commit: {rows.meta['commit']}   copy bandwidth: {copy_gbps:.1f} GB/s")
-    results: Dict[Tuple[int, int], Dict[str, Dict[str, float]]] = {}
+    results: Dict[Tuple[int, int, float], Dict[str, Dict[str, float]]] = {}
     for n in tokens:
         for h in hidden:
-            for provider in providers:
-                r = bench_config(provider, n, h, args.p, dtype, device, timer, copy_gbps, rows)
-                if r is not None:
-                    results.setdefault((n, h), {})[provider] = r
+            for p in dropouts:
+                for provider in providers:
+                    r = bench_config(provider, n, h, p, dtype, device, timer, copy_gbps, rows)
+                    if r is not None:
+                        results.setdefault((n, h, p), {})[provider] = r
     _summary(results)
     out = args.out if args.out is not None else (None if args.quick else os.path.join(ROOT, "bench", "results"))
     if out is not None:

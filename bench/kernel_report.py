@@ -21,10 +21,12 @@ What is compiled
     divisibility). For the autotuned attention kernels every configuration of the autotune list that
     the kernel's prune function keeps is compiled (s = 2048: every tile is even):
 
-    - attention forward, dq, dk/dv: d in {64, 128}, bf16 and fp16, causal, dropout off and on;
+    - attention forward, dq, dk/dv: d in {64, 128}, bf16 and fp16, causal, dropout off and on, with
+      k, v at q's heads (G = 1) and grouped-query (G = 4 q heads per kv head; every G > 1 compiles alike);
     - bias-dropout-add + LayerNorm forward and backward: the launch configuration (BLOCK_M, BLOCK_N,
-      num_warps, and the backward's column chunks "cN") of h in {1024, 4096, 8192, 12288, 16384} with
-      8192 rows (the backward's program count assumes 132 SMs), bf16 and fp16, dropout off and on.
+      num_warps, and the column chunks "cN" of a row) of h in {1024, 4096, 8192, 12288, 16384, 20480,
+      25600} (20480 and 25600: the paper's 530B and 1T models, column-chunked rows) with 8192 rows (the
+      backward's program count assumes 132 SMs), bf16 and fp16, dropout off and on.
 
     CUDA: each csrc/*.cu with ``nvcc -cubin -arch=sm_90a -O3 -lineinfo -Xptxas -v`` (the flags of the
     CMake build); every kernel instantiation for fp16 and bf16 (and the dtype-free ones) is reported:
@@ -38,10 +40,11 @@ How the main loop is found and counted
     The count is static: every instruction of the range once, per thread (that is, per warp issue),
     whichever side of an if inside the loop runs. The main loop is
 
-    - attention forward, dq, dk/dv: the loop whose instructions are, by majority, inlined at a call of
-      the kernel's inner-loop function (``_fwd_inner``, ``_bwd_dq_inner``, ``_bwd_dkdv_inner``) whose
-      MASK argument is ``False`` (found in the kernel's Python AST): the key or query blocks that need no
-      bound or causal mask, i.e. the bulk of the work;
+    - attention forward, dq, dk/dv: the innermost loop whose instructions are, by majority, inlined at a
+      call of the kernel's inner-loop function (``_fwd_inner``, ``_bwd_dq_inner``, ``_bwd_dkdv_inner``)
+      whose MASK argument is ``False`` (found in the kernel's Python AST): the key or query blocks that
+      need no bound or causal mask, i.e. the bulk of the work (under GQA the dk/dv kernel's loop over
+      the q heads of a kv head encloses it);
     - kernels without a loop (the LayerNorm forwards: a row is one unrolled pass): the whole kernel;
     - the other kernels: the largest top-level loop (the row loop of the LayerNorm backward, the
       column loop of dropout and softmax-dropout; for the softmax-dropout kernels, the loop that
@@ -99,7 +102,8 @@ ARCH = "sm_90a"
 SMS = 132  # H100 SXM; only the LayerNorm backward's program count depends on it
 MASK_FILES = ("triton/language/random.py", "triton_kernels/philox.py", "csrc/philox.cuh")
 ATTN_HEAD_DIMS = (64, 128)
-LN_HIDDEN = (1024, 4096, 8192, 12288, 16384)
+ATTN_GROUPS = (1, 4)  # q heads per kv head: 1 = multi-head attention, 4 = grouped-query (Llama-3 8B)
+LN_HIDDEN = (1024, 4096, 8192, 12288, 16384, 20480, 25600)
 LN_ROWS = 8192
 SEQ, BATCH, HEADS_X_D = 2048, 2, 2048
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -259,14 +263,17 @@ def region_stats(fn: Function, span: Optional[Tuple[int, int]]) -> RegionStats:
 
 
 def loop_by_call(fn: Function, call_lines: Sequence[int], source_file: str) -> Optional[Tuple[int, int]]:
-    """The top-level loop most of whose instructions sit (inlined) at one of ``call_lines``."""
-    best, best_votes = None, 0
-    for lo, hi in fn.loops:
-        votes = sum(1 for ins in fn.instrs[lo:hi + 1]
-                    if ins.chain and ins.chain[-1][0].endswith(source_file) and ins.chain[-1][1] in call_lines)
-        if votes * 2 > hi - lo + 1 and votes > best_votes:
-            best, best_votes = (lo, hi), votes
-    return best
+    """The innermost loop most of whose instructions sit (inlined) at one of ``call_lines`` (the one with
+    the most such instructions if several): nested loops count, so a loop enclosing the call's loop (the
+    GQA head loop of dk/dv) is not taken for it."""
+    def votes(span):
+        lo, hi = span
+        return sum(1 for ins in fn.instrs[lo:hi + 1]
+                   if ins.chain and ins.chain[-1][0].endswith(source_file) and ins.chain[-1][1] in call_lines)
+
+    majority = [s for s in set(fn.spans) | set(fn.loops) if votes(s) * 2 > s[1] - s[0] + 1]
+    innermost = [s for s in majority if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in majority)]
+    return max(innermost, key=votes) if innermost else None
 
 
 def largest_loop(fn: Function, with_mask: bool = False) -> Optional[Tuple[int, int]]:
@@ -393,13 +400,15 @@ def compile_triton(fn, args, kwargs) -> Tuple[bytes, Resources, str]:
     return kernel.asm["cubin"], parse_ptxas_log(log.getvalue()).get(kernel.name, Resources()), kernel.name
 
 
-def attention_launches(d: int, dtype: torch.dtype, dropout: bool) -> Dict[str, Launch]:
-    """The launches of attention_fwd + attention_bwd on the layer's layout (q, k, v views of [s, b, 3h])."""
+def attention_launches(d: int, dtype: torch.dtype, dropout: bool, group: int = 1) -> Dict[str, Launch]:
+    """The launches of attention_fwd + attention_bwd on the layer's layout: q, k, v views of one fused
+    [s, b, (H + 2 H / group) d] projection (H = HEADS_X_D / d q heads, H / group kv heads)."""
     from seqpar.triton_kernels import attention as A
 
-    heads = HEADS_X_D // d
-    qkv = torch.empty(SEQ, BATCH, 3 * heads * d, dtype=dtype)
-    q, k, v = qkv.view(SEQ, BATCH, 3, heads, d).permute(2, 1, 3, 0, 4).unbind(0)
+    heads, kv_heads = HEADS_X_D // d, HEADS_X_D // d // group
+    qkv = torch.empty(SEQ, BATCH, (heads + 2 * kv_heads) * d, dtype=dtype)
+    q, k, v = (t.view(SEQ, BATCH, -1, d).permute(1, 2, 0, 3)
+               for t in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1))
     p = DROPOUT_THRESHOLD if dropout else 0
     sink: List[Launch] = []
     with _patched(A, **{n: _Recorder(getattr(A, n), sink) for n in ("_fwd_tuned", "_dq_tuned", "_dkdv_tuned")}):
@@ -410,14 +419,15 @@ def attention_launches(d: int, dtype: torch.dtype, dropout: bool) -> Dict[str, L
 
 def ln_launches(h: int, dtype: torch.dtype, dropout: bool) -> Dict[str, Launch]:
     """The launches of the LayerNorm forward + backward on [LN_ROWS, h] rows, as on a GPU with SMS SMs."""
-    from seqpar.triton_kernels import bias_dropout_add_layer_norm as L
+    from seqpar.triton_kernels import bias_dropout_add_layer_norm as L, rows as R
 
     x, w = torch.empty(LN_ROWS, h, dtype=dtype), torch.empty(h, dtype=dtype)
     stats = torch.empty(LN_ROWS)
     p = DROPOUT_THRESHOLD if dropout else 0
     sink: List[Launch] = []
-    names = ("_fwd_kernel", "_bwd_kernel", "_reduce_partials_kernel")
-    with _patched(L, _sm_count=lambda index: SMS, **{n: _Recorder(getattr(L, n), sink) for n in names}), \
+    with _patched(L, **{n: _Recorder(getattr(L, n), sink) for n in ("_fwd_kernel", "_bwd_kernel")}), \
+            _patched(R, sm_count=lambda index: SMS,
+                     _reduce_partials_kernel=_Recorder(R._reduce_partials_kernel, sink)), \
             _patched(torch.cuda, current_device=lambda: 0):
         L.forward(x, w, x, w, w, 1e-5, p, 12345, 0)
         L.backward(x, x, x, w, stats, stats, p, 12345, 0, True)
@@ -426,9 +436,12 @@ def ln_launches(h: int, dtype: torch.dtype, dropout: bool) -> Dict[str, Launch]:
 
 def _triton_row(job) -> dict:
     """Compile and measure one Triton configuration (runs in a worker process)."""
-    family, which, dim, dtype_name, dropout, index = job
-    make = attention_launches if family == "attention" else ln_launches
-    launch = make(dim, DTYPES[dtype_name], dropout)[which]
+    family, which, dim, dtype_name, dropout, index, *rest = job   # (..., index[, group]): attention's G
+    group = rest[0] if rest else 1
+    if family == "attention":
+        launch = attention_launches(dim, DTYPES[dtype_name], dropout, group)[which]
+    else:
+        launch = ln_launches(dim, DTYPES[dtype_name], dropout)[which]
     kw = launch.configs[index]
     cubin, res, name = compile_triton(launch.fn, launch.args, kw)
     fn = parse_sass(cubin)[name]
@@ -444,24 +457,25 @@ def _triton_row(job) -> dict:
     else:
         span = largest_loop(fn)
         config = "x".join(str(v) for k, v in sorted(kw.items()) if k.startswith("BLOCK_")) + f" w{warps}"
-        if kw.get("N_CHUNKS", 1) > 1:
-            config += f" c{kw['N_CHUNKS']}"
+        if kw.get("CHUNKED") or kw.get("N_CHUNKS", 1) > 1:
+            config += f" c{-(-dim // kw['BLOCK_N'])}"
     stats = region_stats(fn, span)
     elements = kw.get("BLOCK_M", kw.get("BLOCK_P", 1)) * kw.get("BLOCK_N", 1) / (32 * warps)
     return dict(backend="triton", family=family, kernel=which, dim=dim, dtype=dtype_name, dropout=dropout,
-                config=config, registers=res.registers, spill_bytes=res.spill_stores + res.spill_loads,
+                group=group, config=config, registers=res.registers, spill_bytes=res.spill_stores + res.spill_loads,
                 elements_per_thread=elements, **asdict(stats))
 
 
 def triton_jobs(quick: bool) -> List[tuple]:
     jobs = []
     dtypes = ("bf16",) if quick else tuple(DTYPES)
-    for d in (128,) if quick else ATTN_HEAD_DIMS:
-        for dt in dtypes:
-            for dropout in (False, True):
-                for which, launch in attention_launches(d, DTYPES[dt], dropout).items():
-                    jobs += [("attention", which, d, dt, dropout, i) for i in range(len(launch.configs))]
-    for h in (8192,) if quick else LN_HIDDEN:
+    for group in ATTN_GROUPS:
+        for d in (128,) if quick else ATTN_HEAD_DIMS:
+            for dt in dtypes:
+                for dropout in (False, True):
+                    for which, launch in attention_launches(d, DTYPES[dt], dropout, group).items():
+                        jobs += [("attention", which, d, dt, dropout, i, group) for i in range(len(launch.configs))]
+    for h in (8192, 20480) if quick else LN_HIDDEN:
         for dt in dtypes:
             for dropout in (False, True):
                 for which in ("fwd", "bwd") if dropout else ("fwd", "bwd", "reduce"):
@@ -483,7 +497,7 @@ CUDA_KERNELS: Dict[str, Tuple[str, Callable[[List[str], str], int]]] = {
     "seqpar::dropout_rows_kernel": ("largest", lambda t, r: 16),      # a 16-column group per iteration
     "seqpar::bdaln::fwd_kernel": ("kernel", _ln_elements),
     "seqpar::bdaln::bwd_kernel": ("largest", _ln_elements),
-    "seqpar::bdaln::reduce_partials_kernel": ("largest", lambda t, r: 1),
+    "seqpar::rows::reduce_partials_kernel": ("largest", lambda t, r: 1),
     "seqpar::(anonymous namespace)::softmax_dropout_fwd_kernel": ("mask", lambda t, r: 16),
     "seqpar::(anonymous namespace)::softmax_dropout_bwd_kernel": ("mask", lambda t, r: 16),
 }
@@ -494,11 +508,21 @@ def _demangle(names: Sequence[str]) -> Dict[str, str]:
     return dict(zip(names, out.splitlines()))
 
 
+_ROW_KINDS = ("warp", "block", "chunked")  # csrc/row_reduce.cuh's RowKind values
+
+
 def _template_args(demangled: str) -> Tuple[str, List[str]]:
-    """("ns::kernel", [template arguments]) of a demangled ``void ns::kernel<A, B>(params)``."""
+    """("ns::kernel", [template arguments]) of a demangled ``void ns::kernel<A, B>(params)``; a RowKind
+    argument (``(seqpar::rows::RowKind)1``) reads as its name ("block")."""
     text = demangled.replace("(anonymous namespace)", "{anon}")
+    text = re.sub(r"\((?:\w+::)*RowKind\)(\d)", lambda m: _ROW_KINDS[int(m.group(1))], text)
     text = text[5:] if text.startswith("void ") else text
-    text = text[:text.index("(")] if "(" in text else text
+    depth = 0
+    for i, ch in enumerate(text):  # the parameter list: the first "(" outside the template arguments
+        depth += (ch == "<") - (ch == ">")
+        if ch == "(" and depth == 0:
+            text = text[:i]
+            break
     if "<" not in text:
         return text.replace("{anon}", "(anonymous namespace)"), []
     base, inner = text[:text.index("<")], text[text.index("<") + 1:text.rindex(">")]
@@ -545,7 +569,9 @@ def cuda_rows(quick: bool) -> List[dict]:
             span = None if rule == "kernel" else largest_loop(fn, with_mask=rule == "mask")
             stats = region_stats(fn, span)
             res = resources.get(mangled, Resources())
-            label = base.split("::")[-1] + (f"<{', '.join(targs)}>" if targs else "")
+            parts = base.split("::")   # the kernel and its namespace (several files have a fwd_kernel)
+            name = "::".join(parts[-2:]) if len(parts) > 2 and not parts[-2].startswith("(") else parts[-1]
+            label = name + (f"<{', '.join(targs)}>" if targs else "")
             rows.append(dict(backend="cuda", family=src, kernel=label,
                              registers=res.registers, spill_bytes=res.spill_stores + res.spill_loads,
                              elements_per_thread=elements(targs, stats.mask_region), **asdict(stats)))
@@ -565,16 +591,24 @@ def format_report(meta: dict, rows: List[dict]) -> str:
     att = [r for r in rows if r["backend"] == "triton" and r["family"] == "attention"]
     if att:
         out += ["Triton attention (causal, s = 2048): main loop SASS instructions per thread, dropout off -> on",
-                f"{'kernel':6} {'d':>4} {'dtype':5} {'config':16} {'regs off/on':>12} {'spill B off/on':>15} "
+                "(G: q heads per kv head; G = 4 is grouped-query attention; '-': the tile is not offered then)",
+                f"{'kernel':6} {'d':>4} {'G':>2} {'dtype':5} {'config':16} {'regs off/on':>12} {'spill B off/on':>15} "
                 f"{'loop off':>9} {'loop on':>8} {'ratio':>6} {'mask int/elem':>14}"]
-        for key in sorted({(r["kernel"], r["dim"], r["dtype"], r["config"]) for r in att},
-                          key=lambda k: (["fwd", "dq", "dkdv"].index(k[0]), k[1], k[2], k[3])):
-            off = next((r for r in att if (r["kernel"], r["dim"], r["dtype"], r["config"]) == key and not r["dropout"]), None)
-            on = next((r for r in att if (r["kernel"], r["dim"], r["dtype"], r["config"]) == key and r["dropout"]), None)
-            if off is None or on is None:
+        attn_key = lambda r: (r["kernel"], r["dim"], r.get("group", 1), r["dtype"], r["config"])  # noqa: E731
+        for key in sorted({attn_key(r) for r in att},
+                          key=lambda k: (["fwd", "dq", "dkdv"].index(k[0]), k[2], k[1], k[3], k[4])):
+            off = next((r for r in att if attn_key(r) == key and not r["dropout"]), None)
+            on = next((r for r in att if attn_key(r) == key and r["dropout"]), None)
+            if off is None or on is None:  # a tile offered only without (or only with) dropout
+                field = lambda r, k: "-" if r is None else r[k]  # noqa: E731
+                out.append(f"{key[0]:6} {key[1]:>4} {key[2]:>2} {key[3]:5} {key[4]:16} "
+                           f"{field(off, 'registers'):>5}/{field(on, 'registers'):<6} "
+                           f"{field(off, 'spill_bytes'):>7}/{field(on, 'spill_bytes'):<7} "
+                           f"{field(off, 'instructions'):>9} {field(on, 'instructions'):>8}")
                 continue
             pe = _per_elem(on)
-            out.append(f"{key[0]:6} {key[1]:>4} {key[2]:5} {key[3]:16} {off['registers']:>5}/{on['registers']:<6} "
+            out.append(f"{key[0]:6} {key[1]:>4} {key[2]:>2} {key[3]:5} {key[4]:16} "
+                       f"{off['registers']:>5}/{on['registers']:<6} "
                        f"{off['spill_bytes']:>7}/{on['spill_bytes']:<7} {off['instructions']:>9} "
                        f"{on['instructions']:>8} {on['instructions'] / off['instructions']:>6.2f} "
                        f"{'' if pe is None else f'{pe:.2f}':>14}")
@@ -621,14 +655,16 @@ def summarize(rows: List[dict]) -> Dict[str, object]:
     for kernel in ("fwd", "dq", "dkdv"):
         ratios = []
         for on in (r for r in att if r["kernel"] == kernel and r["dropout"]):
-            off = next((r for r in att if not r["dropout"] and all(r[k] == on[k] for k in
-                                                                   ("kernel", "dim", "dtype", "config"))), None)
+            off = next((r for r in att if not r["dropout"] and all(r.get(k) == on.get(k) for k in
+                                                                   ("kernel", "dim", "group", "dtype", "config"))),
+                       None)
             if off is not None:
                 ratios.append(on["instructions"] / off["instructions"])
         if ratios:
             out[f"attention_{kernel}_max_ratio"] = round(max(ratios), 3)
     out["spilling_configs"] = [f"{r['backend']} {r['family']} {r['kernel']} {r.get('dim', '')} {r.get('dtype', '')} "
-                               f"{r.get('config', '')} dropout={r.get('dropout', '-')}: {r['spill_bytes']} B"
+                               f"{r.get('config', '')} G={r.get('group', '-')} dropout={r.get('dropout', '-')}: "
+                               f"{r['spill_bytes']} B"
                                for r in rows if r["spill_bytes"]]
     for name, pick in (("triton_ln", lambda r: r["backend"] == "triton" and r["family"] == "ln"),
                        ("cuda", lambda r: r["backend"] == "cuda")):

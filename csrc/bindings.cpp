@@ -33,11 +33,11 @@ void bias_dropout_add_layer_norm_bwd(uintptr_t grad_y, uintptr_t grad_residual_o
                                      uint64_t seed, int64_t row_offset, uintptr_t stream);
 // ---- softmax_dropout.cu
 void attention_softmax_dropout_fwd(uintptr_t scores, uintptr_t probs, int64_t batch, int64_t heads, int64_t s_q,
-                                   int64_t s_k, int dtype, float scale, bool causal, uint64_t seed,
-                                   int64_t row_offset, int threshold, uintptr_t stream);
+                                   int64_t s_k, int dtype, bool causal, uint64_t seed, int64_t row_offset,
+                                   int threshold, uintptr_t stream);
 void attention_softmax_dropout_bwd(uintptr_t probs, uintptr_t grad, uintptr_t dropped, int64_t batch,
-                                   int64_t heads, int64_t s_q, int64_t s_k, int dtype, float scale, bool causal,
-                                   uint64_t seed, int64_t row_offset, int threshold, uintptr_t stream);
+                                   int64_t heads, int64_t s_q, int64_t s_k, int dtype, bool causal, uint64_t seed,
+                                   int64_t row_offset, int threshold, uintptr_t stream);
 // ---- rms_norm.cu
 void add_rms_norm_fwd(uintptr_t x, uintptr_t residual, uintptr_t weight, uintptr_t y, uintptr_t residual_out,
                       uintptr_t rstd, int64_t rows, int64_t h, int64_t stride_x, int64_t stride_res, int dtype,
@@ -120,14 +120,15 @@ PYBIND11_MODULE(_C, m) {
   // ---- softmax_dropout.cu
   m.def("attention_softmax_dropout_fwd", &seqpar::attention_softmax_dropout_fwd, py::arg("scores"),
         py::arg("probs"), py::arg("batch"), py::arg("heads"), py::arg("s_q"), py::arg("s_k"), py::arg("dtype"),
-        py::arg("scale"), py::arg("causal"), py::arg("seed"), py::arg("row_offset"), py::arg("threshold"),
-        py::arg("stream"),
-        "probs = softmax(scale * scores + causal mask); scores <- dropout(probs) in place when p > 0.");
+        py::arg("causal"), py::arg("seed"), py::arg("row_offset"), py::arg("threshold"), py::arg("stream"),
+        "probs = softmax(scores + causal mask) of already scaled scores (+-inf read as +-FLT_MAX); "
+        "scores <- dropout(probs) in place when p > 0.");
   m.def("attention_softmax_dropout_bwd", &seqpar::attention_softmax_dropout_bwd, py::arg("probs"),
         py::arg("grad"), py::arg("dropped"), py::arg("batch"), py::arg("heads"), py::arg("s_q"), py::arg("s_k"),
-        py::arg("dtype"), py::arg("scale"), py::arg("causal"), py::arg("seed"), py::arg("row_offset"),
-        py::arg("threshold"), py::arg("stream"),
-        "grad (dL/d dropped) <- dL/d(q k^T) in place; dropped <- dropout(probs) when p > 0 (pointer may be 0 otherwise).");
+        py::arg("dtype"), py::arg("causal"), py::arg("seed"), py::arg("row_offset"), py::arg("threshold"),
+        py::arg("stream"),
+        "grad (dL/d dropped) <- dL/d scores in place; dropped <- dropout(probs) when p > 0 (pointer may be 0 "
+        "otherwise).");
 
   // ---- rms_norm.cu
   m.def("add_rms_norm_fwd", &seqpar::add_rms_norm_fwd, py::arg("x"), py::arg("residual"), py::arg("weight"),

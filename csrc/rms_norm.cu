@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(threads_bound<KIND>(true)) fwd_kernel(const Fw
       if (j < nvec) {
         if (KIND == RowKind::kChunked && c != chunks - 1) r[k] = load_pack<T, VEC>(stored + j * VEC);
         float wv[VEC];
-        load_params<VEC>(a.w, j * VEC, a.wdtype, wv);
+        load_params<VEC>(a.w, j * VEC, a.h, true, a.wdtype, wv);
         Pack<T, VEC> out;
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(threads_bound<KIND>(false))
           rv[k] = load_pack<T, VEC>(ro + j * VEC);
           gv[k] = load_pack<T, VEC>(gy + j * VEC);
           float wv[VEC], dw[VEC];
-          load_params<VEC>(a.w, j * VEC, a.wdtype, wv);
+          load_params<VEC>(a.w, j * VEC, a.h, true, a.wdtype, wv);
 #pragma unroll
           for (int i = 0; i < VEC; ++i) {
             const float n = to_float(rv[k].v[i]) * rstd;
@@ -224,7 +224,7 @@ __global__ void __launch_bounds__(threads_bound<KIND>(false))
             gv[k] = load_pack<T, VEC>(gy + j * VEC);
           }
           float wv[VEC], go[VEC];
-          load_params<VEC>(a.w, j * VEC, a.wdtype, wv);
+          load_params<VEC>(a.w, j * VEC, a.h, true, a.wdtype, wv);
           if (has_gro) {
             const Pack<T, VEC> ov = load_pack<T, VEC>(gro + j * VEC);
 #pragma unroll

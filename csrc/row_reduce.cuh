@@ -25,20 +25,22 @@ namespace rows {
 constexpr int kWarp = 32;
 constexpr int kMaxThreads = 1024;
 
-// N values of a parameter vector whose dtype (fp32, fp16 or bf16) is a runtime code, uniform across the
-// grid (so the branch is free), from element `offset` of p (offset a multiple of N when N > 1).
+// N values of a parameter vector of n elements whose dtype (fp32, fp16 or bf16) is a runtime code, uniform
+// across the grid (so the branch is free), from element c0 of p: one pack access when `vector` (c0 a
+// multiple of N, c0 + N <= n), else scalar accesses of the elements below n (zeros past it), as load_run.
 template <int N>
-__device__ __forceinline__ void load_params(const void* p, int64_t offset, int dtype, float (&out)[N]) {
+__device__ __forceinline__ void load_params(const void* p, int64_t c0, int64_t n, bool vector, int dtype,
+                                            float (&out)[N]) {
   if (dtype == kFloat32) {
-    const Pack<float, N> v = load_pack<float, N>(static_cast<const float*>(p) + offset);
+    const Pack<float, N> v = load_run<float, N>(static_cast<const float*>(p), c0, n, vector);
 #pragma unroll
     for (int i = 0; i < N; ++i) out[i] = v.v[i];
   } else if (dtype == kFloat16) {
-    const Pack<__half, N> v = load_pack<__half, N>(static_cast<const __half*>(p) + offset);
+    const Pack<__half, N> v = load_run<__half, N>(static_cast<const __half*>(p), c0, n, vector);
 #pragma unroll
     for (int i = 0; i < N; ++i) out[i] = to_float(v.v[i]);
   } else {
-    const Pack<__nv_bfloat16, N> v = load_pack<__nv_bfloat16, N>(static_cast<const __nv_bfloat16*>(p) + offset);
+    const Pack<__nv_bfloat16, N> v = load_run<__nv_bfloat16, N>(static_cast<const __nv_bfloat16*>(p), c0, n, vector);
 #pragma unroll
     for (int i = 0; i < N; ++i) out[i] = to_float(v.v[i]);
   }
@@ -99,14 +101,14 @@ __global__ void reduce_partials_kernel(const PartialSums sums, int64_t n_partial
   }
 }
 
-inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-inline int round_up_warp(int64_t v) { return static_cast<int>(cdiv(v, kWarp) * kWarp); }
-inline int pow2_ceil(int64_t v) {
+constexpr int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+constexpr int round_up_warp(int64_t v) { return static_cast<int>(cdiv(v, kWarp) * kWarp); }
+constexpr int pow2_ceil(int64_t v) {
   int p = 1;
   while (p < v) p <<= 1;
   return p;
 }
-inline int elem_size(int dtype) { return dtype == kFloat32 ? 4 : 2; }
+constexpr int elem_size(int dtype) { return dtype == kFloat32 ? 4 : 2; }
 
 // Launches `count` partial buffers' column sums on `stream` (a template: instantiated only where used).
 template <int kRowsPerBlock = 8>
@@ -174,15 +176,16 @@ void dispatch_vpt(int vpt, Fn&& fn) {
 }
 
 // Calls fn(T{}, std::integral_constant<int, VEC>{}) for the dtype code; VEC = 16 bytes of T when
-// `vectorized`, else 1.
-template <typename Fn>
+// `vectorized`, else kScalarVec (elements a thread moves with scalar accesses as one run: 1, or e.g. a
+// whole 16-column dropout group so that one Philox call serves the run).
+template <int kScalarVec = 1, typename Fn>
 void dispatch_type_vec(int dtype, bool vectorized, Fn&& fn) {
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     if (vectorized) {
       fn(tag, std::integral_constant<int, static_cast<int>(16 / sizeof(T))>{});
     } else {
-      fn(tag, std::integral_constant<int, 1>{});
+      fn(tag, std::integral_constant<int, kScalarVec>{});
     }
   });
 }

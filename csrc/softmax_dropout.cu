@@ -1,12 +1,16 @@
-// Fused scale + causal mask + softmax + dropout over an attention score matrix, forward and backward:
-// the middle of Megatron's non-flash attention core (the two GEMMs q k^T and P v stay in torch).
+// Fused causal mask + softmax + dropout over an attention score matrix, forward and backward: the middle
+// of Megatron's non-flash attention core (the GEMMs stay in torch; the softmax scale is their alpha, so the
+// scores arrive scaled and q k^T never exists unscaled in a 16-bit type).
 //
 // Scores are a contiguous [b, H, s_q, s_k] tensor (one row per (batch, head, query i)). Per row:
-//   forward   P_j = softmax_j(scale * x_j + mask_j)     mask_j = -inf where causal and j > i
+//   forward   P_j = softmax_j(x_j + mask_j)              mask_j = -inf where causal and j > i
 //             D_j = P_j * keep_j * drop_scale            drop_scale = float(256 / (256 - P))
 //             keep_j = mask_byte(seed, row_offset + (head * b + batch) * s_q + i, j) >= P   (csrc/philox.cuh)
 //   backward  given G_j = dL/dD_j:  gP_j = G_j * keep_j * drop_scale,
-//             dL/dx_j = scale * P_j * (gP_j - sum_k gP_k P_k)
+//             dL/dx_j = P_j * (gP_j - sum_k gP_k P_k)
+// Infinite scores (fp16 overflow of large logits) are read as +-FLT_MAX, which gives softmax's limit
+// instead of NaN: the +inf entries of a row share its mass equally, -inf entries get 0, and a row of
+// -inf only is uniform. (NaN scores stay NaN.)
 // The dropout rows are head-major (seqpar.ops.attention_core.attention_keep_mask), so the masks are the
 // ones the torch reference and the Triton kernels draw. Nothing mask-sized is stored: backward
 // regenerates keep from the same counters (a per-row bitmask in shared memory serves its second pass).
@@ -17,6 +21,7 @@
 // and moves each as two (fp32: four) 16-byte vectors when the rows allow it.
 #include <cuda_runtime.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
@@ -46,6 +51,9 @@ __device__ __forceinline__ RowInfo row_info(int64_t row, int64_t batch, int64_t 
   info.drop_row = static_cast<uint64_t>(row_offset + (h_idx * batch + b_idx) * s_q + i);
   return info;
 }
+
+// A score as the softmax reads it: +-inf -> +-FLT_MAX (see the top of the file).
+__device__ __forceinline__ float finite_score(float x) { return isinf(x) ? copysignf(FLT_MAX, x) : x; }
 
 // (max, sum of exp(x - max)) pairs: the online-softmax combine; an empty side has max = -inf.
 __device__ __forceinline__ void combine(float& m, float& l, float m_other, float l_other) {
@@ -122,13 +130,13 @@ __device__ __forceinline__ void store_group(T* row, int64_t j0, int64_t n, bool 
   }
 }
 
-// scores (in): raw q k^T; scores (out): dropped probabilities D (only when dropout is on).
+// scores (in): scale * q k^T; scores (out): dropped probabilities D (only when dropout is on).
 // vectorized: rows start 16-byte aligned (s_k a multiple of 16 / sizeof(T), aligned pointers).
 template <typename T, int THREADS>
 __global__ void __launch_bounds__(THREADS)
 softmax_dropout_fwd_kernel(T* __restrict__ scores, T* __restrict__ probs, int64_t batch, int64_t heads,
-                           int64_t s_q, int64_t s_k, float scale, bool causal, uint64_t seed,
-                           int64_t row_offset, uint32_t threshold24, float drop_scale, bool vectorized) {
+                           int64_t s_q, int64_t s_k, bool causal, uint64_t seed, int64_t row_offset,
+                           uint32_t threshold24, float drop_scale, bool vectorized) {
   const int64_t row = blockIdx.x;
   const RowInfo info = row_info(row, batch, heads, s_q, s_k, causal, row_offset);
   const bool dropout = threshold24 != 0;
@@ -137,7 +145,7 @@ softmax_dropout_fwd_kernel(T* __restrict__ scores, T* __restrict__ probs, int64_
 
   float m = -INFINITY, l = 0.0f;
   for (int64_t j = threadIdx.x; j < info.n_valid; j += THREADS) {
-    const float x = to_float(x_row[j]) * scale;
+    const float x = finite_score(to_float(x_row[j]));
     if (x > m) {
       l = l * expf(m - x) + 1.0f;  // expf(-inf) = 0 on the first element
       m = x;
@@ -145,7 +153,7 @@ softmax_dropout_fwd_kernel(T* __restrict__ scores, T* __restrict__ probs, int64_
       l += expf(x - m);
     }
   }
-  block_max_sum<THREADS>(m, l);  // column 0 is always valid, so l > 0
+  block_max_sum<THREADS>(m, l);  // column 0 is always valid and finite_score is never -inf: l >= 1
   const float inv_l = 1.0f / l;
 
   for (int64_t g = threadIdx.x; g * kGroup < s_k; g += THREADS) {
@@ -158,7 +166,7 @@ softmax_dropout_fwd_kernel(T* __restrict__ scores, T* __restrict__ probs, int64_
 #pragma unroll
     for (int i = 0; i < kGroup; ++i) {
       const bool valid = j0 + i < info.n_valid;
-      prob.v[i] = from_float<T>(valid ? expf(to_float(x.v[i]) * scale - m) * inv_l : 0.0f);
+      prob.v[i] = from_float<T>(valid ? expf(finite_score(to_float(x.v[i])) - m) * inv_l : 0.0f);
       // Dropped from the rounded probability, exactly like the torch reference.
       dropped.v[i] = from_float<T>(valid && keep_column(mask, i, threshold24) ? to_float(prob.v[i]) * drop_scale
                                                                               : 0.0f);
@@ -168,11 +176,11 @@ softmax_dropout_fwd_kernel(T* __restrict__ scores, T* __restrict__ probs, int64_
   }
 }
 
-// grad (in): dL/dD; grad (out): dL/d(q k^T) (scale folded in). dropped (optional out): D regenerated.
+// grad (in): dL/dD; grad (out): dL/dx (x = scale * q k^T). dropped (optional out): D regenerated.
 template <typename T, int THREADS>
 __global__ void __launch_bounds__(THREADS)
 softmax_dropout_bwd_kernel(const T* __restrict__ probs, T* __restrict__ grad, T* __restrict__ dropped,
-                           int64_t batch, int64_t heads, int64_t s_q, int64_t s_k, float scale, bool causal,
+                           int64_t batch, int64_t heads, int64_t s_q, int64_t s_k, bool causal,
                            uint64_t seed, int64_t row_offset, uint32_t threshold24, float drop_scale,
                            bool vectorized) {
   extern __shared__ uint16_t keep_bits_smem[];  // one 16-bit word per 16-column group when dropout is on
@@ -215,7 +223,7 @@ softmax_dropout_bwd_kernel(const T* __restrict__ probs, T* __restrict__ grad, T*
       if (j0 + i < info.n_valid) {
         const float prob = to_float(pv.v[i]);
         const float z = !dropout ? 1.0f : (bits >> i) & 1u ? drop_scale : 0.0f;
-        gs = scale * prob * (to_float(gv.v[i]) * z - dot);
+        gs = prob * (to_float(gv.v[i]) * z - dot);
         dv = prob * z;
       }
       g_score.v[i] = from_float<T>(gs);
@@ -260,8 +268,8 @@ bool rows_aligned(int64_t s_k, std::initializer_list<uintptr_t> ptrs) {
 }  // namespace
 
 void attention_softmax_dropout_fwd(uintptr_t scores, uintptr_t probs, int64_t batch, int64_t heads, int64_t s_q,
-                                   int64_t s_k, int dtype, float scale, bool causal, uint64_t seed,
-                                   int64_t row_offset, int threshold, uintptr_t stream) {
+                                   int64_t s_k, int dtype, bool causal, uint64_t seed, int64_t row_offset,
+                                   int threshold, uintptr_t stream) {
   check_sizes("attention_softmax_dropout_fwd", batch, heads, s_q, s_k, threshold);
   const int64_t rows = batch * heads * s_q;
   if (rows == 0 || s_k == 0) return;
@@ -273,16 +281,16 @@ void attention_softmax_dropout_fwd(uintptr_t scores, uintptr_t probs, int64_t ba
       constexpr int THREADS = decltype(threads)::value;
       softmax_dropout_fwd_kernel<T, THREADS>
           <<<static_cast<unsigned>(rows), THREADS, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-              reinterpret_cast<T*>(scores), reinterpret_cast<T*>(probs), batch, heads, s_q, s_k, scale, causal,
-              seed, row_offset, static_cast<uint32_t>(threshold) << 24, scale_p, vectorized);
+              reinterpret_cast<T*>(scores), reinterpret_cast<T*>(probs), batch, heads, s_q, s_k, causal, seed,
+              row_offset, static_cast<uint32_t>(threshold) << 24, scale_p, vectorized);
     });
   });
   check_cuda(cudaGetLastError(), "attention_softmax_dropout_fwd launch");
 }
 
 void attention_softmax_dropout_bwd(uintptr_t probs, uintptr_t grad, uintptr_t dropped, int64_t batch,
-                                   int64_t heads, int64_t s_q, int64_t s_k, int dtype, float scale, bool causal,
-                                   uint64_t seed, int64_t row_offset, int threshold, uintptr_t stream) {
+                                   int64_t heads, int64_t s_q, int64_t s_k, int dtype, bool causal, uint64_t seed,
+                                   int64_t row_offset, int threshold, uintptr_t stream) {
   check_sizes("attention_softmax_dropout_bwd", batch, heads, s_q, s_k, threshold);
   const int64_t rows = batch * heads * s_q;
   if (rows == 0 || s_k == 0) return;
@@ -301,7 +309,7 @@ void attention_softmax_dropout_bwd(uintptr_t probs, uintptr_t grad, uintptr_t dr
       softmax_dropout_bwd_kernel<T, THREADS>
           <<<static_cast<unsigned>(rows), THREADS, smem, reinterpret_cast<cudaStream_t>(stream)>>>(
               reinterpret_cast<const T*>(probs), reinterpret_cast<T*>(grad), reinterpret_cast<T*>(dropped), batch,
-              heads, s_q, s_k, scale, causal, seed, row_offset, static_cast<uint32_t>(threshold) << 24, scale_p,
+              heads, s_q, s_k, causal, seed, row_offset, static_cast<uint32_t>(threshold) << 24, scale_p,
               vectorized);
     });
   });

@@ -64,10 +64,20 @@ def info() -> None:
     reason = _ext.cuda_extension_error()
     print("CUDA extension seqpar._C: " + ("built" if reason is None else f"not available: {reason}"))
     for device in ["cpu"] + (["cuda"] if cuda else []):
-        print(f"backends on {device} (explicit backend=...):")
-        for op, backends in registry.backend_report(torch.device(device)).items():
-            cells = [f"{name}: {'usable' if why is None else 'no (' + why + ')'}" for name, why in backends.items()]
-            print(f"  {op:<30} " + "; ".join(cells))
+        print(f'backends on {device}: what backend="auto" picks, why it skips the ones before it, what an '
+              'explicit backend= can run, and the inputs a backend turns away (auto then falls back):')
+        explicit = registry.backend_report(torch.device(device))
+        for op, choice in registry.auto_report(torch.device(device)).items():
+            order = ", ".join(registry.auto_order(op))
+            print(f"  {op:<30} auto -> {choice.picked}   (tries {order})")
+            for name, why in choice.skipped.items():
+                usable = "; explicit backend= runs it" if explicit[op][name] is None else ""
+                print(f"  {'':<30}   {name:<6} skipped by auto: {why}{usable}")
+            for name in registry.BACKENDS:
+                if name not in choice.skipped and name != choice.picked and explicit[op][name] is not None:
+                    print(f"  {'':<30}   {name:<6} not usable: {explicit[op][name]}")
+            for name, limits in choice.limits.items():
+                print(f"  {'':<30}   {name:<6} limits: {limits}")
 
 
 # ---------------------------------------------------------------------------------------------- plan

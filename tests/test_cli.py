@@ -24,6 +24,32 @@ def test_info_lists_backends():
     assert "attention_core" in out.stdout and "bias_dropout_add_layer_norm" in out.stdout
 
 
+def test_info_shows_every_auto_fallback(capsys, monkeypatch):
+    """Per op and device: the backend "auto" picks, why it skips each one before it, and the inputs a
+    backend turns away (where auto falls back further); with every backend usable (simulated GPU), auto
+    picks the op's first choice and the LayerNorm kernels list no hidden-size limit."""
+    import seqpar._ext as ext
+
+    cli.info()
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    att = lines.index(next(l for l in lines if l.strip().startswith("attention_core")))
+    assert "auto -> torch" in lines[att] and "tries triton, cuda, torch" in lines[att]
+    block = "\n".join(lines[att + 1:att + 5])
+    assert "triton skipped by auto:" in block and "cuda   skipped by auto:" in block
+    assert "triton limits: head dim d a multiple of 8 in [16, 128]" in block
+    monkeypatch.setattr(ext, "triton_unavailable_reason", lambda device, auto=False: None)
+    monkeypatch.setattr(ext, "cuda_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "simulated")
+    cli.info()
+    out = capsys.readouterr().out
+    gpu = out[out.index("backends on cuda"):]
+    assert "attention_core                 auto -> triton" in gpu
+    ln = gpu[gpu.index("bias_dropout_add_layer_norm"):].splitlines()
+    assert "auto -> cuda" in ln[0] and not ln[1].strip().startswith(("cuda", "triton")), ln[:3]
+
+
 @pytest.mark.timeout(180)
 def test_bench_prints_five_experiments(tmp_path):
     path = tmp_path / "rows.json"

@@ -36,6 +36,19 @@ def test_loops_regions_and_mask_counts():
     assert K.is_int("UIADD3") and K.is_int("PRMT") and not K.is_int("FFMA")
 
 
+def test_main_loop_is_the_innermost_loop_at_the_call():
+    """GQA's dk/dv kernel loops over a kv head's q heads around the query-block loops: the main loop is the
+    inner loop inlined at the unmasked call, not the head loop that encloses it (and the masked one)."""
+    MASKED = (("/x/triton_kernels/attention.py", 150), ("/x/k.py", 210))
+    HEADS = (("/x/k.py", 205),)
+    specs = ([("IMAD", HEADS)] + [("FFMA", MASKED)] * 3 + [("BRA", MASKED)]
+             + [("HGMMA", BODY)] * 5 + [("BRA", BODY), ("IADD3", HEADS), ("BRA", HEADS)])
+    fn = _fn(specs, [(4, 1), (10, 5), (12, 0)])
+    assert fn.loops == [(0, 12)]
+    assert K.loop_by_call(fn, [214], "k.py") == (5, 10)
+    assert K.loop_by_call(fn, [210], "k.py") == (1, 4)
+
+
 def test_mask_in_its_own_inner_loop_is_counted_per_pass():
     """The v1 kernels drew each element's mask in a rolled loop: the region is that inner loop."""
     specs = [("LDG", BODY)] + [("IMAD", MASK)] * 4 + [("BRA", MASK), ("STG", BODY), ("BRA", BODY)]
@@ -50,6 +63,9 @@ def test_cuda_template_arguments_are_parsed():
     assert base == "seqpar::bdaln::fwd_kernel" and args == ["__nv_bfloat16", "8", "4", "true"]
     base, args = K._template_args("void seqpar::(anonymous namespace)::softmax_dropout_fwd_kernel<__half, 128>(__half*)")
     assert base == "seqpar::(anonymous namespace)::softmax_dropout_fwd_kernel" and args == ["__half", "128"]
+    base, args = K._template_args("void seqpar::bdaln::bwd_kernel<float, 4, 8, (seqpar::rows::RowKind)2>"
+                                  "(seqpar::bdaln::BwdArgs, long)")
+    assert base == "seqpar::bdaln::bwd_kernel" and args == ["float", "4", "8", "chunked"]
 
 
 def test_ln_forward_compiles_for_sm90_within_budget():

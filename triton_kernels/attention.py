@@ -23,14 +23,19 @@ only ``o`` and ``lse``; the backward recomputes P block by block and regenerates
 tile), so no s_q x s_k tensor is ever written to memory. Two backward kernels avoid atomics: ``dq`` (one program
 per query block, which also writes ``delta``) and then ``dk, dv`` (one program per key block).
 
+Grouped-query attention: k and v may have Hk heads dividing q's Hq (G = Hq / Hk). A forward or dq program
+of q head ``h`` reads kv head ``h // G``; a dk / dv program of kv head ``j`` loops over the G q heads
+``j * G ..`` and sums their contributions in registers (still no atomics, and k, v are never repeated
+in memory). Dropout rows and ``lse`` / ``delta`` stay per q head.
+
 ==============  ===================  ===============================================================
 tensor          shape                notes
 ==============  ===================  ===============================================================
-q               [b, H, s_q, d]       any strides; fp16 / bf16 (fp32 for testing)
-k, v            [b, H, s_k, d]       any strides, dtype of q
-o, dq           [b, H, s_q, d]       views of contiguous [s_q, b, H, d] buffers (the layer's layout)
-dk, dv          [b, H, s_k, d]       views of contiguous [s_k, b, H, d] buffers
-lse, delta      [b, H, s_q]          fp32, contiguous
+q               [b, Hq, s_q, d]      any strides; fp16 / bf16 (fp32 for testing)
+k, v            [b, Hk, s_k, d]      any strides, dtype of q; Hk divides Hq
+o, dq           [b, Hq, s_q, d]      views of contiguous [s_q, b, Hq, d] buffers (the layer's layout)
+dk, dv          [b, Hk, s_k, d]      views of contiguous [s_k, b, Hk, d] buffers
+lse, delta      [b, Hq, s_q]         fp32, contiguous
 ==============  ===================  ===============================================================
 
 ``d`` is padded to the next power of two inside the kernels (masked loads/stores), so d = 80, 96 work.
@@ -175,7 +180,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
                      stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd,
                      stride_ob, stride_oh, stride_om, stride_od,
-                     B, H, S_Q, S_K, qk_scale, seed, row_offset, threshold, drop_scale,
+                     B, H, GROUP, S_Q, S_K, qk_scale, seed, row_offset, threshold, drop_scale,
                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                      DROPOUT: tl.constexpr, DOT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -184,7 +189,8 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
     pid_m = tl.cdiv(S_Q, BLOCK_M) - 1 - tl.program_id(0)
     bh = tl.program_id(1)                       # head-major: bh = head * B + batch (dropout rows)
     batch = bh % B
-    head = bh // B
+    head = bh // B                              # q head; its kv head is head // GROUP
+    kv_head = head // GROUP
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -197,8 +203,8 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
               + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :] * stride_qd)
     q = _load_2d(q_ptrs, (offs_m < S_Q)[:, None], mask_d[None, :], EVEN_M, EVEN_D)
     # Scalar bases + loop-invariant offsets (not loop-carried pointer tiles, which cost registers).
-    K_base = K + tl.cast(batch, tl.int64) * stride_kb + tl.cast(head, tl.int64) * stride_kh
-    V_base = V + tl.cast(batch, tl.int64) * stride_vb + tl.cast(head, tl.int64) * stride_vh
+    K_base = K + tl.cast(batch, tl.int64) * stride_kb + tl.cast(kv_head, tl.int64) * stride_kh
+    V_base = V + tl.cast(batch, tl.int64) * stride_vb + tl.cast(kv_head, tl.int64) * stride_vh
     k_offs = offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn          # [D_PAD, BLOCK_N]
     v_offs = offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd          # [BLOCK_N, D_PAD]
     drop_rows = tl.cast(row_offset, tl.int64) + tl.cast(bh, tl.int64) * S_Q + offs_m   # global dropout rows
@@ -275,15 +281,16 @@ def _attn_bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA,
                         stride_ob, stride_oh, stride_om, stride_od,
                         stride_dob, stride_doh, stride_dom, stride_dod,
                         stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-                        B, H, S_Q, S_K, qk_scale, sm_scale, seed, row_offset, threshold, drop_scale,
+                        B, H, GROUP, S_Q, S_K, qk_scale, sm_scale, seed, row_offset, threshold, drop_scale,
                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                         DROPOUT: tl.constexpr, DOT: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
     pid_m = tl.cdiv(S_Q, BLOCK_M) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1)                       # head * B + batch over the q heads, as the forward
     batch = bh % B
     head = bh // B
+    kv_head = head // GROUP
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -312,8 +319,8 @@ def _attn_bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA,
     lse2 = _load_1d(LSE + stat_offs, offs_m < S_Q, EVEN_M) * 1.4426950408889634   # log2 domain
 
     # Scalar bases + loop-invariant offsets (not loop-carried pointer tiles, which cost registers).
-    K_base = K + tl.cast(batch, tl.int64) * stride_kb + tl.cast(head, tl.int64) * stride_kh
-    V_base = V + tl.cast(batch, tl.int64) * stride_vb + tl.cast(head, tl.int64) * stride_vh
+    K_base = K + tl.cast(batch, tl.int64) * stride_kb + tl.cast(kv_head, tl.int64) * stride_kh
+    V_base = V + tl.cast(batch, tl.int64) * stride_vb + tl.cast(kv_head, tl.int64) * stride_vh
     k_offs = offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn          # [D_PAD, BLOCK_N]
     v_offs = offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vn          # [D_PAD, BLOCK_N]
     drop_rows = tl.cast(row_offset, tl.int64) + tl.cast(bh, tl.int64) * S_Q + offs_m   # global dropout rows
@@ -379,15 +386,15 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
                           stride_dob, stride_doh, stride_dom, stride_dod,
                           stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                           stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                          B, H, S_Q, S_K, qk_scale, sm_scale, seed, row_offset, threshold, drop_scale,
+                          B, H, GROUP, S_Q, S_K, qk_scale, sm_scale, seed, row_offset, threshold, drop_scale,
                           HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                           DROPOUT: tl.constexpr, DOT: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
     pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1)                       # kv_head * B + batch: one program per key block of a kv head
     batch = bh % B
-    head = bh // B
+    kv_head = bh // B
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m_local = tl.arange(0, BLOCK_M)
@@ -397,43 +404,53 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
     EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
     cols = tl.arange(0, BLOCK_N)[:, None]
 
-    k = _load_2d(K + tl.cast(batch, tl.int64) * stride_kb + tl.cast(head, tl.int64) * stride_kh
+    k = _load_2d(K + tl.cast(batch, tl.int64) * stride_kb + tl.cast(kv_head, tl.int64) * stride_kh
                  + tl.cast(n0, tl.int64) * stride_kn + cols * stride_kn + offs_d[None, :] * stride_kd,
                  mask_n, mask_d[None, :], EVEN_N, EVEN_D)
-    v = _load_2d(V + tl.cast(batch, tl.int64) * stride_vb + tl.cast(head, tl.int64) * stride_vh
+    v = _load_2d(V + tl.cast(batch, tl.int64) * stride_vb + tl.cast(kv_head, tl.int64) * stride_vh
                  + tl.cast(n0, tl.int64) * stride_vn + cols * stride_vn + offs_d[None, :] * stride_vd,
                  mask_n, mask_d[None, :], EVEN_N, EVEN_D)
-    Q_base = Q + tl.cast(batch, tl.int64) * stride_qb + tl.cast(head, tl.int64) * stride_qh
-    DO_base = DO + tl.cast(batch, tl.int64) * stride_dob + tl.cast(head, tl.int64) * stride_doh
     q_offs = offs_d[:, None] * stride_qd + offs_m_local[None, :] * stride_qm       # [D_PAD, BLOCK_M]
     do_offs = offs_m_local[:, None] * stride_dom + offs_d[None, :] * stride_dod    # [BLOCK_M, D_PAD]
-    stat_base = tl.cast(batch * H + head, tl.int64) * S_Q
-    LSE_base = LSE + stat_base
-    DELTA_base = DELTA + stat_base
-    drop_row_base = tl.cast(row_offset, tl.int64) + tl.cast(bh, tl.int64) * S_Q      # global row of query 0
 
-    dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
-    dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     if CAUSAL:
         # Query blocks before the one holding row n0 see none of these keys; blocks from m_mid on
         # lie wholly below the diagonal (every row >= the last key n0 + BLOCK_N - 1).
         m_start = (n0 // BLOCK_M) * BLOCK_M
         m_mid = tl.minimum(((n0 + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, S_Q)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, q_offs, do_offs, LSE_base, DELTA_base, m_start, m_mid,
-                                 n0, offs_n, offs_m_local, mask_d, drop_row_base, stride_qm, stride_dom, S_Q,
-                                 qk_scale, seed, threshold, drop_scale, True, DROPOUT, BLOCK_M, BLOCK_N, EVEN_M, EVEN_D, DOT)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, q_offs, do_offs, LSE_base, DELTA_base, m_mid, S_Q,
-                                 n0, offs_n, offs_m_local, mask_d, drop_row_base, stride_qm, stride_dom, S_Q,
-                                 qk_scale, seed, threshold, drop_scale, False, DROPOUT, BLOCK_M, BLOCK_N, EVEN_M, EVEN_D, DOT)
-    else:
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, q_offs, do_offs, LSE_base, DELTA_base, 0, S_Q,
-                                 n0, offs_n, offs_m_local, mask_d, drop_row_base, stride_qm, stride_dom, S_Q,
-                                 qk_scale, seed, threshold, drop_scale, False, DROPOUT, BLOCK_M, BLOCK_N, EVEN_M, EVEN_D, DOT)
+
+    dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    # dk, dv of a kv head sum over the GROUP q heads that share it: this program visits them in turn (no
+    # atomics, nothing repeated in memory). GROUP = 1 (no GQA) is a constant to the compiler: no loop.
+    for g in range(GROUP):
+        head = kv_head * GROUP + g
+        Q_base = Q + tl.cast(batch, tl.int64) * stride_qb + tl.cast(head, tl.int64) * stride_qh
+        DO_base = DO + tl.cast(batch, tl.int64) * stride_dob + tl.cast(head, tl.int64) * stride_doh
+        stat_base = tl.cast(batch * H + head, tl.int64) * S_Q
+        LSE_base = LSE + stat_base
+        DELTA_base = DELTA + stat_base
+        drop_row_base = (tl.cast(row_offset, tl.int64)
+                         + tl.cast(head * B + batch, tl.int64) * S_Q)          # global dropout row of query 0
+        if CAUSAL:
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, q_offs, do_offs, LSE_base, DELTA_base,
+                                     m_start, m_mid, n0, offs_n, offs_m_local, mask_d, drop_row_base, stride_qm,
+                                     stride_dom, S_Q, qk_scale, seed, threshold, drop_scale, True, DROPOUT,
+                                     BLOCK_M, BLOCK_N, EVEN_M, EVEN_D, DOT)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, q_offs, do_offs, LSE_base, DELTA_base,
+                                     m_mid, S_Q, n0, offs_n, offs_m_local, mask_d, drop_row_base, stride_qm,
+                                     stride_dom, S_Q, qk_scale, seed, threshold, drop_scale, False, DROPOUT,
+                                     BLOCK_M, BLOCK_N, EVEN_M, EVEN_D, DOT)
+        else:
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, q_offs, do_offs, LSE_base, DELTA_base,
+                                     0, S_Q, n0, offs_n, offs_m_local, mask_d, drop_row_base, stride_qm,
+                                     stride_dom, S_Q, qk_scale, seed, threshold, drop_scale, False, DROPOUT,
+                                     BLOCK_M, BLOCK_N, EVEN_M, EVEN_D, DOT)
     dk = dk * sm_scale
-    _store_2d(DK + tl.cast(batch, tl.int64) * stride_dkb + tl.cast(head, tl.int64) * stride_dkh
+    _store_2d(DK + tl.cast(batch, tl.int64) * stride_dkb + tl.cast(kv_head, tl.int64) * stride_dkh
               + tl.cast(n0, tl.int64) * stride_dkn + cols * stride_dkn + offs_d[None, :] * stride_dkd,
               dk.to(DK.dtype.element_ty), mask_n, mask_d[None, :], EVEN_N, EVEN_D)
-    _store_2d(DV + tl.cast(batch, tl.int64) * stride_dvb + tl.cast(head, tl.int64) * stride_dvh
+    _store_2d(DV + tl.cast(batch, tl.int64) * stride_dvb + tl.cast(kv_head, tl.int64) * stride_dvh
               + tl.cast(n0, tl.int64) * stride_dvn + cols * stride_dvn + offs_d[None, :] * stride_dvd,
               dv.to(DV.dtype.element_ty), mask_n, mask_d[None, :], EVEN_N, EVEN_D)
 
@@ -443,22 +460,26 @@ _EVEN = {
     "EVEN_M": lambda args: args["S_Q"] % args["BLOCK_M"] == 0,
     "EVEN_N": lambda args: args["S_K"] % args["BLOCK_N"] == 0,
 }
-_TUNE_KEY = ["S_Q", "S_K", "HEAD_DIM", "CAUSAL", "DROPOUT", "DOT"]
+_TUNE_KEY = ["S_Q", "S_K", "HEAD_DIM", "CAUSAL", "DROPOUT", "DOT", "GROUP"]
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, largest D_PAD without dropout, largest D_PAD with dropout;
-# 0: never). Forward and dq keep a tall query tile resident and stream keys; dk/dv keeps a wide key tile
-# resident and streams queries. The limits come from bench/kernel_report.py (sm_90a, bf16 / fp16, causal;
-# bench/results/kernel_report.txt): a tile is offered only where ptxas doesn't spill, and with dropout
-# only where the main loop stays within 1.6x of its dropout-free instruction count. So the 4-warp tiles
-# stop at d_pad = 64, and with dropout the 128 x 128 forward (its mask costs ~1.75x) and, at d_pad = 128,
-# the 64-query dk/dv tiles (they spill) are left out.
+# 0: never), and for dk/dv the same two limits again under GQA (GROUP > 1). Forward and dq keep a tall
+# query tile resident and stream keys; dk/dv keeps a wide key tile resident and streams queries. The limits
+# come from bench/kernel_report.py (sm_90a, bf16 / fp16, causal; bench/results/kernel_report.txt): a tile
+# is offered only where ptxas doesn't spill, and with dropout only where the main loop stays within 1.6x of
+# its dropout-free instruction count. So the 4-warp tiles stop at d_pad = 64, and with dropout the
+# 128 x 128 forward (its mask costs ~1.75x) and, at d_pad = 128, the 64-query dk/dv tiles (they spill) are
+# left out. A GQA dk/dv program loops over its kv head's q heads around the query-block loops; that loop
+# costs registers (the dk, dv accumulators and the k, v tiles stay live across it), so under GQA the
+# larger tiles spill earlier and d_pad = 128 with dropout takes a 16-query tile.
 _FWD_TILES = [(128, 64, 8, 3, 128, 128), (128, 32, 8, 3, 128, 128), (128, 64, 8, 2, 128, 128),
               (128, 128, 8, 2, 128, 0), (64, 64, 4, 3, 64, 64), (128, 32, 4, 4, 64, 64)]
 _DQ_TILES = [(128, 64, 8, 2, 128, 128), (128, 64, 8, 3, 128, 128), (128, 32, 8, 3, 128, 128),
              (64, 64, 8, 3, 128, 128), (64, 64, 4, 3, 64, 64), (64, 32, 4, 4, 64, 64)]
-_DKDV_TILES = [(32, 128, 8, 3, 128, 128), (64, 128, 8, 3, 128, 64), (64, 128, 8, 2, 64, 64),
-               (64, 64, 8, 3, 128, 64), (64, 64, 4, 3, 64, 64), (32, 64, 4, 4, 64, 64)]
+_DKDV_TILES = [(32, 128, 8, 3, 128, 128, 128, 64), (64, 128, 8, 3, 128, 64, 64, 0), (64, 128, 8, 2, 64, 64, 64, 0),
+               (64, 64, 8, 3, 128, 64, 64, 64), (64, 64, 4, 3, 64, 64, 64, 0), (32, 64, 4, 4, 64, 64, 0, 0),
+               (16, 128, 8, 3, 0, 0, 128, 128)]
 
 
 def _configs(tiles):
@@ -466,8 +487,10 @@ def _configs(tiles):
 
 
 def _pruner(tiles):
-    """early_config_prune of one kernel: the configs of ``tiles`` offered for this D_PAD and DROPOUT."""
-    limits = {(bm, bn, w, s): (no_drop, drop) for bm, bn, w, s, no_drop, drop in tiles}
+    """early_config_prune of one kernel: the configs of ``tiles`` offered for this D_PAD, DROPOUT and GQA."""
+    limits = {}
+    for bm, bn, w, s, no_drop, drop, *gqa in tiles:
+        limits[(bm, bn, w, s)] = ((no_drop, drop), tuple(gqa) or (no_drop, drop))
 
     def prune(configs, named_args, **meta):
         if meta.get("DOT") == 1:
@@ -477,8 +500,9 @@ def _pruner(tiles):
             # One modest 8-warp tile, no autotuning sweep.
             return [min(configs, key=lambda c: (-c.num_warps, c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]))]
         d_pad, dropout = meta.get("D_PAD", 0), meta.get("DROPOUT", False)
-        kept = [c for c in configs
-                if d_pad <= limits[(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)][dropout]]
+        gqa = named_args.get("GROUP", 1) != 1
+        kept = [c for c in configs if d_pad <= limits[(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps,
+                                                       c.num_stages)][gqa][dropout]]
         return kept or configs[:1]
 
     return prune
@@ -519,16 +543,18 @@ def _launch(which: str, even_kernel, tuned_kernel, grid_rows: int, bh: int, args
 
 
 # ----------------------------------------------------------------------------- launchers
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or q.shape[0:2] != k.shape[0:2] \
-            or q.shape[3] != k.shape[3]:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """Validate the launchers' inputs; returns GROUP = Hq / Hk, the q heads per kv head."""
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or q.shape[0] != k.shape[0] \
+            or q.shape[3] != k.shape[3] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} are not "
-                         "[b, H, s_q, d], [b, H, s_k, d], [b, H, s_k, d]")
+                         "[b, Hq, s_q, d], [b, Hk, s_k, d], [b, Hk, s_k, d] with Hk dividing Hq")
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     reason = unsupported_reason(q.shape[3], q.dtype, q.shape[0] * q.shape[1])
     if reason:
         raise ValueError(reason)
+    return q.shape[1] // k.shape[1]
 
 
 def _seq_major(b: int, heads: int, s: int, d: int, like: torch.Tensor) -> torch.Tensor:
@@ -548,13 +574,15 @@ def _drop_args(drop_threshold: int, seed: int, row_offset: int):
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                   drop_threshold: int = 0, seed: int = 0, row_offset: int = 0,
                   config: Optional[dict] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Forward: returns ``(o, lse)``; ``o`` [b, H, s_q, d] (a view of [s_q, b, H, d]), ``lse`` fp32 [b, H, s_q].
+    """Forward: returns ``(o, lse)``; ``o`` [b, Hq, s_q, d] (a view of [s_q, b, Hq, d]), ``lse`` fp32
+    [b, Hq, s_q]. k, v [b, Hk, s_k, d] with Hk dividing Hq (grouped-query attention: q head i reads kv
+    head i // (Hq / Hk)).
 
     ``drop_threshold`` is the dropout byte threshold P = round(p * 256) (0: no dropout; see
     :func:`seqpar.random.dropout_threshold`). ``config`` (tests) pins ``BLOCK_M``/``BLOCK_N`` (and optionally num_warps/num_stages) instead of
     autotuning.
     """
-    _check(q, k, v)
+    group = _check(q, k, v)
     b, heads, s_q, d = q.shape
     s_k = k.shape[2]
     o = _seq_major(b, heads, s_q, d, q)
@@ -567,7 +595,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         return o, lse
     (seed, row_offset, threshold, drop_scale), active = _drop_args(drop_threshold, seed, row_offset)
     args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-            b, heads, s_q, s_k, scale * _LOG2E, seed, row_offset, threshold, drop_scale)
+            b, heads, group, s_q, s_k, scale * _LOG2E, seed, row_offset, threshold, drop_scale)
     meta = dict(HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), CAUSAL=bool(causal), DROPOUT=active,
                 DOT=_dot_mode(q.dtype))
     _launch("fwd", _fwd_even, _fwd_tuned, s_q, b * heads, args, meta, config)
@@ -578,16 +606,17 @@ def attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                   o: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, drop_threshold: int = 0,
                   seed: int = 0, row_offset: int = 0,
                   config: Optional[Dict[str, dict]] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward: ``(dq, dk, dv)`` (views of [s, b, H, d] buffers) from ``grad_o`` (any strides) and the
-    forward's ``o`` and ``lse``. ``config`` (tests): {"dq": {...}, "dkdv": {...}} pinned tiles."""
-    _check(q, k, v)
+    """Backward: ``(dq, dk, dv)`` (views of [s, b, H, d] buffers; dk, dv with k's Hk heads, each the sum
+    over its group of q heads) from ``grad_o`` (any strides) and the forward's ``o`` and ``lse``.
+    ``config`` (tests): {"dq": {...}, "dkdv": {...}} pinned tiles."""
+    group = _check(q, k, v)
     if grad_o.shape != q.shape or o.shape != q.shape:
         raise ValueError(f"grad_o {tuple(grad_o.shape)} / o {tuple(o.shape)} must match q {tuple(q.shape)}")
     b, heads, s_q, d = q.shape
-    s_k = k.shape[2]
+    kv_heads, s_k = k.shape[1], k.shape[2]
     dq = _seq_major(b, heads, s_q, d, q)
-    dk = _seq_major(b, heads, s_k, d, k)
-    dv = _seq_major(b, heads, s_k, d, v)
+    dk = _seq_major(b, kv_heads, s_k, d, k)
+    dv = _seq_major(b, kv_heads, s_k, d, v)
     if s_q == 0 or s_k == 0 or b * heads == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     grad_o = grad_o.to(q.dtype)
@@ -597,11 +626,11 @@ def attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     meta = dict(HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), CAUSAL=bool(causal), DROPOUT=active,
                 DOT=_dot_mode(q.dtype))
     config = config or {}
-    common = (b, heads, s_q, s_k, scale * _LOG2E, scale, seed, row_offset, threshold, drop_scale)
+    common = (b, heads, group, s_q, s_k, scale * _LOG2E, scale, seed, row_offset, threshold, drop_scale)
     _launch("dq", _dq_even, _dq_tuned, s_q, b * heads,
             (q, k, v, o, grad_o, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
              *grad_o.stride(), *dq.stride(), *common), meta, config.get("dq"))
-    _launch("dkdv", _dkdv_even, _dkdv_tuned, s_k, b * heads,
+    _launch("dkdv", _dkdv_even, _dkdv_tuned, s_k, b * kv_heads,
             (q, k, v, grad_o, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(),
              *dk.stride(), *dv.stride(), *common), meta, config.get("dkdv"))
     return dq, dk, dv

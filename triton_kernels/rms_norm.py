@@ -17,7 +17,7 @@ reading back the residual_out it has just written; the backward runs one program
 chunk), each streaming the whole row once for the row sum mean(g * n) (from L2 mostly: the chunk programs of
 a row range run side by side). The column sums are reduced without atomics, like the LayerNorm kernels:
 each backward program writes its columns of one fp32 partial row of a ``[n_partials, h]`` buffer and
-``_reduce_partials_kernel`` sums the partial rows.
+:func:`triton_kernels.rows.reduce_partials` sums the partial rows.
 
 ==================  ===============  =============================================
 tensor              shape            dtype
@@ -40,10 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-# The LayerNorm kernels' helpers: bf16 rounding under the interpreter, the partial-row reduction, the
-# launch heuristics and the (test-poisonable) allocator.
-from .bias_dropout_add_layer_norm import (_cast, _empty, _interpreting, _num_warps, _reduce_partials_kernel,
-                                          _rows_per_block, _sm_count)
+from . import rows as R
+from .rows import cast_rne
 
 __all__ = ["forward", "backward", "MAX_FUSED_HIDDEN", "MAX_FUSED_HIDDEN_BWD", "CHUNK_COLUMNS"]
 
@@ -63,7 +61,7 @@ def _residual_chunk(X, RES, RES_OUT, x_off, res_off, out_off, mask, HAS_RES: tl.
     r = tl.load(X + x_off, mask=mask, other=0.0)
     if HAS_RES:
         a = r.to(tl.float32) + tl.load(RES + res_off, mask=mask, other=0.0).to(tl.float32)
-        r = _cast(a, RES_OUT.dtype.element_ty, MANUAL_BF16)
+        r = cast_rne(a, RES_OUT.dtype.element_ty, MANUAL_BF16)
         tl.store(RES_OUT + out_off, r, mask=mask)
     return r.to(tl.float32)
 
@@ -72,8 +70,8 @@ def _residual_chunk(X, RES, RES_OUT, x_off, res_off, out_off, mask, HAS_RES: tl.
 def _scale_chunk(r, rstd, W, Y, cols, out_off, mask, col_mask, MANUAL_BF16: tl.constexpr):
     """y = round(round(r * rstd) * w) for one tile (HF: normalise in fp32, round, then scale)."""
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-    n = _cast(r * rstd[:, None], Y.dtype.element_ty, MANUAL_BF16).to(tl.float32)
-    tl.store(Y + out_off, _cast(n * w[None, :], Y.dtype.element_ty, MANUAL_BF16), mask=mask)
+    n = cast_rne(r * rstd[:, None], Y.dtype.element_ty, MANUAL_BF16).to(tl.float32)
+    tl.store(Y + out_off, cast_rne(n * w[None, :], Y.dtype.element_ty, MANUAL_BF16), mask=mask)
 
 
 @triton.jit
@@ -164,7 +162,7 @@ def _bwd_kernel(GY, GRO, RO, W, RSTD, GX, GRES, PART_W, n_rows, h, stride_ro, ro
         gx = rstd[:, None] * (g - n * (dot / h)[:, None])
         if HAS_GRO:
             gx += tl.load(GRO + g_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        gx = _cast(gx, GX.dtype.element_ty, MANUAL_BF16)
+        gx = cast_rne(gx, GX.dtype.element_ty, MANUAL_BF16)
         tl.store(GX + g_row + cols[None, :], gx, mask=mask)
         if HAS_GRES:  # the same values in a second tensor
             tl.store(GRES + g_row + cols[None, :], gx, mask=mask)
@@ -181,25 +179,25 @@ def _block_n(h: int, max_fused: int) -> Tuple[int, bool]:
 
 def _fwd_config(n_rows: int, h: int):
     block_n, chunked = _block_n(h, MAX_FUSED_HIDDEN)
-    if _interpreting():
+    if R.interpreting():
         # Fewer, fatter programs: the interpreter's cost is per program, numpy vectorises the tile.
-        return _rows_per_block(n_rows, block_n, 1 << 15), block_n, chunked, {}
-    block_m = 1 if chunked else _rows_per_block(n_rows, block_n, 4096)
+        return R.rows_per_block(n_rows, block_n, 1 << 15), block_n, chunked, {}
+    block_m = 1 if chunked else R.rows_per_block(n_rows, block_n, 4096)
     # No FMA contraction: residual_out rounds like the torch reference (x + residual, then round).
-    return block_m, block_n, chunked, {"num_warps": _num_warps(block_m * block_n, 32), "enable_fp_fusion": False}
+    return block_m, block_n, chunked, {"num_warps": R.num_warps(block_m * block_n, 32), "enable_fp_fusion": False}
 
 
 def _bwd_config(n_rows: int, h: int, device: torch.device):
     block_n, chunked = _block_n(h, min(MAX_FUSED_HIDDEN, MAX_FUSED_HIDDEN_BWD))
-    if _interpreting():
-        block_m = _rows_per_block(n_rows, block_n, 1 << 14)
+    if R.interpreting():
+        block_m = R.rows_per_block(n_rows, block_n, 1 << 14)
         max_programs, launch = 4, {}
     else:
-        block_m = 1 if chunked else _rows_per_block(n_rows, block_n, 2048)
-        max_programs = 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        block_m = 1 if chunked else R.rows_per_block(n_rows, block_n, 2048)
+        max_programs = 4 * R.sm_count(device.index if device.index is not None else torch.cuda.current_device())
         if chunked:  # the (row range, chunk) programs of one wave
             max_programs = max(1, max_programs // triton.cdiv(h, block_n))
-        launch = {"num_warps": _num_warps(block_m * block_n, 32)}
+        launch = {"num_warps": R.num_warps(block_m * block_n, 32)}
     tiles = triton.cdiv(max(n_rows, 1), block_m)
     programs = min(tiles, max_programs)
     rows_per_program = triton.cdiv(tiles, programs) * block_m
@@ -216,9 +214,9 @@ def forward(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Ten
     None without a residual (it is x then).
     """
     n_rows, h = x.shape
-    y = _empty((n_rows, h), x.dtype, x.device)
-    residual_out = None if residual is None else _empty((n_rows, h), x.dtype, x.device)
-    rstd = _empty((n_rows,), torch.float32, x.device)
+    y = R.empty((n_rows, h), x.dtype, x.device)
+    residual_out = None if residual is None else R.empty((n_rows, h), x.dtype, x.device)
+    rstd = R.empty((n_rows,), torch.float32, x.device)
     if n_rows == 0:
         return y, residual_out, rstd
     block_m, block_n, chunked, launch = _fwd_config(n_rows, h)
@@ -226,7 +224,7 @@ def forward(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Ten
         x, x if residual is None else residual, weight.contiguous(), y,
         y if residual_out is None else residual_out, rstd,
         n_rows, h, x.stride(0), 0 if residual is None else residual.stride(0), float(eps),
-        HAS_RES=residual is not None, MANUAL_BF16=_interpreting(), CHUNKED=chunked,
+        HAS_RES=residual is not None, MANUAL_BF16=R.interpreting(), CHUNKED=chunked,
         BLOCK_M=block_m, BLOCK_N=block_n, **launch)
     return y, residual_out, rstd
 
@@ -247,26 +245,17 @@ def backward(grad_y: torch.Tensor, grad_residual_out: Optional[torch.Tensor], re
         residual_out = residual_out.contiguous()
     n_rows, h = grad_y.shape
     device = grad_y.device
-    grad_x = _empty((n_rows, h), grad_y.dtype, device)
-    grad_res = _empty((n_rows, h), grad_y.dtype, device) if residual_grad else None
-    grad_w = _empty((h,), torch.float32, device)
+    grad_x = R.empty((n_rows, h), grad_y.dtype, device)
+    grad_res = R.empty((n_rows, h), grad_y.dtype, device) if residual_grad else None
     if n_rows == 0:
-        return grad_x, grad_res, grad_w.zero_()
+        return grad_x, grad_res, torch.zeros((h,), dtype=torch.float32, device=device)
     block_m, block_n, chunked, programs, rows_per_program, launch = _bwd_config(n_rows, h, device)
-    partials = _empty((programs, h), torch.float32, device)
+    partials = R.empty((programs, h), torch.float32, device)
     _bwd_kernel[(programs, triton.cdiv(h, block_n))](
         grad_y, grad_y if grad_residual_out is None else grad_residual_out, residual_out, weight.contiguous(),
         rstd, grad_x, grad_x if grad_res is None else grad_res, partials, n_rows, h, residual_out.stride(0),
         rows_per_program, HAS_GRO=grad_residual_out is not None, HAS_GRES=grad_res is not None,
-        MANUAL_BF16=_interpreting(), CHUNKED=chunked,
+        MANUAL_BF16=R.interpreting(), CHUNKED=chunked,
         BLOCK_M=block_m, BLOCK_N=block_n, **launch)
-    if _interpreting():  # one program: a few [programs, h] numpy sums
-        red_n, red_p = triton.next_power_of_2(h), triton.next_power_of_2(programs)
-    else:
-        red_n, red_p = min(triton.next_power_of_2(h), 128), min(triton.next_power_of_2(programs), 32)
-    # The LayerNorm reduction sums two buffers (weight, bias) and an optional third: given the one partial
-    # buffer twice, it writes the same column sums to grad_w twice.
-    _reduce_partials_kernel[(triton.cdiv(h, red_n),)](
-        partials, partials, partials, grad_w, grad_w, grad_w, programs, h,
-        HAS_BIAS=False, BLOCK_P=red_p, BLOCK_N=red_n)
+    (grad_w,) = R.reduce_partials(partials[None])
     return grad_x, grad_res, grad_w

@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .bias_dropout_add_layer_norm import _cast, _interpreting
+from . import rows as R
+from .rows import cast_rne
 
 __all__ = ["rotate"]
 
@@ -54,13 +55,13 @@ def _rope_kernel(X, OUT, INV_FREQ, n_rows, heads, half, position_offset,
     x2 = tl.load(X + x_off + half, mask=mask, other=0.0).to(tl.float32)
     o1 = x1 * cos[None, :] - x2 * sin[None, :]
     o2 = x2 * cos[None, :] + x1 * sin[None, :]
-    tl.store(OUT + o_off, _cast(o1, OUT.dtype.element_ty, MANUAL_BF16), mask=mask)
-    tl.store(OUT + o_off + half, _cast(o2, OUT.dtype.element_ty, MANUAL_BF16), mask=mask)
+    tl.store(OUT + o_off, cast_rne(o1, OUT.dtype.element_ty, MANUAL_BF16), mask=mask)
+    tl.store(OUT + o_off + half, cast_rne(o2, OUT.dtype.element_ty, MANUAL_BF16), mask=mask)
 
 
 def _config(n_rows: int, half: int):
     block_d = triton.next_power_of_2(half)
-    if _interpreting():  # one program per sequence row: the interpreter's cost is per program
+    if R.interpreting():  # one program per sequence row: the interpreter's cost is per program
         return triton.next_power_of_2(max(n_rows, 1)), block_d, {}
     # 1024 elements of each half per 4-warp program: 48 registers, where [64, 64] tiles take 212.
     block_r = min(triton.next_power_of_2(max(n_rows, 1)), max(1, 1024 // block_d))
@@ -82,5 +83,5 @@ def rotate(x: torch.Tensor, out: torch.Tensor, inv_freq: torch.Tensor, position_
     _rope_kernel[(s, triton.cdiv(n_rows, block_r))](
         x, out, inv_freq, n_rows, heads, half, int(position_offset),
         x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        SIGN=-1.0 if inverse else 1.0, MANUAL_BF16=_interpreting(), BLOCK_R=block_r, BLOCK_D=block_d, **launch)
+        SIGN=-1.0 if inverse else 1.0, MANUAL_BF16=R.interpreting(), BLOCK_R=block_r, BLOCK_D=block_d, **launch)
     return out

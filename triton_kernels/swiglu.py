@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .bias_dropout_add_layer_norm import _cast, _empty, _interpreting
+from . import rows as R
+from .rows import cast_rne
 
 __all__ = ["forward", "backward"]
 
@@ -43,7 +44,7 @@ def _fwd_kernel(GU, Y, n_rows, n, stride_gu, MANUAL_BF16: tl.constexpr, BLOCK_M:
     g = tl.load(GU + rows * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(GU + rows * stride_gu + n + cols, mask=mask, other=0.0).to(tl.float32)
     y = g / (1.0 + tl.exp(-g)) * u
-    tl.store(Y + rows * n + cols, _cast(y, Y.dtype.element_ty, MANUAL_BF16), mask=mask)
+    tl.store(Y + rows * n + cols, cast_rne(y, Y.dtype.element_ty, MANUAL_BF16), mask=mask)
 
 
 @triton.jit
@@ -58,12 +59,12 @@ def _bwd_kernel(GY, GU, GGU, n_rows, n, stride_gu, MANUAL_BF16: tl.constexpr, BL
     dgate = dy * u * sig * (1.0 + g * (1.0 - sig))
     dup = dy * (g / denom)
     out = GGU + rows * (2 * n) + cols
-    tl.store(out, _cast(dgate, GGU.dtype.element_ty, MANUAL_BF16), mask=mask)
-    tl.store(out + n, _cast(dup, GGU.dtype.element_ty, MANUAL_BF16), mask=mask)
+    tl.store(out, cast_rne(dgate, GGU.dtype.element_ty, MANUAL_BF16), mask=mask)
+    tl.store(out + n, cast_rne(dup, GGU.dtype.element_ty, MANUAL_BF16), mask=mask)
 
 
 def _config(n_rows: int, n: int):
-    if _interpreting():  # few, fat programs: the interpreter's cost is per program
+    if R.interpreting():  # few, fat programs: the interpreter's cost is per program
         block_n = triton.next_power_of_2(n)
         block_m = min(triton.next_power_of_2(max(n_rows, 1)), max(1, (1 << 15) // block_n))
         return block_m, block_n, {}
@@ -79,12 +80,12 @@ def _grid(n_rows: int, n: int, block_m: int, block_n: int):
 def forward(gate_up: torch.Tensor) -> torch.Tensor:
     """``y [rows, n] = silu(gate_up[:, :n]) * gate_up[:, n:]`` (a new contiguous tensor)."""
     n_rows, n = gate_up.shape[0], gate_up.shape[1] // 2
-    y = _empty((n_rows, n), gate_up.dtype, gate_up.device)
+    y = R.empty((n_rows, n), gate_up.dtype, gate_up.device)
     if n_rows == 0:
         return y
     block_m, block_n, launch = _config(n_rows, n)
     _fwd_kernel[_grid(n_rows, n, block_m, block_n)](
-        gate_up, y, n_rows, n, gate_up.stride(0), MANUAL_BF16=_interpreting(), BLOCK_M=block_m, BLOCK_N=block_n,
+        gate_up, y, n_rows, n, gate_up.stride(0), MANUAL_BF16=R.interpreting(), BLOCK_M=block_m, BLOCK_N=block_n,
         **launch)
     return y
 
@@ -93,11 +94,11 @@ def backward(grad_y: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     """``[dgate | dup]`` ``[rows, 2n]`` in grad_y's dtype (a new contiguous tensor)."""
     grad_y = grad_y.contiguous()
     n_rows, n = grad_y.shape
-    grad = _empty((n_rows, 2 * n), grad_y.dtype, grad_y.device)
+    grad = R.empty((n_rows, 2 * n), grad_y.dtype, grad_y.device)
     if n_rows == 0:
         return grad
     block_m, block_n, launch = _config(n_rows, n)
     _bwd_kernel[_grid(n_rows, n, block_m, block_n)](
-        grad_y, gate_up, grad, n_rows, n, gate_up.stride(0), MANUAL_BF16=_interpreting(), BLOCK_M=block_m,
+        grad_y, gate_up, grad, n_rows, n, gate_up.stride(0), MANUAL_BF16=R.interpreting(), BLOCK_M=block_m,
         BLOCK_N=block_n, **launch)
     return grad

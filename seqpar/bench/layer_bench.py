@@ -138,6 +138,7 @@ def run_experiments(args, rank: int, world_size: int, group) -> List[Dict]:
 
     import seqpar
     from seqpar.memory import ActivationMeter, layer_activation_bytes
+    from seqpar.ops import registry
     from seqpar.parallel import sequence_shard
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -158,14 +159,15 @@ def run_experiments(args, rank: int, world_size: int, group) -> List[Dict]:
         x = (sequence_shard(x_full, group) if sp else x_full).clone().requires_grad_()
         grad_y = torch.randn_like(x)
         fwd, bwd = [], []
-        for it in range(args.warmup + args.iters):
-            y, ms_f = timer.run(lambda: layer(x))
-            _, ms_b = timer.run(functools.partial(y.backward, grad_y))
-            if it >= args.warmup:
-                fwd.append(ms_f)
-                bwd.append(ms_b)
-            x.grad = None
-            layer.zero_grad(set_to_none=True)
+        with registry.record_selections() as ran:      # the backends that actually ran (auto fallbacks too)
+            for it in range(args.warmup + args.iters):
+                y, ms_f = timer.run(lambda: layer(x))
+                _, ms_b = timer.run(functools.partial(y.backward, grad_y))
+                if it >= args.warmup:
+                    fwd.append(ms_f)
+                    bwd.append(ms_b)
+                x.grad = None
+                layer.zero_grad(set_to_none=True)
         with ActivationMeter() as meter:
             y = layer(x)
         del y
@@ -173,7 +175,8 @@ def run_experiments(args, rank: int, world_size: int, group) -> List[Dict]:
                                    recompute=recompute, bytes_per_element=element)
         row = dict(experiment=name, sequence_parallel=sp, recompute=recompute,
                    forward_ms=statistics.median(fwd), backward_ms=statistics.median(bwd),
-                   activation_bytes=meter.bytes, table2_bytes=table2(), table2_bytes_no_masks=table2(bytes_per_mask=0))
+                   activation_bytes=meter.bytes, table2_bytes=table2(), table2_bytes_no_masks=table2(bytes_per_mask=0),
+                   backends={op: ",".join(sorted(names)) for op, names in sorted(ran.items())})
         row["combined_ms"] = row["forward_ms"] + row["backward_ms"]
         rows.append(row)
         if rank == 0:
@@ -195,6 +198,13 @@ def format_table(rows: List[Dict], header: str) -> str:
         lines.append(f"{r['experiment']:<31}{r['forward_ms']:>11.1f}{r['backward_ms']:>12.1f}"
                      f"{r['combined_ms']:>10.1f}{overhead:>10}{r['activation_bytes'] / 2**20:>10.2f}"
                      f"{r['table2_bytes'] / 2**20:>12.2f}{r['activation_bytes'] / r['table2_bytes']:>7.2f}")
+    ran = {}  # the backends that actually ran, per op (rows that differ are named)
+    for r in rows:
+        for op, names in r.get("backends", {}).items():
+            ran.setdefault(op, {}).setdefault(names, []).append(r["experiment"])
+    for op, by_names in ran.items():
+        cells = [names if len(by_names) == 1 else f"{names} ({', '.join(exps)})" for names, exps in by_names.items()]
+        lines.append(f"  {op} ran on: {'; '.join(cells)}")
     return "\n".join(lines)
 
 

@@ -104,7 +104,7 @@ class ParallelAttention(nn.Module):
         row_offset = group_rank(self.tp_group) * heads * b * s
 
         def core(q, k, v):
-            return attention_core(q, k, v, causal=True, dropout_p=dropout_p, seed=seed if dropout_p else None,
+            return attention_core(q, k, v, is_causal=True, dropout_p=dropout_p, seed=seed if dropout_p else None,
                                   training=True, backend=impl.name, row_offset=row_offset)
 
         with saved_as("attention core"):

@@ -1,36 +1,51 @@
 """The attention core: ``o = dropout_p(softmax(q k^T * scale + causal_mask)) v`` per (batch, head).
 
-==========  =====================  ==========================================
-tensor      shape                  notes
-==========  =====================  ==========================================
-q           [b, heads, s_q, d]     layout of F.scaled_dot_product_attention
-k, v        [b, heads, s_k, d]     any strides (views of a fused QKV are fine)
-o           [b, heads, s_q, d]     dtype of q
-==========  =====================  ==========================================
+A drop-in for ``torch.nn.functional.scaled_dot_product_attention`` (SDPA): the same layout, keyword
+names and defaults (``is_causal=False``, ``dropout_p=0.0``, ``scale=None``, ``enable_gqa=False``;
+``attn_mask`` must be None), plus seqpar's counter-based dropout (``seed``) and ``backend``.
 
-``causal`` masks key j > query i (top-left aligned, like SDPA's ``is_causal``). ``scale`` defaults to
-``1/sqrt(d)``. The dropout mask element (batch, head, i, j) is kept iff
+==========  ======================  ==========================================================
+tensor      shape                   notes
+==========  ======================  ==========================================================
+q           [b, Hq, s_q, d]         layout of SDPA
+k, v        [b, Hk, s_k, d]         Hk = Hq, or with ``enable_gqa`` any Hk dividing Hq; any
+                                    strides (views of a fused QKV are fine)
+o           [b, Hq, s_q, d]         dtype of q
+==========  ======================  ==========================================================
+
+Grouped-query attention (``enable_gqa=True``, as SDPA): q head ``i`` attends with kv head
+``i // (Hq / Hk)``; no backend materialises k or v repeated to Hq heads, and the gradient of a kv head
+is the sum over its group of q heads.
+
+``is_causal`` masks key j > query i (top-left aligned, like SDPA). ``scale`` defaults to
+``1/sqrt(d)``. The dropout mask element (batch, head, i, j), ``head`` the *q* head, is kept iff
 ``mask_byte(seed, row_offset + (head * b + batch) * s_q + i, j) >= round(p * 256)`` (:mod:`seqpar.random`;
-the effective probability is ``round(p * 256) / 256``): rows are head-major so that a tensor-parallel
-rank owning heads ``r*H_local ..`` passes ``row_offset = r * H_local * b * s_q`` and draws the same
-masks as one device.
+the effective probability is ``round(p * 256) / 256``): rows are head-major over the q heads so that a
+tensor-parallel rank owning q heads ``r*Hq_local ..`` passes ``row_offset = r * Hq_local * b * s_q`` and
+draws the same masks as one device, with or without GQA.
 
-Backend interface (:func:`seqpar.ops.registry.register`)::
+Backend interface (:func:`seqpar.ops.registry.register`); k, v may have fewer heads than q::
 
     forward(q, k, v, causal, scale, spec) -> (o, saved)          # saved: tuple of tensors
     backward(grad_o, q, k, v, saved, causal, scale, spec) -> (grad_q, grad_k, grad_v)
 
 The torch reference saves the softmax output and the dropped probabilities (the paper's 4as^2b
-bytes of 2-byte activations; the mask itself is regenerated); fused backends save much less:
+bytes of 2-byte activations; the mask itself is regenerated); fused backends save much less. Every
+backend also keeps q, k, v (k, v at their Hk heads):
 
 =======  =================================================  ==============  ===============
 backend  what runs                                          saved           recompute_free
 =======  =================================================  ==============  ===============
 torch    fp32 reference (the test oracle)                   probs, dropped  no
 triton   flash-style kernels (triton_kernels/attention.py)  o, lse (fp32)   yes
-cuda     torch GEMMs + fused scale/mask/softmax/dropout     probs           no
-         kernels (csrc/softmax_dropout.cu)
+cuda     torch GEMMs + fused mask/softmax/dropout kernels   probs           no
+         (csrc/softmax_dropout.cu)
 =======  =================================================  ==============  ===============
+
+How each does GQA: torch and cuda fold a kv head's group of q heads into the rows of one GEMM
+(q [b, Hq, s_q, d] viewed as [b, Hk, G * s_q, d], G = Hq / Hk), so k and v broadcast over the group
+and the dk / dv GEMMs sum over it; the Triton kernels read kv head ``head // G`` in the forward and dq
+programs, and a dk / dv program loops over the G q heads of its kv head (no atomics).
 
 "auto" prefers triton, then cuda, then torch (:func:`select_backend`).
 The triton backend supports head dims ``d`` in 16..128 (multiples of 8; 32, 64, 80, 96, 128 are the
@@ -57,7 +72,8 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def attention_keep_mask(spec: DropoutSpec, b: int, heads: int, s_q: int, s_k: int, device) -> torch.Tensor:
-    """Bool keep-mask [b, heads, s_q, s_k] of the attention dropout (head-major rows, see module doc)."""
+    """Bool keep-mask [b, heads, s_q, s_k] of the attention dropout (head-major rows over the q heads,
+    see module doc)."""
     batch = torch.arange(b, device=device).view(b, 1, 1)
     head = torch.arange(heads, device=device).view(1, heads, 1)
     query = torch.arange(s_q, device=device).view(1, 1, s_q)
@@ -70,33 +86,46 @@ def causal_mask(s_q: int, s_k: int, device) -> torch.Tensor:
     return torch.ones(s_q, s_k, dtype=torch.bool, device=device).triu(1)
 
 
+def group_rows(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[b, Hq, s, n] -> [b, Hk, (Hq / Hk) * s, n]: the q heads of one kv head's group stacked along the
+    rows (q head i is in group i // (Hq / Hk)), so one GEMM per kv head covers its group. A view when the
+    head and row strides allow it (contiguous [b, Hq, s, n]), else a copy of x (never of k or v)."""
+    b, heads, s, n = x.shape
+    return x.reshape(b, kv_heads, (heads // kv_heads) * s, n)
+
+
 # ----------------------------------------------------------------------------- torch reference
 def _torch_forward(q, k, v, causal: bool, scale: float, spec: DropoutSpec):
-    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    b, heads, s_q, d = q.shape
+    kv_heads, s_k = k.shape[1], k.shape[2]
+    scores = torch.matmul(group_rows(q.float(), kv_heads), k.float().transpose(-2, -1))
+    scores = (scores * scale).view(b, heads, s_q, s_k)
     if causal:
-        scores.masked_fill_(causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+        scores.masked_fill_(causal_mask(s_q, s_k, q.device), float("-inf"))
     probs = name_storage(torch.softmax(scores, dim=-1).to(q.dtype), "softmax output")
     dropped = probs
     if spec.active:
-        keep = attention_keep_mask(spec, q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.device)
+        keep = attention_keep_mask(spec, b, heads, s_q, s_k, q.device)
         dropped = name_storage((probs.float() * keep * spec.scale).to(q.dtype), "dropout output")
-    o = torch.matmul(dropped.float(), v.float()).to(q.dtype)
-    return o, (probs, dropped)
+    o = torch.matmul(group_rows(dropped.float(), kv_heads), v.float())
+    return o.view(b, heads, s_q, d).to(q.dtype), (probs, dropped)
 
 
 def _torch_backward(grad_o, q, k, v, saved, causal: bool, scale: float, spec: DropoutSpec):
+    b, heads, s_q, d = q.shape
+    kv_heads, s_k = k.shape[1], k.shape[2]
     probs, dropped = (t.float() for t in saved)
-    grad_o = grad_o.float()
-    grad_v = torch.matmul(dropped.transpose(-2, -1), grad_o)
-    grad_dropped = torch.matmul(grad_o, v.float().transpose(-2, -1))
+    grad_o = group_rows(grad_o.float(), kv_heads)
+    grad_v = torch.matmul(group_rows(dropped, kv_heads).transpose(-2, -1), grad_o)    # sums over the group
+    grad_dropped = torch.matmul(grad_o, v.float().transpose(-2, -1)).view(b, heads, s_q, s_k)
     if spec.active:
-        keep = attention_keep_mask(spec, q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.device)
+        keep = attention_keep_mask(spec, b, heads, s_q, s_k, q.device)
         grad_probs = grad_dropped * keep * spec.scale
     else:
         grad_probs = grad_dropped
-    grad_scores = probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True))
-    grad_q = torch.matmul(grad_scores, k.float()) * scale
-    grad_k = torch.matmul(grad_scores.transpose(-2, -1), q.float()) * scale
+    grad_scores = group_rows(probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True)), kv_heads)
+    grad_q = (torch.matmul(grad_scores, k.float()) * scale).view(b, heads, s_q, d)
+    grad_k = torch.matmul(grad_scores.transpose(-2, -1), group_rows(q.float(), kv_heads)) * scale
     return grad_q, grad_k, grad_v
 
 
@@ -138,9 +167,9 @@ def _triton_bwd_op(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 @_triton_bwd_op.register_fake
 def _(grad_o, q, k, v, o, lse, causal, scale, drop_threshold, seed, row_offset):
     b, heads, s_q, d = q.shape
-    s_k = k.shape[2]
-    return (_seq_major_empty(b, heads, s_q, d, q), _seq_major_empty(b, heads, s_k, d, k),
-            _seq_major_empty(b, heads, s_k, d, v))
+    kv_heads, s_k = k.shape[1], k.shape[2]
+    return (_seq_major_empty(b, heads, s_q, d, q), _seq_major_empty(b, kv_heads, s_k, d, k),
+            _seq_major_empty(b, kv_heads, s_k, d, v))
 
 
 def _triton_forward(q, k, v, causal: bool, scale: float, spec: DropoutSpec):
@@ -162,37 +191,52 @@ def _triton_check(q=None, k=None, v=None, causal=True, **_) -> Optional[str]:
     return unsupported_reason(q.shape[-1], q.dtype, q.shape[0] * q.shape[1])
 
 
-registry.register(registry.Backend(OP, "triton", _triton_forward, _triton_backward, _triton_check,
-                                   recompute_free=True))
+registry.register(registry.Backend(
+    OP, "triton", _triton_forward, _triton_backward, _triton_check, recompute_free=True,
+    limits="head dim d a multiple of 8 in [16, 128]; b * Hq <= 65535"))
 
 
 # ----------------------------------------------------------------------------- cuda backend
-# Megatron's non-flash path: the two GEMMs in torch, the s^2-sized middle in one fused kernel each way
-# (csrc/softmax_dropout.cu). Saves the softmax output (2 bytes x s_q x s_k per head); the dropout mask
-# and the dropped probabilities are regenerated in backward.
+# Megatron's non-flash path: the GEMMs in torch, the s^2-sized middle in one fused kernel each way
+# (csrc/softmax_dropout.cu). Saves the softmax output (2 bytes x s_q x s_k per q head); the dropout mask
+# and the dropped probabilities are regenerated in backward. The softmax scale rides in the GEMMs' alpha,
+# applied to the fp32 accumulator before the result is rounded: q k^T never exists unscaled in fp16 (where
+# |q k^T| > 65504 overflows long before scale * q k^T does), and the kernels see the scaled scores.
 
 
-def _cuda_launch_args(scores: torch.Tensor, causal: bool, scale: float, drop_threshold: int, seed: int,
-                      row_offset: int):
-    b, heads, s_q, s_k = scores.shape
+def scaled_matmul(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``alpha * (a @ b)`` over [B, H, m, k] x [B, H, k, n] -> contiguous [B, H, m, n], with alpha applied
+    inside the GEMM (baddbmm with beta = 0: cuBLAS scales the fp32 accumulator before rounding)."""
+    B, H, m, _ = a.shape
+    n = b.shape[-1]
+    out = a.new_empty((B * H, m, n))
+    out.baddbmm_(a.reshape(B * H, m, a.shape[-1]), b.reshape(B * H, b.shape[-2], n), beta=0.0, alpha=alpha)
+    return out.view(B, H, m, n)
+
+
+def _cuda_launch_args(probs_shape, dtype: torch.dtype, causal: bool, drop_threshold: int, seed: int,
+                      row_offset: int, device: torch.device):
+    b, heads, s_q, s_k = probs_shape
     active = drop_threshold > 0
-    return (b, heads, s_q, s_k, _ext.DTYPE_CODES[scores.dtype], float(scale), bool(causal),
-            int(seed) if active else 0, int(row_offset) if active else 0, int(drop_threshold),
-            _ext.cuda_stream(scores.device))
+    return (b, heads, s_q, s_k, _ext.DTYPE_CODES[dtype], bool(causal), int(seed) if active else 0,
+            int(row_offset) if active else 0, int(drop_threshold), _ext.cuda_stream(device))
 
 
 @torch.library.custom_op("seqpar::attention_core_cuda_fwd", mutates_args=())
 def _cuda_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                  drop_threshold: int, seed: int, row_offset: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    scores = torch.matmul(q, k.transpose(-2, -1)).contiguous()      # [b, H, s_q, s_k], unscaled
-    probs = torch.empty_like(scores)
-    # Writes softmax(scale * scores + mask) to probs and, with dropout, its dropped copy over scores.
+    b, heads, s_q, d = q.shape
+    kv_heads, s_k = k.shape[1], k.shape[2]
+    # [b, Hk, G * s_q, s_k] = [b, Hq, s_q, s_k] in memory: one GEMM per kv head over its group's q rows.
+    scores = scaled_matmul(group_rows(q, kv_heads), k.transpose(-2, -1), scale)
+    probs = torch.empty((b, heads, s_q, s_k), dtype=q.dtype, device=q.device)
+    # Writes softmax(scores + mask) to probs and, with dropout, its dropped copy over scores.
     with _ext.on_device(q):
         _ext.cuda_extension().attention_softmax_dropout_fwd(
-            scores.data_ptr(), probs.data_ptr(), *_cuda_launch_args(scores, causal, scale, drop_threshold, seed,
-                                                                    row_offset))
-    dropped = scores if drop_threshold > 0 else probs
-    return torch.matmul(dropped, v), probs
+            scores.data_ptr(), probs.data_ptr(),
+            *_cuda_launch_args(probs.shape, q.dtype, causal, drop_threshold, seed, row_offset, q.device))
+    dropped = scores if drop_threshold > 0 else probs.view(scores.shape)
+    return torch.matmul(dropped, v).view(b, heads, s_q, d), probs
 
 
 @_cuda_fwd_op.register_fake
@@ -205,19 +249,21 @@ def _(q, k, v, causal, scale, drop_threshold, seed, row_offset):
 def _cuda_bwd_op(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, probs: torch.Tensor,
                  causal: bool, scale: float, drop_threshold: int, seed: int,
                  row_offset: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grad_o = grad_o.to(q.dtype)
-    grad = torch.matmul(grad_o, v.transpose(-2, -1)).contiguous()   # d loss / d dropped probs
-    dropped = torch.empty_like(probs) if drop_threshold > 0 else probs
-    # In place: grad becomes d loss / d (q k^T) (scale folded in); dropped is regenerated from probs.
+    b, heads, s_q, d = q.shape
+    kv_heads = k.shape[1]
+    grad_o = group_rows(grad_o.to(q.dtype), kv_heads)
+    grad = torch.matmul(grad_o, v.transpose(-2, -1))        # d loss / d dropped probs, [b, Hk, G * s_q, s_k]
     # probs is the saved forward output (contiguous); .contiguous() guards a direct call of this op.
     probs = probs.contiguous()
+    dropped = torch.empty_like(grad) if drop_threshold > 0 else probs.view(grad.shape)
+    # In place: grad becomes d loss / d (scale * q k^T); dropped is regenerated from probs.
     with _ext.on_device(q):
         _ext.cuda_extension().attention_softmax_dropout_bwd(
             probs.data_ptr(), grad.data_ptr(), dropped.data_ptr() if drop_threshold > 0 else 0,
-            *_cuda_launch_args(probs, causal, scale, drop_threshold, seed, row_offset))
-    grad_v = torch.matmul(dropped.transpose(-2, -1), grad_o)
-    grad_q = torch.matmul(grad, k)
-    grad_k = torch.matmul(grad.transpose(-2, -1), q)
+            *_cuda_launch_args(probs.shape, q.dtype, causal, drop_threshold, seed, row_offset, q.device))
+    grad_v = torch.matmul(dropped.transpose(-2, -1), grad_o)                       # sums over the group
+    grad_q = scaled_matmul(grad, k, scale).view(b, heads, s_q, d)
+    grad_k = scaled_matmul(grad.transpose(-2, -1), group_rows(q, kv_heads), scale)   # sums over the group
     return grad_q, grad_k, grad_v
 
 
@@ -236,17 +282,25 @@ def _cuda_backward(grad_o, q, k, v, saved, causal: bool, scale: float, spec: Dro
     return _cuda_bwd_op(grad_o, q, k, v, probs, causal, scale, spec.threshold, spec.seed, spec.row_offset)
 
 
-def _cuda_check(q=None, k=None, v=None, causal=True, **_) -> Optional[str]:
+# The backward keeps a row's keep bits in shared memory (2 bytes per 16 keys, within 47 KiB) with dropout.
+_CUDA_MAX_KEYS_DROPOUT = 47 * 1024 // 2 * 16
+
+
+def _cuda_check(q=None, k=None, v=None, causal=True, dropout=True, **_) -> Optional[str]:
     if q is None:
         return None
     if q.dtype not in _ext.DTYPE_CODES:
         return f"dtype {q.dtype} is not supported by the cuda softmax-dropout kernel"
     if k.shape[2] >= 2**31 or q.shape[0] * q.shape[1] * q.shape[2] >= 2**31:
         return f"s_k = {k.shape[2]} or b * heads * s_q rows exceed the cuda kernel's 2**31 limit"
+    if dropout and k.shape[2] > _CUDA_MAX_KEYS_DROPOUT:
+        return f"s_k = {k.shape[2]} > {_CUDA_MAX_KEYS_DROPOUT}: too long for the cuda backward's keep bitmask"
     return None
 
 
-registry.register(registry.Backend(OP, "cuda", _cuda_forward, _cuda_backward, _cuda_check))
+registry.register(registry.Backend(
+    OP, "cuda", _cuda_forward, _cuda_backward, _cuda_check,
+    limits=f"b * Hq * s_q < 2**31; s_k < 2**31, with dropout s_k <= {_CUDA_MAX_KEYS_DROPOUT}"))
 # Prefer the flash-style kernel (nothing s^2-sized kept) over the cuda softmax-dropout (keeps probs).
 registry.set_auto_order(OP, ("triton", "cuda", "torch"))
 
@@ -269,7 +323,7 @@ class _AttentionCore(torch.autograd.Function):
         return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None
 
 
-def _check_inputs(q, k, v):
+def _check_inputs(q, k, v, enable_gqa: bool) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.dtype not in _DTYPES:
             got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
@@ -278,44 +332,89 @@ def _check_inputs(q, k, v):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape != v.shape:
         raise ValueError(f"k shape {tuple(k.shape)} != v shape {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q shape {tuple(q.shape)} does not match k/v shape {tuple(k.shape)} "
-                         "in batch, heads or head dim")
+                         "in batch or head dim")
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads != kv_heads:
+        if not enable_gqa:
+            raise ValueError(f"q has {heads} heads but k/v have {kv_heads}: pass enable_gqa=True for "
+                             "grouped-query attention (or give k/v q's head count)")
+        if kv_heads == 0 or heads % kv_heads:
+            raise ValueError(f"enable_gqa=True needs k/v heads dividing q heads, got {heads} q heads and "
+                             f"{kv_heads} k/v heads")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
 
 
 def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                   backend: Optional[str] = "auto") -> registry.Backend:
+                   backend: Optional[str] = "auto", dropout: bool = True) -> registry.Backend:
     """The backend :func:`attention_core` runs for these inputs (the layer reads ``.recompute_free``).
 
     Explicit ``backend`` / ``SEQPAR_BACKEND`` as in :mod:`seqpar.ops.registry`; "auto" tries triton
     (flash-style, saves nothing s^2-sized), then cuda (saves the softmax output), then torch.
+    ``dropout``: whether dropout may be active (True: choose a backend that can run it).
     """
-    return registry.select(OP, backend, q.device, q=q, k=k, v=v, causal=bool(causal))
+    return registry.select(OP, backend, q.device, q=q, k=k, v=v, causal=bool(causal), dropout=bool(dropout))
 
 
-def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                   dropout_p: float = 0.0, scale: Optional[float] = None, seed: Optional[int] = None,
-                   training: bool = True, backend: str = "auto", row_offset: int = 0) -> torch.Tensor:
-    """``dropout_p(softmax(q k^T * scale + causal_mask)) v`` over [b, heads, s, d] tensors.
+class _FalseDefault(int):
+    """``is_causal``'s default: equal to False (SDPA's default) yet told apart from an explicit False, so
+    the ``causal=`` alias can reject a conflicting ``is_causal``."""
+
+    def __repr__(self) -> str:
+        return "False"
+
+
+_IS_CAUSAL_DEFAULT = _FalseDefault(0)
+
+
+def _resolve_causal(is_causal, causal) -> bool:
+    for name, value in (("is_causal", is_causal), ("causal", causal)):
+        if value is not None and value is not _IS_CAUSAL_DEFAULT and not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool, got {value!r}")
+    if causal is None:
+        return bool(is_causal)
+    if is_causal is not _IS_CAUSAL_DEFAULT and bool(is_causal) != causal:
+        raise ValueError(f"is_causal={is_causal!r} and its alias causal={causal!r} disagree: pass one of them")
+    return causal
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: Optional[torch.Tensor] = None,
+                   is_causal: bool = _IS_CAUSAL_DEFAULT, dropout_p: float = 0.0, scale: Optional[float] = None,
+                   enable_gqa: bool = False, seed: Optional[int] = None, training: bool = True,
+                   backend: str = "auto", causal: Optional[bool] = None, row_offset: int = 0) -> torch.Tensor:
+    """``dropout_p(softmax(q k^T * scale + causal_mask)) v`` over [b, heads, s, d] tensors: SDPA's
+    ``scaled_dot_product_attention(q, k, v, is_causal=..., dropout_p=..., scale=..., enable_gqa=...)``
+    with seqpar's regenerated dropout mask.
 
     Args:
-        causal: mask keys after the query (top-left aligned).
+        attn_mask: must be None (only the causal mask is supported: ``is_causal=True``).
+        is_causal: mask keys after the query (top-left aligned, as SDPA). ``causal`` is an alias; giving
+            both with different values is a ValueError.
         dropout_p: attention-probability dropout in [0, 1) (ignored when ``training`` is False). The
             effective probability is ``round(dropout_p * 256) / 256``
             (:func:`seqpar.random.effective_dropout_p`); ``round(dropout_p * 256) >= 256`` is a ValueError.
         scale: softmax scale, default ``1/sqrt(d)``.
+        enable_gqa: allow k, v with Hk heads dividing q's Hq (q head i uses kv head i // (Hq / Hk)).
+            Without it, differing head counts are a ValueError.
         seed: dropout stream seed; None draws one from :func:`seqpar.manual_seed`'s generator.
         backend: "auto" | "torch" | "triton" | "cuda" ("auto": triton, then cuda, then torch).
         row_offset: global index of this call's first dropout row (module doc; TP head offset).
     """
-    _check_inputs(q, k, v)
+    if attn_mask is not None:
+        got = f"a {type(attn_mask).__name__}" + (f" of shape {tuple(attn_mask.shape)}"
+                                                   if isinstance(attn_mask, torch.Tensor) else "")
+        raise ValueError(f"attn_mask: only None is supported (use is_causal=True for a causal mask), got {got}")
+    causal = _resolve_causal(is_causal, causal)
+    if not isinstance(enable_gqa, bool):
+        raise ValueError(f"enable_gqa must be a bool, got {enable_gqa!r}")
+    _check_inputs(q, k, v, enable_gqa)
     d = q.shape[-1]
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
-        raise ValueError(f"scale must be a positive float, got {scale!r}")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale) or not scale > 0:
+        raise ValueError(f"scale must be a positive finite float, got {scale!r}")
     spec = make_dropout_spec(dropout_p, training, seed, row_offset)
-    impl = select_backend(q, k, v, causal=bool(causal), backend=backend)
-    return _AttentionCore.apply(q, k, v, bool(causal), float(scale), spec, impl)
+    impl = select_backend(q, k, v, causal=causal, backend=backend, dropout=spec.active)
+    return _AttentionCore.apply(q, k, v, causal, float(scale), spec, impl)

@@ -2,14 +2,18 @@
 
 Selection order: the explicit ``backend=`` argument, then the ``SEQPAR_BACKEND``
 environment variable, then "auto" = the first of cuda, triton, torch (or the op's own order, see
-:func:`set_auto_order`) that is available and supports the inputs. An explicitly requested backend that can't run raises ``ValueError`` with the reason; auto
-falls back silently (``python -m seqpar info`` shows why a backend is skipped).
+:func:`set_auto_order`) that is available and supports the inputs. An explicitly requested backend that
+can't run raises ``ValueError`` with the reason. Auto falls back without raising, and every fallback is
+visible: ``python -m seqpar info`` prints, per op and device, the backend auto picks, why each one before
+it is skipped and the input limits of each backend (:func:`auto_report`), and :func:`record_selections`
+collects the backends that actually ran (the bench rows record them).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
@@ -17,6 +21,10 @@ from .. import _ext
 
 BACKENDS: Tuple[str, ...] = ("cuda", "triton", "torch")
 BACKEND_CHOICES: Tuple[str, ...] = ("auto",) + BACKENDS
+
+
+def _TAKES_EVERYTHING(**inputs) -> Optional[str]:
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,19 +35,22 @@ class Backend:
     device-level availability the registry checks itself. ``forward`` / ``backward`` follow the op's
     own signature (documented in the op's module). ``recompute_free`` marks a backend that already
     saves nothing that selective recomputation would avoid (e.g. a flash-style attention core keeping
-    no s^2-sized tensor), so the layer does not wrap it in a checkpoint.
+    no s^2-sized tensor), so the layer does not wrap it in a checkpoint. ``limits`` says in words which
+    inputs ``check`` turns away (shown by ``python -m seqpar info``; empty: none).
     """
 
     op: str
     name: str
     forward: Callable
     backward: Callable
-    check: Callable[..., Optional[str]] = lambda **inputs: None
+    check: Callable[..., Optional[str]] = _TAKES_EVERYTHING
     recompute_free: bool = False
+    limits: str = ""
 
 
 _REGISTRY: Dict[str, Dict[str, Backend]] = {}
 _AUTO_ORDER: Dict[str, Tuple[str, ...]] = {}
+_RECORDERS: List[Dict[str, Set[str]]] = []
 
 
 def set_auto_order(op: str, order: Tuple[str, ...]) -> None:
@@ -95,6 +106,11 @@ def unavailable_reason(op: str, name: str, device: torch.device, auto: bool = Fa
     return reason or impl.check(**inputs)
 
 
+def auto_order(op: str) -> Tuple[str, ...]:
+    """The order "auto" tries the backends of ``op`` in."""
+    return _AUTO_ORDER.get(op, BACKENDS)
+
+
 def select(op: str, backend: Optional[str], device: torch.device, **inputs) -> Backend:
     """The backend of ``op`` that runs these inputs, per the selection order."""
     name = requested_backend(backend)
@@ -102,11 +118,29 @@ def select(op: str, backend: Optional[str], device: torch.device, **inputs) -> B
         reason = unavailable_reason(op, name, device, **inputs)
         if reason:
             raise ValueError(f"backend {name!r} can't run {op}: {reason}")
-        return get(op, name)
-    for candidate in _AUTO_ORDER.get(op, BACKENDS):
+        return _selected(op, name)
+    for candidate in auto_order(op):
         if unavailable_reason(op, candidate, device, auto=True, **inputs) is None:
-            return get(op, candidate)
+            return _selected(op, candidate)
     raise ValueError(f"no backend can run {op} on {device}")  # torch always can; defensive
+
+
+def _selected(op: str, name: str) -> Backend:
+    for seen in _RECORDERS:
+        seen.setdefault(op, set()).add(name)
+    return get(op, name)
+
+
+@contextlib.contextmanager
+def record_selections() -> Iterator[Dict[str, Set[str]]]:
+    """Collects ``{op: {backend names}}`` of every backend :func:`select` picks inside the block (the bench
+    rows record which backends actually ran, auto fallbacks included)."""
+    seen: Dict[str, Set[str]] = {}
+    _RECORDERS.append(seen)
+    try:
+        yield seen
+    finally:
+        _RECORDERS.remove(seen)
 
 
 def registered_ops() -> List[str]:
@@ -115,6 +149,44 @@ def registered_ops() -> List[str]:
 
 
 def backend_report(device: torch.device) -> Dict[str, Dict[str, Optional[str]]]:
-    """For ``python -m seqpar info``: op -> backend -> reason it is unusable on ``device`` (None: usable)."""
+    """op -> backend -> reason an explicit ``backend=`` can't run on ``device`` (None: usable)."""
     return {op: {name: unavailable_reason(op, name, device) for name in BACKENDS}
             for op in registered_ops()}
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoChoice:
+    """What "auto" does for one op on one device: the backend it picks (for inputs within every backend's
+    ``limits``), why each backend tried before it is skipped, and each backend's input limits."""
+
+    picked: str
+    skipped: Dict[str, str]
+    limits: Dict[str, str]
+
+
+def auto_report(device: torch.device) -> Dict[str, AutoChoice]:
+    """For ``python -m seqpar info``: op -> :class:`AutoChoice` on ``device`` (the ``SEQPAR_BACKEND``
+    environment variable is not applied: this is what "auto" itself picks)."""
+    out = {}
+    for op in registered_ops():
+        skipped, picked = {}, "none"
+        for name in auto_order(op):
+            reason = unavailable_reason(op, name, device, auto=True)
+            if reason is None:
+                picked = name
+                break
+            skipped[name] = reason
+        limits = {name: describe_limits(b) for name, b in _REGISTRY[op].items() if describe_limits(b)}
+        out[op] = AutoChoice(picked, skipped, limits)
+    return out
+
+
+def describe_limits(backend: Backend) -> str:
+    """The inputs ``backend`` turns away, in words: its ``limits``, else the first line of its check's
+    docstring, else a note that it has an undescribed check ("" when it takes every input)."""
+    if backend.limits:
+        return backend.limits
+    if backend.check is _TAKES_EVERYTHING:
+        return ""
+    doc = (getattr(backend.check, "__doc__", None) or "").strip()
+    return doc.splitlines()[0] if doc else "some inputs (not described; the check names them when it refuses)"

@@ -1,11 +1,14 @@
 """attention_core: the Triton flash-style backend (CPU interpreter here, GPU when marked) and the CUDA
 softmax-dropout backend (GPU only) against an independent fp64 computation, with the dropout mask of
-seqpar.ops.attention_core.attention_keep_mask (the torch reference's mask)."""
+seqpar.ops.attention_core.attention_keep_mask (the torch reference's mask); SDPA's keyword contract and
+grouped-query attention against torch.nn.functional.scaled_dot_product_attention."""
 import ctypes
+import inspect
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from seqpar.ops import registry
 from seqpar.ops.attention_core import OP, attention_core, attention_keep_mask, causal_mask, select_backend
@@ -23,12 +26,14 @@ def _ids(shape):
 
 
 def reference_fp64(q, k, v, grad_o, causal, p, seed, row_offset=0, scale=None):
-    """o and (dq, dk, dv) in fp64 by autograd through plain torch ops, same mask convention."""
+    """o and (dq, dk, dv) in fp64 by autograd through plain torch ops, same mask convention. k, v with
+    fewer heads (GQA) are repeated to q's heads first (autograd sums dk, dv over each group)."""
     b, heads, s_q, d = q.shape
     s_k = k.shape[2]
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    group = heads // k.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    scores = q64 @ k64.transpose(-2, -1) * scale
+    scores = q64 @ k64.repeat_interleave(group, 1).transpose(-2, -1) * scale
     if causal:
         scores = scores.masked_fill(causal_mask(s_q, s_k, q.device), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
@@ -36,14 +41,14 @@ def reference_fp64(q, k, v, grad_o, causal, p, seed, row_offset=0, scale=None):
         spec = DropoutSpec(p, seed, row_offset)
         keep = attention_keep_mask(spec, b, heads, s_q, s_k, q.device)
         probs = probs * keep * (256 / (256 - spec.threshold))     # the exact scale (kernels: its fp32 rounding)
-    o = probs @ v64
+    o = probs @ v64.repeat_interleave(group, 1)
     grads = torch.autograd.grad(o, (q64, k64, v64), grad_o.double())
     return o.detach(), grads
 
 
 def run(backend, q, k, v, grad_o, causal, p, seed=SEED, row_offset=0, **kw):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    o = attention_core(q, k, v, causal=causal, dropout_p=p, seed=seed, backend=backend,
+    o = attention_core(q, k, v, is_causal=causal, dropout_p=p, seed=seed, backend=backend,
                        row_offset=row_offset, **kw)
     grads = torch.autograd.grad(o, (q, k, v), grad_o)
     return o.detach(), grads
@@ -87,7 +92,7 @@ def test_triton_dropout_mask_is_the_reference_mask(row_offset):
     grads = {}
     for backend in ("triton", "torch"):
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, eye))
-        o = attention_core(qq, kk, vv, causal=False, dropout_p=p, seed=SEED, row_offset=row_offset, backend=backend)
+        o = attention_core(qq, kk, vv, is_causal=False, dropout_p=p, seed=SEED, row_offset=row_offset, backend=backend)
         grads[backend] = torch.autograd.grad(o, (qq, kk, vv), eye)
         if backend == "triton":
             assert torch.equal(o != 0, keep)
@@ -97,7 +102,7 @@ def test_triton_dropout_mask_is_the_reference_mask(row_offset):
     assert torch.equal(grads["triton"][2] != 0, keep.transpose(-2, -1))
     for name, g, g_ref in zip(("dq", "dk", "dv"), grads["triton"], grads["torch"]):
         torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
-    other_seed = attention_core(q, k, eye, causal=False, dropout_p=p, seed=SEED + 1, row_offset=row_offset,
+    other_seed = attention_core(q, k, eye, is_causal=False, dropout_p=p, seed=SEED + 1, row_offset=row_offset,
                                 backend="triton")
     assert not torch.equal(other_seed != 0, keep)
 
@@ -125,7 +130,7 @@ def test_triton_backward_matches_directional_finite_difference():
 
     def f(eps):
         qe, ke, ve = (t + eps * d for t, d in zip((q, k, v), u))
-        o = attention_core(qe, ke, ve, causal=causal, dropout_p=p, seed=SEED, backend="triton")
+        o = attention_core(qe, ke, ve, is_causal=causal, dropout_p=p, seed=SEED, backend="triton")
         return (o.double() * w.double()).sum().item()
 
     eps = 1e-2
@@ -147,7 +152,7 @@ def test_saved_tensors_have_nothing_quadratic(backend):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        o = attention_core(q, k, v, causal=True, dropout_p=0.1, seed=SEED, backend=backend)
+        o = attention_core(q, k, v, is_causal=True, dropout_p=0.1, seed=SEED, backend=backend)
     o.sum().backward()
     quadratic = [sh for sh, _, n in saved if n >= b * heads * s * s]
     if backend == "torch":
@@ -224,7 +229,8 @@ def test_triton_custom_ops_have_fake_implementations():
 
 class _EmulatedSoftmaxDropout:
     """The two launchers of csrc/softmax_dropout.cu re-stated in torch on raw fp32 CPU pointers: checks
-    the cuda backend's Python side (GEMMs, in-place contract, scale) without a GPU."""
+    the cuda backend's Python side (GEMMs with the scale as alpha, GQA grouping, in-place contract)
+    without a GPU."""
 
     @staticmethod
     def _view(ptr, shape):
@@ -235,11 +241,11 @@ class _EmulatedSoftmaxDropout:
     def _spec(threshold, seed, row_offset):
         return DropoutSpec(threshold / 256, seed, row_offset)     # round(threshold / 256 * 256) == threshold
 
-    def attention_softmax_dropout_fwd(self, scores, probs, b, heads, s_q, s_k, dtype, scale, causal, seed,
+    def attention_softmax_dropout_fwd(self, scores, probs, b, heads, s_q, s_k, dtype, causal, seed,
                                       row_offset, threshold, stream):
         assert dtype == 0
         x, probs_t = self._view(scores, (b, heads, s_q, s_k)), self._view(probs, (b, heads, s_q, s_k))
-        y = x * scale
+        y = x.clone()
         if causal:
             y = y.masked_fill(causal_mask(s_q, s_k, "cpu"), float("-inf"))
         probs_t.copy_(torch.softmax(y, dim=-1))
@@ -247,7 +253,7 @@ class _EmulatedSoftmaxDropout:
             spec = self._spec(threshold, seed, row_offset)
             x.copy_(probs_t * attention_keep_mask(spec, b, heads, s_q, s_k, "cpu") * spec.scale)
 
-    def attention_softmax_dropout_bwd(self, probs, grad, dropped, b, heads, s_q, s_k, dtype, scale, causal,
+    def attention_softmax_dropout_bwd(self, probs, grad, dropped, b, heads, s_q, s_k, dtype, causal,
                                       seed, row_offset, threshold, stream):
         shape = (b, heads, s_q, s_k)
         probs_t, g = self._view(probs, shape), self._view(grad, shape)
@@ -257,11 +263,12 @@ class _EmulatedSoftmaxDropout:
             z = attention_keep_mask(spec, *shape, "cpu") * spec.scale
             self._view(dropped, shape).copy_(probs_t * z)
         gp = g * z
-        g.copy_(scale * probs_t * (gp - (gp * probs_t).sum(-1, keepdim=True)))
+        g.copy_(probs_t * (gp - (gp * probs_t).sum(-1, keepdim=True)))
 
 
+@pytest.mark.parametrize("kv_heads", [6, 2], ids=["mha", "gqa6:2"])
 @pytest.mark.parametrize("p", [0.0, 0.2], ids=["p0", "p0.2"])
-def test_cuda_backend_python_side_with_emulated_kernels(monkeypatch, p):
+def test_cuda_backend_python_side_with_emulated_kernels(monkeypatch, p, kv_heads):
     import seqpar._ext as ext
 
     if HAS_CUDA:
@@ -269,11 +276,12 @@ def test_cuda_backend_python_side_with_emulated_kernels(monkeypatch, p):
     monkeypatch.setattr(ext, "cuda_unavailable_reason", lambda device: None)
     monkeypatch.setattr(ext, "cuda_extension", lambda: _EmulatedSoftmaxDropout())
     monkeypatch.setattr(ext, "cuda_stream", lambda device: 0)
-    shape = (2, 3, 37, 64)
-    q, k, v, grad_o = (randn(*shape) for _ in range(4))
-    q_view = torch.randn(37, 2, 3, 64).permute(1, 2, 0, 3)        # strided q, like the layer's views
+    shape = (2, 6, 37, 32)
+    q, grad_o = randn(*shape), randn(*shape)
+    k, v = randn(2, kv_heads, 37, 32), randn(2, kv_heads, 37, 32)
+    q_view = torch.randn(37, 2, 6, 32).permute(1, 2, 0, 3)        # strided q, like the layer's views
     for qq in (q, q_view):
-        o, grads = run("cuda", qq, k, v, grad_o, True, p)
+        o, grads = run("cuda", qq, k, v, grad_o, True, p, enable_gqa=True)
         o_ref, grads_ref = reference_fp64(qq, k, v, grad_o, True, p, SEED)
         torch.testing.assert_close(o.double(), o_ref, atol=2e-5, rtol=1e-4)
         for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
@@ -288,6 +296,147 @@ def test_triton_custom_ops_pass_opcheck():
     o, lse = torch.ops.seqpar.attention_core_triton_fwd(*args)
     torch.library.opcheck(torch.ops.seqpar.attention_core_triton_bwd.default,
                           (randn(1, 2, 17, 16), q, k, v, o, lse, True, 0.25, 26, 7, 3))
+
+
+# ----------------------------------------------------------------------------- SDPA contract
+def test_signature_is_sdpas():
+    """SDPA's keyword names and defaults (keyword-only after q, k, v), then seqpar's own."""
+    params = inspect.signature(attention_core).parameters
+    assert list(params)[:3] == ["q", "k", "v"]
+    expected = dict(attn_mask=None, is_causal=False, dropout_p=0.0, scale=None, enable_gqa=False, seed=None,
+                    training=True, backend="auto")
+    for name, default in expected.items():
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+        assert params[name].default == default and repr(params[name].default) == repr(default), name
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"is_causal": True}, {"is_causal": False, "scale": 0.3},
+                                    {"attn_mask": None, "dropout_p": 0.0, "enable_gqa": False}],
+                         ids=["defaults", "causal", "scale", "explicit-defaults"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_matches_sdpa_with_its_keywords(backend, kwargs):
+    """attention_core(q, k, v, **kw) == F.scaled_dot_product_attention(q, k, v, **kw); the default is
+    not causal, as SDPA's."""
+    q, k, v = (randn(2, 3, 19, 16, dtype=torch.float64).float() for _ in range(3))
+    o = attention_core(q, k, v, backend=backend, **kwargs)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kwargs)
+    torch.testing.assert_close(o.double(), ref, atol=2e-6, rtol=1e-5)
+
+
+def test_causal_alias():
+    q, k, v = (randn(1, 2, 9, 16) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    for kwargs in ({"causal": True}, {"causal": True, "is_causal": True}):
+        torch.testing.assert_close(attention_core(q, k, v, backend="torch", **kwargs), ref, atol=1e-6, rtol=1e-5)
+    full = F.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(attention_core(q, k, v, causal=False, backend="torch"), full, atol=1e-6, rtol=1e-5)
+    for kwargs in ({"causal": True, "is_causal": False}, {"causal": False, "is_causal": True}):
+        with pytest.raises(ValueError, match="disagree"):
+            attention_core(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("case", ["tensor_mask", "bool_mask", "is_causal_str", "causal_int", "gqa_str"])
+def test_sdpa_keywords_reject_what_they_do_not_support(case):
+    q = randn(1, 2, 8, 16)
+    kwargs, match = {
+        "tensor_mask": ({"attn_mask": torch.zeros(8, 8)}, r"attn_mask: only None is supported.*\(8, 8\)"),
+        "bool_mask": ({"attn_mask": torch.ones(8, 8, dtype=torch.bool)}, "only None is supported"),
+        "is_causal_str": ({"is_causal": "yes"}, "is_causal must be a bool"),
+        "causal_int": ({"causal": 1}, "causal must be a bool"),
+        "gqa_str": ({"enable_gqa": "yes"}, "enable_gqa must be a bool"),
+    }[case]
+    with pytest.raises(ValueError, match=match):
+        attention_core(q, q, q, **kwargs)
+
+
+# ----------------------------------------------------------------------------- grouped-query attention
+GQA = [(6, 2), (6, 3)]
+
+
+def _gqa_inputs(b, heads, kv_heads, s, d, dtype=torch.float32):
+    return randn(b, heads, s, d, dtype=dtype), randn(b, kv_heads, s, d, dtype=dtype), \
+        randn(b, kv_heads, s, d, dtype=dtype), randn(b, heads, s, d, dtype=dtype)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("heads,kv_heads", GQA, ids=lambda v: str(v))
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gqa_matches_sdpa(backend, heads, kv_heads, causal):
+    """enable_gqa=True: o and dq, dk, dv against SDPA's enable_gqa in fp64 (dropout 0); dk, dv have k's
+    Hk heads (each the sum over its group of q heads)."""
+    q, k, v, grad_o = _gqa_inputs(2, heads, kv_heads, 37, 16)
+    o, grads = run(backend, q, k, v, grad_o, causal, 0.0, enable_gqa=True)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    o_ref = F.scaled_dot_product_attention(q64, k64, v64, is_causal=causal, enable_gqa=True)
+    grads_ref = torch.autograd.grad(o_ref, (q64, k64, v64), grad_o.double())
+    assert o.shape == q.shape and grads[1].shape == grads[2].shape == k.shape
+    torch.testing.assert_close(o.double(), o_ref, atol=2e-6, rtol=1e-5)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+        torch.testing.assert_close(g.double(), g_ref, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def test_gqa_dropout_rows_are_per_q_head_and_shard_by_rank():
+    """With dropout, GQA draws the mask of the q heads (head-major rows over Hq): triton and the torch
+    reference both match the fp64 computation on k, v repeated to Hq heads. A tensor-parallel rank owning
+    q heads 3..5 and kv head 1 of (Hq, Hk) = (6, 2) passes row_offset = 3 * b * s and reproduces those
+    heads of the single-device call: o, dq of its q heads and dk, dv of its kv head."""
+    b, heads, kv_heads, s, d, p = 2, 6, 2, 21, 16, 0.3
+    q, k, v, grad_o = _gqa_inputs(b, heads, kv_heads, s, d)
+    o_ref, grads_ref = reference_fp64(q, k, v, grad_o, True, p, SEED)
+    for backend in ("triton", "torch"):
+        o, grads = run(backend, q, k, v, grad_o, True, p, enable_gqa=True)
+        torch.testing.assert_close(o.double(), o_ref, atol=2e-5, rtol=1e-4)
+        for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+            torch.testing.assert_close(g.double(), g_ref, atol=5e-5, rtol=1e-4, msg=lambda m: f"{backend} {name}: {m}")
+        q_sl, kv_sl = slice(3, 6), slice(1, 2)
+        o_part, g_part = run(backend, q[:, q_sl], k[:, kv_sl], v[:, kv_sl], grad_o[:, q_sl], True, p,
+                             row_offset=3 * b * s, enable_gqa=True)
+        torch.testing.assert_close(o_part, o[:, q_sl], atol=1e-6, rtol=1e-6)
+        for g, gf, sl in zip(g_part, grads, (q_sl, kv_sl, kv_sl)):
+            torch.testing.assert_close(g, gf[:, sl], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_gqa_keeps_k_and_v_at_their_heads(backend):
+    """Nothing saved for backward is k or v repeated to Hq heads: the saved tensors are q, k, v as given
+    (Hk heads), then triton's o and lse or the torch reference's two s x s probability tensors."""
+    b, heads, kv_heads, s, d = 1, 6, 2, 16, 16
+    q = randn(b, heads, s, d).requires_grad_()
+    k, v = (randn(b, kv_heads, s, d).requires_grad_() for _ in range(2))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        o = attention_core(q, k, v, is_causal=True, enable_gqa=True, dropout_p=0.1, seed=SEED, backend=backend)
+    o.sum().backward()
+    extra = [(b, heads, s, d), (b, heads, s)] if backend == "triton" else [(b, heads, s, s)] * 2
+    assert sorted(saved) == sorted([(b, heads, s, d), (b, kv_heads, s, d), (b, kv_heads, s, d)] + extra)
+
+
+@pytest.mark.parametrize("kv_heads,kwargs,match", [
+    (2, {}, "enable_gqa=True"),
+    (4, {"enable_gqa": True}, "dividing q heads"),
+], ids=["heads-differ-without-enable_gqa", "kv-heads-not-dividing"])
+def test_gqa_bad_head_counts(kv_heads, kwargs, match):
+    q, k = randn(1, 6, 8, 16), randn(1, kv_heads, 8, 16)
+    with pytest.raises(ValueError, match=match):
+        attention_core(q, k, k, **kwargs)
+
+
+# ----------------------------------------------------------------------------- large logits (cuda path)
+def test_cuda_path_scales_scores_inside_the_gemm():
+    """The cuda backend's score GEMM (scaled_matmul: baddbmm with alpha = scale) scales the fp32
+    accumulator before rounding to fp16, so logits whose unscaled q k^T overflows fp16 (> 65504) stay
+    finite; runs on CPU (the same host code drives cuBLAS on the GPU)."""
+    from seqpar.ops.attention_core import group_rows, scaled_matmul
+
+    b, heads, kv_heads, s, d = 1, 4, 2, 8, 64
+    q = (33 + torch.rand(b, heads, s, d)).half()                  # q . k ~ 64 * 33.5^2 ~ 7e4
+    k = (33 + torch.rand(b, kv_heads, s, d)).half()
+    assert torch.isinf(q[:, :2] @ k.transpose(-2, -1)).any()      # the unscaled product overflows
+    scale = d ** -0.5
+    scores = scaled_matmul(group_rows(q, kv_heads), k.transpose(-2, -1), scale).view(b, heads, s, s)
+    ref = torch.matmul(q.double(), k.double().repeat_interleave(2, 1).transpose(-2, -1)) * scale
+    assert scores.dtype == torch.float16 and torch.isfinite(scores).all()
+    torch.testing.assert_close(scores.double(), ref, atol=0, rtol=2e-3)
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -383,7 +532,7 @@ def test_gpu_dropout_mask_is_the_reference_mask(backend):
     b, heads, s_q, s_k, p, row_offset = 2, 3, 77, 64, 0.5, 999
     q, k = randn(b, heads, s_q, s_k), randn(b, heads, s_k, s_k)
     eye = torch.eye(s_k, device="cuda").expand(b, heads, s_k, s_k).contiguous()
-    o = attention_core(q, k, eye, causal=False, dropout_p=p, seed=SEED, row_offset=row_offset, backend=backend)
+    o = attention_core(q, k, eye, is_causal=False, dropout_p=p, seed=SEED, row_offset=row_offset, backend=backend)
     keep = attention_keep_mask(DropoutSpec(p, SEED, row_offset), b, heads, s_q, s_k, q.device)
     assert torch.equal(o != 0, keep)
 
@@ -440,3 +589,76 @@ def test_gpu_triton_peak_memory_has_no_quadratic_term():
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     assert extra < b * heads * s * s * 2 // 4, extra
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", [0.0, 0.2], ids=["p0", "p0.2"])
+@pytest.mark.parametrize("heads,kv_heads", GQA + [(8, 1)], ids=lambda v: str(v))
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_gqa_matches_fp64(backend, heads, kv_heads, p):
+    """GQA on the GPU kernels (fp32, ragged s = 200, d = 64): o, dq, dk, dv vs the fp64 computation on k, v
+    repeated to Hq heads, the dropout mask drawn per q head."""
+    _gpu_backend_ready(backend)
+    q, k, v, grad_o = _gqa_inputs(2, heads, kv_heads, 200, 64)
+    o, grads = run(backend, q, k, v, grad_o, True, p, enable_gqa=True)
+    o_ref, grads_ref = reference_fp64(q, k, v, grad_o, True, p, SEED)
+    assert grads[1].shape == k.shape
+    torch.testing.assert_close(o.double(), o_ref, atol=5e-5, rtol=1e-4)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+        torch.testing.assert_close(g.double(), g_ref, atol=2e-4, rtol=1e-3, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_softmax_kernel_infinite_scores_give_the_limit_not_nan(dtype):
+    """The softmax-dropout kernel reads +-inf scores (fp16 overflow of large logits) as +-FLT_MAX: a row's
+    +inf entries share its probability equally, -inf entries get 0, a row of -inf only is uniform; NaN
+    never appears. Backward of those probabilities is finite too."""
+    _gpu_backend_ready("cuda")
+    from seqpar import _ext
+
+    b, heads, s_q, s_k = 1, 2, 4, 40
+    scores = torch.randn(b, heads, s_q, s_k, device="cuda").to(dtype)
+    scores[0, 0, 0, [3, 17]] = float("inf")                   # two +inf: 1/2 each
+    scores[0, 0, 1, :] = float("-inf")                          # all -inf: uniform
+    scores[0, 0, 2, ::3] = float("-inf")                        # some -inf: zero there, softmax elsewhere
+    scores[0, 1, 3, 5] = float("inf")
+    scores[0, 1, 3, 6] = float("-inf")
+    expected = torch.softmax(scores.float().clamp(-3e38, 3e38), dim=-1)
+    probs = torch.full_like(scores, float("nan"))
+    x = scores.clone()
+    ext = _ext.cuda_extension()
+    ext.attention_softmax_dropout_fwd(x.data_ptr(), probs.data_ptr(), b, heads, s_q, s_k, _ext.DTYPE_CODES[dtype],
+                                      False, 0, 0, 0, _ext.cuda_stream(x.device))
+    torch.cuda.synchronize()
+    assert torch.isfinite(probs).all()
+    assert probs[0, 0, 0, 3].item() == probs[0, 0, 0, 17].item() == 0.5
+    torch.testing.assert_close(probs[0, 0, 1].float(), torch.full((s_k,), 1 / s_k, device="cuda"), atol=1e-3, rtol=0)
+    torch.testing.assert_close(probs.float(), expected, **dict(zip(("atol", "rtol"), TOLERANCES[dtype])))
+    grad = torch.randn_like(probs)
+    ext.attention_softmax_dropout_bwd(probs.data_ptr(), grad.data_ptr(), 0, b, heads, s_q, s_k,
+                                      _ext.DTYPE_CODES[dtype], False, 0, 0, 0, _ext.cuda_stream(x.device))
+    torch.cuda.synchronize()
+    assert torch.isfinite(grad).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_fp16_large_logits_stay_finite(backend):
+    """fp16 logits whose unscaled q k^T overflows fp16 (|q . k| ~ 7e4 > 65504): outputs and gradients are
+    finite, and each output row is a convex combination of the value rows it attends to (dropout 0). (The
+    scaled scores, ~9e3, are rounded to fp16's spacing of 8 on the cuda path, so which key wins a row is
+    not comparable with an fp32 reference; the bounds are.)"""
+    _gpu_backend_ready(backend)
+    b, heads, kv_heads, s, d = 1, 4, 2, 64, 64
+    q = (33 + torch.rand(b, heads, s, d, device="cuda")).half()
+    k = (33 + torch.rand(b, kv_heads, s, d, device="cuda")).half()
+    v, grad_o = randn(b, kv_heads, s, d, dtype=torch.float16), randn(b, heads, s, d, dtype=torch.float16)
+    assert torch.isinf(q[:, :2] @ k.transpose(-2, -1)).any()
+    o, grads = run(backend, q, k, v, grad_o, True, 0.0, enable_gqa=True)
+    for name, got in zip(("o", "dq", "dk", "dv"), (o,) + grads):
+        assert torch.isfinite(got).all(), name
+    v_rep = v.float().repeat_interleave(heads // kv_heads, 1)                  # [b, H, s, d]
+    low = torch.cummin(v_rep, dim=2).values                                    # over keys j <= i (causal)
+    high = torch.cummax(v_rep, dim=2).values
+    assert (o.float() >= low - 1e-2).all() and (o.float() <= high + 1e-2).all()

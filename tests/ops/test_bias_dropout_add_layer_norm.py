@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from seqpar.nn.fused_layer_norm import FusedBiasDropoutAddLayerNorm
-from seqpar.ops.bias_dropout_add_layer_norm import MAX_KERNEL_HIDDEN, bias_dropout_add_layer_norm
+from seqpar.ops import registry
+from seqpar.ops.bias_dropout_add_layer_norm import OP, bias_dropout_add_layer_norm
 from seqpar.ops.dropout import DropoutSpec
 from tests.tolerances import assert_close, assert_error_within
 
@@ -105,15 +106,15 @@ def _memoized_keep_masks(monkeypatch):
 @pytest.fixture
 def poisoned_triton(monkeypatch):
     """Every buffer the Triton launchers allocate starts as NaN (integer buffers: -1)."""
-    from seqpar.triton_kernels import bias_dropout_add_layer_norm as kernels
+    from seqpar.triton_kernels import bias_dropout_add_layer_norm as kernels, rows
 
-    real = kernels._empty
+    real = rows.empty
 
     def poisoned(shape, dtype, device):
         t = real(shape, dtype, device)
         return t.fill_(float("nan") if dtype.is_floating_point else -1)
 
-    monkeypatch.setattr(kernels, "_empty", poisoned)
+    monkeypatch.setattr(rows, "empty", poisoned)
     return kernels
 
 
@@ -203,13 +204,48 @@ def test_triton_mask_past_32_bit_rows(row_offset, poisoned_triton):
     _check_against_torch_fp32(got, ref)
 
 
-def test_triton_backward_column_chunks(monkeypatch, poisoned_triton):
+@pytest.mark.parametrize("unroll", [8, 2], ids=["unrolled", "rolled"])
+def test_triton_backward_column_chunks(unroll, monkeypatch, poisoned_triton):
     """Rows wider than one backward program's columns (BWD_BLOCK_N; 4096 on a GPU, shrunk here) are split
-    over programs that stream the other chunks for the row sums: same results as the torch reference."""
+    over programs that stream the other chunks for the row sums (an unrolled loop up to UNROLL_CHUNKS
+    chunks, a rolled one beyond): same results as the torch reference."""
+    import triton.language as tl
+
     monkeypatch.setattr(poisoned_triton, "BWD_BLOCK_N", 32)
+    monkeypatch.setattr(poisoned_triton, "UNROLL_CHUNKS", tl.constexpr(unroll))
     inp = _make_inputs((9, 100), torch.float32)                       # 4 chunks, the last one ragged
     ref = _run(inp, "torch", 0.3, row_offset=5)
     got = _run(inp, "triton", 0.3, row_offset=5)
+    assert torch.equal(got[1], ref[1])
+    _check_against_torch_fp32(got, ref)
+
+
+@pytest.mark.parametrize("h,dtype", [(20480, torch.float32), (25600, torch.bfloat16)],
+                         ids=["530B-h20480-fp32", "1T-h25600-bf16"])
+def test_triton_paper_hidden_sizes(h, dtype, poisoned_triton):
+    """The paper's 530B and 1T hidden sizes take the column-chunked forward (rows longer than
+    MAX_FUSED_HIDDEN) and the chunked backward: residual_out bitwise equal to the torch reference (same
+    mask, same rounding), the rest within tolerance (fp32) or 2x the torch error (bf16)."""
+    assert h > poisoned_triton.MAX_FUSED_HIDDEN
+    inp = _make_inputs((3, h), dtype)
+    ref = _run(inp, "torch", 0.1, row_offset=7)
+    got = _run(inp, "triton", 0.1, row_offset=7)
+    assert torch.equal(got[1], ref[1])
+    if dtype == torch.float32:
+        _check_against_torch_fp32(got, ref)
+    else:
+        _check_error_within(got, ref, _reference_fp64(inp, 0.1, row_offset=7))
+
+
+@pytest.mark.parametrize("h", [100, 96], ids=["h100-ragged", "h96"])
+def test_triton_forward_column_chunks(h, monkeypatch, poisoned_triton):
+    """The chunked forward on small rows (MAX_FUSED_HIDDEN and CHUNK_COLUMNS shrunk): a ragged last
+    chunk, every pass (sum, centred squares, y) over several chunks, several rows per program."""
+    monkeypatch.setattr(poisoned_triton, "MAX_FUSED_HIDDEN", 64)
+    monkeypatch.setattr(poisoned_triton, "CHUNK_COLUMNS", 32)
+    inp = _make_inputs((11, h), torch.float32)
+    ref = _run(inp, "torch", 0.3, row_offset=2)
+    got = _run(inp, "triton", 0.3, row_offset=2)
     assert torch.equal(got[1], ref[1])
     _check_against_torch_fp32(got, ref)
 
@@ -348,15 +384,17 @@ def test_p_validated_even_in_eval_mode():
                                     training=False)
 
 
-def test_kernel_backends_refuse_too_wide_rows():
-    h = MAX_KERNEL_HIDDEN + 1
-    x = torch.randn(1, h)
-    with pytest.raises(ValueError, match="outside the kernels' range"):
-        bias_dropout_add_layer_norm(x, None, x, torch.ones(h), torch.zeros(h), backend="triton")
-    with pytest.raises(ValueError, match="backend 'cuda' can't run"):
-        bias_dropout_add_layer_norm(x, None, x, torch.ones(h), torch.zeros(h), backend="cuda")
-    y, _ = bias_dropout_add_layer_norm(x, None, x, torch.ones(h), torch.zeros(h))  # auto: torch
-    assert y.shape == (1, h)
+def test_kernel_backends_take_any_hidden_size(monkeypatch):
+    """No h limit makes "auto" fall back to the fp32 torch reference any more: with the kernel backends
+    available (simulated here: no GPU), auto picks them for the paper's h = 20480 and 25600 too."""
+    import seqpar._ext as ext
+
+    monkeypatch.setattr(ext, "triton_unavailable_reason", lambda device, auto=False: None)
+    monkeypatch.setattr(ext, "cuda_unavailable_reason", lambda device: None)
+    for h in (1, 16384, 16385, 20480, 25600, 100000):
+        for name in ("triton", "cuda"):
+            assert registry.unavailable_reason(OP, name, torch.device("cuda"), h=h) is None, (name, h)
+        assert registry.select(OP, "auto", torch.device("cuda"), h=h).name == "cuda"
 
 
 # ----------------------------------------------------------------------------- module
@@ -509,3 +547,37 @@ def test_gpu_cuda_many_rows_partial_reduction():
     for h in (256, 1024, 6144):
         inp = _make_inputs((20000, h), torch.float32, device="cuda")
         _check_against_torch_fp32(_run(inp, "cuda", 0.1), _run(inp, "torch", 0.1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", list(GPU_DTYPES))
+@pytest.mark.parametrize("h", [16385, 20480, 25600, 32768 + 40, 65536], ids=lambda h: f"h{h}")
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_any_hidden_size(backend, h, dtype_name):
+    """Rows longer than one block / program holds (h > 16384: the column-chunked kernels; the paper's 530B
+    and 1T models have h = 20480 and 25600): residual_out bitwise equal to the torch reference, the rest
+    within tolerance; more rows than one wave for the cuda backward's partial rows."""
+    _gpu_backend_available(backend)
+    dtype = GPU_DTYPES[dtype_name]
+    for rows, p in ((3, 0.1), (700, 0.0)):
+        inp = _make_inputs((rows, h), dtype, device="cuda", ln_dtype=torch.float32)
+        torch_same = _run(inp, "torch", p, row_offset=5)
+        got = _run(inp, backend, p, row_offset=5)
+        torch.cuda.synchronize()
+        assert torch.equal(got[1], torch_same[1]), (rows, p)
+        if dtype == torch.float32:
+            _check_against_torch_fp32(got, torch_same)
+        elif rows == 3:
+            _check_error_within(got, torch_same, _reference_fp64(inp, p, row_offset=5))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_odd_wide_rows_scalar_chunks():
+    """Scalar-access runs (h odd, so no 16-byte vectors) of chunked rows, with and without a bias."""
+    _gpu_backend_available("cuda")
+    for h, has_bias in ((20481, True), (25599, False)):
+        inp = _make_inputs((5, h), torch.bfloat16, device="cuda", has_bias=has_bias)
+        ref = _run(inp, "torch", 0.1)
+        got = _run(inp, "cuda", 0.1)
+        assert torch.equal(got[1], ref[1]), h
+        _check_error_within(got, ref, _reference_fp64(inp, 0.1))

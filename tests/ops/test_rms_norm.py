@@ -85,10 +85,10 @@ def _check_error_within(got, torch_same_dtype, ref64):
 @pytest.fixture
 def poisoned_triton(monkeypatch):
     """Every buffer the Triton launchers allocate starts as NaN."""
-    from seqpar.triton_kernels import rms_norm as kernels
+    from seqpar.triton_kernels import rms_norm as kernels, rows
 
-    real = kernels._empty
-    monkeypatch.setattr(kernels, "_empty", lambda shape, dtype, device: real(shape, dtype, device).fill_(float("nan")))
+    real = rows.empty
+    monkeypatch.setattr(rows, "empty", lambda shape, dtype, device: real(shape, dtype, device).fill_(float("nan")))
     return kernels
 
 

@@ -39,10 +39,10 @@ def _reference_fp64(gate_up, grad_y):
 
 @pytest.fixture
 def poisoned_triton(monkeypatch):
-    from seqpar.triton_kernels import swiglu as kernels
+    from seqpar.triton_kernels import rows
 
-    real = kernels._empty
-    monkeypatch.setattr(kernels, "_empty", lambda shape, dtype, device: real(shape, dtype, device).fill_(float("nan")))
+    real = rows.empty
+    monkeypatch.setattr(rows, "empty", lambda shape, dtype, device: real(shape, dtype, device).fill_(float("nan")))
 
 
 SHAPES = [(1, 2), (3, 5, 2 * 37), (33, 2 * 352)]
