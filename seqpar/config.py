@@ -11,7 +11,10 @@ from .memory import RECOMPUTE_POLICIES
 from .ops.registry import validate_backend
 from .random import dropout_threshold
 
-ACTIVATIONS = ("gelu", "gelu_tanh")
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+NORMALIZATIONS = ("layernorm", "rmsnorm")
+POSITION_EMBEDDINGS = ("learned", "rope")
+DEFAULT_ROPE_THETA = 10000.0
 #: What the fused kernels and the layer compute in (fp64 and others are rejected when the config is built).
 PARAMS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -44,6 +47,26 @@ class TransformerConfig:
     is accepted and computes exactly what ``sequence_parallel=False`` does: each rank's shard is the
     whole sequence and g / g-bar are the identity (``python -m seqpar bench`` runs it at t = 1).
     ``params_dtype``: torch.float32, torch.float16 or torch.bfloat16.
+
+    Architecture (the defaults are the paper's GPT layer; Llama's block is ``normalization="rmsnorm",
+    activation="swiglu", num_query_groups=g, position_embedding="rope", add_bias_linear=False`` and
+    dropout 0):
+
+    ``normalization``: "layernorm" (weight and bias) or "rmsnorm" (weight only, HF LlamaRMSNorm's
+    rounding; ``layernorm_epsilon`` is its eps).
+    ``activation``: "gelu" (erf), "gelu_tanh", or "swiglu": ``silu(gate) * up`` where dense_h_to_4h
+    projects to gate and up (2 ffn_hidden_size rows: gate, then up).
+    ``num_query_groups``: grouped-query attention's number of k/v heads g (None: one per query head,
+    multi-head attention); it must divide num_attention_heads, and the tensor-parallel size must divide
+    it (checked when the layer is built). Query head i uses k/v head ``i // (heads / g)``.
+    ``position_embedding``: "learned" (GPTModel adds a position table to the embeddings) or "rope"
+    (rotary embeddings applied to q and k in every layer at their global sequence positions, with base
+    ``rope_theta``; the head dim must be even). ``rope_theta`` other than 10000 with "learned" positions
+    is a ValueError (it would be ignored).
+    ``add_bias_linear``: biases on the four linear layers (QKV, projection, fc1, fc2).
+    Dropout combines with every choice: with RMSNorm the hidden dropout runs as an unfused
+    bias-dropout-add before the RMSNorm (the same regenerated masks), the attention dropout is the
+    attention core's, whatever the other knobs.
     """
 
     hidden_size: int
@@ -58,6 +81,11 @@ class TransformerConfig:
     backend: str = "auto"
     params_dtype: torch.dtype = torch.float32
     overlap_comm: bool = True
+    normalization: str = "layernorm"
+    num_query_groups: Optional[int] = None
+    position_embedding: str = "learned"
+    rope_theta: float = DEFAULT_ROPE_THETA
+    add_bias_linear: bool = True
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_attention_heads"):
@@ -84,20 +112,49 @@ class TransformerConfig:
         if self.params_dtype not in PARAMS_DTYPES:
             raise ValueError(f"params_dtype must be one of {', '.join(map(str, PARAMS_DTYPES))}, "
                              f"got {self.params_dtype!r}")
-        for name in ("sequence_parallel", "overlap_comm"):
+        for name in ("sequence_parallel", "overlap_comm", "add_bias_linear"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"unknown normalization {self.normalization!r}; expected one of {NORMALIZATIONS}")
+        groups = self.num_query_groups
+        if groups is not None:
+            if not _is_int(groups) or groups <= 0:
+                raise ValueError(f"num_query_groups must be None or a positive int, got {groups!r}")
+            if self.num_attention_heads % groups:
+                raise ValueError(f"num_query_groups {groups} does not divide num_attention_heads "
+                                 f"{self.num_attention_heads}")
+        if self.position_embedding not in POSITION_EMBEDDINGS:
+            raise ValueError(f"unknown position_embedding {self.position_embedding!r}; expected one of "
+                             f"{POSITION_EMBEDDINGS}")
+        theta = self.rope_theta
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
+            raise ValueError(f"rope_theta must be a finite positive float, got {theta!r}")
+        if self.position_embedding == "rope" and self.head_dim % 2:
+            raise ValueError(f"position_embedding='rope' needs an even head dim, got hidden_size "
+                             f"{self.hidden_size} / num_attention_heads {self.num_attention_heads} = {self.head_dim}")
+        if self.position_embedding == "learned" and theta != DEFAULT_ROPE_THETA:
+            raise ValueError(f"rope_theta={theta!r} with position_embedding='learned': rope_theta is only used with "
+                             f"position_embedding='rope'")
 
     @property
     def head_dim(self) -> int:
         """d = h / a."""
         return self.hidden_size // self.num_attention_heads
 
+    @property
+    def kv_heads(self) -> int:
+        """g, the number of k/v heads: ``num_query_groups``, or ``num_attention_heads`` when None."""
+        return self.num_attention_heads if self.num_query_groups is None else self.num_query_groups
+
     def check_tensor_parallel(self, tp_size: int) -> None:
-        """Raise ValueError unless heads and ffn_hidden_size split evenly over ``tp_size`` ranks."""
+        """Raise ValueError unless heads, k/v groups and ffn_hidden_size split evenly over ``tp_size`` ranks."""
         if self.num_attention_heads % tp_size:
             raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by the "
                              f"tensor-parallel size {tp_size}")
+        if self.kv_heads % tp_size:
+            raise ValueError(f"num_query_groups {self.kv_heads} is not divisible by the tensor-parallel size "
+                             f"{tp_size}")
         if self.ffn_hidden_size % tp_size:
             raise ValueError(f"ffn_hidden_size {self.ffn_hidden_size} is not divisible by the "
                              f"tensor-parallel size {tp_size}")

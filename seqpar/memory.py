@@ -15,6 +15,31 @@ tensor-parallel rank::
 selective recompute drops the attention-core term; full recompute keeps only the layer input
 (sbh E, or sbh E / t with SP). E=2, M=1, f=4h give sbh(34 + 5as/h), sbh(10 + 24/t + 5as/(ht)), ...
 
+**Other blocks** (keyword arguments ``normalization``, ``activation``, ``num_query_groups``,
+``hidden_dropout``, ``attention_dropout``, ``flash_attention``; the Llama block is RMSNorm, SwiGLU, g k/v
+groups, no dropout): :func:`layer_activation_terms` lists every saved tensor by the label seqpar's
+layer gives it (:func:`saved_as`), per rank (R = t with SP, else 1)::
+
+    LN1 / LN2 input                 sbh E / R           LayerNorm saves its input (Table 2; its two fp32
+                                                        per-token statistics are not counted)
+    RMSNorm1 / RMSNorm2 input       (sbh E + 4sb) / R   RMSNorm saves its input (the residual sum) and
+                                                        the fp32 rstd per token
+    QKV input, fc1 input            sbh E / R           column-parallel GEMM inputs (the shard under SP,
+                                                        re-gathered in backward)
+    Q, K, V                         sbh E (1 + 2g/a)/t  one QKV storage; g < a shrinks K and V (RoPE
+                                                        rotates q, k in place: nothing more)
+    softmax output                  a s^2 b E / t       the softmax core's probabilities
+    dropout output, mask            a s^2 b (E + M)/t   only with attention dropout
+    attention core (flash-style)    (sbh E + 4asb) / t  o (the projection input's storage) and the
+                                                        fp32 log-sum-exp per query row: no s^2 term
+    projection input, fc2 input     sbh E / t, sbh E f/(ht)
+    GeLU input                      sbh E f/(ht)        the fc1 output
+    SwiGLU input (gate, up)         2 sbh E f/(ht)      SwiGLU saves only its input and recomputes silu
+    two dropout masks               2 sbh M / R         only with hidden dropout
+
+The Llama block keeps ``(4 sbh E + 8 sb) / R + (2 + 2g/a + 3f/h) sbh E / t + a s^2 b E / t`` without
+recompute (the last term ``4asb/t`` flash-style, and 0 with selective recompute).
+
 **The first pipeline stage** (:func:`model_activation_bytes`, the paper's Section 4.3): under the 1F1B
 schedule the first stage keeps p micro-batches of its L/p layers, L layers' worth whatever p is, plus the
 embedding dropout's mask for each of those micro-batches (sbh M p, / t with SP). With the interleaved
@@ -24,9 +49,10 @@ holds the output side: final LayerNorm input and output-layer input (sbh E each,
 fp32 logits for the cross-entropy (4 sbv / t).
 
 **Recompute cost** (:func:`plan_recompute`; the forward FLOPs of the paper's FLOPs appendix): a layer's
-forward is 24 bsh^2 + 4 bs^2h (8 bsh^2 + 4 bshf + 4 bs^2h for general f), split over t ranks. Selective
-recompute reruns the attention core's QK^T and attention over V, 4 bs^2h / t; full recompute reruns the
-whole forward.
+forward is 24 bsh^2 + 4 bs^2h (8 bsh^2 + 4 bshf + 4 bs^2h for general f; with g k/v groups the QKV GEMM
+is 2bsh^2 (1 + 2g/a), with SwiGLU the MLP 6bshf), split over t ranks. Selective recompute reruns the
+attention core's QK^T and attention over V, 4 bs^2h / t (nothing with a flash-style core, which the
+layer never wraps); full recompute reruns the whole forward.
 
 :class:`ActivationMeter` counts the bytes of distinct storages saved for backward (parameters and
 views of parameters excluded; each storage once, whole: a saved view keeps its whole storage alive),
@@ -49,7 +75,7 @@ import torch
 from torch import nn
 
 
-__all__ = ["layer_activation_bytes", "model_activation_bytes", "plan_recompute", "evaluate_recompute",
+__all__ = ["layer_activation_bytes", "layer_activation_terms", "architecture_kwargs", "model_activation_bytes", "plan_recompute", "evaluate_recompute",
            "RecomputePlan", "first_stage_parameters", "MODEL_STATE_BYTES_PER_PARAMETER", "ActivationMeter",
            "SavedTensorRecord", "saved_as", "name_storage"]
 
@@ -86,6 +112,52 @@ def _check_bytes(name: str, value, allow_zero: bool) -> None:
                          f"got {value!r}")
 
 
+def _has_dropout(name: str, value) -> bool:
+    """A dropout knob of the formulas: a bool, or a probability (validated; effective p > 0 means True)."""
+    if isinstance(value, bool):
+        return value
+    from .random import dropout_threshold
+
+    return dropout_threshold(value, name) > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """What a layer is built of, as far as its saved tensors go (validated)."""
+
+    normalization: str = "layernorm"
+    activation: str = "gelu"
+    g: Optional[int] = None          # k/v heads; None: one per query head
+    hidden_dropout: bool = True
+    attention_dropout: bool = True
+    flash: bool = False
+
+    @classmethod
+    def validated(cls, normalization, activation, num_query_groups, hidden_dropout, attention_dropout,
+                  flash_attention) -> "_Block":
+        from .config import ACTIVATIONS, NORMALIZATIONS  # config imports this module
+
+        if normalization not in NORMALIZATIONS:
+            raise ValueError(f"unknown normalization {normalization!r}; expected one of {NORMALIZATIONS}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+        if num_query_groups is not None:
+            _check_positive_int("num_query_groups", num_query_groups)
+        if not isinstance(flash_attention, bool):
+            raise ValueError(f"flash_attention must be a bool, got {flash_attention!r}")
+        return cls(normalization, activation, num_query_groups, _has_dropout("hidden_dropout", hidden_dropout),
+                   _has_dropout("attention_dropout", attention_dropout), flash_attention)
+
+
+def architecture_kwargs(config) -> Dict[str, object]:
+    """The block keywords of :func:`layer_activation_bytes` / :func:`model_activation_bytes` /
+    :func:`plan_recompute` for a :class:`seqpar.TransformerConfig` (``ffn_hidden`` included; pass
+    ``flash_attention=True`` yourself when the attention core is flash-style, e.g. the triton backend)."""
+    return dict(ffn_hidden=config.ffn_hidden_size, normalization=config.normalization,
+                activation=config.activation, num_query_groups=config.num_query_groups,
+                hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Layer:
     """One layer's sizes (validated): the per-layer bytes and FLOPs of one tensor-parallel rank."""
@@ -99,10 +171,11 @@ class _Layer:
     f: int
     e: float
     m: float
+    block: _Block = _Block()
 
     @classmethod
     def validated(cls, seq_len, micro_batch, hidden, heads, tp, sequence_parallel, ffn_hidden,
-                  bytes_per_element, bytes_per_mask) -> "_Layer":
+                  bytes_per_element, bytes_per_mask, block: _Block = _Block()) -> "_Layer":
         for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("hidden", hidden),
                             ("heads", heads), ("tp", tp)):
             _check_positive_int(name, value)
@@ -118,59 +191,133 @@ class _Layer:
             raise ValueError(f"tp {tp} does not divide heads {heads}")
         if f % tp:
             raise ValueError(f"tp {tp} does not divide ffn_hidden {f}")
+        if block.g is not None:
+            if heads % block.g:
+                raise ValueError(f"num_query_groups {block.g} does not divide heads {heads}")
+            if block.g % tp:
+                raise ValueError(f"tp {tp} does not divide num_query_groups {block.g}")
         if sequence_parallel and seq_len % tp:
             raise ValueError(f"tp {tp} does not divide seq_len {seq_len} (sequence parallelism splits it)")
         return cls(seq_len, micro_batch, hidden, heads, tp, sequence_parallel, f, bytes_per_element,
-                   bytes_per_mask)
+                   bytes_per_mask, block)
 
     @property
     def sbh(self) -> int:
         return self.s * self.b * self.h
 
     @property
+    def g(self) -> int:
+        """k/v heads."""
+        return self.a if self.block.g is None else self.block.g
+
+    @property
     def replicated_split(self) -> int:
         """What tensor parallelism alone leaves replicated is split t ways by sequence parallelism."""
         return self.t if self.sp else 1
 
+    def norm_input(self) -> float:
+        """One norm's saved input, unsplit: LayerNorm sbh E (Table 2), RMSNorm sbh E + 4sb (fp32 rstd)."""
+        extra = 4 * self.s * self.b if self.block.normalization == "rmsnorm" else 0
+        return self.sbh * self.e + extra
+
+    def terms(self, recompute: str) -> Dict[str, float]:
+        """Bytes per saved tensor of one layer on one rank, keyed by the layer's meter labels (Table 2
+        generalised; see the module docstring)."""
+        R, t, sbh, e, m, blk = self.replicated_split, self.t, self.sbh, self.e, self.m, self.block
+        if recompute == "full":
+            return {"layer input (full recompute)": sbh * e / R}
+        norm1, norm2 = ("LN1 input", "LN2 input") if blk.normalization == "layernorm" else \
+            ("RMSNorm1 input", "RMSNorm2 input")
+        ffn = self.f / self.h
+        as2b = self.a * self.s * self.s * self.b
+        terms = {norm1: self.norm_input() / R, "QKV input": sbh * e / R,
+                 "Q, K, V": sbh * e * (1 + 2 * self.g / self.a) / t}
+        if blk.flash:      # o is the projection input's storage; the fp32 LSE per (head, query row)
+            terms["attention core"] = (sbh * e + 4 * self.a * self.s * self.b) / t
+        else:
+            if recompute == "none":
+                terms["softmax output"] = as2b * e / t
+                if blk.attention_dropout:
+                    terms["dropout output"] = as2b * e / t
+                    terms["attention dropout mask"] = as2b * m / t
+            terms["projection input"] = sbh * e / t
+        if blk.hidden_dropout:
+            terms["attention-out dropout mask"] = sbh * m / R
+        terms[norm2] = self.norm_input() / R
+        terms["fc1 input"] = sbh * e / R
+        if blk.activation == "swiglu":
+            terms["SwiGLU input (gate, up)"] = 2 * ffn * sbh * e / t
+        else:
+            terms["GeLU input"] = ffn * sbh * e / t
+        terms["fc2 input"] = ffn * sbh * e / t
+        if blk.hidden_dropout:
+            terms["MLP-out dropout mask"] = sbh * m / R
+        return terms
+
     def bytes(self, recompute: str) -> float:
         """Activation bytes of one layer on one rank (Table 2, generalised)."""
-        if recompute == "full":
-            return self.sbh * self.e / self.replicated_split
-        replicated = self.sbh * (4 * self.e + 2 * self.m)
-        split = self.sbh * (4 + 2 * self.f / self.h) * self.e
-        total = replicated / self.replicated_split + split / self.t
-        if recompute == "none":
-            total += self.a * self.s * self.s * self.b * (2 * self.e + self.m) / self.t
-        return total
+        return sum(self.terms(recompute).values())
 
     def forward_flops_all_ranks(self) -> int:
-        """Forward FLOPs of one layer summed over its t ranks: 8bsh^2 + 4bshf + 4bs^2h (QKV 6bsh^2,
-        QK^T 2bs^2h, attention over V 2bs^2h, projection 2bsh^2, MLP 4bshf)."""
-        s, b, h = self.s, self.b, self.h
-        return 8 * b * s * h * h + 4 * b * s * h * self.f + 4 * b * s * s * h
+        """Forward FLOPs of one layer summed over its t ranks: QKV 2bsh^2 (1 + 2g/a), QK^T 2bs^2h,
+        attention over V 2bs^2h, projection 2bsh^2, MLP 4bshf (SwiGLU 6bshf); 8bsh^2 + 4bshf + 4bs^2h
+        for the paper's layer."""
+        s, b, h, f = self.s, self.b, self.h, self.f
+        qkv = 2 * b * s * h * (h + 2 * self.g * (h // self.a))
+        mlp = (6 if self.block.activation == "swiglu" else 4) * b * s * h * f
+        return qkv + 2 * b * s * h * h + mlp + 4 * b * s * s * h
 
     def extra_flops_all_ranks(self, recompute: str) -> int:
         """Forward FLOPs a recompute policy adds per layer, summed over the t ranks (exact integer)."""
         if recompute == "full":
             return self.forward_flops_all_ranks()
-        if recompute == "selective":
+        if recompute == "selective" and not self.block.flash:
             return 4 * self.b * self.s * self.s * self.h
         return 0
+
+
+def layer_activation_terms(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
+                           sequence_parallel: bool = False, recompute: str = "none",
+                           ffn_hidden: Optional[int] = None, bytes_per_element: float = 2,
+                           bytes_per_mask: float = 1, *, normalization: str = "layernorm",
+                           activation: str = "gelu", num_query_groups: Optional[int] = None,
+                           hidden_dropout=True, attention_dropout=True,
+                           flash_attention: bool = False) -> Dict[str, float]:
+    """:func:`layer_activation_bytes` term by term: {meter label: bytes} per tensor-parallel rank, the
+    labels :class:`ActivationMeter` gives the tensors seqpar's layer saves (module docstring)."""
+    _check_policy("recompute", recompute)
+    block = _Block.validated(normalization, activation, num_query_groups, hidden_dropout, attention_dropout,
+                             flash_attention)
+    layer = _Layer.validated(seq_len, micro_batch, hidden, heads, tp, sequence_parallel, ffn_hidden,
+                             bytes_per_element, bytes_per_mask, block)
+    return layer.terms(recompute)
 
 
 def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
                            sequence_parallel: bool = False, recompute: str = "none",
                            ffn_hidden: Optional[int] = None, bytes_per_element: float = 2,
-                           bytes_per_mask: float = 1) -> float:
+                           bytes_per_mask: float = 1, *, normalization: str = "layernorm",
+                           activation: str = "gelu", num_query_groups: Optional[int] = None,
+                           hidden_dropout=True, attention_dropout=True, flash_attention: bool = False) -> float:
     """Activation bytes one transformer layer keeps for backward, per tensor-parallel rank (paper Table 2).
 
     ``bytes_per_mask=0`` gives the figure for implementations that regenerate dropout masks (seqpar).
     Invalid sizes (non-positive, bools, ``tp`` not dividing ``heads`` or ``ffn_hidden``, or ``seq_len``
     under sequence parallelism) and negative bytes raise ValueError naming the value.
+
+    The keywords describe other blocks (the defaults are the paper's GPT layer, Table 2 exactly):
+    ``normalization`` "layernorm" | "rmsnorm"; ``activation`` "gelu" | "gelu_tanh" | "swiglu";
+    ``num_query_groups`` the k/v heads g (None: a); ``hidden_dropout`` / ``attention_dropout`` whether
+    the layer has them (a bool or the probability: the Llama block has neither, so no masks and no
+    dropout output); ``flash_attention`` a flash-style core (seqpar's triton backend) that keeps only o
+    and the fp32 log-sum-exp, with or without selective recompute. :func:`architecture_kwargs` reads
+    them from a config; :func:`layer_activation_terms` gives the figure term by term.
     """
     _check_policy("recompute", recompute)
+    block = _Block.validated(normalization, activation, num_query_groups, hidden_dropout, attention_dropout,
+                             flash_attention)
     layer = _Layer.validated(seq_len, micro_batch, hidden, heads, tp, sequence_parallel, ffn_hidden,
-                             bytes_per_element, bytes_per_mask)
+                             bytes_per_element, bytes_per_mask, block)
     return layer.bytes(recompute)
 
 
@@ -237,19 +384,26 @@ class _Model:
     vocab: int
     pp: int
     interleave: int
+    embedding_dropout: bool = True
 
     @classmethod
     def validated(cls, seq_len, micro_batch, hidden, heads, num_layers, vocab, tp, pp, sequence_parallel,
-                  ffn_hidden, bytes_per_element, bytes_per_mask, interleave) -> "_Model":
+                  ffn_hidden, bytes_per_element, bytes_per_mask, interleave, block: Dict[str, object]) -> "_Model":
+        """``block``: the architecture keywords (those of :func:`layer_activation_bytes` and
+        ``embedding_dropout``: None follows ``hidden_dropout``, like GPTModel's default)."""
+        block = dict(block)
+        embedding_dropout = block.pop("embedding_dropout")
         layer = _Layer.validated(seq_len, micro_batch, hidden, heads, tp, sequence_parallel, ffn_hidden,
-                                 bytes_per_element, bytes_per_mask)
+                                 bytes_per_element, bytes_per_mask, _Block.validated(**block))
+        embedding_dropout = (layer.block.hidden_dropout if embedding_dropout is None
+                             else _has_dropout("embedding_dropout", embedding_dropout))
         for name, value in (("num_layers", num_layers), ("vocab", vocab), ("pp", pp), ("interleave", interleave)):
             _check_positive_int(name, value)
         if interleave > 1 and pp == 1:
             raise ValueError(f"interleave {interleave} needs pipeline parallelism (pp > 1), got pp=1")
         if num_layers % (pp * interleave):
             raise ValueError(f"num_layers {num_layers} is not divisible by pp * interleave = {pp * interleave}")
-        return cls(layer, num_layers, vocab, pp, interleave)
+        return cls(layer, num_layers, vocab, pp, interleave, embedding_dropout)
 
     @property
     def chunk_layers(self) -> int:
@@ -266,10 +420,11 @@ class _Model:
         lay = self.layer
         per_layer = [lay.bytes(p) for p in RECOMPUTE_POLICIES]
         chunk_bytes = [sum(n * x for n, x in zip(counts, per_layer)) for counts in chunk_counts]
-        embedding_dropout = lay.sbh * lay.m / lay.replicated_split
+        embedding_dropout = lay.sbh * lay.m / lay.replicated_split if self.embedding_dropout else 0
         total = _first_rank_peak(self.pp, self.interleave, chunk_bytes, embedding_dropout)
         if self.pp == 1:  # the output side lives on the first (only) stage
-            final_layernorm_input = output_layer_input = lay.sbh * lay.e / lay.replicated_split
+            final_layernorm_input = lay.norm_input() / lay.replicated_split
+            output_layer_input = lay.sbh * lay.e / lay.replicated_split
             logits = LOGITS_BYTES * lay.s * lay.b * self.vocab / lay.t
             total += final_layernorm_input + output_layer_input + logits
         return total
@@ -299,7 +454,9 @@ def model_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
                            vocab: int, *, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
                            recompute: Union[str, Sequence[str]] = "none", ffn_hidden: Optional[int] = None,
                            bytes_per_element: float = 2, bytes_per_mask: float = 1,
-                           interleave: int = 1) -> float:
+                           interleave: int = 1, normalization: str = "layernorm", activation: str = "gelu",
+                           num_query_groups: Optional[int] = None, hidden_dropout=True, attention_dropout=True,
+                           flash_attention: bool = False, embedding_dropout=None) -> float:
     """Activation bytes of the first pipeline stage (the most loaded one), per tensor-parallel rank.
 
     The paper's Section 4.3: under 1F1B the first stage holds p micro-batches of its L/p layers, i.e.
@@ -313,9 +470,18 @@ def model_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     :class:`RecomputePlan` to every stage with ``list(plan.policies) * pp``.
     Under the interleaved schedule the first chunk's micro-batches in flight (up to 2p) come from
     simulating the schedule (see ``_first_rank_peak``), so do uneven per-chunk policies.
+
+    Other blocks: the keywords of :func:`layer_activation_bytes` (``normalization``, ``activation``,
+    ``num_query_groups``, ``hidden_dropout``, ``attention_dropout``, ``flash_attention``) and
+    ``embedding_dropout`` (None: as ``hidden_dropout``, GPTModel's default): without it there is no
+    embedding mask; with RMSNorm the final norm's input also keeps its fp32 rstd (4sb / t with SP).
     """
     model = _Model.validated(seq_len, micro_batch, hidden, heads, num_layers, vocab, tp, pp, sequence_parallel,
-                             ffn_hidden, bytes_per_element, bytes_per_mask, interleave)
+                             ffn_hidden, bytes_per_element, bytes_per_mask, interleave,
+                             dict(normalization=normalization, activation=activation,
+                                  num_query_groups=num_query_groups, hidden_dropout=hidden_dropout,
+                                  attention_dropout=attention_dropout, flash_attention=flash_attention,
+                                  embedding_dropout=embedding_dropout))
     policies = recompute_policies(recompute, num_layers)
     return model.activation_bytes([_count(chunk) for chunk in model.first_rank_layers(policies)])
 
@@ -373,18 +539,27 @@ class RecomputePlan:
 def evaluate_recompute(policies: Sequence[str], seq_len: int, micro_batch: int, hidden: int, heads: int,
                        num_layers: int, vocab: int, *, tp: int = 1, pp: int = 1, sequence_parallel: bool = True,
                        ffn_hidden: Optional[int] = None, bytes_per_element: float = 2,
-                       bytes_per_mask: float = 1) -> RecomputePlan:
+                       bytes_per_mask: float = 1, normalization: str = "layernorm", activation: str = "gelu",
+                       num_query_groups: Optional[int] = None, hidden_dropout=True, attention_dropout=True,
+                       flash_attention: bool = False, embedding_dropout=None) -> RecomputePlan:
     """The :class:`RecomputePlan` of given per-layer ``policies`` for the first stage's L/p layers (every
-    stage running the same list), whether or not it is the cheapest: its activation bytes and extra FLOPs."""
+    stage running the same list), whether or not it is the cheapest: its activation bytes and extra FLOPs.
+    The block keywords are :func:`model_activation_bytes`'s."""
     model = _Model.validated(seq_len, micro_batch, hidden, heads, num_layers, vocab, tp, pp, sequence_parallel,
-                             ffn_hidden, bytes_per_element, bytes_per_mask, 1)
+                             ffn_hidden, bytes_per_element, bytes_per_mask, 1,
+                             dict(normalization=normalization, activation=activation,
+                                  num_query_groups=num_query_groups, hidden_dropout=hidden_dropout,
+                                  attention_dropout=attention_dropout, flash_attention=flash_attention,
+                                  embedding_dropout=embedding_dropout))
     return model.plan(recompute_policies(policies, model.chunk_layers))
 
 
 def plan_recompute(seq_len: int, micro_batch: int, hidden: int, heads: int, num_layers: int, vocab: int, *,
                    budget_bytes: float, tp: int = 1, pp: int = 1, sequence_parallel: bool = True,
                    ffn_hidden: Optional[int] = None, bytes_per_element: float = 2,
-                   bytes_per_mask: float = 1) -> RecomputePlan:
+                   bytes_per_mask: float = 1, normalization: str = "layernorm", activation: str = "gelu",
+                   num_query_groups: Optional[int] = None, hidden_dropout=True, attention_dropout=True,
+                   flash_attention: bool = False, embedding_dropout=None) -> RecomputePlan:
     """The per-layer recompute mix with the least extra forward FLOPs whose first-stage activation
     bytes (:func:`model_activation_bytes`, 1F1B) fit ``budget_bytes``.
 
@@ -398,10 +573,18 @@ def plan_recompute(seq_len: int, micro_batch: int, hidden: int, heads: int, num_
     (ties: the least memory). That is the optimum over all (n_none, n_selective, n_full) mixes.
     Full-recompute layers come first in ``policies``, then selective, then none.
 
+    The block keywords (``normalization``, ``activation``, ``num_query_groups``, the dropouts,
+    ``flash_attention``) are :func:`model_activation_bytes`'s; with ``flash_attention`` selective recompute
+    saves nothing and costs nothing (the layer never wraps a flash-style core), so plans use none / full.
+
     Raises ValueError if even full recompute of every layer does not fit.
     """
     model = _Model.validated(seq_len, micro_batch, hidden, heads, num_layers, vocab, tp, pp, sequence_parallel,
-                             ffn_hidden, bytes_per_element, bytes_per_mask, 1)
+                             ffn_hidden, bytes_per_element, bytes_per_mask, 1,
+                             dict(normalization=normalization, activation=activation,
+                                  num_query_groups=num_query_groups, hidden_dropout=hidden_dropout,
+                                  attention_dropout=attention_dropout, flash_attention=flash_attention,
+                                  embedding_dropout=embedding_dropout))
     _check_bytes("budget_bytes", budget_bytes, allow_zero=False)
     n = model.chunk_layers
 

@@ -1,4 +1,4 @@
-"""HuggingFace ``transformers`` GPT-2 <-> :class:`seqpar.GPTModel`.
+"""HuggingFace ``transformers`` GPT-2 and Llama <-> :class:`seqpar.GPTModel`.
 
 GPT-2 is the architecture of GPTModel (learned positions, pre-LayerNorm layers, tied output head), so
 a ``GPT2LMHeadModel`` (or ``GPT2Model``, or either's state dict) becomes a GPTModel holding this rank's
@@ -34,6 +34,31 @@ Loss: GPTModel's labels are already shifted (position i predicts ``labels[:, i]`
 ``labels=input_ids`` shifts inside. :func:`shift_labels` converts, and HF's mean loss is the sum of
 GPTModel's per-token losses over the labels that are not -100.
 
+**Llama** (:func:`from_llama` / :func:`to_llama_state_dict`): a ``LlamaForCausalLM`` (or ``LlamaModel``,
+or either's state dict with its ``LlamaConfig``) becomes a GPTModel with the Llama block
+(``normalization="rmsnorm", activation="swiglu", num_query_groups=num_key_value_heads,
+position_embedding="rope", add_bias_linear=False``, no dropout but the config's ``attention_dropout``)::
+
+    model.embed_tokens.weight [v, h]          embedding.word_embeddings.weight
+    layers.{i}.input_layernorm / post_attention_layernorm        the same names (RMSNorm weights)
+    layers.{i}.self_attn.q_proj [a d, h], k_proj [g d, h], v_proj [g d, h]
+                                              layers.{i}.self_attention.query_key_value.weight, rows
+                                              q, then k, then v ([(a + 2g) d, h]; HF's head-major rows and
+                                              rotate-half RoPE are seqpar's, so nothing is permuted)
+    layers.{i}.self_attn.o_proj [h, a d]      layers.{i}.self_attention.dense.weight
+    layers.{i}.mlp.gate_proj, up_proj [f, h]  layers.{i}.mlp.dense_h_to_4h.weight, rows gate then up [2f, h]
+    layers.{i}.mlp.down_proj [h, f]           layers.{i}.mlp.dense_4h_to_h.weight
+    model.norm.weight                         final_layernorm.weight
+    lm_head.weight [v, h]                     output_layer.weight (tie_word_embeddings=False), or the
+                                              word embedding (tied: then it must equal embed_tokens)
+
+Config: ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads`` (None: = heads),
+``intermediate_size``, ``num_hidden_layers``, ``max_position_embeddings`` (GPTModel's max_seq_len),
+``vocab_size`` (any; padded inside GPTModel), ``rms_norm_eps``, the RoPE base (``rope_parameters``,
+or ``rope_theta`` in older transformers). Unsupported settings raise ValueError naming them: a RoPE type
+other than "default" (linear, dynamic, yarn, llama3 ... scaling), ``attention_bias`` or ``mlp_bias``,
+a ``head_dim`` other than hidden_size / num_attention_heads, a ``hidden_act`` other than "silu".
+
 This module never imports ``transformers``: it reads the config's attributes and the state dict.
 """
 from __future__ import annotations
@@ -48,7 +73,7 @@ from ..config import TransformerConfig
 from ..nn.model import IGNORE_INDEX, GPTModel
 from ..parallel.state import ProcessGroup
 
-__all__ = ["from_gpt2", "to_gpt2_state_dict", "shift_labels"]
+__all__ = ["from_gpt2", "to_gpt2_state_dict", "from_llama", "to_llama_state_dict", "shift_labels"]
 
 #: GPT-2 activation_function -> TransformerConfig.activation (the same function, not an approximation of it).
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
@@ -184,18 +209,7 @@ def from_gpt2(source, *, config=None, tp_group: ProcessGroup = None, sequence_pa
     when it is a model. Raises ValueError naming a GPT-2 setting seqpar does not implement, or a
     missing, unexpected or misshapen weight.
     """
-    if isinstance(source, nn.Module):
-        if config is not None:
-            raise ValueError("config= is only for a state-dict source: a model brings its own config")
-        config = getattr(source, "config", None)
-        state_dict, training = source.state_dict(), source.training
-    elif isinstance(source, Mapping):
-        if config is None:
-            raise ValueError("a state-dict source needs config= (its transformers GPT2Config)")
-        state_dict, training = source, True
-    else:
-        raise ValueError(f"source must be a transformers GPT2LMHeadModel / GPT2Model or a state dict, "
-                         f"got {type(source).__name__}")
+    state_dict, config, training = _source_state_dict(source, config, "GPT2")
     settings = _gpt2_settings(config)
     sd = _transformer_state_dict(state_dict, settings)
     wte = sd["wte.weight"]
@@ -233,6 +247,220 @@ def to_gpt2_state_dict(model: GPTModel) -> Dict[str, torch.Tensor]:
             out[f"{_PREFIX}h.{i}.{theirs}"] = value.t().contiguous() if conv1d else value
     out.update({_PREFIX + theirs: full[ours] for theirs, ours in _TOP_KEYS[2:]})
     out[_HEAD] = out[_PREFIX + "wte.weight"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- Llama
+_LLAMA_PREFIX = "model."
+# HF Llama key under "layers.{i}." -> seqpar key under "layers.{i}." (the fused ones are built apart)
+_LLAMA_NORMS = (("input_layernorm.weight", "input_layernorm.weight"),
+                ("post_attention_layernorm.weight", "post_attention_layernorm.weight"))
+_LLAMA_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_LLAMA_GATE_UP = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+# RoPE inverse-frequency buffers that older transformers releases saved in state dicts: not weights.
+_ROPE_BUFFER = re.compile(r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq$")
+#: The seqpar config a Llama maps to, beyond its sizes.
+LLAMA_BLOCK = dict(normalization="rmsnorm", activation="swiglu", position_embedding="rope", add_bias_linear=False)
+
+
+def _llama_rope_theta(get) -> float:
+    """The RoPE base of a LlamaConfig; ValueError for any RoPE type but the default."""
+    params = get("rope_parameters")
+    if params is None:  # transformers < 5: rope_theta and rope_scaling attributes
+        params = dict(get("rope_scaling") or {})
+        params.setdefault("rope_theta", get("rope_theta", 10000.0))
+    if not isinstance(params, Mapping):
+        raise ValueError(f"Llama config rope_parameters must be a dict, got {params!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"Llama config rope type {rope_type!r} (rope_parameters / rope_scaling) is not supported by "
+                         f"seqpar: it implements the default RoPE only")
+    return params.get("rope_theta", 10000.0)
+
+
+def _llama_settings(config) -> dict:
+    """Read a LlamaConfig into GPTModel's arguments; ValueError naming any setting seqpar can't honour."""
+    def get(name, default=None):
+        return getattr(config, name, default)
+
+    if config is None or get("hidden_size") is None or get("intermediate_size") is None:
+        raise ValueError(f"config must be a transformers LlamaConfig, got {type(config).__name__}")
+    if get("model_type", "llama") != "llama":
+        raise ValueError(f"config.model_type {get('model_type')!r} is not 'llama'")
+    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    kv_heads = get("num_key_value_heads") or heads
+    for name, supported in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
+        value = get(name, supported)
+        if value != supported:
+            raise ValueError(f"Llama config {name}={value!r} is not supported by seqpar (it implements "
+                             f"{name}={supported!r})")
+    head_dim = get("head_dim")
+    if head_dim is not None and head_dim * heads != hidden:
+        raise ValueError(f"Llama config head_dim={head_dim!r} is not supported by seqpar: it needs head_dim = "
+                         f"hidden_size / num_attention_heads = {hidden} / {heads}")
+    return dict(hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=get("intermediate_size"),
+                layers=get("num_hidden_layers"), positions=get("max_position_embeddings"),
+                vocab=get("vocab_size"), eps=get("rms_norm_eps", 1e-6), theta=_llama_rope_theta(get),
+                tied=bool(get("tie_word_embeddings", False)), attention_dropout=get("attention_dropout", 0.0) or 0.0)
+
+
+def _llama_shapes(settings: dict) -> Dict[str, tuple]:
+    """LlamaModel state-dict keys (no "model." prefix) and their shapes."""
+    h, f, v = settings["hidden"], settings["ffn"], settings["vocab"]
+    d = h // settings["heads"]
+    kv = settings["kv_heads"] * d
+    layer = {"self_attn.q_proj.weight": (h, h), "self_attn.k_proj.weight": (kv, h),
+             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, h),
+             "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
+             "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    shapes = {"embed_tokens.weight": (v, h)}
+    for i in range(settings["layers"]):
+        shapes.update({f"layers.{i}.{key}": shape for key, shape in layer.items()})
+    shapes["norm.weight"] = (h,)
+    return shapes
+
+
+def _llama_state_dict(state_dict: Mapping[str, torch.Tensor], settings: dict):
+    """A LlamaForCausalLM / LlamaModel state dict -> (the model's tensors without the prefix, the untied
+    head or None), keys, shapes and the head checked (ValueError naming the offending key)."""
+    sd = dict(state_dict)
+    head = sd.pop(_HEAD, None)
+    prefixed = [k for k in sd if k.startswith(_LLAMA_PREFIX)]
+    if prefixed:
+        bare = sorted(k for k in sd if not k.startswith(_LLAMA_PREFIX))
+        if bare:
+            raise ValueError(f"state dict mixes '{_LLAMA_PREFIX}'-prefixed keys with unprefixed ones: {bare[:5]}")
+        sd = {k[len(_LLAMA_PREFIX):]: v for k, v in sd.items()}
+    sd = {k: v for k, v in sd.items() if not _ROPE_BUFFER.match(k)}
+    shapes = _llama_shapes(settings)
+    missing, unexpected = sorted(set(shapes) - set(sd)), sorted(set(sd) - set(shapes))
+    if missing or unexpected:
+        raise ValueError(f"Llama state dict keys do not match the config (num_hidden_layers={settings['layers']}): "
+                         f"missing {missing}, unexpected {unexpected}")
+    for key, shape in shapes.items():
+        value = sd[key]
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"Llama state dict {key} must have shape {shape} for this config, got {got}")
+    embed = sd["embed_tokens.weight"]
+    if settings["tied"]:
+        if head is not None and (not isinstance(head, torch.Tensor) or head.shape != embed.shape
+                                 or not torch.equal(head, embed)):
+            raise ValueError(f"{_HEAD} differs from {_LLAMA_PREFIX}embed_tokens.weight but the config has "
+                             f"tie_word_embeddings=True")
+        return sd, None
+    if head is None:
+        raise ValueError(f"the state dict has no {_HEAD} but the config has tie_word_embeddings=False (a LlamaModel "
+                         f"has no output head: pass the LlamaForCausalLM)")
+    if not isinstance(head, torch.Tensor) or tuple(head.shape) != tuple(embed.shape):
+        got = tuple(head.shape) if isinstance(head, torch.Tensor) else type(head).__name__
+        raise ValueError(f"Llama state dict {_HEAD} must have shape {tuple(embed.shape)} for this config, got {got}")
+    return sd, head
+
+
+def _llama_to_seqpar_keys(sd: Dict[str, torch.Tensor], head: Optional[torch.Tensor],
+                          num_layers: int) -> Dict[str, torch.Tensor]:
+    """Llama keys (no prefix) -> GPTModel's unsharded keys: q/k/v and gate/up concatenated by rows."""
+    out = {"embedding.word_embeddings.weight": sd["embed_tokens.weight"]}
+    for i in range(num_layers):
+        theirs, ours = f"layers.{i}.", f"layers.{i}."
+        for their_key, our_key in _LLAMA_NORMS:
+            out[ours + our_key] = sd[theirs + their_key]
+        out[ours + "self_attention.query_key_value.weight"] = torch.cat([sd[theirs + k] for k in _LLAMA_QKV])
+        out[ours + "self_attention.dense.weight"] = sd[theirs + "self_attn.o_proj.weight"]
+        out[ours + "mlp.dense_h_to_4h.weight"] = torch.cat([sd[theirs + k] for k in _LLAMA_GATE_UP])
+        out[ours + "mlp.dense_4h_to_h.weight"] = sd[theirs + "mlp.down_proj.weight"]
+    out["final_layernorm.weight"] = sd["norm.weight"]
+    if head is not None:
+        out["output_layer.weight"] = head
+    return out
+
+
+def _source_state_dict(source, config, kind: str):
+    """(state dict, config, training) of a model or state-dict ``source`` (ValueError otherwise)."""
+    if isinstance(source, nn.Module):
+        if config is not None:
+            raise ValueError("config= is only for a state-dict source: a model brings its own config")
+        return source.state_dict(), getattr(source, "config", None), source.training
+    if isinstance(source, Mapping):
+        if config is None:
+            raise ValueError(f"a state-dict source needs config= (its transformers {kind}Config)")
+        return source, config, True
+    raise ValueError(f"source must be a transformers {kind} model or a state dict, got {type(source).__name__}")
+
+
+def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_parallel: bool = False,
+               recompute: str = "none", backend: str = "auto", device=None,
+               params_dtype: Optional[torch.dtype] = None) -> GPTModel:
+    """A :class:`seqpar.GPTModel` with the Llama block holding this rank's shards of a HuggingFace Llama.
+
+    Args:
+        source: a ``transformers`` ``LlamaForCausalLM`` or ``LlamaModel`` (tied head only: it has no
+            ``lm_head``), or a state dict of either (keys with or without the "model." prefix) together
+            with ``config=``.
+        config: the ``LlamaConfig`` of a state-dict ``source`` (a model brings its own: leave None).
+        tp_group: tensor-parallel process group (None: no tensor parallelism). Every rank passes the
+            same source; t must divide num_attention_heads, num_key_value_heads and intermediate_size.
+        sequence_parallel, recompute, backend: as in :class:`seqpar.TransformerConfig` (``recompute``
+            is one policy, "none" | "selective" | "full", for every layer).
+        device: where the parameters go; None keeps the source's device.
+        params_dtype: the parameters' dtype; None keeps the source's.
+
+    Returns the GPTModel (``model.config`` is the Llama block, see the module docstring), in training
+    mode when ``source`` is a state dict and in ``source``'s mode when it is a model. Raises
+    ValueError naming a Llama setting seqpar does not implement, or a missing, unexpected or misshapen
+    weight. Loss: ``model(input_ids, shift_labels(labels)).sum() / (shift_labels(labels) != -100).sum()``
+    is HF's ``LlamaForCausalLM(input_ids, labels=labels).loss``.
+    """
+    state_dict, config, training = _source_state_dict(source, config, "Llama")
+    settings = _llama_settings(config)
+    sd, head = _llama_state_dict(state_dict, settings)
+    embed = sd["embed_tokens.weight"]
+    groups = settings["kv_heads"]
+    cfg = TransformerConfig(
+        hidden_size=settings["hidden"], num_attention_heads=settings["heads"], ffn_hidden_size=settings["ffn"],
+        num_query_groups=groups, attention_dropout=settings["attention_dropout"], layernorm_epsilon=settings["eps"],
+        rope_theta=settings["theta"], sequence_parallel=sequence_parallel, recompute=recompute, backend=backend,
+        params_dtype=embed.dtype if params_dtype is None else params_dtype, **LLAMA_BLOCK)
+    model = GPTModel(cfg, settings["layers"], settings["vocab"], settings["positions"], tp_group=tp_group,
+                     device=embed.device if device is None else device, embedding_dropout=0.0,
+                     share_embeddings_and_output_weights=settings["tied"])
+    model.load_full_state_dict(_llama_to_seqpar_keys(sd, head, settings["layers"]))
+    return model.train(training)
+
+
+def to_llama_state_dict(model: GPTModel) -> Dict[str, torch.Tensor]:
+    """The unsharded ``LlamaForCausalLM`` state dict of ``model`` (HF key names and order, q/k/v and
+    gate/up split back out of the fused weights, the real vocabulary rows), loadable with
+    ``load_state_dict(strict=True)``. ``lm_head.weight`` is the untied output layer, or with a tied
+    head the same tensor as ``model.embed_tokens.weight`` (HF's own state dict holds both keys).
+
+    A collective under tensor parallelism: call it on every rank; every rank gets the same dict.
+    ValueError unless ``model`` is a GPTModel with the Llama block (RMSNorm, SwiGLU, RoPE, no biases).
+    """
+    if not isinstance(model, GPTModel):
+        raise ValueError(f"model must be a seqpar.GPTModel, got {type(model).__name__}")
+    cfg = model.config
+    different = {k: getattr(cfg, k) for k, v in LLAMA_BLOCK.items() if getattr(cfg, k) != v}
+    if different:
+        raise ValueError(f"model is not a Llama: its config has {different} (a Llama has {LLAMA_BLOCK})")
+    full = model.full_state_dict()
+    d, f = cfg.head_dim, cfg.ffn_hidden_size
+    rows = (cfg.num_attention_heads * d, cfg.kv_heads * d, cfg.kv_heads * d)
+    out = {_LLAMA_PREFIX + "embed_tokens.weight": full["embedding.word_embeddings.weight"]}
+    for i in range(len(model.layers)):
+        ours, theirs = f"layers.{i}.", f"{_LLAMA_PREFIX}layers.{i}."
+        q, k, v = (w.clone() for w in full[ours + "self_attention.query_key_value.weight"].split(rows))
+        gate, up = (w.clone() for w in full[ours + "mlp.dense_h_to_4h.weight"].split(f))
+        out.update({theirs + "self_attn.q_proj.weight": q, theirs + "self_attn.k_proj.weight": k,
+                    theirs + "self_attn.v_proj.weight": v,
+                    theirs + "self_attn.o_proj.weight": full[ours + "self_attention.dense.weight"],
+                    theirs + "mlp.gate_proj.weight": gate, theirs + "mlp.up_proj.weight": up,
+                    theirs + "mlp.down_proj.weight": full[ours + "mlp.dense_4h_to_h.weight"]})
+        for their_key, our_key in _LLAMA_NORMS:
+            out[theirs + their_key] = full[ours + our_key]
+    out[_LLAMA_PREFIX + "norm.weight"] = full["final_layernorm.weight"]
+    out[_HEAD] = full.get("output_layer.weight", out[_LLAMA_PREFIX + "embed_tokens.weight"])
     return out
 
 

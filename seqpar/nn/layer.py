@@ -1,15 +1,22 @@
 """The GPT transformer layer of Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
-Models", with tensor + sequence parallelism and selective recompute.
+Models", with tensor + sequence parallelism and selective recompute, and the Llama-family block built from
+the same parts (TransformerConfig's architecture knobs).
 
-Forward, per rank (t = TP size, H = a / t local heads, d = h / a; shapes without SP in brackets)::
+Forward, per rank (t = TP size, H = a / t local query heads, G = g / t local k/v heads, d = h / a; shapes
+without SP in brackets)::
 
     x          [s/t, b, h]   ([s, b, h])
-    a1 = LN1(x)                                          LayerNorm, sequence-sharded under SP
-    qkv        [s, b, 3Hd]   column-parallel (g / f before it)
-    o  = attention_core(q, k, v)  [b, H, s, d]           causal; recomputed in backward if "selective"
-    x2, a2 = bias_dropout_add_layer_norm(o W_proj^T, b_proj, x)   row-parallel (g-bar / f-bar), fused
-    y  = x2 + dropout(gelu(a2 W_1^T + b_1) W_2^T + b_2)  column- then row-parallel MLP
-    y          [s/t, b, h]   ([s, b, h])
+    a1 = norm1(x)                                        LayerNorm or RMSNorm, sequence-sharded under SP
+    qkv        [s, b, (H + 2G) d]   column-parallel (g / f before it): [its Q heads, its K, its V groups]
+    q, k = rope(q, k)                                    "rope": in place, global positions 0 .. s-1
+    o  = attention_core(q, k, v)  [b, H, s, d]           causal, grouped-query when G < H; recomputed in
+                                                         backward if "selective" (unless flash-style)
+    x2, a2 = norm2 after bias-dropout-add (o W_proj^T, b_proj, x)   row-parallel (g-bar / f-bar), fused
+    y  = x2 + dropout(act(a2 W_1^T + b_1) W_2^T + b_2)   column- then row-parallel MLP; act = GeLU on
+                                                         [s, b, f/t], or SwiGLU on [gate | up] [s, b, 2f/t]
+
+GPT: LayerNorm, GeLU, multi-head attention, learned positions (in GPTModel), biases, dropout. Llama:
+RMSNorm, SwiGLU, grouped-query attention, RoPE, no biases, no dropout.
 
 Dropout masks come from seqpar.random with global coordinates, so results do not depend on t or SP.
 Each forward captures its mode (``training``) and draws its dropout seed once, at call time
@@ -20,7 +27,7 @@ the same masks, whatever ``train()`` / ``eval()`` did in between.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -30,9 +37,11 @@ from ..config import TransformerConfig
 from ..memory import name_storage, saved_as
 from ..ops.attention_core import attention_core, select_backend
 from ..ops.dropout import DropoutSpec, bias_dropout_add
+from ..ops.rotary import rotary_embedding
+from ..ops.swiglu import swiglu
 from ..parallel.state import ProcessGroup, check_ranks_agree, group_rank, group_size
 from ..recompute import checkpoint
-from .layernorm import LayerNorm
+from .layernorm import LayerNorm, RMSNorm
 from .linear import ColumnParallelLinear, RowParallelLinear
 
 
@@ -73,21 +82,34 @@ def _activation(name: str):
     return lambda x: nn.functional.gelu(x, approximate="tanh")
 
 
+def norm_labels(config: TransformerConfig) -> Tuple[str, str]:
+    """The meter labels of the two norms' saved inputs (:func:`seqpar.memory.layer_activation_terms`)."""
+    return ("LN1 input", "LN2 input") if config.normalization == "layernorm" else ("RMSNorm1 input", "RMSNorm2 input")
+
+
 class ParallelAttention(nn.Module):
-    """QKV projection (column-parallel), attention core, output projection (row-parallel, bias skipped)."""
+    """QKV projection (column-parallel), RoPE (optional), attention core (grouped-query when
+    ``num_query_groups`` < heads), output projection (row-parallel, bias skipped).
+
+    The fused QKV weight [(a + 2g) d, h] holds all Q heads, then the g K groups, then the g V groups
+    (head i: rows i*d .. (i+1)*d of its block); rank r keeps heads r*a/t .. and groups r*g/t .. of each
+    block, so its output is [its Q | its K | its V] and its query heads use exactly its k/v groups.
+    """
 
     def __init__(self, config: TransformerConfig, tp_group: ProcessGroup, device=None):
         super().__init__()
-        h, dtype = config.hidden_size, config.params_dtype
+        h, d, dtype = config.hidden_size, config.head_dim, config.params_dtype
+        a, g, t = config.num_attention_heads, config.kv_heads, group_size(tp_group)
         self.config, self.tp_group = config, tp_group
-        self.local_heads = config.num_attention_heads // group_size(tp_group)
+        self.local_heads, self.local_kv_heads = a // t, g // t
         common = dict(tp_group=tp_group, sequence_parallel=config.sequence_parallel,
-                      overlap_comm=config.overlap_comm, device=device, dtype=dtype)
-        self.query_key_value = ColumnParallelLinear(h, 3 * h, partition_blocks=3, **common)
-        self.dense = RowParallelLinear(h, h, skip_bias_add=True, **common)
+                      overlap_comm=config.overlap_comm, device=device, dtype=dtype, bias=config.add_bias_linear)
+        self.query_key_value = ColumnParallelLinear(h, (a + 2 * g) * d, partition_blocks=(a * d, g * d, g * d),
+                                                    **common)
+        self.dense = RowParallelLinear(a * d, h, skip_bias_add=True, **common)
 
     def forward(self, a1: torch.Tensor, dropout_p: float, seed: int):
-        """a1 [s/t or s, b, h] -> (projection output without bias, bias) as RowParallelLinear gives them.
+        """a1 [s/t or s, b, h] -> (projection output without bias, bias or None) as RowParallelLinear gives them.
 
         ``dropout_p``: the attention dropout in effect (0 in eval mode), ``seed``: its stream seed;
         both decided by the caller at forward time (the core may be recomputed in backward).
@@ -96,16 +118,24 @@ class ParallelAttention(nn.Module):
         with saved_as("QKV input"):
             qkv = name_storage(self.query_key_value(a1), "Q, K, V")
         s, b = qkv.shape[0], qkv.shape[1]
-        heads, d = self.local_heads, cfg.head_dim
-        # Views of the one QKV storage: [s, b, 3, H, d] -> 3 x [b, H, s, d]; nothing is copied.
-        q, k, v = qkv.view(s, b, 3, heads, d).permute(2, 1, 3, 0, 4).unbind(0)
+        heads, kv_heads, d = self.local_heads, self.local_kv_heads, cfg.head_dim
+        # Views of the one QKV storage (slices, not split(): RoPE writes into q and k in place).
+        per_head = qkv.view(s, b, heads + 2 * kv_heads, d)
+        q, k, v = per_head[:, :, :heads], per_head[:, :, heads:heads + kv_heads], per_head[:, :, heads + kv_heads:]
+        if cfg.position_embedding == "rope":
+            # qkv holds the whole sequence (under SP the column-parallel GEMM gathered it), so row i is
+            # global position i. In place: nothing new is stored, and RoPE saves nothing for backward.
+            q, k = rotary_embedding(q, k, position_offset=0, theta=cfg.rope_theta, inplace=True, backend=cfg.backend)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))    # [b, heads, s, d]
         impl = select_backend(q, k, v, causal=True, backend=cfg.backend)
-        # Head-major global dropout rows: this rank's first head is rank * H (seqpar.random).
+        # Head-major global dropout rows over the query heads: this rank's first head is rank * H (seqpar.random).
         row_offset = group_rank(self.tp_group) * heads * b * s
+        gqa = kv_heads != heads
 
         def core(q, k, v):
-            return attention_core(q, k, v, is_causal=True, dropout_p=dropout_p, seed=seed if dropout_p else None,
-                                  training=True, backend=impl.name, row_offset=row_offset)
+            return attention_core(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=gqa,
+                                  seed=seed if dropout_p else None, training=True, backend=impl.name,
+                                  row_offset=row_offset)
 
         with saved_as("attention core"):
             if cfg.recompute == "selective" and not impl.recompute_free:
@@ -118,28 +148,49 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    """h -> ffn (column-parallel) -> activation -> h (row-parallel, bias skipped)."""
+    """h -> ffn (column-parallel) -> activation -> h (row-parallel, bias skipped).
+
+    SwiGLU: dense_h_to_4h is [2f, h], rows gate (f) then up (f), split as two blocks so each rank's output
+    is [its gate | its up] and :func:`seqpar.ops.swiglu` pairs them locally.
+    """
 
     def __init__(self, config: TransformerConfig, tp_group: ProcessGroup, device=None):
         super().__init__()
         h, f = config.hidden_size, config.ffn_hidden_size
-        common = dict(tp_group=tp_group, sequence_parallel=config.sequence_parallel,
+        common = dict(tp_group=tp_group, sequence_parallel=config.sequence_parallel, bias=config.add_bias_linear,
                       overlap_comm=config.overlap_comm, device=device, dtype=config.params_dtype)
-        self.dense_h_to_4h = ColumnParallelLinear(h, f, **common)
+        self.config = config
+        if config.activation == "swiglu":
+            self.dense_h_to_4h = ColumnParallelLinear(h, 2 * f, partition_blocks=(f, f), **common)
+        else:
+            self.dense_h_to_4h = ColumnParallelLinear(h, f, **common)
         self.dense_4h_to_h = RowParallelLinear(f, h, skip_bias_add=True, **common)
-        self.activation = _activation(config.activation)
 
     def forward(self, a2: torch.Tensor):
         with saved_as("fc1 input"):
             hidden = self.dense_h_to_4h(a2)
-        with saved_as("GeLU input"):
-            hidden = self.activation(hidden)
+        if self.config.activation == "swiglu":
+            with saved_as("SwiGLU input (gate, up)"):
+                hidden = swiglu(hidden, backend=self.config.backend)
+        else:
+            with saved_as("GeLU input"):
+                hidden = _activation(self.config.activation)(hidden)
         with saved_as("fc2 input"):
             return self.dense_4h_to_h(hidden)
 
 
+def make_norm(config: TransformerConfig, tp_group: ProcessGroup, device=None):
+    """The norm ``config.normalization`` names (:class:`LayerNorm` or :class:`RMSNorm`) over h, with
+    ``layernorm_epsilon``, replicated over ``tp_group`` (sequence-sharded under SP)."""
+    cls = LayerNorm if config.normalization == "layernorm" else RMSNorm
+    return cls(config.hidden_size, config.layernorm_epsilon, tp_group=tp_group,
+               sequence_parallel=config.sequence_parallel, backend=config.backend, device=device,
+               dtype=config.params_dtype)
+
+
 class TransformerLayer(nn.Module):
-    """One pre-LayerNorm GPT layer with tensor + sequence parallelism and activation recomputation.
+    """One pre-norm transformer layer (GPT's or the Llama block, per the config) with tensor + sequence
+    parallelism and activation recomputation.
 
     Args:
         config: :class:`seqpar.TransformerConfig`.
@@ -177,11 +228,9 @@ class TransformerLayer(nn.Module):
         config.check_tensor_parallel(group_size(tp_group))
         self.config, self.tp_group, self.layer_number = config, tp_group, layer_number
         self.check_rank_inputs = True
-        norm = dict(tp_group=tp_group, sequence_parallel=config.sequence_parallel, backend=config.backend,
-                    device=device, dtype=config.params_dtype)
-        self.input_layernorm = LayerNorm(config.hidden_size, config.layernorm_epsilon, **norm)
+        self.input_layernorm = make_norm(config, tp_group, device)
         self.self_attention = ParallelAttention(config, tp_group, device)
-        self.post_attention_layernorm = LayerNorm(config.hidden_size, config.layernorm_epsilon, **norm)
+        self.post_attention_layernorm = make_norm(config, tp_group, device)
         self.mlp = ParallelMLP(config, tp_group, device)
         self.reset_parameters()
 
@@ -243,11 +292,12 @@ class TransformerLayer(nn.Module):
     def _forward_impl(self, x: torch.Tensor, mode: ForwardMode) -> torch.Tensor:
         """The layer given this forward's ``mode``; reads no module state but parameters and the frozen
         config, so the full-recompute re-run in backward computes exactly what the forward did."""
-        with saved_as("LN1 input"):
+        norm1, norm2 = norm_labels(self.config)
+        with saved_as(norm1):
             a1 = self.input_layernorm(x)
         projection, projection_bias = self.self_attention(
             a1, mode.attention_p, sp_random.stream_seed(mode.seed, self.layer_number, sp_random.Site.ATTENTION))
-        with saved_as("LN2 input"):
+        with saved_as(norm2):
             a2, x2 = self.post_attention_layernorm.after_bias_dropout_add(
                 projection, projection_bias, x, self._hidden_spec(mode, sp_random.Site.ATTENTION_OUT, x))
         mlp_out, mlp_bias = self.mlp(a2)
@@ -274,14 +324,25 @@ class TransformerLayer(nn.Module):
                 "mlp.dense_h_to_4h": self.mlp.dense_h_to_4h, "mlp.dense_4h_to_h": self.mlp.dense_4h_to_h}
 
     def full_shapes(self) -> Dict[str, tuple]:
-        """Unsharded state-dict keys and shapes (PyTorch Linear layout, weight [out, in])."""
-        h, f = self.config.hidden_size, self.config.ffn_hidden_size
-        return {"input_layernorm.weight": (h,), "input_layernorm.bias": (h,),
-                "self_attention.query_key_value.weight": (3 * h, h), "self_attention.query_key_value.bias": (3 * h,),
-                "self_attention.dense.weight": (h, h), "self_attention.dense.bias": (h,),
-                "post_attention_layernorm.weight": (h,), "post_attention_layernorm.bias": (h,),
-                "mlp.dense_h_to_4h.weight": (f, h), "mlp.dense_h_to_4h.bias": (f,),
-                "mlp.dense_4h_to_h.weight": (h, f), "mlp.dense_4h_to_h.bias": (h,)}
+        """Unsharded state-dict keys and shapes (PyTorch Linear layout, weight [out, in]); ``.bias`` keys
+        only where there are biases (``add_bias_linear``; LayerNorm, not RMSNorm)."""
+        cfg = self.config
+        h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
+        qkv_rows = (cfg.num_attention_heads + 2 * cfg.kv_heads) * d
+        fc1_rows = 2 * f if cfg.activation == "swiglu" else f
+        norm_bias, linear_bias = cfg.normalization == "layernorm", cfg.add_bias_linear
+        shapes = {}
+        for name, (rows, cols), bias in (
+                ("input_layernorm", (h, None), norm_bias),
+                ("self_attention.query_key_value", (qkv_rows, h), linear_bias),
+                ("self_attention.dense", (h, cfg.num_attention_heads * d), linear_bias),
+                ("post_attention_layernorm", (h, None), norm_bias),
+                ("mlp.dense_h_to_4h", (fc1_rows, h), linear_bias),
+                ("mlp.dense_4h_to_h", (h, f), linear_bias)):
+            shapes[f"{name}.weight"] = (rows,) if cols is None else (rows, cols)
+            if bias:
+                shapes[f"{name}.bias"] = (rows,)
+        return shapes
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
@@ -298,10 +359,11 @@ class TransformerLayer(nn.Module):
         device = self.input_layernorm.weight.device
         for name, part in self._parts().items():
             weight = state_dict[f"{name}.weight"].to(device)
-            bias = state_dict[f"{name}.bias"].to(device)
-            if isinstance(part, LayerNorm):
+            bias = state_dict[f"{name}.bias"].to(device) if f"{name}.bias" in state_dict else None
+            if isinstance(part, (LayerNorm, RMSNorm)):
                 part.weight.copy_(weight)
-                part.bias.copy_(bias)
+                if bias is not None:
+                    part.bias.copy_(bias)
             else:
                 part.load_full(weight, bias)
 
@@ -310,17 +372,19 @@ class TransformerLayer(nn.Module):
         """The unsharded weights (a collective under tensor parallelism: call it on every rank)."""
         out = {}
         for name, part in self._parts().items():
-            if isinstance(part, LayerNorm):
-                weight, bias = part.weight.detach().clone(), part.bias.detach().clone()
+            if isinstance(part, (LayerNorm, RMSNorm)):
+                weight, bias = part.weight.detach().clone(), None if part.bias is None else part.bias.detach().clone()
             else:
                 weight, bias = part.full()
-            out[f"{name}.weight"], out[f"{name}.bias"] = weight, bias
+            out[f"{name}.weight"] = weight
+            if bias is not None:
+                out[f"{name}.bias"] = bias
         return out
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Deterministic init of the unsharded weights from (seqpar seed, layer_number): normal(0, 0.02)
-        matrices, zero biases, unit LayerNorm weights; then keep this rank's shard."""
+        matrices, zero biases, unit norm weights; then keep this rank's shard."""
         gen = torch.Generator().manual_seed(
             sp_random.stream_seed(sp_random.initial_seed(), self.layer_number, 1000) & (2**63 - 1))
         full = {}

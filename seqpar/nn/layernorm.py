@@ -1,10 +1,14 @@
-"""LayerNorm whose parameters know the tensor-parallel group.
+"""LayerNorm and RMSNorm whose parameters know the tensor-parallel group.
 
-Under sequence parallelism each rank normalises only its sequence shard, so the replicated weight and
-bias see a shard of the tokens: they enter the computation through f (identity forward, all-reduce
+Under sequence parallelism each rank normalises only its sequence shard, so the replicated weight (and
+bias) see a shard of the tokens: they enter the computation through f (identity forward, all-reduce
 backward; weight and bias in one all-reduce) and after backward every rank holds the full, identical
 gradient, with no separate "finalize grads" step. With ``tp_group=None`` (or a one-rank group, t = 1)
 ``sequence_parallel`` changes nothing: the shard is the whole sequence and f is the identity.
+
+Both norms have the same two entry points, so the transformer layer is written once for either:
+``norm(x)`` and ``norm.after_bias_dropout_add(x, bias, residual, spec) -> (norm(residual_out),
+residual_out)`` with ``residual_out = residual + dropout(x + bias)``.
 """
 from __future__ import annotations
 
@@ -14,17 +18,19 @@ import torch
 from torch import nn
 
 from ..ops.bias_dropout_add_layer_norm import bias_dropout_add_layer_norm
-from ..ops.dropout import DropoutSpec
+from ..ops.dropout import DropoutSpec, bias_dropout_add
 from ..ops.registry import validate_backend
+from ..ops.rms_norm import add_rms_norm
 from ..parallel.mappings import copy_to_tensor_region_coalesced
 from ..parallel.state import ProcessGroup, group_size
 
 
-class LayerNorm(nn.Module):
-    """``LayerNorm(x) * weight + bias`` over the last dim h, standalone or fused after bias-dropout-add."""
+class _ReplicatedNorm(nn.Module):
+    """Shared by LayerNorm and RMSNorm: argument checks, a unit ``weight`` [h] and, if ``bias``, a zero
+    ``bias`` [h], replicated over the tensor-parallel group (through f under SP)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, *, tp_group: ProcessGroup = None,
-                 sequence_parallel: bool = False, backend: str = "auto", device=None, dtype=None):
+    def __init__(self, hidden_size: int, eps: float, *, bias: bool, tp_group: ProcessGroup,
+                 sequence_parallel: bool, backend: str, device, dtype):
         super().__init__()
         if not isinstance(hidden_size, int) or isinstance(hidden_size, bool) or hidden_size <= 0:
             raise ValueError(f"hidden_size must be a positive int, got {hidden_size!r}")
@@ -37,17 +43,34 @@ class LayerNorm(nn.Module):
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.backend = validate_backend(backend)
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype)) if bias else None
 
     def _check_hidden(self, x: torch.Tensor) -> None:
         if x.dim() >= 1 and x.shape[-1] != self.hidden_size:
             raise ValueError(f"x last dimension {x.shape[-1]} != hidden_size {self.hidden_size}")
 
+    def _replicated(self) -> Tuple[torch.Tensor, ...]:
+        """The parameters as the computation uses them (through f under SP, one all-reduce for all)."""
+        params = (self.weight,) if self.bias is None else (self.weight, self.bias)
+        if not self.sequence_parallel:
+            return params
+        return copy_to_tensor_region_coalesced(params, self.tp_group)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, backend={self.backend!r}, sequence_parallel={self.sequence_parallel}"
+
+
+class LayerNorm(_ReplicatedNorm):
+    """``LayerNorm(x) * weight + bias`` over the last dim h, standalone or fused after bias-dropout-add."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, *, tp_group: ProcessGroup = None,
+                 sequence_parallel: bool = False, backend: str = "auto", device=None, dtype=None):
+        super().__init__(hidden_size, eps, bias=True, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                         backend=backend, device=device, dtype=dtype)
+
     def affine(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(weight, bias) as the computation uses them (through f under SP)."""
-        if not self.sequence_parallel:
-            return self.weight, self.bias
-        return copy_to_tensor_region_coalesced((self.weight, self.bias), self.tp_group)
+        return self._replicated()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_hidden(x)
@@ -63,5 +86,33 @@ class LayerNorm(nn.Module):
                                            training=spec.active, seed=spec.seed if spec.active else None,
                                            backend=self.backend, row_offset=spec.row_offset)
 
-    def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}, backend={self.backend!r}, sequence_parallel={self.sequence_parallel}"
+
+class RMSNorm(_ReplicatedNorm):
+    """``x * rsqrt(mean(x**2) + eps) * weight`` over the last dim h, rounded like HF's LlamaRMSNorm
+    (:func:`seqpar.ops.add_rms_norm`); ``weight`` [h], no bias.
+
+    ``after_bias_dropout_add`` fuses the residual add into the norm (:func:`seqpar.ops.add_rms_norm`
+    saves only the sum and the fp32 rstd). With a bias or active dropout the sum is first formed by
+    :func:`seqpar.ops.bias_dropout_add` (its mask regenerated, nothing saved), then normalised: the
+    same numbers and memory, one more pass over the activations (Llama has neither).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, tp_group: ProcessGroup = None,
+                 sequence_parallel: bool = False, backend: str = "auto", device=None, dtype=None):
+        super().__init__(hidden_size, eps, bias=False, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                         backend=backend, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_hidden(x)
+        (weight,) = self._replicated()
+        return add_rms_norm(x, None, weight, eps=self.eps, backend=self.backend)[0]
+
+    def after_bias_dropout_add(self, x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
+                               spec: DropoutSpec) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``residual_out = residual + dropout(x + bias)``; returns ``(RMSNorm(residual_out), residual_out)``."""
+        self._check_hidden(x)
+        (weight,) = self._replicated()
+        if bias is None and not spec.active:
+            return add_rms_norm(x, residual, weight, eps=self.eps, backend=self.backend)
+        residual_out = bias_dropout_add(x, bias, residual, spec)
+        return add_rms_norm(residual_out, None, weight, eps=self.eps, backend=self.backend)[0], residual_out

@@ -19,7 +19,7 @@ With ``tp_group=None`` (or a one-rank group, t = 1) both layers are plain ``nn.L
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -30,42 +30,68 @@ from ..parallel.mappings import copy_to_tensor_region, reduce_from_tensor_region
 from ..parallel.state import ProcessGroup, group_rank, group_size
 
 
-def _split_rows(full: torch.Tensor, blocks: int, t: int, r: int) -> torch.Tensor:
-    """Rows of this rank from ``full`` [n, ...] seen as ``blocks`` stacked blocks, each split over t."""
-    per_block = full.shape[0] // blocks
-    step = per_block // t
-    return torch.cat([full[b * per_block + r * step:b * per_block + (r + 1) * step] for b in range(blocks)])
+def _split_rows(full: torch.Tensor, blocks: Sequence[int], t: int, r: int) -> torch.Tensor:
+    """Rows of this rank from ``full`` [n, ...] seen as stacked blocks of ``blocks`` rows (sum n), each
+    split over t: rank r takes rows ``r * size / t .. (r + 1) * size / t`` of every block, in block order."""
+    parts, start = [], 0
+    for size in blocks:
+        step = size // t
+        parts.append(full[start + r * step:start + (r + 1) * step])
+        start += size
+    return torch.cat(parts)
 
 
-def _gather_rows(local: torch.Tensor, blocks: int, group: ProcessGroup) -> torch.Tensor:
+def _gather_rows(local: torch.Tensor, blocks: Sequence[int], group: ProcessGroup) -> torch.Tensor:
     """Inverse of :func:`_split_rows`: every rank's rows back into the full [n, ...] tensor."""
     t = group_size(group)
     parts = [local]
     if t > 1:
         parts = [torch.empty_like(local) for _ in range(t)]
         dist.all_gather(parts, local.contiguous(), group=group)
-    chunks = [p.chunk(blocks, dim=0) for p in parts]
-    return torch.cat([chunks[r][b] for b in range(blocks) for r in range(t)])
+    local_sizes = [size // t for size in blocks]
+    chunks = [p.split(local_sizes, dim=0) for p in parts]
+    return torch.cat([chunks[r][i] for i in range(len(blocks)) for r in range(t)])
+
+
+def block_sizes(out_features: int, partition_blocks: Union[int, Sequence[int]]) -> Tuple[int, ...]:
+    """``partition_blocks`` as a tuple of block sizes summing to ``out_features``: an int n means n
+    equal blocks; a sequence gives each block's rows. ValueError naming a bad value."""
+    if isinstance(partition_blocks, int) and not isinstance(partition_blocks, bool):
+        if partition_blocks <= 0 or out_features % partition_blocks:
+            raise ValueError(f"partition_blocks {partition_blocks} must be a positive int dividing out_features "
+                             f"{out_features}")
+        return (out_features // partition_blocks,) * partition_blocks
+    sizes = tuple(partition_blocks) if isinstance(partition_blocks, (list, tuple)) else None
+    if (not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n <= 0 for n in sizes)
+            or sum(sizes) != out_features):
+        raise ValueError(f"partition_blocks must be an int or a sequence of positive block sizes summing to "
+                         f"out_features {out_features}, got {partition_blocks!r}")
+    return sizes
 
 
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T + b`` with W's output rows split over the TP group (see module table).
 
-    ``partition_blocks`` > 1 treats the output as that many stacked blocks split separately (a fused
-    QKV weight [3h, h]: each rank takes its heads' rows of the Q, K and V blocks).
+    ``partition_blocks`` treats the output rows as stacked blocks, each split over the t ranks
+    separately, so each rank's output is [its rows of block 0, its rows of block 1, ...]: an int n
+    means n equal blocks (a fused QKV weight [3h, h] with ``partition_blocks=3``: each rank takes its
+    heads' rows of the Q, K and V blocks), a sequence gives the block sizes (grouped-query QKV:
+    ``(a d, g d, g d)``; SwiGLU's gate and up: ``(f, f)``). Every block must split evenly over t.
     """
 
     def __init__(self, in_features: int, out_features: int, *, tp_group: ProcessGroup = None,
-                 sequence_parallel: bool = False, bias: bool = True, partition_blocks: int = 1,
+                 sequence_parallel: bool = False, bias: bool = True, partition_blocks: Union[int, Sequence[int]] = 1,
                  overlap_comm: bool = True, device=None, dtype=None):
         super().__init__()
         t = group_size(tp_group)
-        if out_features % (t * partition_blocks):
+        blocks = block_sizes(out_features, partition_blocks)
+        uneven = [size for size in blocks if size % t]
+        if uneven:
             raise ValueError(f"out_features {out_features} is not divisible by tensor-parallel size {t}"
-                             + (f" x {partition_blocks} blocks" if partition_blocks > 1 else ""))
+                             + (f" in every block: blocks {list(blocks)}" if len(blocks) > 1 else ""))
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        self.partition_blocks, self.overlap_comm = partition_blocks, overlap_comm
+        self.partition_blocks, self.overlap_comm = blocks, overlap_comm
         self.weight = nn.Parameter(torch.empty(out_features // t, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features // t, device=device, dtype=dtype)) if bias else None
 
@@ -126,12 +152,12 @@ class RowParallelLinear(nn.Module):
     def load_full(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
         """Keep this rank's column shard of the unsharded ``weight`` [n, k]; the bias is replicated."""
         t, r = group_size(self.tp_group), group_rank(self.tp_group)
-        self.weight.copy_(_split_rows(weight.t(), 1, t, r).t())
+        self.weight.copy_(_split_rows(weight.t(), (self.in_features,), t, r).t())
         if self.bias is not None:
             self.bias.copy_(bias)
 
     @torch.no_grad()
     def full(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The unsharded (weight, bias) (a collective under TP)."""
-        weight = _gather_rows(self.weight.t(), 1, self.tp_group).t().contiguous()
+        weight = _gather_rows(self.weight.t(), (self.in_features,), self.tp_group).t().contiguous()
         return weight, None if self.bias is None else self.bias.detach().clone()

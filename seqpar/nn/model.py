@@ -1,17 +1,19 @@
-"""A small GPT on top of TransformerLayer: vocab-parallel embedding, N layers, final LayerNorm, tied
-output head and a vocab-parallel cross-entropy (the logits are never gathered: each rank holds a
-vocabulary shard).
+"""A small GPT on top of TransformerLayer: vocab-parallel embedding, N layers, final norm, an output
+head (tied to the word embedding, or its own vocab-parallel ``output_layer`` as Llama's ``lm_head``) and
+a vocab-parallel cross-entropy (the logits are never gathered: each rank holds a vocabulary shard).
+With ``position_embedding="rope"`` (the Llama block) there is no position table: the layers rotate q
+and k.
 
 Shapes: ``tokens`` [b, s] (int64, the full sequence on every rank) -> loss per token [s, b] (fp32),
 or logits [s, b, vocab_end - vocab_start] when no labels are given. Under sequence parallelism the
 embedding output is scattered to [s/t, b, h] shards before the layers and gathered (g) before the
 output head.
 
-Vocabulary padding (Megatron's make-vocab-size-divisible-by): the word-embedding table has
-``padded_vocab_size`` = v rounded up to a multiple of ``t * 128`` rows, split evenly over the t ranks,
-so every rank holds a [padded_vocab_size / t, h] shard whatever v is (v = 50257 for GPT-2). Rank r
-holds the rows of global ids ``r * padded_vocab_size / t`` onwards; the real ones among them are
-``[vocab_start, vocab_end)`` with ``vocab_start = r * padded_vocab_size / t`` and
+Vocabulary padding (Megatron's make-vocab-size-divisible-by): the word-embedding table (and an untied
+output layer) has ``padded_vocab_size`` = v rounded up to a multiple of ``t * 128`` rows, split evenly
+over the t ranks, so every rank holds a [padded_vocab_size / t, h] shard whatever v is (v = 50257 for
+GPT-2). Rank r holds the rows of global ids ``r * padded_vocab_size / t`` onwards; the real ones among
+them are ``[vocab_start, vocab_end)`` with ``vocab_start = r * padded_vocab_size / t`` and
 ``vocab_end = min(v, (r + 1) * padded_vocab_size / t)`` (an empty shard, ``vocab_end == vocab_start``,
 on the last ranks when v is small). The padded rows are zeros that no op reads: the output head
 multiplies by the real rows only, so padded logits do not exist, never enter the softmax and never
@@ -33,8 +35,7 @@ from ..parallel.mappings import (copy_to_tensor_region, gather_from_sequence_reg
                                  scatter_to_sequence_region)
 from ..parallel.state import ProcessGroup, agreement_checked, check_ranks_agree, group_rank, group_size
 from ..memory import recompute_policies
-from .layer import AGREEMENT_HINT, TransformerLayer, agreement_values
-from .layernorm import LayerNorm
+from .layer import AGREEMENT_HINT, TransformerLayer, agreement_values, make_norm
 from .linear import _gather_rows
 
 EMBEDDING_RNG_LAYER = 2**31 - 1  # the embedding dropout's "layer number" in the RNG
@@ -99,14 +100,9 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Word embeddings split along the padded vocabulary: ``weight`` [padded_vocab_size / t, h].
-
-    ``forward(tokens)``: int64 ids in [0, vocab_size) of shape [...] -> [..., h]; each rank looks up the
-    ids of its shard ``[vocab_start, vocab_end)`` (zero elsewhere) and the group sums the results
-    (f-bar). The padded rows (local rows ``vocab_end - vocab_start`` onwards) stay zero and are never
-    read.
-    """
+class _VocabShard(nn.Module):
+    """A [v, h] table split along the padded vocabulary: ``weight`` [padded_vocab_size / t, h], this
+    rank's real rows ``[vocab_start, vocab_end)`` first, padded rows (zeros, never read) after them."""
 
     def __init__(self, vocab_size: int, hidden_size: int, *, tp_group: ProcessGroup = None, device=None,
                  dtype=None):
@@ -124,13 +120,6 @@ class VocabParallelEmbedding(nn.Module):
         """The rows of real token ids ``[vocab_start, vocab_end)``: [vocab_end - vocab_start, h] (a view)."""
         return self.weight[:self.vocab_end - self.vocab_start]
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        n_real = self.vocab_end - self.vocab_start
-        local_ids = tokens - self.vocab_start
-        in_shard = (local_ids >= 0) & (local_ids < n_real)
-        word = nn.functional.embedding(local_ids.clamp(0, max(n_real - 1, 0)), self.weight)
-        return reduce_from_tensor_region(word * in_shard.unsqueeze(-1), self.tp_group)
-
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor) -> None:
         """Keep this rank's rows of the unsharded ``weight`` [vocab_size, h]; padded rows become zero."""
@@ -140,31 +129,63 @@ class VocabParallelEmbedding(nn.Module):
     @torch.no_grad()
     def full(self) -> torch.Tensor:
         """The unsharded [vocab_size, h] table (a collective under TP)."""
-        return _gather_rows(self.weight, 1, self.tp_group)[:self.vocab_size].clone()
+        return _gather_rows(self.weight, (self.padded_vocab_size,), self.tp_group)[:self.vocab_size].clone()
+
+
+class VocabParallelEmbedding(_VocabShard):
+    """Word embeddings split along the padded vocabulary: ``weight`` [padded_vocab_size / t, h].
+
+    ``forward(tokens)``: int64 ids in [0, vocab_size) of shape [...] -> [..., h]; each rank looks up the
+    ids of its shard ``[vocab_start, vocab_end)`` (zero elsewhere) and the group sums the results
+    (f-bar). The padded rows (local rows ``vocab_end - vocab_start`` onwards) stay zero and are never
+    read.
+    """
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        n_real = self.vocab_end - self.vocab_start
+        local_ids = tokens - self.vocab_start
+        in_shard = (local_ids >= 0) & (local_ids < n_real)
+        word = nn.functional.embedding(local_ids.clamp(0, max(n_real - 1, 0)), self.weight)
+        return reduce_from_tensor_region(word * in_shard.unsqueeze(-1), self.tp_group)
+
+
+class VocabParallelOutputLayer(_VocabShard):
+    """An untied output head (Llama's ``lm_head``) split along the padded vocabulary like the embedding:
+    ``weight`` [padded_vocab_size / t, h]; ``forward(hidden)`` [s, b, h] (the full sequence, already
+    through f or g) -> this rank's logits [s, b, vocab_end - vocab_start] (real rows only)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(hidden, self.real_weight.t())
 
 
 class GPTEmbedding(nn.Module):
     """Word (vocab-parallel) + learned position embeddings: tokens [b, s] -> [s, b, h], the full sequence.
 
-    Submodules: ``word_embeddings`` (:class:`VocabParallelEmbedding`) and ``position_embeddings``
-    (``nn.Embedding`` [max_seq_len, h], replicated on every rank).
+    Submodules: ``word_embeddings`` (:class:`VocabParallelEmbedding`) and, with ``learned_positions``,
+    ``position_embeddings`` (``nn.Embedding`` [max_seq_len, h], replicated on every rank).
     """
 
     def __init__(self, vocab_size: int, max_seq_len: int, hidden_size: int, *, tp_group: ProcessGroup = None,
-                 device=None, dtype=None):
+                 device=None, dtype=None, learned_positions: bool = True):
         super().__init__()
         self.word_embeddings = VocabParallelEmbedding(vocab_size, hidden_size, tp_group=tp_group,
                                                       device=device, dtype=dtype)
-        self.position_embeddings = nn.Embedding(max_seq_len, hidden_size, device=device, dtype=dtype)
+        self.position_embeddings = (nn.Embedding(max_seq_len, hidden_size, device=device, dtype=dtype)
+                                    if learned_positions else None)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         word = self.word_embeddings(tokens)                                                  # [b, s, h]
-        return (word + self.position_embeddings.weight[:tokens.shape[1]]).transpose(0, 1).contiguous()
+        if self.position_embeddings is not None:
+            word = word + self.position_embeddings.weight[:tokens.shape[1]]
+        return word.transpose(0, 1).contiguous()
 
 
 class GPTModel(nn.Module):
     """GPT: embeddings (word: vocab-parallel, position: replicated) -> ``num_layers`` TransformerLayers
-    (numbered 0..L-1 in the dropout RNG) -> final LayerNorm -> logits with the tied word embedding.
+    (numbered 0..L-1 in the dropout RNG) -> final norm -> logits with the tied word embedding (or an
+    untied ``output_layer``). The config's architecture knobs make it a Llama: RMSNorm (also the final
+    norm), SwiGLU, grouped-query attention, RoPE (no position table), no biases; with
+    ``share_embeddings_and_output_weights=False`` for Llama's untied ``lm_head``.
 
     Args:
         config: :class:`seqpar.TransformerConfig` of every layer.
@@ -177,6 +198,9 @@ class GPTModel(nn.Module):
         recompute: None, one policy, or one policy per layer (below).
         embedding_dropout: dropout probability after the embeddings; None -> ``config.hidden_dropout``.
             (HF GPT-2's ``embd_pdrop`` may differ from its ``resid_pdrop``.)
+        share_embeddings_and_output_weights: True: the logits use the word embedding (GPT-2); False: a
+            separate ``output_layer`` [v, h], padded and sharded over the vocabulary like the embedding
+            (Llama's ``lm_head``).
 
     Every layer runs through its ``__call__`` (``hidden = layer(hidden)``), so hooks and wrappers on
     ``model.layers[i]`` apply: ``checkpoint_wrapper`` / ``apply_activation_checkpointing``, FSDP, or
@@ -201,17 +225,24 @@ class GPTModel(nn.Module):
 
     Unsharded state dict (:meth:`full_state_dict` / :meth:`load_full_state_dict`, PyTorch layouts):
     ``embedding.word_embeddings.weight`` [v, h], ``embedding.position_embeddings.weight``
-    [max_seq_len, h], ``layers.{i}.<TransformerLayer keys>``, ``final_layernorm.weight`` / ``.bias`` [h].
+    [max_seq_len, h] (learned positions only), ``layers.{i}.<TransformerLayer keys>``,
+    ``final_layernorm.weight`` [h] and ``.bias`` [h] (LayerNorm only), ``output_layer.weight`` [v, h]
+    (untied head only).
     """
 
     def __init__(self, config: TransformerConfig, num_layers: int, vocab_size: int, max_seq_len: int,
                  tp_group: ProcessGroup = None, device=None,
-                 recompute: Union[None, str, Sequence[str]] = None, embedding_dropout: Optional[float] = None):
+                 recompute: Union[None, str, Sequence[str]] = None, embedding_dropout: Optional[float] = None,
+                 share_embeddings_and_output_weights: bool = True):
         super().__init__()
         check_ranks_agree(tp_group, agreement_values(config, num_layers=num_layers, vocab_size=vocab_size,
                                                      max_seq_len=max_seq_len, recompute=recompute,
-                                                     embedding_dropout=embedding_dropout),
+                                                     embedding_dropout=embedding_dropout,
+                                                     share_embeddings_and_output_weights=share_embeddings_and_output_weights),
                           what="GPTModel", hint=AGREEMENT_HINT)
+        if not isinstance(share_embeddings_and_output_weights, bool):
+            raise ValueError(f"share_embeddings_and_output_weights must be a bool, got "
+                             f"{share_embeddings_and_output_weights!r}")
         for name, value in (("num_layers", num_layers), ("vocab_size", vocab_size), ("max_seq_len", max_seq_len)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -223,7 +254,8 @@ class GPTModel(nn.Module):
         self.config, self.tp_group, self.vocab_size, self.max_seq_len = config, tp_group, vocab_size, max_seq_len
         self.embedding_dropout = float(embedding_dropout)
         h, dtype = config.hidden_size, config.params_dtype
-        self.embedding = GPTEmbedding(vocab_size, max_seq_len, h, tp_group=tp_group, device=device, dtype=dtype)
+        self.embedding = GPTEmbedding(vocab_size, max_seq_len, h, tp_group=tp_group, device=device, dtype=dtype,
+                                      learned_positions=config.position_embedding == "learned")
         policies = recompute_policies(config.recompute if recompute is None else recompute, num_layers)
         with agreement_checked():  # the check above covers every layer's
             self.layers = nn.ModuleList(
@@ -231,9 +263,9 @@ class GPTModel(nn.Module):
                 for i, policy in enumerate(policies))
         for layer in self.layers:
             layer.check_rank_inputs = False  # the model builds their inputs (tokens checked in forward)
-        self.final_layernorm = LayerNorm(h, config.layernorm_epsilon, tp_group=tp_group,
-                                         sequence_parallel=config.sequence_parallel, backend=config.backend,
-                                         device=device, dtype=dtype)
+        self.final_layernorm = make_norm(config, tp_group, device)
+        self.output_layer = (None if share_embeddings_and_output_weights else
+                             VocabParallelOutputLayer(vocab_size, h, tp_group=tp_group, device=device, dtype=dtype))
         self._reset_embeddings()
 
     @property
@@ -254,11 +286,15 @@ class GPTModel(nn.Module):
     @torch.no_grad()
     def _reset_embeddings(self) -> None:
         """Deterministic init of the unsharded embeddings from the seqpar seed: normal(0, 0.02) over the
-        v real word rows, then the positions; so any t starts from the same model."""
+        v real word rows, then the positions, then an untied output layer's v rows; so any t starts
+        from the same model."""
         h = self.config.hidden_size
         gen = torch.Generator().manual_seed(sp_random.stream_seed(sp_random.initial_seed(), -1, 1000) & (2**63 - 1))
         self.embedding.word_embeddings.load_full(torch.randn(self.vocab_size, h, generator=gen) * 0.02)
-        self.embedding.position_embeddings.weight.copy_(torch.randn(self.max_seq_len, h, generator=gen) * 0.02)
+        if self.embedding.position_embeddings is not None:
+            self.embedding.position_embeddings.weight.copy_(torch.randn(self.max_seq_len, h, generator=gen) * 0.02)
+        if self.output_layer is not None:
+            self.output_layer.load_full(torch.randn(self.vocab_size, h, generator=gen) * 0.02)
 
     def _check_ids(self, name: str, ids: torch.Tensor, allow_ignore: bool) -> None:
         """ValueError naming the first id outside [0, vocab_size) (-100 allowed when ``allow_ignore``)."""
@@ -284,7 +320,7 @@ class GPTModel(nn.Module):
         return hidden
 
     def _layers(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Embedding output -> final LayerNorm output; each layer through its ``__call__``."""
+        """Embedding output -> final norm output; each layer through its ``__call__``."""
         for layer in self.layers:
             hidden = layer(hidden)
         return self.final_layernorm(hidden)
@@ -311,7 +347,8 @@ class GPTModel(nn.Module):
         else:
             hidden = copy_to_tensor_region(hidden, self.tp_group)
         # The real rows only: padded logits are never computed, so they can't enter the softmax.
-        logits_local = torch.matmul(hidden, self.embedding.word_embeddings.real_weight.t())  # [s, b, v_local]
+        head = self.embedding.word_embeddings if self.output_layer is None else self.output_layer
+        logits_local = torch.matmul(hidden, head.real_weight.t())                           # [s, b, v_local]
         if labels is None:
             return logits_local
         return _VocabParallelCrossEntropy.apply(logits_local, labels.t(), self.vocab_start, IGNORE_INDEX,
@@ -321,11 +358,16 @@ class GPTModel(nn.Module):
     def full_shapes(self) -> Dict[str, tuple]:
         """Unsharded state-dict keys and shapes (see the class docstring)."""
         h = self.config.hidden_size
-        shapes = {"embedding.word_embeddings.weight": (self.vocab_size, h),
-                  "embedding.position_embeddings.weight": (self.max_seq_len, h)}
+        shapes = {"embedding.word_embeddings.weight": (self.vocab_size, h)}
+        if self.embedding.position_embeddings is not None:
+            shapes["embedding.position_embeddings.weight"] = (self.max_seq_len, h)
         for i, layer in enumerate(self.layers):
             shapes.update({f"layers.{i}.{key}": shape for key, shape in layer.full_shapes().items()})
-        shapes.update({"final_layernorm.weight": (h,), "final_layernorm.bias": (h,)})
+        shapes["final_layernorm.weight"] = (h,)
+        if self.final_layernorm.bias is not None:
+            shapes["final_layernorm.bias"] = (h,)
+        if self.output_layer is not None:
+            shapes["output_layer.weight"] = (self.vocab_size, h)
         return shapes
 
     @torch.no_grad()
@@ -342,20 +384,28 @@ class GPTModel(nn.Module):
                 got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise ValueError(f"{key} must have shape {shape}, got {got}")
         self.embedding.word_embeddings.load_full(state_dict["embedding.word_embeddings.weight"])
-        self.embedding.position_embeddings.weight.copy_(state_dict["embedding.position_embeddings.weight"])
+        if self.embedding.position_embeddings is not None:
+            self.embedding.position_embeddings.weight.copy_(state_dict["embedding.position_embeddings.weight"])
         for i, layer in enumerate(self.layers):
             prefix = f"layers.{i}."
             layer.load_full_state_dict({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
         self.final_layernorm.weight.copy_(state_dict["final_layernorm.weight"])
-        self.final_layernorm.bias.copy_(state_dict["final_layernorm.bias"])
+        if self.final_layernorm.bias is not None:
+            self.final_layernorm.bias.copy_(state_dict["final_layernorm.bias"])
+        if self.output_layer is not None:
+            self.output_layer.load_full(state_dict["output_layer.weight"])
 
     @torch.no_grad()
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The unsharded weights, the same on every rank (a collective under TP: call it on every rank)."""
-        out = {"embedding.word_embeddings.weight": self.embedding.word_embeddings.full(),
-               "embedding.position_embeddings.weight": self.embedding.position_embeddings.weight.detach().clone()}
+        out = {"embedding.word_embeddings.weight": self.embedding.word_embeddings.full()}
+        if self.embedding.position_embeddings is not None:
+            out["embedding.position_embeddings.weight"] = self.embedding.position_embeddings.weight.detach().clone()
         for i, layer in enumerate(self.layers):
             out.update({f"layers.{i}.{k}": v for k, v in layer.full_state_dict().items()})
         out["final_layernorm.weight"] = self.final_layernorm.weight.detach().clone()
-        out["final_layernorm.bias"] = self.final_layernorm.bias.detach().clone()
+        if self.final_layernorm.bias is not None:
+            out["final_layernorm.bias"] = self.final_layernorm.bias.detach().clone()
+        if self.output_layer is not None:
+            out["output_layer.weight"] = self.output_layer.full()
         return out
