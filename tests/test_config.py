@@ -94,3 +94,52 @@ def test_seed_state_is_process_wide():
     worker.start()
     worker.join()
     assert seqpar.random.initial_seed() == 77
+
+
+# ------------------------------------------------------------------------------- architecture knobs (Llama)
+LLAMA = dict(hidden_size=64, num_attention_heads=8, num_query_groups=2, normalization="rmsnorm", activation="swiglu",
+             position_embedding="rope", rope_theta=500000.0, add_bias_linear=False)
+
+
+def test_architecture_defaults_are_the_gpt_layer():
+    cfg = seqpar.TransformerConfig(**BASE)
+    assert (cfg.normalization, cfg.activation, cfg.num_query_groups, cfg.kv_heads, cfg.position_embedding,
+            cfg.rope_theta, cfg.add_bias_linear) == ("layernorm", "gelu", None, 4, "learned", 10000.0, True)
+    llama = seqpar.TransformerConfig(**LLAMA)
+    assert llama.kv_heads == 2 and llama.head_dim == 8
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(normalization="batchnorm"), "unknown normalization 'batchnorm'"),
+    (dict(normalization=None), "unknown normalization None"),
+    (dict(activation="relu"), "unknown activation 'relu'"),
+    (dict(num_query_groups=3), "num_query_groups 3 does not divide num_attention_heads 8"),
+    (dict(num_query_groups=0), "num_query_groups must be None or a positive int, got 0"),
+    (dict(num_query_groups=True), "num_query_groups must be None or a positive int, got True"),
+    (dict(num_query_groups=2.0), "num_query_groups must be None or a positive int, got 2.0"),
+    (dict(position_embedding="alibi"), "unknown position_embedding 'alibi'"),
+    (dict(rope_theta=0.0), "rope_theta must be a finite positive float, got 0.0"),
+    (dict(rope_theta=float("inf")), "rope_theta must be a finite positive float"),
+    (dict(rope_theta=True), "rope_theta must be a finite positive float, got True"),
+    (dict(add_bias_linear=0), "add_bias_linear must be a bool, got 0"),
+    (dict(hidden_size=72, num_attention_heads=24, num_query_groups=None),
+     r"position_embedding='rope' needs an even head dim, got hidden_size 72 / num_attention_heads 24 = 3"),
+    (dict(position_embedding="learned"), r"rope_theta=500000.0 with position_embedding='learned'"),
+], ids=["norm", "norm-none", "activation", "groups-divide", "groups-zero", "groups-bool", "groups-float", "position",
+        "theta-zero", "theta-inf", "theta-bool", "bias-int", "rope-odd-head-dim", "theta-with-learned"])
+def test_architecture_knobs_reject(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        seqpar.TransformerConfig(**{**LLAMA, **kwargs})
+
+
+@pytest.mark.parametrize("t, match", [(4, None), (2, None), (8, "num_query_groups 4 is not divisible by the tensor-parallel size 8"),
+                                      (3, "num_attention_heads 8 is not divisible")])
+def test_tensor_parallel_must_divide_query_groups(t, match):
+    cfg = seqpar.TransformerConfig(**{**LLAMA, "num_query_groups": 4, "ffn_hidden_size": 24})
+    if match is None:
+        cfg.check_tensor_parallel(t)
+    else:
+        with pytest.raises(ValueError, match=match):
+            cfg.check_tensor_parallel(t)
+    with pytest.raises(ValueError, match="num_query_groups 2 is not divisible by the tensor-parallel size 4"):
+        dataclasses.replace(cfg, num_query_groups=2).check_tensor_parallel(4)

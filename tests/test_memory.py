@@ -5,7 +5,8 @@ import weakref
 import pytest
 import torch
 
-from seqpar.memory import ActivationMeter, layer_activation_bytes, model_activation_bytes, saved_as
+from seqpar.memory import (ActivationMeter, architecture_kwargs, layer_activation_bytes, layer_activation_terms,
+                           model_activation_bytes, saved_as)
 
 S, B, H, A = 2048, 4, 6144, 64  # 22B model layer (the paper's Table 3)
 
@@ -214,3 +215,83 @@ def test_meter_keeps_nothing_alive():
         assert ref() is None
     finally:
         gc.enable()
+
+
+# ------------------------------------------------------------------------------- other blocks (Llama)
+LLAMA_KW = dict(normalization="rmsnorm", activation="swiglu", hidden_dropout=False, attention_dropout=False)
+
+
+@pytest.mark.parametrize("t", [1, 2, 8])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
+def test_llama_block_by_hand(t, sp):
+    """Llama 3 8B's layer (h 4096, a 32, g 8, f 14336), 2-byte activations, s 8192, b 1, written out:
+    (4 sbh E + 8sb)/R + (2 + 2g/a + 3f/h) sbh E/t + a s^2 b E/t, flash-style 4asb/t instead of the last."""
+    s, b, h, a, g, f, e = 8192, 1, 4096, 32, 8, 14336, 2
+    sbh, R = s * b * h, t if sp else 1
+    kw = dict(tp=t, sequence_parallel=sp, ffn_hidden=f, num_query_groups=g, **LLAMA_KW)
+    outside_core = (4 * sbh * e + 8 * s * b) / R + (2 + 2 * g / a + 3 * f / h) * sbh * e / t
+    assert layer_activation_bytes(s, b, h, a, **kw) == pytest.approx(outside_core + a * s * s * b * e / t, rel=1e-12)
+    assert layer_activation_bytes(s, b, h, a, recompute="selective", **kw) == pytest.approx(outside_core, rel=1e-12)
+    for recompute in ("none", "selective"):   # flash-style: the same with or without selective recompute
+        assert layer_activation_bytes(s, b, h, a, recompute=recompute, flash_attention=True, **kw) == \
+            pytest.approx(outside_core + 4 * a * s * b / t, rel=1e-12)
+    assert layer_activation_bytes(s, b, h, a, recompute="full", **kw) == sbh * e / R
+    # bytes_per_mask changes nothing without dropout; the terms add up to the figure
+    assert layer_activation_bytes(s, b, h, a, bytes_per_mask=0, **kw) == layer_activation_bytes(s, b, h, a, **kw)
+    terms = layer_activation_terms(s, b, h, a, **kw)
+    assert sum(terms.values()) == pytest.approx(layer_activation_bytes(s, b, h, a, **kw), rel=1e-15)
+    assert terms["Q, K, V"] == pytest.approx(sbh * e * 1.5 / t) and terms["SwiGLU input (gate, up)"] == 2 * f * s * b * e / t
+    assert "dropout output" not in terms and not any("mask" in label for label in terms)
+
+
+def test_gpt_block_terms_are_table2():
+    s, b, h, a = 128, 2, 64, 4
+    terms = layer_activation_terms(s, b, h, a, tp=2, sequence_parallel=True)
+    assert sum(terms.values()) == layer_activation_bytes(s, b, h, a, tp=2, sequence_parallel=True)
+    assert list(terms) == ["LN1 input", "QKV input", "Q, K, V", "softmax output", "dropout output",
+                           "attention dropout mask", "projection input", "attention-out dropout mask", "LN2 input",
+                           "fc1 input", "GeLU input", "fc2 input", "MLP-out dropout mask"]
+    # dropout given as probabilities: 0 is none, as for GPTModel's defaults
+    assert layer_activation_bytes(s, b, h, a, hidden_dropout=0.0, attention_dropout=0.0) == \
+        layer_activation_bytes(s, b, h, a) - 2 * s * b * h - a * s * s * b * 3
+
+
+def test_model_llama_terms():
+    s, b, h, a, L, v, t = 64, 2, 32, 4, 4, 100, 2
+    kw = dict(tp=t, sequence_parallel=True, **LLAMA_KW)
+    layer = layer_activation_bytes(s, b, h, a, **kw)
+    sbh = s * b * h
+    # no embedding mask (no dropout); final RMSNorm input with its rstd, output-layer input, fp32 logits
+    expected = L * layer + (sbh * 2 + 4 * s * b) / t + sbh * 2 / t + 4 * s * b * v / t
+    assert model_activation_bytes(s, b, h, a, L, v, **kw) == pytest.approx(expected, rel=1e-12)
+    assert model_activation_bytes(s, b, h, a, L, v, embedding_dropout=0.1, **kw) == \
+        pytest.approx(expected + sbh / t, rel=1e-12)
+    assert model_activation_bytes(s, b, h, a, L, v, tp=t, sequence_parallel=True, embedding_dropout=0.0) == \
+        pytest.approx(model_activation_bytes(s, b, h, a, L, v, tp=t, sequence_parallel=True) - sbh / t, rel=1e-12)
+
+
+def test_architecture_kwargs_of_a_config():
+    import seqpar
+    cfg = seqpar.TransformerConfig(hidden_size=64, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=40,
+                                   normalization="rmsnorm", activation="swiglu", attention_dropout=0.1)
+    assert architecture_kwargs(cfg) == dict(ffn_hidden=40, normalization="rmsnorm", activation="swiglu",
+                                            num_query_groups=2, hidden_dropout=0.0, attention_dropout=0.1)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(normalization="batchnorm"), "unknown normalization 'batchnorm'"),
+    (dict(activation="relu"), "unknown activation 'relu'"),
+    (dict(num_query_groups=3), "num_query_groups 3 does not divide heads 4"),
+    (dict(num_query_groups=2, tp=4), "tp 4 does not divide num_query_groups 2"),
+    (dict(num_query_groups=0), "num_query_groups must be a positive int, got 0"),
+    (dict(hidden_dropout=1.5), "hidden_dropout must be in \\[0, 1\\)"),
+    (dict(attention_dropout="yes"), "attention_dropout must be in"),
+    (dict(flash_attention=1), "flash_attention must be a bool, got 1"),
+], ids=["norm", "activation", "groups", "tp-groups", "groups-zero", "hidden-dropout", "attention-dropout", "flash"])
+def test_block_keywords_reject_bad_values_by_name(kwargs, match):
+    args = dict(seq_len=8, micro_batch=1, hidden=16, heads=4)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        layer_activation_bytes(**args)
+    with pytest.raises(ValueError, match=match):
+        model_activation_bytes(**args, num_layers=2, vocab=10)

@@ -1,4 +1,5 @@
 """seqpar.memory.plan_recompute against brute force over every (n_none, n_selective, n_full) mix."""
+import dataclasses
 import random
 
 import pytest
@@ -107,3 +108,23 @@ def test_first_stage_parameters_by_hand():
     assert first_stage_parameters(h, L, v, s, tp=2, pp=2) == 2 * sharded + 15 * h + s * h
     with pytest.raises(ValueError, match="num_layers 4 is not divisible by pp 3"):
         first_stage_parameters(h, L, v, s, pp=3)
+
+
+def test_plan_with_the_llama_block():
+    """GQA and SwiGLU change the forward FLOPs full recompute reruns; a flash-style core makes selective
+    recompute free and useless, so plans take none or full."""
+    s, b, h, a, g, f, L, v, t = 64, 2, 32, 4, 2, 88, 6, 100, 2
+    kw = dict(tp=t, sequence_parallel=True, ffn_hidden=f, num_query_groups=g, normalization="rmsnorm",
+              activation="swiglu", hidden_dropout=0.0, attention_dropout=0.0)
+    forward = 2 * b * s * h * h * (1 + 2 * g / a) + 2 * b * s * h * h + 6 * b * s * h * f + 4 * b * s * s * h
+    assert evaluate_recompute("full", s, b, h, a, L, v, **kw).extra_flops == pytest.approx(L * forward / t, rel=1e-12)
+    assert evaluate_recompute("selective", s, b, h, a, L, v, **kw).extra_flops == L * 4 * b * s * s * h / t
+    selective = model_activation_bytes(s, b, h, a, L, v, recompute="selective", **kw)
+    assert plan_recompute(s, b, h, a, L, v, budget_bytes=selective, **kw).policies == ("selective",) * L
+    flash = dict(kw, flash_attention=True)
+    assert evaluate_recompute("selective", s, b, h, a, L, v, **flash) == \
+        dataclasses.replace(evaluate_recompute("none", s, b, h, a, L, v, **flash), policies=("selective",) * L)
+    none = model_activation_bytes(s, b, h, a, L, v, **flash)
+    full = model_activation_bytes(s, b, h, a, L, v, recompute="full", **flash)
+    plan = plan_recompute(s, b, h, a, L, v, budget_bytes=(none + full) / 2, **flash)
+    assert plan.counts["selective"] == 0 and 0 < plan.counts["full"] < L and plan.activation_bytes <= (none + full) / 2

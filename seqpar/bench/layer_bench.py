@@ -6,6 +6,12 @@ backward (median of ``--iters`` after ``--warmup``; CUDA events on GPU, wall clo
 CPU), measures the activation bytes one rank keeps (:class:`seqpar.memory.ActivationMeter`) and
 compares them with Table 2 (:func:`seqpar.memory.layer_activation_bytes`).
 
+``--arch llama`` runs the same five experiments on a Llama block (RMSNorm, SwiGLU, grouped-query
+attention with ``--kv-heads`` groups, RoPE, no biases, no dropout: selective recompute is the attention
+core's recompute only) and compares with the generalised formula for that block (flash-style when the
+attention backend is, e.g. triton on a GPU). Default sizes: a Llama 3 8B layer on cuda (h 4096, 32
+heads, 8 k/v groups, ffn 14336, RoPE base 500000), a small one on cpu.
+
 Without torchrun the command spawns ``--tp`` gloo ranks on CPU itself (default 2); under torchrun it
 uses the launched ranks (NCCL with ``--device cuda``).
 """
@@ -41,13 +47,19 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p = ArgumentParser(prog="python -m seqpar bench", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--arch", choices=tuple(ARCHS), default="gpt",
+                   help="gpt: the paper's layer (default); llama: RMSNorm, SwiGLU, GQA, RoPE, no biases, no dropout")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default 2 on cpu, 1 on cuda)")
     p.add_argument("--seq-len", type=int, default=None, help="default 256 (cpu) / 2048 (cuda)")
     p.add_argument("--hidden", type=int, default=None, help="default 128 (cpu) / 6144 (cuda: the 22B layer)")
-    p.add_argument("--heads", type=int, default=None, help="default 4 (cpu) / 64 (cuda)")
+    p.add_argument("--heads", type=int, default=None, help="default 4 (cpu) / 64 (cuda); llama: 8 / 32")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="llama: k/v groups (default 2 (cpu) / 8 (cuda)); gpt: one per head")
+    p.add_argument("--ffn", type=int, default=None,
+                   help="ffn size (default 4h; llama: 352 (cpu) / 14336 (cuda))")
     p.add_argument("--batch", type=int, default=None, help="default 2 (cpu) / 4 (cuda)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
-    p.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout")
+    p.add_argument("--dropout", type=float, default=None, help="hidden and attention dropout (default 0.1; llama 0)")
     p.add_argument("--backend", choices=BACKEND_CHOICES, default="auto")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default 3 cpu / 20 cuda)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up iterations (default 1 cpu / 5 cuda)")
@@ -57,12 +69,18 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     args = p.parse_args(argv)
     gpu = args.device == "cuda"
     defaults = dict(tp=1 if gpu else 2, seq_len=2048 if gpu else 256, hidden=6144 if gpu else 128,
-                    heads=64 if gpu else 4, batch=4 if gpu else 2, iters=20 if gpu else 3, warmup=5 if gpu else 1)
+                    heads=64 if gpu else 4, batch=4 if gpu else 2, iters=20 if gpu else 3, warmup=5 if gpu else 1,
+                    dropout=0.1)
+    if args.arch == "llama":
+        defaults.update(hidden=4096 if gpu else 128, heads=32 if gpu else 8, kv_heads=8 if gpu else 2,
+                        ffn=14336 if gpu else 352, dropout=0.0)
+    elif args.kv_heads is not None:
+        p.error("--kv-heads is for --arch llama (the gpt layer has one k/v head per head)")
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    for key in ("tp", "seq_len", "hidden", "heads", "batch", "iters"):
-        if getattr(args, key) <= 0:
+    for key in ("tp", "seq_len", "hidden", "heads", "batch", "iters", "kv_heads", "ffn"):
+        if getattr(args, key) is not None and getattr(args, key) <= 0:
             p.error(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
     if args.warmup < 0:
         p.error(f"--warmup must be non-negative, got {args.warmup}")
@@ -71,6 +89,11 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     if args.hidden % args.heads or args.heads % args.tp or args.seq_len % args.tp:
         p.error(f"need hidden % heads == 0, heads % tp == 0 and seq_len % tp == 0 "
                 f"(hidden={args.hidden}, heads={args.heads}, seq_len={args.seq_len}, tp={args.tp})")
+    if args.kv_heads is not None and (args.heads % args.kv_heads or args.kv_heads % args.tp):
+        p.error(f"need heads % kv_heads == 0 and kv_heads % tp == 0 "
+                f"(heads={args.heads}, kv_heads={args.kv_heads}, tp={args.tp})")
+    if args.ffn is not None and args.ffn % args.tp:
+        p.error(f"need ffn % tp == 0 (ffn={args.ffn}, tp={args.tp})")
     if args.plot and matplotlib_missing():
         p.error(matplotlib_missing())
     import torch
@@ -83,6 +106,25 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     if reason:
         p.error(reason)
     return args
+
+
+#: --arch -> the TransformerConfig architecture fields (beyond sizes and dropout).
+ARCHS = {
+    "gpt": dict(),
+    "llama": dict(normalization="rmsnorm", activation="swiglu", position_embedding="rope", rope_theta=500000.0,
+                  add_bias_linear=False),
+}
+
+
+def layer_config(args, sequence_parallel: bool, recompute: str, dtype):
+    """The TransformerConfig of one experiment."""
+    import seqpar
+
+    return seqpar.TransformerConfig(hidden_size=args.hidden, num_attention_heads=args.heads,
+                                    ffn_hidden_size=args.ffn, num_query_groups=args.kv_heads,
+                                    hidden_dropout=args.dropout, attention_dropout=args.dropout,
+                                    sequence_parallel=sequence_parallel, recompute=recompute, backend=args.backend,
+                                    params_dtype=dtype, **ARCHS[args.arch])
 
 
 def _under_torchrun() -> bool:
@@ -137,7 +179,8 @@ def run_experiments(args, rank: int, world_size: int, group) -> List[Dict]:
     import torch
 
     import seqpar
-    from seqpar.memory import ActivationMeter, layer_activation_bytes
+    from seqpar.memory import ActivationMeter, architecture_kwargs, layer_activation_bytes
+    from seqpar.ops import select_attention_backend
     from seqpar.ops import registry
     from seqpar.parallel import sequence_shard
 
@@ -150,9 +193,7 @@ def run_experiments(args, rank: int, world_size: int, group) -> List[Dict]:
     for index, (name, sp, recompute) in enumerate(EXPERIMENTS, 1):
         started = time.perf_counter()
         seqpar.manual_seed(1)
-        cfg = seqpar.TransformerConfig(hidden_size=h, num_attention_heads=a, hidden_dropout=args.dropout,
-                                       attention_dropout=args.dropout, sequence_parallel=sp, recompute=recompute,
-                                       backend=args.backend, params_dtype=dtype)
+        cfg = layer_config(args, sp, recompute, dtype)
         layer = seqpar.TransformerLayer(cfg, tp_group=group, device=device)
         gen = torch.Generator().manual_seed(2)
         x_full = torch.randn(s, b, h, generator=gen).to(device=device, dtype=dtype)
@@ -171,8 +212,14 @@ def run_experiments(args, rank: int, world_size: int, group) -> List[Dict]:
         with ActivationMeter() as meter:
             y = layer(x)
         del y
+        # gpt: the paper's Table 2; llama: the same formula for its block (flash-style when the core is)
+        block = dict(ffn_hidden=cfg.ffn_hidden_size)
+        if args.arch != "gpt":
+            q = torch.empty(b, a // t, s, h // a, device=device, dtype=dtype)
+            flash = select_attention_backend(q, q, q, causal=True, backend=args.backend).recompute_free
+            block = dict(architecture_kwargs(cfg), flash_attention=flash)
         table2 = functools.partial(layer_activation_bytes, s, b, h, a, tp=t, sequence_parallel=sp,
-                                   recompute=recompute, bytes_per_element=element)
+                                   recompute=recompute, bytes_per_element=element, **block)
         row = dict(experiment=name, sequence_parallel=sp, recompute=recompute,
                    forward_ms=statistics.median(fwd), backward_ms=statistics.median(bwd),
                    activation_bytes=meter.bytes, table2_bytes=table2(), table2_bytes_no_masks=table2(bytes_per_mask=0),
@@ -189,10 +236,11 @@ def run_experiments(args, rank: int, world_size: int, group) -> List[Dict]:
     return rows
 
 
-def format_table(rows: List[Dict], header: str) -> str:
+def format_table(rows: List[Dict], header: str, formula: str = "Table 2") -> str:
+    """The rows as a table; ``formula`` names the figure the measured bytes are compared with."""
     lines = [header,
              f"{'experiment':<31}{'forward ms':>11}{'backward ms':>12}{'combined':>10}{'overhead':>10}"
-             f"{'act MiB':>10}{'Table 2 MiB':>12}{'ratio':>7}"]
+             f"{'act MiB':>10}{formula + ' MiB':>12}{'ratio':>7}"]
     for r in rows:
         overhead = "-" if r["experiment"] == "no recompute" else f"{100 * r['overhead']:+.0f}%"
         lines.append(f"{r['experiment']:<31}{r['forward_ms']:>11.1f}{r['backward_ms']:>12.1f}"
@@ -284,12 +332,14 @@ def main(argv: Optional[List[str]] = None) -> List[Dict]:
     if rank != 0:
         return []
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores, gloo)"
-    header = (f"seqpar bench: one layer, s={args.seq_len} b={args.batch} h={args.hidden} a={args.heads} "
+    arch = "" if args.arch == "gpt" else f" llama (g={args.kv_heads} f={args.ffn})"
+    header = (f"seqpar bench: one{arch} layer, s={args.seq_len} b={args.batch} h={args.hidden} a={args.heads} "
               f"t={args.tp} {args.dtype} dropout={args.dropout} backend={args.backend} on {device_name}")
-    print(format_table(rows, header))
+    print(format_table(rows, header, "Table 2" if args.arch == "gpt" else "formula"))
     if args.json:
         meta = dict(device=device_name, date=datetime.date.today().isoformat(), commit=git_commit(),
-                    config=dict(seq_len=args.seq_len, batch=args.batch, hidden=args.hidden, heads=args.heads,
+                    config=dict(arch=args.arch, kv_heads=args.kv_heads, ffn=args.ffn,
+                                seq_len=args.seq_len, batch=args.batch, hidden=args.hidden, heads=args.heads,
                                 tp=args.tp, dtype=args.dtype, dropout=args.dropout, backend=args.backend,
                                 iters=args.iters, warmup=args.warmup))
         with open(args.json, "w") as f:

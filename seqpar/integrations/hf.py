@@ -283,10 +283,10 @@ def _llama_settings(config) -> dict:
     def get(name, default=None):
         return getattr(config, name, default)
 
-    if config is None or get("hidden_size") is None or get("intermediate_size") is None:
-        raise ValueError(f"config must be a transformers LlamaConfig, got {type(config).__name__}")
     if get("model_type", "llama") != "llama":
         raise ValueError(f"config.model_type {get('model_type')!r} is not 'llama'")
+    if config is None or get("hidden_size") is None or get("intermediate_size") is None:
+        raise ValueError(f"config must be a transformers LlamaConfig, got {type(config).__name__}")
     hidden, heads = get("hidden_size"), get("num_attention_heads")
     kv_heads = get("num_key_value_heads") or heads
     for name, supported in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):

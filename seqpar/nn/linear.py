@@ -97,7 +97,14 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            return all_gather_matmul(x, self.weight, self.bias, group=self.tp_group, overlap=self.overlap_comm)
+            # On flattened rows (the gather is along the leading sequence dim, so [s/t * b, k] rows gather
+            # to the same [s * b, k]): the op's output is then a fresh GEMM result, never a view (F.linear
+            # of a 3-D input with a bias returns a view of its 2-D result in no-grad mode, and autograd
+            # forbids writing into views made inside a custom Function), so callers may modify views of
+            # it in place: RoPE rotates q and k inside the QKV output.
+            y = all_gather_matmul(x.reshape(-1, x.shape[-1]), self.weight, self.bias, group=self.tp_group,
+                                  overlap=self.overlap_comm)
+            return y.view((-1,) + tuple(x.shape[1:-1]) + (y.shape[-1],))
         return nn.functional.linear(copy_to_tensor_region(x, self.tp_group), self.weight, self.bias)
 
     @torch.no_grad()

@@ -1,0 +1,50 @@
+"""python -m seqpar bench --arch llama: the five experiments on a Llama block (2 spawned gloo ranks), the
+measured bytes against the generalised formula, and its usage errors."""
+import importlib
+import json
+import subprocess
+import sys
+
+import pytest
+
+from seqpar import cli
+
+# The temporary attention_core shim expands k / v with copies the core saves (see tests/nn/test_llama_layer.py).
+GQA_COPIES = getattr(importlib.import_module("seqpar.ops.attention_core"), "GQA_SHIM_EXPANDS_KV", False)
+
+
+@pytest.mark.timeout(180)
+def test_bench_llama_prints_five_experiments(tmp_path):
+    path = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "seqpar", "bench", "--arch", "llama", "--tp", "2", "--seq-len", "32", "--hidden", "64",
+           "--heads", "8", "--kv-heads", "2", "--ffn", "88", "--batch", "2", "--iters", "1", "--warmup", "0",
+           "--json", str(path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "llama (g=2 f=88) layer" in out.stdout and "formula MiB" in out.stdout and "dropout=0.0" in out.stdout
+    data = json.loads(path.read_text())
+    assert (data["config"]["arch"], data["config"]["kv_heads"], data["config"]["ffn"]) == ("llama", 2, 88)
+    rows = {r["experiment"]: r for r in data["rows"]}
+    assert list(rows) == ["no recompute", "sequence parallel", "full recompute", "selective recompute",
+                          "selective + sequence parallel"]
+    assert rows["full recompute"]["activation_bytes"] < rows["selective recompute"]["activation_bytes"] \
+        < rows["no recompute"]["activation_bytes"]
+    for name, r in rows.items():
+        assert r["table2_bytes"] == r["table2_bytes_no_masks"], r          # no dropout: no masks
+        if GQA_COPIES and r["recompute"] == "none":
+            continue
+        assert 0.95 * r["table2_bytes"] <= r["activation_bytes"] <= 1.05 * r["table2_bytes"], r
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["bench", "--kv-heads", "2"], "--kv-heads is for --arch llama"),
+    (["bench", "--arch", "llama", "--kv-heads", "3"], "heads % kv_heads == 0"),
+    (["bench", "--arch", "llama", "--kv-heads", "1"], "kv_heads % tp == 0"),
+    (["bench", "--arch", "llama", "--ffn", "351"], "ffn % tp == 0"),
+    (["bench", "--arch", "mamba"], "invalid choice: 'mamba'"),
+], ids=["kv-heads-gpt", "kv-heads-divide", "kv-heads-tp", "ffn-tp", "arch"])
+def test_bench_llama_usage_errors_are_one_line_exit_2(argv, match, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1 and match in err, err

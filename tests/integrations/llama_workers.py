@@ -1,0 +1,201 @@
+"""Rank workers of test_llama.py: every Llama check of one world size in one spawn. They never import
+transformers (each spawned rank would pay its import): the parent builds the Llama state dicts, configs
+(as plain attribute objects) and HF's reference numbers once, and the ranks compare against them.
+
+Checks (each returns plain numbers: tensors returned to the parent would need the rank alive):
+- layer parity: the Llama block (and RMSNorm with biases and dropout) at t ranks, SP on and off, every
+  recompute policy, against one device from the same unsharded weights; policies bitwise identical;
+- layer memory: the meter per rank against seqpar.memory.layer_activation_terms, label by label;
+- HF: from_llama logits against HF's, to_llama_state_dict round trips, SGD training against HF's losses.
+"""
+import importlib
+import itertools
+import types
+
+import torch
+import torch.distributed as dist
+
+import seqpar
+from seqpar.integrations import hf
+from seqpar.memory import ActivationMeter, architecture_kwargs, layer_activation_terms
+from seqpar.parallel import sequence_shard
+
+POLICIES = ("none", "selective", "full")
+LLAMA = dict(normalization="rmsnorm", activation="swiglu", position_embedding="rope", add_bias_linear=False)
+# The temporary attention_core shim expands k / v with copies the core saves (see test_llama_layer.py).
+GQA_COPIES = getattr(importlib.import_module("seqpar.ops.attention_core"), "GQA_SHIM_EXPANDS_KV", False)
+
+S, B = 12, 3                      # s/t = 3 at t = 4: odd shards
+LAYER_BLOCKS = {                  # id: config (a = 8 heads, 4 k/v groups, d = 8, f = 88)
+    "llama": dict(LLAMA, hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=88,
+                  rope_theta=1000.0),
+    "rmsnorm-bias-dropout": dict(LLAMA, hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=88,
+                                 add_bias_linear=True, hidden_dropout=0.2, attention_dropout=0.2),
+}
+MEMORY = dict(s=64, b=2, h=128, a=8, f=352)
+
+
+def llama_config(config_dict):
+    """A LlamaConfig's attributes without transformers (from_llama reads attributes only)."""
+    return types.SimpleNamespace(**config_dict)
+
+
+def _sgd(params, lr):
+    with torch.no_grad():
+        for p in params:
+            p -= lr * p.grad
+            p.grad = None
+
+
+def _gather_seq(y_shard, group):
+    if group is None or dist.get_world_size(group) == 1:
+        return y_shard
+    parts = [torch.empty_like(y_shard) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, y_shard.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def _run_layer(layer, x, grad_y):
+    seqpar.manual_seed(7)
+    x = x.detach().clone().requires_grad_()
+    y = layer(x)
+    y.backward(grad_y)
+    grads = [p.grad.clone() for p in layer.parameters()]
+    _sgd(layer.parameters(), 1.0)
+    return y.detach(), x.grad, grads, layer.full_state_dict()
+
+
+def _relative_error(got, reference):
+    """max |got - reference| over max |reference| (fp32 sums in another order: relative to the scale)."""
+    return ((got - reference).abs().max() / reference.abs().max()).item()
+
+
+def layer_parity(group):
+    """{(block, sp, recompute): dict(y, x_grad, params (the SGD updates), errors relative to one device's
+    scale; bitwise_vs_none)}."""
+    gen = torch.Generator().manual_seed(1234)
+    results = {}
+    for block, knobs in LAYER_BLOCKS.items():
+        x_full = torch.randn(S, B, knobs["hidden_size"], generator=gen)
+        grad_full = torch.randn(S, B, knobs["hidden_size"], generator=gen)
+        reference = seqpar.TransformerLayer(seqpar.TransformerConfig(**knobs))
+        wgen = torch.Generator().manual_seed(99)
+        state = {k: torch.randn(shape, generator=wgen) * (0.3 if len(shape) == 2 else 0.1)
+                 + (1.0 if k.endswith("layernorm.weight") else 0.0) for k, shape in reference.full_shapes().items()}
+        reference.load_full_state_dict(state)
+        y_ref, gx_ref, _, sd_ref = _run_layer(reference, x_full, grad_full)
+        for sp in (False, True):
+            first = None
+            for recompute in POLICIES:
+                layer = seqpar.TransformerLayer(seqpar.TransformerConfig(**knobs, sequence_parallel=sp,
+                                                                         recompute=recompute), tp_group=group)
+                layer.load_full_state_dict(state)
+                x_in, g_in = (sequence_shard(x_full, group), sequence_shard(grad_full, group)) if sp else \
+                    (x_full, grad_full)
+                y, gx, grads, sd = _run_layer(layer, x_in, g_in)
+                same = None
+                if first is None:
+                    first = (y, gx, grads)
+                else:
+                    same = (torch.equal(y, first[0]) and torch.equal(gx, first[1])
+                            and all(torch.equal(a, b) for a, b in zip(grads, first[2])))
+                y_full = _gather_seq(y, group) if sp else y
+                gx_full = _gather_seq(gx, group) if sp else gx
+                results[(block, sp, recompute)] = dict(
+                    y=_relative_error(y_full, y_ref), x_grad=_relative_error(gx_full, gx_ref),
+                    params={k: _relative_error(sd[k] - state[k], v - state[k]) for k, v in sd_ref.items()},
+                    bitwise_vs_none=same)
+    return results
+
+
+def layer_memory(group, world_size):
+    """{(g, sp, recompute): (measured bytes, formula bytes, measured by label, formula by label, report)},
+    bf16 on the torch backend (no dropout: the Llama block)."""
+    s, b, h, a, f = (MEMORY[k] for k in ("s", "b", "h", "a", "f"))
+    out = {}
+    seqpar.manual_seed(3)
+    for g, sp, recompute in itertools.product((a, 4), (False, True), POLICIES):
+        if GQA_COPIES and g != a and recompute == "none":
+            continue
+        cfg = seqpar.TransformerConfig(hidden_size=h, num_attention_heads=a, num_query_groups=g, ffn_hidden_size=f,
+                                       sequence_parallel=sp, recompute=recompute, params_dtype=torch.bfloat16,
+                                       backend="torch", **LLAMA)
+        layer = seqpar.TransformerLayer(cfg, tp_group=group)
+        x = torch.randn(s // world_size if sp else s, b, h, dtype=torch.bfloat16, requires_grad=True)
+        with ActivationMeter() as meter:
+            layer(x)
+        terms = layer_activation_terms(s, b, h, a, tp=world_size, sequence_parallel=sp, recompute=recompute,
+                                       bytes_per_mask=0, **architecture_kwargs(cfg))
+        out[(g, sp, recompute)] = (meter.bytes, sum(terms.values()), meter.by_label(),
+                                   {k: v for k, v in terms.items() if v}, meter.report(s * b * h * 2))
+    return out
+
+
+def hf_logits_errors(group, cases):
+    """{(name, sp, recompute): (vocab_start, vocab_end, max |logits - HF logits| on that shard)}.
+
+    ``cases``: {name: (state_dict, config_dict, tokens, HF logits [s, b, v])}."""
+    out = {}
+    for name, (state_dict, config_dict, tokens, reference) in cases.items():
+        for sp, recompute in itertools.product((False, True), POLICIES):
+            model = hf.from_llama(state_dict, config=llama_config(config_dict), tp_group=group,
+                                  sequence_parallel=sp, recompute=recompute).eval()
+            with torch.no_grad():
+                local = model(tokens)
+            start, end = model.vocab_start, model.vocab_end
+            assert local.shape == reference.shape[:2] + (end - start,), (local.shape, start, end)
+            error = (local - reference[..., start:end]).abs().max().item() if end > start else 0.0
+            out[(name, sp, recompute)] = (start, end, error)
+    return out
+
+
+def hf_round_trips(group, cases):
+    """{name: to_llama_state_dict(from_llama(sd)) equals sd bitwise (keys in order, dtypes, values)}."""
+    out = {}
+    for name, (state_dict, config_dict) in cases.items():
+        got = hf.to_llama_state_dict(hf.from_llama(state_dict, config=llama_config(config_dict), tp_group=group,
+                                                   sequence_parallel=True))
+        out[name] = (list(got) == list(state_dict)
+                     and all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in state_dict.items()))
+    return out
+
+
+def hf_train(group, state_dict, config_dict, tokens, hf_labels, steps, lr, hf_state_dict):
+    """SGD on seqpar's Llama at this group + SP + selective recompute with HF's loss convention:
+    (losses per step, {key: max |to_llama_state_dict afterwards - HF's trained weights|})."""
+    model = hf.from_llama(state_dict, config=llama_config(config_dict), tp_group=group, sequence_parallel=True,
+                          recompute="selective")
+    labels = hf.shift_labels(hf_labels)
+    losses = []
+    for _ in range(steps):
+        loss = model(tokens, labels).sum() / (labels != -100).sum()
+        loss.backward()
+        _sgd(model.parameters(), lr)
+        losses.append(loss.item())
+    trained = hf.to_llama_state_dict(model)
+    return losses, {k: (trained[k] - v).abs().max().item() for k, v in hf_state_dict.items()}
+
+
+def run_all(group, world_size, cases):
+    """Every check at this world size; ``cases``: dict(logit_cases, round_trip_cases, train_case) of HF
+    references, each None when transformers is not installed (or not wanted)."""
+    seqpar.manual_seed(0)  # the same RNG state on every rank
+    results = dict(parity=layer_parity(group), memory=layer_memory(group, world_size))
+    try:  # t must divide the k/v groups: checked where t is known, on every rank alike
+        seqpar.TransformerLayer(seqpar.TransformerConfig(**{**LAYER_BLOCKS["llama"], "num_query_groups": 1}),
+                                tp_group=group)
+        results["groups_error"] = None
+    except ValueError as error:
+        results["groups_error"] = str(error)
+    if cases.get("logit_cases"):
+        results["logits"] = hf_logits_errors(group, cases["logit_cases"])
+    if cases.get("round_trip_cases"):
+        results["round_trips"] = hf_round_trips(group, cases["round_trip_cases"])
+    if cases.get("train_case"):
+        results["train"] = hf_train(group, **cases["train_case"])
+    return results
+
+
+def worker(rank, world_size, cases_path):
+    """A spawned rank: ``cases_path`` is the torch.save'd ``cases`` of :func:`run_all`."""
+    return run_all(dist.group.WORLD, world_size, torch.load(cases_path))

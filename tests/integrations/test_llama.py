@@ -1,0 +1,368 @@
+"""The Llama block end to end on gloo ranks, and seqpar.integrations.hf against HuggingFace transformers'
+Llama (random models built from a LlamaConfig, never downloaded).
+
+One spawn per world size runs every multi-rank check (llama_workers.run_all); t = 1 runs in this process
+on a one-rank group:
+- the Llama layer at t = 1, 2, 4, SP on and off, every recompute policy, against one device (outputs,
+  gradients, weights after SGD), the policies bitwise identical, RMSNorm with biases and dropout too;
+- its measured activation bytes per rank against seqpar.memory's formula: within [0.95x, 1.05x] and
+  equal label by label;
+- from_llama logits equal HF's within 2e-5 in fp32 at t = 1, 2 (2 k/v groups) and t = 4 (4 k/v groups),
+  SP on and off, every recompute policy; bitwise round trips; 3 SGD steps at t = 2 + SP + selective
+  against HF's losses; bad configs and state dicts; the import needs no transformers.
+"""
+import functools
+import importlib
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import seqpar
+import seqpar.integrations
+from seqpar.integrations import hf
+
+from tests.distributed.launcher import run_ranks
+from tests.integrations import llama_workers
+
+LAYERS, HIDDEN, HEADS, FFN, VOCAB, POSITIONS = 2, 128, 8, 352, 1000, 64
+SEQ, BATCH = 36, 2                 # s/t = 9 at t = 4: odd shards
+KV_GROUPS = {1: 2, 2: 2, 4: 4}     # t = 4 needs 4 k/v groups
+POLICIES = ("none", "selective", "full")
+TRAIN_STEPS, TRAIN_LR = 3, 0.5
+
+
+def _transformers():
+    return pytest.importorskip("transformers")
+
+
+def _llama_config(kv_groups=2, vocab=VOCAB, **kw):
+    base = dict(num_hidden_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                num_key_value_heads=kv_groups, intermediate_size=FFN, vocab_size=vocab,
+                max_position_embeddings=POSITIONS, rms_norm_eps=1e-6)
+    base.update(kw)
+    return _transformers().LlamaConfig(**base)
+
+
+def _random_llama(kv_groups=2, seed=0, **kw):
+    """A LlamaForCausalLM whose every weight is random (the RMSNorm weights too, so their mapping is
+    tested); the same on every call with the same arguments."""
+    transformers = _transformers()
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(_llama_config(kv_groups, **kw))
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.2 * noise if name.endswith("norm.weight") else noise * (0.1 if "embed" in name else 0.05))
+    return model
+
+
+def _tokens(vocab=VOCAB, seed=0):
+    return torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+@functools.lru_cache(maxsize=None)
+def _logit_case(kv_groups, tied=False):
+    """(state dict, config dict, tokens, HF's eval logits [s, b, v])."""
+    llama = _random_llama(kv_groups, tie_word_embeddings=tied, rope_theta=5000.0).eval()
+    tokens = _tokens()
+    with torch.no_grad():
+        return llama.state_dict(), llama.config.to_dict(), tokens, llama(tokens).logits.transpose(0, 1)
+
+
+def _round_trip_cases(kv_groups):
+    llama = _random_llama(kv_groups, seed=4)
+    return {str(dtype): ({k: v.to(dtype) for k, v in llama.state_dict().items()}, llama.config.to_dict())
+            for dtype in (torch.float32, torch.bfloat16)}
+
+
+@functools.lru_cache(maxsize=None)
+def _train_case():
+    """HF's starting state dict, the batch, and HF's own losses and final weights after TRAIN_STEPS SGD
+    steps on its labels=input_ids loss (-100 for padding)."""
+    llama = _random_llama(2, seed=7).train()
+    state_dict = {k: v.clone() for k, v in llama.state_dict().items()}
+    tokens = _tokens(seed=1)
+    hf_labels = tokens.clone()
+    hf_labels[0, -5:] = -100
+    losses = []
+    for _ in range(TRAIN_STEPS):
+        loss = llama(tokens, labels=hf_labels).loss
+        loss.backward()
+        llama_workers._sgd(llama.parameters(), TRAIN_LR)
+        losses.append(loss.item())
+    case = dict(state_dict=state_dict, config_dict=llama.config.to_dict(), tokens=tokens, hf_labels=hf_labels,
+                steps=TRAIN_STEPS, lr=TRAIN_LR, hf_state_dict=llama.state_dict())
+    return case, losses
+
+
+def _cases(world_size):
+    """The HF references a world size checks (None without transformers)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return dict(logit_cases=None, round_trip_cases=None, train_case=None)
+    g = KV_GROUPS[world_size]
+    return dict(logit_cases={f"g{g}": _logit_case(g)}, round_trip_cases=_round_trip_cases(g),
+                train_case=_train_case()[0] if world_size == 2 else None)
+
+
+_RANK_RESULTS = {}
+
+
+def ranks(world_size, tmp_path_factory):
+    """Every rank's results for this world size, computed once (failures included: each test that
+    reads them reports the same failure instead of running again). t = 1 runs here, on a one-rank group."""
+    if world_size not in _RANK_RESULTS:
+        try:
+            if world_size == 1:
+                _RANK_RESULTS[1] = [_in_process(_cases(1))]
+            else:
+                # The references travel as a file: tensors passed to spawned processes directly go through
+                # torch's shared-memory hand-off, which needs the parent serving them at the right moment.
+                path = tmp_path_factory.mktemp("llama_cases") / "cases.pt"
+                torch.save(_cases(world_size), path)
+                _RANK_RESULTS[world_size] = run_ranks(llama_workers.worker, world_size, str(path), timeout_s=280)
+        except Exception as error:  # noqa: BLE001 - kept and re-raised by every test that asks
+            _RANK_RESULTS[world_size] = error
+    if isinstance(_RANK_RESULTS[world_size], Exception):
+        raise _RANK_RESULTS[world_size]
+    return _RANK_RESULTS[world_size]
+
+
+def _in_process(cases):
+    """run_all at t = 1 on a one-rank gloo group in this process, on one thread like a spawned rank."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return llama_workers.run_all(dist.group.WORLD, 1, cases)
+    finally:
+        torch.set_num_threads(threads)
+        dist.destroy_process_group()
+
+
+WORLDS = pytest.mark.parametrize("world_size", [1, 2, 4], ids=lambda t: f"t{t}")
+
+
+# ------------------------------------------------------------------------------- the layer on t ranks
+@pytest.mark.timeout(300)
+@WORLDS
+def test_llama_layer_parity_with_single_device(world_size, tmp_path_factory):
+    for rank_results in ranks(world_size, tmp_path_factory):
+        parity = rank_results["parity"]
+        assert len(parity) == 2 * 2 * 3
+        for (block, sp, recompute), r in parity.items():
+            case = f"t={world_size} {block} sp={sp} recompute={recompute}"
+            assert r["y"] <= 1e-5, f"{case}: relative output error {r['y']:.2e}"
+            assert r["x_grad"] <= 1e-5, f"{case}: relative input-gradient error {r['x_grad']:.2e}"
+            worst = max(r["params"], key=r["params"].get)
+            assert r["params"][worst] <= 1e-5, f"{case}: {worst}'s SGD update differs by {r['params'][worst]:.2e} (relative)"
+            if recompute != "none":
+                assert r["bitwise_vs_none"], f"{case}: not bitwise equal to recompute='none'"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 4], ids=lambda t: f"t{t}")
+def test_query_groups_not_divisible_by_t_raise_on_every_rank(world_size, tmp_path_factory):
+    for rank_results in ranks(world_size, tmp_path_factory):
+        assert rank_results["groups_error"] == (f"num_query_groups 1 is not divisible by the tensor-parallel size "
+                                                f"{world_size}")
+
+
+@pytest.mark.timeout(300)
+@WORLDS
+def test_llama_layer_memory_per_rank_matches_the_formula(world_size, tmp_path_factory):
+    for rank, rank_results in enumerate(ranks(world_size, tmp_path_factory)):
+        memory = rank_results["memory"]
+        assert len(memory) >= 10, sorted(memory)
+        for (g, sp, recompute), (measured, formula, by_label, terms, report) in memory.items():
+            case = f"rank {rank} t={world_size} g={g} sp={sp} recompute={recompute}"
+            assert 0.95 * formula <= measured <= 1.05 * formula, f"{case}: {measured} vs {formula:.0f}\n{report}"
+            assert by_label == terms, f"{case}: label by label\n{report}\n{terms}"
+
+
+# ------------------------------------------------------------------------------- HF Llama
+def _check_logits(per_rank, world_size):
+    for key in per_rank[0]:
+        case = f"t={world_size} {key}"
+        bounds = sorted(r[key][:2] for r in per_rank)
+        covered = [i for start, end in bounds for i in range(start, end)]
+        assert covered == list(range(VOCAB)), f"{case}: the ranks' shards {bounds} do not tile [0, {VOCAB})"
+        worst = max(r[key][2] for r in per_rank)
+        assert worst <= 2e-5, f"{case}: logits differ from HF's by {worst:.2e}"
+
+
+@pytest.mark.timeout(300)
+@WORLDS
+def test_from_llama_logits_match_hf(world_size, tmp_path_factory):
+    _transformers()
+    per_rank = [r["logits"] for r in ranks(world_size, tmp_path_factory)]
+    assert len(per_rank[0]) == 2 * 3
+    _check_logits(per_rank, world_size)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [1, 2, 4], ids=lambda t: f"t{t}")
+def test_round_trip_is_bitwise_under_tp(world_size, tmp_path_factory):
+    _transformers()
+    for rank, rank_result in enumerate(ranks(world_size, tmp_path_factory)):
+        assert rank_result["round_trips"] and all(rank_result["round_trips"].values()), \
+            f"rank {rank}: {rank_result['round_trips']}"
+
+
+@pytest.mark.timeout(300)
+def test_training_t2_sp_selective_matches_hf(tmp_path_factory):
+    _transformers()
+    _, hf_losses = _train_case()
+    assert hf_losses[-1] < hf_losses[0] - 0.05, f"the loss should fall over the SGD steps: {hf_losses}"
+    for rank, rank_result in enumerate(ranks(2, tmp_path_factory)):
+        losses, errors = rank_result["train"]
+        for step, (reference, ours) in enumerate(zip(hf_losses, losses)):
+            assert abs(reference - ours) <= 1e-4, f"rank {rank} step {step}: HF loss {reference:.6f} vs {ours:.6f}"
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= 1e-5, f"rank {rank}: {worst} differs from HF's after training by {errors[worst]:.2e}"
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_from_model_objects_tied_and_untied_and_back(tied):
+    """The model-object source without a group; tied heads; a LlamaModel; HF loads the hand-back."""
+    transformers = _transformers()
+    llama = _random_llama(2, seed=3, tie_word_embeddings=tied, vocab_size=300).eval()
+    model = hf.from_llama(llama)
+    assert not model.training and model.config.kv_heads == 2 and model.config.rope_theta == 10000.0
+    assert (model.output_layer is None) == tied
+    tokens = _tokens(300)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), llama(tokens).logits.transpose(0, 1), atol=2e-5, rtol=0)
+    expected = llama.state_dict()
+    got = hf.to_llama_state_dict(model)
+    assert list(got) == list(expected) and all(torch.equal(got[k], v) for k, v in expected.items())
+    if tied:
+        assert got["lm_head.weight"] is got["model.embed_tokens.weight"]
+        bare = llama.model                                    # a LlamaModel: no head, tied
+        assert all(torch.equal(a, b) for a, b in zip(hf.from_llama(bare).full_state_dict().values(),
+                                                    model.full_state_dict().values()))
+    fresh = transformers.LlamaForCausalLM(llama.config)
+    fresh.load_state_dict(got, strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh.eval()(tokens).logits, llama(tokens).logits, atol=0, rtol=0)
+
+
+def test_settings_follow_the_config_and_arguments():
+    llama = _random_llama(2, rope_theta=123456.0, rms_norm_eps=1e-5, attention_dropout=0.1).train()
+    model = hf.from_llama(llama, recompute="full", backend="torch", params_dtype=torch.bfloat16,
+                          sequence_parallel=True)
+    cfg = model.config
+    assert (cfg.rope_theta, cfg.layernorm_epsilon, cfg.attention_dropout, cfg.hidden_dropout) == (123456.0, 1e-5, 0.1, 0.0)
+    assert (cfg.normalization, cfg.activation, cfg.position_embedding, cfg.add_bias_linear) == \
+        ("rmsnorm", "swiglu", "rope", False)
+    assert (cfg.recompute, cfg.backend, cfg.sequence_parallel, cfg.num_query_groups) == ("full", "torch", True, 2)
+    assert (model.max_seq_len, model.vocab_size, model.embedding_dropout, model.training) == (POSITIONS, VOCAB, 0.0, True)
+    assert model.embedding.word_embeddings.weight.dtype == torch.bfloat16
+    with torch.no_grad():   # rope_theta and eps reach the math
+        torch.testing.assert_close(hf.from_llama(llama.eval())(_tokens()), llama(_tokens()).logits.transpose(0, 1),
+                                   atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope type 'linear'"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 64}), "rope type 'llama3'"),
+    (dict(attention_bias=True), "attention_bias=True"), (dict(mlp_bias=True), "mlp_bias=True"),
+    (dict(head_dim=32), "head_dim=32"), (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+], ids=["rope-linear", "rope-llama3", "attention-bias", "mlp-bias", "head-dim", "hidden-act"])
+def test_unsupported_llama_variants_raise(kwargs, match):
+    state_dict = _random_llama(2).state_dict()
+    with pytest.raises(ValueError, match=match):
+        hf.from_llama(state_dict, config=_llama_config(2, **kwargs))
+
+
+def _drop(key):
+    return lambda sd: sd.pop(key)
+
+
+@pytest.mark.parametrize("change, match, tied", [
+    (_drop("model.layers.1.mlp.up_proj.weight"), r"missing \['layers.1.mlp.up_proj.weight'\]", False),
+    (lambda sd: sd.update({"model.layers.2.input_layernorm.weight": torch.ones(HIDDEN)}),
+     r"unexpected \['layers.2.input_layernorm.weight'\]", False),
+    (lambda sd: sd.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(HIDDEN, HIDDEN)}),
+     r"layers.0.self_attn.k_proj.weight must have shape \(32, 128\) for this config, got \(128, 128\)", False),
+    (_drop("lm_head.weight"), "no lm_head.weight but the config has tie_word_embeddings=False", False),
+    (lambda sd: sd.update({"lm_head.weight": torch.zeros(VOCAB + 1, HIDDEN)}), r"lm_head.weight must have shape", False),
+    (lambda sd: sd.update({"lm_head.weight": sd["lm_head.weight"] + 1}), "differs from model.embed_tokens.weight", True),
+    (lambda sd: sd.update({"norm.weight": sd["model.norm.weight"]}), "mixes 'model.'-prefixed keys", False),
+], ids=["missing", "unexpected", "kv-shape", "no-head", "head-shape", "untied-head-in-tied-config", "mixed-prefix"])
+def test_bad_state_dicts_raise_naming_the_key(change, match, tied):
+    state_dict = dict(_random_llama(2, tie_word_embeddings=tied).state_dict())
+    change(state_dict)
+    with pytest.raises(ValueError, match=match):
+        hf.from_llama(state_dict, config=_llama_config(2, tie_word_embeddings=tied))
+
+
+def test_other_models_configs_and_layouts_raise():
+    transformers = _transformers()
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not 'llama'"):
+        hf.from_llama({}, config=transformers.GPT2Config())
+    with pytest.raises(ValueError, match="needs config="):
+        hf.from_llama(_random_llama(2).state_dict())
+    with pytest.raises(ValueError, match="config= is only for a state-dict source"):
+        hf.from_llama(_random_llama(2), config=_llama_config())
+    with pytest.raises(ValueError, match="source must be .* got str"):
+        hf.from_llama("meta-llama/Llama-3.2-1B")
+    gpt = seqpar.GPTModel(seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4), 1, 50, 8)
+    with pytest.raises(ValueError, match="model is not a Llama: its config has .*'normalization': 'layernorm'"):
+        hf.to_llama_state_dict(gpt)
+    with pytest.raises(ValueError, match="model must be a seqpar.GPTModel, got LlamaForCausalLM"):
+        hf.to_llama_state_dict(_random_llama(2))
+
+
+def test_old_checkpoints_rope_buffers_are_ignored():
+    """transformers releases before 4.31 saved each layer's rotary_emb.inv_freq in state dicts."""
+    llama = _random_llama(2)
+    state_dict = dict(llama.state_dict())
+    for i in range(LAYERS):
+        state_dict[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    got = hf.to_llama_state_dict(hf.from_llama(state_dict, config=llama.config))
+    assert all(torch.equal(got[k], v) for k, v in llama.state_dict().items())
+
+
+def test_import_does_not_need_transformers(monkeypatch):
+    """A fresh import of seqpar.integrations.hf with transformers made unimportable."""
+    class Block:
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name.split(".")[0] == "transformers":
+                raise ImportError("transformers is blocked in this test")
+            return None
+
+    for name in [n for n in sys.modules if n.split(".")[0] == "transformers"] + ["seqpar.integrations.hf"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [Block()] + sys.meta_path)
+    monkeypatch.setattr(seqpar.integrations, "hf", hf)           # restored after the fresh import
+    fresh = importlib.import_module("seqpar.integrations.hf")
+    assert fresh is not hf and callable(fresh.from_llama) and callable(fresh.to_llama_state_dict)
+    assert not any(n.split(".")[0] == "transformers" for n in sys.modules)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_bf16_logits_on_gpu(backend, recompute):
+    """bf16 on the device: seqpar's logits error vs HF fp32 is at most 2x HF bf16's own error."""
+    llama = _random_llama(2, vocab_size=32000).eval().cuda()
+    tokens = _tokens(32000).cuda()
+    with torch.no_grad():
+        reference = llama(tokens).logits.transpose(0, 1)
+        hf_bf16 = llama.to(torch.bfloat16)(tokens).logits.transpose(0, 1)
+        model = hf.from_llama(llama, recompute=recompute, backend=backend)          # bf16 like the source
+        logits = model(tokens)
+    assert logits.dtype == torch.bfloat16 and logits.shape == reference.shape
+    error = (logits.float() - reference).abs().max().item()
+    hf_error = (hf_bf16.float() - reference).abs().max().item()
+    assert error <= 2 * hf_error + 1e-3, f"seqpar bf16 error {error:.3e} vs HF bf16 error {hf_error:.3e}"
