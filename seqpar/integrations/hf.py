@@ -37,7 +37,8 @@ GPTModel's per-token losses over the labels that are not -100.
 **Llama** (:func:`from_llama` / :func:`to_llama_state_dict`): a ``LlamaForCausalLM`` (or ``LlamaModel``,
 or either's state dict with its ``LlamaConfig``) becomes a GPTModel with the Llama block
 (``normalization="rmsnorm", activation="swiglu", num_query_groups=num_key_value_heads,
-position_embedding="rope", add_bias_linear=False``, no dropout but the config's ``attention_dropout``)::
+position_embedding="rope", add_bias_linear=False``, no dropout but the config's ``attention_dropout``,
+0 by default; with it on, seqpar's counter-based masks are not torch's, so runs differ from HF's)::
 
     model.embed_tokens.weight [v, h]          embedding.word_embeddings.weight
     layers.{i}.input_layernorm / post_attention_layernorm        the same names (RMSNorm weights)
