@@ -180,8 +180,7 @@ def run_experiments(args, rank: int, world_size: int, group) -> List[Dict]:
 
     import seqpar
     from seqpar.memory import ActivationMeter, architecture_kwargs, layer_activation_bytes
-    from seqpar.ops import select_attention_backend
-    from seqpar.ops import registry
+    from seqpar.ops import registry, select_attention_backend
     from seqpar.parallel import sequence_shard
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]

@@ -8,7 +8,6 @@ Checks (each returns plain numbers: tensors returned to the parent would need th
 - layer memory: the meter per rank against seqpar.memory.layer_activation_terms, label by label;
 - HF: from_llama logits against HF's, to_llama_state_dict round trips, SGD training against HF's losses.
 """
-import importlib
 import itertools
 import types
 
@@ -22,9 +21,6 @@ from seqpar.parallel import sequence_shard
 
 POLICIES = ("none", "selective", "full")
 LLAMA = dict(normalization="rmsnorm", activation="swiglu", position_embedding="rope", add_bias_linear=False)
-# The temporary attention_core shim expands k / v with copies the core saves (see test_llama_layer.py).
-GQA_COPIES = getattr(importlib.import_module("seqpar.ops.attention_core"), "GQA_SHIM_EXPANDS_KV", False)
-
 S, B = 12, 3                      # s/t = 3 at t = 4: odd shards
 LAYER_BLOCKS = {                  # id: config (a = 8 heads, 4 k/v groups, d = 8, f = 88)
     "llama": dict(LLAMA, hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=88,
@@ -115,8 +111,6 @@ def layer_memory(group, world_size):
     out = {}
     seqpar.manual_seed(3)
     for g, sp, recompute in itertools.product((a, 4), (False, True), POLICIES):
-        if GQA_COPIES and g != a and recompute == "none":
-            continue
         cfg = seqpar.TransformerConfig(hidden_size=h, num_attention_heads=a, num_query_groups=g, ffn_hidden_size=f,
                                        sequence_parallel=sp, recompute=recompute, params_dtype=torch.bfloat16,
                                        backend="torch", **LLAMA)

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 import seqpar
 from seqpar.memory import ActivationMeter, architecture_kwargs, layer_activation_terms, model_activation_bytes
 from seqpar.nn.linear import ColumnParallelLinear
-import importlib
 
 H, A, F_FFN = 64, 8, 40       # d = 8; ffn 40: not a power of two
 LLAMA = dict(normalization="rmsnorm", activation="swiglu", position_embedding="rope", add_bias_linear=False)
@@ -23,10 +22,6 @@ BLOCKS = {  # id: architecture knobs
     "layernorm-swiglu-rope-bias-gqa4": dict(activation="swiglu", position_embedding="rope", num_query_groups=4),
     "rmsnorm-gelu-learned-bias-gqa1": dict(normalization="rmsnorm", activation="gelu_tanh", num_query_groups=1),
 }
-# The temporary attention_core shim expands k / v with copies the core saves: exact GQA memory needs the
-# real grouped-query core.
-GQA_COPIES = getattr(importlib.import_module("seqpar.ops.attention_core"), "GQA_SHIM_EXPANDS_KV", False)
-
 
 def _cfg(block, **kw):
     return seqpar.TransformerConfig(hidden_size=H, num_attention_heads=A, ffn_hidden_size=F_FFN,
@@ -180,8 +175,6 @@ def _measure(cfg, s, b):
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 @pytest.mark.parametrize("block", ["llama-gqa", "llama-mha", "rmsnorm-gelu-learned-bias-gqa1"])
 def test_memory_terms_match_the_meter_label_by_label(block, recompute):
-    if GQA_COPIES and recompute == "none" and BLOCKS[block].get("num_query_groups", A) != A:
-        pytest.skip("the temporary attention_core shim saves expanded k / v copies")
     s, b = 64, 2
     dropout = 0.1 if block.startswith("rmsnorm-gelu") else 0.0
     cfg = _cfg(block, recompute=recompute, hidden_dropout=dropout, attention_dropout=dropout,
