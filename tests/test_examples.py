@@ -1,8 +1,11 @@
 """The README's examples run as written: launched with torchrun on 2 gloo ranks (CPU)."""
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,3 +43,26 @@ def test_readme_snippet_runs_as_written(tmp_path):
     measured, table2 = (float(v) for v in
                         re.search(r"activation bytes per rank: (\d+) measured, (\d+) Table 2", out.stdout).groups())
     assert 0.9 * table2 < measured < table2, out.stdout
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family, size", [("gpt2", ["--heads", "4"]), ("llama", ["--heads", "8", "--kv-heads", "2"])])
+def test_finetune_example_trains_and_hands_the_weights_back(tmp_path, family, size):
+    transformers = pytest.importorskip("transformers")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "examples" / "hf_finetune.py"), "--family", family, "--steps", "3", "--layers", "2",
+           "--hidden", "64", *size, "--seq-len", "32", "--batch", "2", "--save", str(tmp_path / "out")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    losses = [float(x) for x in re.findall(r"^step \d+/3 .*loss (\S+)", done.stdout, re.M)]
+    assert len(losses) == 3 and losses[-1] < losses[0], output
+    measured, formula = (float(x) for x in re.search(
+        r"activations (\S+) MiB on this rank \(formula: (\S+) MiB\)", done.stdout).groups())
+    assert 0.95 * formula <= measured <= 1.05 * formula, output
+    seqpar_loss, hf_loss = (float(x) for x in re.search(
+        r"seqpar eval loss (\S+), HF model after the hand-back (\S+)", done.stdout).groups())
+    assert abs(seqpar_loss - hf_loss) <= 1e-4, output
+    saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert saved.config.hidden_size == 64 and saved.config.model_type == family

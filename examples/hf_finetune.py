@@ -1,0 +1,162 @@
+"""Fine-tune a HuggingFace GPT-2 or Llama with seqpar: tensor + sequence parallelism and selective
+recompute, then hand the weights back to the HuggingFace model.
+
+    # CPU, 2 gloo ranks, a small randomly initialised model (nothing downloaded):
+    torchrun --nproc-per-node 2 examples/hf_finetune.py --steps 20
+    torchrun --nproc-per-node 2 examples/hf_finetune.py --family llama --heads 8 --kv-heads 2 --steps 20
+    # GPUs (NCCL), pretrained weights (a hub name or a local directory), bf16:
+    torchrun --nproc-per-node 8 examples/hf_finetune.py --model gpt2-medium --dtype bf16 --seq-len 1024
+    torchrun --nproc-per-node 4 examples/hf_finetune.py --family llama \
+        --model TinyLlama/TinyLlama-1.1B-Chat-v1.0 --dtype bf16 --seq-len 2048
+
+Every rank of the tensor-parallel group (here: all ranks) loads the same model and sees the same
+batch; seqpar keeps each rank's shard. Each step prints the loss (HF's: the mean over the predicted
+tokens) and the activation memory this rank kept for backward (seqpar.memory.ActivationMeter), next
+to seqpar.memory.model_activation_bytes' figure for the whole model (the paper's Table 2 per layer for
+GPT-2's block, plus the embedding and the logits). Replace ``batches()`` with your data.
+"""
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import transformers
+
+import seqpar
+from seqpar.integrations import hf
+from seqpar.memory import ActivationMeter, architecture_kwargs, model_activation_bytes
+from seqpar.ops import select_attention_backend
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=["gpt2", "llama"], default="gpt2",
+                        help="GPT2LMHeadModel (hf.from_gpt2) or LlamaForCausalLM (hf.from_llama)")
+    parser.add_argument("--model", help="model to fine-tune (from_pretrained name or directory); "
+                                        "default: a random one of --layers/--hidden/--heads/--kv-heads")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, help="llama: k/v heads (default: --heads)")
+    parser.add_argument("--seq-len", type=int, default=64, help="divisible by the number of ranks (SP)")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--recompute", choices=["none", "selective", "full"], default="selective")
+    parser.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
+    parser.add_argument("--dropout", type=float, help="gpt2: override its resid/attn/embd dropout")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--save", help="directory for the fine-tuned model (save_pretrained, rank 0)")
+    args = parser.parse_args()
+    if args.family != "llama" and args.kv_heads is not None:
+        parser.error("--kv-heads is for --family llama")
+    if args.family != "gpt2" and args.dropout is not None:
+        parser.error("--dropout is for --family gpt2 (Llama has no dropout)")
+    return args
+
+
+def random_model(args):
+    """A randomly initialised HF model of the requested size (the same on every rank: torch seed)."""
+    torch.manual_seed(args.seed)
+    positions = max(args.seq_len, 128)
+    if args.family == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, n_positions=positions))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads or args.heads, intermediate_size=11 * args.hidden // 4,
+        vocab_size=1000, max_position_embeddings=positions))
+
+
+def batches(vocab_size, args, device):
+    """Stand-in data: a few fixed random sequences, cycled (the same on every rank of the group).
+    Yields HF-style (input_ids, labels) with labels = input_ids (HF shifts them inside its loss)."""
+    gen = torch.Generator().manual_seed(args.seed)
+    pool = torch.randint(0, vocab_size, (2, args.batch, args.seq_len), generator=gen)
+    step = 0
+    while True:
+        input_ids = pool[step % len(pool)].to(device)
+        yield input_ids, input_ids.clone()
+        step += 1
+
+
+def main():
+    args = parse_args()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, t = dist.get_rank(), dist.get_world_size()
+    tp_group = dist.group.WORLD        # with data parallelism too, build the TP groups with dist.new_group
+
+    # The same model on every rank: pretrained, or random from a fixed torch seed.
+    hf_class = transformers.GPT2LMHeadModel if args.family == "gpt2" else transformers.LlamaForCausalLM
+    hf_model = (hf_class.from_pretrained(args.model) if args.model else random_model(args)).to(DTYPES[args.dtype])
+
+    seqpar.manual_seed(args.seed)      # the same seed on every rank: dropout masks agree across ranks
+    common = dict(tp_group=tp_group, sequence_parallel=args.sequence_parallel, recompute=args.recompute,
+                  device=device)
+    if args.family == "gpt2":
+        model = hf.from_gpt2(hf_model, dropout=args.dropout, **common).train()
+    else:
+        model = hf.from_llama(hf_model, **common).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    cfg = model.config
+    if rank == 0:
+        print(f"{args.family} {len(model.layers)} layers, h={cfg.hidden_size}, {cfg.num_attention_heads} heads "
+              f"({cfg.num_query_groups or cfg.num_attention_heads} k/v), vocab "
+              f"{model.vocab_size} (padded to {model.padded_vocab_size}); t={t}, SP={cfg.sequence_parallel}, "
+              f"recompute={cfg.recompute}, {args.dtype} on {device.type}", flush=True)
+    # The whole model's formula: the block's terms, no dropout-mask bytes (seqpar regenerates masks), and
+    # flash-style attention (o and the fp32 LSE instead of s^2 probabilities) when the backend that runs
+    # here is (triton on a GPU).
+    q = torch.empty(args.batch, cfg.num_attention_heads // t, args.seq_len, cfg.head_dim, device=device,
+                    dtype=cfg.params_dtype)
+    flash = select_attention_backend(q, q, q, causal=True, backend=cfg.backend).recompute_free
+    formula = model_activation_bytes(
+        args.seq_len, args.batch, cfg.hidden_size, cfg.num_attention_heads, len(model.layers), model.vocab_size,
+        tp=t, sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
+        bytes_per_element=torch.finfo(cfg.params_dtype).bits // 8, bytes_per_mask=0, flash_attention=flash,
+        **architecture_kwargs(cfg))
+
+    data = batches(model.vocab_size, args, device)
+    for step in range(1, args.steps + 1):
+        input_ids, hf_labels = next(data)
+        labels = hf.shift_labels(hf_labels)          # GPTModel takes labels already shifted
+        with ActivationMeter() as meter:
+            loss_per_token = model(input_ids, labels)    # [s, b], 0 where labels == -100
+        loss = loss_per_token.sum() / (labels != -100).sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if rank == 0:
+            peak = f", peak allocated {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB" if cuda else ""
+            print(f"step {step}/{args.steps} loss {loss.item():.4f} activations {meter.bytes / 2**20:.2f} MiB "
+                  f"on this rank (formula: {formula / 2**20:.2f} MiB){peak}", flush=True)
+
+    # Hand the weights back: a collective (every rank calls it), then any rank can load them.
+    state_dict = hf.to_gpt2_state_dict(model) if args.family == "gpt2" else hf.to_llama_state_dict(model)
+    model.eval()
+    with torch.no_grad():
+        seqpar_loss = model(input_ids, labels).sum() / (labels != -100).sum()
+    if rank == 0:
+        hf_model.load_state_dict(state_dict, strict=True)
+        hf_model.to(device).eval()
+        with torch.no_grad():
+            hf_loss = hf_model(input_ids, labels=hf_labels).loss
+        print(f"last batch: seqpar eval loss {seqpar_loss.item():.6f}, HF model after the hand-back "
+              f"{hf_loss.item():.6f}", flush=True)
+        if args.save:
+            hf_model.save_pretrained(args.save)
+            print(f"saved to {args.save}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
