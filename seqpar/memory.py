@@ -104,6 +104,11 @@ def _check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def _check_divides(divisor_name: str, divisor: int, name: str, value: int, why: str = "") -> None:
+    if value % divisor:
+        raise ValueError(f"{divisor_name} {divisor} does not divide {name} {value}{why}")
+
+
 def _check_bytes(name: str, value, allow_zero: bool) -> None:
     ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
           and (value > 0 or (allow_zero and value == 0)))
@@ -185,19 +190,14 @@ class _Layer:
             raise ValueError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
         _check_bytes("bytes_per_element", bytes_per_element, allow_zero=False)
         _check_bytes("bytes_per_mask", bytes_per_mask, allow_zero=True)
-        if hidden % heads:
-            raise ValueError(f"hidden {hidden} is not divisible by heads {heads}")
-        if heads % tp:
-            raise ValueError(f"tp {tp} does not divide heads {heads}")
-        if f % tp:
-            raise ValueError(f"tp {tp} does not divide ffn_hidden {f}")
+        _check_divides("heads", heads, "hidden", hidden)
+        _check_divides("tp", tp, "heads", heads)
+        _check_divides("tp", tp, "ffn_hidden", f)
         if block.g is not None:
-            if heads % block.g:
-                raise ValueError(f"num_query_groups {block.g} does not divide heads {heads}")
-            if block.g % tp:
-                raise ValueError(f"tp {tp} does not divide num_query_groups {block.g}")
-        if sequence_parallel and seq_len % tp:
-            raise ValueError(f"tp {tp} does not divide seq_len {seq_len} (sequence parallelism splits it)")
+            _check_divides("num_query_groups", block.g, "heads", heads)
+            _check_divides("tp", tp, "num_query_groups", block.g)
+        if sequence_parallel:
+            _check_divides("tp", tp, "seq_len", seq_len, " (sequence parallelism splits it)")
         return cls(seq_len, micro_batch, hidden, heads, tp, sequence_parallel, f, bytes_per_element,
                    bytes_per_mask, block)
 
@@ -401,8 +401,7 @@ class _Model:
             _check_positive_int(name, value)
         if interleave > 1 and pp == 1:
             raise ValueError(f"interleave {interleave} needs pipeline parallelism (pp > 1), got pp=1")
-        if num_layers % (pp * interleave):
-            raise ValueError(f"num_layers {num_layers} is not divisible by pp * interleave = {pp * interleave}")
+        _check_divides("pp * interleave =", pp * interleave, "num_layers", num_layers)
         return cls(layer, num_layers, vocab, pp, interleave, embedding_dropout)
 
     @property
@@ -502,12 +501,9 @@ def first_stage_parameters(hidden: int, num_layers: int, vocab: int, max_seq_len
     h, t = hidden, tp
     f = 4 * h if ffn_hidden is None else ffn_hidden
     _check_positive_int("ffn_hidden", f)
-    if f % t:
-        raise ValueError(f"tp {t} does not divide ffn_hidden {f}")
-    if num_layers % pp:
-        raise ValueError(f"num_layers {num_layers} is not divisible by pp {pp}")
-    if h % t:
-        raise ValueError(f"tp {t} does not divide hidden {h}")
+    _check_divides("tp", t, "ffn_hidden", f)
+    _check_divides("pp", pp, "num_layers", num_layers)
+    _check_divides("tp", t, "hidden", h)
     per_layer = (3 * h * h + 3 * h + h * f + f + h * h + f * h) // t + 6 * h
     embeddings = -(-vocab // t) * h + max_seq_len * h
     return (num_layers // pp) * per_layer + embeddings + (2 * h if pp == 1 else 0)

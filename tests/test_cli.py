@@ -112,7 +112,7 @@ def _usage_error(argv, capsys):
     (["bench", "--dropout", "1.5"], "--dropout must be in"),
     (["plan"], "give --model or --hidden, --heads, --layers"),
     (["plan", "--model", "22B", "--tp", "5"], "tp 5 does not divide heads 64"),
-    (["plan", "--model", "22B", "--pp", "7"], "num_layers 48 is not divisible by pp"),
+    (["plan", "--model", "22B", "--pp", "7"], "pp * interleave = 7 does not divide num_layers 48"),
     (["plan", "--hidden", "64", "--heads", "4", "--layers", "-2"], "--layers must be positive, got -2"),
     (["plan", "--model", "42B"], "invalid choice: '42B'"),
     (["info", "--verbose"], "unrecognized arguments: --verbose"),

@@ -106,7 +106,7 @@ def test_first_stage_parameters_by_hand():
     # t = 2: QKV, fc1 (with biases), projection and fc2 weights split; 2 biases + 2 LayerNorms (6h) not
     sharded = (3 * h * h + 3 * h + 4 * h * h + 4 * h + h * h + 4 * h * h) // 2 + 6 * h
     assert first_stage_parameters(h, L, v, s, tp=2, pp=2) == 2 * sharded + 15 * h + s * h
-    with pytest.raises(ValueError, match="num_layers 4 is not divisible by pp 3"):
+    with pytest.raises(ValueError, match="pp 3 does not divide num_layers 4"):
         first_stage_parameters(h, L, v, s, pp=3)
 
 

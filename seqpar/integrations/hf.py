@@ -72,6 +72,7 @@ from torch import nn
 
 from ..config import TransformerConfig
 from ..nn.model import IGNORE_INDEX, GPTModel
+from ..nn.state_dict import check_shapes
 from ..parallel.state import ProcessGroup
 
 __all__ = ["from_gpt2", "to_gpt2_state_dict", "from_llama", "to_llama_state_dict", "shift_labels"]
@@ -149,28 +150,29 @@ def _gpt2_shapes(settings: dict) -> Dict[str, tuple]:
     return shapes
 
 
+def _checked_tensors(state_dict: Mapping[str, torch.Tensor], family: str, prefix: str, buffers: re.Pattern,
+                     shapes: Dict[str, Tuple[int, ...]], layers: str) -> Tuple[Dict[str, torch.Tensor], object]:
+    """(the body's tensors keyed without ``prefix``, the ``lm_head.weight`` entry or None) of an HF state
+    dict whose body keys may all carry ``prefix`` or none; non-persistent ``buffers`` (keys matching
+    the pattern) are dropped; every key of ``shapes`` must be there with that shape and no other
+    (ValueError naming the key; ``layers`` names the config's layer count in the message)."""
+    sd = dict(state_dict)
+    head = sd.pop(_HEAD, None)
+    if any(k.startswith(prefix) for k in sd):
+        bare = sorted(k for k in sd if not k.startswith(prefix))
+        if bare:
+            raise ValueError(f"state dict mixes '{prefix}'-prefixed keys with unprefixed ones: {bare[:5]}")
+        sd = {k[len(prefix):]: v for k, v in sd.items()}
+    sd = {k: v for k, v in sd.items() if not buffers.match(k)}
+    check_shapes(sd, shapes, what=f"{family} state dict", config=layers)
+    return sd, head
+
+
 def _transformer_state_dict(state_dict: Mapping[str, torch.Tensor], settings: dict) -> Dict[str, torch.Tensor]:
     """A GPT2LMHeadModel / GPT2Model state dict -> the transformer's tensors without the prefix, with
     keys, shapes and the tied head checked (ValueError naming the offending key)."""
-    sd = dict(state_dict)
-    head = sd.pop(_HEAD, None)
-    prefixed = [k for k in sd if k.startswith(_PREFIX)]
-    if prefixed:
-        bare = sorted(k for k in sd if not k.startswith(_PREFIX))
-        if bare:
-            raise ValueError(f"state dict mixes '{_PREFIX}'-prefixed keys with unprefixed ones: {bare[:5]}")
-        sd = {k[len(_PREFIX):]: v for k, v in sd.items()}
-    sd = {k: v for k, v in sd.items() if not _MASK_BUFFER.match(k)}
-    shapes = _gpt2_shapes(settings)
-    missing, unexpected = sorted(set(shapes) - set(sd)), sorted(set(sd) - set(shapes))
-    if missing or unexpected:
-        raise ValueError(f"GPT-2 state dict keys do not match the config (n_layer={settings['layers']}): "
-                         f"missing {missing}, unexpected {unexpected}")
-    for key, shape in shapes.items():
-        value = sd[key]
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
-            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"GPT-2 state dict {key} must have shape {shape} for this config, got {got}")
+    sd, head = _checked_tensors(state_dict, "GPT-2", _PREFIX, _MASK_BUFFER, _gpt2_shapes(settings),
+                                f"n_layer={settings['layers']}")
     if head is not None and (not isinstance(head, torch.Tensor) or head.shape != sd["wte.weight"].shape
                              or not torch.equal(head, sd["wte.weight"])):
         raise ValueError(f"{_HEAD} is not tied to {_PREFIX}wte.weight: seqpar's output head is the word embedding")
@@ -324,25 +326,8 @@ def _llama_shapes(settings: dict) -> Dict[str, tuple]:
 def _llama_state_dict(state_dict: Mapping[str, torch.Tensor], settings: dict):
     """A LlamaForCausalLM / LlamaModel state dict -> (the model's tensors without the prefix, the untied
     head or None), keys, shapes and the head checked (ValueError naming the offending key)."""
-    sd = dict(state_dict)
-    head = sd.pop(_HEAD, None)
-    prefixed = [k for k in sd if k.startswith(_LLAMA_PREFIX)]
-    if prefixed:
-        bare = sorted(k for k in sd if not k.startswith(_LLAMA_PREFIX))
-        if bare:
-            raise ValueError(f"state dict mixes '{_LLAMA_PREFIX}'-prefixed keys with unprefixed ones: {bare[:5]}")
-        sd = {k[len(_LLAMA_PREFIX):]: v for k, v in sd.items()}
-    sd = {k: v for k, v in sd.items() if not _ROPE_BUFFER.match(k)}
-    shapes = _llama_shapes(settings)
-    missing, unexpected = sorted(set(shapes) - set(sd)), sorted(set(sd) - set(shapes))
-    if missing or unexpected:
-        raise ValueError(f"Llama state dict keys do not match the config (num_hidden_layers={settings['layers']}): "
-                         f"missing {missing}, unexpected {unexpected}")
-    for key, shape in shapes.items():
-        value = sd[key]
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
-            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"Llama state dict {key} must have shape {shape} for this config, got {got}")
+    sd, head = _checked_tensors(state_dict, "Llama", _LLAMA_PREFIX, _ROPE_BUFFER, _llama_shapes(settings),
+                                f"num_hidden_layers={settings['layers']}")
     embed = sd["embed_tokens.weight"]
     if settings["tied"]:
         if head is not None and (not isinstance(head, torch.Tensor) or head.shape != embed.shape

@@ -43,6 +43,7 @@ from ..parallel.state import ProcessGroup, check_ranks_agree, group_rank, group_
 from ..recompute import checkpoint
 from .layernorm import LayerNorm, RMSNorm
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .state_dict import check_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,14 +349,7 @@ class TransformerLayer(nn.Module):
     def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
         """Load UNSHARDED weights (the same dict on every rank); each rank keeps its shard."""
         shapes = self.full_shapes()
-        missing, unexpected = sorted(set(shapes) - set(state_dict)), sorted(set(state_dict) - set(shapes))
-        if missing or unexpected:
-            raise ValueError(f"state dict keys mismatch: missing {missing}, unexpected {unexpected}")
-        for key, shape in shapes.items():
-            value = state_dict[key]
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
-                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                raise ValueError(f"{key} must have shape {shape}, got {got}")
+        check_shapes(state_dict, shapes)
         device = self.input_layernorm.weight.device
         for name, part in self._parts().items():
             weight = state_dict[f"{name}.weight"].to(device)

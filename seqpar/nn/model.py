@@ -37,6 +37,7 @@ from ..parallel.state import ProcessGroup, agreement_checked, check_ranks_agree,
 from ..memory import recompute_policies
 from .layer import AGREEMENT_HINT, TransformerLayer, agreement_values, make_norm
 from .linear import _gather_rows
+from .state_dict import check_shapes
 
 EMBEDDING_RNG_LAYER = 2**31 - 1  # the embedding dropout's "layer number" in the RNG
 VOCAB_PAD_MULTIPLE = 128         # the padded vocabulary is a multiple of this times t
@@ -375,14 +376,7 @@ class GPTModel(nn.Module):
         """Load UNSHARDED weights (the same dict on every rank, v real vocabulary rows); each rank keeps
         its shard. Every key and shape is checked before anything is loaded (ValueError naming it)."""
         shapes = self.full_shapes()
-        missing, unexpected = sorted(set(shapes) - set(state_dict)), sorted(set(state_dict) - set(shapes))
-        if missing or unexpected:
-            raise ValueError(f"state dict keys mismatch: missing {missing}, unexpected {unexpected}")
-        for key, shape in shapes.items():
-            value = state_dict[key]
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
-                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                raise ValueError(f"{key} must have shape {shape}, got {got}")
+        check_shapes(state_dict, shapes)
         self.embedding.word_embeddings.load_full(state_dict["embedding.word_embeddings.weight"])
         if self.embedding.position_embeddings is not None:
             self.embedding.position_embeddings.weight.copy_(state_dict["embedding.position_embeddings.weight"])

@@ -176,7 +176,7 @@ def test_load_full_state_dict_names_bad_keys_and_shapes():
             (lambda d: d.update({"layers.2.input_layernorm.weight": torch.ones(H)}),
              "unexpected \\['layers.2.input_layernorm.weight'\\]"),
             (lambda d: d.update({"embedding.word_embeddings.weight": torch.zeros(128, H)}),
-             "embedding.word_embeddings.weight must have shape \\(50, 32\\), got \\(128, 32\\)"),
+             "embedding.word_embeddings.weight must have shape \\(50, 32\\) for this config, got \\(128, 32\\)"),
             (lambda d: d.update({"final_layernorm.bias": torch.zeros(H + 1)}), "final_layernorm.bias")):
         bad = dict(sd)
         change(bad)

@@ -1,0 +1,29 @@
+"""The one check every unsharded-weights loader runs before it copies anything."""
+from __future__ import annotations
+
+from typing import Mapping, Tuple
+
+import torch
+
+
+def check_shapes(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[int, ...]], *,
+                 what: str = "state dict", config: str = "") -> None:
+    """ValueError unless ``state_dict`` has exactly the keys of ``shapes`` (the shapes the model's config
+    implies), each a tensor of that shape.
+
+    ``what`` names the dict in the messages ("GPT-2 state dict"); ``config`` names the setting that
+    decides the keys ("n_layer=2") in the key-mismatch message; shape messages name the key, the
+    expected and the given shape.
+    """
+    missing, unexpected = sorted(set(shapes) - set(state_dict)), sorted(set(state_dict) - set(shapes))
+    if missing or unexpected:
+        against = f" the config ({config})" if config else " the model"
+        raise ValueError(f"{what} keys do not match{against}: missing {missing}, unexpected {unexpected}")
+    for key, shape in shapes.items():
+        value = state_dict[key]
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{what} {key} must have shape {tuple(shape)} for this config, got {got}")
+
+
+__all__ = ["check_shapes"]
