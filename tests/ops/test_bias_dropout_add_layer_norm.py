@@ -8,6 +8,7 @@ from seqpar.nn.fused_layer_norm import FusedBiasDropoutAddLayerNorm
 from seqpar.ops import registry
 from seqpar.ops.bias_dropout_add_layer_norm import OP, bias_dropout_add_layer_norm
 from seqpar.ops.dropout import DropoutSpec
+from tests.gpu import GPU_DTYPES, skip_unless_backend_runs
 from tests.tolerances import assert_close, assert_error_within
 
 EPS = 1e-5
@@ -467,16 +468,6 @@ def test_torch_compile_traces_the_op(backend):
 # ----------------------------------------------------------------------------- GPU
 GPU_SHAPES = SHAPES + [(4, 12288), (3, 5, 1536), (2, 16384)]
 GPU_SHAPE_IDS = SHAPE_IDS + ["4x12288", "3x5x1536", "2x16384"]
-GPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _gpu_backend_available(backend):
-    from seqpar import _ext
-
-    reason = (_ext.cuda_unavailable_reason(torch.device("cuda")) if backend == "cuda"
-              else _ext.triton_unavailable_reason(torch.device("cuda")))
-    if reason:
-        pytest.skip(reason)
 
 
 @pytest.mark.gpu
@@ -485,7 +476,7 @@ def _gpu_backend_available(backend):
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=GPU_SHAPE_IDS)
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_gpu_backend_matches_references(backend, shape, p, dtype_name):
-    _gpu_backend_available(backend)
+    skip_unless_backend_runs(backend)
     dtype = GPU_DTYPES[dtype_name]
     inp = _make_inputs(shape, dtype, device="cuda", ln_dtype=torch.float32 if p else None)
     torch_same = _run(inp, "torch", p, row_offset=17)
@@ -502,7 +493,7 @@ def test_gpu_backend_matches_references(backend, shape, p, dtype_name):
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_gpu_unaligned_and_odd_shapes(backend):
     """Scalar (non-16-byte) paths: odd h, and tensors starting 2 bytes past an aligned address."""
-    _gpu_backend_available(backend)
+    skip_unless_backend_runs(backend)
     for shape in [(9, 1001), (3, 4095), (2, 12289)]:
         inp = _make_inputs(shape, torch.bfloat16, device="cuda", has_bias=shape[0] != 3)
         ref = _run(inp, "torch", 0.1)
@@ -521,7 +512,7 @@ def test_gpu_unaligned_and_odd_shapes(backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_gpu_torch_compile_inductor(backend):
-    _gpu_backend_available(backend)
+    skip_unless_backend_runs(backend)
     torch._dynamo.reset()
 
     def f(x, bias, residual, w, b):
@@ -543,7 +534,7 @@ def test_gpu_torch_compile_inductor(backend):
 @pytest.mark.gpu
 def test_gpu_cuda_many_rows_partial_reduction():
     """More rows than one wave of blocks: the grid-stride loop and the partial-row reduction."""
-    _gpu_backend_available("cuda")
+    skip_unless_backend_runs("cuda")
     for h in (256, 1024, 6144):
         inp = _make_inputs((20000, h), torch.float32, device="cuda")
         _check_against_torch_fp32(_run(inp, "cuda", 0.1), _run(inp, "torch", 0.1))
@@ -557,7 +548,7 @@ def test_gpu_any_hidden_size(backend, h, dtype_name):
     """Rows longer than one block / program holds (h > 16384: the column-chunked kernels; the paper's 530B
     and 1T models have h = 20480 and 25600): residual_out bitwise equal to the torch reference, the rest
     within tolerance; more rows than one wave for the cuda backward's partial rows."""
-    _gpu_backend_available(backend)
+    skip_unless_backend_runs(backend)
     dtype = GPU_DTYPES[dtype_name]
     for rows, p in ((3, 0.1), (700, 0.0)):
         inp = _make_inputs((rows, h), dtype, device="cuda", ln_dtype=torch.float32)
@@ -574,7 +565,7 @@ def test_gpu_any_hidden_size(backend, h, dtype_name):
 @pytest.mark.gpu
 def test_gpu_cuda_odd_wide_rows_scalar_chunks():
     """Scalar-access runs (h odd, so no 16-byte vectors) of chunked rows, with and without a bias."""
-    _gpu_backend_available("cuda")
+    skip_unless_backend_runs("cuda")
     for h, has_bias in ((20481, True), (25599, False)):
         inp = _make_inputs((5, h), torch.bfloat16, device="cuda", has_bias=has_bias)
         ref = _run(inp, "torch", 0.1)

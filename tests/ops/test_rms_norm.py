@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from seqpar.ops import add_rms_norm
+from tests.gpu import GPU_DTYPES, skip_unless_backend_runs
 from tests.tolerances import assert_close, assert_error_within
 
 EPS = 1e-6
@@ -309,20 +310,10 @@ def test_non_contiguous_layouts_are_handled():
 
 
 # ----------------------------------------------------------------------------- GPU
-GPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # warp per row, block per row, odd (scalar) rows, and chunked rows: shared-memory sums (bf16 beyond 16384,
 # fp32 beyond 8192) and global-memory sums (h * 4 bytes over the shared memory of a block).
 GPU_SHAPES = [(1, 7), (3, 5, 256), (64, 1000), (17, 4096), (4, 5120), (3, 8192), (5, 12288), (2, 3, 16384),
               (3, 24576), (2, 40000), (2, 70000)]
-
-
-def _gpu_backend_available(backend):
-    from seqpar import _ext
-
-    reason = (_ext.cuda_unavailable_reason(torch.device("cuda")) if backend == "cuda"
-              else _ext.triton_unavailable_reason(torch.device("cuda")))
-    if reason:
-        pytest.skip(reason)
 
 
 @pytest.mark.gpu
@@ -330,7 +321,7 @@ def _gpu_backend_available(backend):
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_gpu_backend_matches_references(backend, shape, dtype_name):
-    _gpu_backend_available(backend)
+    skip_unless_backend_runs(backend)
     dtype = GPU_DTYPES[dtype_name]
     for has_residual in (True, False):
         inp = _make_inputs(shape, dtype, device="cuda", has_residual=has_residual)
@@ -349,7 +340,7 @@ def test_gpu_backend_matches_references(backend, shape, dtype_name):
 def test_gpu_unaligned_strided_and_many_rows(backend):
     """Scalar paths (a 2-byte offset), strided rows, no gradient for residual_out, and more rows than one
     wave of blocks (the grid-stride loop and the partial-row reduction)."""
-    _gpu_backend_available(backend)
+    skip_unless_backend_runs(backend)
     base = torch.randn(64 * 1024 + 1, device="cuda", dtype=torch.bfloat16)
     x = base[1:].view(64, 1024).requires_grad_()
     inp = dict(x=x, residual=torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True),
@@ -370,7 +361,7 @@ def test_gpu_unaligned_strided_and_many_rows(backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_gpu_torch_compile_inductor(backend):
-    _gpu_backend_available(backend)
+    skip_unless_backend_runs(backend)
     torch._dynamo.reset()
 
     def f(x, residual, w):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from seqpar.ops import rotary_embedding
+from tests.gpu import GPU_DTYPES, skip_unless_backend_runs
 from tests.tolerances import assert_error_within
 
 THETA = 10000.0
@@ -238,18 +239,8 @@ def test_strided_head_dim_is_copied_out_of_place():
 
 
 # ----------------------------------------------------------------------------- GPU
-GPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GPU_CASES = [(1024, 2, 32, 8, 128, 0), (4096, 1, 32, 8, 128, 0), (333, 3, 12, 4, 80, 77), (64, 4, 16, 16, 64, 8192),
              (17, 2, 8, 2, 256, 131000), (5, 1, 3, 1, 18, 1)]
-
-
-def _gpu_backend_available(backend):
-    from seqpar import _ext
-
-    reason = (_ext.cuda_unavailable_reason(torch.device("cuda")) if backend == "cuda"
-              else _ext.triton_unavailable_reason(torch.device("cuda")))
-    if reason:
-        pytest.skip(reason)
 
 
 @pytest.mark.gpu
@@ -259,7 +250,7 @@ def _gpu_backend_available(backend):
 def test_gpu_backend_matches_references(backend, case, dtype_name):
     """Against HF (fp32, within 1e-6; angles up to 131000 rad take cos / sin's slow range reduction) and
     the fp64 rotation (half precision: within 2x the torch reference's error), forward and backward."""
-    _gpu_backend_available(backend)
+    skip_unless_backend_runs(backend)
     s, b, hq, hk, d, offset = case
     dtype = GPU_DTYPES[dtype_name]
     q, k = _qk(s, b, hq, hk, d, dtype, device="cuda")
@@ -283,7 +274,7 @@ def test_gpu_backend_matches_references(backend, case, dtype_name):
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_gpu_inplace_fused_qkv_and_unaligned(backend):
     """In place on strided views of a fused QKV output, and the scalar path (a 2-byte offset)."""
-    _gpu_backend_available(backend)
+    skip_unless_backend_runs(backend)
     s, b, hq, hk, d = 300, 2, 8, 2, 128
     qkv = torch.randn(s, b, (hq + 2 * hk) * d, device="cuda", dtype=torch.bfloat16).view(s, b, hq + 2 * hk, d)
     q, k = qkv[:, :, :hq], qkv[:, :, hq:hq + hk]

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from seqpar.ops import swiglu
+from tests.gpu import GPU_DTYPES, skip_unless_backend_runs
 from tests.tolerances import assert_close, assert_error_within
 
 
@@ -159,17 +160,7 @@ def test_bad_backend_and_float64_kernel_refusal():
 
 
 # ----------------------------------------------------------------------------- GPU
-GPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GPU_SHAPES = [(1, 2), (7, 2 * 37), (4096, 2 * 11008), (2, 1024, 2 * 1792), (3, 2 * 14336)]
-
-
-def _gpu_backend_available(backend):
-    from seqpar import _ext
-
-    reason = (_ext.cuda_unavailable_reason(torch.device("cuda")) if backend == "cuda"
-              else _ext.triton_unavailable_reason(torch.device("cuda")))
-    if reason:
-        pytest.skip(reason)
 
 
 @pytest.mark.gpu
@@ -177,7 +168,7 @@ def _gpu_backend_available(backend):
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_gpu_backend_matches_references(backend, shape, dtype_name):
-    _gpu_backend_available(backend)
+    skip_unless_backend_runs(backend)
     dtype = GPU_DTYPES[dtype_name]
     x, gy = _gate_up(shape, dtype, device="cuda")
     got = _run(x, gy, backend)
@@ -193,7 +184,7 @@ def test_gpu_backend_matches_references(backend, shape, dtype_name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_gpu_strided_and_unaligned(backend):
-    _gpu_backend_available(backend)
+    skip_unless_backend_runs(backend)
     wide = torch.randn(300, 2 * 4096, device="cuda", dtype=torch.bfloat16)
     for x in (wide[:, 8:8 + 2 * 2048], wide[:, 1:1 + 2 * 2047]):  # 16-byte aligned rows, then 2-byte offset
         x = x.requires_grad_() if x.is_leaf else x.detach().requires_grad_()
