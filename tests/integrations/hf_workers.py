@@ -1,4 +1,4 @@
-"""Rank workers of test_hf_gpt2.py. They never import transformers (each spawned rank would pay its
+"""Rank workers of test_hf_gpt2.py (and the family-independent ones of test_llama.py). They never import transformers (each spawned rank would pay its
 import): the parent builds the GPT-2 state dicts, configs (as plain attribute objects) and HF's
 reference numbers once, and the ranks compare against them."""
 import itertools
@@ -13,35 +13,41 @@ from seqpar.integrations import hf
 POLICIES = ("none", "selective", "full")
 
 
-def gpt2_config(config_dict):
-    """A GPT2Config's attributes without transformers (from_gpt2 reads attributes only)."""
+def hf_config(config_dict):
+    """A GPT2Config's (or LlamaConfig's) attributes without transformers (from_gpt2 / from_llama read
+    attributes only)."""
     return types.SimpleNamespace(**config_dict)
 
 
-def logits_errors(group, cases):
-    """{(vocab, sp, recompute): (vocab_start, vocab_end, max |logits - HF logits| on that shard)}.
+#: family -> (HF model -> GPTModel, GPTModel -> HF state dict)
+FAMILIES = {"gpt2": (hf.from_gpt2, hf.to_gpt2_state_dict), "llama": (hf.from_llama, hf.to_llama_state_dict)}
 
-    ``cases``: {vocab: (state_dict, config_dict, tokens, HF logits [s, b, v])}."""
+
+def logits_errors(group, cases, family="gpt2"):
+    """{(case, sp, recompute): (vocab_start, vocab_end, max |logits - HF logits| on that shard)}.
+
+    ``cases``: {case: (state_dict, config_dict, tokens, HF logits [s, b, v])}."""
+    load = FAMILIES[family][0]
     out = {}
-    for vocab, (state_dict, config_dict, tokens, reference) in cases.items():
+    for case, (state_dict, config_dict, tokens, reference) in cases.items():
         for sp, recompute in itertools.product((False, True), POLICIES):
-            model = hf.from_gpt2(state_dict, config=gpt2_config(config_dict), tp_group=group,
-                                 sequence_parallel=sp, recompute=recompute).eval()
+            model = load(state_dict, config=hf_config(config_dict), tp_group=group,
+                         sequence_parallel=sp, recompute=recompute).eval()
             with torch.no_grad():
                 local = model(tokens)
             start, end = model.vocab_start, model.vocab_end
             assert local.shape == reference.shape[:2] + (end - start,), (local.shape, start, end)
             error = (local - reference[..., start:end]).abs().max().item() if end > start else 0.0
-            out[(vocab, sp, recompute)] = (start, end, error)
+            out[(case, sp, recompute)] = (start, end, error)
     return out
 
 
-def round_trips(group, cases):
-    """{name: to_gpt2_state_dict(from_gpt2(sd)) equals sd bitwise (keys, dtypes, values)}."""
+def round_trips(group, cases, family="gpt2"):
+    """{name: to_<family>_state_dict(from_<family>(sd)) equals sd bitwise (keys in order, dtypes, values)}."""
+    load, save = FAMILIES[family]
     out = {}
     for name, (state_dict, config_dict) in cases.items():
-        got = hf.to_gpt2_state_dict(hf.from_gpt2(state_dict, config=gpt2_config(config_dict), tp_group=group,
-                                                 sequence_parallel=True))
+        got = save(load(state_dict, config=hf_config(config_dict), tp_group=group, sequence_parallel=True))
         out[name] = (list(got) == list(state_dict)
                      and all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in state_dict.items()))
     return out
@@ -58,7 +64,7 @@ def train(group, state_dict, config_dict, tokens, hf_labels, steps, lr, hf_state
     """SGD on seqpar's GPT-2 at this group + SP + selective recompute with HF's loss convention:
     (losses per step, {key: max |to_gpt2_state_dict afterwards - HF's trained weights|}). Plain
     numbers: tensors returned to the parent would need this process alive to hand them over."""
-    model = hf.from_gpt2(state_dict, config=gpt2_config(config_dict), tp_group=group, sequence_parallel=True,
+    model = hf.from_gpt2(state_dict, config=hf_config(config_dict), tp_group=group, sequence_parallel=True,
                          recompute="selective")
     labels = hf.shift_labels(hf_labels)
     losses = []

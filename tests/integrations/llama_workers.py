@@ -9,7 +9,6 @@ Checks (each returns plain numbers: tensors returned to the parent would need th
 - HF: from_llama logits against HF's, to_llama_state_dict round trips, SGD training against HF's losses.
 """
 import itertools
-import types
 
 import torch
 import torch.distributed as dist
@@ -19,7 +18,8 @@ from seqpar.integrations import hf
 from seqpar.memory import ActivationMeter, architecture_kwargs, layer_activation_terms
 from seqpar.parallel import sequence_shard
 
-POLICIES = ("none", "selective", "full")
+from tests.integrations.hf_workers import POLICIES, hf_config, logits_errors, round_trips, sgd
+
 LLAMA = dict(normalization="rmsnorm", activation="swiglu", position_embedding="rope", add_bias_linear=False)
 S, B = 12, 3                      # s/t = 3 at t = 4: odd shards
 LAYER_BLOCKS = {                  # id: config (a = 8 heads, 4 k/v groups, d = 8, f = 88)
@@ -29,18 +29,6 @@ LAYER_BLOCKS = {                  # id: config (a = 8 heads, 4 k/v groups, d = 8
                                  add_bias_linear=True, hidden_dropout=0.2, attention_dropout=0.2),
 }
 MEMORY = dict(s=64, b=2, h=128, a=8, f=352)
-
-
-def llama_config(config_dict):
-    """A LlamaConfig's attributes without transformers (from_llama reads attributes only)."""
-    return types.SimpleNamespace(**config_dict)
-
-
-def _sgd(params, lr):
-    with torch.no_grad():
-        for p in params:
-            p -= lr * p.grad
-            p.grad = None
 
 
 def _gather_seq(y_shard, group):
@@ -57,7 +45,7 @@ def _run_layer(layer, x, grad_y):
     y = layer(x)
     y.backward(grad_y)
     grads = [p.grad.clone() for p in layer.parameters()]
-    _sgd(layer.parameters(), 1.0)
+    sgd(layer.parameters(), 1.0)
     return y.detach(), x.grad, grads, layer.full_state_dict()
 
 
@@ -125,46 +113,17 @@ def layer_memory(group, world_size):
     return out
 
 
-def hf_logits_errors(group, cases):
-    """{(name, sp, recompute): (vocab_start, vocab_end, max |logits - HF logits| on that shard)}.
-
-    ``cases``: {name: (state_dict, config_dict, tokens, HF logits [s, b, v])}."""
-    out = {}
-    for name, (state_dict, config_dict, tokens, reference) in cases.items():
-        for sp, recompute in itertools.product((False, True), POLICIES):
-            model = hf.from_llama(state_dict, config=llama_config(config_dict), tp_group=group,
-                                  sequence_parallel=sp, recompute=recompute).eval()
-            with torch.no_grad():
-                local = model(tokens)
-            start, end = model.vocab_start, model.vocab_end
-            assert local.shape == reference.shape[:2] + (end - start,), (local.shape, start, end)
-            error = (local - reference[..., start:end]).abs().max().item() if end > start else 0.0
-            out[(name, sp, recompute)] = (start, end, error)
-    return out
-
-
-def hf_round_trips(group, cases):
-    """{name: to_llama_state_dict(from_llama(sd)) equals sd bitwise (keys in order, dtypes, values)}."""
-    out = {}
-    for name, (state_dict, config_dict) in cases.items():
-        got = hf.to_llama_state_dict(hf.from_llama(state_dict, config=llama_config(config_dict), tp_group=group,
-                                                   sequence_parallel=True))
-        out[name] = (list(got) == list(state_dict)
-                     and all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in state_dict.items()))
-    return out
-
-
 def hf_train(group, state_dict, config_dict, tokens, hf_labels, steps, lr, hf_state_dict):
     """SGD on seqpar's Llama at this group + SP + selective recompute with HF's loss convention:
     (losses per step, {key: max |to_llama_state_dict afterwards - HF's trained weights|})."""
-    model = hf.from_llama(state_dict, config=llama_config(config_dict), tp_group=group, sequence_parallel=True,
+    model = hf.from_llama(state_dict, config=hf_config(config_dict), tp_group=group, sequence_parallel=True,
                           recompute="selective")
     labels = hf.shift_labels(hf_labels)
     losses = []
     for _ in range(steps):
         loss = model(tokens, labels).sum() / (labels != -100).sum()
         loss.backward()
-        _sgd(model.parameters(), lr)
+        sgd(model.parameters(), lr)
         losses.append(loss.item())
     trained = hf.to_llama_state_dict(model)
     return losses, {k: (trained[k] - v).abs().max().item() for k, v in hf_state_dict.items()}
@@ -182,9 +141,9 @@ def run_all(group, world_size, cases):
     except ValueError as error:
         results["groups_error"] = str(error)
     if cases.get("logit_cases"):
-        results["logits"] = hf_logits_errors(group, cases["logit_cases"])
+        results["logits"] = logits_errors(group, cases["logit_cases"], family="llama")
     if cases.get("round_trip_cases"):
-        results["round_trips"] = hf_round_trips(group, cases["round_trip_cases"])
+        results["round_trips"] = round_trips(group, cases["round_trip_cases"], family="llama")
     if cases.get("train_case"):
         results["train"] = hf_train(group, **cases["train_case"])
     return results

@@ -323,7 +323,7 @@ def test_old_checkpoints_mask_buffers_are_ignored():
 
 
 def test_import_does_not_need_transformers(monkeypatch):
-    """A fresh import of seqpar.integrations.hf with transformers made unimportable."""
+    """A fresh import of seqpar.integrations.hf (GPT-2 and Llama) with transformers made unimportable."""
     class Block:
         @staticmethod
         def find_spec(name, path=None, target=None):
@@ -336,7 +336,7 @@ def test_import_does_not_need_transformers(monkeypatch):
     monkeypatch.setattr(sys, "meta_path", [Block()] + sys.meta_path)
     monkeypatch.setattr(seqpar.integrations, "hf", hf)           # restored after the fresh import
     fresh = importlib.import_module("seqpar.integrations.hf")
-    assert fresh is not hf and callable(fresh.from_gpt2) and callable(fresh.to_gpt2_state_dict)
+    assert fresh is not hf and all(callable(getattr(fresh, name)) for name in fresh.__all__)
     assert not any(n.split(".")[0] == "transformers" for n in sys.modules)
 
 
