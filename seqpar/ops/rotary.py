@@ -107,8 +107,22 @@ def _torch_backward(grad, position_offset: int, theta: float):
 registry.register(registry.Backend(OP, "torch", _torch_forward, _torch_backward))
 
 
-def _kernel_backend(name: str, out_of_place_op, inplace_op, check) -> registry.Backend:
-    """A registry backend over a kernel's out-of-place and in-place custom ops."""
+def _kernel_backend(name: str, rotate, check) -> registry.Backend:
+    """A registry backend over one kernel launcher ``rotate(x, out, position_offset, theta, inverse)``
+    (``out`` may be ``x``), exposed as two ``torch.library`` custom ops ``seqpar::rotary_embedding_<name>``
+    (out of place, with a fake implementation for torch.compile) and ``..._inplace`` (mutates x)."""
+
+    def out_of_place(x: torch.Tensor, position_offset: int, theta: float, inverse: bool) -> torch.Tensor:
+        out = _new_like(x)
+        rotate(x, out, position_offset, theta, inverse)
+        return out
+
+    def in_place(x: torch.Tensor, position_offset: int, theta: float, inverse: bool) -> None:
+        rotate(x, x, position_offset, theta, inverse)
+
+    out_of_place_op = torch.library.custom_op(f"seqpar::rotary_embedding_{name}", out_of_place, mutates_args=())
+    out_of_place_op.register_fake(lambda x, position_offset, theta, inverse: _new_like(x))
+    inplace_op = torch.library.custom_op(f"seqpar::rotary_embedding_{name}_inplace", in_place, mutates_args=("x",))
 
     def forward(x, position_offset: int, theta: float, inplace: bool):
         if inplace:
@@ -139,30 +153,13 @@ def _triton_rotate(x, out, position_offset: int, theta: float, inverse: bool) ->
         kernels.rotate(x, out, _inv_freq_on(x.device, x.shape[-1], theta), position_offset, inverse)
 
 
-@torch.library.custom_op("seqpar::rotary_embedding_triton", mutates_args=())
-def _triton_op(x: torch.Tensor, position_offset: int, theta: float, inverse: bool) -> torch.Tensor:
-    out = _new_like(x)
-    _triton_rotate(x, out, position_offset, theta, inverse)
-    return out
-
-
-@_triton_op.register_fake
-def _(x, position_offset, theta, inverse):
-    return _new_like(x)
-
-
-@torch.library.custom_op("seqpar::rotary_embedding_triton_inplace", mutates_args=("x",))
-def _triton_inplace_op(x: torch.Tensor, position_offset: int, theta: float, inverse: bool) -> None:
-    _triton_rotate(x, x, position_offset, theta, inverse)
-
-
 def _triton_check(d=None, dtype=None, **_):
     if d is not None and d > MAX_TRITON_HEAD_DIM:
         return f"head dim d={d} exceeds the Triton kernel's {MAX_TRITON_HEAD_DIM}"
     return float64_torch_only(dtype)
 
 
-registry.register(_kernel_backend("triton", _triton_op, _triton_inplace_op, _triton_check))
+registry.register(_kernel_backend("triton", _triton_rotate, _triton_check))
 
 
 # ----------------------------------------------------------------------------- cuda backend
@@ -176,24 +173,7 @@ def _cuda_rotate(x, out, position_offset: int, theta: float, inverse: bool) -> N
                              _vectorized(x.dtype, d // 2, (x, out), strides), _ext.cuda_stream(x.device))
 
 
-@torch.library.custom_op("seqpar::rotary_embedding_cuda", mutates_args=())
-def _cuda_op(x: torch.Tensor, position_offset: int, theta: float, inverse: bool) -> torch.Tensor:
-    out = _new_like(x)
-    _cuda_rotate(x, out, position_offset, theta, inverse)
-    return out
-
-
-@_cuda_op.register_fake
-def _(x, position_offset, theta, inverse):
-    return _new_like(x)
-
-
-@torch.library.custom_op("seqpar::rotary_embedding_cuda_inplace", mutates_args=("x",))
-def _cuda_inplace_op(x: torch.Tensor, position_offset: int, theta: float, inverse: bool) -> None:
-    _cuda_rotate(x, x, position_offset, theta, inverse)
-
-
-registry.register(_kernel_backend("cuda", _cuda_op, _cuda_inplace_op, float64_torch_only))
+registry.register(_kernel_backend("cuda", _cuda_rotate, float64_torch_only))
 
 
 @torch.compiler.assume_constant_result
