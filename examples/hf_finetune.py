@@ -30,11 +30,15 @@ from seqpar.ops import select_attention_backend
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def parse_args():
+def parse_args(family=None):
+    """The options; ``family`` given: the script is that family's (no --family option)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=["gpt2", "llama"], default="gpt2",
-                        help="GPT2LMHeadModel (hf.from_gpt2) or LlamaForCausalLM (hf.from_llama)")
+    if family is None:
+        parser.add_argument("--family", choices=["gpt2", "llama"], default="gpt2",
+                            help="GPT2LMHeadModel (hf.from_gpt2) or LlamaForCausalLM (hf.from_llama)")
+    else:
+        parser.set_defaults(family=family)
     parser.add_argument("--model", help="model to fine-tune (from_pretrained name or directory); "
                                         "default: a random one of --layers/--hidden/--heads/--kv-heads")
     parser.add_argument("--layers", type=int, default=2)
@@ -84,8 +88,8 @@ def batches(vocab_size, args, device):
         step += 1
 
 
-def main():
-    args = parse_args()
+def main(family=None):
+    args = parse_args(family)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:

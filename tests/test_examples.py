@@ -46,12 +46,14 @@ def test_readme_snippet_runs_as_written(tmp_path):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("family, size", [("gpt2", ["--heads", "4"]), ("llama", ["--heads", "8", "--kv-heads", "2"])])
-def test_finetune_example_trains_and_hands_the_weights_back(tmp_path, family, size):
+@pytest.mark.parametrize("family, script", [("gpt2", ["hf_gpt2_finetune.py", "--heads", "4"]),
+                                            ("llama", ["hf_finetune.py", "--family", "llama", "--heads", "8",
+                                                       "--kv-heads", "2"])])
+def test_finetune_example_trains_and_hands_the_weights_back(tmp_path, family, script):
     transformers = pytest.importorskip("transformers")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "examples" / "hf_finetune.py"), "--family", family, "--steps", "3", "--layers", "2",
-           "--hidden", "64", *size, "--seq-len", "32", "--batch", "2", "--save", str(tmp_path / "out")]
+           str(ROOT / "examples" / script[0]), *script[1:], "--steps", "3", "--layers", "2", "--hidden", "64",
+           "--seq-len", "32", "--batch", "2", "--save", str(tmp_path / "out")]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
     output = done.stdout + done.stderr
