@@ -17,6 +17,19 @@ PAPER_MODELS = {"22B": dict(heads=64, hidden=6144, layers=48, pp=1, micro_batch=
                 "175B": dict(heads=96, hidden=12288, layers=96, pp=8, micro_batch=1),
                 "530B": dict(heads=128, hidden=20480, layers=105, pp=35, micro_batch=1),
                 "1T": dict(heads=160, hidden=25600, layers=128, pp=64, micro_batch=1)}
+#: Llama 3 (t = 8 by default): its published sizes, s = 8192, and a pipeline split that fits 80 GB.
+LLAMA_MODELS = {"llama3-8B": dict(heads=32, kv_heads=8, hidden=4096, ffn_hidden=14336, layers=32, vocab=128256,
+                                  seq_len=8192, pp=1, micro_batch=1),
+                "llama3-70B": dict(heads=64, kv_heads=8, hidden=8192, ffn_hidden=28672, layers=80, vocab=128256,
+                                   seq_len=8192, pp=4, micro_batch=1)}
+#: The block of each --arch: TransformerConfig's knobs (as the memory functions name them). llama: no
+#: dropout, no biases, RoPE (no position table), an untied output layer.
+ARCH_BLOCKS = {"gpt": dict(),
+               "llama": dict(normalization="rmsnorm", activation="swiglu", hidden_dropout=False,
+                             attention_dropout=False)}
+ARCH_PARAMETERS = {"gpt": dict(),
+                   "llama": dict(normalization="rmsnorm", activation="swiglu", add_bias_linear=False,
+                                 position_embedding="rope", share_embeddings_and_output_weights=False)}
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -88,16 +101,28 @@ full recompute with the least extra forward FLOPs that fits the GPU (seqpar.memo
 
 Activation budget = GPU memory - 18 bytes per parameter of the stage - --other-gib, where 18 bytes is
 mixed-precision Adam: bf16 weight 2 + fp32 gradient 4 + fp32 master weight 4 + Adam moments 4 + 4, and
-the stage's parameters per GPU are its L/p layers' (12h^2 + 13h each at f = 4h, the matrices split t
-ways) plus the word (v/t x h) and position (s x h) embeddings (seqpar.memory.first_stage_parameters).
+the stage's parameters per GPU are its L/p layers' (12h^2 + 13h each for GPT at f = 4h, the matrices
+split t ways) plus the word (v/t x h, v padded to a multiple of 128 t) and position (s x h) embeddings
+(seqpar.memory.first_stage_parameters).
+
+--arch llama (or a llama3-* --model) plans the Llama block: RMSNorm, SwiGLU, grouped-query attention
+with --kv-heads groups, RoPE, no biases, no dropout, untied output layer. --flash-attention counts a
+flash-style attention core (seqpar's triton backend: o and the fp32 log-sum-exp, nothing s^2-sized),
+under which selective recompute saves nothing.
 """
 
 
 def _plan_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m seqpar plan", description=PLAN_DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=tuple(PAPER_MODELS),
-                   help="a model of the paper's Table 3 (s=2048, v=51200, t=8); other options override it")
+    p.add_argument("--model", choices=tuple(PAPER_MODELS) + tuple(LLAMA_MODELS),
+                   help="a model of the paper's Table 3 (s=2048, v=51200, t=8) or a Llama 3 (s=8192, t=8); "
+                        "other options override it")
+    p.add_argument("--arch", choices=tuple(ARCH_BLOCKS),
+                   help="the block: gpt (the paper's, default) or llama (default with a llama3-* --model)")
+    p.add_argument("--kv-heads", type=int, help="llama: k/v groups g (default: one per head)")
+    p.add_argument("--flash-attention", action="store_true",
+                   help="a flash-style attention core (seqpar's triton backend): no s^2 activations")
     p.add_argument("--hidden", type=int, help="hidden size h")
     p.add_argument("--heads", type=int, help="attention heads a")
     p.add_argument("--layers", type=int, help="layers L")
@@ -122,15 +147,22 @@ def _plan_parser() -> ArgumentParser:
 def _plan_args(argv: Sequence[str]) -> argparse.Namespace:
     p = _plan_parser()
     args = p.parse_args(argv)
-    preset = PAPER_MODELS.get(args.model, {})
+    preset = PAPER_MODELS.get(args.model) or LLAMA_MODELS.get(args.model) or {}
+    preset_arch = None if args.model is None else "llama" if args.model in LLAMA_MODELS else "gpt"
+    if args.arch is not None and preset_arch is not None and args.arch != preset_arch:
+        p.error(f"--model {args.model} is a {preset_arch} model, not --arch {args.arch}")
+    args.arch = args.arch or preset_arch or "gpt"
+    if args.arch != "llama" and args.kv_heads is not None:
+        p.error("--kv-heads is for --arch llama (the gpt layer has one k/v head per head)")
     for key, default in (("hidden", None), ("heads", None), ("layers", None), ("seq_len", SEQ_LEN),
-                         ("vocab", VOCAB), ("micro_batch", 1), ("tp", 8 if preset else 1), ("pp", 1)):
+                         ("vocab", VOCAB), ("micro_batch", 1), ("tp", 8 if preset else 1), ("pp", 1),
+                         ("kv_heads", None), ("ffn_hidden", None)):
         if getattr(args, key) is None:
             setattr(args, key, preset.get(key, default))
     missing = [f"--{k}" for k in ("hidden", "heads", "layers") if getattr(args, k) is None]
     if missing:
         p.error(f"give --model or {', '.join(missing)}")
-    for key in ("hidden", "heads", "layers", "ffn_hidden", "seq_len", "vocab", "micro_batch", "tp", "pp"):
+    for key in ("hidden", "heads", "layers", "ffn_hidden", "seq_len", "vocab", "micro_batch", "tp", "pp", "kv_heads"):
         value = getattr(args, key)
         if value is not None and value <= 0:
             p.error(f"--{key.replace('_', '-')} must be positive, got {value}")
@@ -150,17 +182,27 @@ def _plan_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def _sizes(args: argparse.Namespace) -> Tuple[dict, dict]:
-    """(positional sizes, keyword options) of the seqpar.memory functions; validates them."""
-    from seqpar.memory import first_stage_parameters, model_activation_bytes
+    """(positional sizes, keyword options) of the seqpar.memory activation functions; validates them and
+    the parameter count (:func:`_stage_parameters`)."""
+    from seqpar.memory import model_activation_bytes
 
     sizes = dict(seq_len=args.seq_len, micro_batch=args.micro_batch, hidden=args.hidden, heads=args.heads,
                  num_layers=args.layers, vocab=args.vocab)
     options = dict(tp=args.tp, pp=args.pp, ffn_hidden=args.ffn_hidden, bytes_per_element=args.bytes_per_element,
-                   bytes_per_mask=args.bytes_per_mask)
+                   bytes_per_mask=args.bytes_per_mask, num_query_groups=args.kv_heads,
+                   flash_attention=args.flash_attention, **ARCH_BLOCKS[args.arch])
     model_activation_bytes(**sizes, sequence_parallel=args.sp, **options)
-    first_stage_parameters(args.hidden, args.layers, args.vocab, args.seq_len, tp=args.tp, pp=args.pp,
-                           ffn_hidden=args.ffn_hidden)
+    _stage_parameters(args)
     return sizes, options
+
+
+def _stage_parameters(args: argparse.Namespace) -> int:
+    """Parameters per GPU of the first stage (seqpar.memory.first_stage_parameters) for this --arch."""
+    from seqpar.memory import first_stage_parameters
+
+    return first_stage_parameters(args.hidden, args.layers, args.vocab, args.seq_len, tp=args.tp, pp=args.pp,
+                                  ffn_hidden=args.ffn_hidden, heads=args.heads, num_query_groups=args.kv_heads,
+                                  **ARCH_PARAMETERS[args.arch])
 
 
 def _size(n: float) -> str:
@@ -191,21 +233,22 @@ UNIFORM = [("tensor parallel (baseline)", False, "none"), ("tensor + sequence pa
 
 def plan(argv: Sequence[str]) -> dict:
     """``python -m seqpar plan``: print (and with --plot draw) the uniform policies and the planned mix."""
-    from seqpar.memory import MODEL_STATE_BYTES_PER_PARAMETER, evaluate_recompute, first_stage_parameters, \
-        plan_recompute
+    from seqpar.memory import MODEL_STATE_BYTES_PER_PARAMETER, evaluate_recompute, plan_recompute
 
     args = _plan_args(argv)
     sizes, options = _sizes(args)
     n_stage = args.layers // args.pp
-    params = first_stage_parameters(args.hidden, args.layers, args.vocab, args.seq_len, tp=args.tp, pp=args.pp,
-                                    ffn_hidden=args.ffn_hidden)
+    params = _stage_parameters(args)
     state_bytes = MODEL_STATE_BYTES_PER_PARAMETER * params
     gpu_bytes, other_bytes = args.gpu_memory * GIB, args.other_gib * GIB
     budget = gpu_bytes - state_bytes - other_bytes
     name = args.model or "custom"
+    block = (f"llama block (g={args.kv_heads or args.heads}, f={args.ffn_hidden or 4 * args.hidden}, no dropout)"
+             if args.arch == "llama" else f"gpt block, {args.bytes_per_mask:g}-byte masks")
     print(f"seqpar plan: {name} model, s={args.seq_len} b={args.micro_batch} h={args.hidden} a={args.heads} "
           f"L={args.layers} v={args.vocab}, t={args.tp} p={args.pp} ({n_stage} layers per stage), "
-          f"{args.bytes_per_element:g}-byte activations, {args.bytes_per_mask:g}-byte masks")
+          f"{args.bytes_per_element:g}-byte activations, {block}"
+          + (", flash-style attention core" if args.flash_attention else ""))
     print(f"first stage per GPU: {params:,} parameters x {MODEL_STATE_BYTES_PER_PARAMETER} bytes "
           f"(bf16 weight 2 + fp32 grad 4 + fp32 master 4 + Adam 4 + 4) = {_size(state_bytes)}")
     print(f"activation budget: {args.gpu_memory:g} GiB GPU - {_size(state_bytes)} model state - "

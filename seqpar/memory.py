@@ -486,27 +486,64 @@ def model_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
 
 
 def first_stage_parameters(hidden: int, num_layers: int, vocab: int, max_seq_len: int, *, tp: int = 1,
-                           pp: int = 1, ffn_hidden: Optional[int] = None) -> int:
-    """Parameters one tensor-parallel rank of the first pipeline stage holds.
+                           pp: int = 1, ffn_hidden: Optional[int] = None, heads: Optional[int] = None,
+                           num_query_groups: Optional[int] = None, normalization: str = "layernorm",
+                           activation: str = "gelu", add_bias_linear: bool = True,
+                           position_embedding: str = "learned",
+                           share_embeddings_and_output_weights: bool = True) -> int:
+    """Parameters one tensor-parallel rank of the first pipeline stage holds (the GPTModel that
+    :class:`seqpar.TransformerConfig`'s knobs of the same names build).
 
-    Per layer (unsharded 4h^2 + 2hf + f + 9h, 12h^2 + 13h at f = 4h): QKV (3h^2 + 3h) and fc1 (hf + f)
-    split over t ranks with their biases, projection (h^2) and fc2 (fh) weights split, their biases
-    (2h) and the two LayerNorms (4h) replicated. Plus the word embedding (v/t rows of h, vocabulary
-    padded to a multiple of t) and the position embedding (max_seq_len x h); with pp = 1 also the final
-    LayerNorm (2h) (the output layer is tied to the word embedding).
+    Per layer, with q = (1 + 2g/a) h the QKV rows (3h without grouped-query attention) and f' = 2f with
+    SwiGLU (gate and up), else f: the QKV (q h), fc1 (f' h), projection (h^2) and fc2 (f h) weights split
+    over the t ranks, with ``add_bias_linear`` also the QKV and fc1 biases (q + f', split) and the
+    projection and fc2 biases (2h, replicated), and the two norms (4h for LayerNorm's weight and bias, 2h
+    for RMSNorm) replicated: 12h^2 + 13h at the GPT defaults and t = 1. Plus the word embedding (v rows
+    padded to a multiple of 128 t as GPTModel does, split t ways) and with learned positions the position
+    table (max_seq_len x h); with pp = 1 also the final norm and, untied
+    (``share_embeddings_and_output_weights=False``), the output layer (another padded v/t x h).
+    ``heads`` is needed only with ``num_query_groups``.
     """
+    from .config import ACTIVATIONS, NORMALIZATIONS, POSITION_EMBEDDINGS  # config imports this module
+    from .nn.model import padded_vocab_size
+
     for name, value in (("hidden", hidden), ("num_layers", num_layers), ("vocab", vocab),
                         ("max_seq_len", max_seq_len), ("tp", tp), ("pp", pp)):
         _check_positive_int(name, value)
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"unknown normalization {normalization!r}; expected one of {NORMALIZATIONS}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+    if position_embedding not in POSITION_EMBEDDINGS:
+        raise ValueError(f"unknown position_embedding {position_embedding!r}; expected one of {POSITION_EMBEDDINGS}")
+    for name, value in (("add_bias_linear", add_bias_linear),
+                        ("share_embeddings_and_output_weights", share_embeddings_and_output_weights)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool, got {value!r}")
     h, t = hidden, tp
     f = 4 * h if ffn_hidden is None else ffn_hidden
     _check_positive_int("ffn_hidden", f)
     _check_divides("tp", t, "ffn_hidden", f)
     _check_divides("pp", pp, "num_layers", num_layers)
     _check_divides("tp", t, "hidden", h)
-    per_layer = (3 * h * h + 3 * h + h * f + f + h * h + f * h) // t + 6 * h
-    embeddings = -(-vocab // t) * h + max_seq_len * h
-    return (num_layers // pp) * per_layer + embeddings + (2 * h if pp == 1 else 0)
+    qkv_rows = 3 * h
+    if num_query_groups is not None:
+        if heads is None:
+            raise ValueError("num_query_groups needs heads (the query heads a) to size the QKV rows")
+        for name, value in (("heads", heads), ("num_query_groups", num_query_groups)):
+            _check_positive_int(name, value)
+        _check_divides("heads", heads, "hidden", h)
+        _check_divides("num_query_groups", num_query_groups, "heads", heads)
+        _check_divides("tp", t, "num_query_groups", num_query_groups)
+        qkv_rows = h + 2 * num_query_groups * (h // heads)
+    fc1_rows = 2 * f if activation == "swiglu" else f
+    norm = 2 * h if normalization == "layernorm" else h
+    split = qkv_rows * h + fc1_rows * h + h * h + f * h + (qkv_rows + fc1_rows if add_bias_linear else 0)
+    per_layer = split // t + (2 * h if add_bias_linear else 0) + 2 * norm
+    vocab_shard = padded_vocab_size(vocab, t) // t * h
+    embeddings = vocab_shard + (max_seq_len * h if position_embedding == "learned" else 0)
+    last_stage = norm + (0 if share_embeddings_and_output_weights else vocab_shard)
+    return (num_layers // pp) * per_layer + embeddings + (last_stage if pp == 1 else 0)
 
 
 @dataclasses.dataclass(frozen=True)

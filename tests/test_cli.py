@@ -89,6 +89,35 @@ def test_plan_prints_uniform_policies_and_a_plan_that_fits(tmp_path, capsys):
     _assert_png(png)
 
 
+@pytest.mark.parametrize("argv", [["--model", "llama3-8B"], ["--model", "llama3-70B", "--flash-attention"],
+                                  ["--arch", "llama", "--hidden", "1024", "--heads", "16", "--kv-heads", "4",
+                                   "--ffn-hidden", "2816", "--layers", "8", "--tp", "4", "--gpu-memory", "1"]],
+                         ids=["llama3-8B", "llama3-70B-flash", "custom-llama"])
+def test_plan_llama_block(argv, capsys):
+    """The Llama block's activations (its terms, no dropout) and parameters (SwiGLU, GQA, no biases, no
+    position table, untied head) are what seqpar.memory says for it."""
+    result = cli.plan(argv + ["--sp"])
+    out = capsys.readouterr().out
+    args = result["args"]
+    assert args.arch == "llama" and "llama block" in out
+    block = dict(normalization="rmsnorm", activation="swiglu", hidden_dropout=False, attention_dropout=False,
+                 num_query_groups=args.kv_heads, ffn_hidden=args.ffn_hidden, flash_attention=args.flash_attention)
+    sizes = dict(seq_len=args.seq_len, micro_batch=args.micro_batch, hidden=args.hidden, heads=args.heads,
+                 num_layers=args.layers, vocab=args.vocab)
+    for label, sp, policy, cost in result["uniform"]:
+        assert cost == evaluate_recompute(policy, **sizes, tp=args.tp, pp=args.pp, sequence_parallel=sp, **block), label
+    params = first_stage_parameters(args.hidden, args.layers, args.vocab, args.seq_len, tp=args.tp, pp=args.pp,
+                                    ffn_hidden=args.ffn_hidden, heads=args.heads, num_query_groups=args.kv_heads,
+                                    normalization="rmsnorm", activation="swiglu", add_bias_linear=False,
+                                    position_embedding="rope", share_embeddings_and_output_weights=False)
+    assert f"{params:,} parameters" in out
+    if args.flash_attention:   # selective recompute saves nothing under a flash-style core
+        by_label = {label: cost.activation_bytes for label, _, _, cost in result["uniform"]}
+        assert by_label["tensor + sequence parallel + selective"] == by_label["tensor + sequence parallel"]
+    if args.model == "llama3-8B":   # 8.03B parameters over t = 8 ranks (the untied head included)
+        assert 0.99e9 < params < 1.01e9
+
+
 def test_plan_reports_when_nothing_fits(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.plan(["--model", "1T", "--gpu-memory", "38"])      # the model state alone needs 36.6 GiB
@@ -115,6 +144,10 @@ def _usage_error(argv, capsys):
     (["plan", "--model", "22B", "--pp", "7"], "pp * interleave = 7 does not divide num_layers 48"),
     (["plan", "--hidden", "64", "--heads", "4", "--layers", "-2"], "--layers must be positive, got -2"),
     (["plan", "--model", "42B"], "invalid choice: '42B'"),
+    (["plan", "--model", "llama3-70B", "--arch", "gpt"], "--model llama3-70B is a llama model, not --arch gpt"),
+    (["plan", "--model", "22B", "--kv-heads", "8"], "--kv-heads is for --arch llama"),
+    (["plan", "--arch", "llama", "--hidden", "1024", "--heads", "16", "--layers", "8", "--kv-heads", "3"],
+     "num_query_groups 3 does not divide heads 16"),
     (["info", "--verbose"], "unrecognized arguments: --verbose"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)

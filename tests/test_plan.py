@@ -100,12 +100,18 @@ def test_plan_paper_models_fit_80gb():
 
 def test_first_stage_parameters_by_hand():
     from seqpar.memory import first_stage_parameters
-    h, L, v, s = 8, 4, 30, 16
+    h, L, v, s = 8, 4, 30, 16                               # v = 30 rows padded to 128 t
     per_layer = 12 * h * h + 13 * h                         # 4h^2 + 2hf + f + 9h at f = 4h
-    assert first_stage_parameters(h, L, v, s) == L * per_layer + v * h + s * h + 2 * h
+    assert first_stage_parameters(h, L, v, s) == L * per_layer + 128 * h + s * h + 2 * h
     # t = 2: QKV, fc1 (with biases), projection and fc2 weights split; 2 biases + 2 LayerNorms (6h) not
     sharded = (3 * h * h + 3 * h + 4 * h * h + 4 * h + h * h + 4 * h * h) // 2 + 6 * h
-    assert first_stage_parameters(h, L, v, s, tp=2, pp=2) == 2 * sharded + 15 * h + s * h
+    assert first_stage_parameters(h, L, v, s, tp=2, pp=2) == 2 * sharded + 128 * h + s * h
+    # Llama: a = 4 heads, g = 2 groups (QKV rows h + 2 g h / a = 2h), SwiGLU f = 24, no biases, RMSNorm,
+    # RoPE (no position table), untied head (a second padded vocabulary shard with pp = 1)
+    llama = dict(heads=4, num_query_groups=2, ffn_hidden=24, normalization="rmsnorm", activation="swiglu",
+                 add_bias_linear=False, position_embedding="rope", share_embeddings_and_output_weights=False)
+    per_layer = (2 * h * h + 2 * 24 * h + h * h + 24 * h) // 2 + 2 * h
+    assert first_stage_parameters(h, L, v, s, tp=2, **llama) == L * per_layer + 128 * h + h + 128 * h
     with pytest.raises(ValueError, match="pp 3 does not divide num_layers 4"):
         first_stage_parameters(h, L, v, s, pp=3)
 
@@ -128,3 +134,55 @@ def test_plan_with_the_llama_block():
     full = model_activation_bytes(s, b, h, a, L, v, recompute="full", **flash)
     plan = plan_recompute(s, b, h, a, L, v, budget_bytes=(none + full) / 2, **flash)
     assert plan.counts["selective"] == 0 and 0 < plan.counts["full"] < L and plan.activation_bytes <= (none + full) / 2
+
+
+# GPTModels whose per-rank parameter count first_stage_parameters must give (a = 4 heads, pp = 1)
+PARAMETER_CASES = {
+    "gpt": (dict(), dict()),
+    "llama": (dict(normalization="rmsnorm", activation="swiglu", num_query_groups=2, position_embedding="rope",
+                   add_bias_linear=False, ffn_hidden_size=88), dict(share_embeddings_and_output_weights=False)),
+    "layernorm-swiglu-gqa-bias-learned": (dict(activation="swiglu", num_query_groups=2), dict()),
+}
+
+
+def _parameter_counts(rank, world_size):
+    """{case: (parameters this rank's GPTModel holds, first_stage_parameters for it)}."""
+    import torch.distributed as dist
+
+    import seqpar
+    from seqpar.memory import first_stage_parameters
+
+    group = dist.group.WORLD if world_size > 1 else None
+    out = {}
+    for case, (knobs, model_kw) in PARAMETER_CASES.items():
+        cfg = seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
+                                       attention_dropout=0.0, backend="torch", **knobs)
+        model = seqpar.GPTModel(cfg, num_layers=3, vocab_size=300, max_seq_len=16, tp_group=group, **model_kw)
+        expected = first_stage_parameters(
+            32, 3, 300, 16, tp=world_size, ffn_hidden=cfg.ffn_hidden_size, heads=4,
+            num_query_groups=cfg.num_query_groups, normalization=cfg.normalization, activation=cfg.activation,
+            add_bias_linear=cfg.add_bias_linear, position_embedding=cfg.position_embedding, **model_kw)
+        out[case] = (sum(p.numel() for p in model.parameters()), expected)
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("t", [1, 2])
+def test_first_stage_parameters_counts_what_gptmodel_holds(t):
+    if t == 1:
+        ranks = [_parameter_counts(0, 1)]
+    else:
+        from tests.distributed.launcher import run_ranks
+        ranks = run_ranks(_parameter_counts, t, timeout_s=100)
+    for rank in ranks:
+        for case, (held, formula) in rank.items():
+            assert held == formula, f"{case}: GPTModel holds {held} parameters per rank, formula {formula}"
+
+
+def test_first_stage_parameters_rejects():
+    from seqpar.memory import first_stage_parameters
+    for kw, match in ((dict(num_query_groups=2), "needs heads"), (dict(activation="relu"), "unknown activation"),
+                      (dict(heads=4, num_query_groups=3), "num_query_groups 3 does not divide heads 4"),
+                      (dict(add_bias_linear=1), "add_bias_linear must be a bool")):
+        with pytest.raises(ValueError, match=match):
+            first_stage_parameters(32, 2, 100, 16, **kw)

@@ -334,7 +334,8 @@ def main(argv: Optional[List[str]] = None) -> List[Dict]:
     arch = "" if args.arch == "gpt" else f" llama (g={args.kv_heads} f={args.ffn})"
     header = (f"seqpar bench: one{arch} layer, s={args.seq_len} b={args.batch} h={args.hidden} a={args.heads} "
               f"t={args.tp} {args.dtype} dropout={args.dropout} backend={args.backend} on {device_name}")
-    print(format_table(rows, header, "Table 2" if args.arch == "gpt" else "formula"))
+    formula = "Table 2" if args.arch == "gpt" else "formula"   # llama: Table 2's terms for its block
+    print(format_table(rows, header, formula))
     if args.json:
         meta = dict(device=device_name, date=datetime.date.today().isoformat(), commit=git_commit(),
                     config=dict(arch=args.arch, kv_heads=args.kv_heads, ffn=args.ffn,
@@ -346,6 +347,6 @@ def main(argv: Optional[List[str]] = None) -> List[Dict]:
         print(f"wrote {args.json}")
     if args.plot:
         from .plots import plot_bench
-        plot_bench(rows, header, args.plot)
+        plot_bench(rows, header, args.plot, formula)
         print(f"wrote {args.plot}")
     return rows

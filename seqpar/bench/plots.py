@@ -66,15 +66,16 @@ def plot_plan(result: Dict, path: str) -> None:
     right.set_ylabel("extra forward FLOPs, % of model FLOPs")
     right.set_title(f"recompute mixes of the {n} layers per stage ({'with' if args.sp else 'without'} SP)")
     right.legend(fontsize=8)
-    fig.suptitle(f"seqpar plan: {args.model or 'custom'} model, s={args.seq_len} b={args.micro_batch} "
+    fig.suptitle(f"seqpar plan: {args.model or 'custom'} {args.arch} model, s={args.seq_len} b={args.micro_batch} "
                  f"h={args.hidden} a={args.heads} L={args.layers} t={args.tp} p={args.pp}")
     fig.savefig(path, dpi=110)
 
 
-def plot_bench(rows: List[Dict], title: str, path: str) -> None:
+def plot_bench(rows: List[Dict], title: str, path: str, formula: str = "Table 2") -> None:
     """The five layer experiments like the paper's Figure 8. Left: forward, backward and recompute time
     (recompute = the backward time beyond the no-recompute run with the same sequence parallelism);
-    right: measured activation bytes vs Table 2 with and without 1-byte dropout masks."""
+    right: measured activation bytes vs the formula (``formula`` names it: "Table 2" for the paper's
+    layer) with and without 1-byte dropout masks."""
     fig, (left, right) = _figure(13, 5)
     names = [r["experiment"].replace(" + ", " +\n").replace(" recompute", "\nrecompute") for r in rows]
     base = {r["sequence_parallel"]: r["backward_ms"] for r in rows if r["recompute"] == "none"}
@@ -94,9 +95,9 @@ def plot_bench(rows: List[Dict], title: str, path: str) -> None:
     width, xs = 0.27, range(len(rows))
     right.bar([x - width for x in xs], [r["activation_bytes"] / MIB for r in rows], width, color="tab:blue",
               label="measured (ActivationMeter)")
-    right.bar(list(xs), [r["table2_bytes"] / MIB for r in rows], width, color="0.45", label="Table 2")
+    right.bar(list(xs), [r["table2_bytes"] / MIB for r in rows], width, color="0.45", label=formula)
     right.bar([x + width for x in xs], [r["table2_bytes_no_masks"] / MIB for r in rows], width, color="0.75",
-              label="Table 2 without masks (seqpar regenerates them)")
+              label=f"{formula} without masks (seqpar regenerates them)")
     right.set_xticks(list(xs), names)
     right.set_ylabel("MiB per rank")
     right.set_title("activation memory of one layer")
