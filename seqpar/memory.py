@@ -104,6 +104,11 @@ def _check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def _check_choice(name: str, value, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; expected one of {tuple(choices)}")
+
+
 def _check_divides(divisor_name: str, divisor: int, name: str, value: int, why: str = "") -> None:
     if value % divisor:
         raise ValueError(f"{divisor_name} {divisor} does not divide {name} {value}{why}")
@@ -142,10 +147,8 @@ class _Block:
                   flash_attention) -> "_Block":
         from .config import ACTIVATIONS, NORMALIZATIONS  # config imports this module
 
-        if normalization not in NORMALIZATIONS:
-            raise ValueError(f"unknown normalization {normalization!r}; expected one of {NORMALIZATIONS}")
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+        _check_choice("normalization", normalization, NORMALIZATIONS)
+        _check_choice("activation", activation, ACTIVATIONS)
         if num_query_groups is not None:
             _check_positive_int("num_query_groups", num_query_groups)
         if not isinstance(flash_attention, bool):
@@ -510,12 +513,9 @@ def first_stage_parameters(hidden: int, num_layers: int, vocab: int, max_seq_len
     for name, value in (("hidden", hidden), ("num_layers", num_layers), ("vocab", vocab),
                         ("max_seq_len", max_seq_len), ("tp", tp), ("pp", pp)):
         _check_positive_int(name, value)
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(f"unknown normalization {normalization!r}; expected one of {NORMALIZATIONS}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
-    if position_embedding not in POSITION_EMBEDDINGS:
-        raise ValueError(f"unknown position_embedding {position_embedding!r}; expected one of {POSITION_EMBEDDINGS}")
+    _check_choice("normalization", normalization, NORMALIZATIONS)
+    _check_choice("activation", activation, ACTIVATIONS)
+    _check_choice("position_embedding", position_embedding, POSITION_EMBEDDINGS)
     for name, value in (("add_bias_linear", add_bias_linear),
                         ("share_embeddings_and_output_weights", share_embeddings_and_output_weights)):
         if not isinstance(value, bool):
