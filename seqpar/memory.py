@@ -316,12 +316,11 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     and the fp32 log-sum-exp, with or without selective recompute. :func:`architecture_kwargs` reads
     them from a config; :func:`layer_activation_terms` gives the figure term by term.
     """
-    _check_policy("recompute", recompute)
-    block = _Block.validated(normalization, activation, num_query_groups, hidden_dropout, attention_dropout,
-                             flash_attention)
-    layer = _Layer.validated(seq_len, micro_batch, hidden, heads, tp, sequence_parallel, ffn_hidden,
-                             bytes_per_element, bytes_per_mask, block)
-    return layer.bytes(recompute)
+    return sum(layer_activation_terms(seq_len, micro_batch, hidden, heads, tp, sequence_parallel, recompute,
+                                      ffn_hidden, bytes_per_element, bytes_per_mask, normalization=normalization,
+                                      activation=activation, num_query_groups=num_query_groups,
+                                      hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
+                                      flash_attention=flash_attention).values())
 
 
 def _check_policy(name: str, policy) -> None:

@@ -49,6 +49,7 @@ across backends. The kernel backends are ``torch.library`` custom ops
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -258,30 +259,48 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
         return grads + (None, None, None)
 
 
-def _check_inputs(x, bias, residual, ln_weight, ln_bias) -> int:
-    for name, t in (("x", x), ("residual", residual), ("ln_weight", ln_weight), ("ln_bias", ln_bias)):
+def check_row_inputs(x, residual, weights: dict, eps, dtypes, *, residual_optional: bool = False,
+                     on_device=()) -> int:
+    """The checks every fused row op (a norm over the last dim h) runs on its arguments; returns h.
+
+    ``x`` a floating [..., h] tensor of ``dtypes`` with h > 0; ``residual`` (may be None when
+    ``residual_optional``) of x's shape and dtype; each of ``weights`` ({name: tensor}) a floating [h]
+    tensor; all of them and ``on_device`` on one device; ``eps`` a positive finite number. A ValueError
+    names the argument.
+    """
+    named = {"x": x, **({} if residual is None and residual_optional else {"residual": residual}), **weights}
+    for name, t in named.items():
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-    if x.dim() < 1 or x.dtype not in _DTYPES:
-        raise ValueError(f"x must be a floating [..., h] tensor of {_DTYPES}, got {x.dtype} {tuple(x.shape)}")
+    if x.dim() < 1 or x.dtype not in dtypes:
+        raise ValueError(f"x must be a floating [..., h] tensor of {dtypes}, got {x.dtype} {tuple(x.shape)}")
     h = x.shape[-1]
     if h == 0:
         raise ValueError(f"x must have a non-empty last (hidden) dimension, got shape {tuple(x.shape)}")
-    if residual.shape != x.shape:
-        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-    if residual.dtype != x.dtype:
-        raise ValueError(f"residual dtype {residual.dtype} != x dtype {x.dtype}")
-    if bias is not None and (bias.shape != (h,) or bias.dtype != x.dtype):
-        raise ValueError(f"bias must be [{h}] of {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
-    for name, t in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+        if residual.dtype != x.dtype:
+            raise ValueError(f"residual dtype {residual.dtype} != x dtype {x.dtype}")
+    for name, t in weights.items():
         if t.shape != (h,) or not t.is_floating_point():
             raise ValueError(f"{name} must be a floating [{h}] tensor, got {tuple(t.shape)} {t.dtype}")
+    devices = {t.device for t in (*named.values(), *on_device)}
+    if len(devices) > 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"eps must be a positive finite float, got {eps!r}")
+    return h
+
+
+def _check_inputs(x, bias, residual, ln_weight, ln_bias, eps) -> int:
+    h = check_row_inputs(x, residual, {"ln_weight": ln_weight, "ln_bias": ln_bias}, eps, _DTYPES,
+                         on_device=() if bias is None else (bias,))
+    if bias is not None and (bias.shape != (h,) or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be [{h}] of {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
     for name, t in (("x", x), ("residual", residual)):
         if t.numel() and t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
-    devices = {t.device for t in (x, residual, ln_weight, ln_bias) + (() if bias is None else (bias,))}
-    if len(devices) > 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
     return h
 
 
@@ -304,9 +323,7 @@ def bias_dropout_add_layer_norm(x: torch.Tensor, bias: Optional[torch.Tensor], r
         row_offset: global index of the first row (flattened leading dims) in the dropout RNG, so a
             sequence shard draws the same mask as the unsharded tensor would.
     """
-    h = _check_inputs(x, bias, residual, ln_weight, ln_bias)
-    if not isinstance(eps, (int, float)) or eps <= 0:
-        raise ValueError(f"eps must be a positive float, got {eps!r}")
+    h = _check_inputs(x, bias, residual, ln_weight, ln_bias, eps)
     spec = make_dropout_spec(p, training, seed, row_offset)
     impl = registry.get(OP, _select_backend_name(backend, x.device, h))
     shape = x.shape

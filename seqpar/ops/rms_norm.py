@@ -60,13 +60,12 @@ or None, so without a residual their forward returns an empty residual_out and t
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch
 
 from . import registry
-from .bias_dropout_add_layer_norm import _vectorized
+from .bias_dropout_add_layer_norm import _vectorized, check_row_inputs
 from .. import _ext
 
 OP = "add_rms_norm"
@@ -273,30 +272,6 @@ def _rows(t: torch.Tensor, h: int) -> torch.Tensor:
     return t2d if t2d.stride(-1) == 1 or t2d.shape[0] == 0 else t2d.contiguous()
 
 
-def _check_inputs(x, residual, weight, eps) -> int:
-    for name, t in (("x", x), ("weight", weight)) + ((("residual", residual),) if residual is not None else ()):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-    if x.dim() < 1 or x.dtype not in _DTYPES:
-        raise ValueError(f"x must be a floating [..., h] tensor of {_DTYPES}, got {x.dtype} {tuple(x.shape)}")
-    h = x.shape[-1]
-    if h == 0:
-        raise ValueError(f"x must have a non-empty last (hidden) dimension, got shape {tuple(x.shape)}")
-    if residual is not None:
-        if residual.shape != x.shape:
-            raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-        if residual.dtype != x.dtype:
-            raise ValueError(f"residual dtype {residual.dtype} != x dtype {x.dtype}")
-    if weight.shape != (h,) or not weight.is_floating_point():
-        raise ValueError(f"weight must be a floating [{h}] tensor, got {tuple(weight.shape)} {weight.dtype}")
-    devices = {t.device for t in (x, weight) + (() if residual is None else (residual,))}
-    if len(devices) > 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
-        raise ValueError(f"eps must be a positive finite float, got {eps!r}")
-    return h
-
-
 def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, *, eps: float = 1e-6,
                  backend: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
     """``residual_out = x + residual``; ``y = RMSNorm(residual_out) * weight`` (HF LlamaRMSNorm rounding).
@@ -309,7 +284,7 @@ def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
         eps: added to the mean square (positive, finite).
         backend: "auto" | "torch" | "triton" | "cuda" (see :mod:`seqpar.ops.registry`).
     """
-    h = _check_inputs(x, residual, weight, eps)
+    h = check_row_inputs(x, residual, {"weight": weight}, eps, _DTYPES, residual_optional=True)
     impl = registry.get(OP, _select_backend_name(backend, x.device, x.dtype))
     shape = x.shape
     y, residual_out = _AddRMSNorm.apply(_rows(x, h), None if residual is None else _rows(residual, h), weight,

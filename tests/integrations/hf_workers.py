@@ -60,12 +60,13 @@ def sgd(params, lr):
             p.grad = None
 
 
-def train(group, state_dict, config_dict, tokens, hf_labels, steps, lr, hf_state_dict):
-    """SGD on seqpar's GPT-2 at this group + SP + selective recompute with HF's loss convention:
-    (losses per step, {key: max |to_gpt2_state_dict afterwards - HF's trained weights|}). Plain
-    numbers: tensors returned to the parent would need this process alive to hand them over."""
-    model = hf.from_gpt2(state_dict, config=hf_config(config_dict), tp_group=group, sequence_parallel=True,
-                         recompute="selective")
+def train(group, state_dict, config_dict, tokens, hf_labels, steps, lr, hf_state_dict, family="gpt2"):
+    """SGD on seqpar's model of ``family`` at this group + SP + selective recompute with HF's loss
+    convention: (losses per step, {key: max |to_<family>_state_dict afterwards - HF's trained weights|}).
+    Plain numbers: tensors returned to the parent would need this process alive to hand them over."""
+    load, save = FAMILIES[family]
+    model = load(state_dict, config=hf_config(config_dict), tp_group=group, sequence_parallel=True,
+                 recompute="selective")
     labels = hf.shift_labels(hf_labels)
     losses = []
     for _ in range(steps):
@@ -73,7 +74,7 @@ def train(group, state_dict, config_dict, tokens, hf_labels, steps, lr, hf_state
         loss.backward()
         sgd(model.parameters(), lr)
         losses.append(loss.item())
-    trained = hf.to_gpt2_state_dict(model)
+    trained = save(model)
     return losses, {k: (trained[k] - v).abs().max().item() for k, v in hf_state_dict.items()}
 
 

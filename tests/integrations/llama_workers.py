@@ -14,11 +14,10 @@ import torch
 import torch.distributed as dist
 
 import seqpar
-from seqpar.integrations import hf
 from seqpar.memory import ActivationMeter, architecture_kwargs, layer_activation_terms
 from seqpar.parallel import sequence_shard
 
-from tests.integrations.hf_workers import POLICIES, hf_config, logits_errors, round_trips, sgd
+from tests.integrations.hf_workers import POLICIES, hf_config, logits_errors, round_trips, sgd, train
 
 LLAMA = dict(normalization="rmsnorm", activation="swiglu", position_embedding="rope", add_bias_linear=False)
 S, B = 12, 3                      # s/t = 3 at t = 4: odd shards
@@ -113,22 +112,6 @@ def layer_memory(group, world_size):
     return out
 
 
-def hf_train(group, state_dict, config_dict, tokens, hf_labels, steps, lr, hf_state_dict):
-    """SGD on seqpar's Llama at this group + SP + selective recompute with HF's loss convention:
-    (losses per step, {key: max |to_llama_state_dict afterwards - HF's trained weights|})."""
-    model = hf.from_llama(state_dict, config=hf_config(config_dict), tp_group=group, sequence_parallel=True,
-                          recompute="selective")
-    labels = hf.shift_labels(hf_labels)
-    losses = []
-    for _ in range(steps):
-        loss = model(tokens, labels).sum() / (labels != -100).sum()
-        loss.backward()
-        sgd(model.parameters(), lr)
-        losses.append(loss.item())
-    trained = hf.to_llama_state_dict(model)
-    return losses, {k: (trained[k] - v).abs().max().item() for k, v in hf_state_dict.items()}
-
-
 def run_all(group, world_size, cases):
     """Every check at this world size; ``cases``: dict(logit_cases, round_trip_cases, train_case) of HF
     references, each None when transformers is not installed (or not wanted)."""
@@ -145,7 +128,7 @@ def run_all(group, world_size, cases):
     if cases.get("round_trip_cases"):
         results["round_trips"] = round_trips(group, cases["round_trip_cases"], family="llama")
     if cases.get("train_case"):
-        results["train"] = hf_train(group, **cases["train_case"])
+        results["train"] = train(group, **cases["train_case"], family="llama")
     return results
 
 
