@@ -19,8 +19,10 @@ A provider that can't run a configuration is reported and skipped.
 Timing: triton.testing.do_bench medians (after its warm-up) on random inputs; backward is timed on a
 retained graph with grads reset between runs. Rows (device, date, commit, config, provider, metric,
 value) are appended to ``<out>/bench_attention.csv`` (metric: fwd_ms, bwd_ms, fwdbwd_ms, fwd_tflops,
-bwd_tflops, fwdbwd_tflops). The summary compares seqpar-triton's fwd+bwd with the best SDPA backend
-(issue target: >= 0.9x at s >= 2048, d = 128, dropout 0.1, bf16).
+bwd_tflops, fwdbwd_tflops, and on a GPU fwdbwd_peak_bytes: the peak one fwd+bwd allocates beyond its
+inputs and gradients; issue target: no s^2 term). The summary compares seqpar-triton's fwd+bwd with the
+best SDPA backend; bench/gpu_summary.py turns the rows into the issue's targets (>= 0.9x SDPA's flash
+backend at the same dropout, causal, bf16; peak memory flat in s at a fixed b * s).
 
 Usage:
     python bench/bench_attention.py                         # GPU: the full sweep (causal), rows to bench/results/
@@ -155,6 +157,18 @@ def bench_config(provider: str, b: int, heads: int, s: int, d: int, causal: bool
     out["bwd_ms"] = _bench_ms(lambda: o.backward(grad_o, retain_graph=True), device, quick, [q, k, v])
     del o
     out["fwdbwd_ms"] = _bench_ms(lambda: fn(q, k, v).backward(grad_o), device, quick, [q, k, v])
+    if device.type == "cuda":
+        # Peak bytes one fwd+bwd allocates beyond the inputs, grad_o and the input gradients (those are
+        # allocated first): what the core itself needs. A core that stores or materialises the [s, s]
+        # probabilities grows with b * H * s^2, a flash-style one only with b * H * s.
+        for t in (q, k, v):
+            t.grad = torch.zeros_like(t)
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn(q, k, v).backward(grad_o)
+        torch.cuda.synchronize(device)
+        out["fwdbwd_peak_bytes"] = float(torch.cuda.max_memory_allocated(device) - base)
     flops_fwd = 4.0 * b * heads * s * s * d * (0.5 if causal else 1.0)
     for metric, mult in (("fwd", 1.0), ("bwd", 2.5), ("fwdbwd", 3.5)):
         out[f"{metric}_tflops"] = flops_fwd * mult / (out[f"{metric}_ms"] * 1e-3) / 1e12

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+from bench.gpu_summary import config_fields
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -26,6 +28,8 @@ def test_layernorm_dropout_quick_measures_triton_with_dropout_off_and_on(tmp_pat
         for provider in ("seqpar-triton", "seqpar-torch", "torch-eager"):
             assert (provider, p, "fwdbwd_ms") in got, (provider, p)
     assert all(float(r["value"]) > 0 for r in rows)
+    # bench/gpu_summary.py reads the sweep coordinates back from the config strings
+    assert all({"tokens", "h", "p"} <= set(config_fields(r["config"])) for r in rows if r["provider"] != "device-copy")
 
 
 def test_attention_quick_runs_triton_with_gqa(tmp_path):
@@ -34,3 +38,4 @@ def test_attention_quick_runs_triton_with_gqa(tmp_path):
     configs = {(r["provider"], r["config"]) for r in rows if r["metric"] == "fwdbwd_ms"}
     for provider in ("seqpar-triton", "torch-eager"):
         assert any(prov == provider and "H=4 Hkv=2" in c and "p=0.1" in c for prov, c in configs), configs
+    assert all({"s", "d", "p", "causal"} <= set(config_fields(c)) for _, c in configs)

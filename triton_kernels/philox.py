@@ -27,7 +27,10 @@ def philox4x32(seed, c0, c1, c2, c3, N_ROUNDS: tl.constexpr):
     """``tl.philox(seed, c0, c1, c2, c3, n_rounds=N_ROUNDS)`` for uint32 counters (broadcast together),
     with each round's two 32 x 32 -> 64-bit products written as such (one wide multiply each on the
     GPU, where tl.philox's separate high and low halves cost two)."""
-    seed = tl.to_tensor(seed).to(tl.uint64)
+    # A uint64 tensor from an int argument or a constexpr alike (a caller may pass a literal; an argument
+    # that is not do_not_specialize arrives as a constexpr when it equals 1): tl.to_tensor would do it,
+    # but Triton < 3.8 lacks it (the GPU image has 3.6). The add is folded away.
+    seed = seed + tl.zeros((), tl.uint64)
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     for _ in tl.static_range(N_ROUNDS):
@@ -65,7 +68,7 @@ def group_keep_bits(seed, rows, col_start, threshold, BLOCK_R: tl.constexpr, GRO
     # Counter (group, row_lo, row_hi, 0), broadcast to [R, G] inside the rounds: the row-only and
     # group-only parts of the first two rounds are shared along the tile.
     w0, w1, w2, w3 = philox4x32(seed, group, row_lo, row_hi, tl.zeros_like(group), PHILOX_ROUNDS)
-    p = tl.to_tensor(threshold).to(tl.uint32)
+    p = threshold + tl.zeros((), tl.uint32)        # a tensor, as for the seed in philox4x32
     thr_lo = (p & 0x7F) * 0x01010101
     thr_hi = tl.where(p >= 128, 0x80808080, 0).to(tl.uint32)
     return (_byte_ge(w0, thr_lo, thr_hi, 0) | _byte_ge(w1, thr_lo, thr_hi, 1)
