@@ -78,7 +78,9 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def float64_torch_only(dtype=None, **_):
-    """Registry check of the kernel backends of the Llama ops: they take fp32 / fp16 / bf16."""
+    """fp32 / fp16 / bf16 (float64 runs on the torch backend only).
+
+    The registry check of the Llama ops' kernel backends (its first line is what ``seqpar info`` shows)."""
     return "float64 inputs run on the torch backend only" if dtype == torch.float64 else None
 
 

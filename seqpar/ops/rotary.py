@@ -159,6 +159,10 @@ def _triton_check(d=None, dtype=None, **_):
     return float64_torch_only(dtype)
 
 
+# what `seqpar info` shows as the Triton backend's limits (the first line of its check's docstring)
+_triton_check.__doc__ = f"head dim d <= {MAX_TRITON_HEAD_DIM}; {float64_torch_only.__doc__.splitlines()[0]}"
+
+
 registry.register(_kernel_backend("triton", _triton_rotate, _triton_check))
 
 

@@ -15,6 +15,9 @@ def test_auto_report_names_the_pick_the_skipped_and_the_limits(monkeypatch):
     assert "CUDA tensors" in att.skipped["cuda"]
     assert "head dim" in att.limits["triton"]
     assert cpu["bias_dropout_add_layer_norm"].limits == {}        # any h: nothing turned away
+    # the Llama ops' kernels say in words what they turn away (their checks' docstrings)
+    assert cpu["swiglu"].limits["cuda"].startswith("fp32 / fp16 / bf16")
+    assert cpu["rotary_embedding"].limits["triton"].startswith("head dim d <= 8192")
     # A machine where every backend is usable (simulated): auto picks the op's first choice.
     monkeypatch.setattr(ext, "triton_unavailable_reason", lambda device, auto=False: None)
     monkeypatch.setattr(ext, "cuda_unavailable_reason", lambda device: None)
