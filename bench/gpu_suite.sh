@@ -26,8 +26,9 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-python3 -m pip install --no-build-isolation --no-deps -e . 2>&1 | tail -3 | tee "$OUT/install-$part.log"
-python3 -m seqpar info 2>&1 | tee "$OUT/info.log"
+# One set-up log per part: the device tool brings back at most 8 files from $OUT, and "kernels" writes 6.
+{ python3 -m pip install --no-build-isolation --no-deps -e . 2>&1 | tail -3; python3 -m seqpar info 2>&1; } \
+  | tee "$OUT/setup-$part.log"
 
 case "$part" in
   tests-attention)
