@@ -44,7 +44,9 @@ How the main loop is found and counted
       call of the kernel's inner-loop function (``_fwd_inner``, ``_bwd_dq_inner``, ``_bwd_dkdv_inner``)
       whose MASK argument is ``False`` (found in the kernel's Python AST): the key or query blocks that
       need no bound or causal mask, i.e. the bulk of the work (under GQA the dk/dv kernel's loop over
-      the q heads of a kv head encloses it);
+      the q heads of a kv head encloses it). Where the line info records no inline call sites (Triton
+      3.6, the GPU image's), the innermost loop that runs the inner function's code and none of its
+      ``if MASK:`` branches, the same loop;
     - kernels without a loop (the LayerNorm forwards: a row is one unrolled pass): the whole kernel;
     - the other kernels: the largest top-level loop (the row loop of the LayerNorm backward, the
       column loop of dropout and softmax-dropout; for the softmax-dropout kernels, the loop that
@@ -276,6 +278,23 @@ def loop_by_call(fn: Function, call_lines: Sequence[int], source_file: str) -> O
     return max(innermost, key=votes) if innermost else None
 
 
+def loop_by_lines(fn: Function, inner_lines: Sequence[int], masked_lines: Sequence[int],
+                  source_file: str) -> Optional[Tuple[int, int]]:
+    """The same loop as :func:`loop_by_call`, for line info that records no inline call sites (Triton
+    3.6's: each instruction carries its innermost line only): the innermost loop that runs code of the
+    inner-loop function (``inner_lines``) and none of its masked branch (``masked_lines``, the bodies of
+    its ``if MASK:``), i.e. the loop of an unmasked call; the one with the most such code if several."""
+    def count(span, lines):
+        lo, hi = span
+        return sum(1 for ins in fn.instrs[lo:hi + 1]
+                   if ins.chain and ins.chain[0][0].endswith(source_file) and ins.chain[0][1] in lines)
+
+    unmasked = [s for s in set(fn.spans) | set(fn.loops)
+                if count(s, inner_lines) and not count(s, masked_lines)]
+    innermost = [s for s in unmasked if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in unmasked)]
+    return max(innermost, key=lambda s: count(s, inner_lines)) if innermost else None
+
+
 def largest_loop(fn: Function, with_mask: bool = False) -> Optional[Tuple[int, int]]:
     loops = [s for s in fn.loops if not with_mask or any(is_mask(i) for i in fn.instrs[s[0]:s[1] + 1])]
     return max(loops, key=lambda s: s[1] - s[0]) if loops else None
@@ -294,6 +313,19 @@ def unmasked_call_lines(kernel_fn, inner_name: str, inner_fn) -> List[int]:
             if isinstance(arg, ast.Constant) and arg.value is False:
                 lines.append(first + node.lineno - 1)
     return lines
+
+
+def function_lines(jit_fn) -> Tuple[range, List[int]]:
+    """(every source line of the @triton.jit function ``jit_fn``, the lines of the bodies of its
+    ``if MASK:`` statements)."""
+    src_lines, first = inspect.getsourcelines(jit_fn.fn)
+    tree = ast.parse(textwrap.dedent("".join(src_lines)))
+    masked = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "MASK":
+            for stmt in node.body:
+                masked += range(first + stmt.lineno - 1, first + stmt.end_lineno)
+    return range(first, first + len(src_lines)), masked
 
 
 # ============================================================================= ptxas -v logs
@@ -450,7 +482,9 @@ def _triton_row(job) -> dict:
         from seqpar.triton_kernels import attention as A
 
         inner = {"fwd": "_fwd_inner", "dq": "_bwd_dq_inner", "dkdv": "_bwd_dkdv_inner"}[which]
-        span = loop_by_call(fn, unmasked_call_lines(launch.fn, inner, getattr(A, inner)), "triton_kernels/attention.py")
+        source = "triton_kernels/attention.py"
+        span = (loop_by_call(fn, unmasked_call_lines(launch.fn, inner, getattr(A, inner)), source)
+                or loop_by_lines(fn, *function_lines(getattr(A, inner)), source))
         if span is None:
             raise RuntimeError(f"{name}: no loop inlined at an unmasked {inner} call")
         config = f"{kw['BLOCK_M']}x{kw['BLOCK_N']} w{warps} s{kw.get('num_stages', 3)}"

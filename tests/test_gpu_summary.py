@@ -121,7 +121,8 @@ def test_layer_megatron_and_gemm_targets(tmp_path):
         (f"{shape} no recompute", "megatron-core-0.16.1", "activation_bytes", 1500.0),
         (f"{shape} selective recompute", "megatron-core-0.16.1", "combined_ms", 9.18),
         (f"{shape} selective recompute", "megatron-core-0.16.1", "activation_bytes", 600.0),
-        (f"{shape} sequence parallel", "megatron-core-0.16.1", "not_applicable", "sequence parallelism needs TP > 1"),
+        (f"{shape} sequence parallel", "megatron-core-0.16.1", "not_applicable",
+         "sequence parallelism needs TP > 1"),
     ])
     write_rows(tmp_path, "bench_overlap", [
         ("gemm", "22B qkv fwd [8192x6144]@[6144x2304]", "chunked x8", "throughput_vs_plain", 0.97),

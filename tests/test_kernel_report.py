@@ -1,5 +1,6 @@
 """bench/kernel_report.py: its SASS loop and mask accounting on hand-made instruction lists, and one real
 sm_90a compile (no GPU needed) of a LayerNorm kernel with dropout, whose static budget it checks."""
+import inspect
 import json
 import os
 import subprocess
@@ -47,6 +48,31 @@ def test_main_loop_is_the_innermost_loop_at_the_call():
     assert fn.loops == [(0, 12)]
     assert K.loop_by_call(fn, [214], "k.py") == (5, 10)
     assert K.loop_by_call(fn, [210], "k.py") == (1, 4)
+
+
+def test_main_loop_without_inline_call_sites_is_the_loop_without_masked_lines():
+    """Triton 3.6's line info keeps the innermost line only: the GQA dk/dv kernel's unmasked inner loop is
+    told from the masked one by the absence of the inner function's ``if MASK:`` lines (here 160)."""
+    INNER, MASKED, HEAD = (("/x/triton_kernels/attention.py", 155),), (("/x/triton_kernels/attention.py", 160),), \
+        (("/x/triton_kernels/attention.py", 205),)
+    # the masked loop (1..8) runs more of the inner function's code than the unmasked one (9..12)
+    specs = ([("IMAD", HEAD)] + [("FFMA", INNER)] * 6 + [("FSEL", MASKED), ("BRA", INNER)]
+             + [("HGMMA", INNER)] * 3 + [("BRA", INNER), ("IADD3", HEAD), ("BRA", HEAD)])
+    fn = _fn(specs, [(8, 1), (12, 9), (14, 0)])
+    inner_lines, masked_lines = range(150, 175), [160]
+    assert K.loop_by_lines(fn, inner_lines, masked_lines, "triton_kernels/attention.py") == (9, 12)
+    assert K.loop_by_call(fn, [214], "k.py") is None         # no call frames to find it by
+    assert K.loop_by_lines(fn, inner_lines, [155, 160], "triton_kernels/attention.py") is None
+
+
+def test_function_lines_name_the_masked_branches():
+    from seqpar.triton_kernels import attention as A
+
+    lines, masked = K.function_lines(A._bwd_dkdv_inner)
+    source, first = inspect.getsourcelines(A._bwd_dkdv_inner.fn)
+    assert lines == range(first, first + len(source))
+    masked_code = [source[n - first].strip() for n in masked]
+    assert masked_code == ["pT = tl.where(rows[None, :] >= offs_n[:, None], pT, 0.0)"]
 
 
 def test_mask_in_its_own_inner_loop_is_counted_per_pass():
