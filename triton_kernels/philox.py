@@ -28,8 +28,8 @@ def philox4x32(seed, c0, c1, c2, c3, N_ROUNDS: tl.constexpr):
     with each round's two 32 x 32 -> 64-bit products written as such (one wide multiply each on the
     GPU, where tl.philox's separate high and low halves cost two)."""
     # A uint64 tensor from an int argument or a constexpr alike (a caller may pass a literal; an argument
-    # that is not do_not_specialize arrives as a constexpr when it equals 1): tl.to_tensor would do it,
-    # but Triton < 3.8 lacks it (the GPU image has 3.6). The add is folded away.
+    # that is not do_not_specialize arrives as a constexpr when it equals 1). tl.to_tensor would do it,
+    # but Triton before 3.8 lacks it (pyproject admits >= 3.0; the GPU machine's is 3.6). The add folds.
     seed = seed + tl.zeros((), tl.uint64)
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
