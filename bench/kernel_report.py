@@ -300,11 +300,16 @@ def largest_loop(fn: Function, with_mask: bool = False) -> Optional[Tuple[int, i
     return max(loops, key=lambda s: s[1] - s[0]) if loops else None
 
 
+def _source_tree(jit_fn) -> Tuple[ast.AST, int, int]:
+    """(the AST of the @triton.jit function ``jit_fn``, its first source line, its number of lines)."""
+    src_lines, first = inspect.getsourcelines(jit_fn.fn)
+    return ast.parse(textwrap.dedent("".join(src_lines))), first, len(src_lines)
+
+
 def unmasked_call_lines(kernel_fn, inner_name: str, inner_fn) -> List[int]:
     """Source lines of the calls ``inner_name(...)`` in ``kernel_fn`` whose MASK argument is ``False``."""
     mask_index = inner_fn.arg_names.index("MASK")
-    src_lines, first = inspect.getsourcelines(kernel_fn.fn)
-    tree = ast.parse(textwrap.dedent("".join(src_lines)))
+    tree, first, _ = _source_tree(kernel_fn)
     lines = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == inner_name:
@@ -318,14 +323,13 @@ def unmasked_call_lines(kernel_fn, inner_name: str, inner_fn) -> List[int]:
 def function_lines(jit_fn) -> Tuple[range, List[int]]:
     """(every source line of the @triton.jit function ``jit_fn``, the lines of the bodies of its
     ``if MASK:`` statements)."""
-    src_lines, first = inspect.getsourcelines(jit_fn.fn)
-    tree = ast.parse(textwrap.dedent("".join(src_lines)))
+    tree, first, count = _source_tree(jit_fn)
     masked = []
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "MASK":
             for stmt in node.body:
                 masked += range(first + stmt.lineno - 1, first + stmt.end_lineno)
-    return range(first, first + len(src_lines)), masked
+    return range(first, first + count), masked
 
 
 # ============================================================================= ptxas -v logs
