@@ -225,34 +225,35 @@ def main(argv: Optional[List[str]] = None) -> int:
     skipped: Dict[str, str] = {}
     print(f"# {device_name}  dtype={dtype}  tokens={tokens} hidden={hidden}")
     print(f"{'provider':22s} {'config':44s} {'fwd':>8s} {'bwd':>8s} {'fwd+bwd':>8s}  TFLOP/s (ms fwd+bwd)")
-    for causal in causals:
-        for d in head_dims:
-            for s in seqlens:
-                for p in dropouts:
-                    b, heads = max(1, tokens // s), max(1, hidden // d)
-                    if heads % args.gqa_group:
-                        ap.error(f"--gqa-group {args.gqa_group} does not divide H={heads} (d={d})")
-                    gqa = f" Hkv={heads // args.gqa_group}" if args.gqa_group > 1 else ""
-                    config = f"b={b} H={heads}{gqa} s={s} d={d} causal={int(causal)} p={p} {dtype_name}"
-                    for name in providers:
-                        try:
-                            r = bench_config(name, b, heads, s, d, causal, p, dtype, device, args.quick,
-                                             args.gqa_group)
-                        except Exception as exc:  # noqa: BLE001 - a provider that can't run is skipped
-                            msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
-                            if skipped.get(name) != msg:
-                                print(f"{name:22s} {config:44s} skipped ({msg})")
-                            skipped[name] = msg
+    with rows.sweep():
+        for causal in causals:
+            for d in head_dims:
+                for s in seqlens:
+                    for p in dropouts:
+                        b, heads = max(1, tokens // s), max(1, hidden // d)
+                        if heads % args.gqa_group:
+                            ap.error(f"--gqa-group {args.gqa_group} does not divide H={heads} (d={d})")
+                        gqa = f" Hkv={heads // args.gqa_group}" if args.gqa_group > 1 else ""
+                        config = f"b={b} H={heads}{gqa} s={s} d={d} causal={int(causal)} p={p} {dtype_name}"
+                        for name in providers:
+                            try:
+                                r = bench_config(name, b, heads, s, d, causal, p, dtype, device, args.quick,
+                                                 args.gqa_group)
+                            except Exception as exc:  # noqa: BLE001 - a provider that can't run is skipped
+                                msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+                                if skipped.get(name) != msg:
+                                    print(f"{name:22s} {config:44s} skipped ({msg})")
+                                skipped[name] = msg
+                                if device.type == "cuda":
+                                    torch.cuda.empty_cache()
+                                continue
+                            results[(name, causal, d, s, p)] = r
+                            for metric, value in r.items():
+                                rows.add(config, name, metric, value)
+                            print(f"{name:22s} {config:44s} {r['fwd_tflops']:8.1f} {r['bwd_tflops']:8.1f} "
+                                  f"{r['fwdbwd_tflops']:8.1f}  ({r['fwdbwd_ms']:.3f} ms)")
                             if device.type == "cuda":
                                 torch.cuda.empty_cache()
-                            continue
-                        results[(name, causal, d, s, p)] = r
-                        for metric, value in r.items():
-                            rows.add(config, name, metric, value)
-                        print(f"{name:22s} {config:44s} {r['fwd_tflops']:8.1f} {r['bwd_tflops']:8.1f} "
-                              f"{r['fwdbwd_tflops']:8.1f}  ({r['fwdbwd_ms']:.3f} ms)")
-                        if device.type == "cuda":
-                            torch.cuda.empty_cache()
 
     print("\n# seqpar-triton fwd+bwd / best SDPA backend (target >= 0.9 at s >= 2048, d = 128, p = 0.1)")
     for (name, causal, d, s, p), r in sorted(results.items()):
@@ -267,7 +268,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     out = args.out if args.out is not None else (None if args.quick else os.path.join(ROOT, "bench", "results"))
     if out:
         print(f"\n{len(rows.rows)} rows -> {rows.write(out)}")
-    return 0
+    return 130 if rows.interrupted else 0
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ Providers (a provider that can't run is reported and skipped):
     seqpar-triton     bias_dropout_add_layer_norm(backend="triton")
     seqpar-cuda       bias_dropout_add_layer_norm(backend="cuda")
     torch-eager       residual + F.dropout(x + bias), then F.layer_norm
-    torch-compile     torch.compile of the torch-eager function (Inductor, default mode)
+    torch-compile     torch.compile of the torch-eager function (Inductor, default mode), compiled
+                      afresh for each configuration with static shapes (:func:`compiled_for_one_shape`)
     apex-ln           torch bias-dropout-add + apex.normalization.FusedLayerNorm      (if importable)
     te-ln             torch bias-dropout-add + transformer_engine.pytorch.LayerNorm   (if importable)
     liger-ln          torch bias-dropout-add + liger_kernel LigerLayerNorm             (if importable)
@@ -92,6 +93,18 @@ class Timer:
         return median_ms(fn, self.device, self.warmup, self.reps, before=flush)
 
 
+def compiled_for_one_shape(fn: Callable, device: torch.device) -> Callable:
+    """``torch.compile(fn, dynamic=False)`` after ``torch._dynamo.reset()``: kernels specialised to the
+    configuration about to be timed, as a training run with fixed shapes gets them. Without the reset, a
+    sweep recompiles one function at every new shape: Dynamo then turns to dynamic shapes (looped
+    reductions in place of the persistent ones a known h allows), or, past its recompile limit (8),
+    silently runs the function eagerly, and the "torch-compile" rows would time that instead."""
+    if device.type != "cuda":
+        raise RuntimeError("torch.compile is benchmarked on CUDA only (Inductor's CPU build takes minutes)")
+    torch._dynamo.reset()
+    return torch.compile(fn, dynamic=False)
+
+
 def measure_copy_gbps(device: torch.device, timer: Timer, nbytes: int) -> float:
     """Device-to-device copy bandwidth: bytes read + bytes written per second."""
     src = torch.randint(0, 100, (nbytes,), dtype=torch.uint8, device=device)
@@ -147,9 +160,7 @@ def make_provider(name: str, h: int, p: float, dtype, device: torch.device
     if name == "torch-eager":
         return (lambda x, bias, res: _torch_bda_ln(x, bias, res, w, b, p)), [w, b]
     if name == "torch-compile":
-        if device.type != "cuda":
-            raise RuntimeError("torch.compile is benchmarked on CUDA only (Inductor's CPU build takes minutes)")
-        compiled = torch.compile(_torch_bda_ln)
+        compiled = compiled_for_one_shape(_torch_bda_ln, device)
         return (lambda x, bias, res: compiled(x, bias, res, w, b, p)), [w, b]
     if name in ("apex-ln", "te-ln", "liger-ln"):
         if device.type != "cuda":
@@ -275,18 +286,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows.add(f"bytes={copy_bytes}", "device-copy", "copy_gbps", copy_gbps)
     print(f"device: {rows.meta['device']}   commit: {rows.meta['commit']}   copy bandwidth: {copy_gbps:.1f} GB/s")
     results: Dict[Tuple[int, int, float], Dict[str, Dict[str, float]]] = {}
-    for n in tokens:
-        for h in hidden:
-            for p in dropouts:
-                for provider in providers:
-                    r = bench_config(provider, n, h, p, dtype, device, timer, copy_gbps, rows)
-                    if r is not None:
-                        results.setdefault((n, h, p), {})[provider] = r
+    with rows.sweep():
+        for n in tokens:
+            for h in hidden:
+                for p in dropouts:
+                    for provider in providers:
+                        r = bench_config(provider, n, h, p, dtype, device, timer, copy_gbps, rows)
+                        if r is not None:
+                            results.setdefault((n, h, p), {})[provider] = r
     _summary(results)
     out = args.out if args.out is not None else (None if args.quick else os.path.join(ROOT, "bench", "results"))
     if out is not None:
         print(f"rows appended to {rows.write(out)}")
-    return 0
+    return 130 if rows.interrupted else 0
 
 
 if __name__ == "__main__":

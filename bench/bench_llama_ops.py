@@ -14,7 +14,8 @@ Providers (a provider that can't run is reported and skipped):
     seqpar-triton     the op with backend="triton"
     torch-eager       HF Llama's formulas: residual + hidden then LlamaRMSNorm; F.silu(gate) * up;
                       apply_rotary_pos_emb on HF's [b, H, s, d] layout
-    torch-compile     torch.compile of the torch-eager functions (Inductor, default mode)
+    torch-compile     torch.compile of the torch-eager functions (Inductor, default mode), compiled
+                      afresh for each configuration with static shapes
     liger             Liger-Kernel, if importable: torch add + LigerRMSNorm; LigerSiLUMulFunction;
                       liger_rotary_pos_emb on HF's layout
     seqpar-torch      the ops' torch reference backend (only with --quick: an oracle, not a contender)
@@ -61,7 +62,8 @@ if __name__ == "__main__" and "--quick" in sys.argv[1:]:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.bench_layernorm_dropout import Timer, _device_name, measure_copy_gbps  # noqa: E402
+from bench.bench_layernorm_dropout import (  # noqa: E402
+    Timer, _device_name, compiled_for_one_shape, measure_copy_gbps)
 from seqpar.bench.results import ResultRows  # noqa: E402
 
 OPS = ("rmsnorm", "swiglu", "rope")
@@ -119,12 +121,6 @@ def _hf_cos_sin(b: int, s: int, d: int, dtype, device):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _compiled(fn: Callable, device: torch.device) -> Callable:
-    if device.type != "cuda":
-        raise RuntimeError("torch.compile is benchmarked on CUDA only (Inductor's CPU build takes minutes)")
-    return torch.compile(fn)
-
-
 def _liger(name: str):
     if name == "rmsnorm":
         from liger_kernel.transformers.rms_norm import LigerRMSNorm
@@ -174,7 +170,7 @@ def make_problem(op: str, provider: str, size: Dict[str, int], dtype, device: to
         elif provider == "torch-eager":
             fn = lambda: _eager_add_rms_norm(x, res, w)  # noqa: E731
         elif provider == "torch-compile":
-            compiled = _compiled(_eager_add_rms_norm, device)
+            compiled = compiled_for_one_shape(_eager_add_rms_norm, device)
             fn = lambda: compiled(x, res, w)  # noqa: E731
         else:
             norm = peer(h, eps=EPS).to(device=device, dtype=dtype)
@@ -197,7 +193,7 @@ def make_problem(op: str, provider: str, size: Dict[str, int], dtype, device: to
         elif provider == "torch-eager":
             fn = lambda: (_eager_swiglu(gate_up),)  # noqa: E731
         elif provider == "torch-compile":
-            compiled = _compiled(_eager_swiglu, device)
+            compiled = compiled_for_one_shape(_eager_swiglu, device)
             fn = lambda: (compiled(gate_up),)  # noqa: E731
         else:
             fn = lambda: (peer.apply(*gate_up.chunk(2, dim=-1)),)  # noqa: E731
@@ -217,7 +213,7 @@ def make_problem(op: str, provider: str, size: Dict[str, int], dtype, device: to
         if provider == "torch-eager":
             fn = lambda: _eager_rope(q, k, cos, sin)  # noqa: E731
         elif provider == "torch-compile":
-            compiled = _compiled(_eager_rope, device)
+            compiled = compiled_for_one_shape(_eager_rope, device)
             fn = lambda: compiled(q, k, cos, sin)  # noqa: E731
         else:
             fn = lambda: peer(q, k, cos, sin)  # noqa: E731
@@ -336,18 +332,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows.add(f"bytes={copy_bytes}", "device-copy", "copy_gbps", copy_gbps)
     print(f"device: {rows.meta['device']}   commit: {rows.meta['commit']}   copy bandwidth: {copy_gbps:.1f} GB/s")
     results: Dict[Tuple[str, str], Dict[str, Dict[str, float]]] = {}
-    for op in ops_list:
-        for size in _sizes(op, args):
-            label = ",".join(f"{k}={v}" for k, v in size.items())
-            for provider in providers:
-                ms = bench_config(op, provider, size, dtype, device, timer, copy_gbps, rows)
-                if ms is not None:
-                    results.setdefault((op, label), {})[provider] = ms
+    with rows.sweep():
+        for op in ops_list:
+            for size in _sizes(op, args):
+                label = ",".join(f"{k}={v}" for k, v in size.items())
+                for provider in providers:
+                    ms = bench_config(op, provider, size, dtype, device, timer, copy_gbps, rows)
+                    if ms is not None:
+                        results.setdefault((op, label), {})[provider] = ms
     _summary(results)
     out = args.out if args.out is not None else (None if args.quick else os.path.join(ROOT, "bench", "results"))
     if out is not None:
         print(f"rows appended to {rows.write(out)}")
-    return 0
+    return 130 if rows.interrupted else 0
 
 
 if __name__ == "__main__":

@@ -95,46 +95,47 @@ def run(args) -> ResultRows:
     rows = ResultRows(name, "bench_megatron_layer")
     s, b, h = args.seq_len, args.batch, args.hidden
     shape = f"s{s} b{b} h{h} a{args.heads} t1 {args.dtype} p{args.dropout}"
-    for experiment, sp, recompute in EXPERIMENTS:
-        config_name = f"{shape} {experiment}"
-        try:
-            config = megatron_config(args, sp, recompute)
-        except ValueError as exc:  # e.g. SP without TP
-            print(f"{experiment}: not applicable on Megatron-Core: {exc}", flush=True)
-            rows.add(config_name, provider, "not_applicable", str(exc))
-            continue
-        block = build_block(config).to(device)
-        if args.dry_run:
-            print(f"{experiment}: built ({sum(p.numel() for p in block.parameters()):,} parameters)", flush=True)
-            continue
-        x = torch.randn(s, b, h, device=device, dtype=DTYPES[args.dtype], requires_grad=True)
-        grad_y = torch.randn_like(x)
-        block.train()
+    with rows.sweep():
+        for experiment, sp, recompute in EXPERIMENTS:
+            config_name = f"{shape} {experiment}"
+            try:
+                config = megatron_config(args, sp, recompute)
+            except ValueError as exc:  # e.g. SP without TP
+                print(f"{experiment}: not applicable on Megatron-Core: {exc}", flush=True)
+                rows.add(config_name, provider, "not_applicable", str(exc))
+                continue
+            block = build_block(config).to(device)
+            if args.dry_run:
+                print(f"{experiment}: built ({sum(p.numel() for p in block.parameters()):,} parameters)", flush=True)
+                continue
+            x = torch.randn(s, b, h, device=device, dtype=DTYPES[args.dtype], requires_grad=True)
+            grad_y = torch.randn_like(x)
+            block.train()
 
-        def forward():
-            return block(x, attention_mask=None)
+            def forward():
+                return block(x, attention_mask=None)
 
-        def forward_backward():
-            forward().backward(grad_y)
+            def forward_backward():
+                forward().backward(grad_y)
 
-        fwd_ms = median_ms(forward, device, args.warmup, args.iters)
-        fwdbwd_ms = median_ms(forward_backward, device, args.warmup, args.iters)
-        with ActivationMeter() as meter:
-            y = forward()
-        del y
-        torch.cuda.synchronize()
-        params = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        forward_backward()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - params
-        for metric, value in (("forward_ms", fwd_ms), ("backward_ms", fwdbwd_ms - fwd_ms),
-                              ("combined_ms", fwdbwd_ms), ("activation_bytes", float(meter.bytes)),
-                              ("peak_bytes_above_params", float(peak))):
-            rows.add(config_name, provider, metric, value)
-        print(f"{experiment}: fwd {fwd_ms:.2f} ms, bwd {fwdbwd_ms - fwd_ms:.2f} ms, "
-              f"{meter.bytes / 2**20:.1f} MiB saved, peak {peak / 2**20:.1f} MiB", flush=True)
-        del block, x, grad_y
+            fwd_ms = median_ms(forward, device, args.warmup, args.iters)
+            fwdbwd_ms = median_ms(forward_backward, device, args.warmup, args.iters)
+            with ActivationMeter() as meter:
+                y = forward()
+            del y
+            torch.cuda.synchronize()
+            params = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            forward_backward()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - params
+            for metric, value in (("forward_ms", fwd_ms), ("backward_ms", fwdbwd_ms - fwd_ms),
+                                  ("combined_ms", fwdbwd_ms), ("activation_bytes", float(meter.bytes)),
+                                  ("peak_bytes_above_params", float(peak))):
+                rows.add(config_name, provider, metric, value)
+            print(f"{experiment}: fwd {fwd_ms:.2f} ms, bwd {fwdbwd_ms - fwd_ms:.2f} ms, "
+                  f"{meter.bytes / 2**20:.1f} MiB saved, peak {peak / 2**20:.1f} MiB", flush=True)
+            del block, x, grad_y
     return rows
 
 
@@ -162,6 +163,8 @@ def main(argv=None) -> None:
     rows = run(args)
     if not args.dry_run:
         print(f"wrote {rows.write(args.out)}")
+    if rows.interrupted:
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Benchmark: GEMMs overlapped with the sequence-parallel all-gather / reduce-scatter (issue 5).
 
-Parts (``--part``, default ``all``; rows appended to ``<out>/bench_overlap.csv``):
+Parts (``--part``: ``all`` (the default) or a comma-separated list; rows appended to
+``<out>/bench_overlap.csv``):
 
 ``gemm`` (GPU; CUDA events, median after warm-up): the cost of chunking. For every linear layer of the
     paper's models (22B, 175B, 530B; per-GPU shards at t = 8, s = 2048, micro-batch b from the paper's Table 3)
@@ -39,6 +40,7 @@ Parts (``--part``, default ``all``; rows appended to ``<out>/bench_overlap.csv``
 Usage:
     python bench/bench_overlap.py                       # all parts, rows to bench/results/
     python bench/bench_overlap.py --part gloo --world-sizes 2,4
+    python bench/bench_overlap.py --part gemm,project   # the GPU's parts (bench/gpu_suite.sh)
     python bench/bench_overlap.py --quick               # CPU smoke test of every part (tiny shapes)
     python bench/bench_overlap.py --out DIR             # rows to DIR/bench_overlap.csv (bench/gpu_suite.sh)
 """
@@ -476,10 +478,13 @@ def part_project(args, rows: ResultRows, measured: Dict[Tuple, float]) -> None:
               f"{tot[False] / tot[True]:.3f}, communication hidden {hidden:.1%}")
 
 
+PARTS = ("gemm", "gloo", "project")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["all", "gemm", "gloo", "project"], default="all")
+    p.add_argument("--part", default="all", help=f"all, or a comma-separated list of {', '.join(PARTS)}")
     p.add_argument("--quick", action="store_true", help="tiny shapes, few iterations: a CPU smoke test")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"),
                    help="directory for bench_overlap.csv, or a .csv path (rows are appended)")
@@ -496,6 +501,10 @@ def parse_args(argv=None):
     p.add_argument("--hbm-gbs", type=float, default=3350.0,
                    help="memory bandwidth assumed for the partials sum when not measured")
     args = p.parse_args(argv)
+    args.part = list(PARTS) if args.part == "all" else args.part.split(",")
+    unknown = [part for part in args.part if part not in PARTS]
+    if unknown:
+        p.error(f"unknown --part {unknown}; choose all or a comma-separated list of {', '.join(PARTS)}")
     try:
         args.world_sizes = [int(w) for w in args.world_sizes.split(",") if w]
     except ValueError:
@@ -515,13 +524,16 @@ def main(argv=None):
     rows = ResultRows(device + (" quick" if args.quick else ""), "bench_overlap",
                       ("part", "config", "provider", "metric", "value"))
     measured = {}
-    if args.part in ("all", "gemm"):
-        measured = part_gemm(args, rows)
-    if args.part in ("all", "gloo"):
-        part_gloo(args, rows)
-    if args.part in ("all", "project"):
-        part_project(args, rows, {} if args.quick else measured)
+    with rows.sweep():
+        if "gemm" in args.part:
+            measured = part_gemm(args, rows)
+        if "gloo" in args.part:
+            part_gloo(args, rows)
+        if "project" in args.part:
+            part_project(args, rows, {} if args.quick else measured)
     print(f"wrote {len(rows.rows)} rows to {rows.write(args.out)}")
+    if rows.interrupted:
+        sys.exit(130)
 
 
 if __name__ == "__main__":

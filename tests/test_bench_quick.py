@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from bench.gpu_summary import config_fields
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,3 +41,51 @@ def test_attention_quick_runs_triton_with_gqa(tmp_path):
     for provider in ("seqpar-triton", "torch-eager"):
         assert any(prov == provider and "H=4 Hkv=2" in c and "p=0.1" in c for prov, c in configs), configs
     assert all({"s", "d", "p", "causal"} <= set(config_fields(c)) for _, c in configs)
+
+
+def test_interrupted_sweep_keeps_the_rows_measured(tmp_path, monkeypatch):
+    """bench/gpu_suite.sh ends a step at its time limit with SIGINT: the rows measured before it are
+    written (the interrupt lands in the second configuration here) and the exit status says 130."""
+    from bench import bench_layernorm_dropout as bench
+
+    calls = []
+
+    def bench_config(provider, tokens, h, p, dtype, device, timer, copy_gbps, rows):
+        calls.append((provider, tokens, h, p))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        rows.add(f"tokens={tokens},h={h},p={p}", provider, "fwdbwd_ms", 1.5)
+
+    monkeypatch.setattr(bench, "bench_config", bench_config)
+    assert bench.main(["--quick", "--out", str(tmp_path)]) == 130
+    assert len(calls) == 2                                  # the sweep ended at the interrupt
+    with open(tmp_path / "bench_layernorm_dropout.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["provider"], r["metric"]) for r in rows] == [("device-copy", "copy_gbps"), (calls[0][0], "fwdbwd_ms")]
+    assert rows[1]["config"] == f"tokens={calls[0][1]},h={calls[0][2]},p={calls[0][3]}"
+
+
+def test_overlap_parts_are_a_list():
+    from bench.bench_overlap import parse_args
+
+    assert parse_args(["--part", "gemm,project"]).part == ["gemm", "project"]
+    assert parse_args([]).part == ["gemm", "gloo", "project"]
+    with pytest.raises(SystemExit):
+        parse_args(["--part", "gemm,nccl"])
+
+
+def test_torch_compile_baseline_is_compiled_afresh_per_configuration(monkeypatch):
+    """The torch-compile rows time a function compiled for the shape being timed: Dynamo's caches are
+    reset first (no dynamic-shape graph or eager fallback left from the previous configuration) and
+    shapes are static."""
+    import torch
+
+    from bench.bench_layernorm_dropout import compiled_for_one_shape
+
+    events = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: events.append("reset"))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: events.append(("compile", fn, kw)) or fn)
+    fn = compiled_for_one_shape(len, torch.device("cuda"))
+    assert fn is len and events == ["reset", ("compile", len, {"dynamic": False})]
+    with pytest.raises(RuntimeError, match="CUDA only"):
+        compiled_for_one_shape(len, torch.device("cpu"))

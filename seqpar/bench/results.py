@@ -2,11 +2,13 @@
 the benchmark's own columns, and is appended to ``<out>/<name>.csv`` (header written once)."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
 import os
 import subprocess
-from typing import List, Sequence
+import sys
+from typing import Iterator, List, Sequence
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,6 +33,20 @@ class ResultRows:
         self.meta = dict(device=device, date=datetime.datetime.now().isoformat(timespec="seconds"),
                          commit=git_commit())
         self.rows: List[dict] = []
+        self.interrupted = False
+
+    @contextlib.contextmanager
+    def sweep(self) -> Iterator["ResultRows"]:
+        """The block that measures: a KeyboardInterrupt inside it (Ctrl-C, or ``timeout --signal=INT``,
+        which is how bench/gpu_suite.sh ends a step at its time limit) ends the sweep, not the program,
+        so the rows measured so far still reach :meth:`write`; ``interrupted`` is then True (a
+        benchmark's exit status says so)."""
+        try:
+            yield self
+        except KeyboardInterrupt:
+            self.interrupted = True
+            print(f"\n{self.name}: interrupted; keeping the {len(self.rows)} rows measured so far",
+                  file=sys.stderr, flush=True)
 
     def add(self, *values) -> None:
         if len(values) != len(self.columns):
