@@ -11,22 +11,26 @@
 #   layer     python -m seqpar bench --device cuda (the paper's five experiments, 22B layer),
 #             Megatron-Core's layer at the same shape, bench_overlap's chunked-GEMM cost
 #             (--part gemm,project) (200 + 150 + 180 s)
+#   profile   bench/profile_kernels.py: Nsight Compute (throughput vs peak, occupancy, registers) and
+#             torch.profiler over one fwd+bwd step of the attention and LayerNorm kernels and their
+#             peers, for the note on a missed target (300 + 120 s)
 #
 # The call installs seqpar first (CMake rebuilds only what changed: build/ is kept on a warm machine),
 # keeps Triton's cache in .triton_cache/ (also kept on a warm machine), and installs the peers' wheels
 # from .whl/ when it was carried (bench/fetch_gpu_wheels.sh makes it, here). Under $OUT (default
 # bench/results/run-<date>) it writes one log, suite.log (the set-up and every step's output), and the
-# benchmarks' rows and plots: at most 8 files for all three parts, the most the device tool brings back.
+# benchmarks' rows: 8 files with every part, the most the device tool brings back (gpu_summary.py draws
+# the plots here).
 # Each step has a time limit: at the limit it gets SIGINT (the log then says exit status 124), and a
 # benchmark writes the rows it measured so far instead of losing them. Back on the development machine,
 # copy the rows into bench/results/ and run `python bench/gpu_summary.py` over them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-usage="usage: bash bench/gpu_suite.sh PART [PART...]; the parts are tests, kernels, layer"
+usage="usage: bash bench/gpu_suite.sh PART [PART...]; the parts are tests, kernels, layer, profile"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 for part in "$@"; do
   case "$part" in
-    tests|kernels|layer) ;;
+    tests|kernels|layer|profile) ;;
     *) echo "gpu_suite.sh: unknown part '$part'; $usage" >&2; exit 2 ;;
   esac
 done
@@ -61,9 +65,12 @@ for part in "$@"; do
       step 240 python3 bench/bench_attention.py --out "$OUT" --seqlens 1024,2048,4096 --head-dims 64,128
       step 100 python3 bench/bench_llama_ops.py --out "$OUT" ;;
     layer)
-      step 200 python3 -m seqpar bench --device cuda --json "$OUT/layer_bench.json" --plot "$OUT/layer_bench.png"
+      step 200 python3 -m seqpar bench --device cuda --json "$OUT/layer_bench.json"
       step 150 python3 bench/bench_megatron_layer.py --out "$OUT"
       step 180 python3 bench/bench_overlap.py --part gemm,project --out "$OUT" --iters 5 ;;
+    profile)
+      step 300 python3 bench/profile_kernels.py --tool ncu --out "$OUT"
+      step 120 python3 bench/profile_kernels.py --tool torch --out "$OUT" ;;
   esac
 done
 ls -la "$OUT"
