@@ -11,6 +11,10 @@ Reads the rows that ``bash bench/gpu_suite.sh PART`` wrote on the GPU machine, c
     bench_megatron_layer.csv      Megatron-Core's layer, the same five experiments and shape
     bench_overlap.csv             the "gemm" part: chunked vs unchunked GEMMs of the comm-overlapped linears
     bench_llama_ops.csv           residual add + RMSNorm, SwiGLU, RoPE (seqpar backends, torch.compile, Liger)
+    profile_kernels.csv           bench/profile_kernels.py: one fwd+bwd step per kernel case under Nsight
+                                  Compute and torch.profiler; not a target: ``profiles`` in the summary
+                                  (and its printout) puts the kernels' times and roofline shares beside
+                                  the targets they explain
 
 Only rows measured on a GPU count (a device name that isn't "cpu..."), and of those the latest run of
 each file (one run = one device, date and commit). A file that is missing gives its targets
@@ -67,11 +71,15 @@ def latest_run(rows: List[Dict]) -> List[Dict]:
     return [r for r in gpu if (r["date"], r["device"], r["commit"]) == last]
 
 
-def read_csv(path: str) -> List[Dict]:
+def read_rows(path: str) -> List[Dict]:
     if not os.path.exists(path):
         return []
     with open(path, newline="") as f:
-        return latest_run(list(csv.DictReader(f)))
+        return list(csv.DictReader(f))
+
+
+def read_csv(path: str) -> List[Dict]:
+    return latest_run(read_rows(path))
 
 
 def read_layer_json(folder: str) -> Optional[Dict]:
@@ -270,8 +278,33 @@ def gemm_targets(rows: List[Dict]) -> List[Dict]:
     return out
 
 
+def profiles(rows: List[Dict]) -> Dict[str, Dict[str, List[Dict]]]:
+    """Per case of profile_kernels.csv, from each tool's latest GPU run: ``ncu``, one entry per kernel
+    launch (bench.profile_kernels.NCU_TABLE: duration in us, DRAM and SM throughput and achieved
+    occupancy in % of peak, registers per thread); ``torch``, the kernels by device time (slowest
+    first, at most 8: ``device_us``, ``calls``)."""
+    from bench.profile_kernels import launch_table, ncu_parsed
+
+    by_tool = defaultdict(list)
+    for r in rows:
+        by_tool[r["tool"]].append(r)
+    ncu, torch_times = defaultdict(list), defaultdict(lambda: defaultdict(dict))
+    for r in latest_run(by_tool["ncu"]):
+        ncu[r["case"]].append(ncu_parsed(r["kernel"], r["metric"], r["value"]))
+    for r in latest_run(by_tool["torch"]):
+        torch_times[r["case"]][r["kernel"]][r["metric"]] = float(r["value"])
+    out: Dict[str, Dict[str, List[Dict]]] = defaultdict(dict)
+    for case, parsed in ncu.items():
+        out[case]["ncu"] = [{k: round(v, 2) if isinstance(v, float) else v for k, v in launch.items()}
+                            for launch in launch_table(parsed)]
+    for case, kernels in torch_times.items():
+        ranked = sorted(kernels.items(), key=lambda kv: -kv[1].get("device_us", 0.0))[:8]
+        out[case]["torch"] = [dict(kernel=kernel, **metrics) for kernel, metrics in ranked]
+    return dict(out)
+
+
 def summarize(folder: str) -> Dict:
-    """{"device", "commit", "date", "runs", "targets"} from the rows in ``folder``."""
+    """{"device", "commit", "date", "runs", "targets", "profiles"} from the rows in ``folder``."""
     files = {name: read_csv(os.path.join(folder, f"{name}.csv")) for name in
              ("bench_layernorm_dropout", "bench_attention", "bench_megatron_layer", "bench_overlap", "bench_llama_ops")}
     layer = read_layer_json(folder)
@@ -286,7 +319,8 @@ def summarize(folder: str) -> Dict:
         return ", ".join(sorted({m[key] for m in measured})) or None
 
     return dict(device=joined("device"), commit=joined("commit"),
-                date=max((m["date"] for m in measured), default=None), runs=runs, targets=targets)
+                date=max((m["date"] for m in measured), default=None), runs=runs, targets=targets,
+                profiles=profiles(read_rows(os.path.join(folder, "profile_kernels.csv"))))
 
 
 # ----------------------------------------------------------------------------- plots
@@ -440,6 +474,13 @@ def format_targets(summary: Dict) -> str:
         state = {True: "met ", False: "MISS", None: "----"}[t["met"]]
         value = "-" if t["value"] is None else f"{t['value']:.3g}"
         lines.append(f"{state} {t['name']}: {value} (goal {t['compare']} {t['goal']:g} {t['unit']}); {t['detail']}")
+    for case, tools in summary.get("profiles", {}).items():
+        for launch in tools.get("ncu", []):
+            cells = ", ".join(f"{k} {v:g}" for k, v in launch.items() if k != "kernel" and v is not None)
+            lines.append(f"profile {case}: {launch['kernel']}: {cells}")
+        if "ncu" not in tools:
+            lines += [f"profile {case}: {k['kernel']}: {k.get('device_us', 0):.0f} us ({k.get('calls', 0):g} calls)"
+                      for k in tools.get("torch", [])[:3]]
     return "\n".join(lines)
 
 

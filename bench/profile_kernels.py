@@ -40,6 +40,7 @@ import argparse
 import csv
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -155,23 +156,44 @@ def _number(value: str) -> Optional[float]:
         return None
 
 
-def ncu_table(case: str, parsed: List[dict]) -> List[str]:
-    """One line per kernel launch: the NCU_TABLE columns (duration in us)."""
+def launch_table(parsed: List[dict]) -> List[dict]:
+    """Per kernel launch, in launch order: {"kernel", and each NCU_TABLE title: its value or None}
+    (duration in us)."""
     by_launch: Dict[int, dict] = {}
     for r in parsed:
-        launch = by_launch.setdefault(r["id"], {"kernel": r["kernel"]})
+        launch = by_launch.setdefault(r["id"], {"kernel": r["kernel"], **{t: None for t, _, _ in NCU_TABLE}})
         for title, section, metric in NCU_TABLE:
             if (r["section"], r["metric"]) == (section, metric):
                 value = _number(r["value"])
                 if value is not None and title == "us":
                     value *= TO_US.get(r["unit"], float("nan"))
                 launch[title] = value
+    return [by_launch[i] for i in sorted(by_launch)]
+
+
+def ncu_table(case: str, parsed: List[dict]) -> List[str]:
+    """One printed line per kernel launch: the NCU_TABLE columns."""
     lines = []
-    for launch in by_launch.values():
-        cells = " ".join(f"{title} {launch[title]:8.1f}" if launch.get(title) is not None else f"{title}      n/a"
+    for launch in launch_table(parsed):
+        cells = " ".join(f"{title} {launch[title]:8.1f}" if launch[title] is not None else f"{title}      n/a"
                          for title, _, _ in NCU_TABLE)
         lines.append(f"{case:34s} {launch['kernel'][:48]:48s} {cells}")
     return lines
+
+
+def ncu_row(r: dict) -> Tuple[str, str, str]:
+    """(kernel, metric, value) cells of one parsed ncu metric: "<launch id> <kernel>",
+    "<section>: <metric> [<unit>]" (:func:`ncu_parsed` reads them back)."""
+    metric = f"{r['section']}: {r['metric']}" + (f" [{r['unit']}]" if r["unit"] else "")
+    return f"{r['id']} {r['kernel']}", metric, r["value"]
+
+
+def ncu_parsed(kernel: str, metric: str, value: str) -> dict:
+    """The parsed ncu metric of a row's cells (the inverse of :func:`ncu_row`)."""
+    launch, name = kernel.split(" ", 1)
+    found = re.fullmatch(r"(.*?): (.*?)(?: \[(.*)\])?", metric)
+    section, metric_name, unit = found.groups() if found else ("", metric, None)
+    return dict(id=int(launch), kernel=name, section=section, metric=metric_name, unit=unit or "", value=value)
 
 
 def run_ncu(case: str, quick: bool, timeout_s: float) -> List[dict]:
@@ -244,8 +266,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 if args.tool == "ncu":
                     parsed = run_ncu(name, args.quick, args.ncu_timeout)
                     for r in parsed:
-                        metric = f"{r['section']}: {r['metric']}" + (f" [{r['unit']}]" if r["unit"] else "")
-                        rows.add(name, "ncu", f"{r['id']} {r['kernel']}", metric, r["value"])
+                        rows.add(name, "ncu", *ncu_row(r))
                     print("\n".join(ncu_table(name, parsed)), flush=True)
                 else:
                     step = build_step(family, provider, shape, device)

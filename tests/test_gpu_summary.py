@@ -185,3 +185,32 @@ def test_cli_writes_the_summary_and_a_plot_per_benchmark(tmp_path, capsys):
 def test_target_rejects_non_finite_values():
     t = S.target("x", math.inf, 1.0, "x", ">=", "d")
     assert t["value"] is None and t["met"] is None
+
+
+def test_profiles_give_each_case_its_kernels_from_each_tools_latest_run(tmp_path):
+    columns = ("case", "tool", "kernel", "metric", "value")
+    sol, occ = "GPU Speed Of Light Throughput", "Occupancy"
+    write_rows(tmp_path, "profile_kernels", [
+        ("attn-a", "ncu", "0 _attn_fwd_kernel", f"{sol}: Duration [msecond]", "9.0")],
+        date="2026-12-01T09:00:00", columns=columns)                         # an older ncu run: ignored
+    write_rows(tmp_path, "profile_kernels", [
+        ("attn-a", "ncu", "0 _attn_fwd_kernel", f"{sol}: Duration [msecond]", "1.5"),
+        ("attn-a", "ncu", "0 _attn_fwd_kernel", f"{sol}: DRAM Throughput [%]", "20.25"),
+        ("attn-a", "ncu", "1 _attn_bwd_kernel", f"{sol}: Duration [usecond]", "2,500.00"),
+        ("attn-a", "ncu", "1 _attn_bwd_kernel", f"{occ}: Achieved Occupancy [%]", "31.0")],
+        date="2026-12-01T10:00:00", columns=columns)
+    write_rows(tmp_path, "profile_kernels", [
+        ("attn-a", "torch", "fwd", "calls", 1.0), ("attn-a", "torch", "fwd", "device_us", 1500.0),
+        ("attn-a", "torch", "bwd", "calls", 2.0), ("attn-a", "torch", "bwd", "device_us", 2600.0),
+        ("ln-b", "torch", "ln_fwd", "device_us", 12.0)],
+        date="2026-12-01T11:00:00", columns=columns)                         # torch's run came later
+    write_rows(tmp_path, "profile_kernels", [("ln-b", "torch", "ln_fwd", "device_us", 99.0)],
+               device="cpu", date="2026-12-02T00:00:00", columns=columns)     # a CPU run: ignored
+    prof = S.summarize(str(tmp_path))["profiles"]
+    assert prof["attn-a"]["ncu"] == [
+        {"kernel": "_attn_fwd_kernel", "us": 1500.0, "DRAM%": 20.25, "SM%": None, "occ%": None, "regs": None},
+        {"kernel": "_attn_bwd_kernel", "us": 2500.0, "DRAM%": None, "SM%": None, "occ%": 31.0, "regs": None}]
+    assert prof["attn-a"]["torch"] == [dict(kernel="bwd", calls=2.0, device_us=2600.0),
+                                       dict(kernel="fwd", calls=1.0, device_us=1500.0)]
+    assert prof["ln-b"] == {"torch": [dict(kernel="ln_fwd", device_us=12.0)]}
+    assert "profile attn-a: _attn_bwd_kernel: us 2500, occ% 31" in S.format_targets(S.summarize(str(tmp_path)))
