@@ -31,6 +31,7 @@ Usage:
     python bench/bench_attention.py --out DIR               # rows to DIR/bench_attention.csv (gpu_suite.sh)
     python bench/bench_attention.py --gqa-group 4           # Llama-style GQA: 4 q heads per kv head
     python bench/bench_attention.py --quick                 # CPU smoke test (Triton interpreter, tiny shapes)
+    python bench/bench_attention.py --compile-only --head-dims 64 --dropouts 0.1 &   # warm Triton's cache
 """
 from __future__ import annotations
 
@@ -148,9 +149,16 @@ def _bench_ms(fn: Callable, device: torch.device, quick: bool, grad_to_none=None
 
 
 def bench_config(provider: str, b: int, heads: int, s: int, d: int, causal: bool, p: float, dtype,
-                 device, quick: bool, group: int = 1) -> Dict[str, float]:
+                 device, quick: bool, group: int = 1, compile_only: bool = False) -> Dict[str, float]:
+    """fwd / bwd / fwd+bwd times and TFLOP/s (and on a GPU the fwd+bwd peak); ``compile_only``: one
+    untimed fwd+bwd (Triton compiles and autotunes) and nothing measured."""
     fn = make_provider(provider, causal, p, device)
     q, k, v, grad_o = _inputs(provider, b, heads, heads // group, s, d, dtype, device)
+    if compile_only:
+        fn(q, k, v).backward(grad_o)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return {}
     out = {}
     out["fwd_ms"] = _bench_ms(lambda: fn(q, k, v), device, quick)
     o = fn(q, k, v)
@@ -191,6 +199,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--gqa-group", type=int, default=1,
                     help="q heads per k/v head (grouped-query attention; must divide the head count)")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="one untimed fwd+bwd per configuration, no rows: fills Triton's cache (several such "
+                    "runs at once compile on several cores; bench/gpu_suite.sh does so before the timed run)")
     args = ap.parse_args(argv)
     if args.gqa_group < 1:
         ap.error(f"--gqa-group must be >= 1, got {args.gqa_group}")
@@ -238,7 +249,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         for name in providers:
                             try:
                                 r = bench_config(name, b, heads, s, d, causal, p, dtype, device, args.quick,
-                                                 args.gqa_group)
+                                                 args.gqa_group, args.compile_only)
                             except Exception as exc:  # noqa: BLE001 - a provider that can't run is skipped
                                 msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
                                 if skipped.get(name) != msg:
@@ -246,6 +257,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                                 skipped[name] = msg
                                 if device.type == "cuda":
                                     torch.cuda.empty_cache()
+                                continue
+                            if args.compile_only:
+                                print(f"{name:22s} {config:44s} compiled", flush=True)
                                 continue
                             results[(name, causal, d, s, p)] = r
                             for metric, value in r.items():
@@ -255,18 +269,19 @@ def main(argv: Optional[List[str]] = None) -> int:
                             if device.type == "cuda":
                                 torch.cuda.empty_cache()
 
-    print("\n# seqpar-triton fwd+bwd / best SDPA backend (target >= 0.9 at s >= 2048, d = 128, p = 0.1)")
-    for (name, causal, d, s, p), r in sorted(results.items()):
-        if name != "seqpar-triton":
-            continue
-        best = [results[(o, causal, d, s, p)]["fwdbwd_tflops"] for o in SDPA if (o, causal, d, s, p) in results]
-        if best:
-            ratio = r["fwdbwd_tflops"] / max(best)
-            rows.add(f"causal={int(causal)} s={s} d={d} p={p} {dtype_name}", name, "fwdbwd_vs_best_sdpa", ratio)
-            print(f"causal={int(causal)} d={d:3d} s={s:5d} p={p}: {ratio:.2f}x")
+    if not args.compile_only:
+        print("\n# seqpar-triton fwd+bwd / best SDPA backend (target >= 0.9 at s >= 2048, d = 128, p = 0.1)")
+        for (name, causal, d, s, p), r in sorted(results.items()):
+            if name != "seqpar-triton":
+                continue
+            best = [results[(o, causal, d, s, p)]["fwdbwd_tflops"] for o in SDPA if (o, causal, d, s, p) in results]
+            if best:
+                ratio = r["fwdbwd_tflops"] / max(best)
+                rows.add(f"causal={int(causal)} s={s} d={d} p={p} {dtype_name}", name, "fwdbwd_vs_best_sdpa", ratio)
+                print(f"causal={int(causal)} d={d:3d} s={s:5d} p={p}: {ratio:.2f}x")
 
     out = args.out if args.out is not None else (None if args.quick else os.path.join(ROOT, "bench", "results"))
-    if out:
+    if out and not args.compile_only:
         print(f"\n{len(rows.rows)} rows -> {rows.write(out)}")
     return 130 if rows.interrupted else 0
 

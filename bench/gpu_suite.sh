@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # On the GPU machine: bash bench/gpu_suite.sh PART [PART...], parts run in the order given, in one device
-# call. One part's step limits (below) and the install fit the 10 minutes of one call; put two parts in
-# one call only when earlier calls showed them running well under their limits (a call cut off keeps
-# the files of the steps that finished). A machine stays warm only 30 s after a call, so count a fresh
-# start (1-2 minutes) per call: three calls of one part each take about 30 device minutes at worst.
+# call. One part's step limits (below) and the install (a cold CUDA build: about a minute) fit the 10
+# minutes of one call; put two parts in one call when earlier calls showed them running well under
+# their limits (a call cut off keeps the files of the steps that finished). A machine stays warm only
+# 30 s after a call, so count a fresh start (1-2 minutes) per call.
 #
-#   tests     every gpu-marked test, 8 pytest-xdist workers (the image has pytest-xdist): Triton's
-#             compiles, which dominate, run on 8 of the 16 cores instead of one (limit 540 s)
-#   kernels   bench_layernorm_dropout, bench_attention, bench_llama_ops (200 + 240 + 100 s)
-#   layer     python -m seqpar bench --device cuda (the paper's five experiments, 22B layer),
-#             Megatron-Core's layer at the same shape, bench_overlap's chunked-GEMM cost
-#             (--part gemm,project) (200 + 150 + 180 s)
-#   profile   bench/profile_kernels.py: Nsight Compute (throughput vs peak, occupancy, registers) and
-#             torch.profiler over one fwd+bwd step of the attention and LayerNorm kernels and their
-#             peers, for the note on a missed target (300 + 120 s)
+#   tests      every gpu-marked test, 8 pytest-xdist workers (the image has pytest-xdist): Triton's
+#              compiles, which dominate, run on 8 of the 16 cores instead of one (limit 420 s)
+#   norms      bench_layernorm_dropout, bench_llama_ops (200 + 120 s)
+#   attention  bench_attention, its Triton compiles first, in parallel (100 + 240 s)
+#   layer      python -m seqpar bench --device cuda (the paper's five experiments, 22B layer),
+#              Megatron-Core's layer at the same shape, bench_overlap's chunked-GEMM cost
+#              (--part gemm,project) (150 + 120 + 150 s)
+#   profile    bench/profile_kernels.py: Nsight Compute (throughput vs peak, occupancy, registers) and
+#              torch.profiler over one fwd+bwd step of the attention and LayerNorm kernels and their
+#              peers, for the note on a missed target (300 + 100 s)
 #
 # The call installs seqpar first (CMake rebuilds only what changed: build/ is kept on a warm machine),
 # keeps Triton's cache in .triton_cache/ (also kept on a warm machine), and installs the peers' wheels
@@ -26,11 +27,11 @@
 # copy the rows into bench/results/ and run `python bench/gpu_summary.py` over them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-usage="usage: bash bench/gpu_suite.sh PART [PART...]; the parts are tests, kernels, layer, profile"
+usage="usage: bash bench/gpu_suite.sh PART [PART...]; the parts are tests, norms, attention, layer, profile"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 for part in "$@"; do
   case "$part" in
-    tests|kernels|layer|profile) ;;
+    tests|norms|attention|layer|profile) ;;
     *) echo "gpu_suite.sh: unknown part '$part'; $usage" >&2; exit 2 ;;
   esac
 done
@@ -51,26 +52,32 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-step 300 python3 -m pip install --no-build-isolation --no-deps -e .
-step 60 python3 -m seqpar info
+step 240 python3 -m pip install --no-build-isolation --no-deps -e .
+step 30 python3 -m seqpar info
 
 for part in "$@"; do
   case "$part" in
     tests)
       workers=()
       python3 -c "import xdist" 2>/dev/null && workers=(-n 8)   # else one process: compiles in series
-      OMP_NUM_THREADS=2 step 540 python3 -m pytest -q -m gpu -ra "${workers[@]}" tests ;;
-    kernels)
+      OMP_NUM_THREADS=2 step 420 python3 -m pytest -q -m gpu -ra "${workers[@]}" tests ;;
+    norms)
       step 200 python3 bench/bench_layernorm_dropout.py --out "$OUT" --tokens 256,1024,16384 --hidden 1024,4096,12288
-      step 240 python3 bench/bench_attention.py --out "$OUT" --seqlens 1024,2048,4096 --head-dims 64,128
-      step 100 python3 bench/bench_llama_ops.py --out "$OUT" ;;
+      step 120 python3 bench/bench_llama_ops.py --out "$OUT" ;;
+    attention)
+      # A cold bench_attention spends minutes compiling its ~50 autotune configurations one after another:
+      # compile them first in four processes at once (one per head dim and dropout, each with its own
+      # limit), untimed; the timed run then finds them in Triton's cache.
+      step 100 bash -c 'for d in 64 128; do for p in 0 0.1; do timeout -k 10 90 python3 bench/bench_attention.py \
+        --compile-only --providers seqpar-triton --seqlens 1024 --head-dims $d --dropouts $p & done; done; wait'
+      step 240 python3 bench/bench_attention.py --out "$OUT" --seqlens 1024,2048,4096 --head-dims 64,128 ;;
     layer)
-      step 200 python3 -m seqpar bench --device cuda --json "$OUT/layer_bench.json"
-      step 150 python3 bench/bench_megatron_layer.py --out "$OUT"
-      step 180 python3 bench/bench_overlap.py --part gemm,project --out "$OUT" --iters 5 ;;
+      step 150 python3 -m seqpar bench --device cuda --json "$OUT/layer_bench.json"
+      step 120 python3 bench/bench_megatron_layer.py --out "$OUT"
+      step 150 python3 bench/bench_overlap.py --part gemm,project --out "$OUT" --iters 5 ;;
     profile)
       step 300 python3 bench/profile_kernels.py --tool ncu --out "$OUT"
-      step 120 python3 bench/profile_kernels.py --tool torch --out "$OUT" ;;
+      step 100 python3 bench/profile_kernels.py --tool torch --out "$OUT" ;;
   esac
 done
 ls -la "$OUT"

@@ -129,3 +129,13 @@ def test_ncu_csv_is_parsed_per_launch_and_metric():
     assert "_attn_fwd_kernel" in fwd and "us   1250.0" in fwd and "DRAM%     12.5" in fwd and "regs    168.0" in fwd
     assert "SM%      n/a" in fwd and "occ%      n/a" in fwd
     assert "us   1024.0" in bwd and "occ%     45.1" in bwd      # "1,024.00" usecond
+
+
+def test_attention_compile_only_runs_each_configuration_and_writes_no_rows(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_attention.py"), "--quick", "--compile-only",
+                          "--providers", "seqpar-triton", "--dropouts", "0,0.1", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [line.split()[0] for line in out.stdout.splitlines() if line.endswith("compiled")] == ["seqpar-triton"] * 2
+    assert "p=0.1" in out.stdout and not list(tmp_path.iterdir())
