@@ -19,12 +19,12 @@ warms it up (compiles, autotuning), then profiles one step:
 Rows (device, date, commit, case, tool, kernel, metric, value) are appended to
 ``<out>/profile_kernels.csv``.
 
-Cases (bf16), in this order::
+Cases (bf16), p = 0.1 attention first, then LayerNorm, then p = 0 attention::
 
     attn-<provider>-s4096-p<p>    attention core, causal, b = 2, H = 16, s = 4096, d = 128, p = 0.1 and 0:
                                   seqpar-triton, torch-sdpa-flash
     ln-<provider>-<rows>x<h>      bias-dropout-add + LayerNorm, p = 0.1: seqpar-triton, seqpar-cuda,
-                                  liger-ln at 1024 x 12288 (a sequence-parallel shard of the 175B model)
+                                  liger-ln at 1024 x 4096 and 1024 x 12288 (sequence-parallel shards)
                                   and 16384 x 4096
 
 Usage::
@@ -68,16 +68,22 @@ TO_US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
 
 def cases(quick: bool) -> Dict[str, Tuple[str, str, dict]]:
     """name -> (family, provider, shape), the likeliest misses first (attention with dropout, LayerNorm
-    at a shard's few rows): a run cut off at its time limit keeps those."""
-    out = {}
+    at a shard's few rows, where its backward's fp32 partial column sums rival the data): a run cut off
+    at its time limit keeps those."""
+    attn = ("seqpar-triton", "torch-eager") if quick else ("seqpar-triton", "torch-sdpa-flash")
+    ln = ("seqpar-triton", "torch-eager") if quick else ("seqpar-triton", "seqpar-cuda", "liger-ln")
     b, heads, s, d = (1, 2, 32, 16) if quick else (2, 16, 4096, 128)
-    for p in (0.1, 0.0):
-        for provider in (("seqpar-triton", "torch-eager") if quick else ("seqpar-triton", "torch-sdpa-flash")):
+    out = {}
+
+    def add_attn(p):
+        for provider in attn:
             out[f"attn-{provider}-s{s}-p{p:g}"] = ("attn", provider, dict(b=b, heads=heads, s=s, d=d, p=p))
-    ln_providers = ("seqpar-triton", "torch-eager") if quick else ("seqpar-triton", "seqpar-cuda", "liger-ln")
-    for tokens, h in ([(48, 64)] if quick else [(1024, 12288), (16384, 4096)]):
-        for provider in ln_providers:
+
+    add_attn(0.1)
+    for tokens, h in ([(48, 64)] if quick else [(1024, 4096), (1024, 12288), (16384, 4096)]):
+        for provider in ln:
             out[f"ln-{provider}-{tokens}x{h}"] = ("ln", provider, dict(tokens=tokens, h=h, p=0.1))
+    add_attn(0.0)
     return out
 
 
