@@ -9,7 +9,7 @@ from seqpar.ops import registry
 from seqpar.ops.bias_dropout_add_layer_norm import OP, bias_dropout_add_layer_norm
 from seqpar.ops.dropout import DropoutSpec
 from tests.gpu import GPU_DTYPES, skip_unless_backend_runs
-from tests.tolerances import assert_close, assert_error_within
+from tests.tolerances import assert_close, assert_error_within, assert_fp32_outputs
 
 EPS = 1e-5
 SEED = 2**40 + 12345  # > 2**32: exercises the high Philox key word
@@ -71,13 +71,11 @@ def _reference_fp64(inp, p, seed=SEED, row_offset=0):
 OUT_NAMES = ("y", "residual_out") + tuple("grad_" + n for n in GRAD_NAMES)
 
 
-def _check_against_torch_fp32(got, ref):
-    for name, a, e in zip(OUT_NAMES, got, ref):
-        if e is None:
-            assert a is None, name
-            continue
-        assert not torch.isnan(a).any(), f"{name}: NaN (unwritten output?)"
-        assert_close(a.float().cpu(), e.float().cpu(), dtype=torch.float32, msg=name)
+REDUCTIONS = ("grad_bias", "grad_ln_weight", "grad_ln_bias")   # column sums over every row
+
+
+def _check_fp32(got, torch_fp32, ref64):
+    assert_fp32_outputs(OUT_NAMES, got, torch_fp32, ref64, REDUCTIONS)
 
 
 def _check_error_within(got, torch_same_dtype, ref64):
@@ -143,9 +141,9 @@ def test_triton_fp32_matches_torch_reference(shape, p, has_bias, poisoned_triton
     ref = _run(inp, "torch", p, row_offset=3)
     got = _run(inp, "triton", p, row_offset=3)
     assert torch.equal(got[1], ref[1]), "residual_out must be bitwise equal (same dropout mask)"
-    _check_against_torch_fp32(got, ref)
-    # And the torch reference itself against the independent fp64 math.
     ref64 = _reference_fp64(inp, p, row_offset=3)
+    _check_fp32(got, ref, ref64)
+    # And the torch reference itself against the independent fp64 math.
     for name, a, e in zip(OUT_NAMES, ref, ref64):
         if e is not None:
             torch.testing.assert_close(a.double(), e, atol=1e-4, rtol=1e-4, msg=name)
@@ -202,7 +200,7 @@ def test_triton_mask_past_32_bit_rows(row_offset, poisoned_triton):
     assert torch.equal(got[1], ref[1])
     keep = DropoutSpec(0.4, SEED, row_offset).keep_mask_2d(7, 45, "cpu")
     assert torch.equal(got[2] != 0, keep & (ref[4] != 0))          # grad_x: zero exactly where dropped
-    _check_against_torch_fp32(got, ref)
+    _check_fp32(got, ref, _reference_fp64(inp, 0.4, row_offset=row_offset))
 
 
 @pytest.mark.parametrize("unroll", [8, 2], ids=["unrolled", "rolled"])
@@ -218,7 +216,7 @@ def test_triton_backward_column_chunks(unroll, monkeypatch, poisoned_triton):
     ref = _run(inp, "torch", 0.3, row_offset=5)
     got = _run(inp, "triton", 0.3, row_offset=5)
     assert torch.equal(got[1], ref[1])
-    _check_against_torch_fp32(got, ref)
+    _check_fp32(got, ref, _reference_fp64(inp, 0.3, row_offset=5))
 
 
 @pytest.mark.parametrize("h,dtype", [(20480, torch.float32), (25600, torch.bfloat16)],
@@ -232,10 +230,11 @@ def test_triton_paper_hidden_sizes(h, dtype, poisoned_triton):
     ref = _run(inp, "torch", 0.1, row_offset=7)
     got = _run(inp, "triton", 0.1, row_offset=7)
     assert torch.equal(got[1], ref[1])
+    ref64 = _reference_fp64(inp, 0.1, row_offset=7)
     if dtype == torch.float32:
-        _check_against_torch_fp32(got, ref)
+        _check_fp32(got, ref, ref64)
     else:
-        _check_error_within(got, ref, _reference_fp64(inp, 0.1, row_offset=7))
+        _check_error_within(got, ref, ref64)
 
 
 @pytest.mark.parametrize("h", [100, 96], ids=["h100-ragged", "h96"])
@@ -248,7 +247,7 @@ def test_triton_forward_column_chunks(h, monkeypatch, poisoned_triton):
     ref = _run(inp, "torch", 0.3, row_offset=2)
     got = _run(inp, "triton", 0.3, row_offset=2)
     assert torch.equal(got[1], ref[1])
-    _check_against_torch_fp32(got, ref)
+    _check_fp32(got, ref, _reference_fp64(inp, 0.3, row_offset=2))
 
 
 def test_dropout_rate_and_seed_dependence():
@@ -483,10 +482,11 @@ def test_gpu_backend_matches_references(backend, shape, p, dtype_name):
     got = _run(inp, backend, p, row_offset=17)
     torch.cuda.synchronize()
     assert torch.equal(got[1], torch_same[1]), "residual_out must be bitwise equal (same dropout mask)"
+    ref64 = _reference_fp64(inp, p, row_offset=17)
     if dtype == torch.float32:
-        _check_against_torch_fp32(got, torch_same)
+        _check_fp32(got, torch_same, ref64)
     else:
-        _check_error_within(got, torch_same, _reference_fp64(inp, p, row_offset=17))
+        _check_error_within(got, torch_same, ref64)
 
 
 @pytest.mark.gpu
@@ -537,7 +537,7 @@ def test_gpu_cuda_many_rows_partial_reduction():
     skip_unless_backend_runs("cuda")
     for h in (256, 1024, 6144):
         inp = _make_inputs((20000, h), torch.float32, device="cuda")
-        _check_against_torch_fp32(_run(inp, "cuda", 0.1), _run(inp, "torch", 0.1))
+        _check_fp32(_run(inp, "cuda", 0.1), _run(inp, "torch", 0.1), _reference_fp64(inp, 0.1))
 
 
 @pytest.mark.gpu
@@ -557,7 +557,7 @@ def test_gpu_any_hidden_size(backend, h, dtype_name):
         torch.cuda.synchronize()
         assert torch.equal(got[1], torch_same[1]), (rows, p)
         if dtype == torch.float32:
-            _check_against_torch_fp32(got, torch_same)
+            _check_fp32(got, torch_same, _reference_fp64(inp, p, row_offset=5))
         elif rows == 3:
             _check_error_within(got, torch_same, _reference_fp64(inp, p, row_offset=5))
 
