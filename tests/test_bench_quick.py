@@ -133,9 +133,47 @@ def test_ncu_csv_is_parsed_per_launch_and_metric():
 
 def test_attention_compile_only_runs_each_configuration_and_writes_no_rows(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_attention.py"), "--quick", "--compile-only",
-                          "--providers", "seqpar-triton", "--dropouts", "0,0.1", "--out", str(tmp_path)],
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_attention.py"), "--quick",
+                          "--compile-only", "--providers", "seqpar-triton", "--dropouts", "0,0.1", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert [line.split()[0] for line in out.stdout.splitlines() if line.endswith("compiled")] == ["seqpar-triton"] * 2
     assert "p=0.1" in out.stdout and not list(tmp_path.iterdir())
+
+
+STUB_PYTHON = """#!/usr/bin/env bash
+# python3 as bench/gpu_suite.sh calls it, faked: records the call and creates the files a run would write
+echo "$*" >> "$STUB_CALLS"
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+  case "${args[$i]}" in
+    --out) touch "${args[$((i + 1))]}/$(basename -- "${args[0]}" .py).csv" ;;
+    --json) touch "${args[$((i + 1))]}" ;;
+  esac
+done
+"""
+
+
+def test_gpu_suite_parts_fit_what_the_device_tool_brings_back(tmp_path):
+    """bench/gpu_suite.sh with every part in one call (python3 faked): every step runs, and $OUT holds at
+    most 8 files, the most the device tool brings back; an unknown part is refused before anything runs."""
+    stub = tmp_path / "bin" / "python3"
+    stub.parent.mkdir()
+    stub.write_text(STUB_PYTHON)
+    stub.chmod(0o755)
+    out, calls = tmp_path / "out", tmp_path / "calls.txt"
+    env = dict(os.environ, PATH=f"{stub.parent}:{os.environ['PATH']}", OUT=str(out), STUB_CALLS=str(calls))
+    script = os.path.join(ROOT, "bench", "gpu_suite.sh")
+    parts = ["tests", "norms", "attention", "layer", "profile"]
+    done = subprocess.run(["bash", script, *parts], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8 and "suite.log" in files, files
+    log = (out / "suite.log").read_text()
+    assert log.count("exit status 0") == log.count("=== ") // 2 == 2 + 1 + 2 + 2 + 3 + 2   # set-up, then each part
+    ran = calls.read_text()
+    assert "-m pytest -q -m gpu -ra -n 8 tests" in ran and ran.count("--compile-only") == 4
+    refused = subprocess.run(["bash", script, "tests", "bogus"], capture_output=True, text=True, timeout=60,
+                             env=dict(env, OUT=str(tmp_path / "refused")))
+    assert refused.returncode == 2 and "unknown part 'bogus'" in refused.stderr
+    assert not (tmp_path / "refused").exists()
