@@ -280,10 +280,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 rows.add(f"causal={int(causal)} s={s} d={d} p={p} {dtype_name}", name, "fwdbwd_vs_best_sdpa", ratio)
                 print(f"causal={int(causal)} d={d:3d} s={s:5d} p={p}: {ratio:.2f}x")
 
-    out = args.out if args.out is not None else (None if args.quick else os.path.join(ROOT, "bench", "results"))
-    if out and not args.compile_only:
-        print(f"\n{len(rows.rows)} rows -> {rows.write(out)}")
-    return 130 if rows.interrupted else 0
+    return 0 if args.compile_only else rows.finish(args.out, args.quick)
 
 
 if __name__ == "__main__":

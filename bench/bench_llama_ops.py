@@ -341,10 +341,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     if ms is not None:
                         results.setdefault((op, label), {})[provider] = ms
     _summary(results)
-    out = args.out if args.out is not None else (None if args.quick else os.path.join(ROOT, "bench", "results"))
-    if out is not None:
-        print(f"rows appended to {rows.write(out)}")
-    return 130 if rows.interrupted else 0
+    return rows.finish(args.out, args.quick)
 
 
 if __name__ == "__main__":

@@ -285,10 +285,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             except Exception as exc:  # noqa: BLE001 - a case that can't run is reported, the others go on
                 first_line = str(exc).splitlines()[0][:160] if str(exc) else ""
                 print(f"{name:34s} skipped ({type(exc).__name__}: {first_line})", flush=True)
-    out = args.out if args.out is not None else (None if args.quick else os.path.join(ROOT, "bench", "results"))
-    if out is not None:
-        print(f"{len(rows.rows)} rows appended to {rows.write(out)}")
-    return 130 if rows.interrupted else 0
+    return rows.finish(args.out, args.quick)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import datetime
 import os
 import subprocess
 import sys
-from typing import Iterator, List, Sequence
+from typing import Iterator, List, Optional, Sequence
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,6 +53,16 @@ class ResultRows:
             raise ValueError(f"expected {len(self.columns)} values {self.columns}, got {len(values)}")
         cells = [f"{v:.6g}" if isinstance(v, float) else v for v in values]
         self.rows.append(dict(self.meta, **dict(zip(self.columns, cells))))
+
+    def finish(self, out: Optional[str], quick: bool) -> int:
+        """The end of a benchmark's main: append the rows to ``out``, by default the checkout's
+        bench/results/ (a ``--quick`` smoke run writes only where ``out`` says), and return the exit
+        status: 130 after an interrupted :meth:`sweep`, else 0."""
+        if out is None and not quick:
+            out = os.path.join(_REPO, "bench", "results")
+        if out is not None:
+            print(f"{len(self.rows)} rows appended to {self.write(out)}")
+        return 130 if self.interrupted else 0
 
     def write(self, out: str) -> str:
         """Append to ``out`` (a .csv path, or a folder that gets ``<name>.csv``); returns the path."""
