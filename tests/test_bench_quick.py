@@ -134,7 +134,8 @@ def test_ncu_csv_is_parsed_per_launch_and_metric():
 def test_attention_compile_only_runs_each_configuration_and_writes_no_rows(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_attention.py"), "--quick",
-                          "--compile-only", "--providers", "seqpar-triton", "--dropouts", "0,0.1", "--out", str(tmp_path)],
+                          "--compile-only", "--providers", "seqpar-triton", "--dropouts", "0,0.1",
+                          "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert [line.split()[0] for line in out.stdout.splitlines() if line.endswith("compiled")] == ["seqpar-triton"] * 2
