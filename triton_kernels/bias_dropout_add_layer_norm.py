@@ -258,23 +258,14 @@ BWD_BLOCK_N = 4096
 UNROLL_CHUNKS = tl.constexpr(8)  # the backward's row-sum loop is unrolled up to this many chunks
 
 
-def _bwd_config(n_rows: int, h: int, device: torch.device):
-    """(BLOCK_M, BLOCK_N, column chunks, programs per chunk, rows per program, launch options)."""
+def _bwd_config(n_rows: int, h: int):
+    """(BLOCK_M, BLOCK_N, column chunks, launch options) of one backward program's tile."""
     block_n = min(max(16, triton.next_power_of_2(h)), BWD_BLOCK_N)
     n_chunks = triton.cdiv(h, block_n)
     if R.interpreting():  # few fat programs: the interpreter's cost is per program
-        block_m = R.rows_per_block(n_rows, block_n, 1 << 14)
-        max_programs, launch = 4, {}
-    else:
-        block_m = R.rows_per_block(n_rows, block_n, 2048)
-        sms = R.sm_count(device.index if device.index is not None else torch.cuda.current_device())
-        max_programs = max(1, 4 * sms // n_chunks)
-        launch = {"num_warps": R.num_warps(block_m * block_n, 16)}
-    tiles = triton.cdiv(max(n_rows, 1), block_m)
-    programs = min(tiles, max_programs)
-    rows_per_program = triton.cdiv(tiles, programs) * block_m
-    programs = triton.cdiv(max(n_rows, 1), rows_per_program)
-    return block_m, block_n, n_chunks, programs, rows_per_program, launch
+        return R.rows_per_block(n_rows, block_n, 1 << 14), block_n, n_chunks, {}
+    block_m = R.rows_per_block(n_rows, block_n, 2048)
+    return block_m, block_n, n_chunks, {"num_warps": R.num_warps(block_m * block_n, 16)}
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -333,14 +324,20 @@ def backward(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual_out
     if n_rows == 0:
         zeros = [torch.zeros((h,), dtype=torch.float32, device=device) for _ in range(3)]
         return grad_x, zeros[2], grad_res, zeros[0], zeros[1]
-    block_m, block_n, n_chunks, programs, rows_per_program, launch = _bwd_config(n_rows, h, device)
-    partials = R.empty((3 if has_bias else 2, programs, h), torch.float32, device)
+    block_m, block_n, n_chunks, launch = _bwd_config(n_rows, h)
     drop_args, has_dropout = _drop_args(drop_threshold, seed, row_offset)
-    _bwd_kernel[(programs, n_chunks)](
-        grad_y, grad_residual_out, residual_out, ln_weight.contiguous(), mean, rstd, grad_x, grad_res, partials,
-        n_rows, h, rows_per_program, *drop_args,
-        HAS_BIAS=has_bias, HAS_DROPOUT=has_dropout, MANUAL_BF16=R.interpreting(),
-        BLOCK_M=block_m, BLOCK_N=block_n, N_CHUNKS=n_chunks, **launch)
+    launch.update(HAS_BIAS=has_bias, HAS_DROPOUT=has_dropout, MANUAL_BF16=R.interpreting(),
+                  BLOCK_M=block_m, BLOCK_N=block_n, N_CHUNKS=n_chunks)
+    ln_weight = ln_weight.contiguous()
+
+    def args(partials, rows_per_program):
+        return (grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, grad_x, grad_res, partials,
+                n_rows, h, rows_per_program, *drop_args)
+
+    max_programs = R.wave_programs(_bwd_kernel, args(mean, 2 * block_m), launch, device, n_chunks)
+    programs, rows_per_program = R.split_rows(n_rows, block_m, max_programs)
+    partials = R.empty((3 if has_bias else 2, programs, h), torch.float32, device)
+    _bwd_kernel[(programs, n_chunks)](*args(partials, rows_per_program), **launch)
     sums = R.reduce_partials(partials)                     # grad_ln_weight, grad_ln_bias (, grad_bias)
     grad_bias = sums[2] if has_bias else torch.zeros((h,), dtype=torch.float32, device=device)
     return grad_x, grad_bias, grad_res, sums[0], sums[1]

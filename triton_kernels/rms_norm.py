@@ -187,22 +187,13 @@ def _fwd_config(n_rows: int, h: int):
     return block_m, block_n, chunked, {"num_warps": R.num_warps(block_m * block_n, 32), "enable_fp_fusion": False}
 
 
-def _bwd_config(n_rows: int, h: int, device: torch.device):
+def _bwd_config(n_rows: int, h: int):
+    """(BLOCK_M, BLOCK_N, chunked, launch options) of one backward program's tile."""
     block_n, chunked = _block_n(h, min(MAX_FUSED_HIDDEN, MAX_FUSED_HIDDEN_BWD))
     if R.interpreting():
-        block_m = R.rows_per_block(n_rows, block_n, 1 << 14)
-        max_programs, launch = 4, {}
-    else:
-        block_m = 1 if chunked else R.rows_per_block(n_rows, block_n, 2048)
-        max_programs = 4 * R.sm_count(device.index if device.index is not None else torch.cuda.current_device())
-        if chunked:  # the (row range, chunk) programs of one wave
-            max_programs = max(1, max_programs // triton.cdiv(h, block_n))
-        launch = {"num_warps": R.num_warps(block_m * block_n, 32)}
-    tiles = triton.cdiv(max(n_rows, 1), block_m)
-    programs = min(tiles, max_programs)
-    rows_per_program = triton.cdiv(tiles, programs) * block_m
-    programs = triton.cdiv(max(n_rows, 1), rows_per_program)
-    return block_m, block_n, chunked, programs, rows_per_program, launch
+        return R.rows_per_block(n_rows, block_n, 1 << 14), block_n, chunked, {}
+    block_m = 1 if chunked else R.rows_per_block(n_rows, block_n, 2048)
+    return block_m, block_n, chunked, {"num_warps": R.num_warps(block_m * block_n, 32)}
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -249,13 +240,20 @@ def backward(grad_y: torch.Tensor, grad_residual_out: Optional[torch.Tensor], re
     grad_res = R.empty((n_rows, h), grad_y.dtype, device) if residual_grad else None
     if n_rows == 0:
         return grad_x, grad_res, torch.zeros((h,), dtype=torch.float32, device=device)
-    block_m, block_n, chunked, programs, rows_per_program, launch = _bwd_config(n_rows, h, device)
+    block_m, block_n, chunked, launch = _bwd_config(n_rows, h)
+    n_chunks = triton.cdiv(h, block_n)
+    launch.update(HAS_GRO=grad_residual_out is not None, HAS_GRES=grad_res is not None,
+                  MANUAL_BF16=R.interpreting(), CHUNKED=chunked, BLOCK_M=block_m, BLOCK_N=block_n)
+    weight = weight.contiguous()
+
+    def args(partials, rows_per_program):
+        return (grad_y, grad_y if grad_residual_out is None else grad_residual_out, residual_out, weight, rstd,
+                grad_x, grad_x if grad_res is None else grad_res, partials, n_rows, h, residual_out.stride(0),
+                rows_per_program)
+
+    max_programs = R.wave_programs(_bwd_kernel, args(rstd, 2 * block_m), launch, device, n_chunks)
+    programs, rows_per_program = R.split_rows(n_rows, block_m, max_programs)
     partials = R.empty((programs, h), torch.float32, device)
-    _bwd_kernel[(programs, triton.cdiv(h, block_n))](
-        grad_y, grad_y if grad_residual_out is None else grad_residual_out, residual_out, weight.contiguous(),
-        rstd, grad_x, grad_x if grad_res is None else grad_res, partials, n_rows, h, residual_out.stride(0),
-        rows_per_program, HAS_GRO=grad_residual_out is not None, HAS_GRES=grad_res is not None,
-        MANUAL_BF16=R.interpreting(), CHUNKED=chunked,
-        BLOCK_M=block_m, BLOCK_N=block_n, **launch)
+    _bwd_kernel[(programs, n_chunks)](*args(partials, rows_per_program), **launch)
     (grad_w,) = R.reduce_partials(partials[None])
     return grad_x, grad_res, grad_w

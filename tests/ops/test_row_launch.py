@@ -1,0 +1,103 @@
+"""The launch policy shared by the row kernels' backward passes (seqpar.triton_kernels.rows): one wave of
+resident programs, each writing one partial row, and the column reduction of those partial rows with the
+block sizes a GPU uses (here under the Triton interpreter)."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from seqpar.triton_kernels import rows as R
+
+H100 = SimpleNamespace(regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
+                       shared_memory_per_multiprocessor=233472)
+
+
+@pytest.mark.parametrize("n_regs,num_warps,shared,expected", [
+    (99, 16, 0, 1),      # the LayerNorm backward at h = 4096 (ncu on an H200: 99 registers, 16 warps)
+    (32, 16, 0, 4),      # threads: 2048 / 512
+    (32, 4, 0, 16),      # threads: 2048 / 128
+    (64, 8, 0, 4),       # registers: 65536 / (64 * 256)
+    (65, 8, 0, 3),       # 65 registers allocate as 72 per thread: 65536 / (72 * 32) // 8 warps
+    (255, 4, 0, 2),      # 256 per thread: 8 warps' worth per SM
+    (32, 4, 100_000, 2),  # shared memory: 233472 // (100000 + 1024)
+])
+def test_occupancy_follows_the_cuda_occupancy_rules(n_regs, num_warps, shared, expected):
+    assert R.occupancy(n_regs, num_warps, shared, H100) == expected
+
+
+def test_split_rows_covers_every_row_once_with_at_most_max_programs():
+    for n_rows in (1, 7, 255, 1024, 16384, 16385):
+        for block_m in (1, 2, 8):
+            for max_programs in (1, 132, 528):
+                programs, per_program = R.split_rows(n_rows, block_m, max_programs)
+                assert per_program % block_m == 0
+                assert programs <= max_programs
+                assert (programs - 1) * per_program < n_rows <= programs * per_program
+
+
+def test_one_wave_sizes_the_layer_norm_backward_at_a_shard(monkeypatch):
+    """1024 x 4096 on 132 SMs with one 16-warp program per SM: 132 programs of 8 rows (the old 4-waves
+    policy wrote 512 partial rows of 2 rows each: partial traffic 1.2x the data)."""
+    monkeypatch.setattr(R, "interpreting", lambda: False)
+    monkeypatch.setattr(R, "sm_count", lambda index: 132)
+    monkeypatch.setattr(R, "resident_per_sm", lambda kernel, args, launch, device: 1)
+    max_programs = R.wave_programs(None, (), {}, torch.device("cuda", 0), n_chunks=1)
+    assert max_programs == 132
+    assert R.split_rows(1024, 1, max_programs) == (128, 8)
+    # two column chunks (h > 4096) share the wave
+    assert R.wave_programs(None, (), {}, torch.device("cuda", 0), n_chunks=2) == 66
+
+
+class _FakeKernel:
+    __name__ = "_fake_bwd_kernel"
+
+    def __init__(self, n_regs=None):
+        self.n_regs, self.warmups = n_regs, 0
+
+    def warmup(self, *args, grid, **launch):
+        self.warmups += 1
+        kernel = self
+
+        class Compiled:
+            metadata = SimpleNamespace(num_warps=launch["num_warps"], shared=0)
+
+            def _init_handles(self):
+                if kernel.n_regs is None:
+                    raise AttributeError("no binary loader")
+                self.n_regs = kernel.n_regs
+
+        return Compiled()
+
+
+def test_resident_per_sm_reads_the_compiled_kernel_once(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: H100)
+    monkeypatch.setattr(R, "_resident", {})
+    kernel = _FakeKernel(n_regs=99)
+    x = torch.empty(4, dtype=torch.bfloat16)
+    device = torch.device("cuda", 0)
+    assert R.resident_per_sm(kernel, (x, 4), {"num_warps": 16}, device) == 1
+    assert R.resident_per_sm(kernel, (x, 8), {"num_warps": 16}, device) == 1
+    assert kernel.warmups == 1                       # cached: same dtypes and launch
+    assert R.resident_per_sm(kernel, (x, 4), {"num_warps": 4}, device) == 4   # 99 -> 104 registers: 19 warps
+    assert kernel.warmups == 2
+
+
+def test_resident_per_sm_falls_back_without_triton_internals(monkeypatch):
+    monkeypatch.setattr(R, "_resident", {})
+    assert R.resident_per_sm(_FakeKernel(n_regs=None), (1,), {"num_warps": 8}, torch.device("cuda", 0)) \
+        == R.FALLBACK_RESIDENT_PER_SM
+
+
+@pytest.mark.parametrize("n_buffers", [1, 2, 3])
+@pytest.mark.parametrize("n_partials,h", [(1, 1), (70, 100), (129, 64)])
+def test_reduce_partials_with_the_gpu_block_sizes(monkeypatch, n_buffers, n_partials, h):
+    """The GPU's grid (one program per 32-column block and buffer, 64 partial rows a step), run by the
+    interpreter: every column of every buffer summed once, against fp64."""
+    monkeypatch.setattr(R, "interpreting", lambda: False)
+    g = torch.Generator().manual_seed(n_partials * 31 + h)
+    partials = torch.randn(n_buffers, n_partials, h, generator=g)
+    sums = R.reduce_partials(partials)
+    assert len(sums) == n_buffers
+    for q, s in enumerate(sums):
+        ref = partials[q].double().sum(0)
+        torch.testing.assert_close(s.double(), ref, rtol=1e-6, atol=1e-5 * n_partials ** 0.5)
