@@ -1,29 +1,32 @@
 #!/usr/bin/env bash
 # On the GPU machine: bash bench/gpu_suite.sh PART [PART...], parts run in the order given, in one device
-# call. One part's step limits (below) and the install (a cold CUDA build: about a minute) fit the 10
-# minutes of one call; put two parts in one call when earlier calls showed them running well under
-# their limits (a call cut off keeps the files of the steps that finished). A machine stays warm only
-# 30 s after a call, so count a fresh start (1-2 minutes) per call.
+# call. Every step has its own limit, and all of them share the call's budget SUITE_SECONDS (default 570 s,
+# inside a 600 s call): a step's limit is cut to what is left, and a step with under 10 s left is skipped
+# (the log says so). A call cut off keeps the files of the steps that finished.
 #
-#   tests      every gpu-marked test, 8 pytest-xdist workers (the image has pytest-xdist): Triton's
-#              compiles, which dominate, run on 8 of the 16 cores instead of one (limit 420 s)
-#   norms      bench_layernorm_dropout, bench_llama_ops (200 + 120 s)
-#   attention  bench_attention, its Triton compiles first, in parallel (100 + 240 s)
+#   tests      every gpu-marked test, 12 pytest-xdist workers (the image has pytest-xdist): Triton's
+#              compiles, which dominate, run on 12 of the 16 cores (limit 300 s; 377 tests took 164 s)
+#   norms      bench_layernorm_dropout, bench_llama_ops (200 + 150 s; took 136 s with 4 providers, and
+#              95+ s: the Llama ops ran past a 95 s limit in RoPE)
+#   attention  bench_attention, its Triton compiles first, in parallel (100 + 150 s; took 25 + 90 s)
 #   layer      python -m seqpar bench --device cuda (the paper's five experiments, 22B layer),
 #              Megatron-Core's layer at the same shape, bench_overlap's chunked-GEMM cost
-#              (--part gemm,project) (150 + 120 + 150 s)
+#              (--part gemm,project) (150 + 120 + 150 s; took 41 s, -, 11 s)
 #   profile    bench/profile_kernels.py: Nsight Compute (throughput vs peak, occupancy, registers) and
 #              torch.profiler over one fwd+bwd step of the attention and LayerNorm kernels and their
-#              peers, for the note on a missed target (300 + 100 s)
+#              peers, for the note on a missed target (300 + 100 s; ncu ran past 170 s, torch took 16 s)
+# ("took": the first GPU run, an H200, 2026-11-25; the install took 40 s cold.)
+# With 15 device minutes (a start costs 1-2 of them) and a machine that stays warm 30 s after a call:
+# `tests attention norms` in one call (about 450 s), then at once `layer profile` on the warm machine.
 #
 # The call installs seqpar first (CMake rebuilds only what changed: build/ is kept on a warm machine),
 # keeps Triton's cache in .triton_cache/ (also kept on a warm machine), and installs the peers' wheels
 # from .whl/ when it was carried (bench/fetch_gpu_wheels.sh makes it, here). Under $OUT (default
-# bench/results/run-<date>) it writes one log, suite.log (the set-up and every step's output), and the
-# benchmarks' rows: 8 files with every part, the most the device tool brings back (gpu_summary.py draws
-# the plots here).
-# Each step has a time limit: at the limit it gets SIGINT (the log then says exit status 124), and a
-# benchmark writes the rows it measured so far instead of losing them. Back on the development machine,
+# bench/results/run-<date>) it writes one log, suite.log (the set-up and every step's output, the gpu
+# tests' summary too), and the benchmarks' rows: 8 files with every part, the most the device tool
+# brings back (gpu_summary.py draws the plots here).
+# At its limit a step gets SIGINT (the log then says exit status 124), and a benchmark writes the rows it
+# measured so far instead of losing them; SIGKILL follows 20 s later. Back on the development machine,
 # copy the rows into bench/results/ and run `python bench/gpu_summary.py` over them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,9 +43,15 @@ mkdir -p "$OUT"
 LOG="$OUT/suite.log"
 export PYTHONUNBUFFERED=1 SEQPAR_BUILD_CUDA=1 SEQPAR_CUDA_ARCHS="${SEQPAR_CUDA_ARCHS:-90}"
 export TRITON_CACHE_DIR="$PWD/.triton_cache"
-# SIGINT at the step's limit, SIGKILL 20 s later if it is still running; its output goes to the log
+SUITE_SECONDS="${SUITE_SECONDS:-570}"
+# A step: its limit cut to the budget left; SIGINT at the limit, SIGKILL 20 s later; output to the log.
 step() {
-  local seconds="$1"; shift
+  local seconds="$1" left=$((SUITE_SECONDS - SECONDS)); shift
+  [ "$seconds" -gt "$left" ] && seconds=$left
+  if [ "$seconds" -lt 10 ]; then
+    echo "=== $(date +%T) skipped (${left}s of SUITE_SECONDS left): $*" | tee -a "$LOG"
+    return
+  fi
   echo "=== $(date +%T) $* (limit ${seconds}s)" | tee -a "$LOG"
   timeout --kill-after=20 --signal=INT "$seconds" "$@" 2>&1 | tee -a "$LOG" | tail -40
   echo "=== $(date +%T) exit status ${PIPESTATUS[0]}" | tee -a "$LOG"
@@ -59,18 +68,19 @@ for part in "$@"; do
   case "$part" in
     tests)
       workers=()
-      python3 -c "import xdist" 2>/dev/null && workers=(-n 8)   # else one process: compiles in series
-      OMP_NUM_THREADS=2 step 420 python3 -m pytest -q -m gpu -ra "${workers[@]}" tests ;;
+      python3 -c "import xdist" 2>/dev/null && workers=(-n 12)   # else one process: compiles in series
+      OMP_NUM_THREADS=1 step 300 python3 -m pytest -q -m gpu -ra --durations=15 "${workers[@]}" tests ;;
     norms)
       step 200 python3 bench/bench_layernorm_dropout.py --out "$OUT" --tokens 256,1024,16384 --hidden 1024,4096,12288
-      step 120 python3 bench/bench_llama_ops.py --out "$OUT" ;;
+      step 150 python3 bench/bench_llama_ops.py --out "$OUT" ;;
     attention)
       # A cold bench_attention spends minutes compiling its ~50 autotune configurations one after another:
       # compile them first in four processes at once (one per head dim and dropout, each with its own
       # limit), untimed; the timed run then finds them in Triton's cache.
       step 100 bash -c 'for d in 64 128; do for p in 0 0.1; do timeout -k 10 90 python3 bench/bench_attention.py \
         --compile-only --providers seqpar-triton --seqlens 1024 --head-dims $d --dropouts $p & done; done; wait'
-      step 240 python3 bench/bench_attention.py --out "$OUT" --seqlens 1024,2048,4096 --head-dims 64,128 ;;
+      step 150 python3 bench/bench_attention.py --out "$OUT" --seqlens 1024,2048,4096 --head-dims 64,128 \
+        --providers seqpar-triton,torch-sdpa-flash,seqpar-cuda ;;
     layer)
       step 150 python3 -m seqpar bench --device cuda --json "$OUT/layer_bench.json"
       step 120 python3 bench/bench_megatron_layer.py --out "$OUT"

@@ -173,7 +173,12 @@ def test_gpu_suite_parts_fit_what_the_device_tool_brings_back(tmp_path):
     log = (out / "suite.log").read_text()
     assert log.count("exit status 0") == log.count("=== ") // 2 == 2 + 1 + 2 + 2 + 3 + 2   # set-up, then each part
     ran = calls.read_text()
-    assert "-m pytest -q -m gpu -ra -n 8 tests" in ran and ran.count("--compile-only") == 4
+    assert "-m pytest -q -m gpu -ra --durations=15 -n 12 tests" in ran and ran.count("--compile-only") == 4
+    # the call's budget: with 5 s of SUITE_SECONDS every step is skipped, and said so in the log
+    starved = subprocess.run(["bash", script, "layer"], capture_output=True, text=True, timeout=60,
+                             env=dict(env, OUT=str(tmp_path / "starved"), SUITE_SECONDS="5"))
+    assert starved.returncode == 0, starved.stderr
+    assert (tmp_path / "starved" / "suite.log").read_text().count("skipped (") == 2 + 3
     refused = subprocess.run(["bash", script, "tests", "bogus"], capture_output=True, text=True, timeout=60,
                              env=dict(env, OUT=str(tmp_path / "refused")))
     assert refused.returncode == 2 and "unknown part 'bogus'" in refused.stderr
