@@ -11,6 +11,12 @@ because Megatron applies full recompute at the block level (``recompute_granular
 rejects sequence parallelism without tensor parallelism ("Cannot use sequence parallelism without tensor
 parallelism"), so at t = 1 its two SP experiments are recorded as not applicable, with that reason.
 
+Precision as Megatron's own training loop sets it: ``params_dtype`` makes its linear layers bf16, but the
+local spec's LayerNorm (``WrappedTorchNorm``: a plain ``torch.nn.LayerNorm``) ignores it and stays fp32,
+which CUDA's layer_norm refuses beside a bf16 input; Megatron-LM wraps every bf16 / fp16 model in
+``Float16Module``, which casts the whole module. So does this script (with ``fp32_output=False``: the
+fp32 copy of the output is for the loss, which a one-layer benchmark has not).
+
 Per experiment: forward and backward ms (CUDA events, median of ``--iters`` after ``--warmup``), the
 activation bytes the layer keeps (:class:`seqpar.memory.ActivationMeter`: saved-tensor hooks see what
 Megatron's autograd functions and checkpoints save, parameters excluded) and the peak memory of one
@@ -20,10 +26,12 @@ commit, config, provider, metric, value), provider ``megatron-core-<version>``, 
 
     python bench/bench_megatron_layer.py --out DIR          # on the GPU machine
     python bench/bench_megatron_layer.py --dry-run          # CPU: build the five configurations only
+                                                            # (and check their parameters' dtypes)
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import warnings
@@ -58,10 +66,28 @@ def megatron_config(args, sequence_parallel: bool, recompute: str):
 
 
 def build_block(config):
+    """The one-layer block, in Megatron's ``Float16Module`` for bf16 / fp16 (see the module docstring)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    return TransformerBlock(config, get_gpt_layer_local_spec(), post_layer_norm=False)
+    block = TransformerBlock(config, get_gpt_layer_local_spec(), post_layer_norm=False)
+    return Float16Module(config, block) if config.bf16 or config.fp16 else block
+
+
+def block_forward(block, x: torch.Tensor) -> torch.Tensor:
+    """One forward of :func:`build_block`'s module: [s, b, h] -> [s, b, h], in ``x``'s dtype."""
+    from megatron.core.transformer.module import Float16Module
+
+    kwargs = dict(fp32_output=False) if isinstance(block, Float16Module) else {}
+    return block(x, attention_mask=None, **kwargs)
+
+
+def parameter_dtypes(block) -> set:
+    """The dtypes of the block's parameters and floating-point buffers: one, the run's, or the layer
+    mixes precisions (the first GPU run's "expected scalar type BFloat16 but found Float")."""
+    tensors = list(block.parameters()) + [b for b in block.buffers() if b.is_floating_point()]
+    return {t.dtype for t in tensors}
 
 
 def init_megatron(device_type: str) -> str:
@@ -75,7 +101,8 @@ def init_megatron(device_type: str) -> str:
     import megatron.core
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(1, 1)
+    if not parallel_state.model_parallel_is_initialized():  # a second call (tests) keeps the first groups
+        parallel_state.initialize_model_parallel(1, 1)
     if device_type == "cuda":
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -83,9 +110,36 @@ def init_megatron(device_type: str) -> str:
     return getattr(megatron.core, "__version__", "unknown")
 
 
-def run(args) -> ResultRows:
+def measure(block, x: torch.Tensor, grad_y: torch.Tensor, args) -> dict:
+    """One experiment's metrics: forward / backward ms, the activation bytes the layer keeps and, on a GPU,
+    the peak memory of one forward + backward above what is allocated before it (the CUDA caching
+    allocator's counters; tests run the rest on CPU)."""
     from seqpar.memory import ActivationMeter
 
+    def forward():
+        return block_forward(block, x)
+
+    def forward_backward():
+        forward().backward(grad_y)
+
+    fwd_ms = median_ms(forward, x.device, args.warmup, args.iters)
+    fwdbwd_ms = median_ms(forward_backward, x.device, args.warmup, args.iters)
+    with ActivationMeter() as meter:
+        y = forward()
+    del y
+    metrics = {"forward_ms": fwd_ms, "backward_ms": fwdbwd_ms - fwd_ms, "combined_ms": fwdbwd_ms,
+               "activation_bytes": float(meter.bytes)}
+    if x.is_cuda:
+        torch.cuda.synchronize()
+        params = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        forward_backward()
+        torch.cuda.synchronize()
+        metrics["peak_bytes_above_params"] = float(torch.cuda.max_memory_allocated() - params)
+    return metrics
+
+
+def run(args) -> ResultRows:
     device = torch.device("cpu" if args.dry_run else "cuda")
     if device.type == "cuda":
         torch.cuda.set_device(0)
@@ -94,6 +148,7 @@ def run(args) -> ResultRows:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (dry run)"
     rows = ResultRows(name, "bench_megatron_layer")
     s, b, h = args.seq_len, args.batch, args.hidden
+    dtype = DTYPES[args.dtype]
     shape = f"s{s} b{b} h{h} a{args.heads} t1 {args.dtype} p{args.dropout}"
     with rows.sweep():
         for experiment, sp, recompute in EXPERIMENTS:
@@ -105,37 +160,23 @@ def run(args) -> ResultRows:
                 rows.add(config_name, provider, "not_applicable", str(exc))
                 continue
             block = build_block(config).to(device)
+            dtypes = parameter_dtypes(block)
+            if dtypes != {dtype}:
+                raise RuntimeError(f"{experiment}: Megatron's layer has parameters in {sorted(map(str, dtypes))}, "
+                                   f"its input is {dtype}")
             if args.dry_run:
-                print(f"{experiment}: built ({sum(p.numel() for p in block.parameters()):,} parameters)", flush=True)
+                print(f"{experiment}: built ({sum(p.numel() for p in block.parameters()):,} parameters, "
+                      f"{dtype})", flush=True)
                 continue
-            x = torch.randn(s, b, h, device=device, dtype=DTYPES[args.dtype], requires_grad=True)
-            grad_y = torch.randn_like(x)
             block.train()
-
-            def forward():
-                return block(x, attention_mask=None)
-
-            def forward_backward():
-                forward().backward(grad_y)
-
-            fwd_ms = median_ms(forward, device, args.warmup, args.iters)
-            fwdbwd_ms = median_ms(forward_backward, device, args.warmup, args.iters)
-            with ActivationMeter() as meter:
-                y = forward()
-            del y
-            torch.cuda.synchronize()
-            params = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            forward_backward()
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated() - params
-            for metric, value in (("forward_ms", fwd_ms), ("backward_ms", fwdbwd_ms - fwd_ms),
-                                  ("combined_ms", fwdbwd_ms), ("activation_bytes", float(meter.bytes)),
-                                  ("peak_bytes_above_params", float(peak))):
+            x = torch.randn(s, b, h, device=device, dtype=dtype, requires_grad=True)
+            metrics = measure(block, x, torch.randn_like(x), args)
+            del block, x  # before the next experiment's block is built
+            for metric, value in metrics.items():
                 rows.add(config_name, provider, metric, value)
-            print(f"{experiment}: fwd {fwd_ms:.2f} ms, bwd {fwdbwd_ms - fwd_ms:.2f} ms, "
-                  f"{meter.bytes / 2**20:.1f} MiB saved, peak {peak / 2**20:.1f} MiB", flush=True)
-            del block, x, grad_y
+            print(f"{experiment}: fwd {metrics['forward_ms']:.2f} ms, bwd {metrics['backward_ms']:.2f} ms, "
+                  f"{metrics['activation_bytes'] / 2**20:.1f} MiB saved, "
+                  f"peak {metrics['peak_bytes_above_params'] / 2**20:.1f} MiB", flush=True)
     return rows
 
 
@@ -153,7 +194,7 @@ def main(argv=None) -> None:
     p.add_argument("--dry-run", action="store_true", help="CPU: build the five configurations, run nothing")
     args = p.parse_args(argv)
     try:
-        import megatron.core  # noqa: F401
+        importlib.import_module("megatron.core")
     except ImportError as exc:
         p.exit(2, f"bench_megatron_layer: megatron-core is not importable ({exc}); pip install megatron-core "
                   "(on the GPU machine: carry its wheel, see bench/gpu_suite.sh)\n")

@@ -14,7 +14,8 @@ warms it up (compiles, autotuning), then profiles one step:
     cudaProfilerStart/Stop, so warm-up stays out), sections SpeedOfLight, Occupancy, LaunchStats and
     MemoryWorkloadAnalysis for every kernel of the step; every metric becomes a row
     (``Section: Metric [unit]``). The printed table gives duration, DRAM and SM throughput (% of peak),
-    achieved occupancy and registers per thread.
+    achieved occupancy and registers per thread, per launch (kernel names shortened; the CSV keeps them
+    whole).
 
 Rows (device, date, commit, case, tool, kernel, metric, value) are appended to
 ``<out>/profile_kernels.csv``.
@@ -63,7 +64,10 @@ NCU_TABLE = (("us", "GPU Speed Of Light Throughput", "Duration"),
              ("SM%", "GPU Speed Of Light Throughput", "Compute (SM) Throughput"),
              ("occ%", "Occupancy", "Achieved Occupancy"),
              ("regs", "Launch Statistics", "Registers Per Thread"))
-TO_US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+# Duration units, both spellings: ncu 2025.x (CUDA 13) wrote "ns" on the H200 run, older releases write
+# "nsecond" / "usecond" / "msecond" (scaled to the value).
+TO_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6,
+         "second": 1e6}
 
 
 def cases(quick: bool) -> Dict[str, Tuple[str, str, dict]]:
@@ -150,9 +154,10 @@ def parse_ncu_csv(text: str) -> List[dict]:
     if start is None:
         return []
     body = "\n".join(line for line in lines[start:] if line.startswith('"'))
+    # Rows without a metric name are ncu's rule results (advice text in columns not kept here): no value.
     return [dict(id=int(r["ID"]), kernel=r["Kernel Name"], section=r["Section Name"], metric=r["Metric Name"],
                  unit=r["Metric Unit"], value=r["Metric Value"])
-            for r in csv.DictReader(io.StringIO(body))]
+            for r in csv.DictReader(io.StringIO(body)) if r["Metric Name"]]
 
 
 def _number(value: str) -> Optional[float]:
@@ -163,8 +168,8 @@ def _number(value: str) -> Optional[float]:
 
 
 def launch_table(parsed: List[dict]) -> List[dict]:
-    """Per kernel launch, in launch order: {"kernel", and each NCU_TABLE title: its value or None}
-    (duration in us)."""
+    """Per kernel launch, in launch order: {"kernel" (the full name), and each NCU_TABLE title: its value,
+    or None where ncu gave none or a duration unit not in TO_US} (duration in us)."""
     by_launch: Dict[int, dict] = {}
     for r in parsed:
         launch = by_launch.setdefault(r["id"], {"kernel": r["kernel"], **{t: None for t, _, _ in NCU_TABLE}})
@@ -172,18 +177,46 @@ def launch_table(parsed: List[dict]) -> List[dict]:
             if (r["section"], r["metric"]) == (section, metric):
                 value = _number(r["value"])
                 if value is not None and title == "us":
-                    value *= TO_US.get(r["unit"], float("nan"))
+                    value = value * TO_US[r["unit"]] if r["unit"] in TO_US else None
                 launch[title] = value
     return [by_launch[i] for i in sorted(by_launch)]
 
 
+def _template_args(text: str) -> str:
+    """The leading ``<...>`` of ``text`` up to its matching ``>``."""
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += {"<": 1, ">": -1}.get(ch, 0)
+        if depth == 0:
+            return text[:i + 1]
+    return text
+
+
+def short_kernel_name(name: str, width: int = 56) -> str:
+    """A readable stand-in for a kernel's (C++ template) name in the printed table; the CSV keeps the full
+    name. ``void ns::kernel<args>(params)`` becomes ``ns::kernel<args>`` where the template arguments are
+    short, else ``ns::kernel<...>``. PyTorch's TensorIterator launchers (``at::elementwise_kernel<...>``)
+    all look alike, so the op they run takes the arguments' place (``direct_copy_kernel_cuda`` ->
+    ``at::elementwise_kernel (direct_copy)``): a copy or a cast is what one looks for in a profile."""
+    name = name.removeprefix("void ")
+    cut = min((i for i in (name.find("<"), name.find("(")) if i >= 0), default=len(name))
+    short, rest = name[:cut], name[cut:]
+    op = re.search(r"(\w+)_kernel_cuda\b", rest)
+    if op:
+        short += f" ({op.group(1)})"
+    elif rest.startswith("<"):
+        args = _template_args(rest)
+        short += args if len(args) <= 32 else "<...>"
+    return short if len(short) <= width else short[:width - 3] + "..."
+
+
 def ncu_table(case: str, parsed: List[dict]) -> List[str]:
-    """One printed line per kernel launch: the NCU_TABLE columns."""
+    """One printed line per kernel launch: its short name and the NCU_TABLE columns."""
     lines = []
     for launch in launch_table(parsed):
         cells = " ".join(f"{title} {launch[title]:8.1f}" if launch[title] is not None else f"{title}      n/a"
                          for title, _, _ in NCU_TABLE)
-        lines.append(f"{case:34s} {launch['kernel'][:48]:48s} {cells}")
+        lines.append(f"{case:34s} {short_kernel_name(launch['kernel']):56s} {cells}")
     return lines
 
 
