@@ -26,14 +26,31 @@ element, N = tokens; the per-row fp32 mean/rstd are ignored):
     fwd+bwd  the sum                                                               (9 N h + 7 h) E
 and is reported as GB/s and as a fraction of the device's copy bandwidth, which the script measures
 itself (a device-to-device copy of a 1 GiB buffer: 2 GiB moved). Issue targets (GPU): fwd and bwd each
->= 0.85 of copy bandwidth for h >= 4096; fwd+bwd >= 2.5x torch-eager and >= 1.2x torch-compile.
+>= 0.85 of copy bandwidth for h >= 4096; fwd+bwd >= 2.5x torch-eager and >= 1.2x torch-compile. The
+targets are about the kernels: they are read from the GPU time below, not the call time.
 
-Timing: CUDA events around each run, median of ``--reps`` runs after ``--warmup`` runs; the L2 cache is
-flushed (256 MiB written) before every run so small configurations are not served from L2. Backward is
-timed on a retained graph (torch.autograd.grad with retain_graph=True); inputs are random, never zeros.
-ResultRows (device, date, commit, config, provider, metric, value) are appended to
-``<out>/bench_layernorm_dropout.csv``; metrics: {fwd,bwd,fwdbwd}_ms, {fwd,bwd,fwdbwd}_gbps,
-{fwd,bwd,fwdbwd}_frac_copy, and one copy_gbps row (provider "device-copy") per run.
+Timing: each direction is timed twice, the two answering different questions.
+    call time  {d}_ms, {d}_gbps, {d}_frac_copy (the metric names of the first GPU run): ONE eager call,
+               CUDA events around it, the L2 cache flushed (256 MiB written) before it and a synchronize
+               after it; median of ``--reps`` runs after ``--warmup`` runs. The host's launch path
+               (Python, dispatcher, autograd, the kernels' launchers) is inside it: at shard sizes
+               (256 x 1024) it is most of it, with the GPU idle while the host launches.
+    GPU time   {d}_gpu_ms, {d}_gpu_gbps, {d}_gpu_frac_copy: what the GPU spends on the call's kernels with
+               the host running ahead (seqpar.bench.timing.device_time: batches of back-to-back calls
+               queued behind a GPU-side sleep, each batch checking that the queue never drained; median
+               of ``--gpu-reps`` batches). Beside it: {d}_host_ms (host time to issue one call: the
+               launch path), {d}_gpu_calls (calls per batch), {d}_gpu_queue_full (fraction of batches
+               whose queue stayed full; below 1 the GPU time includes launch gaps, an upper bound) and
+               {d}_gpu_l2_reuse (data passing through L2 between two uses of the same input, in L2 sizes).
+               L2 policy: no flush between back-to-back calls (it would be inside the timed batch);
+               instead, when one call moves less than twice the L2 (50 MB on H100 / H200), the calls
+               take turns over copies of the inputs (timing.input_sets) so each comes back only after
+               >= 2 L2 sizes of other data, and is read from DRAM as in a step where other layers run in
+               between. On CPU (--quick) the GPU time falls back to host wall time (there is no queue).
+Backward is timed alone on retained graphs (torch.autograd.grad with retain_graph=True: no forward inside
+it); inputs are random, never zeros. ResultRows (device, date, commit, config, provider, metric, value)
+are appended to ``<out>/bench_layernorm_dropout.csv``: the metrics above for d in fwd, bwd, fwdbwd, and
+one copy_gbps row (provider "device-copy") per run.
 
 Usage:
     python bench/bench_layernorm_dropout.py                       # GPU: the full sweep, rows to bench/results/
@@ -61,7 +78,8 @@ if __name__ == "__main__" and "--quick" in sys.argv[1:]:
 import torch  # noqa: E402
 
 from seqpar.bench.results import ResultRows  # noqa: E402
-from seqpar.bench.timing import median_ms  # noqa: E402
+from seqpar.bench.timing import DeviceTime, device_time, input_sets, l2_bytes, median_ms  # noqa: E402
+from seqpar.bench.timing import reuse_distance_l2  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 PROVIDERS = ["seqpar-triton", "seqpar-cuda", "torch-eager", "torch-compile", "apex-ln", "te-ln", "liger-ln",
@@ -70,6 +88,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 EPS = 1e-5
 SEED = 1234
 DIRECTIONS = ("fwd", "bwd", "fwdbwd")
+CLOCKS = ("call: one eager call, launch overhead included (L2 flushed before it); gpu: device time of back-to-back "
+          "calls with the host ahead (seqpar.bench.timing.device_time; on CPU: wall time); % of copy bandwidth")
 
 
 # ----------------------------------------------------------------------------- bookkeeping
@@ -81,16 +101,47 @@ def _device_name(device: torch.device) -> str:
 
 # ----------------------------------------------------------------------------- timing
 class Timer:
-    """Median milliseconds of ``fn()``: CUDA events with an L2 flush before each run, or perf_counter."""
+    """The benchmarks' two clocks. ``timer(fn)``: the eager call time, median milliseconds of one
+    ``fn()`` (CUDA events with an L2 flush before each run, or perf_counter). ``timer.gpu(fns)``: the
+    GPU time per call of back-to-back calls taking ``fns`` in turn (seqpar.bench.timing.device_time).
+    ``l2`` is the device's L2 size (None on CPU); ``input_sets(nbytes)`` how many copies of a call's
+    inputs keep its data out of L2 between uses."""
 
-    def __init__(self, device: torch.device, warmup: int, reps: int):
+    def __init__(self, device: torch.device, warmup: int, reps: int, gpu_reps: int = 8, gpu_min_calls: int = 4):
         self.device, self.warmup, self.reps = device, warmup, reps
+        self.gpu_reps, self.gpu_min_calls = gpu_reps, gpu_min_calls
         self.flush = (torch.empty(256 * 2**20, dtype=torch.int8, device=device) if device.type == "cuda"
                       else None)
+        self.l2 = l2_bytes(device)
 
     def __call__(self, fn: Callable[[], object]) -> float:
         flush = self.flush.zero_ if self.flush is not None else None
         return median_ms(fn, self.device, self.warmup, self.reps, before=flush)
+
+    def gpu(self, fns) -> DeviceTime:
+        return device_time(fns, self.device, reps=self.gpu_reps, min_calls=self.gpu_min_calls,
+                           max_calls=max(16, self.gpu_min_calls))
+
+    def input_sets(self, nbytes: int) -> int:
+        return input_sets(nbytes, self.l2)
+
+
+def record(rows: ResultRows, config: str, provider: str, direction: str, call_ms: float, gpu: DeviceTime,
+           nbytes: int, copy_gbps: float, l2: Optional[int], sets: int) -> str:
+    """Adds one direction's rows (call time, GPU time and its checks); returns its part of the printout."""
+    gbps, gpu_gbps = nbytes / (call_ms * 1e-3) / 1e9, nbytes / (gpu.ms * 1e-3) / 1e9
+    for metric, value in ((f"{direction}_ms", call_ms), (f"{direction}_gbps", gbps),
+                          (f"{direction}_frac_copy", gbps / copy_gbps), (f"{direction}_gpu_ms", gpu.ms),
+                          (f"{direction}_gpu_gbps", gpu_gbps), (f"{direction}_gpu_frac_copy", gpu_gbps / copy_gbps),
+                          (f"{direction}_host_ms", gpu.host_ms), (f"{direction}_gpu_calls", float(gpu.calls))):
+        rows.add(config, provider, metric, value)
+    if gpu.method == "cuda-back-to-back":
+        rows.add(config, provider, f"{direction}_gpu_queue_full", gpu.queue_full)
+    if l2:
+        rows.add(config, provider, f"{direction}_gpu_l2_reuse", reuse_distance_l2(nbytes, sets, l2))
+    text = (f"{direction} call {call_ms:7.3f} ms ({gbps / copy_gbps:4.0%})  gpu {gpu.ms:7.3f} ms {gpu_gbps:7.1f} GB/s "
+            f"({gpu_gbps / copy_gbps:4.0%})")
+    return text + (f" [{gpu.note}]" if gpu.note and gpu.method != "wall-clock" else "")
 
 
 def compiled_for_one_shape(fn: Callable, device: torch.device) -> Callable:
@@ -195,43 +246,53 @@ def bench_config(provider: str, tokens: int, h: int, p: float, dtype, device: to
     x, residual = rnd(tokens, h).requires_grad_(), rnd(tokens, h, scale=2.0).requires_grad_()
     bias = rnd(h, scale=0.5).requires_grad_()
     grad_y, grad_ro = rnd(tokens, h), rnd(tokens, h)
-    leaves = [x, bias, residual] + params
+    nbytes = minimal_bytes(tokens, h, torch.empty((), dtype=dtype).element_size())
+    # The GPU time's calls take turns over copies of the [tokens, h] tensors when one call moves less than
+    # twice the L2 (bias and the LayerNorm parameters are shared: h elements each).
+    sets = [(x, residual, grad_y, grad_ro)] + [
+        (x.detach().clone().requires_grad_(), residual.detach().clone().requires_grad_(), grad_y.clone(),
+         grad_ro.clone()) for _ in range(timer.input_sets(nbytes["fwd"]) - 1)]
 
-    def fwd():
-        return f(x, bias, residual)
+    def fwd_of(s):
+        return lambda: f(s[0], bias, s[1])
 
-    def fwdbwd():
-        y, ro = f(x, bias, residual)
-        return torch.autograd.grad((y, ro), leaves, (grad_y, grad_ro))
+    def fwdbwd_of(s):
+        leaves = [s[0], bias, s[1]] + params
+        return lambda: torch.autograd.grad(f(s[0], bias, s[1]), leaves, (s[2], s[3]))
+
+    def bwd_of(s, outs):
+        leaves = [s[0], bias, s[1]] + params
+        return lambda: torch.autograd.grad(outs, leaves, (s[2], s[3]), retain_graph=True)
 
     try:
-        ms = {"fwd": timer(fwd)}
-        y, ro = fwd()
-        ms["bwd"] = timer(lambda: torch.autograd.grad((y, ro), leaves, (grad_y, grad_ro), retain_graph=True))
-        del y, ro
-        ms["fwdbwd"] = timer(fwdbwd)
+        fwds = [fwd_of(s) for s in sets]
+        ms, gpu = {"fwd": timer(fwds[0])}, {"fwd": timer.gpu(fwds)}
+        bwds = [bwd_of(s, fn()) for s, fn in zip(sets, fwds)]          # one retained graph per input set
+        ms["bwd"], gpu["bwd"] = timer(bwds[0]), timer.gpu(bwds)
+        del bwds
+        fwdbwds = [fwdbwd_of(s) for s in sets]
+        ms["fwdbwd"], gpu["fwdbwd"] = timer(fwdbwds[0]), timer.gpu(fwdbwds)
     except Exception as exc:  # a provider failing on one configuration must not stop the sweep
         print(f"  {provider:14s} {config}: failed ({type(exc).__name__}: {exc})")
         return None
-    nbytes = minimal_bytes(tokens, h, torch.empty((), dtype=dtype).element_size())
-    gbps = {d: nbytes[d] / (ms[d] * 1e-3) / 1e9 for d in DIRECTIONS}
-    for d in DIRECTIONS:
-        rows.add(config, provider, f"{d}_ms", ms[d])
-        rows.add(config, provider, f"{d}_gbps", gbps[d])
-        rows.add(config, provider, f"{d}_frac_copy", gbps[d] / copy_gbps)
-    print(f"  {provider:14s} {config}: " + "  ".join(
-        f"{d} {ms[d]:8.3f} ms {gbps[d]:7.1f} GB/s ({gbps[d] / copy_gbps:4.0%})" for d in DIRECTIONS), flush=True)
-    return ms
+    parts = [record(rows, config, provider, d, ms[d], gpu[d], nbytes[d], copy_gbps, timer.l2, len(sets))
+             for d in DIRECTIONS]
+    print(f"  {provider:14s} {config}: " + "  ".join(parts), flush=True)
+    return {**ms, **{f"{d}_gpu": gpu[d].ms for d in DIRECTIONS}}
 
 
 def _summary(results: Dict[Tuple[int, int, float], Dict[str, Dict[str, float]]]) -> None:
-    print("\nfwd+bwd speed-up of the seqpar kernels (issue targets: >= 2.5x torch-eager, >= 1.2x torch-compile)")
+    print("\nfwd+bwd speed-up of the seqpar kernels, GPU time (eager call time) (issue targets: >= 2.5x "
+          "torch-eager, >= 1.2x torch-compile)")
     for (tokens, h, p), by_provider in results.items():
         for ours in ("seqpar-cuda", "seqpar-triton"):
             if ours not in by_provider:
                 continue
-            parts = [f"{base} {by_provider[base]['fwdbwd'] / by_provider[ours]['fwdbwd']:.2f}x"
-                     for base in ("torch-eager", "torch-compile") if base in by_provider]
+            mine = by_provider[ours]
+            parts = [f"{base} {by_provider[base]['fwdbwd_gpu'] / mine['fwdbwd_gpu']:.2f}x "
+                     f"({by_provider[base]['fwdbwd'] / mine['fwdbwd']:.2f}x)"
+                     for base in ("torch-eager", "torch-compile", "apex-ln", "te-ln", "liger-ln")
+                     if base in by_provider]
             print(f"  tokens={tokens:6d} h={h:6d} p={p:<4} {ours:14s} " + ", ".join(parts))
 
 
@@ -243,7 +304,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("-p", default="0,0.1", help="comma-separated dropout probabilities (0: dropout off)")
     ap.add_argument("--providers", default=",".join(p for p in PROVIDERS if p != "seqpar-torch"))
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--reps", type=int, default=50, help="eager call time: timed single calls")
+    ap.add_argument("--gpu-reps", type=int, default=8, help="GPU time: timed batches of back-to-back calls")
     ap.add_argument("--out", default=None, help="directory (or .csv path) for rows; default bench/results "
                     "(--quick writes nothing unless --out is given)")
     ap.add_argument("--quick", action="store_true",
@@ -258,6 +320,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         hidden, tokens = [64, 200], [48]
         providers = ["seqpar-triton", "seqpar-torch", "torch-eager", "torch-compile"]
         warmup, reps, copy_bytes = 1, 3, 2**24
+        gpu_reps, gpu_min_calls = 2, 2
     else:
         if not torch.cuda.is_available():
             print("bench_layernorm_dropout: needs a CUDA device (none found); run with --quick for the CPU "
@@ -268,6 +331,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         tokens = [int(v) for v in args.tokens.split(",")]
         providers = args.providers.split(",")
         warmup, reps, copy_bytes = args.warmup, args.reps, 2**30
+        gpu_reps, gpu_min_calls = args.gpu_reps, 4
     unknown = [p for p in providers if p not in PROVIDERS]
     if unknown:
         ap.error(f"unknown providers {unknown}; choose from {PROVIDERS}")
@@ -280,11 +344,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not 0.0 <= p < 1.0:
             ap.error(f"-p must be in [0, 1), got {p}")
 
-    timer = Timer(device, warmup, reps)
+    timer = Timer(device, warmup, reps, gpu_reps, gpu_min_calls)
     rows = ResultRows(_device_name(device), "bench_layernorm_dropout")
     copy_gbps = measure_copy_gbps(device, timer, copy_bytes)
     rows.add(f"bytes={copy_bytes}", "device-copy", "copy_gbps", copy_gbps)
     print(f"device: {rows.meta['device']}   commit: {rows.meta['commit']}   copy bandwidth: {copy_gbps:.1f} GB/s")
+    print(CLOCKS)
     results: Dict[Tuple[int, int, float], Dict[str, Dict[str, float]]] = {}
     with rows.sweep():
         for n in tokens:

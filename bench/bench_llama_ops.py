@@ -32,12 +32,22 @@ element, N tokens; weights and per-row statistics ignored):
     rope     fwd  reads and writes q and k                                       2 s b (Hq + Hk) d E
              bwd  the same on the gradients                                      2 s b (Hq + Hk) d E
 and is reported as GB/s and as a fraction of the device's copy bandwidth, measured by the script (a
-device-to-device copy of a 1 GiB buffer). Issue target (GPU): rmsnorm and swiglu >= 0.85 of copy bandwidth.
+device-to-device copy of a 1 GiB buffer). Issue target (GPU): rmsnorm and swiglu >= 0.85 of copy bandwidth,
+read from the GPU time.
 
-Timing: CUDA events, median of ``--reps`` runs after ``--warmup`` runs, the L2 cache flushed before every
-run (seqpar.bench.timing via bench_layernorm_dropout.Timer); backward on a retained graph; random inputs.
-ResultRows (device, date, commit, config, provider, metric, value) are appended to
-``<out>/bench_llama_ops.csv``; metrics {fwd,bwd,fwdbwd}_{ms,gbps,frac_copy}, and one copy_gbps row.
+Timing (bench_layernorm_dropout.Timer, the same two clocks as bench_layernorm_dropout.py):
+    call time  {d}_{ms,gbps,frac_copy}: one eager call, CUDA events, the L2 cache flushed before it, median
+               of ``--reps`` runs after ``--warmup``; the host's launch path is inside it.
+    GPU time   {d}_gpu_{ms,gbps,frac_copy}: back-to-back calls with the host ahead of the GPU
+               (seqpar.bench.timing.device_time, median of ``--gpu-reps`` batches), with {d}_host_ms,
+               {d}_gpu_calls, {d}_gpu_queue_full and {d}_gpu_l2_reuse beside it. No L2 flush between the
+               calls and no rotation over input copies here: at the default shapes one call moves
+               >= 6x the 50 MB L2, so its data comes back from DRAM; {d}_gpu_l2_reuse (bytes of one
+               call / L2) says so per row, and below 2 (small custom shapes) the GPU time may be served
+               from L2.
+Backward is timed alone on a retained graph; random inputs. ResultRows (device, date, commit, config,
+provider, metric, value) are appended to ``<out>/bench_llama_ops.csv``: the metrics above for d in fwd,
+bwd, fwdbwd, and one copy_gbps row.
 
 Usage:
     python bench/bench_llama_ops.py                          # GPU: the default sweep, rows to bench/results/
@@ -63,7 +73,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.bench_layernorm_dropout import (  # noqa: E402
-    Timer, _device_name, compiled_for_one_shape, measure_copy_gbps)
+    CLOCKS, Timer, _device_name, compiled_for_one_shape, measure_copy_gbps, record)
 from seqpar.bench.results import ResultRows  # noqa: E402
 
 OPS = ("rmsnorm", "swiglu", "rope")
@@ -238,23 +248,22 @@ def bench_config(op: str, provider: str, size: Dict[str, int], dtype, device: to
     def fwdbwd():
         return torch.autograd.grad(fn(), problem.leaves, problem.grads)
 
+    def bwd_of(outs):
+        return lambda: torch.autograd.grad(outs, problem.leaves, problem.grads, retain_graph=True)
+
     try:
-        ms = {"fwd": timer(fn)}
-        outs = fn()
-        ms["bwd"] = timer(lambda: torch.autograd.grad(outs, problem.leaves, problem.grads, retain_graph=True))
-        del outs
-        ms["fwdbwd"] = timer(fwdbwd)
+        ms, gpu = {"fwd": timer(fn)}, {"fwd": timer.gpu(fn)}
+        bwd = bwd_of(fn())
+        ms["bwd"], gpu["bwd"] = timer(bwd), timer.gpu(bwd)
+        del bwd
+        ms["fwdbwd"], gpu["fwdbwd"] = timer(fwdbwd), timer.gpu(fwdbwd)
     except Exception as exc:  # a provider failing on one configuration must not stop the sweep
         print(f"  {op:8s} {provider:14s} {label}: failed ({type(exc).__name__}: {exc})")
         return None
-    gbps = {dr: problem.nbytes[dr] / (ms[dr] * 1e-3) / 1e9 for dr in DIRECTIONS}
-    for dr in DIRECTIONS:
-        rows.add(config, provider, f"{dr}_ms", ms[dr])
-        rows.add(config, provider, f"{dr}_gbps", gbps[dr])
-        rows.add(config, provider, f"{dr}_frac_copy", gbps[dr] / copy_gbps)
-    print(f"  {op:8s} {provider:14s} {problem.config}: " + "  ".join(
-        f"{dr} {ms[dr]:8.3f} ms {gbps[dr]:7.1f} GB/s ({gbps[dr] / copy_gbps:4.0%})" for dr in DIRECTIONS), flush=True)
-    return ms
+    parts = [record(rows, config, provider, dr, ms[dr], gpu[dr], problem.nbytes[dr], copy_gbps, timer.l2, 1)
+             for dr in DIRECTIONS]
+    print(f"  {op:8s} {provider:14s} {problem.config}: " + "  ".join(parts), flush=True)
+    return {**ms, **{f"{dr}_gpu": gpu[dr].ms for dr in DIRECTIONS}}
 
 
 def _sizes(op: str, args) -> List[Dict[str, int]]:
@@ -268,11 +277,13 @@ def _sizes(op: str, args) -> List[Dict[str, int]]:
 
 
 def _summary(results: Dict[Tuple[str, str], Dict[str, Dict[str, float]]]) -> None:
-    print("\nfwd+bwd speed-up of the seqpar kernels over the other providers")
+    print("\nfwd+bwd speed-up of the seqpar kernels over the other providers, GPU time (eager call time)")
     for (op, label), by_provider in results.items():
         for ours in ("seqpar-cuda", "seqpar-triton"):
             if ours in by_provider:
-                parts = [f"{other} {by_provider[other]['fwdbwd'] / by_provider[ours]['fwdbwd']:.2f}x"
+                mine = by_provider[ours]
+                parts = [f"{other} {by_provider[other]['fwdbwd_gpu'] / mine['fwdbwd_gpu']:.2f}x "
+                         f"({by_provider[other]['fwdbwd'] / mine['fwdbwd']:.2f}x)"
                          for other in ("torch-eager", "torch-compile", "liger") if other in by_provider]
                 print(f"  {op:8s} {label:40s} {ours:14s} " + ", ".join(parts))
 
@@ -293,7 +304,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--providers", default=",".join(p for p in PROVIDERS if p != "seqpar-torch"))
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--reps", type=int, default=50, help="eager call time: timed single calls")
+    ap.add_argument("--gpu-reps", type=int, default=8, help="GPU time: timed batches of back-to-back calls")
     ap.add_argument("--out", default=None, help="directory (or .csv path) for rows; default bench/results "
                     "(--quick writes nothing unless --out is given)")
     ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny shapes, few runs, Triton in its "
@@ -313,6 +325,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.batch, args.heads, args.kv_heads, args.head_dim = 2, 4, 2, 16
         providers = ["seqpar-triton", "seqpar-torch", "torch-eager"]
         warmup, reps, copy_bytes = 1, 3, 2**22
+        gpu_reps, gpu_min_calls = 2, 2
     else:
         if not torch.cuda.is_available():
             print("bench_llama_ops: needs a CUDA device (none found); run with --quick for the CPU smoke test",
@@ -321,16 +334,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         device = torch.device("cuda")
         providers = args.providers.split(",")
         warmup, reps, copy_bytes = args.warmup, args.reps, 2**30
+        gpu_reps, gpu_min_calls = args.gpu_reps, 4
     unknown = [p for p in providers if p not in PROVIDERS]
     if unknown:
         ap.error(f"unknown providers {unknown}; choose from {PROVIDERS}")
     dtype = DTYPES[args.dtype]
 
-    timer = Timer(device, warmup, reps)
+    timer = Timer(device, warmup, reps, gpu_reps, gpu_min_calls)
     rows = ResultRows(_device_name(device), "bench_llama_ops")
     copy_gbps = measure_copy_gbps(device, timer, copy_bytes)
     rows.add(f"bytes={copy_bytes}", "device-copy", "copy_gbps", copy_gbps)
     print(f"device: {rows.meta['device']}   commit: {rows.meta['commit']}   copy bandwidth: {copy_gbps:.1f} GB/s")
+    print(CLOCKS)
     results: Dict[Tuple[str, str], Dict[str, Dict[str, float]]] = {}
     with rows.sweep():
         for op in ops_list:

@@ -22,6 +22,7 @@ def test_quick_run_writes_rows(tmp_path):
     got = {(r["config"].split(",")[0], r["provider"], r["metric"]) for r in rows}
     for op in ("op=rmsnorm", "op=swiglu", "op=rope"):
         for provider in ("seqpar-triton", "seqpar-torch", "torch-eager"):
-            for metric in ("fwd_ms", "bwd_gbps", "fwdbwd_frac_copy"):
+            for metric in ("fwd_ms", "bwd_gbps", "fwdbwd_frac_copy", "fwd_gpu_ms", "bwd_gpu_frac_copy",
+                           "fwdbwd_host_ms"):
                 assert (op, provider, metric) in got, (op, provider, metric)
     assert all(float(r["value"]) > 0 for r in rows)

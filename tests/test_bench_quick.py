@@ -1,12 +1,13 @@
 """bench/bench_layernorm_dropout.py and bench/bench_attention.py --quick, run as a user runs them (a script,
-TRITON_INTERPRET unset): the seqpar-triton rows are measured (LayerNorm with dropout off and on,
-attention with grouped-query k/v)."""
+TRITON_INTERPRET unset): the seqpar-triton rows are measured (LayerNorm with dropout off and on, both
+clocks: eager call time and GPU time, the latter's CPU fallback; attention with grouped-query k/v)."""
 import csv
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from bench.gpu_summary import config_fields
 
@@ -24,11 +25,16 @@ def _run_quick(script, tmp_path, *extra):
 
 
 def test_layernorm_dropout_quick_measures_triton_with_dropout_off_and_on(tmp_path):
-    rows, _ = _run_quick("bench_layernorm_dropout.py", tmp_path)
+    rows, stdout = _run_quick("bench_layernorm_dropout.py", tmp_path)
     got = {(r["provider"], r["config"].split(",")[2], r["metric"]) for r in rows if r["provider"] != "device-copy"}
     for p in ("p=0.0", "p=0.1"):
         for provider in ("seqpar-triton", "seqpar-torch", "torch-eager"):
-            assert (provider, p, "fwdbwd_ms") in got, (provider, p)
+            for metric in ("fwdbwd_ms", "fwd_frac_copy", "fwd_gpu_ms", "bwd_gpu_gbps", "fwdbwd_gpu_frac_copy",
+                           "bwd_host_ms", "fwd_gpu_calls"):
+                assert (provider, p, metric) in got, (provider, p, metric)
+    # on CPU the GPU time is the wall-clock fallback: no queue to check, no L2 to rotate around
+    assert not {m for _, _, m in got if m.endswith(("_gpu_queue_full", "_gpu_l2_reuse"))}
+    assert "on CPU: wall time" in stdout
     assert all(float(r["value"]) > 0 for r in rows)
     # bench/gpu_summary.py reads the sweep coordinates back from the config strings
     assert all({"tokens", "h", "p"} <= set(config_fields(r["config"])) for r in rows if r["provider"] != "device-copy")
@@ -63,6 +69,66 @@ def test_interrupted_sweep_keeps_the_rows_measured(tmp_path, monkeypatch):
         rows = list(csv.DictReader(f))
     assert [(r["provider"], r["metric"]) for r in rows] == [("device-copy", "copy_gbps"), (calls[0][0], "fwdbwd_ms")]
     assert rows[1]["config"] == f"tokens={calls[0][1]},h={calls[0][2]},p={calls[0][3]}"
+
+
+class FakeTimer:
+    """bench_layernorm_dropout.Timer's interface: runs each callable once, counting the provider's
+    forward calls inside each timed region, and reports fixed times (call 2 ms, GPU 0.5 ms per call) as
+    the CUDA method would; ``l2`` small enough that a tiny configuration needs several input sets."""
+
+    def __init__(self, l2):
+        from seqpar.bench.timing import input_sets
+
+        self.device, self.l2, self._sets = torch.device("cpu"), l2, input_sets
+        self.forwards, self.gpu_log = 0, []
+
+    def __call__(self, fn):
+        fn()
+        return 2.0
+
+    def gpu(self, fns):
+        from seqpar.bench.timing import DeviceTime
+
+        fns = list(fns) if isinstance(fns, (list, tuple)) else [fns]
+        before = self.forwards
+        for fn in fns:
+            fn()
+        self.gpu_log.append((len(fns), self.forwards - before))
+        return DeviceTime(ms=0.5, host_ms=0.1, calls=4, batches=8, queue_full=0.75, method="cuda-back-to-back")
+
+    def input_sets(self, nbytes):
+        return self._sets(nbytes, self.l2)
+
+
+def test_layernorm_gpu_time_rotates_input_sets_and_times_backward_alone(monkeypatch):
+    """bench_config with a fake timer: the GPU-time calls take turns over copies of the inputs (distinct
+    tensors, enough of them to keep 2 L2 sizes between uses of one), the backward callables run no
+    forward, and both clocks' rows are written from their own times."""
+    from bench import bench_layernorm_dropout as bench
+    from seqpar.bench.results import ResultRows
+
+    timer, seen = FakeTimer(l2=64 * 1024), []
+    real = bench._torch_bda_ln
+
+    def counting(x, *args):
+        timer.forwards += 1
+        seen.append(x.data_ptr())
+        return real(x, *args)
+
+    monkeypatch.setattr(bench, "_torch_bda_ln", counting)
+    rows = ResultRows("NVIDIA H200", "bench_layernorm_dropout")
+    ms = bench.bench_config("torch-eager", 8, 64, 0.1, torch.float32, torch.device("cpu"), timer, 100.0, rows)
+    nbytes = bench.minimal_bytes(8, 64, 4)
+    sets = timer.input_sets(nbytes["fwd"])
+    assert sets > 1 and timer.gpu_log == [(sets, sets), (sets, 0), (sets, sets)]   # fwd, bwd alone, fwd+bwd
+    assert len(set(seen[1:1 + sets])) == sets                 # one distinct x per input set
+    table = {(r["metric"]): float(r["value"]) for r in rows.rows}
+    for d in ("fwd", "bwd", "fwdbwd"):
+        assert table[f"{d}_ms"] == 2.0 and table[f"{d}_gpu_ms"] == 0.5 and table[f"{d}_gpu_queue_full"] == 0.75
+        assert table[f"{d}_gpu_frac_copy"] == pytest.approx(nbytes[d] / 0.5e-3 / 1e9 / 100.0, rel=1e-5)
+        assert table[f"{d}_frac_copy"] == pytest.approx(nbytes[d] / 2e-3 / 1e9 / 100.0, rel=1e-5)
+        assert table[f"{d}_gpu_l2_reuse"] >= 2.0
+    assert ms["fwdbwd"] == 2.0 and ms["fwdbwd_gpu"] == 0.5
 
 
 def test_overlap_parts_are_a_list():

@@ -28,14 +28,15 @@ def by_name(summary, fragment):
     return found[0]
 
 
-def ln_rows(config, ms, copy_gbps=3000.0, nbytes=1e9):
+def ln_rows(config, ms, copy_gbps=3000.0, nbytes=1e9, clock=""):
     """fwd / bwd / fwdbwd rows of each provider in ``ms`` ({provider: (fwd, bwd, fwdbwd)}), with the
-    copy fraction derived from the time the way the benchmark derives it (bytes / time / copy)."""
+    copy fraction derived from the time the way the benchmark derives it (bytes / time / copy); ``clock``
+    "_gpu" writes the GPU-time metrics ({d}_gpu_ms, {d}_gpu_frac_copy) instead of the call time's."""
     rows = []
     for provider, times in ms.items():
         for direction, t in zip(("fwd", "bwd", "fwdbwd"), times):
-            rows.append((config, provider, f"{direction}_ms", t))
-            rows.append((config, provider, f"{direction}_frac_copy", nbytes / (t * 1e-3) / 1e9 / copy_gbps))
+            rows.append((config, provider, f"{direction}{clock}_ms", t))
+            rows.append((config, provider, f"{direction}{clock}_frac_copy", nbytes / (t * 1e-3) / 1e9 / copy_gbps))
     return rows
 
 
@@ -79,11 +80,62 @@ def test_layernorm_targets_take_the_fastest_seqpar_backend_and_the_worst_configu
     # vs torch.compile, per config compile / fastest seqpar fwd+bwd: small 2.0 / 1.5, large 1.2 / 1.2
     compiled = by_name(summary, "LayerNorm fwd+bwd speed vs torch-compile")
     assert compiled["value"] == pytest.approx(1.0) and compiled["goal"] == 1.2 and compiled["met"] is False
-    liger = by_name(summary, "vs liger-ln")          # measured on the small config only
+    liger = by_name(summary, "fwd+bwd speed vs liger-ln")          # measured on the small config only
     assert liger["value"] == pytest.approx(1.8 / 1.5, abs=1e-4) and liger["met"] is True
     assert "1 configurations" in liger["detail"]
-    apex = by_name(summary, "vs apex-ln")
+    apex = by_name(summary, "fwd+bwd speed vs apex-ln")
     assert apex["value"] is None and apex["met"] is None and "did not run" in apex["detail"]
+    # rows without GPU-time metrics: the kernel targets fall back to the call time and say so; the call-time
+    # entries carry the same values under their own names
+    assert "predate the GPU-time metric fwd_gpu_ms" in fwd["detail"]
+    call_fwd = by_name(summary, "LayerNorm fwd, eager call time (launch overhead included): fraction")
+    assert call_fwd["value"] == fwd["value"] and "predate" not in call_fwd["detail"]
+    call_compiled = by_name(summary, "LayerNorm fwd+bwd, eager call time (launch overhead included): speed vs "
+                                     "torch-compile")
+    assert call_compiled["value"] == pytest.approx(1.0) and call_compiled["goal"] == 1.2
+
+
+def test_kernel_targets_read_the_gpu_time_and_the_call_time_stays_beside_them(tmp_path):
+    """Rows of both clocks: launch-bound call times (every provider ~0.1 ms per call) and GPU times that
+    differ. The bandwidth and peer targets read the GPU time; the call-time entries keep the call time;
+    the GPU time's checks (a drained queue, data reused within 2 L2 sizes) are named in the detail."""
+    small, large = "tokens=256,h=1024,p=0.1,dtype=bfloat16", "tokens=16384,h=4096,p=0.0,dtype=bfloat16"
+    call = {"seqpar-triton": (0.1, 0.2, 0.3), "seqpar-cuda": (0.12, 0.25, 0.35), "torch-compile": (0.08, 0.15, 0.24),
+            "liger-ln": (0.1, 0.3, 0.36)}
+    rows = ln_rows(small, call) + ln_rows(large, {p: (10 * a, 10 * b, 10 * c) for p, (a, b, c) in call.items()})
+    rows += ln_rows(small, {"seqpar-triton": (0.4, 0.8, 1.2), "seqpar-cuda": (0.5, 0.6, 1.1),
+                            "torch-compile": (0.6, 1.2, 1.65), "liger-ln": (0.5, 1.0, 1.5)}, clock="_gpu")
+    rows += ln_rows(large, {"seqpar-triton": (1.0, 2.0, 3.0), "seqpar-cuda": (1.25, 2.5, 3.75),
+                            "torch-compile": (1.5, 2.4, 3.9), "liger-ln": (1.0, 4.0, 5.0)}, clock="_gpu")
+    rows += [(small, p, f"{d}_gpu_queue_full", 1.0) for p in call for d in ("fwd", "bwd", "fwdbwd")]
+    rows += [(large, p, f"{d}_gpu_queue_full", 0.5 if p == "torch-compile" else 1.0) for p in call
+             for d in ("fwd", "bwd", "fwdbwd")]
+    rows += [(small, p, f"{d}_gpu_l2_reuse", 2.0) for p in call for d in ("fwd", "bwd", "fwdbwd")]
+    rows += [(large, p, "fwd_gpu_l2_reuse", 1.5) for p in call]           # (as if the rotation were capped)
+    write_rows(tmp_path, "bench_layernorm_dropout", rows)
+    summary = S.summarize(str(tmp_path))
+    frac = 1e9 / 1e-3 / 1e9 / 3000.0                  # the fraction at 1 ms
+    fwd = by_name(summary, "LayerNorm fwd: fraction")
+    # GPU time: fastest fwd 0.4 (small, triton), 1.0 (large, triton): the worst is large
+    assert fwd["value"] == pytest.approx(frac / 1.0, abs=1e-4) and "tokens=16384" in fwd["detail"]
+    assert fwd["detail"].startswith("GPU time") and "predate" not in fwd["detail"]
+    assert "1 of 2 measurements reuse their data after less than 2 L2 sizes" in fwd["detail"]
+    assert "drained" not in fwd["detail"]
+    bwd = by_name(summary, "LayerNorm bwd: fraction")  # fastest bwd: cuda 0.6 (small), triton 2.0 (large)
+    assert bwd["value"] == pytest.approx(frac / 2.0, abs=1e-4) and "L2" not in bwd["detail"]
+    # vs torch-compile, GPU time: small 1.65 / 1.1 = 1.5, large 3.9 / 3.0 = 1.3; the large one drained
+    compiled = by_name(summary, "LayerNorm fwd+bwd speed vs torch-compile")
+    assert compiled["value"] == pytest.approx(1.3) and compiled["met"] is True
+    assert "drained in some batches of 1 of 4 measurements" in compiled["detail"]
+    liger = by_name(summary, "LayerNorm fwd+bwd speed vs liger-ln")     # small 1.5 / 1.1, large 5 / 3
+    assert liger["value"] == pytest.approx(1.5 / 1.1, abs=1e-4) and liger["met"] is True
+    # the call-time entries: fastest call fwd 0.1 ms (small) and 1.0 ms (large); compile 0.24 / 0.3 in both
+    call_fwd = by_name(summary, "LayerNorm fwd, eager call time (launch overhead included): fraction")
+    assert call_fwd["value"] == pytest.approx(frac / 1.0, abs=1e-4) and "GPU time" not in call_fwd["detail"]
+    call_name = "LayerNorm fwd+bwd, eager call time (launch overhead included): speed vs "
+    call_compiled = by_name(summary, call_name + "torch-compile")
+    assert call_compiled["value"] == pytest.approx(0.8) and call_compiled["met"] is False
+    assert by_name(summary, call_name + "liger-ln")["value"] == pytest.approx(1.2)
 
 
 def test_attention_targets_speed_vs_flash_and_the_s_squared_term(tmp_path):
@@ -154,6 +206,7 @@ def test_missing_rows_list_every_target_as_not_measured(tmp_path):
     assert all(v is None for v in summary["runs"].values())
     names = [t["name"] for t in summary["targets"]]
     for fragment in ("LayerNorm fwd", "LayerNorm bwd", "LayerNorm fwd+bwd speed vs torch-compile", "vs liger-ln",
+                     "LayerNorm fwd, eager call time (launch overhead included)", "rmsnorm fwd+bwd, eager call time",
                      "vs SDPA flash", "peak memory growth", "selective recompute overhead", "Megatron-Core", "22B shapes",
                      "175B shapes", "rmsnorm fwd", "swiglu bwd"):
         assert any(fragment in n for n in names), (fragment, names)
@@ -169,6 +222,9 @@ def test_cli_writes_the_summary_and_a_plot_per_benchmark(tmp_path, capsys):
     write_rows(tmp_path, "bench_attention", [("b=8 H=16 s=2048 d=128 causal=1 p=0.0 bf16", p, m, v)
                                              for p in ("seqpar-triton", "torch-sdpa-flash")
                                              for m, v in (("fwdbwd_ms", 2.0), ("fwdbwd_tflops", 300.0))])
+    rms = "op=rmsnorm,tokens=16384,h=4096,dtype=bfloat16"            # both clocks: the plot draws the GPU time
+    write_rows(tmp_path, "bench_llama_ops", ln_rows(rms, {"seqpar-cuda": (0.6, 1.0, 1.6)})
+               + ln_rows(rms, {"seqpar-cuda": (0.5, 0.9, 1.4)}, clock="_gpu"))
     out = tmp_path / "summary"
     assert S.main(["--rows", str(tmp_path), "--out", str(out)]) == 0
     summary = json.loads((out / "gpu_summary.json").read_text())
@@ -176,7 +232,9 @@ def test_cli_writes_the_summary_and_a_plot_per_benchmark(tmp_path, capsys):
     compiled = by_name(summary, "LayerNorm fwd+bwd speed vs torch-compile")
     assert compiled["value"] == pytest.approx(2.9 / 1.5, abs=1e-4) and compiled["met"] is True
     assert all(set(t) >= {"name", "value", "goal", "unit", "met"} for t in summary["targets"])
-    assert sorted(p.name for p in out.glob("*.png")) == ["gpu_attention.png", "gpu_layernorm.png"]
+    assert sorted(p.name for p in out.glob("*.png")) == ["gpu_attention.png", "gpu_layernorm.png", "gpu_llama_ops.png"]
+    rms_fwd = by_name(summary, "rmsnorm fwd: fraction")                 # from the GPU time 0.5 ms, not 0.6
+    assert rms_fwd["value"] == pytest.approx(1e9 / 0.5e-3 / 1e9 / 3000.0, abs=1e-4)
     printed = capsys.readouterr().out
     assert "met  bias-dropout-add + LayerNorm fwd+bwd speed vs torch-compile" in printed
     assert "---- " in printed                          # the targets nobody measured are listed too
@@ -214,3 +272,21 @@ def test_profiles_give_each_case_its_kernels_from_each_tools_latest_run(tmp_path
                                        dict(kernel="fwd", calls=1.0, device_us=1500.0)]
     assert prof["ln-b"] == {"torch": [dict(kernel="ln_fwd", device_us=12.0)]}
     assert "profile attn-a: _attn_bwd_kernel: us 2500, occ% 31" in S.format_targets(S.summarize(str(tmp_path)))
+
+
+def test_long_cpp_kernel_names_are_shortened_in_the_printout_only(tmp_path):
+    flash = ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, "
+             "cutlass::bfloat16_t>, false, true>(pytorch_flash::Flash_fwd_params)")
+    long_plain = "triton_per_fused_add_native_layer_norm_native_dropout_" + "x" * 40
+    write_rows(tmp_path, "profile_kernels", [("ln-c", "torch", flash, "device_us", 90.0),
+                                             ("ln-c", "torch", long_plain, "device_us", 80.0),
+                                             ("ln-c", "torch", "_fwd_kernel", "device_us", 12.0)],
+               columns=("case", "tool", "kernel", "metric", "value"))
+    summary = S.summarize(str(tmp_path))
+    assert [k["kernel"] for k in summary["profiles"]["ln-c"]["torch"]] == [flash, long_plain, "_fwd_kernel"]
+    printed = S.format_targets(summary)
+    assert "profile ln-c: pytorch_flash::flash_fwd_kernel<...>: 90 us" in printed
+    assert f"profile ln-c: {long_plain[:57]}...: 80 us" in printed and "profile ln-c: _fwd_kernel: 12 us" in printed
+    assert "Flash_fwd_params" not in printed
+    assert S.short_kernel("at::native::vectorized_elementwise_kernel(int, T2)") == \
+        "at::native::vectorized_elementwise_kernel<...>"
