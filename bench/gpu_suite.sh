@@ -6,18 +6,20 @@
 #
 #   tests      every gpu-marked test, 12 pytest-xdist workers (the image has pytest-xdist): Triton's
 #              compiles, which dominate, run on 12 of the 16 cores (limit 300 s; 377 tests took 164 s)
-#   norms      bench_layernorm_dropout, bench_llama_ops (200 + 150 s; took 136 s with 4 providers, and
-#              95+ s: the Llama ops ran past a 95 s limit in RoPE)
+#   norms      bench_layernorm_dropout, bench_llama_ops (280 + 180 s; took 136 s with 4 providers and 95+ s
+#              (past a 95 s limit, in RoPE) before the device-time measurement joined the call time)
 #   attention  bench_attention, its Triton compiles first, in parallel (100 + 150 s; took 25 + 90 s)
 #   layer      python -m seqpar bench --device cuda (the paper's five experiments, 22B layer),
 #              Megatron-Core's layer at the same shape, bench_overlap's chunked-GEMM cost
 #              (--part gemm,project) (150 + 120 + 150 s; took 41 s, -, 11 s)
 #   profile    bench/profile_kernels.py: Nsight Compute (throughput vs peak, occupancy, registers) and
 #              torch.profiler over one fwd+bwd step of the attention and LayerNorm kernels and their
-#              peers, for the note on a missed target (300 + 100 s; ncu ran past 170 s, torch took 16 s)
+#              peers, for the note on a missed target (300 + 100 s; ncu ran past 170 s, torch took 16 s;
+#              RMSNorm and SwiGLU cases joined since)
 # ("took": the first GPU run, an H200, 2026-11-25; the install took 40 s cold.)
-# With 15 device minutes (a start costs 1-2 of them) and a machine that stays warm 30 s after a call:
-# `tests attention norms` in one call (about 450 s), then at once `layer profile` on the warm machine.
+# With 15 device minutes (the first start took 35 s of them) and a machine that stays warm 30 s after a
+# call: `tests attention norms` in one call, then at once `layer profile` on the warm machine (the first
+# run did the same parts in 444 + 77 + 187 s).
 #
 # The call installs seqpar first (CMake rebuilds only what changed: build/ is kept on a warm machine),
 # keeps Triton's cache in .triton_cache/ (also kept on a warm machine), and installs the peers' wheels
@@ -71,8 +73,8 @@ for part in "$@"; do
       python3 -c "import xdist" 2>/dev/null && workers=(-n 12)   # else one process: compiles in series
       OMP_NUM_THREADS=1 step 300 python3 -m pytest -q -m gpu -ra --durations=15 "${workers[@]}" tests ;;
     norms)
-      step 200 python3 bench/bench_layernorm_dropout.py --out "$OUT" --tokens 256,1024,16384 --hidden 1024,4096,12288
-      step 150 python3 bench/bench_llama_ops.py --out "$OUT" ;;
+      step 280 python3 bench/bench_layernorm_dropout.py --out "$OUT" --tokens 256,1024,16384 --hidden 1024,4096,12288
+      step 180 python3 bench/bench_llama_ops.py --out "$OUT" ;;
     attention)
       # A cold bench_attention spends minutes compiling its ~50 autotune configurations one after another:
       # compile them first in four processes at once (one per head dim and dropout, each with its own
