@@ -52,7 +52,8 @@ The triton backend supports head dims ``d`` in 16..128 (multiples of 8; 32, 64, 
 common ones) and returns ``o`` (and the gradients) as [b, heads, s, d] views of contiguous
 [s, b, heads, d] buffers, so a layer can reshape ``o`` to [s, b, heads * d] without a copy. Both
 kernel backends are ``torch.library`` custom ops (``seqpar::attention_core_{triton,cuda}_{fwd,bwd}``)
-with fake implementations, so ``torch.compile`` traces through them.
+with fake implementations, so ``torch.compile`` traces through them (eager calls run their launchers
+directly: :func:`seqpar.ops.registry.kernel_op`).
 """
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ def _torch_forward(q, k, v, causal: bool, scale: float, spec: DropoutSpec):
         keep = attention_keep_mask(spec, b, heads, s_q, s_k, q.device)
         dropped = name_storage((probs.float() * keep * spec.scale).to(q.dtype), "dropout output")
     o = torch.matmul(group_rows(dropped.float(), kv_heads), v.float())
-    return o.view(b, heads, s_q, d).to(q.dtype), (probs, dropped)
+    return registry.cast(o.view(b, heads, s_q, d), q.dtype), (probs, dropped)
 
 
 def _torch_backward(grad_o, q, k, v, saved, causal: bool, scale: float, spec: DropoutSpec):
@@ -139,7 +140,7 @@ def _seq_major_empty(b: int, heads: int, s: int, d: int, like: torch.Tensor) -> 
     return like.new_empty((s, b, heads, d)).permute(1, 2, 0, 3)
 
 
-@torch.library.custom_op("seqpar::attention_core_triton_fwd", mutates_args=())
+@registry.kernel_op("seqpar::attention_core_triton_fwd")
 def _triton_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                    drop_threshold: int, seed: int, row_offset: int) -> Tuple[torch.Tensor, torch.Tensor]:
     from ..triton_kernels.attention import attention_fwd
@@ -154,7 +155,7 @@ def _(q, k, v, causal, scale, drop_threshold, seed, row_offset):
     return _seq_major_empty(b, heads, s_q, d, q), q.new_empty((b, heads, s_q), dtype=torch.float32)
 
 
-@torch.library.custom_op("seqpar::attention_core_triton_bwd", mutates_args=())
+@registry.kernel_op("seqpar::attention_core_triton_bwd")
 def _triton_bwd_op(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, causal: bool, scale: float, drop_threshold: int, seed: int,
                    row_offset: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -222,7 +223,7 @@ def _cuda_launch_args(probs_shape, dtype: torch.dtype, causal: bool, drop_thresh
             int(row_offset) if active else 0, int(drop_threshold), _ext.cuda_stream(device))
 
 
-@torch.library.custom_op("seqpar::attention_core_cuda_fwd", mutates_args=())
+@registry.kernel_op("seqpar::attention_core_cuda_fwd")
 def _cuda_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                  drop_threshold: int, seed: int, row_offset: int) -> Tuple[torch.Tensor, torch.Tensor]:
     b, heads, s_q, d = q.shape
@@ -245,7 +246,7 @@ def _(q, k, v, causal, scale, drop_threshold, seed, row_offset):
     return q.new_empty((b, heads, s_q, d)), q.new_empty((b, heads, s_q, k.shape[2]))
 
 
-@torch.library.custom_op("seqpar::attention_core_cuda_bwd", mutates_args=())
+@registry.kernel_op("seqpar::attention_core_cuda_bwd")
 def _cuda_bwd_op(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, probs: torch.Tensor,
                  causal: bool, scale: float, drop_threshold: int, seed: int,
                  row_offset: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -316,11 +317,12 @@ class _AttentionCore(torch.autograd.Function):
         return o
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @registry.once_differentiable
     def backward(ctx, grad_o):
         q, k, v, *saved = ctx.saved_tensors
         grad_q, grad_k, grad_v = ctx.impl.backward(grad_o, q, k, v, tuple(saved), *ctx.args)
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None
+        return (registry.cast(grad_q, q.dtype), registry.cast(grad_k, k.dtype), registry.cast(grad_v, v.dtype),
+                None, None, None, None)
 
 
 def _check_inputs(q, k, v, enable_gqa: bool) -> None:

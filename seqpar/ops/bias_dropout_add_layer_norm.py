@@ -44,7 +44,8 @@ The paper's largest models (530B: h = 20480, 1T: h = 25600) take the chunked ker
 All three draw the same dropout mask for the same (seed, row_offset): residual_out is bitwise equal
 across backends. The kernel backends are ``torch.library`` custom ops
 (``seqpar::bias_dropout_add_layer_norm_{triton,cuda}_{fwd,bwd}``) with fake implementations, so
-``torch.compile`` traces through them; their backward returns grad_bias as zeros when there is no bias
+``torch.compile`` traces through them (eager calls run their launchers directly:
+:func:`seqpar.ops.registry.kernel_op`); their backward returns grad_bias as zeros when there is no bias
 (a custom op can't return None), and the backend drops it.
 """
 from __future__ import annotations
@@ -65,12 +66,13 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # ----------------------------------------------------------------------------- torch reference
 def _torch_forward(x, bias, residual, ln_weight, ln_bias, eps: float, spec: DropoutSpec):
     h = x.float() if bias is None else x.float() + bias.float()
-    residual_out = (residual.float() + apply_keep_mask(h, spec)).to(residual.dtype)
-    r = residual_out.float()  # statistics of the stored (rounded) residual keep backward consistent
+    residual_out = registry.cast(residual.float() + apply_keep_mask(h, spec), residual.dtype)
+    # statistics of the stored (rounded) residual keep backward consistent. cast, not .float(): see registry.cast
+    r = registry.cast(residual_out, torch.float32)
     mean = r.mean(dim=1)
     rstd = torch.rsqrt((r - mean[:, None]).square().mean(dim=1) + eps)
     y = (r - mean[:, None]) * rstd[:, None] * ln_weight.float() + ln_bias.float()
-    return y.to(x.dtype), residual_out, mean, rstd
+    return registry.cast(y, x.dtype), residual_out, mean, rstd
 
 
 def _torch_backward(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd,
@@ -119,7 +121,7 @@ def _kernel_backend(name: str, fwd_op, bwd_op) -> registry.Backend:
 
 
 # ----------------------------------------------------------------------------- triton backend
-@torch.library.custom_op("seqpar::bias_dropout_add_layer_norm_triton_fwd", mutates_args=())
+@registry.kernel_op("seqpar::bias_dropout_add_layer_norm_triton_fwd")
 def _triton_fwd_op(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, ln_weight: torch.Tensor,
                    ln_bias: torch.Tensor, eps: float, drop_threshold: int, seed: int, row_offset: int
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -134,7 +136,7 @@ def _(x, bias, residual, ln_weight, ln_bias, eps, drop_threshold, seed, row_offs
     return _fwd_fake(x, residual)
 
 
-@torch.library.custom_op("seqpar::bias_dropout_add_layer_norm_triton_bwd", mutates_args=())
+@registry.kernel_op("seqpar::bias_dropout_add_layer_norm_triton_bwd")
 def _triton_bwd_op(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual_out: torch.Tensor,
                    ln_weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, drop_threshold: int, seed: int,
                    row_offset: int, has_bias: bool
@@ -164,12 +166,12 @@ def _cuda_params(ln_weight: torch.Tensor, ln_bias: torch.Tensor):
 
 def _vectorized(dtype: torch.dtype, h: int, tensors, strides=()) -> bool:
     """True when the kernels may use 16-byte accesses: aligned pointers, row starts on 16-byte boundaries."""
-    vec = 16 // torch.empty((), dtype=dtype).element_size()
+    vec = 16 // dtype.itemsize
     return (h % vec == 0 and all(s % vec == 0 for s in strides)
             and all(t.data_ptr() % 16 == 0 for t in tensors if t is not None))
 
 
-@torch.library.custom_op("seqpar::bias_dropout_add_layer_norm_cuda_fwd", mutates_args=())
+@registry.kernel_op("seqpar::bias_dropout_add_layer_norm_cuda_fwd")
 def _cuda_fwd_op(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, ln_weight: torch.Tensor,
                  ln_bias: torch.Tensor, eps: float, drop_threshold: int, seed: int, row_offset: int
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -194,7 +196,7 @@ def _(x, bias, residual, ln_weight, ln_bias, eps, drop_threshold, seed, row_offs
     return _fwd_fake(x, residual)
 
 
-@torch.library.custom_op("seqpar::bias_dropout_add_layer_norm_cuda_bwd", mutates_args=())
+@registry.kernel_op("seqpar::bias_dropout_add_layer_norm_cuda_bwd")
 def _cuda_bwd_op(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual_out: torch.Tensor,
                  ln_weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, drop_threshold: int, seed: int,
                  row_offset: int, has_bias: bool
@@ -235,27 +237,50 @@ def _select_backend_name(backend: str, device: torch.device, h: int) -> str:
 
 
 # ----------------------------------------------------------------------------- autograd
+def _unflatten_rows(t2d: torch.Tensor, shape) -> torch.Tensor:
+    """An autograd.Function's ``[rows, h]`` output as ``shape``, sharing its storage and version counter.
+    Not a view to autograd (detached): a view created inside a custom Function could not be modified in
+    place by the caller, and the op's outputs can (as before, when the view was taken outside)."""
+    return t2d.view(*shape).detach()  # ints: cheaper to parse than a torch.Size
+
+
 class _BiasDropoutAddLayerNorm(torch.autograd.Function):
+    """On x / residual of any rank: the [rows, h] views are taken in here (grad mode off: no view nodes
+    in the autograd graph) and the gradients reshaped back."""
+
     @staticmethod
     def forward(ctx, x, bias, residual, ln_weight, ln_bias, eps, spec, impl):
+        shape = x.shape
+        if len(shape) != 2:
+            x, residual = x.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1])
         y, residual_out, mean, rstd = impl.forward(x, bias, residual, ln_weight, ln_bias, eps, spec)
         ctx.save_for_backward(residual_out, ln_weight, mean, rstd)
-        ctx.spec, ctx.impl = spec, impl
+        ctx.spec, ctx.impl, ctx.shape = spec, impl, shape
         ctx.dtypes = (x.dtype, None if bias is None else bias.dtype, residual.dtype,
                       ln_weight.dtype, ln_bias.dtype)
+        if len(shape) != 2:
+            return _unflatten_rows(y, shape), _unflatten_rows(residual_out, shape)
         return y, residual_out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @registry.once_differentiable
     def backward(ctx, grad_y, grad_residual_out):
         residual_out, ln_weight, mean, rstd = ctx.saved_tensors
         if grad_y is None:
             grad_y = torch.zeros_like(residual_out)
         if grad_residual_out is None:
             grad_residual_out = torch.zeros_like(residual_out)
-        grads = ctx.impl.backward(grad_y.contiguous(), grad_residual_out.contiguous(), residual_out,
-                                  ln_weight, mean, rstd, ctx.spec, ctx.dtypes[1] is not None)
-        grads = tuple(None if g is None else g.to(dt) for g, dt in zip(grads, ctx.dtypes))
+        if len(ctx.shape) != 2:
+            rows = residual_out.shape
+            grad_y, grad_residual_out = grad_y.reshape(rows), grad_residual_out.reshape(rows)
+        grad_x, grad_bias, grad_res, grad_w, grad_b = ctx.impl.backward(
+            grad_y.contiguous(), grad_residual_out.contiguous(), residual_out, ln_weight, mean, rstd, ctx.spec,
+            ctx.dtypes[1] is not None)
+        if len(ctx.shape) != 2:
+            grad_x, grad_res = grad_x.reshape(ctx.shape), grad_res.reshape(ctx.shape)
+        grads = (grad_x, grad_bias, grad_res, grad_w, grad_b)
+        # a cast only where a backend returned another dtype (fp32 column sums of low-precision parameters)
+        grads = tuple(None if g is None else registry.cast(g, dt) for g, dt in zip(grads, ctx.dtypes))
         return grads + (None, None, None)
 
 
@@ -268,6 +293,28 @@ def check_row_inputs(x, residual, weights: dict, eps, dtypes, *, residual_option
     tensor; all of them and ``on_device`` on one device; ``eps`` a positive finite number. A ValueError
     names the argument.
     """
+    # Fast path (called on every op call): the common valid case in one pass. Whatever it doesn't accept
+    # goes to _explain_row_inputs, the full checks, which raise the ValueError naming the argument (or
+    # accept it after all: e.g. eps a float subclass).
+    if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.dtype in dtypes and \
+            (type(eps) is float or type(eps) is int) and 0 < eps < math.inf:
+        shape, device = x.shape, x.device
+        h = shape[-1]
+        ok = h != 0 and ((residual is None and residual_optional) or (
+            isinstance(residual, torch.Tensor) and residual.shape == shape and residual.dtype == x.dtype
+            and residual.device == device))
+        for t in weights.values():
+            ok = ok and isinstance(t, torch.Tensor) and t.dim() == 1 and t.shape[0] == h and \
+                t.is_floating_point() and t.device == device
+        for t in on_device:
+            ok = ok and isinstance(t, torch.Tensor) and t.device == device
+        if ok:
+            return h
+    return _explain_row_inputs(x, residual, weights, eps, dtypes, residual_optional, on_device)
+
+
+def _explain_row_inputs(x, residual, weights: dict, eps, dtypes, residual_optional: bool, on_device) -> int:
+    """:func:`check_row_inputs`, one check at a time, each with its own ValueError."""
     named = {"x": x, **({} if residual is None and residual_optional else {"residual": residual}), **weights}
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
@@ -326,7 +373,4 @@ def bias_dropout_add_layer_norm(x: torch.Tensor, bias: Optional[torch.Tensor], r
     h = _check_inputs(x, bias, residual, ln_weight, ln_bias, eps)
     spec = make_dropout_spec(p, training, seed, row_offset)
     impl = registry.get(OP, _select_backend_name(backend, x.device, h))
-    shape = x.shape
-    y, residual_out = _BiasDropoutAddLayerNorm.apply(
-        x.reshape(-1, h), bias, residual.reshape(-1, h), ln_weight, ln_bias, float(eps), spec, impl)
-    return y.view(shape), residual_out.view(shape)
+    return _BiasDropoutAddLayerNorm.apply(x, bias, residual, ln_weight, ln_bias, float(eps), spec, impl)

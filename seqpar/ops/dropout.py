@@ -10,6 +10,7 @@ import dataclasses
 
 import torch
 
+from . import registry
 from .. import _ext
 from ..random import dropout_keep_mask, dropout_scale, dropout_threshold, resolve_seed
 
@@ -28,16 +29,18 @@ class DropoutSpec:
     row_offset: int = 0
 
     def __post_init__(self) -> None:
-        dropout_threshold(self.p)
+        # Validates p; P is kept (not a field: equality, hashing and repr stay those of p, seed, row_offset)
+        # because the ops read it several times per call.
+        object.__setattr__(self, "_threshold", dropout_threshold(self.p))
 
     @property
     def threshold(self) -> int:
         """``P = round(p * 256)``: an element is kept iff its mask byte is >= P."""
-        return dropout_threshold(self.p)
+        return self._threshold
 
     @property
     def active(self) -> bool:
-        return self.threshold > 0
+        return self._threshold > 0
 
     @property
     def scale(self) -> float:
@@ -50,6 +53,9 @@ class DropoutSpec:
         return dropout_keep_mask(self.seed, rows, n_cols, self.threshold)
 
 
+_NO_DROPOUT = DropoutSpec()  # immutable: shared by every call without active dropout
+
+
 def make_dropout_spec(p: float, training: bool, seed, row_offset: int = 0) -> DropoutSpec:
     """Validate ``p`` (ValueError outside [0, 1) or when ``round(p * 256) >= 256``) and resolve the seed
     when dropout is active (``round(p * 256) > 0`` and training)."""
@@ -57,7 +63,7 @@ def make_dropout_spec(p: float, training: bool, seed, row_offset: int = 0) -> Dr
     if not isinstance(row_offset, int) or row_offset < 0:
         raise ValueError(f"row_offset must be a non-negative int, got {row_offset!r}")
     if not training or threshold == 0:
-        return DropoutSpec()
+        return _NO_DROPOUT
     return DropoutSpec(float(p), resolve_seed(seed), row_offset)
 
 
@@ -89,7 +95,7 @@ class _Dropout(torch.autograd.Function):
         return apply_keep_mask(x.reshape(-1, h), spec).view(x.shape)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @registry.once_differentiable
     def backward(ctx, grad):
         h = grad.shape[-1]
         return apply_keep_mask(grad.reshape(-1, h), ctx.spec).view(grad.shape), None

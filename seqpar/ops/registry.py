@@ -7,13 +7,17 @@ can't run raises ``ValueError`` with the reason. Auto falls back without raising
 visible: ``python -m seqpar info`` prints, per op and device, the backend auto picks, why each one before
 it is skipped and the input limits of each backend (:func:`auto_report`), and :func:`record_selections`
 collects the backends that actually ran (the bench rows record them).
+
+Kernel launches go through :func:`kernel_op`: a ``torch.library`` custom op (what torch.compile traces, with
+a fake implementation) that eager calls skip, calling the launcher directly.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
-from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
 
@@ -190,3 +194,69 @@ def describe_limits(backend: Backend) -> str:
         return ""
     doc = (getattr(backend.check, "__doc__", None) or "").strip()
     return doc.splitlines()[0] if doc else "some inputs (not described; the check names them when it refuses)"
+
+
+# ----------------------------------------------------------------------------- kernel launches
+def tracing() -> bool:
+    """True while a graph is being captured: torch.compile / torch.export (Dynamo folds
+    ``torch.compiler.is_compiling()`` to True in the frames it traces), a Python dispatch mode
+    (FakeTensorMode, make_fx's proxy mode, FlopCounterMode, ...) or ``torch.jit.trace``."""
+    # Dynamo folds is_compiling() to True, so it never evaluates the two C calls after it.
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_tracing()
+
+
+def kernel_op(name: str, launcher: Optional[Callable] = None, *, mutates_args: Iterable[str] = ()):
+    """Register ``launcher`` as the ``torch.library`` custom op ``name`` and return a callable that runs
+    the custom op while :func:`tracing` and ``launcher`` itself otherwise. Usable as a decorator, like
+    ``torch.library.custom_op``; the result has ``register_fake`` (of the op), ``op`` (the
+    ``CustomOpDef``, also ``torch.ops.<name>``) and ``launcher``.
+
+    Why: the custom op exists for graph capture, where the kernel launch must be one opaque node with a
+    fake (shape-only) implementation. In eager mode its dispatcher path (the autograd kernel torch
+    registers for every custom op, a redispatch below autograd, the output-aliasing checks, a
+    Dynamo-disable wrapper) adds tens of microseconds per call and nothing else: the gradients come from
+    seqpar's own autograd.Functions, whose forward and backward already run with grad mode off, and a
+    mutated argument's version counter is bumped by ``ctx.mark_dirty``. Both paths run the same launcher
+    on the same arguments, so results are identical. Under the torch profiler the direct launch is a
+    ``record_function`` range named ``name``, so profiles still attribute the kernels to the op.
+    """
+    if launcher is None:
+        return functools.partial(kernel_op, name, mutates_args=mutates_args)
+    op = torch.library.custom_op(name, launcher, mutates_args=mutates_args)
+
+    def call(*args):
+        if tracing():
+            return op(*args)
+        if torch.autograd._profiler_enabled():
+            # profiles and traces name the launch after the op, as the custom op's own dispatch did
+            with torch.profiler.record_function(name):
+                return launcher(*args)
+        return launcher(*args)
+
+    call.__name__ = call.__qualname__ = getattr(launcher, "__name__", "kernel_op")
+    call.__doc__ = launcher.__doc__
+    call.op, call.launcher, call.register_fake = op, launcher, op.register_fake
+    return call
+
+
+def once_differentiable(backward: Callable) -> Callable:
+    """``torch.autograd.function.once_differentiable`` for an autograd.Function's backward, minus its cost
+    in the common case: when grad mode is off (a backward without ``create_graph``) its ``no_grad`` block
+    and output wrapping do nothing, so the backward runs as is; otherwise torch's wrapper runs (double
+    backward through the op raises)."""
+    wrapped = torch.autograd.function.once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def call(ctx, *grads):
+        return wrapped(ctx, *grads) if torch.is_grad_enabled() else backward(ctx, *grads)
+
+    return call
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, without the call when t already has it: a no-op call saved per output and gradient,
+    and a torch.compile bug avoided. Under torch 2.11 (fixed by 2.13), a no-op ``.to`` / ``.float()`` /
+    ``.contiguous()`` (one returning its input) in an autograd.Function's forward, on a tensor the forward
+    returns, lost that output's gradient in the compiled graph (zeros, no error): the torch references'
+    gradients came out wrong under torch.compile for fp32 inputs."""
+    return t if t.dtype == dtype else t.to(dtype)

@@ -55,7 +55,8 @@ cuda      ``csrc/rms_norm.cu``: 16-byte vectors, warp per row (small h) or   any
 ========  ================================================================  ==========
 
 The kernel backends are ``torch.library`` custom ops (``seqpar::add_rms_norm_{triton,cuda}_{fwd,bwd}``)
-with fake implementations, so ``torch.compile`` traces through them. A custom op can't return an input
+with fake implementations, so ``torch.compile`` traces through them (eager calls run their launchers
+directly: :func:`seqpar.ops.registry.kernel_op`). A custom op can't return an input
 or None, so without a residual their forward returns an empty residual_out and the backend substitutes x.
 """
 from __future__ import annotations
@@ -65,7 +66,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import registry
-from .bias_dropout_add_layer_norm import _vectorized, check_row_inputs
+from .bias_dropout_add_layer_norm import _unflatten_rows, _vectorized, check_row_inputs
 from .. import _ext
 
 OP = "add_rms_norm"
@@ -87,10 +88,10 @@ def float64_torch_only(dtype=None, **_):
 # ----------------------------------------------------------------------------- torch reference
 def _torch_forward(x, residual, weight, eps: float):
     acc = acc_dtype(x.dtype)
-    residual_out = x if residual is None else (x.to(acc) + residual.to(acc)).to(x.dtype)
-    r = residual_out.to(acc)
+    residual_out = x if residual is None else registry.cast(x.to(acc) + residual.to(acc), x.dtype)
+    r = registry.cast(residual_out, acc)  # not .to: see registry.cast
     rstd = torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps)  # LlamaRMSNorm's ops, in its order
-    y = (weight.to(acc) * (r * rstd).to(x.dtype).to(acc)).to(x.dtype)
+    y = registry.cast(weight.to(acc) * (r * rstd).to(x.dtype).to(acc), x.dtype)
     return y, residual_out, rstd.squeeze(-1)
 
 
@@ -138,7 +139,7 @@ def _kernel_backend(name: str, fwd_op, bwd_op) -> registry.Backend:
 
 
 # ----------------------------------------------------------------------------- triton backend
-@torch.library.custom_op("seqpar::add_rms_norm_triton_fwd", mutates_args=())
+@registry.kernel_op("seqpar::add_rms_norm_triton_fwd")
 def _triton_fwd_op(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from ..triton_kernels import rms_norm as kernels
@@ -153,7 +154,7 @@ def _(x, residual, weight, eps):
     return _fwd_fake(x, residual is not None)
 
 
-@torch.library.custom_op("seqpar::add_rms_norm_triton_bwd", mutates_args=())
+@registry.kernel_op("seqpar::add_rms_norm_triton_bwd")
 def _triton_bwd_op(grad_y: torch.Tensor, grad_residual_out: Optional[torch.Tensor], residual_out: torch.Tensor,
                    weight: torch.Tensor, rstd: torch.Tensor, residual_grad: bool
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -179,7 +180,7 @@ def _cuda_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.contiguous() if weight.dtype in _ext.DTYPE_CODES else weight.float()  # [h]: negligible
 
 
-@torch.library.custom_op("seqpar::add_rms_norm_cuda_fwd", mutates_args=())
+@registry.kernel_op("seqpar::add_rms_norm_cuda_fwd")
 def _cuda_fwd_op(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ext = _ext.cuda_extension()
@@ -202,7 +203,7 @@ def _(x, residual, weight, eps):
     return _fwd_fake(x, residual is not None)
 
 
-@torch.library.custom_op("seqpar::add_rms_norm_cuda_bwd", mutates_args=())
+@registry.kernel_op("seqpar::add_rms_norm_cuda_bwd")
 def _cuda_bwd_op(grad_y: torch.Tensor, grad_residual_out: Optional[torch.Tensor], residual_out: torch.Tensor,
                  weight: torch.Tensor, rstd: torch.Tensor, residual_grad: bool
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -245,33 +246,48 @@ def _select_backend_name(backend: str, device: torch.device, dtype: torch.dtype)
 
 
 # ----------------------------------------------------------------------------- autograd
+def _rows(t: torch.Tensor, h: int) -> torch.Tensor:
+    """``[rows, h]`` view of t (a copy only when its layout has none), with unit column stride."""
+    t2d = t if t.dim() == 2 else t.reshape(-1, h)
+    return t2d if t2d.stride(-1) == 1 or t2d.shape[0] == 0 else t2d.contiguous()
+
+
 class _AddRMSNorm(torch.autograd.Function):
+    """On x / residual of any rank and layout: the ``[rows, h]`` views (or copies) are taken in here
+    (grad mode off: no view or copy nodes in the autograd graph) and the gradients reshaped back."""
+
     @staticmethod
     def forward(ctx, x, residual, weight, eps, impl):
-        y, residual_out, rstd = impl.forward(x, residual, weight, eps)
+        shape = x.shape
+        h = shape[-1]
+        y, residual_out, rstd = impl.forward(_rows(x, h), None if residual is None else _rows(residual, h),
+                                             weight, eps)
         ctx.save_for_backward(residual_out, weight, rstd)
-        ctx.impl, ctx.has_residual = impl, residual is not None
+        ctx.impl, ctx.has_residual, ctx.shape = impl, residual is not None, shape
         ctx.set_materialize_grads(False)  # an unused residual_out costs no zeros tensor to read
+        if len(shape) != 2:
+            return _unflatten_rows(y, shape), _unflatten_rows(residual_out, shape)
         return y, residual_out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @registry.once_differentiable
     def backward(ctx, grad_y, grad_residual_out):
         residual_out, weight, rstd = ctx.saved_tensors
         if grad_y is None:
             grad_y = torch.zeros(residual_out.shape, dtype=residual_out.dtype, device=residual_out.device)
+        elif len(ctx.shape) != 2:
+            grad_y = grad_y.reshape(residual_out.shape)
+        if grad_residual_out is not None and len(ctx.shape) != 2:
+            grad_residual_out = grad_residual_out.reshape(residual_out.shape)
         x_grad, res_grad = ctx.needs_input_grad[0], ctx.has_residual and ctx.needs_input_grad[1]
         grad_x, grad_res, grad_weight = ctx.impl.backward(grad_y.contiguous(), grad_residual_out, residual_out,
                                                           weight, rstd, x_grad and res_grad)
         if not x_grad:  # the one tensor goes to whichever input needs it
             grad_x, grad_res = None, (grad_x if res_grad else None)
-        return grad_x, grad_res, grad_weight.to(weight.dtype), None, None
-
-
-def _rows(t: torch.Tensor, h: int) -> torch.Tensor:
-    """``[rows, h]`` view of t (a copy only when its layout has none), with unit column stride."""
-    t2d = t.reshape(-1, h)
-    return t2d if t2d.stride(-1) == 1 or t2d.shape[0] == 0 else t2d.contiguous()
+        if len(ctx.shape) != 2:
+            grad_x = None if grad_x is None else grad_x.reshape(ctx.shape)
+            grad_res = None if grad_res is None else grad_res.reshape(ctx.shape)
+        return grad_x, grad_res, registry.cast(grad_weight, weight.dtype), None, None
 
 
 def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, *, eps: float = 1e-6,
@@ -286,9 +302,6 @@ def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
         eps: added to the mean square (positive, finite).
         backend: "auto" | "torch" | "triton" | "cuda" (see :mod:`seqpar.ops.registry`).
     """
-    h = check_row_inputs(x, residual, {"weight": weight}, eps, _DTYPES, residual_optional=True)
+    check_row_inputs(x, residual, {"weight": weight}, eps, _DTYPES, residual_optional=True)
     impl = registry.get(OP, _select_backend_name(backend, x.device, x.dtype))
-    shape = x.shape
-    y, residual_out = _AddRMSNorm.apply(_rows(x, h), None if residual is None else _rows(residual, h), weight,
-                                        float(eps), impl)
-    return y.view(shape), residual_out.view(shape)
+    return _AddRMSNorm.apply(x, residual, weight, float(eps), impl)

@@ -46,7 +46,8 @@ cuda      ``csrc/rotary.cu``: a block per (sequence row, group of heads),   any 
 The kernels compute cos / sin themselves (the accurate ``cosf`` / ``sinf`` on CUDA, as torch's cos / sin
 are) from ``inv_freq`` computed by torch on the CPU exactly as HF does; they take q and k with unit stride
 along d (another stride is copied first, or refused with ``inplace=True``). Custom ops:
-``seqpar::rotary_embedding_{triton,cuda}`` (out of place) and ``..._inplace`` (mutating x).
+``seqpar::rotary_embedding_{triton,cuda}`` (out of place) and ``..._inplace`` (mutating x); eager calls run
+their launchers directly (:func:`seqpar.ops.registry.kernel_op`).
 """
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ def _torch_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     half, acc = x.shape[-1] // 2, acc_dtype(x.dtype)
     x1, x2 = x[..., :half].to(acc), x[..., half:].to(acc)
     c, s = cos[:, None, None, :].to(acc), sin[:, None, None, :].to(acc)
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+    return registry.cast(torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1), x.dtype)
 
 
 def _torch_forward(x, position_offset: int, theta: float, inplace: bool):
@@ -120,9 +121,9 @@ def _kernel_backend(name: str, rotate, check) -> registry.Backend:
     def in_place(x: torch.Tensor, position_offset: int, theta: float, inverse: bool) -> None:
         rotate(x, x, position_offset, theta, inverse)
 
-    out_of_place_op = torch.library.custom_op(f"seqpar::rotary_embedding_{name}", out_of_place, mutates_args=())
+    out_of_place_op = registry.kernel_op(f"seqpar::rotary_embedding_{name}", out_of_place)
     out_of_place_op.register_fake(lambda x, position_offset, theta, inverse: _new_like(x))
-    inplace_op = torch.library.custom_op(f"seqpar::rotary_embedding_{name}_inplace", in_place, mutates_args=("x",))
+    inplace_op = registry.kernel_op(f"seqpar::rotary_embedding_{name}_inplace", in_place, mutates_args=("x",))
 
     def forward(x, position_offset: int, theta: float, inplace: bool):
         if inplace:
@@ -199,7 +200,7 @@ class _RotaryEmbedding(torch.autograd.Function):
         return x_rot
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @registry.once_differentiable
     def backward(ctx, grad_x_rot):
         return ctx.impl.backward(grad_x_rot, ctx.position_offset, ctx.theta), None, None, None, None
 

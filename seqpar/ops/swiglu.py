@@ -34,7 +34,8 @@ cuda      ``csrc/swiglu.cu``: 16-byte vectors, grid-stride loop     any
 
 float64 inputs (for gradcheck) run on the torch backend, in float64. The kernel backends are
 ``torch.library`` custom ops (``seqpar::swiglu_{triton,cuda}_{fwd,bwd}``) with fake implementations, so
-``torch.compile`` traces through them.
+``torch.compile`` traces through them (eager calls run their launchers directly:
+:func:`seqpar.ops.registry.kernel_op`).
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from . import registry
-from .bias_dropout_add_layer_norm import _vectorized
+from .bias_dropout_add_layer_norm import _unflatten_rows, _vectorized
 from .rms_norm import _DTYPES, acc_dtype, float64_torch_only
 from .. import _ext
 
@@ -52,7 +53,7 @@ OP = "swiglu"
 # ----------------------------------------------------------------------------- torch reference
 def _torch_forward(gate_up):
     gate, up = gate_up.to(acc_dtype(gate_up.dtype)).chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(gate_up.dtype)
+    return registry.cast(F.silu(gate) * up, gate_up.dtype)
 
 
 def _torch_backward(grad_y, gate_up):
@@ -62,7 +63,7 @@ def _torch_backward(grad_y, gate_up):
     sig = torch.sigmoid(gate)
     grad_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
     grad_up = dy * F.silu(gate)
-    return torch.cat([grad_gate, grad_up], dim=-1).to(grad_y.dtype)
+    return registry.cast(torch.cat([grad_gate, grad_up], dim=-1), grad_y.dtype)
 
 
 registry.register(registry.Backend(OP, "torch", _torch_forward, _torch_backward))
@@ -77,7 +78,7 @@ def _bwd_fake(grad_y: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- triton backend
-@torch.library.custom_op("seqpar::swiglu_triton_fwd", mutates_args=())
+@registry.kernel_op("seqpar::swiglu_triton_fwd")
 def _triton_fwd_op(gate_up: torch.Tensor) -> torch.Tensor:
     from ..triton_kernels import swiglu as kernels
 
@@ -90,7 +91,7 @@ def _(gate_up):
     return _fwd_fake(gate_up)
 
 
-@torch.library.custom_op("seqpar::swiglu_triton_bwd", mutates_args=())
+@registry.kernel_op("seqpar::swiglu_triton_bwd")
 def _triton_bwd_op(grad_y: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     from ..triton_kernels import swiglu as kernels
 
@@ -112,7 +113,7 @@ def _row_stride(gate_up: torch.Tensor) -> int:
     return gate_up.stride(0) if gate_up.shape[0] > 1 else gate_up.shape[1]
 
 
-@torch.library.custom_op("seqpar::swiglu_cuda_fwd", mutates_args=())
+@registry.kernel_op("seqpar::swiglu_cuda_fwd")
 def _cuda_fwd_op(gate_up: torch.Tensor) -> torch.Tensor:
     ext = _ext.cuda_extension()
     y = _fwd_fake(gate_up)
@@ -129,7 +130,7 @@ def _(gate_up):
     return _fwd_fake(gate_up)
 
 
-@torch.library.custom_op("seqpar::swiglu_cuda_bwd", mutates_args=())
+@registry.kernel_op("seqpar::swiglu_cuda_bwd")
 def _cuda_bwd_op(grad_y: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     ext = _ext.cuda_extension()
     grad_y = grad_y.contiguous()
@@ -159,17 +160,28 @@ def _select_backend_name(backend: str, device: torch.device, dtype: torch.dtype)
 
 # ----------------------------------------------------------------------------- autograd
 class _SwiGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate_up, impl):
-        ctx.save_for_backward(gate_up)
-        ctx.impl = impl
-        return impl.forward(gate_up)
+    """On gate_up of any rank and layout: the ``[rows, 2n]`` view (or copy) is taken in here (grad mode
+    off: no view or copy node in the autograd graph) and the gradient reshaped back."""
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    def forward(ctx, gate_up, impl):
+        shape = gate_up.shape
+        rows = gate_up if len(shape) == 2 else gate_up.reshape(-1, shape[-1])
+        if rows.stride(-1) != 1 and rows.shape[0]:
+            rows = rows.contiguous()
+        ctx.save_for_backward(rows)
+        ctx.impl, ctx.shape = impl, shape
+        y = impl.forward(rows)
+        return y if len(shape) == 2 else _unflatten_rows(y, (*shape[:-1], shape[-1] // 2))
+
+    @staticmethod
+    @registry.once_differentiable
     def backward(ctx, grad_y):
-        (gate_up,) = ctx.saved_tensors
-        return ctx.impl.backward(grad_y.contiguous(), gate_up), None
+        (rows,) = ctx.saved_tensors
+        if len(ctx.shape) != 2:
+            grad_y = grad_y.reshape(-1, ctx.shape[-1] // 2)
+        grad = ctx.impl.backward(grad_y.contiguous(), rows)
+        return (grad if len(ctx.shape) == 2 else grad.reshape(ctx.shape)), None
 
 
 def swiglu(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
@@ -190,8 +202,4 @@ def swiglu(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     if width == 0 or width % 2:
         raise ValueError(f"gate_up's last dimension must be even and positive (gate, then up), got {width}")
     impl = registry.get(OP, _select_backend_name(backend, gate_up.device, gate_up.dtype))
-    rows = gate_up.reshape(-1, width)
-    if rows.stride(-1) != 1 and rows.shape[0]:
-        rows = rows.contiguous()
-    y = _SwiGLU.apply(rows, impl)
-    return y.view(gate_up.shape[:-1] + (width // 2,))
+    return _SwiGLU.apply(gate_up, impl)
