@@ -34,9 +34,9 @@ torch     fp32 reference (the test oracle, CPU fallback)
 triton    ``triton_kernels/bias_dropout_add_layer_norm.py``: one program per row (or a few rows)
           forward, rows longer than 16384 in column chunks; backward in column chunks of 4096
           with per-program fp32 partial column sums + a second reduction kernel (no atomics)
-cuda      ``csrc/bias_dropout_add_layer_norm.cu``: 16-byte vectors, warp per row (h <= 4096) or
-          block per row, rows longer than one block's registers (h > 16384) in column chunks;
-          same partial-sum scheme
+cuda      ``csrc/bias_dropout_add_layer_norm.cu``: 16-byte vectors, forward warp per row (h <= 1024
+          for fp16 / bf16, 512 for fp32) or block per row, rows longer than one block's registers
+          (h > 16384) in column chunks; same partial-sum scheme
 ========  ===================================================================================
 
 The paper's largest models (530B: h = 20480, 1T: h = 25600) take the chunked kernels.
