@@ -172,31 +172,6 @@ def test_profile_kernels_quick_profiles_every_case(tmp_path):
             assert max(ops)[1].startswith("seqpar::"), (case, sorted(ops)[-3:])
 
 
-NCU_CSV = '''==PROF== Connected to process 41 (/usr/bin/python3.12)
-attention warm-up done
-"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
-"0","41","python3.12","127.0.0.1","_attn_fwd_kernel","1","7","(256, 1, 1)","(32, 32, 1)","0","9.0","GPU Speed Of Light Throughput","Duration","msecond","1.25"
-"0","41","python3.12","127.0.0.1","_attn_fwd_kernel","1","7","(256, 1, 1)","(32, 32, 1)","0","9.0","GPU Speed Of Light Throughput","DRAM Throughput","%","12.50"
-"0","41","python3.12","127.0.0.1","_attn_fwd_kernel","1","7","(256, 1, 1)","(32, 32, 1)","0","9.0","Launch Statistics","Registers Per Thread","register/thread","168"
-"1","41","python3.12","127.0.0.1","_bwd_kernel","1","7","(512, 1, 1)","(132, 1, 1)","0","9.0","GPU Speed Of Light Throughput","Duration","usecond","1,024.00"
-"1","41","python3.12","127.0.0.1","_bwd_kernel","1","7","(512, 1, 1)","(132, 1, 1)","0","9.0","Occupancy","Achieved Occupancy","%","45.10"
-==PROF== Disconnected from process 41
-'''
-
-
-def test_ncu_csv_is_parsed_per_launch_and_metric():
-    from bench.profile_kernels import ncu_table, parse_ncu_csv
-
-    parsed = parse_ncu_csv(NCU_CSV)
-    assert [(r["id"], r["kernel"], r["metric"], r["value"]) for r in parsed][:2] == [
-        (0, "_attn_fwd_kernel", "Duration", "1.25"), (0, "_attn_fwd_kernel", "DRAM Throughput", "12.50")]
-    assert len(parsed) == 5 and parse_ncu_csv("no profile\n") == []
-    fwd, bwd = ncu_table("attn", parsed)
-    assert "_attn_fwd_kernel" in fwd and "us   1250.0" in fwd and "DRAM%     12.5" in fwd and "regs    168.0" in fwd
-    assert "SM%      n/a" in fwd and "occ%      n/a" in fwd
-    assert "us   1024.0" in bwd and "occ%     45.1" in bwd      # "1,024.00" usecond
-
-
 def test_attention_compile_only_runs_each_configuration_and_writes_no_rows(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_attention.py"), "--quick",

@@ -84,6 +84,15 @@ def test_duration_units_convert_to_us(unit, us):
     assert launch_table(parsed)[0]["us"] == pytest.approx(us)
 
 
+def test_thousands_separators_missing_metrics_and_no_profile():
+    parsed = [dict(id=1, kernel="_bwd_kernel", section="GPU Speed Of Light Throughput", metric="Duration",
+                   unit="usecond", value="1,024.00")]
+    [row] = launch_table(parsed)
+    assert row["us"] == pytest.approx(1024.0) and row["SM%"] is None and row["occ%"] is None
+    assert "SM%      n/a" in ncu_table("c", parsed)[0]
+    assert parse_ncu_csv("no profile\n") == []
+
+
 def test_an_unknown_duration_unit_is_not_a_number():
     parsed = [dict(id=0, kernel="k", section="GPU Speed Of Light Throughput", metric="Duration", unit="cycle",
                    value="1.5")]
