@@ -229,13 +229,6 @@ def _(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, drop_thres
 registry.register(_kernel_backend("cuda", _cuda_fwd_op, _cuda_bwd_op))
 
 
-@torch.compiler.assume_constant_result
-def _select_backend_name(backend: str, device: torch.device, h: int) -> str:
-    """Name of the backend that runs these inputs (registry.select). A constant to torch.compile: it only
-    looks at the environment, the device and the hidden size, and Dynamo can't trace its import probes."""
-    return registry.select(OP, backend, device, h=h).name
-
-
 # ----------------------------------------------------------------------------- autograd
 def _unflatten_rows(t2d: torch.Tensor, shape) -> torch.Tensor:
     """An autograd.Function's ``[rows, h]`` output as ``shape``, sharing its storage and version counter.
@@ -372,5 +365,5 @@ def bias_dropout_add_layer_norm(x: torch.Tensor, bias: Optional[torch.Tensor], r
     """
     h = _check_inputs(x, bias, residual, ln_weight, ln_bias, eps)
     spec = make_dropout_spec(p, training, seed, row_offset)
-    impl = registry.get(OP, _select_backend_name(backend, x.device, h))
+    impl = registry.select(OP, backend, x.device, h=h)
     return _BiasDropoutAddLayerNorm.apply(x, bias, residual, ln_weight, ln_bias, float(eps), spec, impl)

@@ -101,13 +101,19 @@ def unavailable_reason(op: str, name: str, device: torch.device, auto: bool = Fa
     impl = _REGISTRY.get(op, {}).get(name)
     if impl is None:
         return f"op {op!r} has no {name} backend yet"
+    return environment_reason(name, device, auto) or impl.check(**inputs)
+
+
+@torch.compiler.assume_constant_result
+def environment_reason(name: str, device: torch.device, auto: bool = False) -> Optional[str]:
+    """Why backend ``name`` can't run on ``device`` here, whatever the inputs: Triton or the CUDA extension
+    missing, a device it doesn't serve (None when it can). A constant to torch.compile, which can't trace
+    the import probes behind it; the inputs' checks (shapes, dtypes) stay traceable."""
     if name == "triton":
-        reason = _ext.triton_unavailable_reason(device, auto=auto)
-    elif name == "cuda":
-        reason = _ext.cuda_unavailable_reason(device)
-    else:
-        reason = None
-    return reason or impl.check(**inputs)
+        return _ext.triton_unavailable_reason(device, auto=auto)
+    if name == "cuda":
+        return _ext.cuda_unavailable_reason(device)
+    return None
 
 
 def auto_order(op: str) -> Tuple[str, ...]:

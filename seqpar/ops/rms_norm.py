@@ -238,13 +238,6 @@ def _(grad_y, grad_residual_out, residual_out, weight, rstd, residual_grad):
 registry.register(_kernel_backend("cuda", _cuda_fwd_op, _cuda_bwd_op))
 
 
-@torch.compiler.assume_constant_result
-def _select_backend_name(backend: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Name of the backend that runs these inputs (registry.select). A constant to torch.compile: it only
-    looks at the environment, the device and the dtype, and Dynamo can't trace its import probes."""
-    return registry.select(OP, backend, device, dtype=dtype).name
-
-
 # ----------------------------------------------------------------------------- autograd
 def _rows(t: torch.Tensor, h: int) -> torch.Tensor:
     """``[rows, h]`` view of t (a copy only when its layout has none), with unit column stride."""
@@ -303,5 +296,5 @@ def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
         backend: "auto" | "torch" | "triton" | "cuda" (see :mod:`seqpar.ops.registry`).
     """
     check_row_inputs(x, residual, {"weight": weight}, eps, _DTYPES, residual_optional=True)
-    impl = registry.get(OP, _select_backend_name(backend, x.device, x.dtype))
+    impl = registry.select(OP, backend, x.device, dtype=x.dtype)
     return _AddRMSNorm.apply(x, residual, weight, float(eps), impl)

@@ -181,12 +181,6 @@ def _cuda_rotate(x, out, position_offset: int, theta: float, inverse: bool) -> N
 registry.register(_kernel_backend("cuda", _cuda_rotate, float64_torch_only))
 
 
-@torch.compiler.assume_constant_result
-def _select_backend_name(backend: str, device: torch.device, dtype: torch.dtype, d: int) -> str:
-    """Name of the backend that runs these inputs (registry.select), a constant to torch.compile."""
-    return registry.select(OP, backend, device, dtype=dtype, d=d).name
-
-
 # ----------------------------------------------------------------------------- autograd
 class _RotaryEmbedding(torch.autograd.Function):
     """One tensor (q or k): saves nothing, backward rotates the gradient by -angle."""
@@ -250,6 +244,6 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, *, position_offset: int =
         backend: "auto" | "torch" | "triton" | "cuda" (see :mod:`seqpar.ops.registry`).
     """
     d = _check_inputs(q, k, position_offset, theta, inplace)
-    impl = registry.get(OP, _select_backend_name(backend, q.device, q.dtype, d))
+    impl = registry.select(OP, backend, q.device, dtype=q.dtype, d=d)
     args = (int(position_offset), float(theta), inplace, impl)
     return _RotaryEmbedding.apply(q, *args), _RotaryEmbedding.apply(k, *args)

@@ -152,12 +152,6 @@ def _(grad_y, gate_up):
 registry.register(registry.Backend(OP, "cuda", _cuda_fwd_op, _cuda_bwd_op, float64_torch_only))
 
 
-@torch.compiler.assume_constant_result
-def _select_backend_name(backend: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Name of the backend that runs these inputs (registry.select), a constant to torch.compile."""
-    return registry.select(OP, backend, device, dtype=dtype).name
-
-
 # ----------------------------------------------------------------------------- autograd
 class _SwiGLU(torch.autograd.Function):
     """On gate_up of any rank and layout: the ``[rows, 2n]`` view (or copy) is taken in here (grad mode
@@ -201,5 +195,5 @@ def swiglu(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     width = gate_up.shape[-1]
     if width == 0 or width % 2:
         raise ValueError(f"gate_up's last dimension must be even and positive (gate, then up), got {width}")
-    impl = registry.get(OP, _select_backend_name(backend, gate_up.device, gate_up.dtype))
+    impl = registry.select(OP, backend, gate_up.device, dtype=gate_up.dtype)
     return _SwiGLU.apply(gate_up, impl)

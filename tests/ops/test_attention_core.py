@@ -227,6 +227,24 @@ def test_triton_custom_ops_have_fake_implementations():
     assert o_c.shape == q.shape and probs.shape == (2, 3, 17, 29)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_torch_compile_fullgraph_matches_eager(backend):
+    """fullgraph=True through the backend selection (its environment probes a constant to Dynamo), the
+    autograd.Function and the custom ops: outputs and gradients equal the eager call's."""
+    g = torch.Generator().manual_seed(11)
+    leaves = [torch.randn(1, 2, 32, 16, generator=g, requires_grad=True) for _ in range(3)]
+
+    def f(q, k, v):
+        return attention_core(q, k, v, is_causal=True, dropout_p=0.1, seed=SEED, backend=backend)
+
+    results = []
+    for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
+        out = fn(*leaves)
+        results.append((out, *torch.autograd.grad(out, leaves, torch.ones_like(out))))
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
 class _EmulatedSoftmaxDropout:
     """The two launchers of csrc/softmax_dropout.cu re-stated in torch on raw fp32 CPU pointers: checks
     the cuda backend's Python side (GEMMs with the scale as alpha, GQA grouping, in-place contract)
