@@ -225,7 +225,9 @@ def _check_inputs(q, k, position_offset, theta, inplace) -> int:
         for name, t in (("q", q), ("k", k)):
             if t.numel() and t.stride(-1) != 1:
                 raise ValueError(f"inplace=True needs {name} with unit stride along d, got strides {t.stride()}")
-        if q.numel() and q.data_ptr() == k.data_ptr():
+        # A graph capture has no addresses (fake tensors): there, only the same tensor object is caught.
+        same = q is k if registry.tracing() else q.numel() and q.data_ptr() == k.data_ptr()
+        if same:
             raise ValueError("inplace=True needs q and k to be different tensors (they start at one address)")
     return d
 

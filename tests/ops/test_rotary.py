@@ -182,11 +182,14 @@ def test_triton_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.seqpar.rotary_embedding_triton_inplace, (q.clone(), 5, THETA, True))
 
 
-def test_torch_compile_traces_the_op():
+@pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
+def test_torch_compile_traces_the_op(inplace):
     torch._dynamo.reset()
 
     def f(q, k):
-        q_rot, k_rot = rotary_embedding(q, k, position_offset=2, backend="triton")
+        if inplace:  # leaves can't be modified in place: rotate copies
+            q, k = q * 1.0, k * 1.0
+        q_rot, k_rot = rotary_embedding(q, k, position_offset=2, backend="triton", inplace=inplace)
         return q_rot * 2.0, k_rot + 1.0
 
     q, k = _qk(6, 2, 2, 1, 16, torch.float32, requires_grad=True)
@@ -196,6 +199,13 @@ def test_torch_compile_traces_the_op():
     grads_e = torch.autograd.grad(outs_e[0].square().sum() + outs_e[1].sum(), (q, k))
     for a, e in zip(outs_c + grads_c, outs_e + grads_e):
         torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+def test_inplace_with_q_and_k_one_tensor_is_refused_under_torch_compile_too():
+    q, _ = _qk(6, 2, 2, 1, 16, torch.float32)
+    f = torch.compile(lambda q: rotary_embedding(q, q, inplace=True, backend="torch"), backend="aot_eager")
+    with pytest.raises(Exception, match="different tensors"):
+        f(q.clone())
 
 
 # ----------------------------------------------------------------------------- validation
