@@ -7,7 +7,8 @@ Parts (``--part``: ``all`` (the default) or a comma-separated list; rows appende
 ``gemm`` (GPU; CUDA events, median after warm-up): the cost of chunking. For every linear layer of the
     paper's models (22B, 175B, 530B; per-GPU shards at t = 8, s = 2048, micro-batch b from the paper's Table 3)
     and each chunked pass -- forward and input gradient of both ops -- the plain GEMM over all s*b rows
-    vs the same GEMM as t row chunks written into slices of one output (what the overlapped path runs),
+    vs the same GEMM as t row chunks written into slices of one output (what the overlapped path runs;
+    beside it t/2 merged chunks and, on a GPU, the t chunks on two streams: see chunk_variants),
     and the extra "sum of t partials" of the pairwise reduce-scatters (matmul_reduce_scatter forward,
     all_gather_matmul input gradient); plain times of the weight gradients for the projection. bf16.
     Without CUDA this part says so and is skipped; ``--quick`` runs it on CPU with tiny shapes as a
@@ -53,7 +54,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -82,6 +83,37 @@ def linears(h: int, t: int) -> List[Tuple[str, str, int, int]]:
 
 
 # ---- part 1: chunked GEMM cost on one GPU -------------------------------------------------------------
+
+def chunk_variants(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, t: int, device: torch.device
+                   ) -> Dict[str, Callable[[], None]]:
+    """``a @ w`` into ``out`` in row chunks: "chunked x{t}" (t GEMMs one after another: what the overlapped
+    path runs), and the two ways to win back what small chunks lose to wave quantisation (a [256 x k] chunk
+    GEMM has too few 128 x 128 output tiles to fill the SMs): "chunked x{t/2}" (pairs merged: half the
+    overlap granularity) and, on a GPU, "chunked x{t} on 2 streams" (consecutive chunks overlap on the
+    SMs, as they could once their inputs have arrived)."""
+    m, kk = a.shape
+
+    def chunked(n):
+        o, x = out.view(n, m // n, -1), a.view(n, m // n, kk)
+        return lambda: [torch.mm(x[i], w, out=o[i]) for i in range(n)]
+
+    variants = {f"chunked x{t}": chunked(t)}
+    if t % 2 == 0:
+        variants[f"chunked x{t // 2}"] = chunked(t // 2)
+    if device.type == "cuda":
+        main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+        out3, a3 = out.view(t, m // t, -1), a.view(t, m // t, kk)
+
+        def two_streams():
+            side.wait_stream(main)
+            for i in range(t):
+                with torch.cuda.stream(main if i % 2 == 0 else side):
+                    torch.mm(a3[i], w, out=out3[i])
+            main.wait_stream(side)
+
+        variants[f"chunked x{t} on 2 streams"] = two_streams
+    return variants
+
 
 def part_gemm(args, rows: ResultRows) -> Dict[Tuple, float]:
     """Returns {(model, linear, pass, kind): ms} with kind in plain / chunked / sum."""
@@ -112,18 +144,16 @@ def part_gemm(args, rows: ResultRows) -> Dict[Tuple, float]:
                 measured[(model, name, pss, "plain")] = ms_p
                 line = f"  {cfg:48s} plain {ms_p:8.3f} ({flops / ms_p / 1e9:6.1f})"
                 if (op, pss) in CHUNKED:
-                    out3, a3 = out.view(t, m // t, nn_), a.view(t, m // t, kk)
-
-                    def chunked():
-                        for i in range(t):
-                            torch.mm(a3[i], w, out=out3[i])
-
-                    ms_c = median_ms(chunked, device, warmup, reps)
-                    rows.add("gemm", cfg, f"chunked x{t}", "ms", ms_c)
-                    rows.add("gemm", cfg, f"chunked x{t}", "TFLOP/s", flops / ms_c / 1e9)
-                    rows.add("gemm", cfg, f"chunked x{t}", "throughput_vs_plain", ms_p / ms_c)
-                    measured[(model, name, pss, "chunked")] = ms_c
-                    line += f"  chunked {ms_c:8.3f} ({flops / ms_c / 1e9:6.1f})  ratio {ms_p / ms_c:5.3f}"
+                    for variant, fn in chunk_variants(a, w, out, t, device).items():
+                        ms_c = median_ms(fn, device, warmup, reps)
+                        rows.add("gemm", cfg, variant, "ms", ms_c)
+                        rows.add("gemm", cfg, variant, "TFLOP/s", flops / ms_c / 1e9)
+                        rows.add("gemm", cfg, variant, "throughput_vs_plain", ms_p / ms_c)
+                        if variant == f"chunked x{t}":     # what the overlapped path runs
+                            measured[(model, name, pss, "chunked")] = ms_c
+                            line += f"  chunked {ms_c:8.3f} ({flops / ms_c / 1e9:6.1f})  ratio {ms_p / ms_c:5.3f}"
+                        else:
+                            line += f"  {variant.split(' ', 1)[1]} {ms_p / ms_c:5.3f}"
                 if (op, pss) in SUMMED:           # the pairwise reduce-scatter's sum of t partials
                     parts = torch.randn(t, m // t, nn_, device=device, dtype=dtype)
                     red = torch.empty(m // t, nn_, device=device, dtype=dtype)

@@ -4,6 +4,7 @@ import csv
 import math
 
 import pytest
+import torch
 
 from bench import bench_overlap
 from seqpar.parallel.overlap import ChunkPlan
@@ -63,3 +64,16 @@ def test_quick_run_writes_rows(tmp_path):
     for r in rows:
         if r["metric"].endswith("_ms") or r["metric"].endswith("_us"):
             assert math.isfinite(float(r["value"])) and float(r["value"]) > 0, r
+
+
+def test_chunk_variants_compute_the_whole_product():
+    """Every chunking bench_overlap times writes a @ w into every row of the output (CPU: no streams)."""
+    g = torch.Generator().manual_seed(5)
+    a, w = torch.randn(64, 24, generator=g), torch.randn(24, 40, generator=g)
+    out = torch.empty(64, 40)
+    variants = bench_overlap.chunk_variants(a, w, out, 8, torch.device("cpu"))
+    assert set(variants) == {"chunked x8", "chunked x4"}
+    for name, fn in variants.items():
+        out.fill_(float("nan"))
+        fn()
+        torch.testing.assert_close(out, a @ w, msg=name)
