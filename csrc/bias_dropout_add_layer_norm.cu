@@ -327,7 +327,7 @@ struct ColumnSums {
 };
 
 template <typename T, int VEC, int VPT, RowKind KIND>
-__global__ void __launch_bounds__(threads_bound<KIND, false, VEC>())
+__global__ void __launch_bounds__(threads_bound<KIND, false, VEC>(), bwd_min_blocks(KIND, VPT * VEC))
     bwd_kernel(const BwdArgs a, const int64_t chunks_arg) {
   constexpr bool kVector = kVectorRun<T, VEC>;
   constexpr bool kWarpRow = KIND == RowKind::kWarp, kChunked = KIND == RowKind::kChunked;
@@ -336,6 +336,11 @@ __global__ void __launch_bounds__(threads_bound<KIND, false, VEC>())
   // at most 16 elements of it; beyond that (h > 8192 in 2-byte types, chunked rows) the second pass reads
   // it again (from L2), or ptxas spills.
   constexpr bool kKeepRow = !kChunked && VPT * VEC <= 16;
+  // A block-per-row kernel that keeps its row loads grad_residual_out with it too: all of the row's reads
+  // are in flight before the block-wide reduction (two barriers), rather than a second memory round trip
+  // after it. Warp-per-row rows reduce with shuffles alone, and their lanes' registers are full (ptxas
+  // spilled with grad_residual_out held as well).
+  constexpr bool kKeepGro = kKeepRow && !kWarpRow;
   const int64_t chunks = kChunked ? chunks_arg : 1;
   const int tpr = kWarpRow ? kWarp : blockDim.x;
   const int rpb = kWarpRow ? kBwdWarpRows : 1;
@@ -382,7 +387,8 @@ __global__ void __launch_bounds__(threads_bound<KIND, false, VEC>())
     const float mean = a.mean[row], rstd = a.rstd[row];
     const T* ro = static_cast<const T*>(a.residual_out) + off;
     const T* gy = static_cast<const T*>(a.grad_y) + off;
-    Pack<T, VEC> rv[kKeepRow ? VPT : 1], gv[kKeepRow ? VPT : 1];
+    const T* gro = static_cast<const T*>(a.grad_residual_out) + off;
+    Pack<T, VEC> rv[kKeepRow ? VPT : 1], gv[kKeepRow ? VPT : 1], ov[kKeepGro ? VPT : 1];
     float dots[2] = {0.0f, 0.0f};  // sum(g), sum(g * x_hat)
     for (int64_t c = 0; c < chunks; ++c) {
 #pragma unroll
@@ -395,6 +401,7 @@ __global__ void __launch_bounds__(threads_bound<KIND, false, VEC>())
             rv[k] = rk;
             gv[k] = gk;
           }
+          if constexpr (kKeepGro) ov[k] = load_run<T, VEC>(gro, j * VEC, a.h, kVector);
           float wv[VEC], dw[VEC], db[VEC];
           weights(k, j, wv);
 #pragma unroll
@@ -414,7 +421,6 @@ __global__ void __launch_bounds__(threads_bound<KIND, false, VEC>())
     }
     row_allreduce<kWarpRow>(dots);
     const float mean_g = dots[0] * inv_h, mean_gx = dots[1] * inv_h;
-    const T* gro = static_cast<const T*>(a.grad_residual_out) + off;
     T* gx = static_cast<T*>(a.grad_x) + off;
     T* gres = static_cast<T*>(a.grad_residual) + off;
     const uint64_t mask_row = static_cast<uint64_t>(a.row_offset + row);
@@ -423,8 +429,12 @@ __global__ void __launch_bounds__(threads_bound<KIND, false, VEC>())
       for (int k = 0; k < VPT; ++k) {
         const int64_t j = c * chunk_vecs + threadIdx.x + static_cast<int64_t>(k) * tpr;
         if (j < nvec) {
-          const Pack<T, VEC> ov = load_run<T, VEC>(gro, j * VEC, a.h, kVector);
-          Pack<T, VEC> rk, gk;
+          Pack<T, VEC> ok, rk, gk;
+          if constexpr (kKeepGro) {
+            ok = ov[k];
+          } else {
+            ok = load_run<T, VEC>(gro, j * VEC, a.h, kVector);
+          }
           if constexpr (kKeepRow) {
             rk = rv[k];
             gk = gv[k];
@@ -441,7 +451,7 @@ __global__ void __launch_bounds__(threads_bound<KIND, false, VEC>())
           for (int i = 0; i < VEC; ++i) {
             const float x_hat = (to_float(rk.v[i]) - mean) * rstd;
             const float g = to_float(gk.v[i]) * wv[i];
-            const float d_res = rstd * (g - mean_g - x_hat * mean_gx) + to_float(ov.v[i]);
+            const float d_res = rstd * (g - mean_g - x_hat * mean_gx) + to_float(ok.v[i]);
             const float d_x = !dropout ? d_res : keep_column(mask, i, a.threshold24) ? d_res * a.scale : 0.0f;
             dbias[i] = d_x;
             res_pack.v[i] = from_float<T>(d_res);

@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(threads_bound<KIND>(true)) fwd_kernel(const Fw
 }
 
 template <typename T, int VEC, int VPT, RowKind KIND>
-__global__ void __launch_bounds__(threads_bound<KIND>(false))
+__global__ void __launch_bounds__(threads_bound<KIND>(false), bwd_min_blocks(KIND, VPT * VEC))
     bwd_kernel(const BwdArgs a, const int64_t chunks_arg, const bool smem_sums) {
   constexpr bool kWarpRow = KIND == RowKind::kWarp, kChunked = KIND == RowKind::kChunked;
   const int64_t chunks = kChunked ? chunks_arg : 1;
@@ -178,7 +178,10 @@ __global__ void __launch_bounds__(threads_bound<KIND>(false))
     const float rstd = a.rstd[row];
     const T* ro = static_cast<const T*>(a.residual_out) + row * a.stride_ro;
     const T* gy = static_cast<const T*>(a.grad_y) + row * a.h;
-    Pack<T, VEC> rv[VPT], gv[VPT];
+    const T* gro = has_gro ? static_cast<const T*>(a.grad_residual_out) + row * a.h : nullptr;
+    // A row held in registers has grad_residual_out loaded with it: all of the row's reads are in flight
+    // before the block-wide reduction, rather than a second memory round trip after it.
+    Pack<T, VEC> rv[VPT], gv[VPT], ov[kChunked ? 1 : VPT];
     float dot[1] = {0.0f};  // sum(g * n)
     for (int64_t c = 0; c < chunks; ++c) {
 #pragma unroll
@@ -187,6 +190,9 @@ __global__ void __launch_bounds__(threads_bound<KIND>(false))
         if (j < nvec) {
           rv[k] = load_pack<T, VEC>(ro + j * VEC);
           gv[k] = load_pack<T, VEC>(gy + j * VEC);
+          if constexpr (!kChunked) {
+            if (has_gro) ov[k] = load_pack<T, VEC>(gro + j * VEC);
+          }
           float wv[VEC], dw[VEC];
           load_params<VEC>(a.w, j * VEC, a.h, true, a.wdtype, wv);
 #pragma unroll
@@ -211,7 +217,6 @@ __global__ void __launch_bounds__(threads_bound<KIND>(false))
     }
     row_allreduce<kWarpRow>(dot);
     const float mean_gn = dot[0] / static_cast<float>(a.h);
-    const T* gro = has_gro ? static_cast<const T*>(a.grad_residual_out) + row * a.h : nullptr;
     T* gx = static_cast<T*>(a.grad_x) + row * a.h;
     T* gres = a.grad_residual != nullptr ? static_cast<T*>(a.grad_residual) + row * a.h : nullptr;
     for (int64_t c = chunks - 1; c >= 0; --c) {  // the last chunk is still in registers
@@ -226,9 +231,9 @@ __global__ void __launch_bounds__(threads_bound<KIND>(false))
           float wv[VEC], go[VEC];
           load_params<VEC>(a.w, j * VEC, a.h, true, a.wdtype, wv);
           if (has_gro) {
-            const Pack<T, VEC> ov = load_pack<T, VEC>(gro + j * VEC);
+            const Pack<T, VEC> o = kChunked ? load_pack<T, VEC>(gro + j * VEC) : ov[kChunked ? 0 : k];
 #pragma unroll
-            for (int i = 0; i < VEC; ++i) go[i] = to_float(ov.v[i]);
+            for (int i = 0; i < VEC; ++i) go[i] = to_float(o.v[i]);
           } else {
 #pragma unroll
             for (int i = 0; i < VEC; ++i) go[i] = 0.0f;

@@ -136,6 +136,13 @@ struct Plan {
   int64_t chunks;  // column chunks of the row (1 unless kChunked)
 };
 
+// Resident blocks per SM a backward row kernel of `kind` whose threads hold `elements` elements of a row
+// (VPT * VEC) is compiled for (__launch_bounds__'s second argument): two 512-thread blocks per SM, so at
+// most 64 registers per thread, where a block per row holds at most 8 elements per thread (h = 4096 in
+// 2-byte types), so that one block's loads overlap the other's block-wide reduction (two barriers per
+// row); one otherwise (their registers would spill).
+constexpr int bwd_min_blocks(RowKind kind, int elements) { return kind == RowKind::kBlock && elements <= 8 ? 2 : 1; }
+
 // Warp per row with rpb rows per block (the caller checked that nvec <= 32 * the kernel's maximum vpt).
 inline Plan warp_plan(int64_t nvec, int rpb) { return {RowKind::kWarp, pow2_ceil(cdiv(nvec, kWarp)), kWarp, rpb, 1}; }
 

@@ -142,13 +142,19 @@ def _fwd_kernel(X, BIAS, RES, W, B, Y, RES_OUT, MEAN, RSTD,
 
 
 @triton.jit
+def _add_pair(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
 def _row_sums(GY, RO, W, offs_row, cols, mask, w, mean, rstd):
     """x_hat, g = grad_y * w, and the row sums sum(g), sum(g * x_hat) of one [BLOCK_M, BLOCK_N] chunk."""
     r = tl.load(RO + offs_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     x_hat = tl.where(mask, (r - mean[:, None]) * rstd[:, None], 0.0)
     gy = tl.load(GY + offs_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     g = gy * w[None, :]
-    return x_hat, gy, g, tl.sum(g, axis=1), tl.sum(g * x_hat, axis=1)
+    sum_g, sum_gx = tl.reduce((g, g * x_hat), 1, _add_pair)   # one block-wide pass for both sums
+    return x_hat, gy, g, sum_g, sum_gx
 
 
 @triton.jit
@@ -193,6 +199,7 @@ def _bwd_kernel(GY, GRO, RO, W, MEAN, RSTD, GX, GRES, PARTS,
         mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
 
+        gro = tl.load(GRO + offs, mask=mask, other=0.0)   # issued with the row's other loads
         x_hat, gy, g, sum_g, sum_gx = _row_sums(GY, RO, W, offs_row, cols, mask, w, mean, rstd)
         if N_CHUNKS > 1:  # every chunk of the rows, for the row sums only
             sum_g = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -212,8 +219,7 @@ def _bwd_kernel(GY, GRO, RO, W, MEAN, RSTD, GX, GRES, PARTS,
 
         c_gx = sum_gx / h
         c_g = sum_g / h
-        gro = tl.load(GRO + offs, mask=mask, other=0.0).to(tl.float32)
-        g_res = rstd[:, None] * (g - c_g[:, None] - x_hat * c_gx[:, None]) + gro
+        g_res = rstd[:, None] * (g - c_g[:, None] - x_hat * c_gx[:, None]) + gro.to(tl.float32)
         g_res = tl.where(mask, g_res, 0.0)
         tl.store(GRES + offs, cast_rne(g_res, GRES.dtype.element_ty, MANUAL_BF16), mask=mask)
         if HAS_DROPOUT:
@@ -251,10 +257,14 @@ def _fwd_config(n_rows: int, h: int):
     return block_m, block_n, chunked, {"num_warps": R.num_warps(block_m * block_n, 16), "enable_fp_fusion": False}
 
 
-# Columns of one backward program: 8 per thread at 16 warps, so its three fp32 running sums (24 registers)
-# and the working set fit the 128 registers a 512-thread program may use. With a whole 8192- or
-# 16384-wide row per program (32 warps: at most 64 registers) ptxas spilled 130-1500 bytes per thread.
+# Columns of one backward program. A whole row of up to 4096 columns is a tile of 4096 elements, 4 per
+# thread at 32 warps: ptxas fits it in the 64 registers a 1024-thread program may use, so an SM holds
+# 32 warps (50% occupancy); at 16 warps (8 per thread) it took 84-99 registers, one 512-thread program
+# per SM (25%), whose row reductions left the SM idle. Wider rows are chunked at 4096 columns, 8 per
+# thread at 16 warps (three fp32 running sums and the working set in 128 registers): at 32 warps ptxas
+# spilled 8-116 bytes per thread, and a whole 8192- or 16384-wide row spilled 130-1500.
 BWD_BLOCK_N = 4096
+BWD_TILE = 4096
 UNROLL_CHUNKS = tl.constexpr(8)  # the backward's row-sum loop is unrolled up to this many chunks
 
 
@@ -264,8 +274,9 @@ def _bwd_config(n_rows: int, h: int):
     n_chunks = triton.cdiv(h, block_n)
     if R.interpreting():  # few fat programs: the interpreter's cost is per program
         return R.rows_per_block(n_rows, block_n, 1 << 14), block_n, n_chunks, {}
-    block_m = R.rows_per_block(n_rows, block_n, 2048)
-    return block_m, block_n, n_chunks, {"num_warps": R.num_warps(block_m * block_n, 16)}
+    block_m = R.rows_per_block(n_rows, block_n, BWD_TILE)
+    per_thread = 4 if n_chunks == 1 else 8
+    return block_m, block_n, n_chunks, {"num_warps": R.num_warps(block_m * block_n, 32, per_thread)}
 
 
 # ----------------------------------------------------------------------------- launchers

@@ -147,6 +147,8 @@ def _bwd_kernel(GY, GRO, RO, W, RSTD, GX, GRES, PART_W, n_rows, h, stride_ro, ro
         g_row = rows64[:, None] * h
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
         n, gy = _normed_chunk(RO, GY, ro_row, g_row, cols, mask, rstd)
+        if HAS_GRO:  # issued with the row's other loads, before the row sum's block-wide reduction
+            gro = tl.load(GRO + g_row + cols[None, :], mask=mask, other=0.0)
         g = gy * w[None, :]
         if CHUNKED:  # the row sum needs every chunk of the row
             dot = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -161,7 +163,7 @@ def _bwd_kernel(GY, GRO, RO, W, RSTD, GX, GRES, PART_W, n_rows, h, stride_ro, ro
         acc_w += gy * n
         gx = rstd[:, None] * (g - n * (dot / h)[:, None])
         if HAS_GRO:
-            gx += tl.load(GRO + g_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            gx += gro.to(tl.float32)
         gx = cast_rne(gx, GX.dtype.element_ty, MANUAL_BF16)
         tl.store(GX + g_row + cols[None, :], gx, mask=mask)
         if HAS_GRES:  # the same values in a second tensor
@@ -188,12 +190,17 @@ def _fwd_config(n_rows: int, h: int):
 
 
 def _bwd_config(n_rows: int, h: int):
-    """(BLOCK_M, BLOCK_N, chunked, launch options) of one backward program's tile."""
+    """(BLOCK_M, BLOCK_N, chunked, launch options) of one backward program's tile.
+
+    Tiles of 4096 elements at 32 warps, 4 per thread (8 for a whole row of 4097 .. MAX_FUSED_HIDDEN_BWD
+    columns): ptxas needs 37-58 registers (bf16, h = 1024 .. 16384, Triton 3.6 and 3.9), so an SM holds
+    one 1024-thread program (50% occupancy); at 16 warps h = 8192 and the chunked rows took 86-98
+    registers, one 512-thread program (25%), too few warps to cover the row reductions' barriers."""
     block_n, chunked = _block_n(h, min(MAX_FUSED_HIDDEN, MAX_FUSED_HIDDEN_BWD))
     if R.interpreting():
         return R.rows_per_block(n_rows, block_n, 1 << 14), block_n, chunked, {}
-    block_m = 1 if chunked else R.rows_per_block(n_rows, block_n, 2048)
-    return block_m, block_n, chunked, {"num_warps": R.num_warps(block_m * block_n, 32)}
+    block_m = 1 if chunked else R.rows_per_block(n_rows, block_n, 4096)
+    return block_m, block_n, chunked, {"num_warps": R.num_warps(block_m * block_n, 32, per_thread=4)}
 
 
 # ----------------------------------------------------------------------------- launchers

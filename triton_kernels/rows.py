@@ -54,9 +54,9 @@ def rows_per_block(n_rows: int, block_n: int, elements: int) -> int:
     return min(block_m, triton.next_power_of_2(max(n_rows, 1)))
 
 
-def num_warps(tile_elements: int, cap: int) -> int:
-    """About 8 fp32 values per thread per live tensor for the tile; clamped to [4, cap]."""
-    return max(4, min(cap, triton.next_power_of_2(max(tile_elements // 256, 1))))
+def num_warps(tile_elements: int, cap: int, per_thread: int = 8) -> int:
+    """About ``per_thread`` fp32 values per thread per live tensor for the tile; clamped to [4, cap]."""
+    return max(4, min(cap, triton.next_power_of_2(max(tile_elements // (32 * per_thread), 1))))
 
 
 # Programs per SM a backward launch is sized for where the compiled kernel's registers can't be read.

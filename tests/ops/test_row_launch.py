@@ -35,8 +35,26 @@ def test_split_rows_covers_every_row_once_with_at_most_max_programs():
                 assert (programs - 1) * per_program < n_rows <= programs * per_program
 
 
+@pytest.mark.parametrize("h", [256, 1024, 4096, 8192, 12288, 16384])
+def test_backward_tiles_keep_a_thread_to_a_few_elements(monkeypatch, h):
+    """The GPU launch policy of the LayerNorm and RMSNorm backward: whole rows of up to 4096 (LayerNorm)
+    or 8192 (RMSNorm) columns at 4 elements per thread, so that ptxas fits a 1024-thread program in 64
+    registers (kernel_report: 37-64); LayerNorm's 4096-column chunks of wider rows at 8 per thread on 16
+    warps (at 32 warps ptxas spilled)."""
+    from seqpar.triton_kernels import bias_dropout_add_layer_norm as L, rms_norm as M
+
+    monkeypatch.setattr(R, "interpreting", lambda: False)
+    block_m, block_n, n_chunks, launch = L._bwd_config(16384, h)
+    per_thread = block_m * block_n // (32 * launch["num_warps"])
+    assert (per_thread, launch["num_warps"]) == ((4, 32) if h <= 4096 else (8, 16))
+    assert block_n * n_chunks >= h and block_m * block_n <= 4096
+    block_m, block_n, chunked, launch = M._bwd_config(16384, h)
+    per_thread = block_m * block_n // (32 * launch["num_warps"])
+    assert launch["num_warps"] == 32 and per_thread == (8 if h == 8192 else 4) and chunked == (h > 8192)
+
+
 def test_one_wave_sizes_the_layer_norm_backward_at_a_shard(monkeypatch):
-    """1024 x 4096 on 132 SMs with one 16-warp program per SM: 132 programs of 8 rows (the old 4-waves
+    """1024 x 4096 on 132 SMs with one 32-warp program per SM: 132 programs of 8 rows (the old 4-waves
     policy wrote 512 partial rows of 2 rows each: partial traffic 1.2x the data)."""
     monkeypatch.setattr(R, "interpreting", lambda: False)
     monkeypatch.setattr(R, "sm_count", lambda index: 132)
