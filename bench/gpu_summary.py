@@ -531,15 +531,9 @@ def draw_plots(folder: str, out: str) -> List[str]:
     return written
 
 
-def short_kernel(name: str, width: int = 60) -> str:
-    """A kernel name for the printout: a C++ template or signature cut at its first '<' or '(' (marked
-    "<...>"), a leading "void " dropped, at most ``width`` characters. The JSON keeps the full names."""
-    cut = min((i for i in (name.find("<"), name.find("(")) if i > 0), default=len(name))
-    short = name[:cut].removeprefix("void ").strip() + ("<...>" if cut < len(name) else "")
-    return short if len(short) <= width else short[:width - 3] + "..."
-
-
 def format_targets(summary: Dict) -> str:
+    from bench.profile_kernels import short_kernel_name   # the ncu table's (the JSON keeps the full names)
+
     lines = [f"# {summary['device']}  commit {summary['commit']}  {summary['date']}"]
     for t in summary["targets"]:
         state = {True: "met ", False: "MISS", None: "----"}[t["met"]]
@@ -548,9 +542,9 @@ def format_targets(summary: Dict) -> str:
     for case, tools in summary.get("profiles", {}).items():
         for launch in tools.get("ncu", []):
             cells = ", ".join(f"{k} {v:g}" for k, v in launch.items() if k != "kernel" and v is not None)
-            lines.append(f"profile {case}: {short_kernel(launch['kernel'])}: {cells}")
+            lines.append(f"profile {case}: {short_kernel_name(launch['kernel'])}: {cells}")
         if "ncu" not in tools:
-            lines += [f"profile {case}: {short_kernel(k['kernel'])}: {k.get('device_us', 0):.0f} us "
+            lines += [f"profile {case}: {short_kernel_name(k['kernel'])}: {k.get('device_us', 0):.0f} us "
                       f"({k.get('calls', 0):g} calls)"
                       for k in tools.get("torch", [])[:3]]
     return "\n".join(lines)
