@@ -10,7 +10,7 @@ Usage::
 
     python bench/kernel_report.py                       # print the report (about 20 min on 2 cores)
     python bench/kernel_report.py --json PATH --text PATH
-    python bench/kernel_report.py --quick               # d = 128 / h = 8192, bf16 only (a smoke run)
+    python bench/kernel_report.py --quick               # one size per kernel family, bf16 only (a smoke run)
 
 What is compiled
     Triton (``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, i.e. sm_90a, with Triton's bundled
@@ -26,7 +26,9 @@ What is compiled
     - bias-dropout-add + LayerNorm forward and backward: the launch configuration (BLOCK_M, BLOCK_N,
       num_warps, and the column chunks "cN" of a row) of h in {1024, 4096, 8192, 12288, 16384, 20480,
       25600} (20480 and 25600: the paper's 530B and 1T models, column-chunked rows) with 8192 rows (the
-      backward's program count assumes 132 SMs), bf16 and fp16, dropout off and on.
+      backward's program count assumes 132 SMs), bf16 and fp16, dropout off and on;
+    - residual add + RMSNorm forward and backward, h in {1024, 4096, 8192, 16384}, and SwiGLU forward
+      and backward, n in {11008, 14336}: the launch configuration on 8192 rows, bf16 and fp16.
 
     CUDA: each csrc/*.cu with ``nvcc -cubin -arch=sm_90a -O3 -lineinfo -Xptxas -v`` (the flags of the
     CMake build); every kernel instantiation for fp16 and bf16 (and the dtype-free ones) is reported:
@@ -107,6 +109,8 @@ ATTN_HEAD_DIMS = (64, 128)
 ATTN_GROUPS = (1, 4)  # q heads per kv head: 1 = multi-head attention, 4 = grouped-query (Llama-3 8B)
 LN_HIDDEN = (1024, 4096, 8192, 12288, 16384, 20480, 25600)
 LN_ROWS = 8192
+RMS_HIDDEN = (1024, 4096, 8192, 16384)   # Llama hidden sizes; 16384 takes the chunked kernels
+SWIGLU_N = (11008, 14336)                # Llama-2 7B and Llama-3 8B intermediate sizes
 SEQ, BATCH, HEADS_X_D = 2048, 2, 2048
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DROPOUT_THRESHOLD = 26  # P = round(0.1 * 256): the launchers take the byte threshold
@@ -470,14 +474,37 @@ def ln_launches(h: int, dtype: torch.dtype, dropout: bool) -> Dict[str, Launch]:
     return dict(zip(("fwd", "bwd", "reduce"), sink))
 
 
+def llama_launches(op: str, dim: int, dtype: torch.dtype) -> Dict[str, Launch]:
+    """The launches of the residual add + RMSNorm (h = dim) or SwiGLU (n = dim) forward + backward on
+    LN_ROWS rows, as on a GPU with SMS SMs."""
+    from seqpar.triton_kernels import rms_norm as M, rows as R, swiglu as S
+
+    sink: List[Launch] = []
+    module = M if op == "rmsnorm" else S
+    with _patched(module, **{n: _Recorder(getattr(module, n), sink) for n in ("_fwd_kernel", "_bwd_kernel")}), \
+            _patched(R, sm_count=lambda index: SMS, _reduce_partials_kernel=_Recorder(R._reduce_partials_kernel, [])), \
+            _patched(torch.cuda, current_device=lambda: 0):
+        if op == "rmsnorm":
+            x, w = torch.empty(LN_ROWS, dim, dtype=dtype), torch.empty(dim, dtype=dtype)
+            M.forward(x, x, w, 1e-5)
+            M.backward(x, x, x, w, torch.empty(LN_ROWS), True)
+        else:
+            gate_up, grad_y = torch.empty(LN_ROWS, 2 * dim, dtype=dtype), torch.empty(LN_ROWS, dim, dtype=dtype)
+            S.forward(gate_up)
+            S.backward(grad_y, gate_up)
+    return dict(zip(("fwd", "bwd"), sink))
+
+
 def _triton_row(job) -> dict:
     """Compile and measure one Triton configuration (runs in a worker process)."""
     family, which, dim, dtype_name, dropout, index, *rest = job   # (..., index[, group]): attention's G
     group = rest[0] if rest else 1
     if family == "attention":
         launch = attention_launches(dim, DTYPES[dtype_name], dropout, group)[which]
-    else:
+    elif family == "ln":
         launch = ln_launches(dim, DTYPES[dtype_name], dropout)[which]
+    else:
+        launch = llama_launches(family, dim, DTYPES[dtype_name])[which]
     kw = launch.configs[index]
     cubin, res, name = compile_triton(launch.fn, launch.args, kw)
     fn = parse_sass(cubin)[name]
@@ -518,6 +545,9 @@ def triton_jobs(quick: bool) -> List[tuple]:
             for dropout in (False, True):
                 for which in ("fwd", "bwd") if dropout else ("fwd", "bwd", "reduce"):
                     jobs.append(("ln", which, h, dt, dropout, 0))
+    for family, dims in (("rmsnorm", RMS_HIDDEN), ("swiglu", SWIGLU_N)):
+        for dim in dims[1:2] if quick else dims:
+            jobs += [(family, which, dim, dt, False, 0) for dt in dtypes for which in ("fwd", "bwd")]
     return jobs
 
 
@@ -670,6 +700,15 @@ def format_report(meta: dict, rows: List[dict]) -> str:
                        f"{off['spill_bytes']:>7}/{on['spill_bytes']:<7} {off['instructions']:>9} {on['instructions']:>9} "
                        f"{'' if pe is None else f'{pe:.2f}':>14} {delta:>10.2f}")
         out.append("")
+    llama = [r for r in rows if r["backend"] == "triton" and r["family"] in ("rmsnorm", "swiglu")]
+    if llama:
+        out += [f"Triton residual add + RMSNorm (h) and SwiGLU (n) ({LN_ROWS} rows): region = row loop (RMSNorm "
+                "bwd) or whole kernel",
+                f"{'op':8} {'kernel':6} {'h / n':>6} {'dtype':5} {'config':14} {'regs':>5} {'spill B':>8} {'instr':>6}"]
+        for r in sorted(llama, key=lambda r: (r["family"], ["fwd", "bwd"].index(r["kernel"]), r["dim"], r["dtype"])):
+            out.append(f"{r['family']:8} {r['kernel']:6} {r['dim']:>6} {r['dtype']:5} {r['config']:14} "
+                       f"{r['registers']:>5} {r['spill_bytes']:>8} {r['instructions']:>6}")
+        out.append("")
     cu = [r for r in rows if r["backend"] == "cuda"]
     if cu:
         out += ["CUDA kernels (one binary per instantiation; dropout is a runtime flag): main loop or whole kernel",
@@ -728,7 +767,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="also write the rows and metadata as JSON to this path")
     parser.add_argument("--text", help="also write the printed report to this path")
-    parser.add_argument("--quick", action="store_true", help="d = 128, h = 8192, bf16 only")
+    parser.add_argument("--quick", action="store_true", help="one size per kernel family, bf16 only")
     parser.add_argument("--no-cuda", action="store_true", help="skip the CUDA kernels")
     parser.add_argument("--no-triton", action="store_true", help="skip the Triton kernels")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compile processes")

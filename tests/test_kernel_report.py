@@ -94,20 +94,30 @@ def test_cuda_template_arguments_are_parsed():
     assert base == "seqpar::bdaln::bwd_kernel" and args == ["float", "4", "8", "chunked"]
 
 
-def test_ln_forward_compiles_for_sm90_within_budget():
-    """One real configuration end to end (Triton's bundled ptxas and nvdisasm, in a process without the
-    CPU interpreter): bf16, h = 1024, dropout on: no spills, the mask within 12 integer instructions per
-    element (bench/results/kernel_report.txt has every configuration)."""
+def _compiled_rows(*jobs):
+    """kernel_report's rows of Triton jobs, compiled for sm_90a in a process without the CPU interpreter
+    (Triton's bundled ptxas and nvdisasm); skips where those tools are missing."""
     pytest.importorskip("triton")
     code = ("import json, sys; sys.path.insert(0, 'bench'); import kernel_report as K; "
-            "print(json.dumps(K._triton_row(('ln', 'fwd', 1024, 'bf16', True, 0))))")
+            f"print(json.dumps([K._triton_row(job) for job in {list(jobs)!r}]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=240)
     if proc.returncode != 0 and "not found (Triton's bundled copy or PATH)" in proc.stderr:
         pytest.skip(proc.stderr.strip().splitlines()[-1])
     assert proc.returncode == 0, proc.stderr[-2000:]
-    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_row_kernels_compile_for_sm90_within_budget():
+    """Real configurations end to end (bench/results/kernel_report.txt has every one):
+    - the LayerNorm forward, bf16, h = 1024, dropout on: no spills, the mask within 12 integer
+      instructions per element;
+    - the RMSNorm backward at h = 4096: a 32-warp program (4 elements per thread) without spills, so
+      within the 64 registers a 1024-thread program may use."""
+    row, rms = _compiled_rows(("ln", "fwd", 1024, "bf16", True, 0), ("rmsnorm", "bwd", 4096, "bf16", False, 0))
     assert row["registers"] > 0 and row["spill_bytes"] == 0
     assert row["counted"] == "whole kernel" and row["mask_int"] > 0
     assert row["mask_int"] / row["elements_per_thread"] <= 12
+    assert rms["config"].endswith(" w32") and rms["elements_per_thread"] == 4
+    assert 0 < rms["registers"] <= 64 and rms["spill_bytes"] == 0
