@@ -52,7 +52,7 @@ from .rows import cast_rne
 
 __all__ = ["forward", "backward", "MAX_FUSED_HIDDEN", "CHUNK_COLUMNS", "BWD_BLOCK_N"]
 
-# Longest row the forward holds in one register tile (ptxas: no spills at 16 warps); longer rows are
+# Longest row the forward holds in one register tile (ptxas: no spills at 32 warps); longer rows are
 # covered in chunks of CHUNK_COLUMNS. Read at launch time (tests lower them to exercise the chunked path).
 MAX_FUSED_HIDDEN = 16384
 CHUNK_COLUMNS = 4096
@@ -252,9 +252,12 @@ def _fwd_config(n_rows: int, h: int):
         # Fewer, fatter programs: the interpreter's cost is per program, numpy vectorises the tile.
         return R.rows_per_block(n_rows, block_n, 1 << 15), block_n, chunked, {}
     block_m = 1 if chunked else R.rows_per_block(n_rows, block_n, 4096)
+    # Up to 32 warps, 8 elements per thread (16 in a row of 8193 .. 16384 columns): a whole 12288- or
+    # 16384-wide row at 16 warps took 72-111 registers (one 512-thread program per SM: 25% occupancy),
+    # at 32 warps 43-60 (50%); 8192-wide rows go from 40-63 to 32 (Triton 3.6 and 3.9, bf16).
     # No FMA contraction: residual + dropped must round exactly like the torch reference (bitwise
     # identical residual_out across backends); the kernel is memory bound, so this costs nothing.
-    return block_m, block_n, chunked, {"num_warps": R.num_warps(block_m * block_n, 16), "enable_fp_fusion": False}
+    return block_m, block_n, chunked, {"num_warps": R.num_warps(block_m * block_n, 32), "enable_fp_fusion": False}
 
 
 # Columns of one backward program. A whole row of up to 4096 columns is a tile of 4096 elements, 4 per
