@@ -47,10 +47,10 @@ __device__ __forceinline__ void for_each_vector(int64_t rows, int64_t nvec, int 
   }
 }
 
-// silu(g) and sigmoid(g) in fp32 with the fast exponential and division, as the Triton kernels (tl.exp
-// and fp32 '/' are ex2.approx and div.full): the IEEE expf and divisions took ~30 instructions per
-// element, in-line slow paths included, more than the element's memory time.
-__device__ __forceinline__ float fast_sigmoid(float g) { return __fdividef(1.0f, 1.0f + __expf(-g)); }
+// 1 + exp(-g) with the fast exponential, divided with the fast division: the Triton kernels' formulas
+// and instructions (tl.exp and fp32 '/' are ex2.approx and div.full there). The IEEE expf and divisions
+// took ~30 instructions per element, in-line slow paths included, more than the element's memory time.
+__device__ __forceinline__ float sigmoid_denom(float g) { return 1.0f + __expf(-g); }
 
 // y[r, c] = silu(gate_up[r, c]) * gate_up[r, n + c]
 template <typename T, int VEC>
@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const T* __restrict__ gat
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
       const float gv = to_float(g.v[e]);
-      out.v[e] = from_float<T>(gv * fast_sigmoid(gv) * to_float(u.v[e]));
+      out.v[e] = from_float<T>(__fdividef(gv, sigmoid_denom(gv)) * to_float(u.v[e]));
     }
     store_pack<T, VEC>(y + r * n + c, out);
   });
@@ -81,9 +81,9 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const T* __restrict__ gra
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
       const float gv = to_float(g.v[e]), uv = to_float(u.v[e]), dyv = to_float(dy.v[e]);
-      const float sig = fast_sigmoid(gv);
+      const float denom = sigmoid_denom(gv), sig = __fdividef(1.0f, denom);
       dg.v[e] = from_float<T>(dyv * uv * sig * (1.0f + gv * (1.0f - sig)));
-      du.v[e] = from_float<T>(dyv * (gv * sig));
+      du.v[e] = from_float<T>(dyv * __fdividef(gv, denom));
     }
     T* out = grad + r * 2 * n;
     store_pack<T, VEC>(out + c, dg);
