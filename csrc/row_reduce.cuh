@@ -140,8 +140,9 @@ struct Plan {
 // (VPT * VEC) is compiled for (__launch_bounds__'s second argument): two 512-thread blocks per SM, so at
 // most 64 registers per thread, where a block per row holds at most 8 elements per thread (h = 4096 in
 // 2-byte types), so that one block's loads overlap the other's block-wide reduction (two barriers per
-// row); one otherwise (their registers would spill).
-constexpr int bwd_min_blocks(RowKind kind, int elements) { return kind == RowKind::kBlock && elements <= 8 ? 2 : 1; }
+// row). Otherwise 0, no minimum: their registers would spill, and an explicit 1 changes ptxas's
+// allocation (the chunked LayerNorm backward took 71 registers instead of 62, one block per SM, not 2).
+constexpr int bwd_min_blocks(RowKind kind, int elements) { return kind == RowKind::kBlock && elements <= 8 ? 2 : 0; }
 
 // Warp per row with rpb rows per block (the caller checked that nvec <= 32 * the kernel's maximum vpt).
 inline Plan warp_plan(int64_t nvec, int rpb) { return {RowKind::kWarp, pow2_ceil(cdiv(nvec, kWarp)), kWarp, rpb, 1}; }
