@@ -10,7 +10,7 @@ Usage::
 
     python bench/kernel_report.py                       # print the report (about 20 min on 2 cores)
     python bench/kernel_report.py --json PATH --text PATH
-    python bench/kernel_report.py --quick               # one size per kernel family, bf16 only (a smoke run)
+    python bench/kernel_report.py --quick               # one or two sizes per kernel family, bf16 only (a smoke run)
 
 What is compiled
     Triton (``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, i.e. sm_90a, with Triton's bundled
@@ -767,7 +767,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="also write the rows and metadata as JSON to this path")
     parser.add_argument("--text", help="also write the printed report to this path")
-    parser.add_argument("--quick", action="store_true", help="one size per kernel family, bf16 only")
+    parser.add_argument("--quick", action="store_true", help="one or two sizes per kernel family, bf16 only")
     parser.add_argument("--no-cuda", action="store_true", help="skip the CUDA kernels")
     parser.add_argument("--no-triton", action="store_true", help="skip the Triton kernels")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compile processes")
