@@ -37,10 +37,10 @@ def test_split_rows_covers_every_row_once_with_at_most_max_programs():
 
 @pytest.mark.parametrize("h", [256, 1024, 4096, 8192, 12288, 16384])
 def test_row_tiles_keep_a_thread_to_a_few_elements(monkeypatch, h):
-    """The GPU launch policy of the LayerNorm and RMSNorm backward (and the LayerNorm forward, below): whole rows of up to 4096 (LayerNorm)
-    or 8192 (RMSNorm) columns at 4 elements per thread, so that ptxas fits a 1024-thread program in 64
-    registers (kernel_report: 37-64); LayerNorm's 4096-column chunks of wider rows at 8 per thread on 16
-    warps (at 32 warps ptxas spilled)."""
+    """The GPU launch policy of the LayerNorm and RMSNorm backward (and the LayerNorm forward, below):
+    whole rows of up to 4096 (LayerNorm) or 8192 (RMSNorm) columns at 4 elements per thread, so that
+    ptxas fits a 1024-thread program in 64 registers (kernel_report: 37-64); LayerNorm's 4096-column
+    chunks of wider rows at 8 per thread on 16 warps (at 32 warps ptxas spilled)."""
     from seqpar.triton_kernels import bias_dropout_add_layer_norm as L, rms_norm as M
 
     monkeypatch.setattr(R, "interpreting", lambda: False)
