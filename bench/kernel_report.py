@@ -457,18 +457,28 @@ def attention_launches(d: int, dtype: torch.dtype, dropout: bool, group: int = 1
     return dict(zip(("fwd", "dq", "dkdv"), sink))
 
 
+@contextlib.contextmanager
+def _row_launch_policy(reduce_sink: List[Launch]):
+    """The row kernels' launchers pick their GPU launch policy on CPU tensors: SMS SMs on device 0, and
+    the column reduction of a backward recorded into ``reduce_sink`` instead of run."""
+    from seqpar.triton_kernels import rows as R
+
+    with _patched(R, sm_count=lambda index: SMS,
+                  _reduce_partials_kernel=_Recorder(R._reduce_partials_kernel, reduce_sink)), \
+            _patched(torch.cuda, current_device=lambda: 0):
+        yield
+
+
 def ln_launches(h: int, dtype: torch.dtype, dropout: bool) -> Dict[str, Launch]:
     """The launches of the LayerNorm forward + backward on [LN_ROWS, h] rows, as on a GPU with SMS SMs."""
-    from seqpar.triton_kernels import bias_dropout_add_layer_norm as L, rows as R
+    from seqpar.triton_kernels import bias_dropout_add_layer_norm as L
 
     x, w = torch.empty(LN_ROWS, h, dtype=dtype), torch.empty(h, dtype=dtype)
     stats = torch.empty(LN_ROWS)
     p = DROPOUT_THRESHOLD if dropout else 0
     sink: List[Launch] = []
     with _patched(L, **{n: _Recorder(getattr(L, n), sink) for n in ("_fwd_kernel", "_bwd_kernel")}), \
-            _patched(R, sm_count=lambda index: SMS,
-                     _reduce_partials_kernel=_Recorder(R._reduce_partials_kernel, sink)), \
-            _patched(torch.cuda, current_device=lambda: 0):
+            _row_launch_policy(sink):
         L.forward(x, w, x, w, w, 1e-5, p, 12345, 0)
         L.backward(x, x, x, w, stats, stats, p, 12345, 0, True)
     return dict(zip(("fwd", "bwd", "reduce"), sink))
@@ -477,13 +487,12 @@ def ln_launches(h: int, dtype: torch.dtype, dropout: bool) -> Dict[str, Launch]:
 def llama_launches(op: str, dim: int, dtype: torch.dtype) -> Dict[str, Launch]:
     """The launches of the residual add + RMSNorm (h = dim) or SwiGLU (n = dim) forward + backward on
     LN_ROWS rows, as on a GPU with SMS SMs."""
-    from seqpar.triton_kernels import rms_norm as M, rows as R, swiglu as S
+    from seqpar.triton_kernels import rms_norm as M, swiglu as S
 
     sink: List[Launch] = []
     module = M if op == "rmsnorm" else S
     with _patched(module, **{n: _Recorder(getattr(module, n), sink) for n in ("_fwd_kernel", "_bwd_kernel")}), \
-            _patched(R, sm_count=lambda index: SMS, _reduce_partials_kernel=_Recorder(R._reduce_partials_kernel, [])), \
-            _patched(torch.cuda, current_device=lambda: 0):
+            _row_launch_policy([]):
         if op == "rmsnorm":
             x, w = torch.empty(LN_ROWS, dim, dtype=dtype), torch.empty(dim, dtype=dtype)
             M.forward(x, x, w, 1e-5)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from . import registry
 from .bias_dropout_add_layer_norm import _unflatten_rows, _vectorized
-from .rms_norm import _DTYPES, acc_dtype, float64_torch_only
+from .rms_norm import _DTYPES, _rows, acc_dtype, float64_torch_only
 from .. import _ext
 
 OP = "swiglu"
@@ -160,9 +160,7 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up, impl):
         shape = gate_up.shape
-        rows = gate_up if len(shape) == 2 else gate_up.reshape(-1, shape[-1])
-        if rows.stride(-1) != 1 and rows.shape[0]:
-            rows = rows.contiguous()
+        rows = _rows(gate_up, shape[-1])
         ctx.save_for_backward(rows)
         ctx.impl, ctx.shape = impl, shape
         y = impl.forward(rows)
