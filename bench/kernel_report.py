@@ -107,7 +107,7 @@ SMS = 132  # H100 SXM; only the LayerNorm backward's program count depends on it
 MASK_FILES = ("triton/language/random.py", "triton_kernels/philox.py", "csrc/philox.cuh")
 ATTN_HEAD_DIMS = (64, 128)
 ATTN_GROUPS = (1, 4)  # q heads per kv head: 1 = multi-head attention, 4 = grouped-query (Llama-3 8B)
-LN_HIDDEN = (1024, 4096, 8192, 12288, 16384, 20480, 25600)
+LN_HIDDEN = (1024, 4096, 6144, 8192, 12288, 16384, 20480, 25600)
 LN_ROWS = 8192
 RMS_HIDDEN = (1024, 4096, 8192, 16384)   # Llama hidden sizes; 16384 takes the chunked kernels
 SWIGLU_N = (11008, 14336)                # Llama-2 7B and Llama-3 8B intermediate sizes
@@ -469,6 +469,12 @@ def _row_launch_policy(reduce_sink: List[Launch]):
         yield
 
 
+# The row kernels' launches by kernel name: forward, the backward's row-sum pass (rows wider than one
+# backward program's columns), the backward, its column reduction.
+ROW_KERNELS = {"_fwd_kernel": "fwd", "_bwd_row_sums_kernel": "rowsums", "_bwd_kernel": "bwd",
+              "_reduce_partials_kernel": "reduce"}
+
+
 def ln_launches(h: int, dtype: torch.dtype, dropout: bool) -> Dict[str, Launch]:
     """The launches of the LayerNorm forward + backward on [LN_ROWS, h] rows, as on a GPU with SMS SMs."""
     from seqpar.triton_kernels import bias_dropout_add_layer_norm as L
@@ -477,11 +483,11 @@ def ln_launches(h: int, dtype: torch.dtype, dropout: bool) -> Dict[str, Launch]:
     stats = torch.empty(LN_ROWS)
     p = DROPOUT_THRESHOLD if dropout else 0
     sink: List[Launch] = []
-    with _patched(L, **{n: _Recorder(getattr(L, n), sink) for n in ("_fwd_kernel", "_bwd_kernel")}), \
+    with _patched(L, **{n: _Recorder(getattr(L, n), sink) for n in ROW_KERNELS if hasattr(L, n)}), \
             _row_launch_policy(sink):
         L.forward(x, w, x, w, w, 1e-5, p, 12345, 0)
         L.backward(x, x, x, w, stats, stats, p, 12345, 0, True)
-    return dict(zip(("fwd", "bwd", "reduce"), sink))
+    return {ROW_KERNELS[launch.fn.__name__]: launch for launch in sink}
 
 
 def llama_launches(op: str, dim: int, dtype: torch.dtype) -> Dict[str, Launch]:
@@ -491,7 +497,7 @@ def llama_launches(op: str, dim: int, dtype: torch.dtype) -> Dict[str, Launch]:
 
     sink: List[Launch] = []
     module = M if op == "rmsnorm" else S
-    with _patched(module, **{n: _Recorder(getattr(module, n), sink) for n in ("_fwd_kernel", "_bwd_kernel")}), \
+    with _patched(module, **{n: _Recorder(getattr(module, n), sink) for n in ROW_KERNELS if hasattr(module, n)}), \
             _row_launch_policy([]):
         if op == "rmsnorm":
             x, w = torch.empty(LN_ROWS, dim, dtype=dtype), torch.empty(dim, dtype=dtype)
@@ -501,7 +507,7 @@ def llama_launches(op: str, dim: int, dtype: torch.dtype) -> Dict[str, Launch]:
             gate_up, grad_y = torch.empty(LN_ROWS, 2 * dim, dtype=dtype), torch.empty(LN_ROWS, dim, dtype=dtype)
             S.forward(gate_up)
             S.backward(grad_y, gate_up)
-    return dict(zip(("fwd", "bwd"), sink))
+    return {ROW_KERNELS[launch.fn.__name__]: launch for launch in sink}
 
 
 def _triton_row(job) -> dict:
@@ -552,11 +558,14 @@ def triton_jobs(quick: bool) -> List[tuple]:
     for h in (8192, 20480) if quick else LN_HIDDEN:
         for dt in dtypes:
             for dropout in (False, True):
-                for which in ("fwd", "bwd") if dropout else ("fwd", "bwd", "reduce"):
-                    jobs.append(("ln", which, h, dt, dropout, 0))
+                # the row-sum pass and the reduction do not depend on dropout: compiled once
+                for which in ln_launches(h, DTYPES[dt], dropout):
+                    if not dropout or which in ("fwd", "bwd"):
+                        jobs.append(("ln", which, h, dt, dropout, 0))
     for family, dims in (("rmsnorm", RMS_HIDDEN), ("swiglu", SWIGLU_N)):
         for dim in dims[1:2] if quick else dims:
-            jobs += [(family, which, dim, dt, False, 0) for dt in dtypes for which in ("fwd", "bwd")]
+            jobs += [(family, which, dim, dt, False, 0)
+                     for dt in dtypes for which in llama_launches(family, dim, DTYPES[dt])]
     return jobs
 
 
@@ -663,6 +672,7 @@ def _per_elem(row) -> Optional[float]:
 
 
 def format_report(meta: dict, rows: List[dict]) -> str:
+    kernel_order = list(ROW_KERNELS.values())
     out = [f"seqpar static kernel report for {meta['arch']}", "",
            f"commit {meta['commit']}  date {meta['date']}  triton {meta['triton']}  nvcc {meta['nvcc']}", ""]
     att = [r for r in rows if r["backend"] == "triton" and r["family"] == "attention"]
@@ -692,11 +702,12 @@ def format_report(meta: dict, rows: List[dict]) -> str:
         out.append("")
     ln = [r for r in rows if r["backend"] == "triton" and r["family"] == "ln"]
     if ln:
-        out += ["Triton bias-dropout-add + LayerNorm (8192 rows): region = row loop (bwd, reduce) or whole kernel (fwd)",
+        out += ["Triton bias-dropout-add + LayerNorm (8192 rows): region = row loop (bwd), chunk loop (rowsums), "
+                "largest loop (reduce) or whole kernel (fwd)",
                 f"{'kernel':6} {'h':>6} {'dtype':5} {'config':14} {'regs off/on':>12} {'spill B off/on':>15} "
                 f"{'instr off':>9} {'instr on':>9} {'mask int/elem':>14} {'Δint/elem':>10}"]
         for key in sorted({(r["kernel"], r["dim"], r["dtype"]) for r in ln},
-                          key=lambda k: (["fwd", "bwd", "reduce"].index(k[0]), k[1], k[2])):
+                          key=lambda k: (kernel_order.index(k[0]), k[1], k[2])):
             off = next(r for r in ln if (r["kernel"], r["dim"], r["dtype"]) == key and not r["dropout"])
             on = next((r for r in ln if (r["kernel"], r["dim"], r["dtype"]) == key and r["dropout"]), None)
             if on is None:
@@ -714,7 +725,7 @@ def format_report(meta: dict, rows: List[dict]) -> str:
         out += [f"Triton residual add + RMSNorm (h) and SwiGLU (n) ({LN_ROWS} rows): region = row loop (RMSNorm "
                 "bwd) or whole kernel",
                 f"{'op':8} {'kernel':6} {'h / n':>6} {'dtype':5} {'config':14} {'regs':>5} {'spill B':>8} {'instr':>6}"]
-        for r in sorted(llama, key=lambda r: (r["family"], ["fwd", "bwd"].index(r["kernel"]), r["dim"], r["dtype"])):
+        for r in sorted(llama, key=lambda r: (r["family"], kernel_order.index(r["kernel"]), r["dim"], r["dtype"])):
             out.append(f"{r['family']:8} {r['kernel']:6} {r['dim']:>6} {r['dtype']:5} {r['config']:14} "
                        f"{r['registers']:>5} {r['spill_bytes']:>8} {r['instructions']:>6}")
         out.append("")

@@ -16,8 +16,10 @@ Backward, per row (g = grad_y * ln_weight)::
 Any h: a row of up to ``MAX_FUSED_HIDDEN`` columns is one register tile of the forward; a longer row is
 covered in chunks of ``CHUNK_COLUMNS`` with three passes (residual_out and its sum; the centred sum of
 squares; y), the later passes reading back the residual_out the program has just written (from L2). The
-backward always works on column chunks of at most ``BWD_BLOCK_N``: one program per (row range, chunk),
-each streaming its rows' other chunks for the row sums.
+backward always works on column chunks of at most ``BWD_BLOCK_N``: one program per (row range, chunk). A
+row of one chunk gives its row sums (mean(g), mean(g * x_hat)) by reductions inside that program; a longer
+row has them computed first by a row-sum pass (``_bwd_row_sums_kernel``, [2, rows] fp32), which reads
+grad_y and residual_out once more but leaves the chunk programs without a reduction in their row loop.
 
 The column sums are reduced without atomics (the CPU interpreter runs programs one after another):
 each backward program accumulates its rows into fp32 partial rows of ``[n_buffers, n_partials, h]``,
@@ -142,39 +144,50 @@ def _fwd_kernel(X, BIAS, RES, W, B, Y, RES_OUT, MEAN, RSTD,
 
 
 @triton.jit
-def _row_sums(GY, RO, W, offs_row, cols, mask, w, mean, rstd):
-    """x_hat, g = grad_y * w, and the row sums sum(g), sum(g * x_hat) of one [BLOCK_M, BLOCK_N] chunk."""
+def _row_terms(GY, RO, offs_row, cols, mask, w, mean, rstd):
+    """x_hat, grad_y and g = grad_y * w of one [BLOCK_M, BLOCK_N] tile in fp32 (zeros outside ``mask``)."""
     r = tl.load(RO + offs_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     x_hat = tl.where(mask, (r - mean[:, None]) * rstd[:, None], 0.0)
     gy = tl.load(GY + offs_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    g = gy * w[None, :]
-    # Two tl.sum, not one tl.reduce over the pair: that saves one barrier per row on a GPU, but the CPU
-    # interpreter runs a custom combine in Python (40-60 s for a 615 x 768 test, not 1 s).
-    return x_hat, gy, g, tl.sum(g, axis=1), tl.sum(g * x_hat, axis=1)
+    return x_hat, gy, gy * w[None, :]
 
 
 @triton.jit
-def _chunk_row_sums(GY, RO, W, offs_row, c0, row_mask, h, mean, rstd, BLOCK_N: tl.constexpr):
-    """sum(g), sum(g * x_hat) of the rows' columns c0 .. c0 + BLOCK_N - 1."""
-    c_cols = c0 + tl.arange(0, BLOCK_N)
-    c_mask = row_mask[:, None] & (c_cols < h)[None, :]
-    c_w = tl.load(W + c_cols, mask=c_cols < h, other=0.0).to(tl.float32)
-    _, _, _, c_g, c_gx = _row_sums(GY, RO, W, offs_row, c_cols, c_mask, c_w, mean, rstd)
-    return c_g, c_gx
+def _bwd_row_sums_kernel(GY, RO, W, MEAN, RSTD, ROW_SUMS, n_rows, h,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The row sums of rows wider than one backward program's columns: ROW_SUMS[0, r] = sum(g),
+    # ROW_SUMS[1, r] = sum(g * x_hat) ([2, n_rows] fp32). Program pid: rows pid * BLOCK_M ..., its columns
+    # in chunks of BLOCK_N with elementwise running sums, and one reduction per row at the end.
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    offs_row = rows.to(tl.int64)[:, None] * h
+    mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_gx = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, h, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_mask = cols < h
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        x_hat, _, g = _row_terms(GY, RO, offs_row, cols, row_mask[:, None] & col_mask[None, :], w, mean, rstd)
+        acc_g += g
+        acc_gx += g * x_hat
+    tl.store(ROW_SUMS + rows, tl.sum(acc_g, axis=1), mask=row_mask)
+    tl.store(ROW_SUMS + n_rows + rows, tl.sum(acc_gx, axis=1), mask=row_mask)
 
 
 @triton.jit(do_not_specialize=["threshold", "seed", "row_offset"])
-def _bwd_kernel(GY, GRO, RO, W, MEAN, RSTD, GX, GRES, PARTS,
+def _bwd_kernel(GY, GRO, RO, W, MEAN, RSTD, ROW_SUMS, GX, GRES, PARTS,
                 n_rows, h, rows_per_program, threshold, scale, seed, row_offset,
                 HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, MANUAL_BF16: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_CHUNKS: tl.constexpr):
     # Program (pid, chunk) owns rows [pid * rows_per_program, ...) and columns [chunk * BLOCK_N, ...) of
     # them, and writes those columns of row `pid` of the partial buffers PARTS [2 or 3, programs, h]
     # (grad_ln_weight, grad_ln_bias, grad_bias). Its registers hold BLOCK_N columns (three fp32 running
-    # sums each): rows wider than that are split over N_CHUNKS programs, each of which streams all chunks
-    # of its rows for the row sums (read again from L2: the chunk programs of one row range run side by
-    # side). Up to UNROLL_CHUNKS chunks that loop is unrolled (its loads all in flight at once); longer rows
-    # (any h) take a rolled loop.
+    # sums each). A whole row (N_CHUNKS = 1) gives its row sums by two reductions; a wider row is split
+    # over N_CHUNKS programs, which read its row sums from ROW_SUMS (_bwd_row_sums_kernel): no reduction,
+    # so no barrier, in their row loop.
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
     row_start = pid * rows_per_program
@@ -194,22 +207,16 @@ def _bwd_kernel(GY, GRO, RO, W, MEAN, RSTD, GX, GRES, PARTS,
         offs = offs_row + cols[None, :]
         mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-
+        if N_CHUNKS > 1:
+            sum_g = tl.load(ROW_SUMS + rows, mask=row_mask, other=0.0)
+            sum_gx = tl.load(ROW_SUMS + n_rows + rows, mask=row_mask, other=0.0)
         gro = tl.load(GRO + offs, mask=mask, other=0.0)   # issued with the row's other loads
-        x_hat, gy, g, sum_g, sum_gx = _row_sums(GY, RO, W, offs_row, cols, mask, w, mean, rstd)
-        if N_CHUNKS > 1:  # every chunk of the rows, for the row sums only
-            sum_g = tl.zeros([BLOCK_M], dtype=tl.float32)
-            sum_gx = tl.zeros([BLOCK_M], dtype=tl.float32)
-            if N_CHUNKS <= UNROLL_CHUNKS:
-                for c in tl.static_range(N_CHUNKS):
-                    c_g, c_gx = _chunk_row_sums(GY, RO, W, offs_row, c * BLOCK_N, row_mask, h, mean, rstd, BLOCK_N)
-                    sum_g += c_g
-                    sum_gx += c_gx
-            else:
-                for c0 in range(0, h, BLOCK_N):
-                    c_g, c_gx = _chunk_row_sums(GY, RO, W, offs_row, c0, row_mask, h, mean, rstd, BLOCK_N)
-                    sum_g += c_g
-                    sum_gx += c_gx
+        x_hat, gy, g = _row_terms(GY, RO, offs_row, cols, mask, w, mean, rstd)
+        if N_CHUNKS == 1:
+            # Two tl.sum, not one tl.reduce over the pair: that saves one barrier per row on a GPU, but the
+            # CPU interpreter runs a custom combine in Python (40-60 s for a 615 x 768 test, not 1 s).
+            sum_g = tl.sum(g, axis=1)
+            sum_gx = tl.sum(g * x_hat, axis=1)
         acc_w += gy * x_hat
         acc_b += gy
 
@@ -256,26 +263,37 @@ def _fwd_config(n_rows: int, h: int):
     return block_m, block_n, chunked, {"num_warps": R.num_warps(block_m * block_n, 32), "enable_fp_fusion": False}
 
 
-# Columns of one backward program. A whole row of up to 4096 columns is a tile of 4096 elements, 4 per
-# thread at 32 warps: ptxas fits it in the 64 registers a 1024-thread program may use, so an SM holds
-# 32 warps (50% occupancy); at 16 warps (8 per thread) it took 84-99 registers, one 512-thread program
-# per SM (25%), whose row reductions left the SM idle. Wider rows are chunked at 4096 columns, 8 per
-# thread at 16 warps (three fp32 running sums and the working set in 128 registers): at 32 warps ptxas
-# spilled 8-116 bytes per thread, and a whole 8192- or 16384-wide row spilled 130-1500.
+# Columns of one backward program, at most (R.chunk_columns splits a wider row into even chunks). A tile of
+# 4096 elements, 4 per thread at 32 warps: ptxas fits it in the 64 registers a 1024-thread program may use,
+# so an SM holds 32 warps (50% occupancy); at 16 warps (8 per thread) a whole 4096-wide row took 84-99
+# registers, one 512-thread program per SM (25%), whose row reductions left the SM idle. Wider rows are
+# chunked, their row sums computed first (_bwd_row_sums_kernel, which reads grad_y and residual_out once
+# more). That pass replaced chunk programs that each streamed their rows' other chunks for the row sums: 16
+# warps at 100-128 registers (25% occupancy), 612-761 loop instructions per 8 elements at h = 12288 / 16384,
+# and a block reduction per chunk per row; 16384 x 12288 bf16 took 2.3 ms on an H200, 5x its memory time
+# (commit 96c73a0).
 BWD_BLOCK_N = 4096
 BWD_TILE = 4096
-UNROLL_CHUNKS = tl.constexpr(8)  # the backward's row-sum loop is unrolled up to this many chunks
+# The row-sum pass: 8 elements per thread (two fp32 running sums each), no reduction inside its loop.
+ROW_SUMS_PER_THREAD = 8
 
 
 def _bwd_config(n_rows: int, h: int):
     """(BLOCK_M, BLOCK_N, column chunks, launch options) of one backward program's tile."""
-    block_n = min(max(16, triton.next_power_of_2(h)), BWD_BLOCK_N)
+    block_n = max(16, triton.next_power_of_2(h)) if h <= BWD_BLOCK_N else R.chunk_columns(h, BWD_BLOCK_N)
     n_chunks = triton.cdiv(h, block_n)
     if R.interpreting():  # few fat programs: the interpreter's cost is per program
         return R.rows_per_block(n_rows, block_n, 1 << 14), block_n, n_chunks, {}
     block_m = R.rows_per_block(n_rows, block_n, BWD_TILE)
-    per_thread = 4 if n_chunks == 1 else 8
-    return block_m, block_n, n_chunks, {"num_warps": R.num_warps(block_m * block_n, 32, per_thread)}
+    return block_m, block_n, n_chunks, {"num_warps": R.num_warps(block_m * block_n, 32, per_thread=4)}
+
+
+def _row_sums_config(n_rows: int, block_n: int):
+    """(BLOCK_M, launch options) of the row-sum pass over chunks of ``block_n`` columns."""
+    if R.interpreting():
+        return R.rows_per_block(n_rows, block_n, 1 << 14), {}
+    block_m = R.rows_per_block(n_rows, block_n, BWD_TILE)
+    return block_m, {"num_warps": R.num_warps(block_m * block_n, 32, per_thread=ROW_SUMS_PER_THREAD)}
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -340,9 +358,17 @@ def backward(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual_out
                   BLOCK_M=block_m, BLOCK_N=block_n, N_CHUNKS=n_chunks)
     ln_weight = ln_weight.contiguous()
 
+    row_sums = mean                                        # (unused with whole rows)
+    if n_chunks > 1:
+        row_sums = R.empty((2, n_rows), torch.float32, device)
+        sums_block_m, sums_launch = _row_sums_config(n_rows, block_n)
+        _bwd_row_sums_kernel[(triton.cdiv(n_rows, sums_block_m),)](
+            grad_y, residual_out, ln_weight, mean, rstd, row_sums, n_rows, h,
+            BLOCK_M=sums_block_m, BLOCK_N=block_n, **sums_launch)
+
     def args(partials, rows_per_program):
-        return (grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, grad_x, grad_res, partials,
-                n_rows, h, rows_per_program, *drop_args)
+        return (grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, row_sums, grad_x, grad_res,
+                partials, n_rows, h, rows_per_program, *drop_args)
 
     max_programs = R.wave_programs(_bwd_kernel, args(mean, 2 * block_m), launch, device, n_chunks)
     programs, rows_per_program = R.split_rows(n_rows, block_m, max_programs)

@@ -12,12 +12,13 @@ Backward, per row (n = residual_out * rstd, g = grad_y * weight)::
     grad_weight            = sum_rows(grad_y * n)
 
 A row of up to ``MAX_FUSED_HIDDEN`` (forward) / ``MAX_FUSED_HIDDEN_BWD`` (backward) columns is held in one
-program's registers. A longer row (any h is accepted) is covered in chunks of ``CHUNK_COLUMNS``: the forward makes a second pass over the chunks,
-reading back the residual_out it has just written; the backward runs one program per (row range, column
-chunk), each streaming the whole row once for the row sum mean(g * n) (from L2 mostly: the chunk programs of
-a row range run side by side). The column sums are reduced without atomics, like the LayerNorm kernels:
-each backward program writes its columns of one fp32 partial row of a ``[n_partials, h]`` buffer and
-:func:`triton_kernels.rows.reduce_partials` sums the partial rows.
+program's registers. A longer row (any h is accepted) is covered in chunks of ``CHUNK_COLUMNS``: the forward
+makes a second pass over the chunks, reading back the residual_out it has just written; the backward first
+computes the row sums mean(g * n) in a row-sum pass (``_bwd_row_sums_kernel``; it reads grad_y and
+residual_out once more), then runs one program per (row range, column chunk) with no reduction in its row
+loop, as the LayerNorm backward does. The column sums are reduced without atomics, like the LayerNorm
+kernels: each backward program writes its columns of one fp32 partial row of a ``[n_partials, h]`` buffer
+and :func:`triton_kernels.rows.reduce_partials` sums the partial rows.
 
 ==================  ===============  =============================================
 tensor              shape            dtype
@@ -125,11 +126,34 @@ def _normed_chunk(RO, GY, ro_row, g_row, cols, mask, rstd):
 
 
 @triton.jit
-def _bwd_kernel(GY, GRO, RO, W, RSTD, GX, GRES, PART_W, n_rows, h, stride_ro, rows_per_program,
+def _bwd_row_sums_kernel(GY, RO, W, RSTD, ROW_SUMS, n_rows, h, stride_ro,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The row sums of chunked rows: ROW_SUMS[r] = sum(g * n) ([n_rows] fp32). Program pid: rows
+    # pid * BLOCK_M ..., its columns in chunks of BLOCK_N with an elementwise running sum, one reduction
+    # per row at the end.
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, h, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_mask = cols < h
+        n, gy = _normed_chunk(RO, GY, rows64[:, None] * stride_ro, rows64[:, None] * h, cols,
+                              row_mask[:, None] & col_mask[None, :], rstd)
+        acc += gy * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :] * n
+    tl.store(ROW_SUMS + rows, tl.sum(acc, axis=1), mask=row_mask)
+
+
+@triton.jit
+def _bwd_kernel(GY, GRO, RO, W, RSTD, ROW_SUMS, GX, GRES, PART_W, n_rows, h, stride_ro, rows_per_program,
                 HAS_GRO: tl.constexpr, HAS_GRES: tl.constexpr, MANUAL_BF16: tl.constexpr, CHUNKED: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Program (pid, chunk) owns rows [pid * rows_per_program, ...) and columns [chunk * BLOCK_N, ...) of
-    # them, and writes those columns of row `pid` of the partial buffer.
+    # them, and writes those columns of row `pid` of the partial buffer. A whole row reduces its row sum
+    # sum(g * n) here; a chunked row reads it from ROW_SUMS (_bwd_row_sums_kernel): no reduction, so no
+    # barrier, in the row loop.
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
     row_start = pid * rows_per_program
@@ -146,19 +170,13 @@ def _bwd_kernel(GY, GRO, RO, W, RSTD, GX, GRES, PART_W, n_rows, h, stride_ro, ro
         ro_row = rows64[:, None] * stride_ro
         g_row = rows64[:, None] * h
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        if CHUNKED:
+            dot = tl.load(ROW_SUMS + rows, mask=row_mask, other=0.0)
         n, gy = _normed_chunk(RO, GY, ro_row, g_row, cols, mask, rstd)
         if HAS_GRO:  # issued with the row's other loads, before the row sum's block-wide reduction
             gro = tl.load(GRO + g_row + cols[None, :], mask=mask, other=0.0)
         g = gy * w[None, :]
-        if CHUNKED:  # the row sum needs every chunk of the row
-            dot = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for c0 in range(0, h, BLOCK_N):
-                cc = c0 + tl.arange(0, BLOCK_N)
-                cc_mask = cc < h
-                n2, gy2 = _normed_chunk(RO, GY, ro_row, g_row, cc, row_mask[:, None] & cc_mask[None, :], rstd)
-                w2 = tl.load(W + cc, mask=cc_mask, other=0.0).to(tl.float32)
-                dot += tl.sum(gy2 * w2[None, :] * n2, axis=1)
-        else:
+        if not CHUNKED:
             dot = tl.sum(g * n, axis=1)
         acc_w += gy * n
         gx = rstd[:, None] * (g - n * (dot / h)[:, None])
@@ -197,10 +215,20 @@ def _bwd_config(n_rows: int, h: int):
     one 1024-thread program (50% occupancy); at 16 warps h = 8192 and the chunked rows took 86-98
     registers, one 512-thread program (25%), too few warps to cover the row reductions' barriers."""
     block_n, chunked = _block_n(h, min(MAX_FUSED_HIDDEN, MAX_FUSED_HIDDEN_BWD))
+    if chunked:  # even chunks: no chunk program left with mostly masked columns
+        block_n = R.chunk_columns(h, CHUNK_COLUMNS)
     if R.interpreting():
         return R.rows_per_block(n_rows, block_n, 1 << 14), block_n, chunked, {}
-    block_m = 1 if chunked else R.rows_per_block(n_rows, block_n, 4096)
+    block_m = R.rows_per_block(n_rows, block_n, 4096)
     return block_m, block_n, chunked, {"num_warps": R.num_warps(block_m * block_n, 32, per_thread=4)}
+
+
+def _row_sums_config(n_rows: int, block_n: int):
+    """(BLOCK_M, launch options) of the chunked backward's row-sum pass: 8 elements per thread."""
+    if R.interpreting():
+        return R.rows_per_block(n_rows, block_n, 1 << 14), {}
+    block_m = R.rows_per_block(n_rows, block_n, 4096)
+    return block_m, {"num_warps": R.num_warps(block_m * block_n, 32, per_thread=8)}
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -253,10 +281,18 @@ def backward(grad_y: torch.Tensor, grad_residual_out: Optional[torch.Tensor], re
                   MANUAL_BF16=R.interpreting(), CHUNKED=chunked, BLOCK_M=block_m, BLOCK_N=block_n)
     weight = weight.contiguous()
 
+    row_sums = rstd                                        # (unused with whole rows)
+    if chunked:
+        row_sums = R.empty((n_rows,), torch.float32, device)
+        sums_block_m, sums_launch = _row_sums_config(n_rows, block_n)
+        _bwd_row_sums_kernel[(triton.cdiv(n_rows, sums_block_m),)](
+            grad_y, residual_out, weight, rstd, row_sums, n_rows, h, residual_out.stride(0),
+            BLOCK_M=sums_block_m, BLOCK_N=block_n, **sums_launch)
+
     def args(partials, rows_per_program):
         return (grad_y, grad_y if grad_residual_out is None else grad_residual_out, residual_out, weight, rstd,
-                grad_x, grad_x if grad_res is None else grad_res, partials, n_rows, h, residual_out.stride(0),
-                rows_per_program)
+                row_sums, grad_x, grad_x if grad_res is None else grad_res, partials, n_rows, h,
+                residual_out.stride(0), rows_per_program)
 
     max_programs = R.wave_programs(_bwd_kernel, args(rstd, 2 * block_m), launch, device, n_chunks)
     programs, rows_per_program = R.split_rows(n_rows, block_m, max_programs)

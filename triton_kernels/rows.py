@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["cast_rne", "interpreting", "sm_count", "rows_per_block", "num_warps", "empty", "reduce_partials",
-           "resident_per_sm", "wave_programs", "split_rows"]
+__all__ = ["cast_rne", "interpreting", "sm_count", "rows_per_block", "chunk_columns", "num_warps", "empty",
+           "reduce_partials", "resident_per_sm", "wave_programs", "split_rows"]
 
 
 @triton.jit
@@ -52,6 +52,16 @@ def rows_per_block(n_rows: int, block_n: int, elements: int) -> int:
     """Rows per tile so a tile holds about ``elements`` values (power of two, at most n_rows rounded up)."""
     block_m = max(1, elements // block_n)
     return min(block_m, triton.next_power_of_2(max(n_rows, 1)))
+
+
+def chunk_columns(h: int, widest: int, narrowest: int = 1024) -> int:
+    """Columns per chunk of a row wider than ``widest``: the widest power of two in [narrowest, widest]
+    whose padding (the masked columns of the last chunk) is at most h / 8, else ``narrowest``; h = 6144
+    takes three chunks of 2048, not two of 4096 with a quarter of the second chunk's threads idle."""
+    block_n, narrowest = widest, min(narrowest, widest)
+    while block_n > narrowest and triton.cdiv(h, block_n) * block_n - h > h // 8:
+        block_n //= 2
+    return block_n
 
 
 def num_warps(tile_elements: int, cap: int, per_thread: int = 8) -> int:

@@ -157,7 +157,8 @@ def test_triton_half_error_within_2x_torch(shape, dtype, poisoned_triton):
 @pytest.mark.parametrize("has_residual", [True, False], ids=["residual", "no_residual"])
 @pytest.mark.parametrize("h", [100, 131], ids=["h100", "h131"])
 def test_triton_chunked_rows(h, has_residual, chunked_triton):
-    """Rows longer than the fused limit: two passes over 32-column chunks, (rows, chunk) backward grid."""
+    """Rows longer than the fused limit: two passes over 32-column chunks; the backward's row-sum pass (its
+    buffer starts as NaN) and its (rows, chunk) grid."""
     inp = _make_inputs((2, 9, h), torch.float32, has_residual=has_residual)
     _check_fp32(_run(inp, "triton"), _run(inp, "torch"), _reference_fp64(inp))
     inp = _make_inputs((19, h), torch.bfloat16, has_residual=has_residual, gen_seed=1)

@@ -40,14 +40,16 @@ def test_row_tiles_keep_a_thread_to_a_few_elements(monkeypatch, h):
     """The GPU launch policy of the LayerNorm and RMSNorm backward (and the LayerNorm forward, below):
     whole rows of up to 4096 (LayerNorm) or 8192 (RMSNorm) columns at 4 elements per thread, so that
     ptxas fits a 1024-thread program in 64 registers (kernel_report: 37-64); LayerNorm's 4096-column
-    chunks of wider rows at 8 per thread on 16 warps (at 32 warps ptxas spilled)."""
+    chunks of wider rows at 4 per thread too, after a row-sum pass at 8 per thread."""
     from seqpar.triton_kernels import bias_dropout_add_layer_norm as L, rms_norm as M
 
     monkeypatch.setattr(R, "interpreting", lambda: False)
     block_m, block_n, n_chunks, launch = L._bwd_config(16384, h)
     per_thread = block_m * block_n // (32 * launch["num_warps"])
-    assert (per_thread, launch["num_warps"]) == ((4, 32) if h <= 4096 else (8, 16))
+    assert (per_thread, launch["num_warps"]) == (4, 32) and (n_chunks > 1) == (h > 4096)
     assert block_n * n_chunks >= h and block_m * block_n <= 4096
+    sums_block_m, sums_launch = L._row_sums_config(16384, block_n)
+    assert sums_block_m * block_n // (32 * sums_launch["num_warps"]) == 8
     block_m, block_n, chunked, launch = M._bwd_config(16384, h)
     per_thread = block_m * block_n // (32 * launch["num_warps"])
     assert launch["num_warps"] == 32 and per_thread == (8 if h == 8192 else 4) and chunked == (h > 8192)
@@ -124,3 +126,15 @@ def test_reduce_partials_with_the_gpu_block_sizes(monkeypatch, n_buffers, n_part
     for q, s in enumerate(sums):
         ref = partials[q].double().sum(0)
         torch.testing.assert_close(s.double(), ref, rtol=1e-6, atol=1e-5 * n_partials ** 0.5)
+
+
+@pytest.mark.parametrize("h,expected", [(6144, 2048), (8192, 4096), (12288, 4096), (5120, 1024), (14336, 2048),
+                                        (25600, 4096), (4097, 1024)])
+def test_chunk_columns_split_wide_rows_evenly(h, expected):
+    """The chunks of a row wider than one backward program: the widest power of two whose padding is at most
+    h / 8 (1024 at the least), so h = 6144 is 3 x 2048 rather than 4096 + a half-masked 4096."""
+    block_n = R.chunk_columns(h, 4096)
+    assert block_n == expected
+    padding = -(-h // block_n) * block_n - h
+    assert padding <= h // 8 or block_n == 1024
+    assert R.chunk_columns(100, 32) == 32          # narrower than 1024: the widest chunk is the only one
