@@ -6,7 +6,7 @@ import torch
 
 from seqpar.ops import add_rms_norm
 from tests.gpu import GPU_DTYPES, skip_unless_backend_runs
-from tests.tolerances import assert_close, assert_error_within, assert_fp32_outputs
+from tests.tolerances import assert_error_within, assert_fp32_outputs
 
 EPS = 1e-6
 OUT_NAMES = ("y", "residual_out", "grad_x", "grad_residual", "grad_weight")
