@@ -583,6 +583,8 @@ CUDA_KERNELS: Dict[str, Tuple[str, Callable[[List[str], str], int]]] = {
     "seqpar::dropout_rows_kernel": ("largest", lambda t, r: 16),      # a 16-column group per iteration
     "seqpar::bdaln::fwd_kernel": ("kernel", _ln_elements),
     "seqpar::bdaln::bwd_kernel": ("largest", _ln_elements),
+    "seqpar::bdaln::bwd_row_sums_kernel": ("largest", lambda t, r: 4 * int(t[1])),  # <T, VEC>, unrolled 4x
+    "seqpar::bdaln::bwd_columns_kernel": ("largest", lambda t, r: int(t[1])),       # one run per row
     "seqpar::rows::reduce_partials_kernel": ("largest", lambda t, r: 1),
     "seqpar::(anonymous namespace)::softmax_dropout_fwd_kernel": ("mask", lambda t, r: 16),
     "seqpar::(anonymous namespace)::softmax_dropout_bwd_kernel": ("mask", lambda t, r: 16),

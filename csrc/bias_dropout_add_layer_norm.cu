@@ -12,10 +12,10 @@
 // kChunked kernels have one block per row (RPB = 1) and reduce with shuffles plus one shared-memory step.
 // A thread owns VPT runs of VEC contiguous columns of each column chunk of its row (TPR * VPT runs),
 // strided by TPR runs so a warp's accesses are contiguous. kWarp and kBlock rows are one chunk, held in
-// registers between the passes over them (the backward's second pass re-reads the row when a thread owns
-// more than 16 elements); kChunked rows (h > 16384: the paper's 530B and 1T models have h = 20480 and
-// 25600) take as many chunks as they need, and the passes after the first re-read the chunks that are
-// not in registers (residual_out was just written by the same thread: from L2 mostly). Any h is accepted.
+// registers between the passes over them; the forward's kChunked rows (h > 16384: the paper's 530B and 1T
+// models have h = 20480 and 25600) take as many chunks as they need, and the passes after the first
+// re-read the chunks that are not in registers (residual_out was just written by the same thread: from L2
+// mostly). Any h is accepted.
 // When the pointers, h and the row strides allow it, a run is one 16-byte vector (VEC = 16 / sizeof(T):
 // half a dropout group for 2-byte types, a quarter for fp32); otherwise a run is one whole 16-column
 // dropout group moved with scalar accesses (VEC = 16, columns past h masked; the block-per-row forward
@@ -27,16 +27,21 @@
 // its sum; the centred sum of squares; y). A warp per row of h = 4096 (16 runs, 128 values per lane) took
 // 174 registers and 12% occupancy on an H200 and ran 2.6x slower than the block per row of the Triton
 // forward (381 vs 146 us at 16384 x 4096 bf16); the RMSNorm forward keeps the same 4-run cap.
-// Backward: the block sums dw, db and dbias over the rows it visits (a grid-stride loop, one wave of
-// blocks), writes them as one fp32 partial row per quantity, and reduce_partials_kernel sums the partial
-// rows (no atomics: deterministic). Those running sums are 3 fp32 values per owned element: in registers
-// they would cost 384 registers per lane for a warp-per-row h = 4096, so the warp-per-row backward is used
-// only while a lane owns at most two 16-byte runs (h <= 512 for 2-byte types, 256 for fp32; sums in
-// registers), and block per row (<= 512 threads, 128 registers each) beyond keeps the sums in shared
-// memory (3 * h * 4 bytes; each thread owns its columns, so no synchronisation) or, for rows too long for
-// the device's shared memory, in the block's own partial rows in global memory (no other block touches
-// them). The backward draws the mask in its second pass over the row, where it is used, so no decisions
-// are kept in registers.
+// Backward: a block sums dw, db and dbias over the rows it visits (one wave of blocks), writes them as one
+// fp32 partial row per quantity, and reduce_partials_kernel sums the partial rows (no atomics:
+// deterministic). Rows of up to kColumnsMinHidden = 4096 columns: a row per warp or block, whose row sums
+// (mean(g), mean(g * x_hat)) are reductions over it. Those running column sums are 3 fp32 values per owned
+// element: in registers they would cost 384 registers per lane for a warp-per-row h = 4096, so the
+// warp-per-row backward is used only while a lane owns at most two 16-byte runs (h <= 512 for 2-byte types,
+// 256 for fp32; sums in registers), and the block per row (<= 512 threads) beyond keeps them in shared
+// memory (3 * h * 4 bytes; each thread owns its columns, so no synchronisation). Wider rows: a row-sum pass
+// (bwd_row_sums_kernel) writes each row's two sums, then blocks of one column chunk each
+// (bwd_columns_kernel, one 16-byte run per thread) stream the rows with no reduction and their column sums
+// in registers. A block per row of h = 12288 held the whole row (117 registers, 147 KB of shared-memory
+// sums: one 384-thread block per SM) and took 1.3 ms at 16384 x 12288 bf16 on an H200, 2.8x its memory
+// time (commit 96c73a0); the row-sum pass reads grad_y and residual_out once more (7 tensor passes, not 5)
+// but every pass streams at 50% occupancy or more. The backward draws the mask where it is used, so no
+// decisions are kept in registers.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -64,20 +69,25 @@ constexpr int kBwdWarpRows = 16;           // rows per block of the warp-per-row
 constexpr int kBwdMaxThreads = 512;        // block-per-row backward: up to 128 registers per thread
 constexpr int kBwdWarpSmemFloats = (kBwdWarpRows - 1) * kWarp * kBwdWarpElements;  // fold of row slots
 constexpr int kScalarRun = kMaskGroup;     // VEC of the scalar-access kernels: one whole dropout group
-constexpr int kStaticSmemSlack = 8 * 1024; // static shared memory of the kernels, generously
+constexpr int64_t kColumnsMinHidden = 4096; // wider rows: backward by row-sum pass + column-chunk blocks
+constexpr int kRowSumThreads = 256;        // block of the row-sum pass (one row per block)
+constexpr int kColumnThreads = 256;        // block of the column-chunk backward (one run per thread)
 
 // True when the runs of VEC elements of T are single 16-byte vectors (else: scalar-access runs of a group).
 template <typename T, int VEC>
 constexpr bool kVectorRun = VEC * sizeof(T) == 16;
 
 // Vectors per thread of each kind of kernel (only VPT up to these are instantiated: build time grows with
-// each instantiation). kWarp: 4 (forward) or 2 (backward) runs per lane. kBlock: enough
-// for kBlockMaxHidden columns; kChunked uses exactly the kBlock maximum per chunk (ptxas -v: no spills).
+// each instantiation). kWarp: 4 (forward) or 2 (backward) runs per lane. kBlock: enough for
+// kBlockMaxHidden (forward) or kColumnsMinHidden (backward) columns; the forward's kChunked uses exactly
+// the kBlock maximum per chunk (ptxas -v: no spills).
 constexpr int max_threads(bool forward, int vec) {
   return !forward ? kBwdMaxThreads : vec == kScalarRun ? kFwdScalarMaxThreads : kMaxThreads;
 }
 constexpr int warp_vpt(bool forward) { return forward ? kFwdWarpVectors : kBwdWarpVectors; }
-constexpr int block_vpt(bool forward, int vec) { return pow2_ceil(cdiv(kBlockMaxHidden / vec, max_threads(forward, vec))); }
+constexpr int block_vpt(bool forward, int vec) {
+  return pow2_ceil(cdiv((forward ? kBlockMaxHidden : kColumnsMinHidden) / vec, max_threads(forward, vec)));
+}
 
 template <RowKind KIND, bool kForward, int VEC>
 constexpr int threads_bound() {
@@ -219,12 +229,11 @@ __global__ void __launch_bounds__(threads_bound<KIND, true, VEC>()) fwd_kernel(c
   }
 }
 
-// Running column sums (dw, db, dbias) of the backward, by kind of kernel: kWarp in registers (a lane owns
-// few elements; row slots are folded through shared memory at the end); kBlock in dynamic shared memory
-// ([3][h] floats); kChunked in the block's own partial rows in global memory (rows too long for shared
-// memory). In memory, thread t owns the columns of its runs j = t (mod blockDim.x), in every chunk. VECTOR:
-// the runs are 16-byte vectors (every run lies inside the row); else scalar runs whose columns past h are
-// skipped.
+// Running column sums (dw, db, dbias) of the block-per-row and warp-per-row backward, by kind of kernel:
+// kWarp in registers (a lane owns few elements; row slots are folded through shared memory at the end);
+// kBlock in dynamic shared memory ([3][h] floats, h <= kColumnsMinHidden), where thread t owns the columns
+// of its runs j = t (mod blockDim.x). VECTOR: the runs are 16-byte vectors (every run lies inside the
+// row); else scalar runs whose columns past h are skipped.
 template <int VEC, int VPT, RowKind KIND, bool VECTOR>
 struct ColumnSums;
 
@@ -280,19 +289,13 @@ struct ColumnSums<VEC, VPT, RowKind::kWarp, true> {
 
 template <int VEC, int VPT, RowKind KIND, bool VECTOR>
 struct ColumnSums {
-  static constexpr bool kShared = KIND == RowKind::kBlock;
-  float* base;  // sum q is base + q * stride (h floats; 16-byte aligned for VECTOR, as h % VEC == 0)
-  int64_t stride, h;
+  static_assert(KIND == RowKind::kBlock, "wider rows take bwd_columns_kernel");
+  float* base;  // sum q is base + q * h (16-byte aligned for VECTOR, as h % VEC == 0)
+  int64_t h;
   __device__ __forceinline__ void init(int64_t h_, float* const (&parts)[3]) {
     h = h_;
-    if constexpr (kShared) {
-      extern __shared__ float4 dynamic_smem[];
-      base = reinterpret_cast<float*>(dynamic_smem);
-      stride = h;
-    } else {  // the partial buffers are one [2 or 3, num_partials, h] allocation
-      base = parts[0] + static_cast<int64_t>(blockIdx.x) * h;
-      stride = parts[1] - parts[0];
-    }
+    extern __shared__ float4 dynamic_smem[];
+    base = reinterpret_cast<float*>(dynamic_smem);
     const int64_t nvec = (h + VEC - 1) / VEC;
     Pack<float, VEC> zero;
 #pragma unroll
@@ -301,50 +304,46 @@ struct ColumnSums {
     for (int q = 0; q < 3; ++q) {
       if (parts[q] == nullptr) continue;  // uniform
       for (int64_t j = threadIdx.x; j < nvec; j += blockDim.x)
-        store_run<float, VEC>(base + q * stride, j * VEC, h, VECTOR, zero);
+        store_run<float, VEC>(base + q * h, j * VEC, h, VECTOR, zero);
     }
   }
   // Only called for owned runs (j < nvec) of summed quantities; no other thread touches them, so no
   // synchronisation.
   __device__ __forceinline__ void add(int q, int, int64_t j, const float (&v)[VEC]) {
-    float* sum = base + q * stride;
+    float* sum = base + q * h;
     Pack<float, VEC> cur = load_run<float, VEC>(sum, j * VEC, h, VECTOR);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) cur.v[i] += v[i];
     store_run<float, VEC>(sum, j * VEC, h, VECTOR, cur);
   }
   __device__ __forceinline__ void write(float* const (&parts)[3], int64_t nvec, int64_t) {
-    if constexpr (kShared) {
 #pragma unroll
-      for (int q = 0; q < 3; ++q) {
-        if (parts[q] == nullptr) continue;
-        float* out = parts[q] + static_cast<int64_t>(blockIdx.x) * h;
-        for (int64_t j = threadIdx.x; j < nvec; j += blockDim.x)
-          store_run<float, VEC>(out, j * VEC, h, VECTOR, load_run<float, VEC>(base + q * h, j * VEC, h, VECTOR));
-      }
-    }  // else the sums already are the partial rows
+    for (int q = 0; q < 3; ++q) {
+      if (parts[q] == nullptr) continue;
+      float* out = parts[q] + static_cast<int64_t>(blockIdx.x) * h;
+      for (int64_t j = threadIdx.x; j < nvec; j += blockDim.x)
+        store_run<float, VEC>(out, j * VEC, h, VECTOR, load_run<float, VEC>(base + q * h, j * VEC, h, VECTOR));
+    }
   }
 };
 
 template <typename T, int VEC, int VPT, RowKind KIND>
 __global__ void __launch_bounds__(threads_bound<KIND, false, VEC>(), bwd_min_blocks(KIND, VPT * VEC))
-    bwd_kernel(const BwdArgs a, const int64_t chunks_arg) {
+    bwd_kernel(const BwdArgs a) {
   constexpr bool kVector = kVectorRun<T, VEC>;
-  constexpr bool kWarpRow = KIND == RowKind::kWarp, kChunked = KIND == RowKind::kChunked;
+  constexpr bool kWarpRow = KIND == RowKind::kWarp;
   static_assert(kVector || !kWarpRow, "warp-per-row kernels use 16-byte runs");
-  // The row (residual_out, grad_y) stays in registers between the two passes over it while a thread owns
-  // at most 16 elements of it; beyond that (h > 8192 in 2-byte types, chunked rows) the second pass reads
-  // it again (from L2), or ptxas spills.
-  constexpr bool kKeepRow = !kChunked && VPT * VEC <= 16;
+  // The row (residual_out, grad_y) stays in registers between the two passes over it: a thread owns at
+  // most 16 elements of it (h <= kColumnsMinHidden; wider rows take bwd_columns_kernel).
+  static_assert(VPT * VEC <= 16, "a thread holds at most 16 elements of its row");
   // A block-per-row kernel that keeps its row loads grad_residual_out with it too: all of the row's reads
   // are in flight before the block-wide reduction (two barriers), rather than a second memory round trip
   // after it. Warp-per-row rows reduce with shuffles alone, and their lanes' registers are full (ptxas
   // spilled with grad_residual_out held as well).
-  constexpr bool kKeepGro = kKeepRow && !kWarpRow;
-  const int64_t chunks = kChunked ? chunks_arg : 1;
+  constexpr bool kKeepGro = !kWarpRow;
   const int tpr = kWarpRow ? kWarp : blockDim.x;
   const int rpb = kWarpRow ? kBwdWarpRows : 1;
-  const int64_t nvec = (a.h + VEC - 1) / VEC, chunk_vecs = static_cast<int64_t>(tpr) * VPT;
+  const int64_t nvec = (a.h + VEC - 1) / VEC;
   const bool dropout = a.threshold24 != 0;
   const bool has_bias = a.part_bias != nullptr;
   const float inv_h = 1.0f / static_cast<float>(a.h);
@@ -388,35 +387,29 @@ __global__ void __launch_bounds__(threads_bound<KIND, false, VEC>(), bwd_min_blo
     const T* ro = static_cast<const T*>(a.residual_out) + off;
     const T* gy = static_cast<const T*>(a.grad_y) + off;
     const T* gro = static_cast<const T*>(a.grad_residual_out) + off;
-    Pack<T, VEC> rv[kKeepRow ? VPT : 1], gv[kKeepRow ? VPT : 1], ov[kKeepGro ? VPT : 1];
+    Pack<T, VEC> rv[VPT], gv[VPT], ov[kKeepGro ? VPT : 1];
     float dots[2] = {0.0f, 0.0f};  // sum(g), sum(g * x_hat)
-    for (int64_t c = 0; c < chunks; ++c) {
 #pragma unroll
-      for (int k = 0; k < VPT; ++k) {
-        const int64_t j = c * chunk_vecs + threadIdx.x + static_cast<int64_t>(k) * tpr;
-        if (j < nvec) {
-          const Pack<T, VEC> rk = load_run<T, VEC>(ro, j * VEC, a.h, kVector);
-          const Pack<T, VEC> gk = load_run<T, VEC>(gy, j * VEC, a.h, kVector);
-          if constexpr (kKeepRow) {
-            rv[k] = rk;
-            gv[k] = gk;
-          }
-          if constexpr (kKeepGro) ov[k] = load_run<T, VEC>(gro, j * VEC, a.h, kVector);
-          float wv[VEC], dw[VEC], db[VEC];
-          weights(k, j, wv);
+    for (int k = 0; k < VPT; ++k) {
+      const int64_t j = threadIdx.x + static_cast<int64_t>(k) * tpr;
+      if (j < nvec) {
+        rv[k] = load_run<T, VEC>(ro, j * VEC, a.h, kVector);
+        gv[k] = load_run<T, VEC>(gy, j * VEC, a.h, kVector);
+        if constexpr (kKeepGro) ov[k] = load_run<T, VEC>(gro, j * VEC, a.h, kVector);
+        float wv[VEC], dw[VEC], db[VEC];
+        weights(k, j, wv);
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) {
-            const float x_hat = (to_float(rk.v[i]) - mean) * rstd;
-            const float dy = to_float(gk.v[i]);  // 0 past h: adds nothing below
-            const float g = dy * wv[i];
-            dots[0] += g;
-            dots[1] += g * x_hat;
-            dw[i] = dy * x_hat;
-            db[i] = dy;
-          }
-          sums.add(0, k, j, dw);
-          sums.add(1, k, j, db);
+        for (int i = 0; i < VEC; ++i) {
+          const float x_hat = (to_float(rv[k].v[i]) - mean) * rstd;
+          const float dy = to_float(gv[k].v[i]);  // 0 past h: adds nothing below
+          const float g = dy * wv[i];
+          dots[0] += g;
+          dots[1] += g * x_hat;
+          dw[i] = dy * x_hat;
+          db[i] = dy;
         }
+        sums.add(0, k, j, dw);
+        sums.add(1, k, j, db);
       }
     }
     row_allreduce<kWarpRow>(dots);
@@ -424,48 +417,132 @@ __global__ void __launch_bounds__(threads_bound<KIND, false, VEC>(), bwd_min_blo
     T* gx = static_cast<T*>(a.grad_x) + off;
     T* gres = static_cast<T*>(a.grad_residual) + off;
     const uint64_t mask_row = static_cast<uint64_t>(a.row_offset + row);
-    for (int64_t c = 0; c < chunks; ++c) {
 #pragma unroll
-      for (int k = 0; k < VPT; ++k) {
-        const int64_t j = c * chunk_vecs + threadIdx.x + static_cast<int64_t>(k) * tpr;
-        if (j < nvec) {
-          Pack<T, VEC> ok, rk, gk;
-          if constexpr (kKeepGro) {
-            ok = ov[k];
-          } else {
-            ok = load_run<T, VEC>(gro, j * VEC, a.h, kVector);
-          }
-          if constexpr (kKeepRow) {
-            rk = rv[k];
-            gk = gv[k];
-          } else {
-            rk = load_run<T, VEC>(ro, j * VEC, a.h, kVector);
-            gk = load_run<T, VEC>(gy, j * VEC, a.h, kVector);
-          }
-          MaskWords mask{};
-          if (dropout) mask = run_mask<VEC>(a.seed, mask_row, j);
-          Pack<T, VEC> res_pack, x_pack;
-          float wv[VEC], dbias[VEC];
-          weights(k, j, wv);
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) {
-            const float x_hat = (to_float(rk.v[i]) - mean) * rstd;
-            const float g = to_float(gk.v[i]) * wv[i];
-            const float d_res = rstd * (g - mean_g - x_hat * mean_gx) + to_float(ok.v[i]);
-            const float d_x = !dropout ? d_res : keep_column(mask, i, a.threshold24) ? d_res * a.scale : 0.0f;
-            dbias[i] = d_x;
-            res_pack.v[i] = from_float<T>(d_res);
-            x_pack.v[i] = from_float<T>(d_x);
-          }
-          if (has_bias) sums.add(2, k, j, dbias);
-          store_run<T, VEC>(gres, j * VEC, a.h, kVector, res_pack);
-          store_run<T, VEC>(gx, j * VEC, a.h, kVector, x_pack);
+    for (int k = 0; k < VPT; ++k) {
+      const int64_t j = threadIdx.x + static_cast<int64_t>(k) * tpr;
+      if (j < nvec) {
+        Pack<T, VEC> ok;
+        if constexpr (kKeepGro) {
+          ok = ov[k];
+        } else {
+          ok = load_run<T, VEC>(gro, j * VEC, a.h, kVector);
         }
+        MaskWords mask{};
+        if (dropout) mask = run_mask<VEC>(a.seed, mask_row, j);
+        Pack<T, VEC> res_pack, x_pack;
+        float wv[VEC], dbias[VEC];
+        weights(k, j, wv);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const float x_hat = (to_float(rv[k].v[i]) - mean) * rstd;
+          const float g = to_float(gv[k].v[i]) * wv[i];
+          const float d_res = rstd * (g - mean_g - x_hat * mean_gx) + to_float(ok.v[i]);
+          const float d_x = !dropout ? d_res : keep_column(mask, i, a.threshold24) ? d_res * a.scale : 0.0f;
+          dbias[i] = d_x;
+          res_pack.v[i] = from_float<T>(d_res);
+          x_pack.v[i] = from_float<T>(d_x);
+        }
+        if (has_bias) sums.add(2, k, j, dbias);
+        store_run<T, VEC>(gres, j * VEC, a.h, kVector, res_pack);
+        store_run<T, VEC>(gx, j * VEC, a.h, kVector, x_pack);
       }
     }
   }
   float* const parts[3] = {a.part_w, a.part_b, a.part_bias};
   sums.write(parts, nvec, a.h);
+}
+
+// Resident blocks per SM bwd_columns_kernel is compiled for: 4 with 16-byte runs, so at most 64 registers
+// and 50% occupancy (without the bound ptxas took 74-79 registers, 3 blocks; with it, bf16 spills 8 bytes:
+// one value reloaded from L1 per row). Scalar runs of 16 columns (odd h, unaligned tensors): no minimum
+// (194-210 registers; bounded to 128 they spilled 176-676 bytes).
+template <typename T, int VEC>
+constexpr int columns_min_blocks() { return kVectorRun<T, VEC> ? 4 : 0; }
+
+// Rows wider than kColumnsMinHidden: the row sums first, then blocks of one column chunk each.
+// bwd_row_sums_kernel: one block of kRowSumThreads per row writes row_sums[row] = sum(g) and
+// row_sums[rows + row] = sum(g * x_hat) (row_sums: [2, rows] fp32).
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kRowSumThreads) bwd_row_sums_kernel(const BwdArgs a, float* row_sums) {
+  constexpr bool kVector = kVectorRun<T, VEC>;
+  const int64_t row = blockIdx.x, nvec = (a.h + VEC - 1) / VEC;
+  const float mean = a.mean[row], rstd = a.rstd[row];
+  const T* ro = static_cast<const T*>(a.residual_out) + row * a.h;
+  const T* gy = static_cast<const T*>(a.grad_y) + row * a.h;
+  float dots[2] = {0.0f, 0.0f};
+#pragma unroll 4
+  for (int64_t j = threadIdx.x; j < nvec; j += blockDim.x) {
+    const Pack<T, VEC> rk = load_run<T, VEC>(ro, j * VEC, a.h, kVector);
+    const Pack<T, VEC> gk = load_run<T, VEC>(gy, j * VEC, a.h, kVector);
+    float wv[VEC];
+    load_params<VEC>(a.w, j * VEC, a.h, kVector, a.wdtype, wv);  // zeros past h: adds nothing
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      const float g = to_float(gk.v[i]) * wv[i];
+      dots[0] += g;
+      dots[1] += g * ((to_float(rk.v[i]) - mean) * rstd);
+    }
+  }
+  row_allreduce<false>(dots);
+  if (threadIdx.x == 0) {
+    row_sums[row] = dots[0];
+    row_sums[a.rows + row] = dots[1];
+  }
+}
+
+// bwd_columns_kernel: block (x, y) owns the runs x * kColumnThreads + threadIdx.x (one run of VEC columns per
+// thread) of the rows y, y + gridDim.y, ...; it reads their row sums from row_sums, so its loop has no
+// reduction and no barrier, and keeps its columns' running sums (dw, db, dbias) in registers, written at
+// the end as its columns of partial row y. Its registers do not grow with h (the block-per-row kernel's
+// hold the whole row: 117 registers, one 384-thread block per SM at h = 12288). Column chunks go in
+// gridDim.x (up to 2**31 - 1), the few row blocks (one wave) in gridDim.y.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kColumnThreads, columns_min_blocks<T, VEC>())
+    bwd_columns_kernel(const BwdArgs a, const float* row_sums) {
+  constexpr bool kVector = kVectorRun<T, VEC>;
+  const int64_t nvec = (a.h + VEC - 1) / VEC;
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= nvec) return;  // no barrier below: a thread past the row just leaves
+  const bool dropout = a.threshold24 != 0;
+  const float inv_h = 1.0f / static_cast<float>(a.h);
+  float wv[VEC], acc[3][VEC];
+  load_params<VEC>(a.w, j * VEC, a.h, kVector, a.wdtype, wv);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) acc[0][i] = acc[1][i] = acc[2][i] = 0.0f;
+  for (int64_t row = blockIdx.y; row < a.rows; row += gridDim.y) {
+    const int64_t off = row * a.h;
+    const float mean = a.mean[row], rstd = a.rstd[row];
+    const float mean_g = row_sums[row] * inv_h, mean_gx = row_sums[a.rows + row] * inv_h;
+    const Pack<T, VEC> rk = load_run<T, VEC>(static_cast<const T*>(a.residual_out) + off, j * VEC, a.h, kVector);
+    const Pack<T, VEC> gk = load_run<T, VEC>(static_cast<const T*>(a.grad_y) + off, j * VEC, a.h, kVector);
+    const Pack<T, VEC> ok = load_run<T, VEC>(static_cast<const T*>(a.grad_residual_out) + off, j * VEC, a.h, kVector);
+    MaskWords mask{};
+    if (dropout) mask = run_mask<VEC>(a.seed, static_cast<uint64_t>(a.row_offset + row), j);
+    Pack<T, VEC> res_pack, x_pack;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      const float x_hat = (to_float(rk.v[i]) - mean) * rstd;
+      const float dy = to_float(gk.v[i]);  // 0 past h: adds nothing below
+      const float d_res = rstd * (dy * wv[i] - mean_g - x_hat * mean_gx) + to_float(ok.v[i]);
+      const float d_x = !dropout ? d_res : keep_column(mask, i, a.threshold24) ? d_res * a.scale : 0.0f;
+      acc[0][i] += dy * x_hat;
+      acc[1][i] += dy;
+      acc[2][i] += d_x;
+      res_pack.v[i] = from_float<T>(d_res);
+      x_pack.v[i] = from_float<T>(d_x);
+    }
+    store_run<T, VEC>(static_cast<T*>(a.grad_residual) + off, j * VEC, a.h, kVector, res_pack);
+    store_run<T, VEC>(static_cast<T*>(a.grad_x) + off, j * VEC, a.h, kVector, x_pack);
+  }
+  float* const parts[3] = {a.part_w, a.part_b, a.part_bias};
+#pragma unroll
+  for (int q = 0; q < 3; ++q) {
+    if (parts[q] == nullptr) continue;  // no bias gradient
+    Pack<float, VEC> pk;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) pk.v[i] = acc[q][i];
+    store_run<float, VEC>(parts[q] + static_cast<int64_t>(blockIdx.y) * a.h, j * VEC, a.h, kVector, pk);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------- launch
@@ -476,24 +553,22 @@ inline Plan fwd_plan(int64_t h, int vec, bool vector) {
   return block_plan(nvec, max_threads(true, vec), block_vpt(true, vec), block_vpt(true, vec));
 }
 
-// kBlock keeps its running sums in shared memory (3 * h floats, the opt-in limit raised by allow_smem):
-// where they do not fit the device (h > ~13900 on an A100) the row takes the kChunked kernel (one chunk),
-// whose sums live in its partial rows in global memory.
-inline Plan bwd_plan(int64_t h, int vec, bool vector, const DeviceInfo& dev) {
+// The backward of rows of up to kColumnsMinHidden columns: a warp per row while a lane holds at most
+// kBwdWarpVectors runs, else a block per row whose running sums live in shared memory (3 * h floats, at most
+// 48 KiB, the opt-in limit raised by allow_smem). Wider rows take columns_bwd (no Plan).
+inline Plan bwd_plan(int64_t h, int vec, bool vector) {
   const int64_t nvec = cdiv(h, vec);
   if (vector && nvec <= kWarp * kBwdWarpVectors) return warp_plan(nvec, kBwdWarpRows);
-  Plan plan = block_plan(nvec, max_threads(false, vec), block_vpt(false, vec), block_vpt(false, vec));
-  if (plan.kind == RowKind::kBlock && 3 * sizeof(float) * h + kStaticSmemSlack > static_cast<size_t>(dev.smem_optin)) {
-    plan.kind = RowKind::kChunked;
-    plan.vpt = block_vpt(false, vec);
-    plan.tpr = round_up_warp(cdiv(nvec, plan.vpt));
-    plan.chunks = 1;
-  }
-  return plan;
+  return block_plan(nvec, max_threads(false, vec), block_vpt(false, vec), block_vpt(false, vec));
 }
 
+// Rows wider than kColumnsMinHidden: bwd_row_sums_kernel, then bwd_columns_kernel on a grid of
+// (column_chunks, row blocks).
+inline bool columns_bwd(int64_t h) { return h > kColumnsMinHidden; }
+inline int64_t column_chunks(int64_t h, int vec) { return cdiv(cdiv(h, vec), kColumnThreads); }
+
 // Calls fn(std::integral_constant<int, VPT>{}, std::integral_constant<RowKind, KIND>{}) for the kernel of
-// `plan`; only VPT up to the kind's maximum are instantiated (kChunked: exactly its VPT).
+// `plan`; only VPT up to the kind's maximum are instantiated (kChunked, forward only: exactly its VPT).
 template <bool kForward, typename T, int VEC, typename Fn>
 void dispatch_plan(const Plan& plan, Fn&& fn) {
   using Warp = std::integral_constant<RowKind, RowKind::kWarp>;
@@ -509,15 +584,27 @@ void dispatch_plan(const Plan& plan, Fn&& fn) {
       break;  // warp-per-row plans need 16-byte vectors
     case RowKind::kBlock: dispatch_vpt<kBlockVpt>(plan.vpt, [&](auto vpt) { fn(vpt, Block{}); }); return;
     case RowKind::kChunked:
-      if (plan.vpt != kBlockVpt) break;
-      fn(std::integral_constant<int, kBlockVpt>{}, Chunked{});
-      return;
+      if constexpr (kForward) {
+        if (plan.vpt != kBlockVpt) break;
+        fn(std::integral_constant<int, kBlockVpt>{}, Chunked{});
+        return;
+      }
+      break;
   }
   throw std::logic_error("bias_dropout_add_layer_norm: no kernel instantiated for this plan");
 }
 
 inline size_t bwd_smem_bytes(const Plan& plan, int64_t h) {
   return plan.kind == RowKind::kBlock ? 3 * sizeof(float) * static_cast<size_t>(h) : 0;
+}
+
+// Resident blocks per SM of bwd_columns_kernel.
+template <typename T, int VEC>
+int columns_blocks_per_sm() {
+  int blocks = 0;
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, bwd_columns_kernel<T, VEC>, kColumnThreads, 0),
+             "bias_dropout_add_layer_norm occupancy");
+  return std::max(blocks, 1);
 }
 
 // Resident blocks per SM of the backward kernel of `plan`.
@@ -590,26 +677,42 @@ int64_t bias_dropout_add_layer_norm_bwd_partials(int64_t rows, int64_t h, int dt
   if (rows <= 0) return 1;
   const DeviceInfo dev = device_info();
   int blocks_per_sm = 1, rpb = 1;
+  int64_t chunks = 1;  // the column chunks share the wave
   dispatch_type_vec<kScalarRun>(dtype, vectorized, [&](auto tag, auto vec) {
+    using T = decltype(tag);
     constexpr int kVec = decltype(vec)::value;
-    const Plan plan = bwd_plan(h, kVec, kVectorRun<decltype(tag), kVec>, dev);
+    if (columns_bwd(h)) {
+      chunks = column_chunks(h, kVec);
+      blocks_per_sm = columns_blocks_per_sm<T, kVec>();
+      return;
+    }
+    const Plan plan = bwd_plan(h, kVec, kVectorRun<T, kVec>);
     rpb = plan.rpb;
-    blocks_per_sm = bwd_blocks_per_sm<decltype(tag), kVec>(plan, bwd_smem_bytes(plan, h));
+    blocks_per_sm = bwd_blocks_per_sm<T, kVec>(plan, bwd_smem_bytes(plan, h));
   });
   // One wave of resident blocks, each writing one partial row: few partial rows, little reduction traffic.
-  return std::max<int64_t>(1, std::min<int64_t>(cdiv(rows, rpb), static_cast<int64_t>(dev.sms) * blocks_per_sm));
+  const int64_t wave = static_cast<int64_t>(dev.sms) * blocks_per_sm / chunks;
+  return std::max<int64_t>(1, std::min<int64_t>(cdiv(rows, rpb), wave));
 }
 
 void bias_dropout_add_layer_norm_bwd(uintptr_t grad_y, uintptr_t grad_residual_out, uintptr_t residual_out,
                                      uintptr_t ln_weight, uintptr_t mean, uintptr_t rstd, uintptr_t grad_x,
                                      uintptr_t grad_residual, uintptr_t partials, int64_t num_partials,
-                                     uintptr_t grad_ln_weight, uintptr_t grad_ln_bias, uintptr_t grad_bias,
-                                     int64_t rows, int64_t h, int dtype, int wdtype, bool vectorized, int threshold,
-                                     uint64_t seed, int64_t row_offset, uintptr_t stream) {
+                                     uintptr_t row_sums, uintptr_t grad_ln_weight, uintptr_t grad_ln_bias,
+                                     uintptr_t grad_bias, int64_t rows, int64_t h, int dtype, int wdtype,
+                                     bool vectorized, int threshold, uint64_t seed, int64_t row_offset,
+                                     uintptr_t stream) {
   using namespace bdaln;
   check_sizes(h, wdtype);
   check_threshold(threshold);
   if (num_partials < 1) throw std::invalid_argument("bias_dropout_add_layer_norm: num_partials must be >= 1");
+  if (columns_bwd(h) && rows > 0) {
+    if (row_sums == 0)
+      throw std::invalid_argument("bias_dropout_add_layer_norm: rows wider than " + std::to_string(kColumnsMinHidden) +
+                                  " need the [2, rows] fp32 row_sums workspace");
+    if (rows >= (int64_t(1) << 31) || num_partials > 65535)  // gridDim.x of the row-sum pass, gridDim.y
+      throw std::invalid_argument("bias_dropout_add_layer_norm: rows must be < 2**31 and num_partials <= 65535");
+  }
   check_aligned("bias_dropout_add_layer_norm", vectorized, h, dtype,
                 {grad_y, grad_residual_out, residual_out, grad_x, grad_residual, ln_weight, partials}, {});
   const auto s = reinterpret_cast<cudaStream_t>(stream);
@@ -623,16 +726,22 @@ void bias_dropout_add_layer_norm_bwd(uintptr_t grad_y, uintptr_t grad_residual_o
                     reinterpret_cast<void*>(grad_x), reinterpret_cast<void*>(grad_residual), part,
                     part + num_partials * h, part_bias, rows, h, drop_scale(threshold),
                     static_cast<uint32_t>(threshold) << 24, seed, row_offset};
-    const DeviceInfo dev = device_info();
     dispatch_type_vec<kScalarRun>(dtype, vectorized, [&](auto tag, auto vec) {
       using T = decltype(tag);
       constexpr int kVec = decltype(vec)::value;
-      const Plan plan = bwd_plan(h, kVec, kVectorRun<T, kVec>, dev);
+      if (columns_bwd(h)) {
+        float* sums_of_rows = reinterpret_cast<float*>(row_sums);
+        bwd_row_sums_kernel<T, kVec><<<static_cast<unsigned>(rows), kRowSumThreads, 0, s>>>(a, sums_of_rows);
+        const dim3 grid(static_cast<unsigned>(column_chunks(h, kVec)), static_cast<unsigned>(num_partials));
+        bwd_columns_kernel<T, kVec><<<grid, kColumnThreads, 0, s>>>(a, sums_of_rows);
+        return;
+      }
+      const Plan plan = bwd_plan(h, kVec, kVectorRun<T, kVec>);
       const size_t smem = bwd_smem_bytes(plan, h);
       dispatch_plan<false, T, kVec>(plan, [&](auto vpt, auto kind) {
         const auto kernel = bwd_kernel<T, kVec, decltype(vpt)::value, decltype(kind)::value>;
         allow_smem(kernel, smem, "bias_dropout_add_layer_norm shared memory");
-        kernel<<<static_cast<unsigned>(num_partials), dim3(plan.tpr, plan.rpb), smem, s>>>(a, plan.chunks);
+        kernel<<<static_cast<unsigned>(num_partials), dim3(plan.tpr, plan.rpb), smem, s>>>(a);
       });
     });
     check_cuda(cudaGetLastError(), "bias_dropout_add_layer_norm_bwd launch");

@@ -28,9 +28,10 @@ int64_t bias_dropout_add_layer_norm_bwd_partials(int64_t rows, int64_t h, int dt
 void bias_dropout_add_layer_norm_bwd(uintptr_t grad_y, uintptr_t grad_residual_out, uintptr_t residual_out,
                                      uintptr_t ln_weight, uintptr_t mean, uintptr_t rstd, uintptr_t grad_x,
                                      uintptr_t grad_residual, uintptr_t partials, int64_t num_partials,
-                                     uintptr_t grad_ln_weight, uintptr_t grad_ln_bias, uintptr_t grad_bias,
-                                     int64_t rows, int64_t h, int dtype, int wdtype, bool vectorized, int threshold,
-                                     uint64_t seed, int64_t row_offset, uintptr_t stream);
+                                     uintptr_t row_sums, uintptr_t grad_ln_weight, uintptr_t grad_ln_bias,
+                                     uintptr_t grad_bias, int64_t rows, int64_t h, int dtype, int wdtype,
+                                     bool vectorized, int threshold, uint64_t seed, int64_t row_offset,
+                                     uintptr_t stream);
 // ---- softmax_dropout.cu
 void attention_softmax_dropout_fwd(uintptr_t scores, uintptr_t probs, int64_t batch, int64_t heads, int64_t s_q,
                                    int64_t s_k, int dtype, bool causal, uint64_t seed, int64_t row_offset,
@@ -112,10 +113,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("bias_dropout_add_layer_norm_bwd", &seqpar::bias_dropout_add_layer_norm_bwd, py::arg("grad_y"),
         py::arg("grad_residual_out"), py::arg("residual_out"), py::arg("ln_weight"), py::arg("mean"), py::arg("rstd"),
         py::arg("grad_x"), py::arg("grad_residual"), py::arg("partials"), py::arg("num_partials"),
-        py::arg("grad_ln_weight"), py::arg("grad_ln_bias"), py::arg("grad_bias"), py::arg("rows"), py::arg("h"),
-        py::arg("dtype"), py::arg("wdtype"), py::arg("vectorized"), py::arg("threshold"), py::arg("seed"),
-        py::arg("row_offset"), py::arg("stream"),
-        "Backward of bias_dropout_add_layer_norm_fwd; fp32 column sums (grad_bias = 0: no bias gradient).");
+        py::arg("row_sums"), py::arg("grad_ln_weight"), py::arg("grad_ln_bias"), py::arg("grad_bias"),
+        py::arg("rows"), py::arg("h"), py::arg("dtype"), py::arg("wdtype"), py::arg("vectorized"),
+        py::arg("threshold"), py::arg("seed"), py::arg("row_offset"), py::arg("stream"),
+        "Backward of bias_dropout_add_layer_norm_fwd; fp32 column sums (grad_bias = 0: no bias gradient). "
+        "row_sums: a [2, rows] fp32 workspace, used by rows wider than 4096 (their row sums come first).");
 
   // ---- softmax_dropout.cu
   m.def("attention_softmax_dropout_fwd", &seqpar::attention_softmax_dropout_fwd, py::arg("scores"),

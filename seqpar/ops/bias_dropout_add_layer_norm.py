@@ -32,14 +32,16 @@ backend   what runs (every backend takes any h)
 ========  ===================================================================================
 torch     fp32 reference (the test oracle, CPU fallback)
 triton    ``triton_kernels/bias_dropout_add_layer_norm.py``: one program per row (or a few rows)
-          forward, rows longer than 16384 in column chunks; backward in column chunks of 4096
-          with per-program fp32 partial column sums + a second reduction kernel (no atomics)
+          forward, rows longer than 16384 in column chunks; backward with per-program fp32 partial
+          column sums + a second reduction kernel (no atomics), rows longer than 4096 in column
+          chunks of at most 4096 after a pass that computes their row sums
 cuda      ``csrc/bias_dropout_add_layer_norm.cu``: 16-byte vectors, forward warp per row (h <= 1024
           for fp16 / bf16, 512 for fp32) or block per row, rows longer than one block's registers
-          (h > 16384) in column chunks; same partial-sum scheme
+          (h > 16384) in column chunks; backward warp or block per row up to h = 4096, wider rows
+          after a row-sum pass in blocks of one column chunk each; same partial-sum scheme
 ========  ===================================================================================
 
-The paper's largest models (530B: h = 20480, 1T: h = 25600) take the chunked kernels.
+The paper's largest models (530B: h = 20480, 1T: h = 25600) take the chunked forward kernels.
 
 All three draw the same dropout mask for the same (seed, row_offset): residual_out is bitwise equal
 across backends. The kernel backends are ``torch.library`` custom ops
@@ -211,10 +213,14 @@ def _cuda_bwd_op(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual
         vec = _vectorized(grad_y.dtype, h, (grad_y, grad_residual_out, residual_out, w, g_x, g_res))
         n_partials = ext.bias_dropout_add_layer_norm_bwd_partials(rows, h, dtype, vec)
         partials = torch.empty((3 if has_bias else 2, n_partials, h), dtype=torch.float32, device=grad_y.device)
+        # sum(g), sum(g * x_hat) per row: the kernels of rows wider than 4096 compute them first (2 * rows floats,
+        # small beside the partial rows, so allocated whatever h is)
+        row_sums = torch.empty((2, rows), dtype=torch.float32, device=grad_y.device)
         ext.bias_dropout_add_layer_norm_bwd(
             grad_y.data_ptr(), grad_residual_out.data_ptr(), residual_out.data_ptr(), w.data_ptr(), mean.data_ptr(),
-            rstd.data_ptr(), g_x.data_ptr(), g_res.data_ptr(), partials.data_ptr(), n_partials, g_w.data_ptr(),
-            g_b.data_ptr(), g_bias.data_ptr() if has_bias else 0, rows, h, dtype, _ext.DTYPE_CODES[w.dtype], vec,
+            rstd.data_ptr(), g_x.data_ptr(), g_res.data_ptr(), partials.data_ptr(), n_partials, row_sums.data_ptr(),
+            g_w.data_ptr(), g_b.data_ptr(), g_bias.data_ptr() if has_bias else 0, rows, h, dtype,
+            _ext.DTYPE_CODES[w.dtype], vec,
             int(drop_threshold), int(seed), int(row_offset), _ext.cuda_stream(grad_y.device))
     if not has_bias:
         g_bias.zero_()
