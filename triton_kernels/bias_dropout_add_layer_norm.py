@@ -274,8 +274,6 @@ def _fwd_config(n_rows: int, h: int):
 # (commit 96c73a0).
 BWD_BLOCK_N = 4096
 BWD_TILE = 4096
-# The row-sum pass: 8 elements per thread (two fp32 running sums each), no reduction inside its loop.
-ROW_SUMS_PER_THREAD = 8
 
 
 def _bwd_config(n_rows: int, h: int):
@@ -286,14 +284,6 @@ def _bwd_config(n_rows: int, h: int):
         return R.rows_per_block(n_rows, block_n, 1 << 14), block_n, n_chunks, {}
     block_m = R.rows_per_block(n_rows, block_n, BWD_TILE)
     return block_m, block_n, n_chunks, {"num_warps": R.num_warps(block_m * block_n, 32, per_thread=4)}
-
-
-def _row_sums_config(n_rows: int, block_n: int):
-    """(BLOCK_M, launch options) of the row-sum pass over chunks of ``block_n`` columns."""
-    if R.interpreting():
-        return R.rows_per_block(n_rows, block_n, 1 << 14), {}
-    block_m = R.rows_per_block(n_rows, block_n, BWD_TILE)
-    return block_m, {"num_warps": R.num_warps(block_m * block_n, 32, per_thread=ROW_SUMS_PER_THREAD)}
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -361,7 +351,7 @@ def backward(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual_out
     row_sums = mean                                        # (unused with whole rows)
     if n_chunks > 1:
         row_sums = R.empty((2, n_rows), torch.float32, device)
-        sums_block_m, sums_launch = _row_sums_config(n_rows, block_n)
+        sums_block_m, sums_launch = R.row_sums_config(n_rows, block_n)
         _bwd_row_sums_kernel[(triton.cdiv(n_rows, sums_block_m),)](
             grad_y, residual_out, ln_weight, mean, rstd, row_sums, n_rows, h,
             BLOCK_M=sums_block_m, BLOCK_N=block_n, **sums_launch)

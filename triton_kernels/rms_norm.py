@@ -223,14 +223,6 @@ def _bwd_config(n_rows: int, h: int):
     return block_m, block_n, chunked, {"num_warps": R.num_warps(block_m * block_n, 32, per_thread=4)}
 
 
-def _row_sums_config(n_rows: int, block_n: int):
-    """(BLOCK_M, launch options) of the chunked backward's row-sum pass: 8 elements per thread."""
-    if R.interpreting():
-        return R.rows_per_block(n_rows, block_n, 1 << 14), {}
-    block_m = R.rows_per_block(n_rows, block_n, 4096)
-    return block_m, {"num_warps": R.num_warps(block_m * block_n, 32, per_thread=8)}
-
-
 # ----------------------------------------------------------------------------- launchers
 def forward(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float
             ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
@@ -284,7 +276,7 @@ def backward(grad_y: torch.Tensor, grad_residual_out: Optional[torch.Tensor], re
     row_sums = rstd                                        # (unused with whole rows)
     if chunked:
         row_sums = R.empty((n_rows,), torch.float32, device)
-        sums_block_m, sums_launch = _row_sums_config(n_rows, block_n)
+        sums_block_m, sums_launch = R.row_sums_config(n_rows, block_n)
         _bwd_row_sums_kernel[(triton.cdiv(n_rows, sums_block_m),)](
             grad_y, residual_out, weight, rstd, row_sums, n_rows, h, residual_out.stride(0),
             BLOCK_M=sums_block_m, BLOCK_N=block_n, **sums_launch)

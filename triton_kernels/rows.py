@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["cast_rne", "interpreting", "sm_count", "rows_per_block", "chunk_columns", "num_warps", "empty",
-           "reduce_partials", "resident_per_sm", "wave_programs", "split_rows"]
+__all__ = ["cast_rne", "interpreting", "sm_count", "rows_per_block", "chunk_columns", "num_warps",
+           "row_sums_config", "empty", "reduce_partials", "resident_per_sm", "wave_programs", "split_rows"]
 
 
 @triton.jit
@@ -67,6 +67,16 @@ def chunk_columns(h: int, widest: int, narrowest: int = 1024) -> int:
 def num_warps(tile_elements: int, cap: int, per_thread: int = 8) -> int:
     """About ``per_thread`` fp32 values per thread per live tensor for the tile; clamped to [4, cap]."""
     return max(4, min(cap, triton.next_power_of_2(max(tile_elements // (32 * per_thread), 1))))
+
+
+def row_sums_config(n_rows: int, block_n: int) -> Tuple[int, dict]:
+    """(BLOCK_M, launch options) of a normalisation backward's row-sum pass over chunks of ``block_n``
+    columns (rows too wide for one backward program): tiles of about 4096 elements, 8 per thread (one or
+    two fp32 running sums each, no reduction inside the loop); few fat programs under the interpreter."""
+    if interpreting():
+        return rows_per_block(n_rows, block_n, 1 << 14), {}
+    block_m = rows_per_block(n_rows, block_n, 4096)
+    return block_m, {"num_warps": num_warps(block_m * block_n, 32, per_thread=8)}
 
 
 # Programs per SM a backward launch is sized for where the compiled kernel's registers can't be read.

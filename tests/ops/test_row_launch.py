@@ -48,7 +48,7 @@ def test_row_tiles_keep_a_thread_to_a_few_elements(monkeypatch, h):
     per_thread = block_m * block_n // (32 * launch["num_warps"])
     assert (per_thread, launch["num_warps"]) == (4, 32) and (n_chunks > 1) == (h > 4096)
     assert block_n * n_chunks >= h and block_m * block_n <= 4096
-    sums_block_m, sums_launch = L._row_sums_config(16384, block_n)
+    sums_block_m, sums_launch = R.row_sums_config(16384, block_n)
     assert sums_block_m * block_n // (32 * sums_launch["num_warps"]) == 8
     block_m, block_n, chunked, launch = M._bwd_config(16384, h)
     per_thread = block_m * block_n // (32 * launch["num_warps"])
