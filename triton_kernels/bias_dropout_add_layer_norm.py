@@ -268,10 +268,11 @@ def _fwd_config(n_rows: int, h: int):
 # so an SM holds 32 warps (50% occupancy); at 16 warps (8 per thread) a whole 4096-wide row took 84-99
 # registers, one 512-thread program per SM (25%), whose row reductions left the SM idle. Wider rows are
 # chunked, their row sums computed first (_bwd_row_sums_kernel, which reads grad_y and residual_out once
-# more). That pass replaced chunk programs that each streamed their rows' other chunks for the row sums: 16
-# warps at 100-128 registers (25% occupancy), 612-761 loop instructions per 8 elements at h = 12288 / 16384,
-# and a block reduction per chunk per row; 16384 x 12288 bf16 took 2.3 ms on an H200, 5x its memory time
-# (commit 96c73a0).
+# more: 7 tensor passes where 5 are the minimum, so at most 5/7 = 71% of the copy bandwidth counted on the
+# minimal bytes). That pass replaced chunk programs that each streamed their rows' other chunks for the row
+# sums: 16 warps at 100-128 registers (25% occupancy), 612-761 loop instructions per 8 elements at
+# h = 12288 / 16384, and a block reduction per chunk per row; 16384 x 12288 bf16 took 2.3 ms on an H200, 5x
+# its memory time (commit 96c73a0), where 7 passes take 0.66 ms at the copy bandwidth.
 BWD_BLOCK_N = 4096
 BWD_TILE = 4096
 
