@@ -109,7 +109,7 @@ ATTN_HEAD_DIMS = (64, 128)
 ATTN_GROUPS = (1, 4)  # q heads per kv head: 1 = multi-head attention, 4 = grouped-query (Llama-3 8B)
 LN_HIDDEN = (1024, 4096, 6144, 8192, 12288, 16384, 20480, 25600)
 LN_ROWS = 8192
-RMS_HIDDEN = (1024, 4096, 8192, 16384)   # Llama hidden sizes; 16384 takes the chunked kernels
+RMS_HIDDEN = (1024, 4096, 8192, 16384)   # Llama hidden sizes; 8192 and 16384 take the chunked backward
 SWIGLU_N = (11008, 14336)                # Llama-2 7B and Llama-3 8B intermediate sizes
 SEQ, BATCH, HEADS_X_D = 2048, 2, 2048
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -585,6 +585,8 @@ CUDA_KERNELS: Dict[str, Tuple[str, Callable[[List[str], str], int]]] = {
     "seqpar::bdaln::bwd_kernel": ("largest", _ln_elements),
     "seqpar::bdaln::bwd_row_sums_kernel": ("largest", lambda t, r: 4 * int(t[1])),  # <T, VEC>, unrolled 4x
     "seqpar::bdaln::bwd_columns_kernel": ("largest", lambda t, r: int(t[1])),       # one run per row
+    "seqpar::rmsnorm::bwd_row_sums_kernel": ("largest", lambda t, r: 4 * int(t[1])),
+    "seqpar::rmsnorm::bwd_columns_kernel": ("largest", lambda t, r: int(t[1])),
     "seqpar::rows::reduce_partials_kernel": ("largest", lambda t, r: 1),
     "seqpar::(anonymous namespace)::softmax_dropout_fwd_kernel": ("mask", lambda t, r: 16),
     "seqpar::(anonymous namespace)::softmax_dropout_bwd_kernel": ("mask", lambda t, r: 16),

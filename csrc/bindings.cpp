@@ -46,8 +46,8 @@ void add_rms_norm_fwd(uintptr_t x, uintptr_t residual, uintptr_t weight, uintptr
 int64_t add_rms_norm_bwd_partials(int64_t rows, int64_t h, int dtype, bool vectorized);
 void add_rms_norm_bwd(uintptr_t grad_y, uintptr_t grad_residual_out, uintptr_t residual_out, int64_t stride_ro,
                       uintptr_t weight, uintptr_t rstd, uintptr_t grad_x, uintptr_t grad_residual, uintptr_t partials,
-                      int64_t num_partials, uintptr_t grad_weight, int64_t rows, int64_t h, int dtype, int wdtype,
-                      bool vectorized, uintptr_t stream);
+                      int64_t num_partials, uintptr_t row_sums, uintptr_t grad_weight, int64_t rows, int64_t h,
+                      int dtype, int wdtype, bool vectorized, uintptr_t stream);
 // ---- rotary.cu
 void rotary_embedding(uintptr_t x, uintptr_t out, uintptr_t inv_freq, int64_t s, int64_t b, int64_t heads, int64_t d,
                       int64_t in_s, int64_t in_b, int64_t in_h, int64_t out_s, int64_t out_b, int64_t out_h,
@@ -143,10 +143,12 @@ PYBIND11_MODULE(_C, m) {
         "Rows of the fp32 partial buffer [n, h] that add_rms_norm_bwd should get.");
   m.def("add_rms_norm_bwd", &seqpar::add_rms_norm_bwd, py::arg("grad_y"), py::arg("grad_residual_out"),
         py::arg("residual_out"), py::arg("stride_ro"), py::arg("weight"), py::arg("rstd"), py::arg("grad_x"),
-        py::arg("grad_residual"), py::arg("partials"), py::arg("num_partials"), py::arg("grad_weight"),
-        py::arg("rows"), py::arg("h"), py::arg("dtype"), py::arg("wdtype"), py::arg("vectorized"), py::arg("stream"),
+        py::arg("grad_residual"), py::arg("partials"), py::arg("num_partials"), py::arg("row_sums"),
+        py::arg("grad_weight"), py::arg("rows"), py::arg("h"), py::arg("dtype"), py::arg("wdtype"),
+        py::arg("vectorized"), py::arg("stream"),
         "Backward of add_rms_norm_fwd: grad_x, its copy grad_residual (0: not written) and the fp32 weight "
-        "gradient (grad_residual_out = 0: none).");
+        "gradient (grad_residual_out = 0: none). row_sums: a [rows] fp32 workspace, used by rows too long "
+        "for one block's registers (their row sums come first).");
 
   // ---- rotary.cu
   m.def("rotary_embedding", &seqpar::rotary_embedding, py::arg("x"), py::arg("out"), py::arg("inv_freq"),

@@ -12,14 +12,19 @@
 // pointers, h or strides do not allow it) of each column chunk of its row. Three kinds of kernel:
 //   kWarp    warp per row (several rows per block), the row in registers, shuffle-only reductions;
 //   kBlock   block per row, the row in registers;
-//   kChunked block per row for rows longer than the threads' registers (any h is accepted): two passes
-//            over the chunks, the earlier chunks re-read (residual_out was just written: mostly from L2).
+//   kChunked (forward) block per row for rows longer than the threads' registers (any h is accepted): two
+//            passes over the chunks, the earlier chunks re-read (residual_out was just written: mostly L2).
 //
-// Backward: the block sums dw over the rows it visits (a grid-stride loop, one wave of blocks) and writes
-// one fp32 partial row; reduce_partials_kernel sums the partial rows (no atomics: deterministic). The
-// running sums live in registers (kWarp blocks fold their row slots through shared memory at the end),
-// or for kChunked in dynamic shared memory (h floats), or, for rows too long for shared memory, in the
-// block's own partial row in global memory (no other block touches it).
+// Backward: a block sums dw over the rows it visits (one wave of blocks) and writes one fp32 partial row;
+// reduce_partials_kernel sums the partial rows (no atomics: deterministic). Rows that fit a warp's or a
+// block's registers (h <= 4096 with 16-byte vectors): a row per warp or block, its row sum mean(g * n) a
+// reduction over it, the running sums in registers (kWarp blocks fold their row slots through shared
+// memory at the end). Longer rows (the block plan would be kChunked): a row-sum pass (bwd_row_sums_kernel)
+// writes each row's sum, then blocks of one column chunk each (bwd_columns_kernel, one vector per thread)
+// stream the rows with no reduction, their running sums in registers: the LayerNorm backward's design
+// (csrc/bias_dropout_add_layer_norm.cu). The row-sum pass reads grad_y and residual_out once more (5 tensor
+// passes where 3 are the minimum, 6 where grad_residual_out makes it 4); it replaced a block per row whose
+// sums lived in shared or global memory.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -40,15 +45,17 @@ constexpr int kFwdWarpRows = 4;             // rows per block of the warp-per-ro
 constexpr int kBwdWarpRows = 16;            // rows per block of the warp-per-row backward (512 threads)
 constexpr int kBwdMaxThreads = 512;         // block-per-row backward: up to 128 registers per thread
 constexpr int kFoldElements = 8;            // running sums folded per shared-memory round (kWarp backward)
-constexpr int kStaticSmemSlack = 8 * 1024;  // static shared memory of the kernels, generously
+constexpr int kRowSumThreads = 256;         // block of the row-sum pass (one row per block)
+constexpr int kColumnThreads = 256;         // block of the column-chunk backward (one vector per thread)
 
 // Vectors per thread per chunk, the most each kernel is instantiated for (ptxas -v: no spills at these).
 // Forward: 4 (a thread of a 1024-thread block has 64 registers; a warp-per-row lane with 8 vectors spills
-// for fp16 although it may use 255). Backward with running sums in registers: at most 16 elements and 4
-// vectors per thread (the row and the gradient are held as well); kChunked keeps its sums in memory and
-// holds 4 vectors.
+// for fp16 although it may use 255). Backward, running sums in registers: at most 4 vectors per thread, and
+// 16 elements per lane of a warp per row, 8 per thread of a block per row (h <= 4096 with 16-byte vectors,
+// as the LayerNorm backward: a 512-thread block holding 16 took 84-110 registers, one block per SM, whose
+// row reductions left the SM idle); a longer row takes the column-chunk backward.
 constexpr int fwd_max_vpt(RowKind) { return 4; }
-constexpr int bwd_max_vpt(RowKind kind, int vec) { return kind == RowKind::kChunked ? 4 : std::min(4, 16 / vec); }
+constexpr int bwd_max_vpt(RowKind kind, int vec) { return std::min(4, (kind == RowKind::kWarp ? 16 : 8) / vec); }
 
 struct FwdArgs {
   const void* x;
@@ -144,31 +151,20 @@ __global__ void __launch_bounds__(threads_bound<KIND>(true)) fwd_kernel(const Fw
 
 template <typename T, int VEC, int VPT, RowKind KIND>
 __global__ void __launch_bounds__(threads_bound<KIND>(false), bwd_min_blocks(KIND, VPT * VEC))
-    bwd_kernel(const BwdArgs a, const int64_t chunks_arg, const bool smem_sums) {
-  constexpr bool kWarpRow = KIND == RowKind::kWarp, kChunked = KIND == RowKind::kChunked;
-  const int64_t chunks = kChunked ? chunks_arg : 1;
+    bwd_kernel(const BwdArgs a) {
+  static_assert(KIND != RowKind::kChunked, "longer rows take bwd_columns_kernel");
+  constexpr bool kWarpRow = KIND == RowKind::kWarp;
   const int tpr = kWarpRow ? kWarp : blockDim.x;
   const int rpb = kWarpRow ? kBwdWarpRows : 1;
-  const int64_t nvec = a.h / VEC, chunk_vecs = static_cast<int64_t>(tpr) * VPT;
+  const int64_t nvec = a.h / VEC;
   const bool has_gro = a.grad_residual_out != nullptr;
   float* const part = a.part_w + static_cast<int64_t>(blockIdx.x) * a.h;
 
-  // Running dw: registers, or (kChunked) memory where thread t owns the columns of its vectors.
-  float acc[kChunked ? 1 : VPT][VEC];
-  float* acc_mem = nullptr;
-  if constexpr (kChunked) {
-    extern __shared__ float4 dynamic_smem[];
-    acc_mem = smem_sums ? reinterpret_cast<float*>(dynamic_smem) : part;
-    for (int64_t j = threadIdx.x; j < nvec; j += tpr) {
+  float acc[VPT][VEC];  // running dw of the thread's columns
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) acc_mem[j * VEC + i] = 0.0f;
-    }
-  } else {
+  for (int k = 0; k < VPT; ++k)
 #pragma unroll
-    for (int k = 0; k < VPT; ++k)
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) acc[k][i] = 0.0f;
-  }
+    for (int i = 0; i < VEC; ++i) acc[k][i] = 0.0f;
 
   // Grid-stride over groups of rpb rows; the trip count is uniform across the block.
   const int64_t stride = static_cast<int64_t>(gridDim.x) * rpb;
@@ -179,39 +175,25 @@ __global__ void __launch_bounds__(threads_bound<KIND>(false), bwd_min_blocks(KIN
     const T* ro = static_cast<const T*>(a.residual_out) + row * a.stride_ro;
     const T* gy = static_cast<const T*>(a.grad_y) + row * a.h;
     const T* gro = has_gro ? static_cast<const T*>(a.grad_residual_out) + row * a.h : nullptr;
-    // A row held in registers has grad_residual_out loaded with it: all of the row's reads are in flight
-    // before the block-wide reduction, rather than a second memory round trip after it.
-    Pack<T, VEC> rv[VPT], gv[VPT], ov[kChunked ? 1 : VPT];
+    // The row is held in registers with grad_residual_out: all of the row's reads are in flight before
+    // the block-wide reduction, rather than a second memory round trip after it.
+    Pack<T, VEC> rv[VPT], gv[VPT], ov[VPT];
     float dot[1] = {0.0f};  // sum(g * n)
-    for (int64_t c = 0; c < chunks; ++c) {
 #pragma unroll
-      for (int k = 0; k < VPT; ++k) {
-        const int64_t j = c * chunk_vecs + threadIdx.x + static_cast<int64_t>(k) * tpr;
-        if (j < nvec) {
-          rv[k] = load_pack<T, VEC>(ro + j * VEC);
-          gv[k] = load_pack<T, VEC>(gy + j * VEC);
-          if constexpr (!kChunked) {
-            if (has_gro) ov[k] = load_pack<T, VEC>(gro + j * VEC);
-          }
-          float wv[VEC], dw[VEC];
-          load_params<VEC>(a.w, j * VEC, a.h, true, a.wdtype, wv);
+    for (int k = 0; k < VPT; ++k) {
+      const int64_t j = threadIdx.x + static_cast<int64_t>(k) * tpr;
+      if (j < nvec) {
+        rv[k] = load_pack<T, VEC>(ro + j * VEC);
+        gv[k] = load_pack<T, VEC>(gy + j * VEC);
+        if (has_gro) ov[k] = load_pack<T, VEC>(gro + j * VEC);
+        float wv[VEC];
+        load_params<VEC>(a.w, j * VEC, a.h, true, a.wdtype, wv);
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) {
-            const float n = to_float(rv[k].v[i]) * rstd;
-            const float dy = to_float(gv[k].v[i]);
-            dot[0] += dy * wv[i] * n;
-            dw[i] = dy * n;
-          }
-          if constexpr (kChunked) {
-            float* p = acc_mem + j * VEC;  // 16-byte aligned for VEC > 1: h % VEC == 0, aligned buffers
-            Pack<float, VEC> cur = load_pack<float, VEC>(p);
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) cur.v[i] += dw[i];
-            store_pack<float, VEC>(p, cur);
-          } else {
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) acc[k][i] += dw[i];
-          }
+        for (int i = 0; i < VEC; ++i) {
+          const float n = to_float(rv[k].v[i]) * rstd;
+          const float dy = to_float(gv[k].v[i]);
+          dot[0] += dy * wv[i] * n;
+          acc[k][i] += dy * n;
         }
       }
     }
@@ -219,80 +201,117 @@ __global__ void __launch_bounds__(threads_bound<KIND>(false), bwd_min_blocks(KIN
     const float mean_gn = dot[0] / static_cast<float>(a.h);
     T* gx = static_cast<T*>(a.grad_x) + row * a.h;
     T* gres = a.grad_residual != nullptr ? static_cast<T*>(a.grad_residual) + row * a.h : nullptr;
-    for (int64_t c = chunks - 1; c >= 0; --c) {  // the last chunk is still in registers
-#pragma unroll
-      for (int k = 0; k < VPT; ++k) {
-        const int64_t j = c * chunk_vecs + threadIdx.x + static_cast<int64_t>(k) * tpr;
-        if (j < nvec) {
-          if (kChunked && c != chunks - 1) {
-            rv[k] = load_pack<T, VEC>(ro + j * VEC);
-            gv[k] = load_pack<T, VEC>(gy + j * VEC);
-          }
-          float wv[VEC], go[VEC];
-          load_params<VEC>(a.w, j * VEC, a.h, true, a.wdtype, wv);
-          if (has_gro) {
-            const Pack<T, VEC> o = kChunked ? load_pack<T, VEC>(gro + j * VEC) : ov[kChunked ? 0 : k];
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) go[i] = to_float(o.v[i]);
-          } else {
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) go[i] = 0.0f;
-          }
-          Pack<T, VEC> out;
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) {
-            const float n = to_float(rv[k].v[i]) * rstd;
-            const float g = to_float(gv[k].v[i]) * wv[i];
-            out.v[i] = from_float<T>(rstd * (g - n * mean_gn) + go[i]);
-          }
-          store_pack<T, VEC>(gx + j * VEC, out);
-          if (gres != nullptr) store_pack<T, VEC>(gres + j * VEC, out);
-        }
-      }
-    }
-  }
-
-  if constexpr (kChunked) {
-    if (smem_sums) {
-      for (int64_t j = threadIdx.x; j < nvec; j += tpr) {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) part[j * VEC + i] = acc_mem[j * VEC + i];
-      }
-    }  // else the sums already are the partial row
-  } else {
-    constexpr int E = VPT * VEC;  // running sums per thread
-    if constexpr (kWarpRow) {
-      // Fold the rpb row slots into slot 0, kFoldElements sums per round through shared memory.
-      constexpr int G = E < kFoldElements ? E : kFoldElements;
-      __shared__ float fold[kBwdWarpRows - 1][G][kWarp];
-#pragma unroll
-      for (int e0 = 0; e0 < E; e0 += G) {
-        __syncthreads();  // the previous round's readers are done
-        if (threadIdx.y > 0) {
-#pragma unroll
-          for (int e = 0; e < G; ++e) fold[threadIdx.y - 1][e][threadIdx.x] = acc[(e0 + e) / VEC][(e0 + e) % VEC];
-        }
-        __syncthreads();
-        if (threadIdx.y == 0) {
-          for (unsigned s = 0; s + 1 < blockDim.y; ++s) {
-#pragma unroll
-            for (int e = 0; e < G; ++e) acc[(e0 + e) / VEC][(e0 + e) % VEC] += fold[s][e][threadIdx.x];
-          }
-        }
-      }
-      if (threadIdx.y != 0) return;
-    }
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int64_t j = threadIdx.x + static_cast<int64_t>(k) * tpr;
       if (j < nvec) {
-        Pack<float, VEC> pk;
+        float wv[VEC];
+        load_params<VEC>(a.w, j * VEC, a.h, true, a.wdtype, wv);
+        Pack<T, VEC> out;
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) pk.v[i] = acc[k][i];
-        store_pack<float, VEC>(part + j * VEC, pk);
+        for (int i = 0; i < VEC; ++i) {
+          const float n = to_float(rv[k].v[i]) * rstd;
+          const float g = to_float(gv[k].v[i]) * wv[i];
+          const float go = has_gro ? to_float(ov[k].v[i]) : 0.0f;
+          out.v[i] = from_float<T>(rstd * (g - n * mean_gn) + go);
+        }
+        store_pack<T, VEC>(gx + j * VEC, out);
+        if (gres != nullptr) store_pack<T, VEC>(gres + j * VEC, out);
       }
     }
   }
+
+  constexpr int E = VPT * VEC;  // running sums per thread
+  if constexpr (kWarpRow) {
+    // Fold the rpb row slots into slot 0, kFoldElements sums per round through shared memory.
+    constexpr int G = E < kFoldElements ? E : kFoldElements;
+    __shared__ float fold[kBwdWarpRows - 1][G][kWarp];
+#pragma unroll
+    for (int e0 = 0; e0 < E; e0 += G) {
+      __syncthreads();  // the previous round's readers are done
+      if (threadIdx.y > 0) {
+#pragma unroll
+        for (int e = 0; e < G; ++e) fold[threadIdx.y - 1][e][threadIdx.x] = acc[(e0 + e) / VEC][(e0 + e) % VEC];
+      }
+      __syncthreads();
+      if (threadIdx.y == 0) {
+        for (unsigned s = 0; s + 1 < blockDim.y; ++s) {
+#pragma unroll
+          for (int e = 0; e < G; ++e) acc[(e0 + e) / VEC][(e0 + e) % VEC] += fold[s][e][threadIdx.x];
+        }
+      }
+    }
+    if (threadIdx.y != 0) return;
+  }
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    const int64_t j = threadIdx.x + static_cast<int64_t>(k) * tpr;
+    if (j < nvec) {
+      Pack<float, VEC> pk;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) pk.v[i] = acc[k][i];
+      store_pack<float, VEC>(part + j * VEC, pk);
+    }
+  }
+}
+
+// Rows too long for one block's registers: the row sums first (bwd_row_sums_kernel: one block of
+// kRowSumThreads per row writes row_sums[row] = sum(g * n), row_sums: [rows] fp32), then
+// bwd_columns_kernel: block (x, y) owns vector x * kColumnThreads + threadIdx.x of the rows y, y + gridDim.y,
+// ...: no reduction and no barrier in its loop, its columns' running dw in registers, written at the end
+// as its columns of partial row y. Column chunks go in gridDim.x, the few row blocks (one wave) in gridDim.y.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kRowSumThreads) bwd_row_sums_kernel(const BwdArgs a, float* row_sums) {
+  const int64_t row = blockIdx.x, nvec = a.h / VEC;
+  const float rstd = a.rstd[row];
+  const T* ro = static_cast<const T*>(a.residual_out) + row * a.stride_ro;
+  const T* gy = static_cast<const T*>(a.grad_y) + row * a.h;
+  float dot[1] = {0.0f};
+#pragma unroll 4
+  for (int64_t j = threadIdx.x; j < nvec; j += blockDim.x) {
+    const Pack<T, VEC> rk = load_pack<T, VEC>(ro + j * VEC), gk = load_pack<T, VEC>(gy + j * VEC);
+    float wv[VEC];
+    load_params<VEC>(a.w, j * VEC, a.h, true, a.wdtype, wv);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) dot[0] += to_float(gk.v[i]) * wv[i] * (to_float(rk.v[i]) * rstd);
+  }
+  row_allreduce<false>(dot);
+  if (threadIdx.x == 0) row_sums[row] = dot[0];
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kColumnThreads) bwd_columns_kernel(const BwdArgs a, const float* row_sums) {
+  const int64_t nvec = a.h / VEC;
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= nvec) return;  // no barrier below: a thread past the row just leaves
+  const bool has_gro = a.grad_residual_out != nullptr;
+  const float inv_h = 1.0f / static_cast<float>(a.h);
+  float wv[VEC], acc[VEC];
+  load_params<VEC>(a.w, j * VEC, a.h, true, a.wdtype, wv);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
+  for (int64_t row = blockIdx.y; row < a.rows; row += gridDim.y) {
+    const float rstd = a.rstd[row], mean_gn = row_sums[row] * inv_h;
+    const Pack<T, VEC> rv = load_pack<T, VEC>(static_cast<const T*>(a.residual_out) + row * a.stride_ro + j * VEC);
+    const Pack<T, VEC> gv = load_pack<T, VEC>(static_cast<const T*>(a.grad_y) + row * a.h + j * VEC);
+    Pack<T, VEC> ov;
+    if (has_gro) ov = load_pack<T, VEC>(static_cast<const T*>(a.grad_residual_out) + row * a.h + j * VEC);
+    Pack<T, VEC> out;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      const float n = to_float(rv.v[i]) * rstd;
+      const float dy = to_float(gv.v[i]);
+      const float go = has_gro ? to_float(ov.v[i]) : 0.0f;
+      out.v[i] = from_float<T>(rstd * (dy * wv[i] - n * mean_gn) + go);
+      acc[i] += dy * n;
+    }
+    store_pack<T, VEC>(static_cast<T*>(a.grad_x) + row * a.h + j * VEC, out);
+    if (a.grad_residual != nullptr) store_pack<T, VEC>(static_cast<T*>(a.grad_residual) + row * a.h + j * VEC, out);
+  }
+  Pack<float, VEC> pk;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) pk.v[i] = acc[i];
+  store_pack<float, VEC>(a.part_w + static_cast<int64_t>(blockIdx.y) * a.h + j * VEC, pk);
 }
 
 // ---------------------------------------------------------------------------------------------- launch
@@ -302,14 +321,18 @@ inline Plan fwd_plan(int64_t h, int vec) {
   return block_plan(nvec, kMaxThreads, fwd_max_vpt(RowKind::kBlock), fwd_max_vpt(RowKind::kChunked));
 }
 
+// kChunked: the row does not fit a block's registers, and takes the row-sum pass + column-chunk blocks.
 inline Plan bwd_plan(int64_t h, int vec) {
   const int64_t nvec = h / vec;
   if (nvec <= static_cast<int64_t>(kWarp) * bwd_max_vpt(RowKind::kWarp, vec)) return warp_plan(nvec, kBwdWarpRows);
-  return block_plan(nvec, kBwdMaxThreads, bwd_max_vpt(RowKind::kBlock, vec), bwd_max_vpt(RowKind::kChunked, vec));
+  const int block_vpt = bwd_max_vpt(RowKind::kBlock, vec);
+  return block_plan(nvec, kBwdMaxThreads, block_vpt, block_vpt);
 }
 
+inline int64_t column_chunks(int64_t h, int vec) { return cdiv(h / vec, kColumnThreads); }
+
 // Calls fn(std::integral_constant<int, VPT>{}, std::integral_constant<RowKind, KIND>{}) for the kernel of
-// `plan`; only VPT up to the kind's maximum are instantiated (kChunked: exactly its maximum).
+// `plan`; only VPT up to the kind's maximum are instantiated (kChunked, forward only: exactly its maximum).
 template <bool kForward, int VEC, typename Fn>
 void dispatch_plan(const Plan& plan, Fn&& fn) {
   using Warp = std::integral_constant<RowKind, RowKind::kWarp>;
@@ -317,22 +340,19 @@ void dispatch_plan(const Plan& plan, Fn&& fn) {
   using Chunked = std::integral_constant<RowKind, RowKind::kChunked>;
   constexpr int kWarpMax = kForward ? fwd_max_vpt(RowKind::kWarp) : bwd_max_vpt(RowKind::kWarp, VEC);
   constexpr int kBlockMax = kForward ? fwd_max_vpt(RowKind::kBlock) : bwd_max_vpt(RowKind::kBlock, VEC);
-  constexpr int kChunkVpt = kForward ? fwd_max_vpt(RowKind::kChunked) : bwd_max_vpt(RowKind::kChunked, VEC);
   switch (plan.kind) {
     case RowKind::kWarp: dispatch_vpt<kWarpMax>(plan.vpt, [&](auto vpt) { fn(vpt, Warp{}); }); return;
     case RowKind::kBlock: dispatch_vpt<kBlockMax>(plan.vpt, [&](auto vpt) { fn(vpt, Block{}); }); return;
     case RowKind::kChunked:
-      if (plan.vpt != kChunkVpt) break;
-      fn(std::integral_constant<int, kChunkVpt>{}, Chunked{});
-      return;
+      if constexpr (kForward) {
+        constexpr int kChunkVpt = fwd_max_vpt(RowKind::kChunked);
+        if (plan.vpt != kChunkVpt) break;
+        fn(std::integral_constant<int, kChunkVpt>{}, Chunked{});
+        return;
+      }
+      break;
   }
   throw std::logic_error("add_rms_norm: no kernel instantiated for this plan");
-}
-
-// Running sums of a chunked backward row in shared memory when they fit (h floats), else in global memory.
-inline size_t bwd_smem_bytes(const Plan& plan, int64_t h, const DeviceInfo& dev) {
-  const size_t bytes = sizeof(float) * static_cast<size_t>(h);
-  return plan.kind == RowKind::kChunked && bytes + kStaticSmemSlack <= static_cast<size_t>(dev.smem_optin) ? bytes : 0;
 }
 
 inline void check_args(int64_t h, int wdtype) {
@@ -342,14 +362,18 @@ inline void check_args(int64_t h, int wdtype) {
     throw std::invalid_argument("add_rms_norm: unsupported weight dtype code " + std::to_string(wdtype));
 }
 
-// Resident blocks per SM of the backward kernel of `plan`.
+// Resident blocks per SM of the backward kernel of `plan` (kChunked: of bwd_columns_kernel).
 template <typename T, int VEC>
-int bwd_blocks_per_sm(const Plan& plan, size_t smem) {
+int bwd_blocks_per_sm(const Plan& plan) {
   int blocks = 0;
+  if (plan.kind == RowKind::kChunked) {
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, bwd_columns_kernel<T, VEC>, kColumnThreads, 0),
+               "add_rms_norm occupancy");
+    return std::max(blocks, 1);
+  }
   dispatch_plan<false, VEC>(plan, [&](auto vpt, auto kind) {
     const auto kernel = bwd_kernel<T, VEC, decltype(vpt)::value, decltype(kind)::value>;
-    allow_smem(kernel, smem, "add_rms_norm shared memory");
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, plan.tpr * plan.rpb, smem),
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, plan.tpr * plan.rpb, 0),
                "add_rms_norm occupancy");
   });
   return std::max(blocks, 1);
@@ -390,19 +414,23 @@ int64_t add_rms_norm_bwd_partials(int64_t rows, int64_t h, int dtype, bool vecto
   if (rows <= 0) return 1;
   const DeviceInfo dev = device_info();
   int rpb = 1, blocks_per_sm = 1;
+  int64_t chunks = 1;  // the column chunks share the wave
   dispatch_type_vec(dtype, vectorized, [&](auto tag, auto vec) {
-    const Plan plan = bwd_plan(h, decltype(vec)::value);
+    constexpr int kVec = decltype(vec)::value;
+    const Plan plan = bwd_plan(h, kVec);
     rpb = plan.rpb;
-    blocks_per_sm = bwd_blocks_per_sm<decltype(tag), decltype(vec)::value>(plan, bwd_smem_bytes(plan, h, dev));
+    if (plan.kind == RowKind::kChunked) chunks = column_chunks(h, kVec);
+    blocks_per_sm = bwd_blocks_per_sm<decltype(tag), kVec>(plan);
   });
   // One wave of resident blocks, each writing one partial row: few partial rows, little reduction traffic.
-  return std::max<int64_t>(1, std::min<int64_t>(cdiv(rows, rpb), static_cast<int64_t>(dev.sms) * blocks_per_sm));
+  const int64_t wave = static_cast<int64_t>(dev.sms) * blocks_per_sm / chunks;
+  return std::max<int64_t>(1, std::min<int64_t>(cdiv(rows, rpb), wave));
 }
 
 void add_rms_norm_bwd(uintptr_t grad_y, uintptr_t grad_residual_out, uintptr_t residual_out, int64_t stride_ro,
                       uintptr_t weight, uintptr_t rstd, uintptr_t grad_x, uintptr_t grad_residual, uintptr_t partials,
-                      int64_t num_partials, uintptr_t grad_weight, int64_t rows, int64_t h, int dtype, int wdtype,
-                      bool vectorized, uintptr_t stream) {
+                      int64_t num_partials, uintptr_t row_sums, uintptr_t grad_weight, int64_t rows, int64_t h,
+                      int dtype, int wdtype, bool vectorized, uintptr_t stream) {
   using namespace rmsnorm;
   check_args(h, wdtype);
   if (num_partials < 1) throw std::invalid_argument("add_rms_norm: num_partials must be >= 1");
@@ -415,16 +443,25 @@ void add_rms_norm_bwd(uintptr_t grad_y, uintptr_t grad_residual_out, uintptr_t r
                     reinterpret_cast<const void*>(residual_out), reinterpret_cast<const void*>(weight),
                     reinterpret_cast<const float*>(rstd), reinterpret_cast<void*>(grad_x),
                     reinterpret_cast<void*>(grad_residual), part, wdtype, rows, h, stride_ro};
-    const DeviceInfo dev = device_info();
     dispatch_type_vec(dtype, vectorized, [&](auto tag, auto vec) {
       using T = decltype(tag);
       constexpr int kVec = decltype(vec)::value;
       const Plan plan = bwd_plan(h, kVec);
-      const size_t smem = bwd_smem_bytes(plan, h, dev);
+      if (plan.kind == RowKind::kChunked) {
+        if (row_sums == 0)
+          throw std::invalid_argument("add_rms_norm: rows of h = " + std::to_string(h) +
+                                      " need the [rows] fp32 row_sums workspace");
+        if (rows >= (int64_t(1) << 31) || num_partials > 65535)  // gridDim.x of the row-sum pass, gridDim.y
+          throw std::invalid_argument("add_rms_norm: rows must be < 2**31 and num_partials <= 65535");
+        float* sums_of_rows = reinterpret_cast<float*>(row_sums);
+        bwd_row_sums_kernel<T, kVec><<<static_cast<unsigned>(rows), kRowSumThreads, 0, s>>>(a, sums_of_rows);
+        const dim3 grid(static_cast<unsigned>(column_chunks(h, kVec)), static_cast<unsigned>(num_partials));
+        bwd_columns_kernel<T, kVec><<<grid, kColumnThreads, 0, s>>>(a, sums_of_rows);
+        return;
+      }
       dispatch_plan<false, kVec>(plan, [&](auto vpt, auto kind) {
-        const auto kernel = bwd_kernel<T, kVec, decltype(vpt)::value, decltype(kind)::value>;
-        allow_smem(kernel, smem, "add_rms_norm shared memory");
-        kernel<<<static_cast<unsigned>(num_partials), dim3(plan.tpr, plan.rpb), smem, s>>>(a, plan.chunks, smem > 0);
+        bwd_kernel<T, kVec, decltype(vpt)::value, decltype(kind)::value>
+            <<<static_cast<unsigned>(num_partials), dim3(plan.tpr, plan.rpb), 0, s>>>(a);
       });
     });
     check_cuda(cudaGetLastError(), "add_rms_norm_bwd launch");

@@ -46,11 +46,12 @@ from .rows import cast_rne
 
 __all__ = ["forward", "backward", "MAX_FUSED_HIDDEN", "MAX_FUSED_HIDDEN_BWD", "CHUNK_COLUMNS"]
 
-# Longest row held in one program's registers (forward, backward: the backward holds more per column;
-# ptxas finds no spills at these with the warps _num_warps gives); longer rows are covered in chunks of
-# CHUNK_COLUMNS. Read at launch time (tests lower them to exercise the chunked kernels on small rows).
+# Longest row held in one program's registers (forward, backward: the backward holds more per column, and a
+# whole row of 8192 took one 1024-thread program per SM, each row's loads, reduction and stores in series;
+# wider rows take the row-sum pass, as in the LayerNorm backward); longer rows are covered in chunks of at
+# most CHUNK_COLUMNS. Read at launch time (tests lower them to exercise the chunked kernels on small rows).
 MAX_FUSED_HIDDEN = 16384
-MAX_FUSED_HIDDEN_BWD = 8192
+MAX_FUSED_HIDDEN_BWD = 4096
 CHUNK_COLUMNS = 4096
 
 
@@ -210,10 +211,10 @@ def _fwd_config(n_rows: int, h: int):
 def _bwd_config(n_rows: int, h: int):
     """(BLOCK_M, BLOCK_N, chunked, launch options) of one backward program's tile.
 
-    Tiles of 4096 elements at 32 warps, 4 per thread (8 for a whole row of 4097 .. MAX_FUSED_HIDDEN_BWD
-    columns): ptxas needs 37-58 registers (bf16, h = 1024 .. 16384, Triton 3.6 and 3.9), so an SM holds
-    one 1024-thread program (50% occupancy); at 16 warps h = 8192 and the chunked rows took 86-98
-    registers, one 512-thread program (25%), too few warps to cover the row reductions' barriers."""
+    Tiles of 4096 elements at 32 warps, 4 per thread: ptxas needs 32-50 registers (bf16, h = 1024 .. 16384,
+    Triton 3.6 and 3.9), so an SM holds one or two 1024-thread programs (50-100% occupancy); at 16 warps
+    h = 8192 and the chunked rows took 86-98 registers, one 512-thread program (25%), too few warps to
+    cover the row reductions' barriers."""
     block_n, chunked = _block_n(h, min(MAX_FUSED_HIDDEN, MAX_FUSED_HIDDEN_BWD))
     if chunked:  # even chunks: no chunk program left with mostly masked columns
         block_n = R.chunk_columns(h, CHUNK_COLUMNS)

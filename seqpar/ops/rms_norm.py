@@ -222,11 +222,14 @@ def _cuda_bwd_op(grad_y: torch.Tensor, grad_residual_out: Optional[torch.Tensor]
     with _ext.on_device(grad_y):
         n_partials = ext.add_rms_norm_bwd_partials(rows, h, dtype, vec)  # one wave of the kernel's blocks
         partials = torch.empty((n_partials, h), dtype=torch.float32, device=grad_y.device)
+        # sum(g * n) per row: the kernels of rows too long for one block's registers compute it first (rows
+        # floats, small beside the partial rows, so allocated whatever h is)
+        row_sums = torch.empty((rows,), dtype=torch.float32, device=grad_y.device)
         ext.add_rms_norm_bwd(
             grad_y.data_ptr(), 0 if grad_residual_out is None else grad_residual_out.data_ptr(),
             residual_out.data_ptr(), residual_out.stride(0), w.data_ptr(), rstd.data_ptr(), grad_x.data_ptr(),
-            grad_res.data_ptr() if residual_grad else 0, partials.data_ptr(), n_partials, grad_w.data_ptr(), rows,
-            h, dtype, _ext.DTYPE_CODES[w.dtype], vec, _ext.cuda_stream(grad_y.device))
+            grad_res.data_ptr() if residual_grad else 0, partials.data_ptr(), n_partials, row_sums.data_ptr(),
+            grad_w.data_ptr(), rows, h, dtype, _ext.DTYPE_CODES[w.dtype], vec, _ext.cuda_stream(grad_y.device))
     return grad_x, grad_res, grad_w
 
 
