@@ -129,7 +129,7 @@ struct BwdArgs {
   int wdtype;  // dtype code of w
   void* grad_x;
   void* grad_residual;
-  float* part_w;     // [num_partials, h] each; row blockIdx.x belongs to block blockIdx.x
+  float* part_w;     // [num_partials, h] each; row p: block p (bwd_columns_kernel: row block p)
   float* part_b;
   float* part_bias;  // nullptr: no bias gradient
   int64_t rows, h;

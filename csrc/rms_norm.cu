@@ -77,7 +77,7 @@ struct BwdArgs {
   const float* rstd;
   void* grad_x;                   // [rows, h] contiguous
   void* grad_residual;            // [rows, h] contiguous, the same values; nullptr: not wanted
-  float* part_w;                  // [num_partials, h]; row blockIdx.x belongs to block blockIdx.x
+  float* part_w;                  // [num_partials, h]; row p: block p (bwd_columns_kernel: row block p)
   int wdtype;
   int64_t rows, h, stride_ro;
 };

@@ -46,12 +46,14 @@ backend   what runs                                                         h
 ========  ================================================================  ==========
 torch     fp32 reference (the test oracle, CPU fallback)                    any
 triton    ``triton_kernels/rms_norm.py``: a row (or a few) per program,     any
-          chunked beyond 16384 (forward) / 8192 (backward) columns;
-          backward with per-program fp32 partial column sums + a
-          second reduction kernel (no atomics)
+          chunked beyond 16384 (forward) / 4096 (backward) columns, the
+          backward's chunks after a pass that computes the row sums;
+          per-program fp32 partial column sums + a second reduction
+          kernel (no atomics)
 cuda      ``csrc/rms_norm.cu``: 16-byte vectors, warp per row (small h) or   any
-          block per row, chunked rows beyond the registers; same
-          partial-sum scheme
+          block per row, chunked rows beyond the registers (backward:
+          beyond 4096 columns, a row-sum pass then blocks of one column
+          chunk each); same partial-sum scheme
 ========  ================================================================  ==========
 
 The kernel backends are ``torch.library`` custom ops (``seqpar::add_rms_norm_{triton,cuda}_{fwd,bwd}``)
