@@ -453,9 +453,11 @@ __global__ void __launch_bounds__(threads_bound<KIND, false, VEC>(), bwd_min_blo
 }
 
 // Resident blocks per SM bwd_columns_kernel is compiled for: 4 with 16-byte runs, so at most 64 registers
-// and 50% occupancy (without the bound ptxas took 74-79 registers, 3 blocks; with it, bf16 spills 8 bytes:
-// one value reloaded from L1 per row). Scalar runs of 16 columns (odd h, unaligned tensors): no minimum
-// (194-210 registers; bounded to 128 they spilled 176-676 bytes).
+// and 50% occupancy (without the bound ptxas took 74-79 registers, 3 blocks). With it bf16 spills one value
+// (ptxas: 8 bytes stored, 4 loaded): stored before the row loop, reloaded once per row from L1, beside the
+// row's three 16-byte loads from DRAM; holding the LayerNorm weight out of registers did not remove it.
+// Scalar runs of 16 columns (odd h, unaligned tensors): no minimum (194-210 registers; bounded to 128 they
+// spilled 176-676 bytes).
 template <typename T, int VEC>
 constexpr int columns_min_blocks() { return kVectorRun<T, VEC> ? 4 : 0; }
 
