@@ -17,6 +17,12 @@ Providers (a provider that can't run is reported and skipped):
     te-ln             torch bias-dropout-add + transformer_engine.pytorch.LayerNorm   (if importable)
     liger-ln          torch bias-dropout-add + liger_kernel LigerLayerNorm             (if importable)
     seqpar-torch      the op's torch reference backend (only with --quick: it is an oracle, not a contender)
+    variant-triton-rowsums
+                      a design experiment, not a contender: seqpar-triton with its backward's whole-row
+                      limit lowered from 4096 to 2048 columns, so rows of 2049 .. 4096 columns take the
+                      row-sum pass and column-chunk programs (7 tensor passes, no reduction in the row loop)
+                      instead of whole rows (5 passes, two block-wide reductions per row); run only there.
+                      Its rows say where that limit belongs (gpu_summary counts only seqpar-* providers)
 
 Bandwidth counts the minimal bytes, each input read once and each output written once (E = bytes per
 element, N = tokens; the per-row fp32 mean/rstd are ignored):
@@ -62,6 +68,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import sys
@@ -83,7 +90,10 @@ from seqpar.bench.timing import reuse_distance_l2  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 PROVIDERS = ["seqpar-triton", "seqpar-cuda", "torch-eager", "torch-compile", "apex-ln", "te-ln", "liger-ln",
-             "seqpar-torch"]
+             "variant-triton-rowsums", "seqpar-torch"]
+ROWSUMS_VARIANT = "variant-triton-rowsums"
+ROWSUMS_VARIANT_BLOCK_N = 2048     # the variant's BWD_BLOCK_N: the Triton backward's whole-row limit
+ROWSUMS_VARIANT_WHOLE_ROWS = 4096  # the limit it replaces (triton_kernels BWD_BLOCK_N; a test keeps them equal)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 EPS = 1e-5
 SEED = 1234
@@ -213,6 +223,12 @@ def make_provider(name: str, h: int, p: float, dtype, device: torch.device
     if name == "torch-compile":
         compiled = compiled_for_one_shape(_torch_bda_ln, device)
         return (lambda x, bias, res: compiled(x, bias, res, w, b, p)), [w, b]
+    if name == ROWSUMS_VARIANT:
+        # (called inside provider_context: BWD_BLOCK_N is the variant's here)
+        if not ROWSUMS_VARIANT_BLOCK_N < h <= ROWSUMS_VARIANT_WHOLE_ROWS:
+            raise RuntimeError(f"only for {ROWSUMS_VARIANT_BLOCK_N} < h <= {ROWSUMS_VARIANT_WHOLE_ROWS}, where "
+                               "seqpar-triton's backward takes whole rows")
+        return make_provider("seqpar-triton", h, p, dtype, device)
     if name in ("apex-ln", "te-ln", "liger-ln"):
         if device.type != "cuda":
             raise RuntimeError(f"{name} needs CUDA")
@@ -224,6 +240,22 @@ def make_provider(name: str, h: int, p: float, dtype, device: torch.device
     raise ValueError(f"unknown provider {name!r}; expected one of {PROVIDERS}")
 
 
+@contextlib.contextmanager
+def provider_context(name: str):
+    """What ``name`` needs around its calls, backward included: the row-sum variant's lowered whole-row
+    limit (the Triton launcher reads BWD_BLOCK_N at each launch)."""
+    if name != ROWSUMS_VARIANT:
+        yield
+        return
+    from seqpar.triton_kernels import bias_dropout_add_layer_norm as kernels
+
+    saved, kernels.BWD_BLOCK_N = kernels.BWD_BLOCK_N, ROWSUMS_VARIANT_BLOCK_N
+    try:
+        yield
+    finally:
+        kernels.BWD_BLOCK_N = saved
+
+
 def _peer_forward(ln, x, bias, residual, p: float):
     residual_out = residual + F.dropout(x + bias, p=p, training=True)
     return ln(residual_out), residual_out
@@ -232,6 +264,12 @@ def _peer_forward(ln, x, bias, residual, p: float):
 # ----------------------------------------------------------------------------- one configuration
 def bench_config(provider: str, tokens: int, h: int, p: float, dtype, device: torch.device, timer: Timer,
                  copy_gbps: float, rows: ResultRows) -> Optional[Dict[str, float]]:
+    with provider_context(provider):
+        return _bench_config(provider, tokens, h, p, dtype, device, timer, copy_gbps, rows)
+
+
+def _bench_config(provider: str, tokens: int, h: int, p: float, dtype, device: torch.device, timer: Timer,
+                  copy_gbps: float, rows: ResultRows) -> Optional[Dict[str, float]]:
     config = f"tokens={tokens},h={h},p={p},dtype={str(dtype).replace('torch.', '')}"
     try:
         f, params = make_provider(provider, h, p, dtype, device)
@@ -294,6 +332,12 @@ def _summary(results: Dict[Tuple[int, int, float], Dict[str, Dict[str, float]]])
                      for base in ("torch-eager", "torch-compile", "apex-ln", "te-ln", "liger-ln")
                      if base in by_provider]
             print(f"  tokens={tokens:6d} h={h:6d} p={p:<4} {ours:14s} " + ", ".join(parts))
+    variant = [(key, by[ROWSUMS_VARIANT], by["seqpar-triton"]) for key, by in results.items()
+               if ROWSUMS_VARIANT in by and "seqpar-triton" in by]
+    if variant:
+        print(f"\nbackward GPU time, {ROWSUMS_VARIANT} / seqpar-triton (below 1: the row-sum pass beats whole rows)")
+        for (tokens, h, p), mine, whole in variant:
+            print(f"  tokens={tokens:6d} h={h:6d} p={p:<4} {mine['bwd_gpu'] / whole['bwd_gpu']:.2f}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -302,7 +346,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--tokens", default="256,1024,16384", help="comma-separated token counts (rows)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("-p", default="0,0.1", help="comma-separated dropout probabilities (0: dropout off)")
-    ap.add_argument("--providers", default=",".join(p for p in PROVIDERS if p != "seqpar-torch"))
+    ap.add_argument("--providers", default=",".join(p for p in PROVIDERS if p != "seqpar-torch"),
+                    help="comma-separated; default: every provider but seqpar-torch")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--reps", type=int, default=50, help="eager call time: timed single calls")
     ap.add_argument("--gpu-reps", type=int, default=8, help="GPU time: timed batches of back-to-back calls")

@@ -224,3 +224,31 @@ def test_gpu_suite_parts_fit_what_the_device_tool_brings_back(tmp_path):
                              env=dict(env, OUT=str(tmp_path / "refused")))
     assert refused.returncode == 2 and "unknown part 'bogus'" in refused.stderr
     assert not (tmp_path / "refused").exists()
+
+
+def test_rowsums_variant_takes_the_row_sum_path_only_inside_its_context():
+    """The design-experiment provider: seqpar-triton with the backward's whole-row limit lowered to 2048
+    columns while its calls (backward included) run, so h = 4096 takes the row-sum pass and two column
+    chunks; the same values as seqpar-triton's whole rows; refused where the two would run the same kernels."""
+    from bench import bench_layernorm_dropout as bench
+    from seqpar.triton_kernels import bias_dropout_add_layer_norm as kernels
+
+    device, h = torch.device("cpu"), 4096
+    g = torch.Generator().manual_seed(0)
+    x, residual, bias = (torch.randn(*shape, generator=g).requires_grad_() for shape in ((3, h), (3, h), (h,)))
+    grads_out = (torch.randn(3, h, generator=g), torch.randn(3, h, generator=g))
+    results = {}
+    for name in ("seqpar-triton", bench.ROWSUMS_VARIANT):
+        with bench.provider_context(name):
+            chunks = kernels._bwd_config(3, h)[2]
+            f, params = bench.make_provider(name, h, 0.1, torch.float32, device)
+            outs = f(x, bias, residual)
+            results[name] = (chunks, outs, torch.autograd.grad(outs, [x, bias, residual] + params, grads_out))
+    assert kernels.BWD_BLOCK_N == bench.ROWSUMS_VARIANT_WHOLE_ROWS == 4096    # restored; the bench's copy
+    assert results["seqpar-triton"][0] == 1 and results[bench.ROWSUMS_VARIANT][0] == 2
+    (_, whole_outs, whole_grads), (_, chunk_outs, chunk_grads) = results.values()
+    for a, b in zip(whole_outs + whole_grads, chunk_outs + chunk_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for other_h in (2048, 8192):
+        with pytest.raises(RuntimeError, match="whole rows"):
+            bench.make_provider(bench.ROWSUMS_VARIANT, other_h, 0.1, torch.float32, device)
