@@ -87,7 +87,7 @@ def cases(quick: bool) -> Dict[str, Tuple[str, str, dict]]:
 
     add_attn(0.1)
     # 16384 x 12288: the backward's widest miss in the first GPU run (Triton 2.3 ms, cuda 1.3 ms, torch.compile
-    # 0.92 ms); the Triton backward of such rows has had a row-sum pass since
+    # 0.92 ms); both backends' backward of such rows has had a row-sum pass since
     for tokens, h in ([(48, 64)] if quick else [(1024, 4096), (1024, 12288), (16384, 12288), (16384, 4096)]):
         for provider in ln:
             out[f"ln-{provider}-{tokens}x{h}"] = ("ln", provider, dict(tokens=tokens, h=h, p=0.1))
