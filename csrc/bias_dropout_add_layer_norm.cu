@@ -294,8 +294,7 @@ struct ColumnSums {
   int64_t h;
   __device__ __forceinline__ void init(int64_t h_, float* const (&parts)[3]) {
     h = h_;
-    extern __shared__ float4 dynamic_smem[];
-    base = reinterpret_cast<float*>(dynamic_smem);
+    base = dynamic_shared<float>();
     const int64_t nvec = (h + VEC - 1) / VEC;
     Pack<float, VEC> zero;
 #pragma unroll
@@ -548,6 +547,8 @@ __global__ void __launch_bounds__(kColumnThreads, columns_min_blocks<T, VEC>())
 }
 
 // ---------------------------------------------------------------------------------------------- launch
+// (not compiled under host emulation: tests/cuda_emulation runs the kernels above, compiled with g++)
+#if !defined(SEQPAR_HOST_EMULATION)
 // vector: the runs are 16-byte vectors (else scalar-access runs of one dropout group: block per row only).
 inline Plan fwd_plan(int64_t h, int vec, bool vector) {
   const int64_t nvec = cdiv(h, vec);
@@ -638,8 +639,11 @@ inline void check_threshold(int threshold) {
                                 std::to_string(threshold));
 }
 inline float drop_scale(int threshold) { return threshold > 0 ? dropout_scale(threshold) : 1.0f; }
+#endif  // !SEQPAR_HOST_EMULATION
 
 }  // namespace bdaln
+
+#if !defined(SEQPAR_HOST_EMULATION)
 
 void bias_dropout_add_layer_norm_fwd(uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t ln_weight,
                                      uintptr_t ln_bias, uintptr_t y, uintptr_t residual_out, uintptr_t mean,
@@ -756,5 +760,7 @@ void bias_dropout_add_layer_norm_bwd(uintptr_t grad_y, uintptr_t grad_residual_o
                           reinterpret_cast<float*>(grad_bias)}};
   launch_reduce_partials(sums, count, num_partials, h, s, "bias_dropout_add_layer_norm reduce launch");
 }
+
+#endif  // !SEQPAR_HOST_EMULATION
 
 }  // namespace seqpar

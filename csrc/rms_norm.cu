@@ -315,6 +315,8 @@ __global__ void __launch_bounds__(kColumnThreads) bwd_columns_kernel(const BwdAr
 }
 
 // ---------------------------------------------------------------------------------------------- launch
+// (not compiled under host emulation: tests/cuda_emulation runs the kernels above, compiled with g++)
+#if !defined(SEQPAR_HOST_EMULATION)
 inline Plan fwd_plan(int64_t h, int vec) {
   const int64_t nvec = h / vec;
   if (nvec <= static_cast<int64_t>(kWarp) * fwd_max_vpt(RowKind::kWarp)) return warp_plan(nvec, kFwdWarpRows);
@@ -379,7 +381,11 @@ int bwd_blocks_per_sm(const Plan& plan) {
   return std::max(blocks, 1);
 }
 
+#endif  // !SEQPAR_HOST_EMULATION
+
 }  // namespace rmsnorm
+
+#if !defined(SEQPAR_HOST_EMULATION)
 
 void add_rms_norm_fwd(uintptr_t x, uintptr_t residual, uintptr_t weight, uintptr_t y, uintptr_t residual_out,
                       uintptr_t rstd, int64_t rows, int64_t h, int64_t stride_x, int64_t stride_res, int dtype,
@@ -471,5 +477,7 @@ void add_rms_norm_bwd(uintptr_t grad_y, uintptr_t grad_residual_out, uintptr_t r
   const PartialSums sums{{part, nullptr, nullptr}, {reinterpret_cast<float*>(grad_weight), nullptr, nullptr}};
   launch_reduce_partials(sums, 1, num_partials, h, s, "add_rms_norm reduce launch");
 }
+
+#endif  // !SEQPAR_HOST_EMULATION
 
 }  // namespace seqpar

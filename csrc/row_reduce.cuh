@@ -46,6 +46,18 @@ __device__ __forceinline__ void load_params(const void* p, int64_t c0, int64_t n
   }
 }
 
+// The block's dynamic shared memory as T* (under host emulation, tests/cuda_emulation/shim.h: one static
+// buffer shared by the emulated block's threads).
+template <typename T>
+__device__ __forceinline__ T* dynamic_shared() {
+#if defined(SEQPAR_HOST_EMULATION)
+  return reinterpret_cast<T*>(emulated_dynamic_shared());
+#else
+  extern __shared__ float4 seqpar_dynamic_smem[];
+  return reinterpret_cast<T*>(seqpar_dynamic_smem);
+#endif
+}
+
 __device__ __forceinline__ float warp_allreduce(float v) {
 #pragma unroll
   for (int offset = kWarp / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
@@ -110,6 +122,7 @@ constexpr int pow2_ceil(int64_t v) {
 }
 constexpr int elem_size(int dtype) { return dtype == kFloat32 ? 4 : 2; }
 
+#if !defined(SEQPAR_HOST_EMULATION)  // launchers need nvcc; tests/cuda_emulation compiles the kernels with g++
 // Launches `count` partial buffers' column sums on `stream` (a template: instantiated only where used).
 template <int kRowsPerBlock = 8>
 void launch_reduce_partials(const PartialSums& sums, int count, int64_t n_partials, int64_t h,
@@ -118,6 +131,7 @@ void launch_reduce_partials(const PartialSums& sums, int count, int64_t n_partia
   reduce_partials_kernel<kRowsPerBlock><<<grid, block, 0, stream>>>(sums, n_partials, h);
   check_cuda(cudaGetLastError(), what);
 }
+#endif
 
 // How a row kernel covers a row of nvec vectors: a block of tpr x rpb threads (threads per row x rows per
 // block); a thread owns vpt vectors of each column chunk of tpr * vpt vectors, strided by tpr vectors so

@@ -1,0 +1,114 @@
+// The CUDA bias-dropout-add + LayerNorm backward kernels (csrc/bias_dropout_add_layer_norm.cu) run under host
+// emulation (shim.h) against a float64 reference of the math: grad_residual, grad_x (the dropout mask drawn
+// per column from mask_words), and the three column sums from the kernels' partial rows. Every kind of
+// kernel: warp per row, block per row, and the row-sum pass + column-chunk blocks of wide rows.
+#include "shim.h"
+#include "bias_dropout_add_layer_norm.cu"
+
+#include <cstdio>
+#include <random>
+
+using namespace seqpar;
+using namespace seqpar::bdaln;
+
+template <typename T, int VEC, int VPT, RowKind KIND>
+int check(int64_t rows, int64_t h, int threshold, bool bias, int64_t num_partials) {
+  const uint64_t seed = 0xABCDEF12345ULL;
+  const int64_t row_offset = (int64_t(1) << 33) + 77;
+  std::mt19937 gen(static_cast<unsigned>(3 + h + rows));
+  std::normal_distribution<float> normal;
+  std::vector<T> ro(rows * h), gy(rows * h), gro(rows * h);
+  std::vector<T> gx(rows * h, from_float<T>(NAN)), gres(rows * h, from_float<T>(NAN));
+  std::vector<float> w(h), mean(rows), rstd(rows);
+  for (auto* t : {&ro, &gy, &gro})
+    for (auto& v : *t) v = from_float<T>(normal(gen));
+  for (auto& v : w) v = 1.0f + 0.1f * normal(gen);
+  for (int64_t r = 0; r < rows; ++r) {
+    double s = 0, ss = 0;
+    for (int64_t c = 0; c < h; ++c) s += to_float(ro[r * h + c]);
+    const double m = s / h;
+    for (int64_t c = 0; c < h; ++c) ss += (to_float(ro[r * h + c]) - m) * (to_float(ro[r * h + c]) - m);
+    mean[r] = static_cast<float>(m);
+    rstd[r] = static_cast<float>(1.0 / std::sqrt(ss / h + 1e-5));
+  }
+  const int count = bias ? 3 : 2;
+  std::vector<float> parts(count * num_partials * h, NAN);
+  const float scale = threshold ? dropout_scale(threshold) : 1.0f;
+  const BwdArgs a{gy.data(), gro.data(), ro.data(), w.data(), mean.data(), rstd.data(), kFloat32, gx.data(),
+                  gres.data(), parts.data(), parts.data() + num_partials * h,
+                  bias ? parts.data() + 2 * num_partials * h : nullptr, rows, h, scale,
+                  static_cast<uint32_t>(threshold) << 24, seed, row_offset};
+  const int64_t nvec = cdiv(h, VEC);
+  if constexpr (KIND == RowKind::kChunked) {  // here: the wide-row pipeline, row sums then column chunks
+    std::vector<float> row_sums(2 * rows, NAN);
+    launch({static_cast<unsigned>(rows), 1, 1}, {kRowSumThreads, 1, 1},
+           [&] { bwd_row_sums_kernel<T, VEC>(a, row_sums.data()); });
+    launch({static_cast<unsigned>(cdiv(nvec, kColumnThreads)), static_cast<unsigned>(num_partials), 1},
+           {kColumnThreads, 1, 1}, [&] { bwd_columns_kernel<T, VEC>(a, row_sums.data()); });
+  } else {
+    const bool warp = KIND == RowKind::kWarp;
+    const unsigned tpr = warp ? kWarp : round_up_warp(cdiv(nvec, VPT)), rpb = warp ? kBwdWarpRows : 1;
+    launch({static_cast<unsigned>(num_partials), 1, 1}, {tpr, rpb, 1}, [&] { bwd_kernel<T, VEC, VPT, KIND>(a); });
+  }
+  int bad = 0;
+  double worst = 0;
+  std::vector<double> dw(h, 0), db(h, 0), dbias(h, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    double sum_g = 0, sum_gx = 0;
+    for (int64_t c = 0; c < h; ++c) {
+      const double x_hat = (static_cast<double>(to_float(ro[r * h + c])) - mean[r]) * rstd[r];
+      const double g = static_cast<double>(to_float(gy[r * h + c])) * w[c];
+      sum_g += g;
+      sum_gx += g * x_hat;
+    }
+    for (int64_t c = 0; c < h; ++c) {
+      const double x_hat = (static_cast<double>(to_float(ro[r * h + c])) - mean[r]) * rstd[r];
+      const double dy = to_float(gy[r * h + c]);
+      const double dres = rstd[r] * (dy * w[c] - sum_g / h - x_hat * sum_gx / h) + to_float(gro[r * h + c]);
+      bool keep = true;
+      if (threshold) {
+        const MaskWords m = mask_words(seed, static_cast<uint64_t>(row_offset + r), static_cast<uint32_t>(c / 16));
+        keep = keep_byte(m.w[(c % 16) / 4], (c % 16) % 4, static_cast<uint32_t>(threshold) << 24);
+      }
+      const double dx = keep ? dres * scale : 0.0;
+      dw[c] += dy * x_hat;
+      db[c] += dy;
+      dbias[c] += dx;
+      const double err = std::max(std::fabs(to_float(gres[r * h + c]) - dres) / (1 + std::fabs(dres)),
+                                  std::fabs(to_float(gx[r * h + c]) - dx) / (1 + std::fabs(dx)));
+      if (!(err < (sizeof(T) == 2 ? 1e-2 : 1e-5)) && bad++ < 5)  // 16-bit outputs: 2.5 ulps
+        printf("  row %ld col %ld: grad_residual %g (want %g), grad_x %g (want %g)\n", long(r), long(c),
+               to_float(gres[r * h + c]), dres, to_float(gx[r * h + c]), dx);
+      worst = std::max(worst, err);
+    }
+  }
+  for (int q = 0; q < count; ++q)
+    for (int64_t c = 0; c < h; ++c) {
+      double s = 0;
+      for (int64_t p = 0; p < num_partials; ++p) s += parts[(q * num_partials + p) * h + c];
+      const double want = q == 0 ? dw[c] : q == 1 ? db[c] : dbias[c];
+      if (!(std::fabs(s - want) <= 1e-3 * (1 + std::fabs(want))) && bad++ < 10)
+        printf("  column sum %d, col %ld: %g (want %g)\n", q, long(c), s, want);
+    }
+  printf("%s %-5s VEC=%-2d VPT=%d rows=%ld h=%ld P=%d bias=%d partials=%ld: worst relative error %.2g, %d bad\n",
+         sizeof(T) == 2 ? "16-bit" : "fp32  ", KIND == RowKind::kChunked ? "wide" : KIND == RowKind::kWarp ? "warp" : "block",
+         VEC, VPT, long(rows), long(h), threshold, bias, long(num_partials), worst, bad);
+  return bad;
+}
+
+int main() {
+  int bad = 0;
+  bad += check<__nv_bfloat16, 8, 2, RowKind::kWarp>(37, 512, 26, true, 2);     // 16 rows per block, a ragged block
+  bad += check<__nv_bfloat16, 8, 1, RowKind::kWarp>(20, 200, 0, false, 1);     // lanes past the row
+  bad += check<float, 4, 2, RowKind::kWarp>(19, 256, 26, true, 2);            // fp32: 1e-5 catches small slips
+  bad += check<__nv_bfloat16, 8, 1, RowKind::kBlock>(5, 4096, 26, true, 2);    // 512 threads, rows per block > 1
+  bad += check<__half, 8, 1, RowKind::kBlock>(3, 1000, 128, false, 3);
+  bad += check<float, 4, 2, RowKind::kBlock>(3, 4096, 128, true, 2);           // 2 runs per thread
+  bad += check<__half, 16, 1, RowKind::kBlock>(4, 4095, 26, true, 3);          // scalar runs, odd h
+  bad += check<__nv_bfloat16, 8, 1, RowKind::kChunked>(6, 12288, 26, true, 4);
+  bad += check<__nv_bfloat16, 8, 1, RowKind::kChunked>(3, 4104, 200, true, 5); // a ragged chunk; idle row blocks
+  bad += check<float, 4, 1, RowKind::kChunked>(4, 5120, 26, false, 2);
+  bad += check<__nv_bfloat16, 16, 1, RowKind::kChunked>(3, 6145, 26, true, 2); // scalar runs
+  printf(bad ? "FAILED\n" : "ALL OK\n");
+  return bad != 0;
+}

@@ -1,0 +1,88 @@
+// The CUDA residual add + RMSNorm backward kernels (csrc/rms_norm.cu) run under host emulation (shim.h) against
+// a float64 reference of the math: grad_x (and its copy grad_residual), with and without grad_residual_out,
+// strided residual_out rows, and the weight gradient from the kernels' partial rows. Every kind of kernel:
+// warp per row, block per row, and the row-sum pass + column-chunk blocks of long rows.
+#include "shim.h"
+#include "rms_norm.cu"
+
+#include <cstdio>
+#include <random>
+
+using namespace seqpar;
+using namespace seqpar::rmsnorm;
+
+template <typename T, int VEC, int VPT, RowKind KIND>
+int check(int64_t rows, int64_t h, int64_t stride_ro, bool has_gro, bool has_gres, int64_t num_partials) {
+  std::mt19937 gen(static_cast<unsigned>(11 + h + rows));
+  std::normal_distribution<float> normal;
+  std::vector<T> ro(rows * stride_ro), gy(rows * h), gro(rows * h);
+  std::vector<T> gx(rows * h, from_float<T>(NAN)), gres(rows * h, from_float<T>(NAN));
+  std::vector<float> w(h), rstd(rows);
+  for (auto* t : {&ro, &gy, &gro})
+    for (auto& v : *t) v = from_float<T>(normal(gen));
+  for (auto& v : w) v = 1.0f + 0.1f * normal(gen);
+  for (int64_t r = 0; r < rows; ++r) {
+    double ss = 0;
+    for (int64_t c = 0; c < h; ++c) ss += double(to_float(ro[r * stride_ro + c])) * to_float(ro[r * stride_ro + c]);
+    rstd[r] = static_cast<float>(1.0 / std::sqrt(ss / h + 1e-6));
+  }
+  std::vector<float> parts(num_partials * h, NAN);
+  const BwdArgs a{gy.data(), has_gro ? gro.data() : nullptr, ro.data(), w.data(), rstd.data(), gx.data(),
+                  has_gres ? gres.data() : nullptr, parts.data(), kFloat32, rows, h, stride_ro};
+  const int64_t nvec = h / VEC;
+  if constexpr (KIND == RowKind::kChunked) {  // here: the long-row pipeline, row sums then column chunks
+    std::vector<float> row_sums(rows, NAN);
+    launch({static_cast<unsigned>(rows), 1, 1}, {kRowSumThreads, 1, 1},
+           [&] { bwd_row_sums_kernel<T, VEC>(a, row_sums.data()); });
+    launch({static_cast<unsigned>(cdiv(nvec, kColumnThreads)), static_cast<unsigned>(num_partials), 1},
+           {kColumnThreads, 1, 1}, [&] { bwd_columns_kernel<T, VEC>(a, row_sums.data()); });
+  } else {
+    const bool warp = KIND == RowKind::kWarp;
+    const unsigned tpr = warp ? kWarp : round_up_warp(cdiv(nvec, VPT)), rpb = warp ? kBwdWarpRows : 1;
+    launch({static_cast<unsigned>(num_partials), 1, 1}, {tpr, rpb, 1}, [&] { bwd_kernel<T, VEC, VPT, KIND>(a); });
+  }
+  int bad = 0;
+  double worst = 0;
+  std::vector<double> dw(h, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    double dot = 0;
+    for (int64_t c = 0; c < h; ++c)
+      dot += double(to_float(gy[r * h + c])) * w[c] * to_float(ro[r * stride_ro + c]) * rstd[r];
+    for (int64_t c = 0; c < h; ++c) {
+      const double n = double(to_float(ro[r * stride_ro + c])) * rstd[r], dy = to_float(gy[r * h + c]);
+      const double want = rstd[r] * (dy * w[c] - n * dot / h) + (has_gro ? to_float(gro[r * h + c]) : 0.0);
+      dw[c] += dy * n;
+      double err = std::fabs(to_float(gx[r * h + c]) - want) / (1 + std::fabs(want));
+      if (has_gres) err = std::max(err, std::fabs(to_float(gres[r * h + c]) - want) / (1 + std::fabs(want)));
+      if (!(err < (sizeof(T) == 2 ? 1e-2 : 1e-5)) && bad++ < 5)  // 16-bit outputs: 2.5 ulps
+        printf("  row %ld col %ld: grad_x %g (want %g)\n", long(r), long(c), to_float(gx[r * h + c]), want);
+      worst = std::max(worst, err);
+    }
+  }
+  for (int64_t c = 0; c < h; ++c) {
+    double s = 0;
+    for (int64_t p = 0; p < num_partials; ++p) s += parts[p * h + c];
+    if (!(std::fabs(s - dw[c]) <= 1e-3 * (1 + std::fabs(dw[c]))) && bad++ < 10)
+      printf("  weight gradient col %ld: %g (want %g)\n", long(c), s, dw[c]);
+  }
+  printf("%s %-5s VEC=%d VPT=%d rows=%ld h=%ld stride=%ld gro=%d gres=%d partials=%ld: worst relative error %.2g, "
+         "%d bad\n", sizeof(T) == 2 ? "16-bit" : "fp32  ",
+         KIND == RowKind::kChunked ? "long" : KIND == RowKind::kWarp ? "warp" : "block", VEC, VPT, long(rows),
+         long(h), long(stride_ro), has_gro, has_gres, long(num_partials), worst, bad);
+  return bad;
+}
+
+int main() {
+  int bad = 0;
+  bad += check<__nv_bfloat16, 8, 2, RowKind::kWarp>(33, 512, 512, true, true, 2);
+  bad += check<__half, 8, 1, RowKind::kWarp>(17, 96, 100, false, true, 1);
+  bad += check<float, 4, 4, RowKind::kWarp>(18, 512, 520, true, false, 2);  // fp32: 1e-5 catches small slips
+  bad += check<__nv_bfloat16, 8, 1, RowKind::kBlock>(5, 4096, 4100, true, true, 2);
+  bad += check<float, 4, 2, RowKind::kBlock>(3, 4096, 4096, false, false, 3);
+  bad += check<__nv_bfloat16, 1, 4, RowKind::kBlock>(3, 2047, 2049, true, false, 2);  // scalar (VEC = 1)
+  bad += check<__nv_bfloat16, 8, 1, RowKind::kChunked>(6, 8192, 8192, true, false, 3);
+  bad += check<float, 4, 1, RowKind::kChunked>(4, 6144, 6150, true, true, 5);         // idle row blocks
+  bad += check<__nv_bfloat16, 1, 1, RowKind::kChunked>(3, 4099, 4101, false, true, 2);
+  printf(bad ? "FAILED\n" : "ALL OK\n");
+  return bad != 0;
+}
