@@ -104,6 +104,7 @@ inline void check_args(int64_t rows, int64_t n, int64_t ld) {
 
 }  // namespace swiglu
 
+#if !defined(SEQPAR_HOST_EMULATION)  // launchers need nvcc; tests/cuda_emulation runs the kernels above with g++
 void swiglu_fwd(uintptr_t gate_up, uintptr_t y, int64_t rows, int64_t n, int64_t ld, int dtype, bool vectorized,
                 uintptr_t stream) {
   using namespace swiglu;
@@ -134,5 +135,7 @@ void swiglu_bwd(uintptr_t grad_y, uintptr_t gate_up, uintptr_t grad_gate_up, int
   });
   check_cuda(cudaGetLastError(), "swiglu_bwd launch");
 }
+
+#endif  // !SEQPAR_HOST_EMULATION
 
 }  // namespace seqpar

@@ -49,6 +49,8 @@ inline float __shfl_xor_sync(unsigned, float v, int offset) {
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
+inline float __expf(float v) { return std::exp(v); }            // the GPU's is an approximation (ex2.approx)
+inline float __fdividef(float a, float b) { return a / b; }     // likewise (div.full)
 
 // Runs `kernel` (a callable running one thread's code) for every thread of every block of `grid`.
 inline void launch(Dim3 grid, Dim3 block, const std::function<void()>& kernel) {
