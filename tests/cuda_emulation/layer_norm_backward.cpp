@@ -90,9 +90,10 @@ int check(int64_t rows, int64_t h, int threshold, bool bias, int64_t num_partial
       if (!(std::fabs(s - want) <= 1e-3 * (1 + std::fabs(want))) && bad++ < 10)
         printf("  column sum %d, col %ld: %g (want %g)\n", q, long(c), s, want);
     }
+  const char* kind = KIND == RowKind::kChunked ? "wide" : KIND == RowKind::kWarp ? "warp" : "block";
   printf("%s %-5s VEC=%-2d VPT=%d rows=%ld h=%ld P=%d bias=%d partials=%ld: worst relative error %.2g, %d bad\n",
-         sizeof(T) == 2 ? "16-bit" : "fp32  ", KIND == RowKind::kChunked ? "wide" : KIND == RowKind::kWarp ? "warp" : "block",
-         VEC, VPT, long(rows), long(h), threshold, bias, long(num_partials), worst, bad);
+         sizeof(T) == 2 ? "16-bit" : "fp32  ", kind, VEC, VPT, long(rows), long(h), threshold, bias,
+         long(num_partials), worst, bad);
   return bad;
 }
 
