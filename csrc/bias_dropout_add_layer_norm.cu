@@ -547,8 +547,6 @@ __global__ void __launch_bounds__(kColumnThreads, columns_min_blocks<T, VEC>())
 }
 
 // ---------------------------------------------------------------------------------------------- launch
-// (not compiled under host emulation: tests/cuda_emulation runs the kernels above, compiled with g++)
-#if !defined(SEQPAR_HOST_EMULATION)
 // vector: the runs are 16-byte vectors (else scalar-access runs of one dropout group: block per row only).
 inline Plan fwd_plan(int64_t h, int vec, bool vector) {
   const int64_t nvec = cdiv(h, vec);
@@ -639,10 +637,9 @@ inline void check_threshold(int threshold) {
                                 std::to_string(threshold));
 }
 inline float drop_scale(int threshold) { return threshold > 0 ? dropout_scale(threshold) : 1.0f; }
-#endif  // !SEQPAR_HOST_EMULATION
-
 }  // namespace bdaln
 
+// The entry points launch with <<<>>>, which needs nvcc: host emulation (tests/cuda_emulation, g++) stops here.
 #if !defined(SEQPAR_HOST_EMULATION)
 
 void bias_dropout_add_layer_norm_fwd(uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t ln_weight,

@@ -122,7 +122,7 @@ constexpr int pow2_ceil(int64_t v) {
 }
 constexpr int elem_size(int dtype) { return dtype == kFloat32 ? 4 : 2; }
 
-#if !defined(SEQPAR_HOST_EMULATION)  // launchers need nvcc; tests/cuda_emulation compiles the kernels with g++
+#if !defined(SEQPAR_HOST_EMULATION)  // <<<>>> needs nvcc; host emulation (tests/cuda_emulation) compiles with g++
 // Launches `count` partial buffers' column sums on `stream` (a template: instantiated only where used).
 template <int kRowsPerBlock = 8>
 void launch_reduce_partials(const PartialSums& sums, int count, int64_t n_partials, int64_t h,

@@ -104,7 +104,8 @@ inline void check_args(int64_t rows, int64_t n, int64_t ld) {
 
 }  // namespace swiglu
 
-#if !defined(SEQPAR_HOST_EMULATION)  // launchers need nvcc; tests/cuda_emulation runs the kernels above with g++
+// The entry points launch with <<<>>>, which needs nvcc: host emulation (tests/cuda_emulation, g++) stops here.
+#if !defined(SEQPAR_HOST_EMULATION)
 void swiglu_fwd(uintptr_t gate_up, uintptr_t y, int64_t rows, int64_t n, int64_t ld, int dtype, bool vectorized,
                 uintptr_t stream) {
   using namespace swiglu;

@@ -1,9 +1,9 @@
-"""The CUDA kernels' logic on CPU (LayerNorm and RMSNorm backward, SwiGLU), beside the gpu-marked tests
-that run them on a device: tests/cuda_emulation/*.cpp include a kernel source from csrc/, compiled by g++
-under host emulation (tests/cuda_emulation/shim.h: a std::thread per CUDA thread, barriers for
-__syncthreads and warp shuffles, the launchers left out), and check every kind of kernel against a float64
-reference of the math. Skipped, with the reason, where no C++20 compiler or no CUDA headers (cuda_bf16.h)
-are found."""
+"""The CUDA kernels' logic on CPU (LayerNorm forward and backward, RMSNorm backward, SwiGLU), beside the
+gpu-marked tests that run them on a device: tests/cuda_emulation/*.cpp include a kernel source from csrc/,
+compiled by g++ under host emulation (tests/cuda_emulation/shim.h: a std::thread per CUDA thread, barriers
+for __syncthreads and warp shuffles, the <<<>>> entry points left out), launch its kernels as its entry
+points do (the same plans) and check every kind of kernel against a float64 reference of the math.
+Skipped, with the reason, where no C++20 compiler or no CUDA headers (cuda_bf16.h) are found."""
 import os
 import shutil
 import subprocess
@@ -24,7 +24,8 @@ def _cuda_include():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("source", ["layer_norm_backward.cpp", "rms_norm_backward.cpp", "swiglu.cpp"])
+@pytest.mark.parametrize("source", ["layer_norm_forward.cpp", "layer_norm_backward.cpp", "rms_norm_backward.cpp",
+                                    "swiglu.cpp"])
 def test_cuda_kernels_under_host_emulation(source, tmp_path):
     cxx = shutil.which(os.environ.get("CXX", "g++"))
     include = _cuda_include()

@@ -1,7 +1,8 @@
 // The CUDA bias-dropout-add + LayerNorm backward kernels (csrc/bias_dropout_add_layer_norm.cu) run under host
-// emulation (shim.h) against a float64 reference of the math: grad_residual, grad_x (the dropout mask drawn
-// per column from mask_words), and the three column sums from the kernels' partial rows. Every kind of
-// kernel: warp per row, block per row, and the row-sum pass + column-chunk blocks of wide rows.
+// emulation (shim.h), launched as bias_dropout_add_layer_norm_bwd launches them (its plan, its kernels),
+// against a float64 reference of the math: grad_residual, grad_x (the dropout mask drawn per column from
+// mask_words), and the three column sums from the kernels' partial rows. Every kind of kernel: warp per row,
+// block per row, and the row-sum pass + column-chunk blocks of wide rows.
 #include "shim.h"
 #include "bias_dropout_add_layer_norm.cu"
 
@@ -11,7 +12,27 @@
 using namespace seqpar;
 using namespace seqpar::bdaln;
 
-template <typename T, int VEC, int VPT, RowKind KIND>
+// Launches as bias_dropout_add_layer_norm_bwd does (its plan, its kernels) and returns the kind it took.
+template <typename T, int VEC>
+const char* launch_backward(const BwdArgs& a, int64_t rows, int64_t h, int64_t num_partials) {
+  if (columns_bwd(h)) {
+    std::vector<float> row_sums(2 * rows, NAN);
+    launch({static_cast<unsigned>(rows), 1, 1}, {kRowSumThreads, 1, 1},
+           [&] { bwd_row_sums_kernel<T, VEC>(a, row_sums.data()); });
+    launch({static_cast<unsigned>(column_chunks(h, VEC)), static_cast<unsigned>(num_partials), 1},
+           {kColumnThreads, 1, 1}, [&] { bwd_columns_kernel<T, VEC>(a, row_sums.data()); });
+    return "wide";
+  }
+  const Plan plan = bwd_plan(h, VEC, kVectorRun<T, VEC>);
+  dispatch_plan<false, T, VEC>(plan, [&](auto vpt, auto kind) {
+    launch({static_cast<unsigned>(num_partials), 1, 1},
+           {static_cast<unsigned>(plan.tpr), static_cast<unsigned>(plan.rpb), 1},
+           [&] { bwd_kernel<T, VEC, decltype(vpt)::value, decltype(kind)::value>(a); });
+  });
+  return plan.kind == RowKind::kWarp ? "warp" : "block";
+}
+
+template <typename T, int VEC>
 int check(int64_t rows, int64_t h, int threshold, bool bias, int64_t num_partials) {
   const uint64_t seed = 0xABCDEF12345ULL;
   const int64_t row_offset = (int64_t(1) << 33) + 77;
@@ -38,18 +59,7 @@ int check(int64_t rows, int64_t h, int threshold, bool bias, int64_t num_partial
                   gres.data(), parts.data(), parts.data() + num_partials * h,
                   bias ? parts.data() + 2 * num_partials * h : nullptr, rows, h, scale,
                   static_cast<uint32_t>(threshold) << 24, seed, row_offset};
-  const int64_t nvec = cdiv(h, VEC);
-  if constexpr (KIND == RowKind::kChunked) {  // here: the wide-row pipeline, row sums then column chunks
-    std::vector<float> row_sums(2 * rows, NAN);
-    launch({static_cast<unsigned>(rows), 1, 1}, {kRowSumThreads, 1, 1},
-           [&] { bwd_row_sums_kernel<T, VEC>(a, row_sums.data()); });
-    launch({static_cast<unsigned>(cdiv(nvec, kColumnThreads)), static_cast<unsigned>(num_partials), 1},
-           {kColumnThreads, 1, 1}, [&] { bwd_columns_kernel<T, VEC>(a, row_sums.data()); });
-  } else {
-    const bool warp = KIND == RowKind::kWarp;
-    const unsigned tpr = warp ? kWarp : round_up_warp(cdiv(nvec, VPT)), rpb = warp ? kBwdWarpRows : 1;
-    launch({static_cast<unsigned>(num_partials), 1, 1}, {tpr, rpb, 1}, [&] { bwd_kernel<T, VEC, VPT, KIND>(a); });
-  }
+  const char* kind = launch_backward<T, VEC>(a, rows, h, num_partials);
   int bad = 0;
   double worst = 0;
   std::vector<double> dw(h, 0), db(h, 0), dbias(h, 0);
@@ -90,26 +100,25 @@ int check(int64_t rows, int64_t h, int threshold, bool bias, int64_t num_partial
       if (!(std::fabs(s - want) <= 1e-3 * (1 + std::fabs(want))) && bad++ < 10)
         printf("  column sum %d, col %ld: %g (want %g)\n", q, long(c), s, want);
     }
-  const char* kind = KIND == RowKind::kChunked ? "wide" : KIND == RowKind::kWarp ? "warp" : "block";
-  printf("%s %-5s VEC=%-2d VPT=%d rows=%ld h=%ld P=%d bias=%d partials=%ld: worst relative error %.2g, %d bad\n",
-         sizeof(T) == 2 ? "16-bit" : "fp32  ", kind, VEC, VPT, long(rows), long(h), threshold, bias,
-         long(num_partials), worst, bad);
+  printf("%s %-5s VEC=%-2d rows=%ld h=%ld P=%d bias=%d partials=%ld: worst relative error %.2g, %d bad\n",
+         sizeof(T) == 2 ? "16-bit" : "fp32  ", kind, VEC, long(rows), long(h), threshold, bias, long(num_partials),
+         worst, bad);
   return bad;
 }
 
 int main() {
   int bad = 0;
-  bad += check<__nv_bfloat16, 8, 2, RowKind::kWarp>(37, 512, 26, true, 2);     // 16 rows per block, a ragged block
-  bad += check<__nv_bfloat16, 8, 1, RowKind::kWarp>(20, 200, 0, false, 1);     // lanes past the row
-  bad += check<float, 4, 2, RowKind::kWarp>(19, 256, 26, true, 2);            // fp32: 1e-5 catches small slips
-  bad += check<__nv_bfloat16, 8, 1, RowKind::kBlock>(5, 4096, 26, true, 2);    // 512 threads, rows per block > 1
-  bad += check<__half, 8, 1, RowKind::kBlock>(3, 1000, 128, false, 3);
-  bad += check<float, 4, 2, RowKind::kBlock>(3, 4096, 128, true, 2);           // 2 runs per thread
-  bad += check<__half, 16, 1, RowKind::kBlock>(4, 4095, 26, true, 3);          // scalar runs, odd h
-  bad += check<__nv_bfloat16, 8, 1, RowKind::kChunked>(6, 12288, 26, true, 4);
-  bad += check<__nv_bfloat16, 8, 1, RowKind::kChunked>(3, 4104, 200, true, 5); // a ragged chunk; idle row blocks
-  bad += check<float, 4, 1, RowKind::kChunked>(4, 5120, 26, false, 2);
-  bad += check<__nv_bfloat16, 16, 1, RowKind::kChunked>(3, 6145, 26, true, 2); // scalar runs
+  bad += check<__nv_bfloat16, 8>(37, 512, 26, true, 2);    // warp per row (2 runs a lane), a ragged 16-row block
+  bad += check<__nv_bfloat16, 8>(20, 200, 0, false, 1);    // warp per row, lanes past the row
+  bad += check<float, 4>(19, 256, 26, true, 2);            // fp32 (1e-5 catches small slips)
+  bad += check<__nv_bfloat16, 8>(5, 4096, 26, true, 2);    // block per row, 512 threads, several rows a block
+  bad += check<__half, 8>(3, 1000, 128, false, 3);
+  bad += check<float, 4>(3, 4096, 128, true, 2);           // 2 runs per thread
+  bad += check<__half, 16>(4, 4095, 26, true, 3);          // scalar runs, odd h
+  bad += check<__nv_bfloat16, 8>(6, 12288, 26, true, 4);   // wide: row sums + column chunks
+  bad += check<__nv_bfloat16, 8>(3, 4104, 200, true, 5);   // a ragged chunk; idle row blocks
+  bad += check<float, 4>(4, 5120, 26, false, 2);
+  bad += check<__nv_bfloat16, 16>(3, 6145, 26, true, 2);   // scalar runs
   printf(bad ? "FAILED\n" : "ALL OK\n");
   return bad != 0;
 }

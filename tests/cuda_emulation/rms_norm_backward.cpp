@@ -1,7 +1,8 @@
-// The CUDA residual add + RMSNorm backward kernels (csrc/rms_norm.cu) run under host emulation (shim.h) against
-// a float64 reference of the math: grad_x (and its copy grad_residual), with and without grad_residual_out,
-// strided residual_out rows, and the weight gradient from the kernels' partial rows. Every kind of kernel:
-// warp per row, block per row, and the row-sum pass + column-chunk blocks of long rows.
+// The CUDA residual add + RMSNorm backward kernels (csrc/rms_norm.cu) run under host emulation (shim.h),
+// launched as add_rms_norm_bwd launches them (its plan, its kernels), against a float64 reference of the
+// math: grad_x (and its copy grad_residual), with and without grad_residual_out, strided residual_out rows,
+// and the weight gradient from the kernels' partial rows. Every kind of kernel: warp per row, block per row,
+// and the row-sum pass + column-chunk blocks of long rows.
 #include "shim.h"
 #include "rms_norm.cu"
 
@@ -11,7 +12,27 @@
 using namespace seqpar;
 using namespace seqpar::rmsnorm;
 
-template <typename T, int VEC, int VPT, RowKind KIND>
+// Launches as add_rms_norm_bwd does (its plan, its kernels) and returns the kind it took.
+template <typename T, int VEC>
+const char* launch_backward(const BwdArgs& a, int64_t rows, int64_t h, int64_t num_partials) {
+  const Plan plan = bwd_plan(h, VEC);
+  if (plan.kind == RowKind::kChunked) {
+    std::vector<float> row_sums(rows, NAN);
+    launch({static_cast<unsigned>(rows), 1, 1}, {kRowSumThreads, 1, 1},
+           [&] { bwd_row_sums_kernel<T, VEC>(a, row_sums.data()); });
+    launch({static_cast<unsigned>(column_chunks(h, VEC)), static_cast<unsigned>(num_partials), 1},
+           {kColumnThreads, 1, 1}, [&] { bwd_columns_kernel<T, VEC>(a, row_sums.data()); });
+    return "long";
+  }
+  dispatch_plan<false, VEC>(plan, [&](auto vpt, auto kind) {
+    launch({static_cast<unsigned>(num_partials), 1, 1},
+           {static_cast<unsigned>(plan.tpr), static_cast<unsigned>(plan.rpb), 1},
+           [&] { bwd_kernel<T, VEC, decltype(vpt)::value, decltype(kind)::value>(a); });
+  });
+  return plan.kind == RowKind::kWarp ? "warp" : "block";
+}
+
+template <typename T, int VEC>
 int check(int64_t rows, int64_t h, int64_t stride_ro, bool has_gro, bool has_gres, int64_t num_partials) {
   std::mt19937 gen(static_cast<unsigned>(11 + h + rows));
   std::normal_distribution<float> normal;
@@ -29,18 +50,7 @@ int check(int64_t rows, int64_t h, int64_t stride_ro, bool has_gro, bool has_gre
   std::vector<float> parts(num_partials * h, NAN);
   const BwdArgs a{gy.data(), has_gro ? gro.data() : nullptr, ro.data(), w.data(), rstd.data(), gx.data(),
                   has_gres ? gres.data() : nullptr, parts.data(), kFloat32, rows, h, stride_ro};
-  const int64_t nvec = h / VEC;
-  if constexpr (KIND == RowKind::kChunked) {  // here: the long-row pipeline, row sums then column chunks
-    std::vector<float> row_sums(rows, NAN);
-    launch({static_cast<unsigned>(rows), 1, 1}, {kRowSumThreads, 1, 1},
-           [&] { bwd_row_sums_kernel<T, VEC>(a, row_sums.data()); });
-    launch({static_cast<unsigned>(cdiv(nvec, kColumnThreads)), static_cast<unsigned>(num_partials), 1},
-           {kColumnThreads, 1, 1}, [&] { bwd_columns_kernel<T, VEC>(a, row_sums.data()); });
-  } else {
-    const bool warp = KIND == RowKind::kWarp;
-    const unsigned tpr = warp ? kWarp : round_up_warp(cdiv(nvec, VPT)), rpb = warp ? kBwdWarpRows : 1;
-    launch({static_cast<unsigned>(num_partials), 1, 1}, {tpr, rpb, 1}, [&] { bwd_kernel<T, VEC, VPT, KIND>(a); });
-  }
+  const char* kind = launch_backward<T, VEC>(a, rows, h, num_partials);
   int bad = 0;
   double worst = 0;
   std::vector<double> dw(h, 0);
@@ -65,24 +75,23 @@ int check(int64_t rows, int64_t h, int64_t stride_ro, bool has_gro, bool has_gre
     if (!(std::fabs(s - dw[c]) <= 1e-3 * (1 + std::fabs(dw[c]))) && bad++ < 10)
       printf("  weight gradient col %ld: %g (want %g)\n", long(c), s, dw[c]);
   }
-  printf("%s %-5s VEC=%d VPT=%d rows=%ld h=%ld stride=%ld gro=%d gres=%d partials=%ld: worst relative error %.2g, "
-         "%d bad\n", sizeof(T) == 2 ? "16-bit" : "fp32  ",
-         KIND == RowKind::kChunked ? "long" : KIND == RowKind::kWarp ? "warp" : "block", VEC, VPT, long(rows),
-         long(h), long(stride_ro), has_gro, has_gres, long(num_partials), worst, bad);
+  printf("%s %-5s VEC=%d rows=%ld h=%ld stride=%ld gro=%d gres=%d partials=%ld: worst relative error %.2g, "
+         "%d bad\n", sizeof(T) == 2 ? "16-bit" : "fp32  ", kind, VEC, long(rows), long(h), long(stride_ro), has_gro,
+         has_gres, long(num_partials), worst, bad);
   return bad;
 }
 
 int main() {
   int bad = 0;
-  bad += check<__nv_bfloat16, 8, 2, RowKind::kWarp>(33, 512, 512, true, true, 2);
-  bad += check<__half, 8, 1, RowKind::kWarp>(17, 96, 100, false, true, 1);
-  bad += check<float, 4, 4, RowKind::kWarp>(18, 512, 520, true, false, 2);  // fp32: 1e-5 catches small slips
-  bad += check<__nv_bfloat16, 8, 1, RowKind::kBlock>(5, 4096, 4100, true, true, 2);
-  bad += check<float, 4, 2, RowKind::kBlock>(3, 4096, 4096, false, false, 3);
-  bad += check<__nv_bfloat16, 1, 4, RowKind::kBlock>(3, 2047, 2049, true, false, 2);  // scalar (VEC = 1)
-  bad += check<__nv_bfloat16, 8, 1, RowKind::kChunked>(6, 8192, 8192, true, false, 3);
-  bad += check<float, 4, 1, RowKind::kChunked>(4, 6144, 6150, true, true, 5);         // idle row blocks
-  bad += check<__nv_bfloat16, 1, 1, RowKind::kChunked>(3, 4099, 4101, false, true, 2);
+  bad += check<__nv_bfloat16, 8>(33, 512, 512, true, true, 2);      // warp per row
+  bad += check<__half, 8>(17, 96, 100, false, true, 1);
+  bad += check<float, 4>(18, 512, 520, true, false, 2);             // fp32 (1e-5 catches small slips)
+  bad += check<__nv_bfloat16, 8>(5, 4096, 4100, true, true, 2);     // block per row
+  bad += check<float, 4>(3, 4096, 4096, false, false, 3);
+  bad += check<__nv_bfloat16, 1>(3, 2047, 2049, true, false, 2);    // scalar (VEC = 1)
+  bad += check<__nv_bfloat16, 8>(6, 8192, 8192, true, false, 3);    // long: row sums + column chunks
+  bad += check<float, 4>(4, 6144, 6150, true, true, 5);             // idle row blocks
+  bad += check<__nv_bfloat16, 1>(3, 4099, 4101, false, true, 2);
   printf(bad ? "FAILED\n" : "ALL OK\n");
   return bad != 0;
 }
