@@ -75,8 +75,23 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const RopeArgs a) {
   }
 }
 
+// Launch geometry: threadIdx.x over the half-head's vectors, threadIdx.y over heads (kRowsPerThread heads per
+// thread), blockIdx.y over groups of ty * kRowsPerThread heads.
+struct RopeGrid {
+  int tx, ty;
+  int64_t groups;
+};
+
+inline RopeGrid rope_grid(int64_t half, int vec, int64_t rows) {
+  const int tx = static_cast<int>(std::min<int64_t>(pow2_ceil(half / vec), kWarp));
+  const int ty = static_cast<int>(std::min<int64_t>(kThreads / tx, pow2_ceil(cdiv(rows, kRowsPerThread))));
+  return {tx, ty, cdiv(rows, static_cast<int64_t>(ty) * kRowsPerThread)};
+}
+
 }  // namespace rotary
 
+// The entry point launches with <<<>>>, which needs nvcc: host emulation (tests/cuda_emulation, g++) stops here.
+#if !defined(SEQPAR_HOST_EMULATION)
 // x [s, b, heads, d] -> out (may be x): element strides (s, b, head) of each, unit stride along d assumed.
 // inverse: rotate by -angle (the backward). vectorized: 16-byte accesses (the caller checked alignment).
 void rotary_embedding(uintptr_t x, uintptr_t out, uintptr_t inv_freq, int64_t s, int64_t b, int64_t heads, int64_t d,
@@ -93,18 +108,17 @@ void rotary_embedding(uintptr_t x, uintptr_t out, uintptr_t inv_freq, int64_t s,
   dispatch_type_vec(dtype, vectorized, [&](auto tag, auto vec) {
     using T = decltype(tag);
     constexpr int kVec = decltype(vec)::value;
-    // threadIdx.x over the half-head's vectors, threadIdx.y over heads (kRowsPerThread heads per thread).
-    const int tx = static_cast<int>(std::min<int64_t>(pow2_ceil(half / kVec), kWarp));
-    const int ty = static_cast<int>(std::min<int64_t>(kThreads / tx, pow2_ceil(cdiv(rows, kRowsPerThread))));
-    const int64_t groups = cdiv(rows, static_cast<int64_t>(ty) * kRowsPerThread);
-    if (groups >= 65536) throw std::invalid_argument("rotary_embedding: b * heads is too large");
+    const RopeGrid g = rope_grid(half, kVec, rows);
+    if (g.groups >= 65536) throw std::invalid_argument("rotary_embedding: b * heads is too large");
     const RopeArgs a{reinterpret_cast<const void*>(x), reinterpret_cast<void*>(out),
                      reinterpret_cast<const float*>(inv_freq), b, heads, half, position_offset, in_s, in_b, in_h,
                      out_s, out_b, out_h, inverse ? -1.0f : 1.0f};
-    const dim3 grid(static_cast<unsigned>(s), static_cast<unsigned>(groups)), block(tx, ty);
+    const dim3 grid(static_cast<unsigned>(s), static_cast<unsigned>(g.groups)), block(g.tx, g.ty);
     rope_kernel<T, kVec><<<grid, block, 0, reinterpret_cast<cudaStream_t>(stream)>>>(a);
   });
   check_cuda(cudaGetLastError(), "rotary_embedding launch");
 }
+
+#endif  // !SEQPAR_HOST_EMULATION
 
 }  // namespace seqpar

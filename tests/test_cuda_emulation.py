@@ -1,4 +1,4 @@
-"""The CUDA kernels' logic on CPU (LayerNorm forward and backward, RMSNorm backward, SwiGLU), beside the
+"""The CUDA kernels' logic on CPU (LayerNorm and RMSNorm forward and backward, SwiGLU, RoPE), beside the
 gpu-marked tests that run them on a device: tests/cuda_emulation/*.cpp include a kernel source from csrc/,
 compiled by g++ under host emulation (tests/cuda_emulation/shim.h: a std::thread per CUDA thread, barriers
 for __syncthreads and warp shuffles, the <<<>>> entry points left out), launch its kernels as its entry
@@ -24,8 +24,8 @@ def _cuda_include():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("source", ["layer_norm_forward.cpp", "layer_norm_backward.cpp", "rms_norm_backward.cpp",
-                                    "swiglu.cpp"])
+@pytest.mark.parametrize("source", ["layer_norm_forward.cpp", "layer_norm_backward.cpp", "rms_norm_forward.cpp",
+                                    "rms_norm_backward.cpp", "swiglu.cpp", "rotary.cpp"])
 def test_cuda_kernels_under_host_emulation(source, tmp_path):
     cxx = shutil.which(os.environ.get("CXX", "g++"))
     include = _cuda_include()
