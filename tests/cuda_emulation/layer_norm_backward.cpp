@@ -4,6 +4,7 @@
 // mask_words), and the three column sums from the kernels' partial rows. Every kind of kernel: warp per row,
 // block per row, and the row-sum pass + column-chunk blocks of wide rows.
 #include "shim.h"
+#include "check.h"
 #include "bias_dropout_add_layer_norm.cu"
 
 #include <cstdio>
@@ -60,8 +61,7 @@ int check(int64_t rows, int64_t h, int threshold, bool bias, int64_t num_partial
                   bias ? parts.data() + 2 * num_partials * h : nullptr, rows, h, scale,
                   static_cast<uint32_t>(threshold) << 24, seed, row_offset};
   const char* kind = launch_backward<T, VEC>(a, rows, h, num_partials);
-  int bad = 0;
-  double worst = 0;
+  Tally tally;
   std::vector<double> dw(h, 0), db(h, 0), dbias(h, 0);
   for (int64_t r = 0; r < rows; ++r) {
     double sum_g = 0, sum_gx = 0;
@@ -84,12 +84,10 @@ int check(int64_t rows, int64_t h, int threshold, bool bias, int64_t num_partial
       dw[c] += dy * x_hat;
       db[c] += dy;
       dbias[c] += dx;
-      const double err = std::max(std::fabs(to_float(gres[r * h + c]) - dres) / (1 + std::fabs(dres)),
-                                  std::fabs(to_float(gx[r * h + c]) - dx) / (1 + std::fabs(dx)));
-      if (!(err < (sizeof(T) == 2 ? 1e-2 : 1e-5)) && bad++ < 5)  // 16-bit outputs: 2.5 ulps
+      const bool res_off = tally.off(to_float(gres[r * h + c]), dres, output_tolerance<T>());
+      if (tally.off(to_float(gx[r * h + c]), dx, output_tolerance<T>()) || res_off)
         printf("  row %ld col %ld: grad_residual %g (want %g), grad_x %g (want %g)\n", long(r), long(c),
                to_float(gres[r * h + c]), dres, to_float(gx[r * h + c]), dx);
-      worst = std::max(worst, err);
     }
   }
   for (int q = 0; q < count; ++q)
@@ -97,13 +95,13 @@ int check(int64_t rows, int64_t h, int threshold, bool bias, int64_t num_partial
       double s = 0;
       for (int64_t p = 0; p < num_partials; ++p) s += parts[(q * num_partials + p) * h + c];
       const double want = q == 0 ? dw[c] : q == 1 ? db[c] : dbias[c];
-      if (!(std::fabs(s - want) <= 1e-3 * (1 + std::fabs(want))) && bad++ < 10)
+      if (tally.off(s, want, 1e-3))  // fp32 sums of differently ordered terms
         printf("  column sum %d, col %ld: %g (want %g)\n", q, long(c), s, want);
     }
   printf("%s %-5s VEC=%-2d rows=%ld h=%ld P=%d bias=%d partials=%ld: worst relative error %.2g, %d bad\n",
          sizeof(T) == 2 ? "16-bit" : "fp32  ", kind, VEC, long(rows), long(h), threshold, bias, long(num_partials),
-         worst, bad);
-  return bad;
+         tally.worst, tally.bad);
+  return tally.bad;
 }
 
 int main() {

@@ -4,6 +4,7 @@
 // y against float64. Every kind of kernel: warp per row, block per row, column-chunked rows (h > 16384), with
 // 16-byte and scalar runs, strided input rows, dropout on and off.
 #include "shim.h"
+#include "check.h"
 #include "bias_dropout_add_layer_norm.cu"
 
 #include <cstdio>
@@ -42,9 +43,7 @@ int check(int64_t rows, int64_t h, int64_t stride, int threshold, bool bias) {
                   mean.data(), rstd.data(), kFloat32, rows, h, stride, stride, 1e-5f, scale,
                   static_cast<uint32_t>(threshold) << 24, seed, row_offset};
   const char* kind = launch_forward<T, VEC>(a, rows, h);
-  const double tol = sizeof(T) == 2 ? 1e-2 : 1e-5;  // 16-bit outputs: 2.5 ulps
-  int bad = 0;
-  double worst = 0;
+  Tally tally;
   for (int64_t r = 0; r < rows; ++r) {
     std::vector<T> want_ro(h);
     double s = 0;
@@ -57,7 +56,7 @@ int check(int64_t rows, int64_t h, int64_t stride, int threshold, bool bias) {
       }
       want_ro[c] = from_float<T>(to_float(res[r * stride + c]) + v);
       s += to_float(want_ro[c]);
-      if (std::memcmp(&want_ro[c], &ro[r * h + c], sizeof(T)) != 0 && bad++ < 5)
+      if (std::memcmp(&want_ro[c], &ro[r * h + c], sizeof(T)) != 0 && tally.count())
         printf("  row %ld col %ld: residual_out %g (want %g, bitwise)\n", long(r), long(c), to_float(ro[r * h + c]),
                to_float(want_ro[c]));
     }
@@ -65,21 +64,19 @@ int check(int64_t rows, int64_t h, int64_t stride, int threshold, bool bias) {
     double ss = 0;
     for (int64_t c = 0; c < h; ++c) ss += (to_float(want_ro[c]) - m) * (to_float(want_ro[c]) - m);
     const double inv = 1.0 / std::sqrt(ss / h + 1e-5);
-    const double stat_err = std::max(std::fabs(mean[r] - m) / (1 + std::fabs(m)), std::fabs(rstd[r] - inv) / inv);
-    if (!(stat_err < 1e-5) && bad++ < 5)
+    const bool mean_off = tally.off(mean[r], m, 1e-5), rstd_off = tally.off(rstd[r] / inv, 1.0, 1e-5);
+    if (mean_off || rstd_off)
       printf("  row %ld: mean %g rstd %g (want %g %g)\n", long(r), mean[r], rstd[r], m, inv);
     for (int64_t c = 0; c < h; ++c) {
       const double want = (to_float(want_ro[c]) - m) * inv * w[c] + b[c];
-      const double err = std::fabs(to_float(y[r * h + c]) - want) / (1 + std::fabs(want));
-      if (!(err < tol) && bad++ < 5)
+      if (tally.off(to_float(y[r * h + c]), want, output_tolerance<T>()))
         printf("  row %ld col %ld: y %g (want %g)\n", long(r), long(c), to_float(y[r * h + c]), want);
-      worst = std::max(worst, err);
     }
   }
-  printf("%s %-5s VEC=%-2d rows=%ld h=%ld stride=%ld P=%d bias=%d: worst relative error of y %.2g, %d bad\n",
-         sizeof(T) == 2 ? "16-bit" : "fp32  ", kind, VEC, long(rows), long(h), long(stride), threshold, bias, worst,
-         bad);
-  return bad;
+  printf("%s %-5s VEC=%-2d rows=%ld h=%ld stride=%ld P=%d bias=%d: worst relative error %.2g, %d bad\n",
+         sizeof(T) == 2 ? "16-bit" : "fp32  ", kind, VEC, long(rows), long(h), long(stride), threshold, bias,
+         tally.worst, tally.bad);
+  return tally.bad;
 }
 
 int main() {

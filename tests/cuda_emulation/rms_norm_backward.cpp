@@ -4,6 +4,7 @@
 // and the weight gradient from the kernels' partial rows. Every kind of kernel: warp per row, block per row,
 // and the row-sum pass + column-chunk blocks of long rows.
 #include "shim.h"
+#include "check.h"
 #include "rms_norm.cu"
 
 #include <cstdio>
@@ -51,8 +52,7 @@ int check(int64_t rows, int64_t h, int64_t stride_ro, bool has_gro, bool has_gre
   const BwdArgs a{gy.data(), has_gro ? gro.data() : nullptr, ro.data(), w.data(), rstd.data(), gx.data(),
                   has_gres ? gres.data() : nullptr, parts.data(), kFloat32, rows, h, stride_ro};
   const char* kind = launch_backward<T, VEC>(a, rows, h, num_partials);
-  int bad = 0;
-  double worst = 0;
+  Tally tally;
   std::vector<double> dw(h, 0);
   for (int64_t r = 0; r < rows; ++r) {
     double dot = 0;
@@ -62,23 +62,22 @@ int check(int64_t rows, int64_t h, int64_t stride_ro, bool has_gro, bool has_gre
       const double n = double(to_float(ro[r * stride_ro + c])) * rstd[r], dy = to_float(gy[r * h + c]);
       const double want = rstd[r] * (dy * w[c] - n * dot / h) + (has_gro ? to_float(gro[r * h + c]) : 0.0);
       dw[c] += dy * n;
-      double err = std::fabs(to_float(gx[r * h + c]) - want) / (1 + std::fabs(want));
-      if (has_gres) err = std::max(err, std::fabs(to_float(gres[r * h + c]) - want) / (1 + std::fabs(want)));
-      if (!(err < (sizeof(T) == 2 ? 1e-2 : 1e-5)) && bad++ < 5)  // 16-bit outputs: 2.5 ulps
-        printf("  row %ld col %ld: grad_x %g (want %g)\n", long(r), long(c), to_float(gx[r * h + c]), want);
-      worst = std::max(worst, err);
+      const bool res_off = has_gres && tally.off(to_float(gres[r * h + c]), want, output_tolerance<T>());
+      if (tally.off(to_float(gx[r * h + c]), want, output_tolerance<T>()) || res_off)
+        printf("  row %ld col %ld: grad_x %g grad_residual %g (want %g)\n", long(r), long(c), to_float(gx[r * h + c]),
+               has_gres ? to_float(gres[r * h + c]) : NAN, want);
     }
   }
   for (int64_t c = 0; c < h; ++c) {
     double s = 0;
     for (int64_t p = 0; p < num_partials; ++p) s += parts[p * h + c];
-    if (!(std::fabs(s - dw[c]) <= 1e-3 * (1 + std::fabs(dw[c]))) && bad++ < 10)
+    if (tally.off(s, dw[c], 1e-3))  // fp32 sums of differently ordered terms
       printf("  weight gradient col %ld: %g (want %g)\n", long(c), s, dw[c]);
   }
   printf("%s %-5s VEC=%d rows=%ld h=%ld stride=%ld gro=%d gres=%d partials=%ld: worst relative error %.2g, "
          "%d bad\n", sizeof(T) == 2 ? "16-bit" : "fp32  ", kind, VEC, long(rows), long(h), long(stride_ro), has_gro,
-         has_gres, long(num_partials), worst, bad);
-  return bad;
+         has_gres, long(num_partials), tally.worst, tally.bad);
+  return tally.bad;
 }
 
 int main() {

@@ -4,6 +4,7 @@
 // float64. Every kind of kernel: warp per row, block per row, chunked rows, with and without a residual,
 // 16-byte and scalar (VEC = 1) accesses, strided input rows.
 #include "shim.h"
+#include "check.h"
 #include "rms_norm.cu"
 
 #include <cstdio>
@@ -37,9 +38,7 @@ int check(int64_t rows, int64_t h, int64_t stride, bool has_res) {
   const FwdArgs a{x.data(), has_res ? res.data() : nullptr, w.data(), y.data(), has_res ? ro.data() : nullptr,
                   rstd.data(), kFloat32, rows, h, stride, stride, 1e-6f};
   const char* kind = launch_forward<T, VEC>(a, rows, h);
-  const double tol = sizeof(T) == 2 ? 1e-2 : 1e-5;  // 16-bit outputs: 2.5 ulps
-  int bad = 0;
-  double worst = 0;
+  Tally tally;
   for (int64_t r = 0; r < rows; ++r) {
     std::vector<T> want_ro(h);
     double ss = 0;
@@ -47,25 +46,24 @@ int check(int64_t rows, int64_t h, int64_t stride, bool has_res) {
       want_ro[c] = has_res ? from_float<T>(to_float(x[r * stride + c]) + to_float(res[r * stride + c]))
                            : x[r * stride + c];
       ss += double(to_float(want_ro[c])) * to_float(want_ro[c]);
-      if (has_res && std::memcmp(&want_ro[c], &ro[r * h + c], sizeof(T)) != 0 && bad++ < 5)
+      if (has_res && std::memcmp(&want_ro[c], &ro[r * h + c], sizeof(T)) != 0 && tally.count())
         printf("  row %ld col %ld: residual_out %g (want %g, bitwise)\n", long(r), long(c), to_float(ro[r * h + c]),
                to_float(want_ro[c]));
     }
     const double inv = 1.0 / std::sqrt(ss / h + 1e-6);
-    if (!(std::fabs(rstd[r] - inv) / inv < 1e-5) && bad++ < 5)
+    if (tally.off(rstd[r] / inv, 1.0, 1e-5))
       printf("  row %ld: rstd %g (want %g)\n", long(r), rstd[r], inv);
     for (int64_t c = 0; c < h; ++c) {
       const double n = to_float(from_float<T>(static_cast<float>(to_float(want_ro[c]) * inv)));  // HF: round first
       const double want = n * w[c];
-      const double err = std::fabs(to_float(y[r * h + c]) - want) / (1 + std::fabs(want));
-      if (!(err < tol) && bad++ < 5)
+      if (tally.off(to_float(y[r * h + c]), want, output_tolerance<T>()))
         printf("  row %ld col %ld: y %g (want %g)\n", long(r), long(c), to_float(y[r * h + c]), want);
-      worst = std::max(worst, err);
     }
   }
-  printf("%s %-5s VEC=%d rows=%ld h=%ld stride=%ld residual=%d: worst relative error of y %.2g, %d bad\n",
-         sizeof(T) == 2 ? "16-bit" : "fp32  ", kind, VEC, long(rows), long(h), long(stride), has_res, worst, bad);
-  return bad;
+  printf("%s %-5s VEC=%d rows=%ld h=%ld stride=%ld residual=%d: worst relative error %.2g, %d bad\n",
+         sizeof(T) == 2 ? "16-bit" : "fp32  ", kind, VEC, long(rows), long(h), long(stride), has_res, tally.worst,
+         tally.bad);
+  return tally.bad;
 }
 
 int main() {

@@ -2,6 +2,7 @@
 // launch geometry (rope_grid): forward and inverse rotation of a strided [s, b, H, d] view against float64
 // ("rotate half"), in place and out of place, 16-byte and scalar accesses, more heads than one block's group.
 #include "shim.h"
+#include "check.h"
 #include "rotary.cu"
 
 #include <cstdio>
@@ -32,9 +33,7 @@ int check(int64_t s, int64_t b, int64_t heads, int64_t d, int64_t pad, bool inve
   const RopeGrid g = rope_grid(half, VEC, b * heads);
   launch({static_cast<unsigned>(s), static_cast<unsigned>(g.groups), 1},
          {static_cast<unsigned>(g.tx), static_cast<unsigned>(g.ty), 1}, [&] { rope_kernel<T, VEC>(a); });
-  const double tol = sizeof(T) == 2 ? 1e-2 : 1e-5;  // 16-bit outputs: 2.5 ulps
-  int bad = 0;
-  double worst = 0;
+  Tally tally;
   for (int64_t i = 0; i < s; ++i)
     for (int64_t bi = 0; bi < b; ++bi)
       for (int64_t hi = 0; hi < heads; ++hi)
@@ -45,22 +44,20 @@ int check(int64_t s, int64_t b, int64_t heads, int64_t d, int64_t pad, bool inve
           const double x1 = to_float(original[src]), x2 = to_float(original[src + half]);
           const double want[2] = {x1 * cs - x2 * sn, x2 * cs + x1 * sn};
           const double got[2] = {to_float(out[dst]), to_float(out[dst + half])};
-          for (int k = 0; k < 2; ++k) {
-            const double err = std::fabs(got[k] - want[k]) / (1 + std::fabs(want[k]));
-            if (!(err < tol) && bad++ < 5)
+          for (int k = 0; k < 2; ++k)
+            if (tally.off(got[k], want[k], output_tolerance<T>()))
               printf("  s %ld b %ld head %ld col %ld: %g (want %g)\n", long(i), long(bi), long(hi),
                      long(j + k * half), got[k], want[k]);
-            worst = std::max(worst, err);
-          }
         }
   if (in_place)  // the padding between heads is untouched
     for (int64_t e = 0; e < s * in_s; ++e)
-      if (e % in_h >= d && std::memcmp(&x[e], &original[e], sizeof(T)) != 0 && bad++ < 5)
+      if (e % in_h >= d && std::memcmp(&x[e], &original[e], sizeof(T)) != 0 && tally.count())
         printf("  padding element %ld written\n", long(e));
   printf("%s VEC=%d s=%ld b=%ld heads=%ld d=%ld pad=%ld inverse=%d in_place=%d (grid %ld x %ld, block %d x %d): "
          "worst relative error %.2g, %d bad\n", sizeof(T) == 2 ? "16-bit" : "fp32  ", VEC, long(s), long(b),
-         long(heads), long(d), long(pad), inverse, in_place, long(s), long(g.groups), g.tx, g.ty, worst, bad);
-  return bad;
+         long(heads), long(d), long(pad), inverse, in_place, long(s), long(g.groups), g.tx, g.ty, tally.worst,
+         tally.bad);
+  return tally.bad;
 }
 
 int main() {

@@ -3,6 +3,7 @@
 // vectors (the grid-stride loop's row / column stepping: every element written exactly once, outputs
 // start as NaN). The fast exponential and division are exact here; the gpu tests bound their error.
 #include "shim.h"
+#include "check.h"
 #include "swiglu.cu"
 
 #include <cstdio>
@@ -22,26 +23,21 @@ int check(int64_t rows, int64_t n, int64_t ld, unsigned blocks) {
   launch({blocks, 1, 1}, {kThreads, 1, 1}, [&] { fwd_kernel<T, VEC>(gate_up.data(), y.data(), rows, n, ld); });
   launch({blocks, 1, 1}, {kThreads, 1, 1},
          [&] { bwd_kernel<T, VEC>(grad_y.data(), gate_up.data(), grad.data(), rows, n, ld); });
-  const double tol = sizeof(T) == 2 ? 1e-2 : 1e-5;  // 16-bit outputs: 2.5 ulps
-  int bad = 0;
-  double worst = 0;
+  Tally tally;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < n; ++c) {
       const double g = to_float(gate_up[r * ld + c]), u = to_float(gate_up[r * ld + n + c]);
       const double dy = to_float(grad_y[r * n + c]), sig = 1.0 / (1.0 + std::exp(-g));
       const double want[3] = {g * sig * u, dy * u * sig * (1.0 + g * (1.0 - sig)), dy * g * sig};
       const double got[3] = {to_float(y[r * n + c]), to_float(grad[r * 2 * n + c]), to_float(grad[r * 2 * n + n + c])};
-      for (int k = 0; k < 3; ++k) {
-        const double err = std::fabs(got[k] - want[k]) / (1 + std::fabs(want[k]));
-        if (!(err < tol) && bad++ < 5)
+      for (int k = 0; k < 3; ++k)
+        if (tally.off(got[k], want[k], output_tolerance<T>()))
           printf("  row %ld col %ld %s: %g (want %g)\n", long(r), long(c), k == 0 ? "y" : k == 1 ? "dgate" : "dup",
                  got[k], want[k]);
-        worst = std::max(worst, err);
-      }
     }
   printf("%s VEC=%d rows=%ld n=%ld ld=%ld blocks=%u: worst relative error %.2g, %d bad\n",
-         sizeof(T) == 2 ? "16-bit" : "fp32  ", VEC, long(rows), long(n), long(ld), blocks, worst, bad);
-  return bad;
+         sizeof(T) == 2 ? "16-bit" : "fp32  ", VEC, long(rows), long(n), long(ld), blocks, tally.worst, tally.bad);
+  return tally.bad;
 }
 
 int main() {
