@@ -41,6 +41,16 @@ __global__ void __launch_bounds__(256) dropout_rows_kernel(const T* __restrict__
   }
 }
 
+// The block: TX threads share a row (its 16-column groups rounded up to a warp, at most 256), TY = 256 / TX
+// rows share the block.
+inline dim3 dropout_block(int64_t cols) {
+  const int64_t groups = (cols + kMaskGroup - 1) / kMaskGroup;
+  const int tx = static_cast<int>(std::min<int64_t>(256, (groups + 31) / 32 * 32));
+  return dim3(tx, 256 / tx);
+}
+
+// The entry point launches with <<<>>>, which needs nvcc: host emulation (tests/cuda_emulation, g++) stops here.
+#if !defined(SEQPAR_HOST_EMULATION)
 // threshold: the byte threshold P = round(p * 256) in [1, 256) (seqpar.random.dropout_threshold).
 void dropout_rows(uintptr_t x, uintptr_t y, int64_t rows, int64_t cols, int dtype, uint64_t seed,
                   int64_t row_offset, int threshold, uintptr_t stream) {
@@ -52,18 +62,19 @@ void dropout_rows(uintptr_t x, uintptr_t y, int64_t rows, int64_t cols, int dtyp
   // Groups are 32-bit Philox counters; gridDim.x is at most 2**31 - 1 blocks.
   if (cols >= (int64_t(1) << 35) || rows >= (int64_t(1) << 31))
     throw std::invalid_argument("dropout_rows: rows must be < 2**31 and cols < 2**35");
-  const int64_t groups = (cols + kMaskGroup - 1) / kMaskGroup;
-  const int tx = static_cast<int>(std::min<int64_t>(256, (groups + 31) / 32 * 32)), ty = 256 / tx;
+  const dim3 block = dropout_block(cols);
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     constexpr int kVec = 16 / sizeof(T);
     const bool vectorized = cols % kVec == 0 && x % 16 == 0 && y % 16 == 0;
-    dropout_rows_kernel<T><<<static_cast<unsigned>((rows + ty - 1) / ty), dim3(tx, ty), 0,
+    dropout_rows_kernel<T><<<static_cast<unsigned>((rows + block.y - 1) / block.y), block, 0,
                              reinterpret_cast<cudaStream_t>(stream)>>>(
         reinterpret_cast<const T*>(x), reinterpret_cast<T*>(y), rows, cols, seed, row_offset,
         static_cast<uint32_t>(threshold) << 24, dropout_scale(threshold), vectorized);
   });
   check_cuda(cudaGetLastError(), "dropout_rows launch");
 }
+
+#endif  // !SEQPAR_HOST_EMULATION
 
 }  // namespace seqpar

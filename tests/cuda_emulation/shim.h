@@ -49,6 +49,7 @@ inline float __shfl_xor_sync(unsigned, float v, int offset) {
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline int64_t min(int64_t a, int64_t b) { return a < b ? a : b; }  // CUDA's device min
+using std::isinf;                                                    // CUDA's device isinf
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
 inline float __expf(float v) { return std::exp(v); }            // the GPU's is an approximation (ex2.approx)
