@@ -1,5 +1,6 @@
 // Host emulation of CUDA kernels, for CPU tests of their logic (tests/test_cuda_emulation.py): a kernel
-// source compiled by g++ with SEQPAR_HOST_EMULATION defined (its launchers, which need nvcc, drop out),
+// source compiled by g++ with SEQPAR_HOST_EMULATION defined (its <<<>>> entry points, which need nvcc, drop
+// out; its plans and other host helpers stay),
 // each CUDA thread of a block run as a std::thread, __syncthreads as a block barrier, warp shuffles through
 // a per-warp exchange with barriers, __shared__ arrays as statics (blocks run one after another). What it
 // checks: indexing, masking, reductions, partial sums against an independent reference. What it cannot:
