@@ -215,9 +215,9 @@ def _bwd_config(n_rows: int, h: int):
     Triton 3.6 and 3.9), so an SM holds one or two 1024-thread programs (50-100% occupancy); at 16 warps
     h = 8192 and the chunked rows took 86-98 registers, one 512-thread program (25%), too few warps to
     cover the row reductions' barriers."""
-    block_n, chunked = _block_n(h, min(MAX_FUSED_HIDDEN, MAX_FUSED_HIDDEN_BWD))
-    if chunked:  # even chunks: no chunk program left with mostly masked columns
-        block_n = R.chunk_columns(h, CHUNK_COLUMNS)
+    chunked = h > min(MAX_FUSED_HIDDEN, MAX_FUSED_HIDDEN_BWD)
+    # even chunks: no chunk program left with mostly masked columns
+    block_n = R.chunk_columns(h, CHUNK_COLUMNS) if chunked else triton.next_power_of_2(h)
     if R.interpreting():
         return R.rows_per_block(n_rows, block_n, 1 << 14), block_n, chunked, {}
     block_m = R.rows_per_block(n_rows, block_n, 4096)
