@@ -17,12 +17,17 @@ Providers (a provider that can't run is reported and skipped):
     te-ln             torch bias-dropout-add + transformer_engine.pytorch.LayerNorm   (if importable)
     liger-ln          torch bias-dropout-add + liger_kernel LigerLayerNorm             (if importable)
     seqpar-torch      the op's torch reference backend (only with --quick: it is an oracle, not a contender)
-    variant-triton-rowsums
-                      a design experiment, not a contender: seqpar-triton with its backward's whole-row
-                      limit lowered from 4096 to 2048 columns, so rows of 2049 .. 4096 columns take the
-                      row-sum pass and column-chunk programs (7 tensor passes, no reduction in the row loop)
-                      instead of whole rows (5 passes, two block-wide reductions per row); run only there.
-                      Its rows say where that limit belongs (gpu_summary counts only seqpar-* providers)
+    variant-*         design experiments, not contenders (:class:`DesignVariant`): seqpar-triton with one
+                      kernel limit lowered while its calls run, run only on the rows the change moves to
+                      the other design; their rows say where the limit belongs (gpu_summary counts only
+                      seqpar-* providers)
+      variant-triton-rowsums     backward whole-row limit 4096 -> 2048: rows of 2049 .. 4096 columns take
+                                 the row-sum pass and column-chunk programs (7 tensor passes, no reduction
+                                 in the row loop) instead of whole rows (5 passes, two reductions per row)
+      variant-triton-fwd-chunks  forward whole-row limit 16384 -> 8192: rows of 8193 .. 16384 columns take
+                                 column chunks of 4096 (residual_out read back twice from L2, two
+                                 1024-thread programs per SM) instead of one whole-row tile (h = 12288: a
+                                 16384 tile with a quarter masked, one 1024-thread program per SM)
 
 Bandwidth counts the minimal bytes, each input read once and each output written once (E = bytes per
 element, N = tokens; the per-row fp32 mean/rstd are ignored):
@@ -58,6 +63,11 @@ it); inputs are random, never zeros. ResultRows (device, date, commit, config, p
 are appended to ``<out>/bench_layernorm_dropout.csv``: the metrics above for d in fwd, bwd, fwdbwd, and
 one copy_gbps row (provider "device-copy") per run.
 
+A copy of the same bytes (provider "device-copy", config without p: {d}_gpu_ms, {d}_gpu_gbps): per
+(tokens, h), the GPU time of a device-to-device copy moving each direction's minimal bytes
+(:func:`same_bytes_copy`). The 1 GiB copy's bandwidth is the issue's yardstick; this one is the best a
+kernel of that size can do, which at shard sizes is far below it (gpu_summary reports both).
+
 Usage:
     python bench/bench_layernorm_dropout.py                       # GPU: the full sweep, rows to bench/results/
     python bench/bench_layernorm_dropout.py --out DIR             # rows to DIR/bench_layernorm_dropout.csv
@@ -69,6 +79,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import platform
 import sys
@@ -90,10 +101,49 @@ from seqpar.bench.timing import reuse_distance_l2  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 PROVIDERS = ["seqpar-triton", "seqpar-cuda", "torch-eager", "torch-compile", "apex-ln", "te-ln", "liger-ln",
-             "variant-triton-rowsums", "seqpar-torch"]
-ROWSUMS_VARIANT = "variant-triton-rowsums"
-ROWSUMS_VARIANT_BLOCK_N = 2048     # the variant's BWD_BLOCK_N: the Triton backward's whole-row limit
-ROWSUMS_VARIANT_WHOLE_ROWS = 4096  # the limit it replaces (triton_kernels BWD_BLOCK_N; a test keeps them equal)
+             "variant-triton-rowsums", "variant-triton-fwd-chunks", "seqpar-torch"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DesignVariant:
+    """A design experiment, not a contender: seqpar-triton with one launch-time limit of the Triton
+    LayerNorm module (seqpar.triton_kernels.bias_dropout_add_layer_norm, read at each launch) lowered from
+    ``shipped`` to ``lowered`` while the variant's calls run, backward included, so rows of
+    ``lowered < h <= shipped`` columns take the design seqpar-triton takes only above ``shipped``. Run only
+    there; its rows, against seqpar-triton's, say where the limit belongs (``direction`` is the time it
+    decides). Not a ``seqpar-*`` provider, so gpu_summary's targets ignore it."""
+    limit: str        # the module attribute
+    lowered: int
+    shipped: int      # the module's value (a test keeps them equal)
+    direction: str    # "fwd" or "bwd"
+    ships: str        # what seqpar-triton runs on these rows
+    takes: str        # what the variant runs instead
+
+    def applies(self, h: int) -> bool:
+        return self.lowered < h <= self.shipped
+
+    @contextlib.contextmanager
+    def lowered_limit(self):
+        from seqpar.triton_kernels import bias_dropout_add_layer_norm as kernels
+
+        saved = getattr(kernels, self.limit)
+        setattr(kernels, self.limit, self.lowered)
+        try:
+            yield
+        finally:
+            setattr(kernels, self.limit, saved)
+
+
+VARIANTS = {
+    "variant-triton-rowsums": DesignVariant(
+        "BWD_BLOCK_N", 2048, 4096, "bwd", ships="whole rows in the backward (5 tensor passes, two block-wide "
+        "reductions per row)", takes="the row-sum pass and column-chunk programs (7 passes, no reduction in the "
+        "row loop)"),
+    "variant-triton-fwd-chunks": DesignVariant(
+        "MAX_FUSED_HIDDEN", 8192, 16384, "fwd", ships="a whole-row tile in the forward (h = 12288: a 16384 "
+        "tile, a quarter of it masked, one 1024-thread program per SM)", takes="column chunks of 4096 (residual_out "
+        "read back twice from L2, two 1024-thread programs per SM)"),
+}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 EPS = 1e-5
 SEED = 1234
@@ -174,6 +224,31 @@ def measure_copy_gbps(device: torch.device, timer: Timer, nbytes: int) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
+def same_bytes_copy(config: str, nbytes: Dict[str, int], device: torch.device, timer: Timer,
+                    rows: ResultRows) -> str:
+    """The bandwidth a kernel moving ``nbytes[d]`` can reach at best, measured: the GPU time
+    (``timer.gpu``: back-to-back calls, as the providers' GPU time) of a device-to-device copy reading
+    ``nbytes[d] / 2`` and writing as many, over as many buffer pairs as the providers' input sets (so each
+    copy reads DRAM too). At 16384 rows it is the 1 GiB copy's bandwidth; at shard sizes (256 x 1024: 2 MB)
+    a single copy kernel's ramp-up and tail are most of its time, and the 1 GiB copy's fraction is out of
+    any kernel's reach there. fwdbwd is the fwd and bwd copies' sum (the op's fwd+bwd is two kernels at
+    least). Adds rows of provider "device-copy" ({d}_gpu_ms, {d}_gpu_gbps) under ``config``; returns its
+    printout."""
+    ms = {}
+    for direction in ("fwd", "bwd"):
+        half = max(1, nbytes[direction] // 2)
+        pairs = [(torch.randint(0, 100, (half,), dtype=torch.uint8, device=device),
+                  torch.empty(half, dtype=torch.uint8, device=device))
+                 for _ in range(timer.input_sets(nbytes[direction]))]
+        ms[direction] = timer.gpu([lambda src=src, dst=dst: dst.copy_(src) for src, dst in pairs]).ms
+        del pairs
+    ms["fwdbwd"] = ms["fwd"] + ms["bwd"]
+    for direction, t in ms.items():
+        rows.add(config, "device-copy", f"{direction}_gpu_ms", t)
+        rows.add(config, "device-copy", f"{direction}_gpu_gbps", nbytes[direction] / (t * 1e-3) / 1e9)
+    return "  ".join(f"{d} {t:7.3f} ms {nbytes[d] / (t * 1e-3) / 1e9:7.1f} GB/s" for d, t in ms.items())
+
+
 def minimal_bytes(tokens: int, h: int, elem: int) -> Dict[str, int]:
     fwd = (4 * tokens * h + 3 * h) * elem
     bwd = (5 * tokens * h + 4 * h) * elem
@@ -223,11 +298,12 @@ def make_provider(name: str, h: int, p: float, dtype, device: torch.device
     if name == "torch-compile":
         compiled = compiled_for_one_shape(_torch_bda_ln, device)
         return (lambda x, bias, res: compiled(x, bias, res, w, b, p)), [w, b]
-    if name == ROWSUMS_VARIANT:
-        # (called inside provider_context: BWD_BLOCK_N is the variant's here)
-        if not ROWSUMS_VARIANT_BLOCK_N < h <= ROWSUMS_VARIANT_WHOLE_ROWS:
-            raise RuntimeError(f"only for {ROWSUMS_VARIANT_BLOCK_N} < h <= {ROWSUMS_VARIANT_WHOLE_ROWS}, where "
-                               "seqpar-triton's backward takes whole rows")
+    if name in VARIANTS:
+        # (called inside provider_context: the variant's limit is lowered here)
+        variant = VARIANTS[name]
+        if not variant.applies(h):
+            raise RuntimeError(f"only for {variant.lowered} < h <= {variant.shipped}, where seqpar-triton takes "
+                               f"{variant.ships}")
         return make_provider("seqpar-triton", h, p, dtype, device)
     if name in ("apex-ln", "te-ln", "liger-ln"):
         if device.type != "cuda":
@@ -240,20 +316,9 @@ def make_provider(name: str, h: int, p: float, dtype, device: torch.device
     raise ValueError(f"unknown provider {name!r}; expected one of {PROVIDERS}")
 
 
-@contextlib.contextmanager
 def provider_context(name: str):
-    """What ``name`` needs around its calls, backward included: the row-sum variant's lowered whole-row
-    limit (the Triton launcher reads BWD_BLOCK_N at each launch)."""
-    if name != ROWSUMS_VARIANT:
-        yield
-        return
-    from seqpar.triton_kernels import bias_dropout_add_layer_norm as kernels
-
-    saved, kernels.BWD_BLOCK_N = kernels.BWD_BLOCK_N, ROWSUMS_VARIANT_BLOCK_N
-    try:
-        yield
-    finally:
-        kernels.BWD_BLOCK_N = saved
+    """What ``name`` needs around its calls, backward included: a design variant's lowered limit."""
+    return VARIANTS[name].lowered_limit() if name in VARIANTS else contextlib.nullcontext()
 
 
 def _peer_forward(ln, x, bias, residual, p: float):
@@ -332,12 +397,14 @@ def _summary(results: Dict[Tuple[int, int, float], Dict[str, Dict[str, float]]])
                      for base in ("torch-eager", "torch-compile", "apex-ln", "te-ln", "liger-ln")
                      if base in by_provider]
             print(f"  tokens={tokens:6d} h={h:6d} p={p:<4} {ours:14s} " + ", ".join(parts))
-    variant = [(key, by[ROWSUMS_VARIANT], by["seqpar-triton"]) for key, by in results.items()
-               if ROWSUMS_VARIANT in by and "seqpar-triton" in by]
-    if variant:
-        print(f"\nbackward GPU time, {ROWSUMS_VARIANT} / seqpar-triton (below 1: the row-sum pass beats whole rows)")
-        for (tokens, h, p), mine, whole in variant:
-            print(f"  tokens={tokens:6d} h={h:6d} p={p:<4} {mine['bwd_gpu'] / whole['bwd_gpu']:.2f}")
+    for name, variant in VARIANTS.items():
+        pairs = [(key, by[name], by["seqpar-triton"]) for key, by in results.items()
+                 if name in by and "seqpar-triton" in by]
+        if pairs:
+            d = variant.direction
+            print(f"\n{d} GPU time, {name} / seqpar-triton (below 1: {variant.takes} beats {variant.ships})")
+            for (tokens, h, p), mine, shipped in pairs:
+                print(f"  tokens={tokens:6d} h={h:6d} p={p:<4} {mine[f'{d}_gpu'] / shipped[f'{d}_gpu']:.2f}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -399,6 +466,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     with rows.sweep():
         for n in tokens:
             for h in hidden:
+                copy_config = f"tokens={n},h={h},dtype={str(dtype).replace('torch.', '')}"
+                copy = same_bytes_copy(copy_config, minimal_bytes(n, h, torch.empty((), dtype=dtype).element_size()),
+                                       device, timer, rows)
+                print(f"  {'device-copy':14s} {copy_config} (the same bytes; GPU time): {copy}", flush=True)
                 for p in dropouts:
                     for provider in providers:
                         r = bench_config(provider, n, h, p, dtype, device, timer, copy_gbps, rows)

@@ -32,7 +32,10 @@ calls ({d}_gpu_ms, {d}_gpu_frac_copy; seqpar.bench.timing.device_time) when the 
 ``detail`` when its checks flag a measurement (a launch queue that drained: an upper bound; data reused
 within 2 L2 sizes: maybe served from L2). Rows without it (the first GPU run's) give the eager call time
 instead, and ``detail`` says so. The same targets from the eager call time, launch overhead included,
-follow as separate entries ("..., eager call time (launch overhead included): ..."). The printout
+follow as separate entries ("..., eager call time (launch overhead included): ..."). The LayerNorm's
+bandwidth is also held against a copy moving the same bytes ("... vs a copy of the same bytes"): the
+sweep's shard sizes (256 rows) move a few MB, where a copy kernel too stays far below the 1 GiB copy's
+bandwidth, so that entry tells a kernel's own shortfall from its size's. The printout
 shortens C++ template kernel names of ``profiles``; the JSON keeps them whole.
 
 Usage:
@@ -232,12 +235,39 @@ def fused_row_targets(table, op: str, configs: List[str], peers: Tuple[str, ...]
     return kernel + call
 
 
+def same_bytes_targets(table, op: str, configs: List[str], frac_goal: float,
+                       directions=("fwd", "bwd")) -> List[Dict]:
+    """Per direction, the worst over ``configs`` of (GPU time of a copy moving the same bytes) / (GPU time
+    of the fastest seqpar backend): the copy-bandwidth fraction measured against what a copy of that size
+    reaches (bench_layernorm_dropout.same_bytes_copy: provider "device-copy", its config without p) instead
+    of the 1 GiB copy's bandwidth, which no kernel of a shard size (256 x 1024: 2 MB) can reach."""
+    out = []
+    for direction in directions:
+        cases = []
+        for config in configs:
+            best = best_seqpar(table, config, f"{direction}_gpu_ms")
+            copy = table.get((re.sub(r",p=[^,]*", "", config), "device-copy", f"{direction}_gpu_ms"))
+            if best and copy:
+                cases.append((copy / best[0], f"{config} {best[1]}", [(config, best[1])]))
+        value, detail = worst([c[:2] for c in cases])
+        if cases:
+            detail = f"{GPU_DETAIL}: " + detail + _clock_notes(table, cases, direction)
+        elif configs:
+            detail = "no same-bytes copy rows (bench_layernorm_dropout writes them since 2026-11-26)"
+        else:
+            detail = "not measured (no GPU rows)"
+        out.append(target(f"{op} {direction} vs a copy of the same bytes (copy GPU time / seqpar GPU time)",
+                          value, frac_goal, "fraction", ">=", detail))
+    return out
+
+
 def layernorm_targets(rows: List[Dict]) -> List[Dict]:
     table = metric_table(rows)
-    configs = sorted({c for c, _, _ in table
-                      if "tokens=" in c and int(config_fields(c)["tokens"]) in LN_TOKENS
+    configs = sorted({c for c, p, _ in table
+                      if "tokens=" in c and p != "device-copy" and int(config_fields(c)["tokens"]) in LN_TOKENS
                       and int(config_fields(c)["h"]) in LN_HIDDEN})
-    return fused_row_targets(table, "bias-dropout-add + LayerNorm", configs, LN_PEERS, 0.85, 1.2)
+    op = "bias-dropout-add + LayerNorm"
+    return fused_row_targets(table, op, configs, LN_PEERS, 0.85, 1.2) + same_bytes_targets(table, op, configs, 0.85)
 
 
 def llama_ops_targets(rows: List[Dict]) -> List[Dict]:

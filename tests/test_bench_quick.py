@@ -38,6 +38,11 @@ def test_layernorm_dropout_quick_measures_triton_with_dropout_off_and_on(tmp_pat
     assert all(float(r["value"]) > 0 for r in rows)
     # bench/gpu_summary.py reads the sweep coordinates back from the config strings
     assert all({"tokens", "h", "p"} <= set(config_fields(r["config"])) for r in rows if r["provider"] != "device-copy")
+    # a copy of the same bytes per (tokens, h), under the config without p (gpu_summary's same-bytes entries)
+    copies = {(r["config"], r["metric"]) for r in rows if r["provider"] == "device-copy"}
+    for h in (64, 200):
+        for metric in ("fwd_gpu_ms", "bwd_gpu_gbps", "fwdbwd_gpu_ms"):
+            assert (f"tokens=48,h={h},dtype=bfloat16", metric) in copies, (h, metric)
 
 
 def test_attention_quick_runs_triton_with_gqa(tmp_path):
@@ -67,8 +72,10 @@ def test_interrupted_sweep_keeps_the_rows_measured(tmp_path, monkeypatch):
     assert len(calls) == 2                                  # the sweep ended at the interrupt
     with open(tmp_path / "bench_layernorm_dropout.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [(r["provider"], r["metric"]) for r in rows] == [("device-copy", "copy_gbps"), (calls[0][0], "fwdbwd_ms")]
-    assert rows[1]["config"] == f"tokens={calls[0][1]},h={calls[0][2]},p={calls[0][3]}"
+    measured = [r for r in rows if r["provider"] != "device-copy" or r["metric"] == "copy_gbps"]
+    assert [(r["provider"], r["metric"]) for r in measured] == [("device-copy", "copy_gbps"),
+                                                               (calls[0][0], "fwdbwd_ms")]
+    assert measured[1]["config"] == f"tokens={calls[0][1]},h={calls[0][2]},p={calls[0][3]}"
 
 
 class FakeTimer:
@@ -226,29 +233,38 @@ def test_gpu_suite_parts_fit_what_the_device_tool_brings_back(tmp_path):
     assert not (tmp_path / "refused").exists()
 
 
-def test_rowsums_variant_takes_the_row_sum_path_only_inside_its_context():
-    """The design-experiment provider: seqpar-triton with the backward's whole-row limit lowered to 2048
-    columns while its calls (backward included) run, so h = 4096 takes the row-sum pass and two column
-    chunks; the same values as seqpar-triton's whole rows; refused where the two would run the same kernels."""
+@pytest.mark.parametrize("name, h, design, shipped, lowered, outside", [
+    # the backward's whole-row limit 4096 -> 2048: h = 4096 takes the row-sum pass and two column chunks
+    ("variant-triton-rowsums", 4096, lambda kernels, h: kernels._bwd_config(3, h)[2], 1, 2, (2048, 8192)),
+    # the forward's whole-row limit 16384 -> 8192: h = 12288 takes the chunked forward
+    ("variant-triton-fwd-chunks", 12288, lambda kernels, h: kernels._fwd_config(3, h)[2], False, True,
+     (8192, 20480)),
+])
+def test_design_variants_take_the_other_design_only_inside_their_context(name, h, design, shipped, lowered,
+                                                                          outside):
+    """A design-experiment provider is seqpar-triton with one kernel limit lowered while its calls
+    (backward included) run: the other design on its rows, the same values as seqpar-triton's; the limit
+    restored after; refused where the two would run the same kernels."""
     from bench import bench_layernorm_dropout as bench
     from seqpar.triton_kernels import bias_dropout_add_layer_norm as kernels
 
-    device, h = torch.device("cpu"), 4096
+    variant, device = bench.VARIANTS[name], torch.device("cpu")
+    assert getattr(kernels, variant.limit) == variant.shipped          # the bench's copy of the shipped limit
     g = torch.Generator().manual_seed(0)
     x, residual, bias = (torch.randn(*shape, generator=g).requires_grad_() for shape in ((3, h), (3, h), (h,)))
     grads_out = (torch.randn(3, h, generator=g), torch.randn(3, h, generator=g))
     results = {}
-    for name in ("seqpar-triton", bench.ROWSUMS_VARIANT):
-        with bench.provider_context(name):
-            chunks = kernels._bwd_config(3, h)[2]
-            f, params = bench.make_provider(name, h, 0.1, torch.float32, device)
+    for provider in ("seqpar-triton", name):
+        with bench.provider_context(provider):
+            f, params = bench.make_provider(provider, h, 0.1, torch.float32, device)
             outs = f(x, bias, residual)
-            results[name] = (chunks, outs, torch.autograd.grad(outs, [x, bias, residual] + params, grads_out))
-    assert kernels.BWD_BLOCK_N == bench.ROWSUMS_VARIANT_WHOLE_ROWS == 4096    # restored; the bench's copy
-    assert results["seqpar-triton"][0] == 1 and results[bench.ROWSUMS_VARIANT][0] == 2
-    (_, whole_outs, whole_grads), (_, chunk_outs, chunk_grads) = results.values()
-    for a, b in zip(whole_outs + whole_grads, chunk_outs + chunk_grads):
+            results[provider] = (design(kernels, h), outs,
+                                 torch.autograd.grad(outs, [x, bias, residual] + params, grads_out))
+    assert getattr(kernels, variant.limit) == variant.shipped          # restored
+    assert results["seqpar-triton"][0] == shipped and results[name][0] == lowered
+    (_, shipped_outs, shipped_grads), (_, variant_outs, variant_grads) = results.values()
+    for a, b in zip(shipped_outs + shipped_grads, variant_outs + variant_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    for other_h in (2048, 8192):
-        with pytest.raises(RuntimeError, match="whole rows"):
-            bench.make_provider(bench.ROWSUMS_VARIANT, other_h, 0.1, torch.float32, device)
+    for other_h in outside:
+        with pytest.raises(RuntimeError, match="where seqpar-triton takes"):
+            bench.make_provider(name, other_h, 0.1, torch.float32, device)

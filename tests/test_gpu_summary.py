@@ -138,6 +138,36 @@ def test_kernel_targets_read_the_gpu_time_and_the_call_time_stays_beside_them(tm
     assert by_name(summary, call_name + "liger-ln")["value"] == pytest.approx(1.2)
 
 
+def test_layernorm_bandwidth_against_a_copy_of_the_same_bytes(tmp_path):
+    """The same-bytes entries: per config, the copy's GPU time (its config without p) over the fastest
+    seqpar backend's GPU time, worst case over the sweep; none where no copy rows were written."""
+    small, large = "tokens=256,h=1024,p=0.1,dtype=bfloat16", "tokens=16384,h=4096,p=0.0,dtype=bfloat16"
+    rows = ln_rows(small, {"seqpar-triton": (0.004, 0.010, 0.014), "seqpar-cuda": (0.005, 0.008, 0.013)},
+                   clock="_gpu")
+    rows += ln_rows(large, {"seqpar-triton": (0.20, 0.40, 0.60), "seqpar-cuda": (0.25, 0.30, 0.55)}, clock="_gpu")
+    copy = {"tokens=256,h=1024,dtype=bfloat16": (0.003, 0.006), "tokens=16384,h=4096,dtype=bfloat16": (0.17, 0.21)}
+    for config, (fwd, bwd) in copy.items():
+        rows += [(config, "device-copy", "fwd_gpu_ms", fwd), (config, "device-copy", "bwd_gpu_ms", bwd),
+                 (config, "device-copy", "fwdbwd_gpu_ms", fwd + bwd)]
+    write_rows(tmp_path, "bench_layernorm_dropout", rows)
+    summary = S.summarize(str(tmp_path))
+    # fwd: small 0.003 / 0.004 (triton) = 0.75, large 0.17 / 0.20 = 0.85: the worst is the small one
+    fwd = by_name(summary, "LayerNorm fwd vs a copy of the same bytes")
+    assert fwd["value"] == pytest.approx(0.75) and fwd["met"] is False and fwd["goal"] == 0.85
+    assert "tokens=256" in fwd["detail"] and "seqpar-triton" in fwd["detail"] and "2 configurations" in fwd["detail"]
+    # bwd: small 0.006 / 0.008 (cuda) = 0.75, large 0.21 / 0.30 = 0.7: the large one
+    bwd = by_name(summary, "LayerNorm bwd vs a copy of the same bytes")
+    assert bwd["value"] == pytest.approx(0.7) and "tokens=16384" in bwd["detail"] and "seqpar-cuda" in bwd["detail"]
+    # the copy rows are not a configuration of the sweep: the 1 GiB fraction still counts 2
+    assert "2 configurations" in by_name(summary, "LayerNorm fwd: fraction")["detail"]
+
+    older = tmp_path / "older"
+    older.mkdir()
+    write_rows(older, "bench_layernorm_dropout", [r for r in rows if r[1] != "device-copy"])
+    none = by_name(S.summarize(str(older)), "LayerNorm fwd vs a copy of the same bytes")
+    assert none["value"] is None and none["met"] is None and "no same-bytes copy rows" in none["detail"]
+
+
 def test_attention_targets_speed_vs_flash_and_the_s_squared_term(tmp_path):
     rows = []
     # b * s = 16384 fixed: a flash-style core's extra memory is flat in s, a stored [s, s] one grows like s
@@ -209,6 +239,7 @@ def test_missing_rows_list_every_target_as_not_measured(tmp_path):
     assert all(v is None for v in summary["runs"].values())
     names = [t["name"] for t in summary["targets"]]
     for fragment in ("LayerNorm fwd", "LayerNorm bwd", "LayerNorm fwd+bwd speed vs torch-compile", "vs liger-ln",
+                     "LayerNorm bwd vs a copy of the same bytes",
                      "LayerNorm fwd, eager call time (launch overhead included)", "rmsnorm fwd+bwd, eager call time",
                      "vs SDPA flash", "peak memory growth", "selective recompute overhead", "Megatron-Core", "22B shapes",
                      "175B shapes", "rmsnorm fwd", "swiglu bwd"):
