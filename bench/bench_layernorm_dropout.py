@@ -25,8 +25,8 @@ Providers (a provider that can't run is reported and skipped):
                                  the row-sum pass and column-chunk programs (7 tensor passes, no reduction
                                  in the row loop) instead of whole rows (5 passes, two reductions per row)
       variant-triton-fwd-chunks  forward whole-row limit 16384 -> 8192: rows of 8193 .. 16384 columns take
-                                 column chunks of 4096 (residual_out read back twice from L2, two
-                                 1024-thread programs per SM) instead of one whole-row tile (h = 12288: a
+                                 column chunks of 4096 (residual_out read back twice from L2, 3-4
+                                 512-thread programs per SM) instead of one whole-row tile (h = 12288: a
                                  16384 tile with a quarter masked, one 1024-thread program per SM)
 
 Bandwidth counts the minimal bytes, each input read once and each output written once (E = bytes per
@@ -142,7 +142,7 @@ VARIANTS = {
     "variant-triton-fwd-chunks": DesignVariant(
         "MAX_FUSED_HIDDEN", 8192, 16384, "fwd", ships="a whole-row tile in the forward (h = 12288: a 16384 "
         "tile, a quarter of it masked, one 1024-thread program per SM)", takes="column chunks of 4096 (residual_out "
-        "read back twice from L2, two 1024-thread programs per SM)"),
+        "read back twice from L2, 3-4 512-thread programs per SM)"),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 EPS = 1e-5

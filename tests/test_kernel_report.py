@@ -115,13 +115,10 @@ def test_row_kernels_compile_for_sm90_within_budget():
       instructions per element;
     - the RMSNorm backward at h = 4096 and the LayerNorm backward's chunk programs at h = 12288 (dropout
       on; their row sums come from the row-sum pass): 32-warp programs (4 elements per thread) without
-      spills, so within the 64 registers a 1024-thread program may use;
-    - the LayerNorm forward's column chunks at h = 20480 (dropout on): 32 warps, 4 elements per thread,
-      at most 32 registers, so an SM holds two 1024-thread programs (full occupancy)."""
-    row, rms, ln_chunks, fwd_chunks = _compiled_rows(("ln", "fwd", 1024, "bf16", True, 0),
-                                                     ("rmsnorm", "bwd", 4096, "bf16", False, 0),
-                                                     ("ln", "bwd", 12288, "bf16", True, 0),
-                                                     ("ln", "fwd", 20480, "bf16", True, 0))
+      spills, so within the 64 registers a 1024-thread program may use."""
+    row, rms, ln_chunks = _compiled_rows(("ln", "fwd", 1024, "bf16", True, 0),
+                                         ("rmsnorm", "bwd", 4096, "bf16", False, 0),
+                                         ("ln", "bwd", 12288, "bf16", True, 0))
     assert row["registers"] > 0 and row["spill_bytes"] == 0
     assert row["counted"] == "whole kernel" and row["mask_int"] > 0
     assert row["mask_int"] / row["elements_per_thread"] <= 12
@@ -129,5 +126,3 @@ def test_row_kernels_compile_for_sm90_within_budget():
         assert " w32" in bwd["config"] and bwd["elements_per_thread"] == 4
         assert 0 < bwd["registers"] <= 64 and bwd["spill_bytes"] == 0
     assert ln_chunks["config"].endswith(" c3")
-    assert fwd_chunks["config"] == "1x4096 w32 c5" and fwd_chunks["elements_per_thread"] == 4
-    assert 0 < fwd_chunks["registers"] <= 32 and fwd_chunks["spill_bytes"] == 0

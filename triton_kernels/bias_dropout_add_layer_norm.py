@@ -15,8 +15,7 @@ Backward, per row (g = grad_y * ln_weight)::
 
 Any h: a row of up to ``MAX_FUSED_HIDDEN`` columns is one register tile of the forward; a longer row is
 covered in chunks of ``CHUNK_COLUMNS`` with three passes (residual_out and its sum; the centred sum of
-squares; y), the later passes reading back the residual_out the program has just written (from L2); the
-sums run elementwise over the chunks, with one reduction after each pass (no barrier in a chunk loop). The
+squares; y), the later passes reading back the residual_out the program has just written (from L2). The
 backward always works on column chunks of at most ``BWD_BLOCK_N``: one program per (row range, chunk). A
 row of one chunk gives its row sums (mean(g), mean(g * x_hat)) by reductions inside that program; a longer
 row has them computed first by a row-sum pass (``_bwd_row_sums_kernel``, [2, rows] fp32), which reads
@@ -118,23 +117,23 @@ def _fwd_kernel(X, BIAS, RES, W, B, Y, RES_OUT, MEAN, RSTD,
         rstd = 1.0 / tl.sqrt(var + eps)
         _normalize_chunk(d, rstd, W, B, Y, rows64, cols, row_mask, h, MANUAL_BF16)
     else:
-        # Elementwise running sums, one reduction after each pass: no barrier inside the chunk loops.
-        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        total = tl.zeros([BLOCK_M], dtype=tl.float32)
         for start in range(0, h, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
-            total += _residual_chunk(X, BIAS, RES, RES_OUT, rows64, cols, row_mask, h, stride_x, stride_res,
-                                     threshold, scale, seed, row_offset, start, HAS_BIAS, HAS_DROPOUT,
-                                     MANUAL_BF16, BLOCK_M, BLOCK_N)
-        mean = tl.sum(total, axis=1) / h
+            r = _residual_chunk(X, BIAS, RES, RES_OUT, rows64, cols, row_mask, h, stride_x, stride_res,
+                                threshold, scale, seed, row_offset, start, HAS_BIAS, HAS_DROPOUT, MANUAL_BF16,
+                                BLOCK_M, BLOCK_N)
+            total += tl.sum(r, axis=1)
+        mean = total / h
         # Read back what this program stored (the same tile shape and addresses, so the same threads).
-        squares = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
         for start in range(0, h, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols < h)[None, :]
             r = tl.load(RES_OUT + rows64[:, None] * h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             d = tl.where(mask, r - mean[:, None], 0.0)
-            squares += d * d
-        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=1) / h + eps)
+            squares += tl.sum(d * d, axis=1)
+        rstd = 1.0 / tl.sqrt(squares / h + eps)
         for start in range(0, h, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols < h)[None, :]
@@ -256,13 +255,12 @@ def _fwd_config(n_rows: int, h: int):
         # Fewer, fatter programs: the interpreter's cost is per program, numpy vectorises the tile.
         return R.rows_per_block(n_rows, block_n, 1 << 15), block_n, chunked, {}
     block_m = 1 if chunked else R.rows_per_block(n_rows, block_n, 4096)
-    # Warps: R.forward_warps. A whole 12288- or 16384-wide row at 16 warps took 72-111 registers (one
-    # 512-thread program per SM: 25% occupancy), at 32 warps 43-60 (50%); 8192-wide rows go from 40-63 to
-    # 32 (Triton 3.6 and 3.9, bf16).
+    # Up to 32 warps, 8 elements per thread (16 in a row of 8193 .. 16384 columns): a whole 12288- or
+    # 16384-wide row at 16 warps took 72-111 registers (one 512-thread program per SM: 25% occupancy),
+    # at 32 warps 43-60 (50%); 8192-wide rows go from 40-63 to 32 (Triton 3.6 and 3.9, bf16).
     # No FMA contraction: residual + dropped must round exactly like the torch reference (bitwise
     # identical residual_out across backends); the kernel is memory bound, so this costs nothing.
-    return block_m, block_n, chunked, {"num_warps": R.forward_warps(block_m * block_n, chunked),
-                                       "enable_fp_fusion": False}
+    return block_m, block_n, chunked, {"num_warps": R.num_warps(block_m * block_n, 32), "enable_fp_fusion": False}
 
 
 # Columns of one backward program, at most (R.chunk_columns splits a wider row into even chunks). A tile of

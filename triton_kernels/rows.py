@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["cast_rne", "interpreting", "sm_count", "rows_per_block", "chunk_columns", "num_warps",
-           "forward_warps", "row_sums_config", "empty", "reduce_partials", "resident_per_sm", "wave_programs", "split_rows"]
+           "row_sums_config", "empty", "reduce_partials", "resident_per_sm", "wave_programs", "split_rows"]
 
 
 @triton.jit
@@ -67,14 +67,6 @@ def chunk_columns(h: int, widest: int, narrowest: int = 1024) -> int:
 def num_warps(tile_elements: int, cap: int, per_thread: int = 8) -> int:
     """About ``per_thread`` fp32 values per thread per live tensor for the tile; clamped to [4, cap]."""
     return max(4, min(cap, triton.next_power_of_2(max(tile_elements // (32 * per_thread), 1))))
-
-
-def forward_warps(tile_elements: int, chunked: bool) -> int:
-    """num_warps of a normalisation forward (LayerNorm, RMSNorm): whole rows at 8 elements per thread (16
-    in a row of 8193 .. 16384 columns, at the cap of 32 warps); column chunks at 4, so the chunk loops'
-    elementwise running sums fit in 30-32 registers at 32 warps (two 1024-thread programs per SM: full
-    occupancy), where 8 per thread at 16 warps took 55 with dropout on (two 512-thread programs per SM)."""
-    return num_warps(tile_elements, 32, per_thread=4 if chunked else 8)
 
 
 def row_sums_config(n_rows: int, block_n: int) -> Tuple[int, dict]:
