@@ -26,7 +26,10 @@
 // types, 512 for fp32; 4 rows per block), block per row beyond; three passes over a row (residual_out and
 // its sum; the centred sum of squares; y). A warp per row of h = 4096 (16 runs, 128 values per lane) took
 // 174 registers and 12% occupancy on an H200 and ran 2.6x slower than the block per row of the Triton
-// forward (381 vs 146 us at 16384 x 4096 bf16); the RMSNorm forward keeps the same 4-run cap.
+// forward (381 vs 146 us at 16384 x 4096 bf16); the RMSNorm forward keeps the same 4-run cap. A block per
+// row takes the most threads that still leave two blocks resident per SM (rows::resident_plan, up to
+// kFwdBlockVectors runs a thread): h = 8192 in 2-byte types 512 threads x 2 runs, h = 12288 384 x 4, where
+// the fewest runs a thread (1024 x 1, 768 x 2) left one block per SM.
 // Backward: a block sums dw, db and dbias over the rows it visits (one wave of blocks), writes them as one
 // fp32 partial row per quantity, and reduce_partials_kernel sums the partial rows (no atomics:
 // deterministic). Rows of up to kColumnsMinHidden = 4096 columns: a row per warp or block, whose row sums
@@ -48,6 +51,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <type_traits>
 
 #include "dtypes.cuh"
@@ -63,6 +67,7 @@ constexpr int kFwdScalarMaxThreads = 512;  // block-per-row forward with scalar 
 constexpr int64_t kBlockMaxHidden = 16384;  // longest row one pass of a block holds; longer rows: kChunked
 constexpr int kFwdWarpRows = 4;            // rows per block of the warp-per-row forward
 constexpr int kFwdWarpVectors = 4;         // 16-byte runs per lane of the warp-per-row forward
+constexpr int kFwdBlockVectors = 4;        // 16-byte runs per thread of the block-per-row forward, at most
 constexpr int kBwdWarpVectors = 2;         // 16-byte runs per lane of the warp-per-row backward (registers)
 constexpr int kBwdWarpElements = 16;       // so at most 16 elements per lane
 constexpr int kBwdWarpRows = 16;           // rows per block of the warp-per-row backward (512 threads)
@@ -88,10 +93,25 @@ constexpr int warp_vpt(bool forward) { return forward ? kFwdWarpVectors : kBwdWa
 constexpr int block_vpt(bool forward, int vec) {
   return pow2_ceil(cdiv((forward ? kBlockMaxHidden : kColumnsMinHidden) / vec, max_threads(forward, vec)));
 }
+// The forward's block per row may hold more runs per thread than the fewest that cover its row (resident_plan
+// trades threads for resident rows): up to kFwdBlockVectors 16-byte runs (ptxas: 68-72 registers for 2-byte
+// types at 4, under a 512-thread bound), scalar runs at block_vpt.
+constexpr int fwd_block_max_vpt(int vec) {
+  return vec == kScalarRun ? block_vpt(true, vec) : std::max(block_vpt(true, vec), kFwdBlockVectors);
+}
 
 template <RowKind KIND, bool kForward, int VEC>
 constexpr int threads_bound() {
   return KIND == RowKind::kWarp ? kWarp * (kForward ? kFwdWarpRows : kBwdWarpRows) : max_threads(kForward, VEC);
+}
+// The forward's __launch_bounds__: a block per row with VPT runs a thread never has more threads than the
+// widest such row needs (kBlockMaxHidden / VEC / VPT), so ptxas may give each thread the registers of its VPT
+// runs (4 runs of 2-byte types: 512 threads, up to 128 registers; a 1024-thread bound would cap them at 64).
+template <RowKind KIND, int VEC, int VPT>
+constexpr int fwd_threads_bound() {
+  return KIND == RowKind::kBlock
+             ? std::min(max_threads(true, VEC), round_up_warp(cdiv(kBlockMaxHidden / VEC, VPT)))
+             : threads_bound<KIND, true, VEC>();
 }
 
 // The mask words of run j (columns j * VEC ..) of global row mask_row: one Philox call.
@@ -140,8 +160,8 @@ struct BwdArgs {
 };
 
 template <typename T, int VEC, int VPT, RowKind KIND>
-__global__ void __launch_bounds__(threads_bound<KIND, true, VEC>()) fwd_kernel(const FwdArgs a,
-                                                                                 const int64_t chunks_arg) {
+__global__ void __launch_bounds__(fwd_threads_bound<KIND, VEC, VPT>()) fwd_kernel(const FwdArgs a,
+                                                                                    const int64_t chunks_arg) {
   constexpr bool kVector = kVectorRun<T, VEC>;
   constexpr bool kWarpRow = KIND == RowKind::kWarp, kChunked = KIND == RowKind::kChunked;
   const int64_t chunks = kChunked ? chunks_arg : 1;
@@ -548,10 +568,17 @@ __global__ void __launch_bounds__(kColumnThreads, columns_min_blocks<T, VEC>())
 
 // ---------------------------------------------------------------------------------------------- launch
 // vector: the runs are 16-byte vectors (else scalar-access runs of one dropout group: block per row only).
+// A block per row here has the fewest runs per thread that cover the row; the launch may take more
+// (fwd_candidates, resident_plan).
 inline Plan fwd_plan(int64_t h, int vec, bool vector) {
   const int64_t nvec = cdiv(h, vec);
   if (vector && nvec <= kWarp * kFwdWarpVectors) return warp_plan(nvec, kFwdWarpRows);
   return block_plan(nvec, max_threads(true, vec), block_vpt(true, vec), block_vpt(true, vec));
+}
+
+// The plans the forward's launch chooses from (tests/cuda_emulation runs every one).
+inline std::vector<Plan> fwd_candidates(int64_t h, int vec, bool vector) {
+  return plan_candidates(fwd_plan(h, vec, vector), cdiv(h, vec), fwd_block_max_vpt(vec));
 }
 
 // The backward of rows of up to kColumnsMinHidden columns: a warp per row while a lane holds at most
@@ -575,7 +602,8 @@ void dispatch_plan(const Plan& plan, Fn&& fn) {
   using Warp = std::integral_constant<RowKind, RowKind::kWarp>;
   using Block = std::integral_constant<RowKind, RowKind::kBlock>;
   using Chunked = std::integral_constant<RowKind, RowKind::kChunked>;
-  constexpr int kBlockVpt = block_vpt(kForward, VEC);
+  constexpr int kBlockVpt = kForward ? fwd_block_max_vpt(VEC) : block_vpt(false, VEC);
+  constexpr int kChunkVpt = block_vpt(true, VEC);
   switch (plan.kind) {
     case RowKind::kWarp:
       if constexpr (kVectorRun<T, VEC>) {
@@ -586,8 +614,8 @@ void dispatch_plan(const Plan& plan, Fn&& fn) {
     case RowKind::kBlock: dispatch_vpt<kBlockVpt>(plan.vpt, [&](auto vpt) { fn(vpt, Block{}); }); return;
     case RowKind::kChunked:
       if constexpr (kForward) {
-        if (plan.vpt != kBlockVpt) break;
-        fn(std::integral_constant<int, kBlockVpt>{}, Chunked{});
+        if (plan.vpt != kChunkVpt) break;
+        fn(std::integral_constant<int, kChunkVpt>{}, Chunked{});
         return;
       }
       break;
@@ -606,6 +634,18 @@ int columns_blocks_per_sm() {
   check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, bwd_columns_kernel<T, VEC>, kColumnThreads, 0),
              "bias_dropout_add_layer_norm occupancy");
   return std::max(blocks, 1);
+}
+
+// Resident blocks per SM of the forward kernel of `plan`.
+template <typename T, int VEC>
+int fwd_blocks_per_sm(const Plan& plan) {
+  int blocks = 0;
+  dispatch_plan<true, T, VEC>(plan, [&](auto vpt, auto kind) {
+    const auto kernel = fwd_kernel<T, VEC, decltype(vpt)::value, decltype(kind)::value>;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, plan.tpr * plan.rpb, 0),
+               "bias_dropout_add_layer_norm occupancy");
+  });
+  return blocks;
 }
 
 // Resident blocks per SM of the backward kernel of `plan`.
@@ -665,7 +705,10 @@ void bias_dropout_add_layer_norm_fwd(uintptr_t x, uintptr_t bias, uintptr_t resi
   dispatch_type_vec<kScalarRun>(dtype, vectorized, [&](auto tag, auto vec) {
     using T = decltype(tag);
     constexpr int kVec = decltype(vec)::value;
-    const Plan plan = fwd_plan(h, kVec, kVectorRun<T, kVec>);
+    const Plan plan = memo_plan<std::tuple<FwdArgs, T, decltype(vec)>>(h, [&] {
+      return resident_plan(fwd_plan(h, kVec, kVectorRun<T, kVec>), cdiv(h, kVec), fwd_block_max_vpt(kVec),
+                           [](const Plan& p) { return fwd_blocks_per_sm<T, decltype(vec)::value>(p); });
+    });
     dispatch_plan<true, T, kVec>(plan, [&](auto vpt, auto kind) {
       const dim3 block(plan.tpr, plan.rpb), grid(static_cast<unsigned>(cdiv(rows, plan.rpb)));
       fwd_kernel<T, kVec, decltype(vpt)::value, decltype(kind)::value><<<grid, block, 0, s>>>(a, plan.chunks);

@@ -11,7 +11,10 @@
 // Layout (csrc/row_reduce.cuh): a thread owns VPT vectors of VEC elements (16 bytes, or VEC = 1 when
 // pointers, h or strides do not allow it) of each column chunk of its row. Three kinds of kernel:
 //   kWarp    warp per row (several rows per block), the row in registers, shuffle-only reductions;
-//   kBlock   block per row, the row in registers;
+//   kBlock   block per row, the row in registers; the forward's launch takes the most threads per row
+//            (fewest vectors a thread, up to 4) that still leave two blocks resident per SM
+//            (rows::resident_plan): h = 16384 in 2-byte types 512 threads x 4 vectors, not 1024 x 2 (44
+//            registers: one block per SM);
 //   kChunked (forward) block per row for rows longer than the threads' registers (any h is accepted): two
 //            passes over the chunks, the earlier chunks re-read (residual_out was just written: mostly L2).
 //
@@ -31,6 +34,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <type_traits>
 
 #include "dtypes.cuh"
@@ -315,10 +319,17 @@ __global__ void __launch_bounds__(kColumnThreads) bwd_columns_kernel(const BwdAr
 }
 
 // ---------------------------------------------------------------------------------------------- launch
+// A block per row here has the fewest vectors per thread that cover the row; the launch may take more
+// (fwd_candidates, resident_plan).
 inline Plan fwd_plan(int64_t h, int vec) {
   const int64_t nvec = h / vec;
   if (nvec <= static_cast<int64_t>(kWarp) * fwd_max_vpt(RowKind::kWarp)) return warp_plan(nvec, kFwdWarpRows);
   return block_plan(nvec, kMaxThreads, fwd_max_vpt(RowKind::kBlock), fwd_max_vpt(RowKind::kChunked));
+}
+
+// The plans the forward's launch chooses from (tests/cuda_emulation runs every one).
+inline std::vector<Plan> fwd_candidates(int64_t h, int vec) {
+  return plan_candidates(fwd_plan(h, vec), h / vec, fwd_max_vpt(RowKind::kBlock));
 }
 
 // kChunked: the row does not fit a block's registers, and takes the row-sum pass + column-chunk blocks.
@@ -362,6 +373,18 @@ inline void check_args(int64_t h, int wdtype) {
     throw std::invalid_argument("add_rms_norm: unsupported weight dtype code " + std::to_string(wdtype));
 }
 
+// Resident blocks per SM of the forward kernel of `plan`.
+template <typename T, int VEC>
+int fwd_blocks_per_sm(const Plan& plan) {
+  int blocks = 0;
+  dispatch_plan<true, VEC>(plan, [&](auto vpt, auto kind) {
+    const auto kernel = fwd_kernel<T, VEC, decltype(vpt)::value, decltype(kind)::value>;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, plan.tpr * plan.rpb, 0),
+               "add_rms_norm occupancy");
+  });
+  return blocks;
+}
+
 // Resident blocks per SM of the backward kernel of `plan` (kChunked: of bwd_columns_kernel).
 template <typename T, int VEC>
 int bwd_blocks_per_sm(const Plan& plan) {
@@ -402,7 +425,10 @@ void add_rms_norm_fwd(uintptr_t x, uintptr_t residual, uintptr_t weight, uintptr
   dispatch_type_vec(dtype, vectorized, [&](auto tag, auto vec) {
     using T = decltype(tag);
     constexpr int kVec = decltype(vec)::value;
-    const Plan plan = fwd_plan(h, kVec);
+    const Plan plan = memo_plan<std::tuple<FwdArgs, T, decltype(vec)>>(h, [&] {
+      return resident_plan(fwd_plan(h, kVec), h / kVec, fwd_max_vpt(RowKind::kBlock),
+                           [](const Plan& p) { return fwd_blocks_per_sm<T, decltype(vec)::value>(p); });
+    });
     dispatch_plan<true, kVec>(plan, [&](auto vpt, auto kind) {
       const dim3 block(plan.tpr, plan.rpb), grid(static_cast<unsigned>(cdiv(rows, plan.rpb)));
       fwd_kernel<T, kVec, decltype(vpt)::value, decltype(kind)::value><<<grid, block, 0, s>>>(a, plan.chunks);

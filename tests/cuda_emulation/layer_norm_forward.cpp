@@ -1,8 +1,10 @@
 // The CUDA bias-dropout-add + LayerNorm forward kernels (csrc/bias_dropout_add_layer_norm.cu) run under host
-// emulation (shim.h), launched as bias_dropout_add_layer_norm_fwd launches them (its plan, its kernels):
-// residual_out bitwise equal to the same float operations done here (the backends' contract), mean / rstd and
-// y against float64. Every kind of kernel: warp per row, block per row, column-chunked rows (h > 16384), with
-// 16-byte and scalar runs, strided input rows, dropout on and off.
+// emulation (shim.h), launched as bias_dropout_add_layer_norm_fwd launches them, with every plan its launch
+// chooses from (fwd_candidates): residual_out bitwise equal to the same float operations done here (the
+// backends' contract), mean / rstd and y against float64. Every kind of kernel: warp per row, block per row
+// (1, 2 and 4 runs a thread), column-chunked rows (h > 16384), with 16-byte and scalar runs, strided input
+// rows, dropout on and off. And the launch's choice among those plans (rows::resident_plan) on an occupancy
+// model.
 #include "shim.h"
 #include "check.h"
 #include "bias_dropout_add_layer_norm.cu"
@@ -15,8 +17,7 @@ using namespace seqpar;
 using namespace seqpar::bdaln;
 
 template <typename T, int VEC>
-const char* launch_forward(const FwdArgs& a, int64_t rows, int64_t h) {
-  const Plan plan = fwd_plan(h, VEC, kVectorRun<T, VEC>);
+const char* launch_forward(const Plan& plan, const FwdArgs& a, int64_t rows) {
   dispatch_plan<true, T, VEC>(plan, [&](auto vpt, auto kind) {
     launch({static_cast<unsigned>(cdiv(rows, plan.rpb)), 1, 1},
            {static_cast<unsigned>(plan.tpr), static_cast<unsigned>(plan.rpb), 1},
@@ -26,7 +27,7 @@ const char* launch_forward(const FwdArgs& a, int64_t rows, int64_t h) {
 }
 
 template <typename T, int VEC>
-int check(int64_t rows, int64_t h, int64_t stride, int threshold, bool bias) {
+int check_plan(const Plan& plan, int64_t rows, int64_t h, int64_t stride, int threshold, bool bias) {
   const uint64_t seed = 0x1234ABCDULL;
   const int64_t row_offset = 5;
   std::mt19937 gen(static_cast<unsigned>(17 + h + rows));
@@ -42,7 +43,7 @@ int check(int64_t rows, int64_t h, int64_t stride, int threshold, bool bias) {
   const FwdArgs a{x.data(), bias ? b_add.data() : nullptr, res.data(), w.data(), b.data(), y.data(), ro.data(),
                   mean.data(), rstd.data(), kFloat32, rows, h, stride, stride, 1e-5f, scale,
                   static_cast<uint32_t>(threshold) << 24, seed, row_offset};
-  const char* kind = launch_forward<T, VEC>(a, rows, h);
+  const char* kind = launch_forward<T, VEC>(plan, a, rows);
   Tally tally;
   for (int64_t r = 0; r < rows; ++r) {
     std::vector<T> want_ro(h);
@@ -73,18 +74,54 @@ int check(int64_t rows, int64_t h, int64_t stride, int threshold, bool bias) {
         printf("  row %ld col %ld: y %g (want %g)\n", long(r), long(c), to_float(y[r * h + c]), want);
     }
   }
-  printf("%s %-5s VEC=%-2d rows=%ld h=%ld stride=%ld P=%d bias=%d: worst relative error %.2g, %d bad\n",
-         sizeof(T) == 2 ? "16-bit" : "fp32  ", kind, VEC, long(rows), long(h), long(stride), threshold, bias,
-         tally.worst, tally.bad);
+  printf("%s %-5s VEC=%-2d VPT=%d rows=%ld h=%ld stride=%ld P=%d bias=%d: worst relative error %.2g, %d bad\n",
+         sizeof(T) == 2 ? "16-bit" : "fp32  ", kind, VEC, plan.vpt, long(rows), long(h), long(stride), threshold,
+         bias, tally.worst, tally.bad);
   return tally.bad;
 }
 
-int main() {
+// Every plan the launch chooses from (fwd_candidates: a block per row with 1, 2, 4 vectors a thread).
+template <typename T, int VEC>
+int check(int64_t rows, int64_t h, int64_t stride, int threshold, bool bias) {
   int bad = 0;
+  for (const Plan& plan : fwd_candidates(h, VEC, kVectorRun<T, VEC>))
+    bad += check_plan<T, VEC>(plan, rows, h, stride, threshold, bias);
+  return bad;
+}
+
+// rows::resident_plan with an occupancy model of an H100 / H200 SM (65536 registers allocated per warp in
+// units of 256, 2048 threads) and ptxas's register counts of the 2-byte forward kernels (VPT 1, 2, 4: 36,
+// 50, 68): the most threads per row that leave two blocks resident, else the most blocks.
+int check_resident_plan() {
+  const auto blocks_per_sm = [](const Plan& p) {
+    const int regs = p.vpt == 1 ? 36 : p.vpt == 2 ? 50 : 68, warps = p.tpr * p.rpb / kWarp;
+    const int per_warp = (regs * kWarp + 255) / 256 * 256;
+    return std::min(65536 / (per_warp * warps), 2048 / (p.tpr * p.rpb));
+  };
+  int bad = 0;
+  const struct { int64_t h; int vpt, tpr; } want[] = {
+      {4096, 1, 512},    // 3 blocks of 512 x 1
+      {8192, 2, 512},    // 1024 x 1: one block; 512 x 2: two
+      {12288, 4, 384},   // 768 x 2: one block; 384 x 4: two
+      {16384, 2, 1024},  // one block either way: the most threads
+  };
+  for (const auto& w : want) {
+    const Plan plan = resident_plan(fwd_plan(w.h, 8, true), cdiv(w.h, 8), fwd_block_max_vpt(8), blocks_per_sm);
+    const bool ok = plan.kind == RowKind::kBlock && plan.vpt == w.vpt && plan.tpr == w.tpr;
+    printf("resident_plan h=%ld: %d threads x %d runs (want %d x %d)%s\n", long(w.h), plan.tpr, plan.vpt, w.tpr,
+           w.vpt, ok ? "" : "  WRONG");
+    bad += !ok;
+  }
+  return bad;
+}
+
+int main() {
+  int bad = check_resident_plan();
   bad += check<__nv_bfloat16, 8>(9, 1024, 1032, 26, true);   // warp per row (4 runs a lane), rows per block 4
   bad += check<float, 4>(6, 200, 200, 0, false);             // warp per row, lanes past the row
   bad += check<__nv_bfloat16, 8>(3, 4096, 4096, 26, true);   // block per row
   bad += check<__half, 8>(2, 12288, 12296, 128, true);       // block per row, 2 runs a thread
+  bad += check<__nv_bfloat16, 8>(2, 10000, 10008, 26, false); // 1250 runs: the last threads' runs past the row
   bad += check<__half, 16>(3, 1001, 1003, 26, false);        // scalar runs, odd h
   bad += check<__nv_bfloat16, 8>(2, 20480, 20480, 26, true); // column-chunked (2 chunks)
   bad += check<float, 16>(2, 16385, 16387, 200, true);       // scalar runs, chunked

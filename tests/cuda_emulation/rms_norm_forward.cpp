@@ -1,8 +1,9 @@
 // The CUDA residual add + RMSNorm forward kernels (csrc/rms_norm.cu) run under host emulation (shim.h),
-// launched as add_rms_norm_fwd launches them (its plan, its kernels): residual_out bitwise equal to the same
-// float addition done here, rstd and y (HF LlamaRMSNorm's rounding: normalise, round, scale) against
-// float64. Every kind of kernel: warp per row, block per row, chunked rows, with and without a residual,
-// 16-byte and scalar (VEC = 1) accesses, strided input rows.
+// launched as add_rms_norm_fwd launches them, with every plan its launch chooses from (fwd_candidates):
+// residual_out bitwise equal to the same float addition done here, rstd and y (HF LlamaRMSNorm's rounding:
+// normalise, round, scale) against float64. Every kind of kernel: warp per row, block per row (1, 2 and 4
+// vectors a thread), chunked rows, with and without a residual, 16-byte and scalar (VEC = 1) accesses,
+// strided input rows.
 #include "shim.h"
 #include "check.h"
 #include "rms_norm.cu"
@@ -15,8 +16,7 @@ using namespace seqpar;
 using namespace seqpar::rmsnorm;
 
 template <typename T, int VEC>
-const char* launch_forward(const FwdArgs& a, int64_t rows, int64_t h) {
-  const Plan plan = fwd_plan(h, VEC);
+const char* launch_forward(const Plan& plan, const FwdArgs& a, int64_t rows) {
   dispatch_plan<true, VEC>(plan, [&](auto vpt, auto kind) {
     launch({static_cast<unsigned>(cdiv(rows, plan.rpb)), 1, 1},
            {static_cast<unsigned>(plan.tpr), static_cast<unsigned>(plan.rpb), 1},
@@ -26,7 +26,7 @@ const char* launch_forward(const FwdArgs& a, int64_t rows, int64_t h) {
 }
 
 template <typename T, int VEC>
-int check(int64_t rows, int64_t h, int64_t stride, bool has_res) {
+int check_plan(const Plan& plan, int64_t rows, int64_t h, int64_t stride, bool has_res) {
   std::mt19937 gen(static_cast<unsigned>(23 + h + rows));
   std::normal_distribution<float> normal;
   std::vector<T> x(rows * stride), res(rows * stride);
@@ -37,7 +37,7 @@ int check(int64_t rows, int64_t h, int64_t stride, bool has_res) {
   for (auto& v : w) v = 1.0f + 0.1f * normal(gen);
   const FwdArgs a{x.data(), has_res ? res.data() : nullptr, w.data(), y.data(), has_res ? ro.data() : nullptr,
                   rstd.data(), kFloat32, rows, h, stride, stride, 1e-6f};
-  const char* kind = launch_forward<T, VEC>(a, rows, h);
+  const char* kind = launch_forward<T, VEC>(plan, a, rows);
   Tally tally;
   for (int64_t r = 0; r < rows; ++r) {
     std::vector<T> want_ro(h);
@@ -60,10 +60,18 @@ int check(int64_t rows, int64_t h, int64_t stride, bool has_res) {
         printf("  row %ld col %ld: y %g (want %g)\n", long(r), long(c), to_float(y[r * h + c]), want);
     }
   }
-  printf("%s %-5s VEC=%d rows=%ld h=%ld stride=%ld residual=%d: worst relative error %.2g, %d bad\n",
-         sizeof(T) == 2 ? "16-bit" : "fp32  ", kind, VEC, long(rows), long(h), long(stride), has_res, tally.worst,
-         tally.bad);
+  printf("%s %-5s VEC=%d VPT=%d rows=%ld h=%ld stride=%ld residual=%d: worst relative error %.2g, %d bad\n",
+         sizeof(T) == 2 ? "16-bit" : "fp32  ", kind, VEC, plan.vpt, long(rows), long(h), long(stride), has_res,
+         tally.worst, tally.bad);
   return tally.bad;
+}
+
+// Every plan the launch chooses from (fwd_candidates: a block per row with 1, 2, 4 vectors a thread).
+template <typename T, int VEC>
+int check(int64_t rows, int64_t h, int64_t stride, bool has_res) {
+  int bad = 0;
+  for (const Plan& plan : fwd_candidates(h, VEC)) bad += check_plan<T, VEC>(plan, rows, h, stride, has_res);
+  return bad;
 }
 
 int main() {
@@ -72,6 +80,7 @@ int main() {
   bad += check<float, 4>(6, 200, 200, false);              // warp per row, no residual
   bad += check<__nv_bfloat16, 8>(3, 4096, 4096, true);     // block per row
   bad += check<__half, 8>(2, 16384, 16392, true);          // block per row, 2 vectors a thread
+  bad += check<__nv_bfloat16, 8>(2, 10000, 10000, true);   // 1250 vectors: the last threads' past the row
   bad += check<__nv_bfloat16, 1>(3, 1001, 1003, true);     // scalar (VEC = 1)
   bad += check<__nv_bfloat16, 8>(2, 40000, 40000, true);   // chunked rows
   bad += check<float, 1>(2, 5003, 5007, false);            // scalar, chunked, no residual
