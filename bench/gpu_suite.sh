@@ -8,7 +8,9 @@
 #              compiles, which dominate, run on 12 of the 16 cores (limit 300 s; 377 tests took 164 s)
 #   norms      bench_layernorm_dropout, bench_llama_ops (280 + 180 s; took 136 s with 4 providers and 95+ s
 #              (past a 95 s limit, in RoPE) before the device-time measurement joined the call time; the
-#              LayerNorm sweep has since gained the row-sum design experiment at h = 4096, 6 configurations)
+#              LayerNorm sweep has since gained two design experiments, 6 configurations each (the row-sum
+#              backward at h = 4096, the chunked forward at h = 12288), and a copy of the same bytes per
+#              (tokens, h))
 #   attention  bench_attention, its Triton compiles first, in parallel (100 + 150 s; took 25 + 90 s)
 #   layer      python -m seqpar bench --device cuda (the paper's five experiments, 22B layer),
 #              Megatron-Core's layer at the same shape, bench_overlap's chunked-GEMM cost
