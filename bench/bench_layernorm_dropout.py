@@ -249,6 +249,21 @@ def same_bytes_copy(config: str, nbytes: Dict[str, int], device: torch.device, t
     return "  ".join(f"{d} {t:7.3f} ms {nbytes[d] / (t * 1e-3) / 1e9:7.1f} GB/s" for d, t in ms.items())
 
 
+def cuda_forward_plan(query: str, h: int, dtype: torch.dtype, device: torch.device) -> Optional[str]:
+    """The seqpar-cuda forward's launch plan for rows of h columns on ``device`` (``query``: the extension's
+    ``*_fwd_plan``), as a line of the log beside the times it explains; None where the extension can't run."""
+    from seqpar import _ext
+
+    if _ext.cuda_unavailable_reason(device):
+        return None
+    vectorized = h % (16 // dtype.itemsize) == 0
+    kind, vpt, threads, rows_per_block, chunks, blocks = getattr(_ext.cuda_extension(), query)(
+        h, _ext.DTYPE_CODES[dtype], vectorized)
+    vector = f"{16 // dtype.itemsize}-element vectors" if vectorized else "scalar runs"
+    return (f"{kind} per row: {threads} threads x {vpt} {vector}, {rows_per_block} rows a block, {chunks} column "
+            f"chunks, {blocks} blocks resident per SM")
+
+
 def minimal_bytes(tokens: int, h: int, elem: int) -> Dict[str, int]:
     fwd = (4 * tokens * h + 3 * h) * elem
     bwd = (5 * tokens * h + 4 * h) * elem
@@ -470,6 +485,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 copy = same_bytes_copy(copy_config, minimal_bytes(n, h, torch.empty((), dtype=dtype).element_size()),
                                        device, timer, rows)
                 print(f"  {'device-copy':14s} {copy_config} (the same bytes; GPU time): {copy}", flush=True)
+                plan = cuda_forward_plan("bias_dropout_add_layer_norm_fwd_plan", h, dtype, device)
+                if plan and "seqpar-cuda" in providers:
+                    print(f"  {'seqpar-cuda':14s} h={h} forward launch: {plan}", flush=True)
                 for p in dropouts:
                     for provider in providers:
                         r = bench_config(provider, n, h, p, dtype, device, timer, copy_gbps, rows)

@@ -73,7 +73,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.bench_layernorm_dropout import (  # noqa: E402
-    CLOCKS, Timer, _device_name, compiled_for_one_shape, measure_copy_gbps, record)
+    CLOCKS, Timer, _device_name, compiled_for_one_shape, cuda_forward_plan, measure_copy_gbps, record)
 from seqpar.bench.results import ResultRows  # noqa: E402
 
 OPS = ("rmsnorm", "swiglu", "rope")
@@ -351,6 +351,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         for op in ops_list:
             for size in _sizes(op, args):
                 label = ",".join(f"{k}={v}" for k, v in size.items())
+                plan = cuda_forward_plan("add_rms_norm_fwd_plan", size["hidden"], dtype, device) \
+                    if op == "rmsnorm" and "seqpar-cuda" in providers else None
+                if plan:
+                    print(f"  {op:8s} {'seqpar-cuda':14s} {label}: forward launch: {plan}", flush=True)
                 for provider in providers:
                     ms = bench_config(op, provider, size, dtype, device, timer, copy_gbps, rows)
                     if ms is not None:

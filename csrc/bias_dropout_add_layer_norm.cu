@@ -648,6 +648,15 @@ int fwd_blocks_per_sm(const Plan& plan) {
   return blocks;
 }
 
+// The forward's launch plan for rows of h columns on the current device: resident_plan over fwd_candidates.
+template <typename T, int VEC>
+Plan fwd_launch_plan(int64_t h) {
+  return memo_plan<std::tuple<FwdArgs, T, std::integral_constant<int, VEC>>>(h, [h] {
+    return resident_plan(fwd_plan(h, VEC, kVectorRun<T, VEC>), cdiv(h, VEC), fwd_block_max_vpt(VEC),
+                         fwd_blocks_per_sm<T, VEC>);
+  });
+}
+
 // Resident blocks per SM of the backward kernel of `plan`.
 template <typename T, int VEC>
 int bwd_blocks_per_sm(const Plan& plan, size_t smem) {
@@ -705,16 +714,26 @@ void bias_dropout_add_layer_norm_fwd(uintptr_t x, uintptr_t bias, uintptr_t resi
   dispatch_type_vec<kScalarRun>(dtype, vectorized, [&](auto tag, auto vec) {
     using T = decltype(tag);
     constexpr int kVec = decltype(vec)::value;
-    const Plan plan = memo_plan<std::tuple<FwdArgs, T, decltype(vec)>>(h, [&] {
-      return resident_plan(fwd_plan(h, kVec, kVectorRun<T, kVec>), cdiv(h, kVec), fwd_block_max_vpt(kVec),
-                           [](const Plan& p) { return fwd_blocks_per_sm<T, decltype(vec)::value>(p); });
-    });
+    const Plan plan = fwd_launch_plan<T, kVec>(h);
     dispatch_plan<true, T, kVec>(plan, [&](auto vpt, auto kind) {
       const dim3 block(plan.tpr, plan.rpb), grid(static_cast<unsigned>(cdiv(rows, plan.rpb)));
       fwd_kernel<T, kVec, decltype(vpt)::value, decltype(kind)::value><<<grid, block, 0, s>>>(a, plan.chunks);
     });
   });
   check_cuda(cudaGetLastError(), "bias_dropout_add_layer_norm_fwd launch");
+}
+
+rows::PlanInfo bias_dropout_add_layer_norm_fwd_plan(int64_t h, int dtype, bool vectorized) {
+  using namespace bdaln;
+  check_sizes(h, kFloat32);
+  PlanInfo info;
+  dispatch_type_vec<kScalarRun>(dtype, vectorized, [&](auto tag, auto vec) {
+    using T = decltype(tag);
+    constexpr int kVec = decltype(vec)::value;
+    const Plan plan = fwd_launch_plan<T, kVec>(h);
+    info = plan_info(plan, fwd_blocks_per_sm<T, kVec>(plan));
+  });
+  return info;
 }
 
 int64_t bias_dropout_add_layer_norm_bwd_partials(int64_t rows, int64_t h, int dtype, bool vectorized) {

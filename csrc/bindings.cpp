@@ -24,6 +24,10 @@ void bias_dropout_add_layer_norm_fwd(uintptr_t x, uintptr_t bias, uintptr_t resi
                                      uintptr_t rstd, int64_t rows, int64_t h, int64_t stride_x, int64_t stride_res,
                                      int dtype, int wdtype, bool vectorized, float eps, int threshold, uint64_t seed,
                                      int64_t row_offset, uintptr_t stream);
+// A launch plan (rows::PlanInfo): kind, vectors per thread, threads per row, rows per block, column chunks,
+// resident blocks per SM.
+using PlanInfo = std::tuple<std::string, int, int, int, int64_t, int>;
+PlanInfo bias_dropout_add_layer_norm_fwd_plan(int64_t h, int dtype, bool vectorized);
 int64_t bias_dropout_add_layer_norm_bwd_partials(int64_t rows, int64_t h, int dtype, bool vectorized);
 void bias_dropout_add_layer_norm_bwd(uintptr_t grad_y, uintptr_t grad_residual_out, uintptr_t residual_out,
                                      uintptr_t ln_weight, uintptr_t mean, uintptr_t rstd, uintptr_t grad_x,
@@ -43,6 +47,7 @@ void attention_softmax_dropout_bwd(uintptr_t probs, uintptr_t grad, uintptr_t dr
 void add_rms_norm_fwd(uintptr_t x, uintptr_t residual, uintptr_t weight, uintptr_t y, uintptr_t residual_out,
                       uintptr_t rstd, int64_t rows, int64_t h, int64_t stride_x, int64_t stride_res, int dtype,
                       int wdtype, bool vectorized, float eps, uintptr_t stream);
+PlanInfo add_rms_norm_fwd_plan(int64_t h, int dtype, bool vectorized);
 int64_t add_rms_norm_bwd_partials(int64_t rows, int64_t h, int dtype, bool vectorized);
 void add_rms_norm_bwd(uintptr_t grad_y, uintptr_t grad_residual_out, uintptr_t residual_out, int64_t stride_ro,
                       uintptr_t weight, uintptr_t rstd, uintptr_t grad_x, uintptr_t grad_residual, uintptr_t partials,
@@ -107,6 +112,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("dtype"), py::arg("wdtype"), py::arg("vectorized"), py::arg("eps"), py::arg("threshold"), py::arg("seed"),
         py::arg("row_offset"), py::arg("stream"),
         "Fused bias + dropout + residual add + LayerNorm forward (bias = 0: none).");
+  m.def("bias_dropout_add_layer_norm_fwd_plan", &seqpar::bias_dropout_add_layer_norm_fwd_plan, py::arg("h"),
+        py::arg("dtype"), py::arg("vectorized"),
+        "The forward's launch plan for rows of h columns on the current device: (kind, vectors per thread, "
+        "threads per row, rows per block, column chunks, resident blocks per SM).");
   m.def("bias_dropout_add_layer_norm_bwd_partials", &seqpar::bias_dropout_add_layer_norm_bwd_partials,
         py::arg("rows"), py::arg("h"), py::arg("dtype"), py::arg("vectorized"),
         "Rows of the fp32 partial buffers [3, n, h] that bias_dropout_add_layer_norm_bwd should get.");
@@ -138,6 +147,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("stride_res"), py::arg("dtype"), py::arg("wdtype"), py::arg("vectorized"), py::arg("eps"),
         py::arg("stream"),
         "Fused residual add + RMSNorm forward (residual = residual_out = 0: no residual).");
+  m.def("add_rms_norm_fwd_plan", &seqpar::add_rms_norm_fwd_plan, py::arg("h"), py::arg("dtype"),
+        py::arg("vectorized"),
+        "The forward's launch plan for rows of h columns on the current device: (kind, vectors per thread, "
+        "threads per row, rows per block, column chunks, resident blocks per SM).");
   m.def("add_rms_norm_bwd_partials", &seqpar::add_rms_norm_bwd_partials, py::arg("rows"), py::arg("h"),
         py::arg("dtype"), py::arg("vectorized"),
         "Rows of the fp32 partial buffer [n, h] that add_rms_norm_bwd should get.");

@@ -17,6 +17,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -209,6 +210,14 @@ Plan resident_plan(const Plan& plan, int64_t nvec, int max_vpt, BlocksPerSm&& bl
     if (best_blocks >= kResidentRows) break;
   }
   return best;
+}
+
+// What a launch-plan query returns to Python: (kind "warp" / "block" / "chunked", vectors per thread, threads
+// per row, rows per block, column chunks, resident blocks per SM of the plan's kernel).
+using PlanInfo = std::tuple<std::string, int, int, int, int64_t, int>;
+inline PlanInfo plan_info(const Plan& p, int blocks_per_sm) {
+  const char* kind = p.kind == RowKind::kWarp ? "warp" : p.kind == RowKind::kBlock ? "block" : "chunked";
+  return {kind, p.vpt, p.tpr, p.rpb, p.chunks, blocks_per_sm};
 }
 
 // Calls fn(std::integral_constant<int, VPT>{}) for vpt in {1, 2, 4, ..., kMax} (kMax <= 32; only those

@@ -564,6 +564,28 @@ def test_gpu_any_hidden_size(backend, h, dtype_name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_gpu_cuda_forward_keeps_two_rows_resident(op):
+    """The CUDA forward's launch plan (rows::resident_plan) on this device: the block per row of a wide 2-byte
+    row with two blocks resident per SM, where the fewest vectors a thread left one (LayerNorm h = 8192 /
+    12288: 1024 x 1 / 768 x 2 threads x 16-byte vectors; RMSNorm h = 16384: 1024 x 2), its vectors covering
+    the row; narrower rows keep the fewest vectors a thread."""
+    skip_unless_backend_runs("cuda")
+    from seqpar import _ext
+
+    query = (_ext.cuda_extension().bias_dropout_add_layer_norm_fwd_plan if op == "layer_norm"
+             else _ext.cuda_extension().add_rms_norm_fwd_plan)
+    wide = (8192, 12288) if op == "layer_norm" else (16384,)
+    for h in (4096,) + wide:
+        kind, vpt, threads, rows_per_block, chunks, blocks_per_sm = query(h, _ext.DTYPE_CODES[torch.bfloat16], True)
+        assert (kind, rows_per_block, chunks) == ("block", 1, 1), (h, kind)
+        assert threads * vpt * 8 >= h > (threads - 32) * vpt * 8, (h, threads, vpt)
+        assert blocks_per_sm >= 2, (h, threads, vpt, blocks_per_sm)
+        if h == 4096:      # 512 threads x 1 already leave 3 blocks per SM
+            assert vpt == 1, vpt
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_odd_wide_rows_scalar_chunks():
     """Scalar-access runs (h odd, so no 16-byte vectors) of chunked rows, with and without a bias."""
     skip_unless_backend_runs("cuda")
