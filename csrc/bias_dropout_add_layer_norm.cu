@@ -726,6 +726,7 @@ void bias_dropout_add_layer_norm_fwd(uintptr_t x, uintptr_t bias, uintptr_t resi
 rows::PlanInfo bias_dropout_add_layer_norm_fwd_plan(int64_t h, int dtype, bool vectorized) {
   using namespace bdaln;
   check_sizes(h, kFloat32);
+  check_aligned("bias_dropout_add_layer_norm", vectorized, h, dtype, {}, {});  // h a whole number of 16-byte vectors
   PlanInfo info;
   dispatch_type_vec<kScalarRun>(dtype, vectorized, [&](auto tag, auto vec) {
     using T = decltype(tag);

@@ -445,6 +445,7 @@ void add_rms_norm_fwd(uintptr_t x, uintptr_t residual, uintptr_t weight, uintptr
 rows::PlanInfo add_rms_norm_fwd_plan(int64_t h, int dtype, bool vectorized) {
   using namespace rmsnorm;
   check_args(h, kFloat32);
+  check_aligned("add_rms_norm", vectorized, h, dtype, {}, {});  // h a whole number of 16-byte vectors
   PlanInfo info;
   dispatch_type_vec(dtype, vectorized, [&](auto tag, auto vec) {
     using T = decltype(tag);

@@ -563,6 +563,18 @@ def test_gpu_any_hidden_size(backend, h, dtype_name):
             _check_error_within(got, torch_same, _reference_fp64(inp, p, row_offset=5))
 
 
+@pytest.mark.parametrize("query", ["bias_dropout_add_layer_norm_fwd_plan", "add_rms_norm_fwd_plan"])
+def test_cuda_forward_plan_query_checks_h_before_the_device(query):
+    """The plan queries refuse 16-byte vectors for a row that is no whole number of them (a ValueError naming
+    the op), before they touch a device (none here)."""
+    from seqpar import _ext
+
+    if _ext.cuda_extension_error():
+        pytest.skip(_ext.cuda_extension_error())
+    with pytest.raises(ValueError, match="divisible by 8"):
+        getattr(_ext.cuda_extension(), query)(1001, _ext.DTYPE_CODES[torch.bfloat16], True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
 def test_gpu_cuda_forward_keeps_two_rows_resident(op):
