@@ -627,13 +627,12 @@ inline size_t bwd_smem_bytes(const Plan& plan, int64_t h) {
   return plan.kind == RowKind::kBlock ? 3 * sizeof(float) * static_cast<size_t>(h) : 0;
 }
 
+constexpr const char* kOccupancy = "bias_dropout_add_layer_norm occupancy";
+
 // Resident blocks per SM of bwd_columns_kernel.
 template <typename T, int VEC>
 int columns_blocks_per_sm() {
-  int blocks = 0;
-  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, bwd_columns_kernel<T, VEC>, kColumnThreads, 0),
-             "bias_dropout_add_layer_norm occupancy");
-  return std::max(blocks, 1);
+  return std::max(resident_blocks(bwd_columns_kernel<T, VEC>, kColumnThreads, 0, kOccupancy), 1);
 }
 
 // Resident blocks per SM of the forward kernel of `plan`.
@@ -642,8 +641,7 @@ int fwd_blocks_per_sm(const Plan& plan) {
   int blocks = 0;
   dispatch_plan<true, T, VEC>(plan, [&](auto vpt, auto kind) {
     const auto kernel = fwd_kernel<T, VEC, decltype(vpt)::value, decltype(kind)::value>;
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, plan.tpr * plan.rpb, 0),
-               "bias_dropout_add_layer_norm occupancy");
+    blocks = resident_blocks(kernel, plan.tpr * plan.rpb, 0, kOccupancy);
   });
   return blocks;
 }
@@ -664,8 +662,7 @@ int bwd_blocks_per_sm(const Plan& plan, size_t smem) {
   dispatch_plan<false, T, VEC>(plan, [&](auto vpt, auto kind) {
     const auto kernel = bwd_kernel<T, VEC, decltype(vpt)::value, decltype(kind)::value>;
     allow_smem(kernel, smem, "bias_dropout_add_layer_norm shared memory");
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, plan.tpr * plan.rpb, smem),
-               "bias_dropout_add_layer_norm occupancy");
+    blocks = resident_blocks(kernel, plan.tpr * plan.rpb, smem, kOccupancy);
   });
   return std::max(blocks, 1);
 }

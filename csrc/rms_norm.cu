@@ -373,14 +373,15 @@ inline void check_args(int64_t h, int wdtype) {
     throw std::invalid_argument("add_rms_norm: unsupported weight dtype code " + std::to_string(wdtype));
 }
 
+constexpr const char* kOccupancy = "add_rms_norm occupancy";
+
 // Resident blocks per SM of the forward kernel of `plan`.
 template <typename T, int VEC>
 int fwd_blocks_per_sm(const Plan& plan) {
   int blocks = 0;
   dispatch_plan<true, VEC>(plan, [&](auto vpt, auto kind) {
     const auto kernel = fwd_kernel<T, VEC, decltype(vpt)::value, decltype(kind)::value>;
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, plan.tpr * plan.rpb, 0),
-               "add_rms_norm occupancy");
+    blocks = resident_blocks(kernel, plan.tpr * plan.rpb, 0, kOccupancy);
   });
   return blocks;
 }
@@ -396,16 +397,12 @@ Plan fwd_launch_plan(int64_t h) {
 // Resident blocks per SM of the backward kernel of `plan` (kChunked: of bwd_columns_kernel).
 template <typename T, int VEC>
 int bwd_blocks_per_sm(const Plan& plan) {
+  if (plan.kind == RowKind::kChunked)
+    return std::max(resident_blocks(bwd_columns_kernel<T, VEC>, kColumnThreads, 0, kOccupancy), 1);
   int blocks = 0;
-  if (plan.kind == RowKind::kChunked) {
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, bwd_columns_kernel<T, VEC>, kColumnThreads, 0),
-               "add_rms_norm occupancy");
-    return std::max(blocks, 1);
-  }
   dispatch_plan<false, VEC>(plan, [&](auto vpt, auto kind) {
     const auto kernel = bwd_kernel<T, VEC, decltype(vpt)::value, decltype(kind)::value>;
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, plan.tpr * plan.rpb, 0),
-               "add_rms_norm occupancy");
+    blocks = resident_blocks(kernel, plan.tpr * plan.rpb, 0, kOccupancy);
   });
   return std::max(blocks, 1);
 }

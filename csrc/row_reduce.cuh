@@ -281,6 +281,15 @@ void allow_smem(Kernel kernel, size_t bytes, const char* what) {
                what);
 }
 
+// Blocks of `kernel` that one SM of the current device holds at once with `threads` threads and `smem` bytes of
+// dynamic shared memory each (the CUDA occupancy calculator; 0: it cannot launch so).
+template <typename Kernel>
+int resident_blocks(Kernel kernel, int threads, size_t smem, const char* what) {
+  int blocks = 0;
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem), what);
+  return blocks;
+}
+
 // make() (a launch plan for rows of h columns on the current device), computed once per (device, h) for the
 // calling instantiation (Tag: its kernel's template arguments): the occupancy queries behind a plan run
 // once per shape, not at every launch.
