@@ -126,9 +126,22 @@ def stream_seed(seed: int, layer_number: int, site: int, call: int = 0) -> int:
     return h >> (64 - _STREAM_SEED_BITS)
 
 
-def _draw() -> int:
+def _draw_bits() -> int:
     """63 random bits from torch's default CPU generator (the state torch's checkpoint restores)."""
     return int(torch.empty((), dtype=torch.int64).random_(generator=None))
+
+
+# A Python int drawn from a tensor cannot be traced: under torch.compile each draw is a graph break, and
+# fullgraph=True stops with this reason instead of Dynamo's bare "Tensor.random_ op".
+_DRAW_NOT_TRACEABLE = (
+    "seqpar draws a dropout seed per forward from torch's default CPU generator (so checkpointing replays "
+    "it), which torch.compile cannot trace. Under fullgraph=True pass seed= to the functional ops (e.g. "
+    "seqpar.random.next_op_seed() outside the compiled function), or compile the modules without "
+    "fullgraph when their dropout is on")
+try:
+    _draw = torch.compiler.disable(_draw_bits, reason=_DRAW_NOT_TRACEABLE)
+except TypeError:  # torch < 2.7: no reason= (the graph break is the same, its message bare)
+    _draw = torch.compiler.disable(_draw_bits)
 
 
 def next_layer_seed(layer_number: int) -> int:
@@ -220,6 +233,11 @@ def resolve_seed(seed: Optional[int]) -> int:
     """Validate a user-given op seed, or draw one from the seqpar generator when ``None``."""
     if seed is None:
         return next_op_seed()
+    return check_stream_seed(seed)
+
+
+def check_stream_seed(seed, name: str = "seed") -> int:
+    """``seed`` if it is a Philox stream seed (an int in [0, 2**62)), else a ValueError naming ``name``."""
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**_STREAM_SEED_BITS:
-        raise ValueError(f"seed must be an int in [0, 2**62), got {seed!r}")
+        raise ValueError(f"{name} must be an int in [0, 2**62), got {seed!r}")
     return seed

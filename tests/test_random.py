@@ -168,3 +168,23 @@ def test_manual_seed_resets_layer_calls():
 def test_manual_seed_rejects(bad):
     with pytest.raises(ValueError, match="seed"):
         seqpar.manual_seed(bad)
+
+
+def test_seed_draw_under_torch_compile():
+    """Drawing a seed (seed=None, dropout on) is a graph break: without fullgraph the op runs and draws a
+    fresh seed per call, as in eager mode; fullgraph=True stops with seqpar's reason, naming the fix."""
+    x = torch.randn(4, 16)
+
+    def f(x):
+        return seqpar.ops.dropout(x, seqpar.ops.DropoutSpec(0.5, seqpar.random.next_op_seed()))
+
+    compiled = torch.compile(f, backend="eager")
+    seqpar.manual_seed(3)
+    eager = [f(x), f(x)]
+    seqpar.manual_seed(3)
+    traced = [compiled(x), compiled(x)]
+    torch.testing.assert_close(traced, eager, rtol=0, atol=0)
+    assert not torch.equal(traced[0], traced[1])
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="pass seed= to the functional ops"):
+        torch.compile(f, backend="eager", fullgraph=True)(x)

@@ -338,11 +338,13 @@ def _check_inputs(q, k, v, enable_gqa: bool) -> None:
         raise ValueError(f"q shape {tuple(q.shape)} does not match k/v shape {tuple(k.shape)} "
                          "in batch or head dim")
     heads, kv_heads = q.shape[1], k.shape[1]
+    if heads == 0 or kv_heads == 0:
+        raise ValueError(f"q and k/v need at least one head, got {heads} q heads and {kv_heads} k/v heads")
     if heads != kv_heads:
         if not enable_gqa:
             raise ValueError(f"q has {heads} heads but k/v have {kv_heads}: pass enable_gqa=True for "
                              "grouped-query attention (or give k/v q's head count)")
-        if kv_heads == 0 or heads % kv_heads:
+        if heads % kv_heads:
             raise ValueError(f"enable_gqa=True needs k/v heads dividing q heads, got {heads} q heads and "
                              f"{kv_heads} k/v heads")
     if not (q.device == k.device == v.device):

@@ -278,12 +278,18 @@ def _check(x, weight, bias, x_name):
     if not isinstance(x, torch.Tensor) or x.dim() < 2 or not x.is_floating_point():
         raise ValueError(f"{x_name} must be a floating [s, b, k] tensor, got "
                          f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
-    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"weight shape {tuple(weight.shape)} does not match {x_name} inner dim {x.shape[-1]}")
-    if weight.dtype != x.dtype or weight.device != x.device:
-        raise ValueError(f"weight is {weight.dtype} on {weight.device} but {x_name} is {x.dtype} on {x.device}")
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"bias shape {tuple(bias.shape)} != [{weight.shape[0]}]")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"weight must be a [n, {x.shape[-1]}] tensor ({x_name}'s inner dim), got "
+                         f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+    # bias is added to the GEMM's output, so it must match it (a fp32 bias on bf16 GEMMs would promote y).
+    for name, t, shape in (("weight", weight, weight.shape), ("bias", bias, (weight.shape[0],))):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.shape != shape:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a {list(shape)} tensor, got {got}")
+        if t.dtype != x.dtype or t.device != x.device:
+            raise ValueError(f"{name} is {t.dtype} on {t.device} but {x_name} is {x.dtype} on {x.device}")
 
 
 def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,

@@ -12,16 +12,17 @@ import torch
 
 from . import registry
 from .. import _ext
-from ..random import dropout_keep_mask, dropout_scale, dropout_threshold, resolve_seed
+from ..random import check_stream_seed, dropout_keep_mask, dropout_scale, dropout_threshold, resolve_seed
 
 
 @dataclasses.dataclass(frozen=True)
 class DropoutSpec:
     """Which dropout mask to apply: probability ``p``, stream ``seed`` and the global index of row 0.
 
-    ``p`` is validated on construction (:func:`seqpar.random.dropout_threshold`: ValueError unless
-    ``round(p * 256) < 256``); its byte threshold ``P = round(p * 256) == 0`` means no dropout (seed and
-    row_offset are then ignored).
+    Every field is validated on construction: ``p`` by :func:`seqpar.random.dropout_threshold`
+    (ValueError unless ``round(p * 256) < 256``), ``seed`` an int in [0, 2**62) (a Philox stream seed),
+    ``row_offset`` a non-negative int. The byte threshold ``P = round(p * 256) == 0`` means no dropout
+    (seed and row_offset are then ignored).
     """
 
     p: float = 0.0
@@ -32,6 +33,8 @@ class DropoutSpec:
         # Validates p; P is kept (not a field: equality, hashing and repr stay those of p, seed, row_offset)
         # because the ops read it several times per call.
         object.__setattr__(self, "_threshold", dropout_threshold(self.p))
+        check_stream_seed(self.seed)
+        _check_row_offset(self.row_offset)
 
     @property
     def threshold(self) -> int:
@@ -40,6 +43,7 @@ class DropoutSpec:
 
     @property
     def active(self) -> bool:
+        """Whether any element can be dropped (``P > 0``)."""
         return self._threshold > 0
 
     @property
@@ -53,16 +57,25 @@ class DropoutSpec:
         return dropout_keep_mask(self.seed, rows, n_cols, self.threshold)
 
 
+def _check_row_offset(row_offset) -> None:
+    if not isinstance(row_offset, int) or isinstance(row_offset, bool) or row_offset < 0:
+        raise ValueError(f"row_offset must be a non-negative int, got {row_offset!r}")
+
+
 _NO_DROPOUT = DropoutSpec()  # immutable: shared by every call without active dropout
 
 
 def make_dropout_spec(p: float, training: bool, seed, row_offset: int = 0) -> DropoutSpec:
-    """Validate ``p`` (ValueError outside [0, 1) or when ``round(p * 256) >= 256``) and resolve the seed
-    when dropout is active (``round(p * 256) > 0`` and training)."""
+    """Validate ``p`` (ValueError outside [0, 1) or when ``round(p * 256) >= 256``), ``training`` (a bool:
+    a string such as "False" would be truthy) and ``row_offset``, and resolve the seed when dropout is
+    active (``round(p * 256) > 0`` and training). A given seed is validated even when dropout is off."""
     threshold = dropout_threshold(p)
-    if not isinstance(row_offset, int) or row_offset < 0:
-        raise ValueError(f"row_offset must be a non-negative int, got {row_offset!r}")
+    _check_row_offset(row_offset)
+    if not isinstance(training, bool):
+        raise ValueError(f"training must be a bool, got {training!r}")
     if not training or threshold == 0:
+        if seed is not None:
+            check_stream_seed(seed)
         return _NO_DROPOUT
     return DropoutSpec(float(p), resolve_seed(seed), row_offset)
 
@@ -91,22 +104,50 @@ class _Dropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, spec: DropoutSpec):
         ctx.spec = spec
-        h = x.shape[-1]
-        return apply_keep_mask(x.reshape(-1, h), spec).view(x.shape)
+        return apply_keep_mask(x.reshape(-1, x.shape[-1]), spec).view(x.shape)
 
     @staticmethod
     @registry.once_differentiable
     def backward(ctx, grad):
-        h = grad.shape[-1]
-        return apply_keep_mask(grad.reshape(-1, h), ctx.spec).view(grad.shape), None
+        return apply_keep_mask(grad.reshape(-1, grad.shape[-1]), ctx.spec).view(grad.shape), None
+
+
+def _check_dropout_args(x, spec) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or not x.is_floating_point():
+        got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be a floating [..., h] tensor, got {got}")
+    if not isinstance(spec, DropoutSpec):
+        raise ValueError(f"spec must be a seqpar.ops.DropoutSpec, got {type(spec).__name__}")
 
 
 def dropout(x: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
-    """Dropout of ``x`` [..., h] viewed as rows of h; the mask is regenerated in backward."""
-    return _Dropout.apply(x, spec) if spec.active else x
+    """Dropout of ``x`` [..., h] viewed as rows of h; the mask is regenerated in backward.
+
+    ``x`` a floating tensor with at least one dimension; ``spec`` a :class:`DropoutSpec` (ValueError
+    otherwise, naming the argument). An inactive spec returns ``x`` itself.
+    """
+    _check_dropout_args(x, spec)
+    return _Dropout.apply(x, spec) if spec.active and x.numel() else x
 
 
 def bias_dropout_add(x: torch.Tensor, bias, residual: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
-    """``residual + dropout(x + bias)`` with a regenerated mask (no LayerNorm; see the fused op)."""
-    h = x if bias is None else x + bias
-    return residual + dropout(h, spec)
+    """``residual + dropout(x + bias)`` with a regenerated mask (no LayerNorm; see the fused op).
+
+    ============  ===============================================================
+    x, residual   [..., h], one floating dtype and device, the same shape
+    bias          [h] of x's dtype and device, or None
+    returns       [..., h]
+    ============  ===============================================================
+
+    Nothing is broadcast or promoted: a shape, dtype or device that differs is a ValueError naming the
+    argument.
+    """
+    _check_dropout_args(x, spec)
+    for name, t, shape in (("residual", residual, x.shape), ("bias", bias, x.shape[-1:])):
+        if t is None and name == "bias":
+            continue
+        if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != x.dtype or t.device != x.device:
+            got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a {list(shape)} tensor of x's {x.dtype} on {x.device}, got {got}")
+    biased = x if bias is None else x + bias
+    return residual + dropout(biased, spec)

@@ -226,10 +226,35 @@ def _check_inputs(q, k, position_offset, theta, inplace) -> int:
             if t.numel() and t.stride(-1) != 1:
                 raise ValueError(f"inplace=True needs {name} with unit stride along d, got strides {t.stride()}")
         # A graph capture has no addresses (fake tensors): there, only the same tensor object is caught.
-        same = q is k if registry.tracing() else q.numel() and q.data_ptr() == k.data_ptr()
-        if same:
-            raise ValueError("inplace=True needs q and k to be different tensors (they start at one address)")
+        overlap = q is k if registry.tracing() else _first_element_shared(q, k) or _first_element_shared(k, q)
+        if overlap:
+            raise ValueError("inplace=True needs q and k not to share elements (they overlap in memory), "
+                             f"got q {tuple(q.shape)} strides {q.stride()} at element {q.storage_offset()} and "
+                             f"k {tuple(k.shape)} strides {k.stride()} at element {k.storage_offset()} of one "
+                             "storage")
     return d
+
+
+def _first_element_shared(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether b's first element is one of a's elements (same storage; exact for views whose strides,
+    sorted, each step over the inner dims' extent, as slices of one buffer do).
+
+    Catches overlapping slices of one buffer (q = buf[:, :, 0:2], k = buf[:, :, 1:3]) without a false
+    alarm for disjoint ones, such as the q and k heads of a fused QKV projection.
+    """
+    if not (a.numel() and b.numel()) or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    if a.element_size() != b.element_size():
+        return False
+    rest = b.storage_offset() - a.storage_offset()
+    if rest < 0:
+        return False
+    for stride, size in sorted(zip(a.stride(), a.shape), reverse=True):
+        index = rest // stride if stride else 0
+        if index >= size:
+            return False
+        rest -= index * stride
+    return rest == 0
 
 
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, *, position_offset: int = 0, theta: float = 10000.0,

@@ -78,6 +78,7 @@ class ChunkPlan:
 
     @property
     def overlapped(self) -> bool:
+        """Whether the GEMM runs in chunks with their transfers overlapped (``chunks > 1``)."""
         return self.chunks > 1
 
     def validate(self, t: int) -> "ChunkPlan":

@@ -34,9 +34,23 @@ def _not_a_member(group) -> ValueError:
                       f"parallelism)")
 
 
+def _no_parallelism(group) -> bool:
+    """Whether ``group`` means one rank: None, or a ProcessGroup while torch.distributed is not
+    initialised. Anything else than None or a ProcessGroup (a rank list, a backend name) is a ValueError,
+    whether or not torch.distributed is initialised."""
+    if group is None:
+        return True
+    if isinstance(group, int) and dist.is_available() and dist.is_initialized() \
+            and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise _not_a_member(group)  # what new_group returns on the ranks outside the group it makes
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise ValueError(f"a process group must be a torch.distributed.ProcessGroup or None, got {group!r}")
+    return not dist.is_initialized()
+
+
 def group_size(group: ProcessGroup) -> int:
     """Number of ranks in ``group`` (1 for ``None``); ValueError if this process is not a member."""
-    if group is None or not dist.is_available() or not dist.is_initialized():
+    if _no_parallelism(group):
         return 1
     size = dist.get_world_size(group)
     if size < 1:  # torch answers -1 for a group this rank is not part of
@@ -46,7 +60,7 @@ def group_size(group: ProcessGroup) -> int:
 
 def group_rank(group: ProcessGroup) -> int:
     """This process's rank inside ``group`` (0 for ``None``); ValueError if it is not a member."""
-    if group is None or not dist.is_available() or not dist.is_initialized():
+    if _no_parallelism(group):
         return 0
     rank = dist.get_rank(group)
     if rank < 0:

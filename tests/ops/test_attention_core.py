@@ -432,9 +432,12 @@ def test_gqa_keeps_k_and_v_at_their_heads(backend):
 @pytest.mark.parametrize("kv_heads,kwargs,match", [
     (2, {}, "enable_gqa=True"),
     (4, {"enable_gqa": True}, "dividing q heads"),
-], ids=["heads-differ-without-enable_gqa", "kv-heads-not-dividing"])
+    (0, {"enable_gqa": True}, "at least one head, got 6 q heads and 0 k/v heads"),
+    ((0, 0), {}, "at least one head, got 0 q heads"),
+], ids=["heads-differ-without-enable_gqa", "kv-heads-not-dividing", "no-kv-heads", "no-heads"])
 def test_gqa_bad_head_counts(kv_heads, kwargs, match):
-    q, k = randn(1, 6, 8, 16), randn(1, kv_heads, 8, 16)
+    heads, kv_heads = kv_heads if isinstance(kv_heads, tuple) else (6, kv_heads)
+    q, k = randn(1, heads, 8, 16), randn(1, kv_heads, 8, 16)
     with pytest.raises(ValueError, match=match):
         attention_core(q, k, k, **kwargs)
 

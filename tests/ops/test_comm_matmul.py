@@ -87,8 +87,19 @@ def test_bad_inputs_raise(op):
         fn(x, torch.randn(5, 7), group=None)
     with pytest.raises(ValueError, match="bfloat16"):
         fn(x, w.bfloat16(), group=None)
-    with pytest.raises(ValueError, match=r"bias shape \(4,\)"):
+    with pytest.raises(ValueError, match=r"bias must be a \[5\] tensor, got \(4,\)"):
         fn(x, w, torch.randn(4), group=None)
+    # A bias of another dtype or device would promote y (fp32 bias on bf16 GEMMs) or fail inside addmm.
+    with pytest.raises(ValueError, match="bias is torch.float32 on cpu but x.* is torch.bfloat16"):
+        fn(x.bfloat16(), w.bfloat16(), torch.randn(5), group=None)
+    with pytest.raises(ValueError, match="bias is torch.float32 on meta"):
+        fn(x, w, torch.randn(5, device="meta"), group=None)
+    with pytest.raises(ValueError, match=r"bias must be a \[5\] tensor, got list"):
+        fn(x, w, [0.0] * 5, group=None)
+    with pytest.raises(ValueError, match=r"weight must be a \[n, 6\] tensor.*got list"):
+        fn(x, [[0.0] * 6] * 5, group=None)
+    with pytest.raises(ValueError, match="ProcessGroup or None, got 'world'"):
+        fn(x, w, group="world")                           # not silently "no parallelism"
     with pytest.raises(ValueError, match="group size 1"):
         fn(x, w, group=None, overlap=ChunkPlan(2))        # a forced plan must fit the group
     with pytest.raises(ValueError, match="overlap"):

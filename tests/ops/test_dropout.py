@@ -62,6 +62,52 @@ def test_bias_dropout_add_and_validation():
     assert dropout_threshold(0.9975) == 255
 
 
+
+def test_bias_dropout_add_broadcasts_nothing():
+    """Each mismatch a ValueError naming the argument: no broadcast (one mask row shared by every row of a
+    residual), no dtype promotion, no device error from deep inside."""
+    x, bias, res = torch.randn(3, 8), torch.randn(8), torch.randn(3, 8)
+    spec = DropoutSpec(0.5, 5, 0)
+    bad = {
+        "bias of another width": (x, torch.randn(1), res, spec, r"bias must be a \[8\] tensor"),
+        "residual of x's row": (x, bias, torch.randn(8), spec, r"residual must be a \[3, 8\] tensor"),
+        "x one row, residual three": (torch.randn(8), torch.randn(8), res, spec, r"residual must be a \[8\]"),
+        "residual with a batch dim more": (x, bias, torch.randn(5, 3, 8), spec, "residual must be"),
+        "fp32 residual on fp16 x": (x.half(), bias.half(), res, spec, "of x's torch.float16"),
+        "residual on another device": (x, bias, res.to("meta"), spec, "on cpu, got torch.float32 .* on meta"),
+        "spec a float": (x, bias, res, 0.5, "spec must be a seqpar.ops.DropoutSpec, got float"),
+        "integer x": (x.long(), None, res.long(), spec, "x must be a floating"),
+    }
+    for name, (xb, bb, rb, sb, match) in bad.items():
+        with pytest.raises(ValueError, match=match):
+            bias_dropout_add(xb, bb, rb, sb)
+    torch.testing.assert_close(bias_dropout_add(x, None, res, spec), res + apply_keep_mask(x, spec))
+
+
+def test_dropout_and_spec_validation():
+    spec = DropoutSpec(0.5, 5, 0)
+    for x, match in ((torch.ones(3, 8, dtype=torch.int64), "x must be a floating"),
+                     (torch.tensor(1.0), r"x must be a floating \[\.\.\., h\] tensor, got torch.float32 \(\)")):
+        with pytest.raises(ValueError, match=match):
+            dropout(x, spec)
+    with pytest.raises(ValueError, match="spec must be"):
+        dropout(torch.randn(3, 8), 0.5)
+    empty = torch.randn(3, 0)
+    assert dropout(empty, spec) is empty                  # nothing to drop (reshape(-1, 0) is ambiguous)
+    # The fields the kernels read are checked as the fused ops check them: 2**64 would alias seed 0.
+    for kwargs, match in (({"seed": 1.5}, "seed must be an int"), ({"seed": -1}, "seed must be an int"),
+                          ({"seed": 2**64}, r"seed must be an int in \[0, 2\*\*62\)"),
+                          ({"row_offset": -3}, "row_offset must be a non-negative int"),
+                          ({"row_offset": True}, "row_offset must be a non-negative int")):
+        with pytest.raises(ValueError, match=match):
+            DropoutSpec(0.5, **kwargs)
+    # training must be a bool ("False" is truthy), and a given seed is checked even with dropout off.
+    for training in ("False", None, 1):
+        with pytest.raises(ValueError, match="training must be a bool"):
+            make_dropout_spec(0.5, training, 3)
+    with pytest.raises(ValueError, match="seed must be an int"):
+        make_dropout_spec(0.5, False, -1)
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cols", [1000, 1003], ids=["aligned", "ragged"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -204,7 +204,7 @@ def test_torch_compile_traces_the_op(inplace):
 def test_inplace_with_q_and_k_one_tensor_is_refused_under_torch_compile_too():
     q, _ = _qk(6, 2, 2, 1, 16, torch.float32)
     f = torch.compile(lambda q: rotary_embedding(q, q, inplace=True, backend="torch"), backend="aot_eager")
-    with pytest.raises(Exception, match="different tensors"):
+    with pytest.raises(Exception, match="not to share elements"):
         f(q.clone())
 
 
@@ -225,7 +225,7 @@ BAD = [
     ("theta_inf", dict(theta=float("inf")), "theta"),
     ("inplace_int", dict(inplace=1), "inplace must be a bool"),
     ("inplace_strided_d", dict(q=torch.randn(4, 2, 2, 16)[..., ::2], inplace=True), "unit stride along d"),
-    ("inplace_same_tensor", dict(k="q", inplace=True), "different tensors"),
+    ("inplace_same_tensor", dict(k="q", inplace=True), "not to share elements"),
     ("backend_unknown", dict(backend="cudnn"), "unknown backend"),
 ]
 
@@ -240,6 +240,21 @@ def test_bad_inputs_raise_value_error(overrides, match):
     with pytest.raises(ValueError, match=match):
         rotary_embedding(args.pop("q"), args.pop("k"), **args)
 
+
+
+def test_inplace_refuses_overlapping_slices_of_one_buffer():
+    """Overlapping views would rotate the shared heads twice; disjoint ones (fused QKV heads, interleaved
+    heads) are fine."""
+    buf = torch.randn(4, 2, 3, 8)
+    for q, k in ((buf[:, :, 0:2], buf[:, :, 1:3]), (buf[:, :, 1:3], buf[:, :, 0:2]), (buf[0:3], buf[1:4])):
+        with pytest.raises(ValueError, match="not to share elements"):
+            rotary_embedding(q, k, inplace=True, backend="torch")
+    qkv = torch.randn(4, 2, 12, 8)
+    interleaved = torch.randn(4, 2, 6, 8)
+    for q, k in ((qkv[:, :, 0:6], qkv[:, :, 6:9]), (interleaved[:, :, 0::2], interleaved[:, :, 1::2])):
+        want = rotary_embedding(q, k, backend="torch")
+        rotary_embedding(q, k, inplace=True, backend="torch")
+        torch.testing.assert_close((q, k), want, rtol=0, atol=0)
 
 def test_strided_head_dim_is_copied_out_of_place():
     q, k = torch.randn(4, 2, 2, 16)[..., ::2], torch.randn(4, 2, 1, 8)
