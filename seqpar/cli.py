@@ -6,6 +6,8 @@ by bad input (a ValueError) prints one line and exits with status 1.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import platform
 import sys
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -36,6 +38,7 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse whose usage errors are one line, ``prog: error: message``, with exit status 2."""
 
     def error(self, message: str):  # noqa: D401 - argparse's hook
+        """Exit with status 2 after one line on stderr: ``prog: error: message (see prog --help)``."""
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -55,6 +58,25 @@ def matplotlib_missing() -> Optional[str]:
     except ImportError:
         return "--plot needs matplotlib: pip install 'seqpar[plot]' (or pip install matplotlib)"
     return None
+
+
+def check_output_paths(parser: argparse.ArgumentParser, args: argparse.Namespace, *options: str) -> None:
+    """``parser.error`` (one line, status 2) for an ``--option PATH`` the command could not write, checked
+    at parsing: otherwise it would fail only when writing, after the whole run."""
+    for option in options:
+        path = getattr(args, option)
+        if not path:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            problem = "is a directory"
+        elif not os.path.isdir(folder):
+            problem = f"its folder {folder} does not exist"
+        elif not os.access(path if os.path.exists(path) else folder, os.W_OK):
+            problem = "is not writable"
+        else:
+            continue
+        parser.error(f"--{option} {path}: {problem}")
 
 
 # ---------------------------------------------------------------------------------------------- info
@@ -166,14 +188,15 @@ def _plan_args(argv: Sequence[str]) -> argparse.Namespace:
         value = getattr(args, key)
         if value is not None and value <= 0:
             p.error(f"--{key.replace('_', '-')} must be positive, got {value}")
-    for key in ("gpu_memory", "bytes_per_element"):
-        if not getattr(args, key) > 0:
-            p.error(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
+    for key in ("gpu_memory", "bytes_per_element"):   # float options: inf and nan parse too
+        if not (math.isfinite(getattr(args, key)) and getattr(args, key) > 0):
+            p.error(f"--{key.replace('_', '-')} must be finite and positive, got {getattr(args, key)}")
     for key in ("other_gib", "bytes_per_mask"):
-        if not getattr(args, key) >= 0:
-            p.error(f"--{key.replace('_', '-')} must be non-negative, got {getattr(args, key)}")
+        if not (math.isfinite(getattr(args, key)) and getattr(args, key) >= 0):
+            p.error(f"--{key.replace('_', '-')} must be finite and non-negative, got {getattr(args, key)}")
     if args.plot and matplotlib_missing():
         p.error(matplotlib_missing())
+    check_output_paths(p, args, "plot")
     try:  # the sizes themselves (tp dividing heads, pp dividing layers, ...): usage errors too
         _sizes(args)
     except ValueError as exc:
@@ -266,7 +289,9 @@ def plan(argv: Sequence[str]) -> dict:
     sp_name = "with" if args.sp else "without"
     if budget <= 0:
         result["error"] = (f"the model state alone ({_size(state_bytes)}) leaves no room for activations "
-                           f"in {args.gpu_memory:g} GiB")
+                           f"in {args.gpu_memory:g} GiB" if state_bytes >= gpu_bytes else
+                           f"--other-gib {args.other_gib:g} GiB leaves no room for activations in {args.gpu_memory:g} "
+                           f"GiB beside the model state ({_size(state_bytes)})")
     else:
         try:
             result["plan"] = plan_recompute(**sizes, budget_bytes=budget, sequence_parallel=args.sp, **options)
@@ -294,6 +319,8 @@ def plan(argv: Sequence[str]) -> dict:
 
 # ---------------------------------------------------------------------------------------------- main
 def main(argv: Optional[List[str]] = None) -> None:
+    """``python -m seqpar``: run the ``info`` (default), ``bench`` or ``plan`` command of ``argv`` (default
+    ``sys.argv[1:]``); see the module docstring for exit statuses."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = ArgumentParser(prog="python -m seqpar", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

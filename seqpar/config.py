@@ -33,6 +33,13 @@ class TransformerConfig:
 
     Frozen: every field is validated once, when the config is built; invalid values raise ValueError
     naming them. Derive variants with ``dataclasses.replace(cfg, field=value)`` (validated again).
+    ``ffn_hidden_size`` holds the resolved value (None becomes 4 * hidden_size when the config is
+    built), so ``replace`` keeps it, as Megatron's TransformerConfig does: pass ``ffn_hidden_size=None``
+    to derive it from a new hidden size::
+
+        cfg = TransformerConfig(hidden_size=32, num_attention_heads=4)      # ffn_hidden_size 128
+        dataclasses.replace(cfg, hidden_size=64).ffn_hidden_size                          # 128
+        dataclasses.replace(cfg, hidden_size=64, ffn_hidden_size=None).ffn_hidden_size    # 256
 
     ``recompute``: "none" keeps every activation; "selective" recomputes only the attention core
     (QK^T, softmax, softmax dropout, attention over V) in backward; "full" keeps only the layer input.

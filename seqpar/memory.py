@@ -68,11 +68,11 @@ import contextvars
 import dataclasses
 import math
 import threading
-import weakref
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 __all__ = ["layer_activation_bytes", "layer_activation_terms", "architecture_kwargs", "model_activation_bytes", "plan_recompute", "evaluate_recompute",
@@ -92,9 +92,8 @@ LOGITS_BYTES = 4
 
 _label: contextvars.ContextVar = contextvars.ContextVar("seqpar_saved_label", default="unlabelled")
 # Storage names given by name_storage(), kept only while a meter is active (so normal runs pay nothing):
-# storage key -> (label, weak reference to the named tensor). A dead reference means the storage was
-# freed (e.g. inside a recomputed region) and its address may now belong to another tensor.
-_storage_names: Dict[tuple, Tuple[str, "weakref.ref"]] = {}
+# storage key -> (label, weak reference to the named storage, see _storage_id).
+_storage_names: Dict[tuple, Tuple[str, StorageWeakRef]] = {}
 _active_meters = 0
 
 
@@ -661,21 +660,27 @@ def saved_as(label: str) -> Iterator[None]:
         _label.reset(token)
 
 
-def _storage_key(t: torch.Tensor) -> tuple:
-    return (t.device, t.untyped_storage().data_ptr())
+def _storage_id(t: torch.Tensor) -> Tuple[tuple, StorageWeakRef]:
+    """(key, weak reference) of ``t``'s storage. The key (device, address) is unique among live storages
+    only: once a storage is freed the allocator hands its address to the next one. So whatever is kept
+    per key also keeps a weak reference to the storage itself (``untyped_storage()`` is a new Python
+    object each call, but StorageWeakRef refers to the C++ storage): while it has not ``expired()``,
+    the storage at that address is still the one recorded. It keeps no memory alive."""
+    storage = t.untyped_storage()
+    return (t.device, storage.data_ptr()), StorageWeakRef(storage)
 
 
 def name_storage(tensor: torch.Tensor, label: str) -> torch.Tensor:
     """Name ``tensor``'s storage for active meters (it wins over :func:`saved_as`); returns ``tensor``."""
     if _active_meters:
-        _storage_names[_storage_key(tensor)] = (label, weakref.ref(tensor))
+        key, ref = _storage_id(tensor)
+        _storage_names[key] = (label, ref)
     return tensor
 
 
 def _storage_name(key: tuple) -> Optional[str]:
     label, ref = _storage_names.get(key, (None, None))
-    named = ref() if ref is not None else None
-    return label if named is not None and _storage_key(named) == key else None
+    return label if ref is not None and not ref.expired() else None
 
 
 @dataclasses.dataclass
@@ -695,6 +700,7 @@ class SavedTensorRecord:
 
     @property
     def pins_larger_storage(self) -> bool:
+        """``view_bytes < bytes``: the saved tensors view only part of the storage, yet keep all of it alive."""
         return self.view_bytes < self.bytes
 
 
@@ -717,9 +723,13 @@ class ActivationMeter:
     """Context manager measuring the bytes saved for backward inside it (params excluded, storages once).
 
     Each saved storage counts whole: a saved view keeps all of its storage alive (:meth:`report` says
-    when a view pins a larger storage). Meters nest: an inner meter's tensors count in every enclosing
-    meter too. Like any ``saved_tensors_hooks``, a meter shadows hooks entered before it (e.g.
-    ``torch.utils.checkpoint``'s non-reentrant mode): enter meters outside such regions.
+    when a view pins a larger storage). A storage counts once however often it is saved (views of it,
+    later graphs saving it again while it lives); a new storage counts even where a freed one's address
+    is reused (a loop of forward / backward inside one meter counts every micro-batch's storages). The
+    meter keeps only weak references: it keeps nothing alive. Meters nest: an inner meter's tensors
+    count in every enclosing meter too. Like any ``saved_tensors_hooks``, a meter shadows hooks
+    entered before it (e.g. ``torch.utils.checkpoint``'s non-reentrant mode): enter meters outside
+    such regions.
 
     Example::
 
@@ -730,8 +740,8 @@ class ActivationMeter:
 
     def __init__(self) -> None:
         self.records: List[SavedTensorRecord] = []
-        self._by_storage: Dict[tuple, SavedTensorRecord] = {}
-        self._views: Dict[tuple, set] = {}
+        # storage key -> (weak reference to the storage recorded there, its record, its distinct views)
+        self._by_storage: Dict[tuple, Tuple[StorageWeakRef, SavedTensorRecord, set]] = {}
         self._hooks = None
 
     @property
@@ -767,17 +777,17 @@ class ActivationMeter:
         return "\n".join(lines)
 
     def _record(self, t: torch.Tensor) -> None:
-        key = _storage_key(t)
-        record = self._by_storage.get(key)
-        if record is None:
+        key, ref = _storage_id(t)
+        seen = self._by_storage.get(key)
+        if seen is None or seen[0].expired():  # never seen, or a freed storage's address reused: new
             label = _storage_name(key) or _label.get()
-            record = SavedTensorRecord(label, tuple(t.shape), t.dtype, t.untyped_storage().nbytes())
-            self._by_storage[key] = record
-            self._views[key] = set()
-            self.records.append(record)
+            seen = (ref, SavedTensorRecord(label, tuple(t.shape), t.dtype, t.untyped_storage().nbytes()), set())
+            self._by_storage[key] = seen
+            self.records.append(seen[1])
+        _, record, views = seen
         view = (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-        if view not in self._views[key]:
-            self._views[key].add(view)
+        if view not in views:
+            views.add(view)
             record.view_bytes = min(record.bytes, record.view_bytes + t.numel() * t.element_size())
 
     @staticmethod

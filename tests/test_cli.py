@@ -125,6 +125,17 @@ def test_plan_reports_when_nothing_fits(capsys):
     assert "no plan without sequence parallelism" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("argv, match", [
+    (["--gpu-memory", "0.01"], "the model state alone (60.2 MiB) leaves no room for activations in 0.01 GiB"),
+    (["--other-gib", "100"], "--other-gib 100 GiB leaves no room for activations in 80 GiB beside the model state "
+                             "(60.2 MiB)"),
+], ids=["model state", "other"])
+def test_plan_blames_what_exhausted_the_budget(argv, match, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.plan(["--hidden", "64", "--heads", "4", "--layers", "2"] + argv)
+    assert exit_info.value.code == 1 and match in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------------------- usage errors
 def _usage_error(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -148,6 +159,13 @@ def _usage_error(argv, capsys):
     (["plan", "--model", "22B", "--kv-heads", "8"], "--kv-heads is for --arch llama"),
     (["plan", "--arch", "llama", "--hidden", "1024", "--heads", "16", "--layers", "8", "--kv-heads", "3"],
      "num_query_groups 3 does not divide heads 16"),
+    (["plan", "--model", "22B", "--gpu-memory", "inf"], "--gpu-memory must be finite and positive, got inf"),
+    (["plan", "--model", "22B", "--gpu-memory", "nan"], "--gpu-memory must be finite and positive, got nan"),
+    (["plan", "--model", "22B", "--other-gib", "inf"], "--other-gib must be finite and non-negative, got inf"),
+    (["plan", "--model", "22B", "--plot", "/nonexistent/dir/x.png"],
+     "--plot /nonexistent/dir/x.png: its folder /nonexistent/dir does not exist"),
+    (["bench", "--json", "/nonexistent/dir/x.json"], "--json /nonexistent/dir/x.json: its folder /nonexistent/dir"),
+    (["bench", "--json", "/"], "--json /: is a directory"),
     (["info", "--verbose"], "unrecognized arguments: --verbose"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)

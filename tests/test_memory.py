@@ -217,6 +217,32 @@ def test_meter_keeps_nothing_alive():
         gc.enable()
 
 
+def test_meter_counts_a_new_storage_at_a_reused_address():
+    # Gradient accumulation inside one meter: each micro-batch's saved output is freed by its backward
+    # and the allocator hands the address to the next one, which is a new storage all the same.
+    x = torch.randn(256, requires_grad=True)
+    addresses = []
+    with ActivationMeter() as meter:
+        for _ in range(4):
+            y = x.exp()                   # saves its output, a new storage of 256 floats
+            addresses.append(y.data_ptr())
+            y.sum().backward()
+            del y
+    if len(set(addresses)) == len(addresses):
+        pytest.skip("the allocator reused no address: nothing to check")
+    assert meter.bytes == 4 * 256 * 4 and len(meter.records) == 4, meter.report()
+
+
+def test_meter_counts_a_live_storage_saved_by_two_graphs_once():
+    x = torch.randn(256, requires_grad=True)
+    with ActivationMeter() as meter:
+        a = x.exp()                       # saves a
+        a.sum().backward()                # frees the first graph; a itself lives on
+        b = a.detach().requires_grad_()[:128].sin()   # a new graph saves a view of a's storage
+    assert meter.bytes == 256 * 4 and len(meter.records) == 1, meter.report()
+    b.sum().backward()
+
+
 # ------------------------------------------------------------------------------- other blocks (Llama)
 LLAMA_KW = dict(normalization="rmsnorm", activation="swiglu", hidden_dropout=False, attention_dropout=False)
 

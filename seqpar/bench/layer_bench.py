@@ -40,8 +40,9 @@ EXPERIMENTS = [  # (name, sequence_parallel, recompute)
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     """The bench's options; a usage error (bad value, unknown or unusable backend, no CUDA device for
-    ``--device cuda``, no matplotlib for ``--plot``) is one line on stderr and exit status 2."""
-    from ..cli import ArgumentParser, matplotlib_missing
+    ``--device cuda``, no matplotlib for ``--plot``, a ``--json`` / ``--plot`` path that can't be
+    written) is one line on stderr and exit status 2."""
+    from ..cli import ArgumentParser, check_output_paths, matplotlib_missing
     from ..ops.registry import BACKEND_CHOICES
 
     p = ArgumentParser(prog="python -m seqpar bench", description=__doc__,
@@ -96,6 +97,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         p.error(f"need ffn % tp == 0 (ffn={args.ffn}, tp={args.tp})")
     if args.plot and matplotlib_missing():
         p.error(matplotlib_missing())
+    check_output_paths(p, args, "json", "plot")
     import torch
 
     if gpu and not torch.cuda.is_available():

@@ -79,6 +79,8 @@ __all__ = ["from_gpt2", "to_gpt2_state_dict", "from_llama", "to_llama_state_dict
 
 #: GPT-2 activation_function -> TransformerConfig.activation (the same function, not an approximation of it).
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+#: The seqpar config a GPT-2 maps to, beyond its sizes, dropout and activation ("gelu" or "gelu_tanh").
+GPT2_BLOCK = dict(normalization="layernorm", position_embedding="learned", add_bias_linear=True)
 
 # (GPT-2 key under "h.{i}.", seqpar key under "layers.{i}.", is a Conv1D weight to transpose)
 _LAYER_KEYS: Tuple[Tuple[str, str, bool], ...] = (
@@ -239,9 +241,22 @@ def to_gpt2_state_dict(model: GPTModel) -> Dict[str, torch.Tensor]:
     as in HF's own state dict), loadable with ``load_state_dict(strict=True)``.
 
     A collective under tensor parallelism: call it on every rank; every rank gets the same dict.
+    ValueError naming the setting unless ``model`` is a GPT-2: LayerNorm, GeLU ("gelu" or "gelu_tanh"),
+    learned positions, linear biases, one k/v head per head and the output head tied to the word embedding.
     """
     if not isinstance(model, GPTModel):
         raise ValueError(f"model must be a seqpar.GPTModel, got {type(model).__name__}")
+    cfg = model.config
+    different = {k: getattr(cfg, k) for k, v in GPT2_BLOCK.items() if getattr(cfg, k) != v}
+    if cfg.activation not in GPT2_ACTIVATIONS.values():
+        different["activation"] = cfg.activation
+    if cfg.kv_heads != cfg.num_attention_heads:
+        different["num_query_groups"] = cfg.num_query_groups
+    if model.output_layer is not None:
+        different["share_embeddings_and_output_weights"] = False
+    if different:
+        raise ValueError(f"model is not a GPT-2: it has {different} (a GPT-2 has {GPT2_BLOCK}, activation 'gelu' or "
+                         f"'gelu_tanh', num_query_groups None (= heads) and share_embeddings_and_output_weights=True)")
     full = model.full_state_dict()
     out = {_PREFIX + theirs: full[ours] for theirs, ours in _TOP_KEYS[:2]}
     for i in range(len(model.layers)):

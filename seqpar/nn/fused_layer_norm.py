@@ -62,4 +62,5 @@ class FusedBiasDropoutAddLayerNorm(LayerNorm):
         return self.after_bias_dropout_add(x, bias, residual, spec)
 
     def extra_repr(self) -> str:
+        """LayerNorm's repr fields and the dropout probability ``p``."""
         return f"{super().extra_repr()}, p={self.p}"

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .. import random as sp_random
-from ..config import TransformerConfig
+from ..config import PARAMS_DTYPES, TransformerConfig
 from ..memory import name_storage, saved_as
 from ..ops.attention_core import attention_core, select_backend
 from ..ops.dropout import DropoutSpec, bias_dropout_add
@@ -75,6 +75,18 @@ def agreement_values(config: TransformerConfig, **arguments) -> Dict[str, object
 AGREEMENT_HINT = ("Build every rank's modules from the same arguments after seqpar.manual_seed(s) with the same s "
                   "(it also seeds torch's CPU generator, from which dropout seeds are drawn: a rank that drew "
                   "random numbers from it since then holds a different state)")
+
+
+def _autocast_problem(device_type: str, params_dtype: torch.dtype) -> Optional[str]:
+    """Why a seqpar module can't run under the ``torch.autocast`` now enabled for ``device_type`` (None
+    when autocast is off there). The fused ops' autograd Functions compute in their operands' dtype
+    and have no ``custom_fwd`` casts, so autocast would hand them mixed dtypes."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return (f"torch.autocast is enabled for {device_type!r} (dtype {torch.get_autocast_dtype(device_type)}), but "
+            f"seqpar modules run in their parameters' dtype ({params_dtype}) and do not support autocast: convert "
+            f"the model instead (TransformerConfig(params_dtype=torch.bfloat16) or model.to(torch.bfloat16)) "
+            f"and run it outside autocast")
 
 
 def _activation(name: str):
@@ -198,12 +210,16 @@ class TransformerLayer(nn.Module):
         tp_group: tensor-parallel process group containing this rank (None: no tensor parallelism,
             t = 1, where ``sequence_parallel`` changes nothing).
         device: where the parameters live.
-        layer_number: this layer's identity in the dropout RNG (GPTModel numbers its layers).
+        layer_number: this layer's identity in the dropout RNG (GPTModel numbers its layers), an int in
+            [0, 2**63).
 
-    ``forward(x)``: x [s_local, b, h] of ``config.params_dtype`` (s_local = s / t with sequence
-    parallelism, else s) -> y of the same shape. Causal self-attention. Dropout is active in training
-    mode; each training forward draws its seed from torch's default CPU generator (seqpar.random), so
-    ``torch.utils.checkpoint`` / ``checkpoint_wrapper`` around the layer replay its masks.
+    ``forward(x)``: x [s_local, b, h] of the parameters' dtype (s_local = s / t with sequence
+    parallelism, else s) -> y of the same shape. Causal self-attention. The parameters' dtype is
+    ``config.params_dtype``, or what ``.to(dtype)`` / ``.half()`` / ``.bfloat16()`` converted them to.
+    The layer computes in that dtype: under ``torch.autocast`` it raises ValueError (convert the
+    module instead). Dropout is active in training mode; each training forward draws its seed from
+    torch's default CPU generator (seqpar.random), so ``torch.utils.checkpoint`` /
+    ``checkpoint_wrapper`` around the layer replay its masks.
 
     Rank checks (t > 1). Building the layer runs one small collective over ``tp_group``: every rank
     must pass the same config and layer_number and hold the same RNG state (seqpar seed and torch's CPU
@@ -224,8 +240,9 @@ class TransformerLayer(nn.Module):
         # (then every later check fails on all ranks alike) and on the RNG state.
         check_ranks_agree(tp_group, agreement_values(config, layer_number=layer_number),
                           what=f"TransformerLayer(layer_number={layer_number!r})", hint=AGREEMENT_HINT)
-        if not isinstance(layer_number, int) or isinstance(layer_number, bool) or layer_number < 0:
-            raise ValueError(f"layer_number must be a non-negative int, got {layer_number!r}")
+        # The RNG folds layer_number into 64 bits: 2**64 + i would replay layer i's init and masks.
+        if not isinstance(layer_number, int) or isinstance(layer_number, bool) or not 0 <= layer_number < 2**63:
+            raise ValueError(f"layer_number must be an int in [0, 2**63), got {layer_number!r}")
         config.check_tensor_parallel(group_size(tp_group))
         self.config, self.tp_group, self.layer_number = config, tp_group, layer_number
         self.check_rank_inputs = True
@@ -244,9 +261,17 @@ class TransformerLayer(nn.Module):
             return f"x must be a floating [s_local, b, {h}] tensor, got {got}"
         if x.shape[0] == 0 or x.shape[1] == 0:
             return f"x must have a non-empty sequence and batch, got shape {tuple(x.shape)}"
-        if x.dtype != self.config.params_dtype:
-            return f"x dtype {x.dtype} != params_dtype {self.config.params_dtype}"
-        device = self.input_layernorm.weight.device
+        weight = self.input_layernorm.weight
+        problem = _autocast_problem(x.device.type, weight.dtype)
+        if problem is not None:
+            return problem
+        # The parameters' dtype, not config.params_dtype: .to(dtype) / .half() convert the parameters only.
+        if weight.dtype not in PARAMS_DTYPES:
+            return (f"the layer's parameters are {weight.dtype} (converted with .to() / .double()?): seqpar layers "
+                    f"compute in {', '.join(map(str, PARAMS_DTYPES))}")
+        if x.dtype != weight.dtype:
+            return f"x dtype {x.dtype} != params_dtype: the layer's parameters are {weight.dtype}"
+        device = weight.device
         if x.device != device:
             return f"x is on {x.device} but the layer's parameters are on {device}"
         return None

@@ -197,8 +197,9 @@ class GPTModel(nn.Module):
         tp_group: tensor-parallel process group (None: no tensor parallelism).
         device: where the parameters live.
         recompute: None, one policy, or one policy per layer (below).
-        embedding_dropout: dropout probability after the embeddings; None -> ``config.hidden_dropout``.
-            (HF GPT-2's ``embd_pdrop`` may differ from its ``resid_pdrop``.)
+        embedding_dropout: dropout probability after the embeddings, in [0, 1) with
+            ``round(p * 256) < 256`` like the config's; None -> ``config.hidden_dropout``. (HF GPT-2's
+            ``embd_pdrop`` may differ from its ``resid_pdrop``.)
         share_embeddings_and_output_weights: True: the logits use the word embedding (GPT-2); False: a
             separate ``output_layer`` [v, h], padded and sharded over the vocabulary like the embedding
             (Llama's ``lm_head``).
@@ -208,6 +209,9 @@ class GPTModel(nn.Module):
     ``torch.utils.checkpoint`` around each layer (dropout seeds are drawn from torch's CPU generator,
     which those restore, so recomputed layers replay their masks). Building the model checks once, over
     ``tp_group``, that every rank passes the same arguments and RNG state (see TransformerLayer).
+    Like TransformerLayer, the model computes in its parameters' dtype (``config.params_dtype``, or what
+    ``.to(dtype)`` / ``.half()`` / ``.bfloat16()`` converted them to) and raises ValueError under
+    ``torch.autocast``.
 
     ``forward(tokens, labels=None)``: tokens [b, s] int64 ids in [0, v) (ValueError naming a bad id).
     With labels [b, s] int64, already shifted by the caller (``labels[:, i]`` is the token that should
@@ -249,9 +253,7 @@ class GPTModel(nn.Module):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if embedding_dropout is None:
             embedding_dropout = config.hidden_dropout
-        if (not isinstance(embedding_dropout, (int, float)) or isinstance(embedding_dropout, bool)
-                or not 0.0 <= embedding_dropout < 1.0):
-            raise ValueError(f"embedding_dropout must be a float in [0, 1), got {embedding_dropout!r}")
+        sp_random.dropout_threshold(embedding_dropout, "embedding_dropout")  # [0, 1), round(p * 256) < 256
         self.config, self.tp_group, self.vocab_size, self.max_seq_len = config, tp_group, vocab_size, max_seq_len
         self.embedding_dropout = float(embedding_dropout)
         h, dtype = config.hidden_size, config.params_dtype
@@ -374,7 +376,8 @@ class GPTModel(nn.Module):
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
         """Load UNSHARDED weights (the same dict on every rank, v real vocabulary rows); each rank keeps
-        its shard. Every key and shape is checked before anything is loaded (ValueError naming it)."""
+        its shard. Every key, shape and value kind (floating point, not meta) is checked before anything is
+        loaded (ValueError naming it); other floating dtypes are cast to the parameters'."""
         shapes = self.full_shapes()
         check_shapes(state_dict, shapes)
         self.embedding.word_embeddings.load_full(state_dict["embedding.word_embeddings.weight"])

@@ -9,11 +9,12 @@ import torch
 def check_shapes(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[int, ...]], *,
                  what: str = "state dict", config: str = "") -> None:
     """ValueError unless ``state_dict`` has exactly the keys of ``shapes`` (the shapes the model's config
-    implies), each a tensor of that shape.
+    implies), each a real-floating tensor with data (not bool, integer, complex or meta) of that shape.
+    Any floating dtype passes: loaders cast it to the parameters' dtype.
 
     ``what`` names the dict in the messages ("GPT-2 state dict"); ``config`` names the setting that
-    decides the keys ("n_layer=2") in the key-mismatch message; shape messages name the key, the
-    expected and the given shape.
+    decides the keys ("n_layer=2") in the key-mismatch message; shape and dtype messages name the key,
+    the expected and the given shape or dtype.
     """
     missing, unexpected = sorted(set(shapes) - set(state_dict)), sorted(set(state_dict) - set(shapes))
     if missing or unexpected:
@@ -24,6 +25,11 @@ def check_shapes(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[in
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"{what} {key} must have shape {tuple(shape)} for this config, got {got}")
+        # Checked here, before any copy: copy_ would cast a bool / int silently, drop a complex value's
+        # imaginary part with a warning, and fail on a meta tensor after earlier keys were overwritten.
+        if not value.is_floating_point() or value.is_meta:
+            got = "a meta tensor (no data)" if value.is_meta else str(value.dtype)
+            raise ValueError(f"{what} {key} must be a floating-point tensor with data, got {got}")
 
 
 __all__ = ["check_shapes"]

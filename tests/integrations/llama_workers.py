@@ -17,7 +17,7 @@ import seqpar
 from seqpar.memory import ActivationMeter, architecture_kwargs, layer_activation_terms
 from seqpar.parallel import sequence_shard
 
-from tests.integrations.hf_workers import POLICIES, hf_config, logits_errors, round_trips, sgd, train
+from tests.integrations.hf_workers import POLICIES, logits_errors, round_trips, sgd, train
 
 LLAMA = dict(normalization="rmsnorm", activation="swiglu", position_embedding="rope", add_bias_linear=False)
 S, B = 12, 3                      # s/t = 3 at t = 4: odd shards

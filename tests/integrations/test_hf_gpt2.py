@@ -4,9 +4,6 @@ policy, training parity, bitwise round trips, bad input, the loss mapping, the p
 shards on several ranks, and the fine-tuning example under torchrun."""
 import functools
 import importlib
-import os
-import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -288,6 +285,20 @@ def test_other_models_and_configs_raise():
         hf.from_gpt2(_random_gpt2(1000), dropout=1.0)
     with pytest.raises(ValueError, match="model must be a seqpar.GPTModel, got GPT2LMHeadModel"):
         hf.to_gpt2_state_dict(_random_gpt2(1000))
+
+
+@pytest.mark.parametrize("config, model, match", [
+    (dict(activation="swiglu"), {}, "'activation': 'swiglu'"),
+    (dict(normalization="rmsnorm"), {}, "'normalization': 'rmsnorm'"),
+    (dict(position_embedding="rope"), {}, "'position_embedding': 'rope'"),
+    (dict(add_bias_linear=False), {}, "'add_bias_linear': False"),
+    (dict(num_query_groups=2), {}, "'num_query_groups': 2"),
+    ({}, dict(share_embeddings_and_output_weights=False), "'share_embeddings_and_output_weights': False"),
+], ids=lambda v: str(v))
+def test_to_gpt2_rejects_models_that_are_not_gpt2(config, model, match):
+    cfg = seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4, backend="torch", **config)
+    with pytest.raises(ValueError, match=f"model is not a GPT-2: it has .*{match}"):
+        hf.to_gpt2_state_dict(seqpar.GPTModel(cfg, 1, 53, 16, **model))
 
 
 def _drop(key):

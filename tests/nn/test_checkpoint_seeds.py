@@ -6,7 +6,6 @@ import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
                                                                          apply_activation_checkpointing,
                                                                          checkpoint_wrapper)

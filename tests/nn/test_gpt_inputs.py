@@ -1,6 +1,8 @@
 """GPTModel on one device: token and label checking, ignore_index -100 against
 torch.nn.functional.cross_entropy, the padded vocabulary, the embedding-dropout knob and the
 model-level unsharded state dict (against a plain-torch GPT built from it)."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -122,9 +124,14 @@ def test_embedding_dropout_knob():
     assert _model(hidden_dropout=0.2).embedding_dropout == 0.2
     assert seqpar.GPTModel(seqpar.TransformerConfig(hidden_size=H, num_attention_heads=A, hidden_dropout=0.2),
                            1, V, 16, embedding_dropout=0.0).embedding_dropout == 0.0
-    with pytest.raises(ValueError, match="embedding_dropout must be a float in \\[0, 1\\), got 1.5"):
+
+
+@pytest.mark.parametrize("p", [1.5, 0.999, -0.1, True, "0.1"], ids=repr)
+def test_bad_embedding_dropout_is_rejected_at_construction(p):
+    # 0.999: in [0, 1) but round(p * 256) = 256 would drop everything; TransformerConfig rejects it too.
+    with pytest.raises(ValueError, match=f"embedding_dropout must be in \\[0, 1\\).*got {re.escape(repr(p))}"):
         seqpar.GPTModel(seqpar.TransformerConfig(hidden_size=H, num_attention_heads=A), 1, V, 16,
-                        embedding_dropout=1.5)
+                        embedding_dropout=p)
 
 
 def _plain_gpt_logits(sd, tokens, layers, heads, eps=1e-5):
@@ -177,10 +184,21 @@ def test_load_full_state_dict_names_bad_keys_and_shapes():
              "unexpected \\['layers.2.input_layernorm.weight'\\]"),
             (lambda d: d.update({"embedding.word_embeddings.weight": torch.zeros(128, H)}),
              "embedding.word_embeddings.weight must have shape \\(50, 32\\) for this config, got \\(128, 32\\)"),
-            (lambda d: d.update({"final_layernorm.bias": torch.zeros(H + 1)}), "final_layernorm.bias")):
+            (lambda d: d.update({"final_layernorm.bias": torch.zeros(H + 1)}), "final_layernorm.bias"),
+            # the last keys: loading would have overwritten every other key before it failed or cast them
+            (lambda d: d.update({"final_layernorm.bias": torch.ones(H, dtype=torch.bool)}),
+             "final_layernorm.bias must be a floating-point tensor with data, got torch.bool"),
+            (lambda d: d.update({"layers.1.mlp.dense_4h_to_h.weight": torch.ones(H, 4 * H, dtype=torch.int64)}),
+             "layers.1.mlp.dense_4h_to_h.weight .* got torch.int64"),
+            (lambda d: d.update({"final_layernorm.weight": torch.ones(H, dtype=torch.complex64)}),
+             "final_layernorm.weight .* got torch.complex64"),
+            (lambda d: d.update({"final_layernorm.weight": torch.empty(H, device="meta")}),
+             "final_layernorm.weight .* got a meta tensor")):
         bad = dict(sd)
         change(bad)
         with pytest.raises(ValueError, match=match):
             model.load_full_state_dict(bad)
     # nothing was loaded from a rejected dict
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    model.load_full_state_dict({k: v.double() for k, v in sd.items()})   # other floating dtypes are cast
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -241,3 +241,57 @@ def test_memory_report_names_paper_terms():
         assert got[label] == n, f"{label}: {got.get(label)} != {n}\n{meter.report(sbh / 2)}"
     for label in ("LN1 input", "LN2 input"):  # plus at most two fp32 LayerNorm statistics per token
         assert sbh <= got[label] <= sbh + 8 * s * b, meter.report(sbh / 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("convert", ["to", "method"])
+def test_converted_layer_and_model_run_like_ones_built_in_that_dtype(dtype, convert):
+    seqpar.manual_seed(0)
+    cfg = _cfg(hidden_size=32, backend="torch")
+    method = {torch.bfloat16: "bfloat16", torch.float16: "half"}[dtype]
+
+    def converted(module):
+        return module.to(dtype) if convert == "to" else getattr(module, method)()
+
+    layer = converted(seqpar.TransformerLayer(cfg))
+    built = seqpar.TransformerLayer(dataclasses.replace(cfg, params_dtype=dtype))
+    built.load_full_state_dict(layer.full_state_dict())
+    x = torch.randn(8, 2, 32, dtype=dtype)
+    assert torch.equal(layer(x), built(x))
+    with pytest.raises(ValueError, match=f"x dtype torch.float32 != params_dtype: the layer's parameters are {dtype}"):
+        layer(x.float())
+    model = converted(seqpar.GPTModel(cfg, 1, 37, 16))
+    built = seqpar.GPTModel(dataclasses.replace(cfg, params_dtype=dtype), 1, 37, 16)
+    built.load_full_state_dict(model.full_state_dict())
+    tokens = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(model(tokens, tokens), built(tokens, tokens))
+
+
+def test_layer_converted_to_an_unsupported_dtype_says_so():
+    layer = seqpar.TransformerLayer(_cfg(backend="torch")).double()
+    with pytest.raises(ValueError, match="parameters are torch.float64"):
+        layer(torch.randn(8, 2, H, dtype=torch.float64))
+
+
+def test_autocast_is_rejected_with_advice():
+    seqpar.manual_seed(0)
+    cfg = _cfg(hidden_size=32, backend="torch")
+    layer, model = seqpar.TransformerLayer(cfg), seqpar.GPTModel(cfg, 1, 37, 16)
+    match = r"torch.autocast is enabled for 'cpu'.*parameters' dtype \(torch.float32\).*model.to\(torch.bfloat16\)"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ValueError, match=match):
+            layer(torch.randn(8, 2, 32))
+        with pytest.raises(ValueError, match=match):
+            model(torch.randint(0, 37, (2, 8)))
+    with torch.autocast("cpu", enabled=False):   # a disabled autocast region is fine
+        layer(torch.randn(8, 2, 32))
+
+
+@pytest.mark.parametrize("layer_number", [-1, 2**63, 2**64, 1.0, True])
+def test_layer_number_outside_63_bits_is_rejected(layer_number):
+    with pytest.raises(ValueError, match=f"layer_number must be an int in \\[0, 2\\*\\*63\\), got {layer_number!r}"):
+        seqpar.TransformerLayer(_cfg(backend="torch"), layer_number=layer_number)
+
+
+def test_largest_layer_number_is_accepted():
+    seqpar.TransformerLayer(_cfg(backend="torch"), layer_number=2**63 - 1)

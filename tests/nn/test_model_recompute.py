@@ -1,6 +1,5 @@
 """GPTModel(recompute=...): per-layer policies, validated."""
 import pytest
-import torch
 
 import seqpar
 
