@@ -117,7 +117,7 @@ def info() -> None:
 
 # ---------------------------------------------------------------------------------------------- plan
 PLAN_DESCRIPTION = """\
-Activation memory of the first pipeline stage per GPU for every uniform recompute policy (the paper's
+Activation memory of the most loaded pipeline stage per GPU for every uniform recompute policy (the paper's
 Figure 7 comparison, as % of tensor parallelism alone), and the per-layer mix of none / selective /
 full recompute with the least extra forward FLOPs that fits the GPU (seqpar.memory.plan_recompute).
 
@@ -125,7 +125,8 @@ Activation budget = GPU memory - 18 bytes per parameter of the stage - --other-g
 mixed-precision Adam: bf16 weight 2 + fp32 gradient 4 + fp32 master weight 4 + Adam moments 4 + 4, and
 the stage's parameters per GPU are its L/p layers' (12h^2 + 13h each for GPT at f = 4h, the matrices
 split t ways) plus the word (v/t x h, v padded to a multiple of 128 t) and position (s x h) embeddings
-(seqpar.memory.first_stage_parameters).
+(seqpar.memory.first_stage_parameters). The last stage holds about as many: its output layer (or the
+tied embedding's copy) is the word embedding's size.
 
 --arch llama (or a llama3-* --model) plans the Llama block: RMSNorm, SwiGLU, grouped-query attention
 with --kv-heads groups, RoPE, no biases, no dropout, untied output layer. --flash-attention counts a
@@ -279,7 +280,7 @@ def plan(argv: Sequence[str]) -> dict:
     uniform = [(label, sp, policy, evaluate_recompute(policy, **sizes, sequence_parallel=sp, **options))
                for label, sp, policy in UNIFORM]
     baseline = uniform[0][3].activation_bytes
-    print("\nuniform policies, first stage per GPU (the paper's Figure 7: % of tensor parallelism alone):")
+    print("\nuniform policies, most loaded stage per GPU (the paper's Figure 7: % of tensor parallelism alone):")
     print(f"  {'configuration':<40}{'activations':>13}{'% of TP':>9}{'extra FLOPs':>13}{'fits':>6}")
     for label, _, _, cost in uniform:
         print(f"  {label:<40}{_size(cost.activation_bytes):>13}{100 * cost.activation_bytes / baseline:>8.0f}%"

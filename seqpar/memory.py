@@ -40,13 +40,17 @@ layer gives it (:func:`saved_as`), per rank (R = t with SP, else 1)::
 The Llama block keeps ``(4 sbh E + 8 sb) / R + (2 + 2g/a + 3f/h) sbh E / t + a s^2 b E / t`` without
 recompute (the last term ``4asb/t`` flash-style, and 0 with selective recompute).
 
-**The first pipeline stage** (:func:`model_activation_bytes`, the paper's Section 4.3): under the 1F1B
-schedule the first stage keeps p micro-batches of its L/p layers, L layers' worth whatever p is, plus the
-embedding dropout's mask for each of those micro-batches (sbh M p, / t with SP). With the interleaved
-schedule (m > 1 chunks per rank) it keeps L (1 + (p-1)/(pm)) layers' worth, and up to 2p embedding
-masks (its first chunk's micro-batches in flight, from simulating the schedule). With p = 1 the stage also
-holds the output side: final LayerNorm input and output-layer input (sbh E each, / t with SP) and the
-fp32 logits for the cross-entropy (4 sbv / t).
+**The most loaded pipeline stage** (:func:`model_activation_bytes`, the paper's Section 4.3): under
+the 1F1B schedule the first stage keeps p micro-batches of its L/p layers, L layers' worth whatever p is,
+plus the embedding dropout's mask for each of those micro-batches (sbh M p, / t with SP). With the
+interleaved schedule (m > 1 chunks per rank) it keeps L (1 + (p-1)/(pm)) layers' worth, and up to 2p
+embedding masks (its first chunk's micro-batches in flight, from simulating the schedule). The last stage
+keeps one micro-batch of its layers (m = 1) plus the output side: final LayerNorm input and output-layer
+input (sbh E each, / t with SP) and the fp32 logits for the cross-entropy (4 sbv / t, v the busiest
+rank's padded vocabulary shard). For the paper's models the first stage is the most loaded; with few
+layers per stage, full recompute and a large vocabulary the last one can be (Llama-3-8B sizes at t = 8,
+p = 4, full recompute: 581 MiB against the first stage's 256 MiB). The figure is the largest stage's,
+each stage's from simulating its schedule; with p = 1 the one stage holds both.
 
 **Recompute cost** (:func:`plan_recompute`; the forward FLOPs of the paper's FLOPs appendix): a layer's
 forward is 24 bsh^2 + 4 bs^2h (8 bsh^2 + 4 bshf + 4 bs^2h for general f; with g k/v groups the QKV GEMM
@@ -348,20 +352,20 @@ def _count(policies: Sequence[str]) -> Tuple[int, int, int]:
     return tuple(sum(1 for p in policies if p == name) for name in RECOMPUTE_POLICIES)
 
 
-def _first_rank_peak(pp: int, interleave: int, chunk_bytes: Sequence[float], first_chunk_extra: float) -> float:
-    """Peak bytes pipeline rank 0 holds under Megatron-LM's 1F1B schedule (``interleave`` = 1) or its
-    interleaved schedule (Narayanan et al.; ``interleave`` = m > 1 model chunks per rank).
+def _rank_peak(pp: int, interleave: int, rank: int, chunk_bytes: Sequence[float]) -> float:
+    """Peak bytes pipeline rank ``rank`` holds under Megatron-LM's 1F1B schedule (``interleave`` = 1) or
+    its interleaved schedule (Narayanan et al.; ``interleave`` = m > 1 model chunks per rank).
 
-    Rank 0 runs ``warm-up`` forwards (p - 1; interleaved 2(p - 1) + (m - 1)p), then alternates one
-    forward and one backward. Forward i runs chunk (i mod pm) // p, backward i the chunks in reverse
-    order. Micro-batch k of chunk c holds ``chunk_bytes[c]`` until its backward, chunk 0 also
-    ``first_chunk_extra`` (the embedding). Enough micro-batches to fill the pipeline are assumed.
-    With uniform chunks the peak is p chunks' worth (m = 1) or pm + p - 1 (m > 1): L layers' worth times
-    1 + (p - 1)/(pm) (Section 4.3).
+    The rank runs ``warm-up`` forwards (p - 1 - rank; interleaved 2(p - 1 - rank) + (m - 1)p), then
+    alternates one forward and one backward. Forward i runs chunk (i mod pm) // p, backward i the chunks
+    in reverse order. Micro-batch k of chunk c holds ``chunk_bytes[c]`` until its backward. Enough
+    micro-batches to fill the pipeline are assumed. With uniform chunks rank 0's peak is p chunks' worth
+    (m = 1) or pm + p - 1 (m > 1): L layers' worth times 1 + (p - 1)/(pm) (Section 4.3); the last rank's
+    is one chunk's worth (m = 1).
     """
     p, m = pp, interleave
     group = p * m
-    warmup = p - 1 if m == 1 else 2 * (p - 1) + (m - 1) * p
+    warmup = p - 1 - rank if m == 1 else 2 * (p - 1 - rank) + (m - 1) * p
     total = 4 * p * m          # forwards of 4p micro-batches: the steady state repeats every pm forwards
     held = [0] * m
     peak = 0.0
@@ -369,7 +373,7 @@ def _first_rank_peak(pp: int, interleave: int, chunk_bytes: Sequence[float], fir
     while n_forward < total:
         held[(n_forward % group) // p] += 1
         n_forward += 1
-        peak = max(peak, sum(n * c for n, c in zip(held, chunk_bytes)) + held[0] * first_chunk_extra)
+        peak = max(peak, sum(n * c for n, c in zip(held, chunk_bytes)))
         if n_forward > warmup:
             held[m - 1 - (n_backward % group) // p] -= 1
             n_backward += 1
@@ -378,7 +382,8 @@ def _first_rank_peak(pp: int, interleave: int, chunk_bytes: Sequence[float], fir
 
 @dataclasses.dataclass(frozen=True)
 class _Model:
-    """A model's sizes (validated) and its first pipeline stage's bytes and FLOPs per rank."""
+    """A model's sizes (validated), its most loaded pipeline stage's bytes and its first stage's FLOPs
+    per rank."""
 
     layer: _Layer
     num_layers: int
@@ -410,30 +415,49 @@ class _Model:
         """Layers per model chunk: L / p per stage (L / (pm) per chunk when interleaved)."""
         return self.num_layers // (self.pp * self.interleave)
 
-    def first_rank_layers(self, policies: Sequence[str]) -> List[Sequence[str]]:
-        """The policies of pipeline rank 0's chunks: chunk k is virtual stage k * p."""
+    def rank_layers(self, policies: Sequence[str], rank: int) -> List[Sequence[str]]:
+        """The policies of pipeline rank ``rank``'s chunks: chunk k is virtual stage k * p + rank."""
         c = self.chunk_layers
-        return [policies[k * self.pp * c:k * self.pp * c + c] for k in range(self.interleave)]
+        return [policies[(k * self.pp + rank) * c:(k * self.pp + rank + 1) * c] for k in range(self.interleave)]
 
-    def activation_bytes(self, chunk_counts: Sequence[Tuple[int, int, int]]) -> float:
-        """First-stage bytes from each of rank 0's chunks' (n_none, n_selective, n_full)."""
+    def output_side_bytes(self) -> float:
+        """What the last stage keeps per micro-batch beyond its layers: the final norm's input, the
+        output layer's input (sbh E each, / t with SP) and the fp32 logits of the busiest rank's
+        vocabulary shard (GPTModel pads v to a multiple of 128 t: min(v, padded v / t) columns)."""
+        from .nn.model import padded_vocab_size  # nn.model imports this module
+
+        lay = self.layer
+        final_layernorm_input = lay.norm_input() / lay.replicated_split
+        output_layer_input = lay.sbh * lay.e / lay.replicated_split
+        vocab_shard = min(self.vocab, padded_vocab_size(self.vocab, lay.t) // lay.t)
+        return final_layernorm_input + output_layer_input + LOGITS_BYTES * lay.s * lay.b * vocab_shard
+
+    def activation_bytes(self, counts_by_rank: Sequence[Sequence[Tuple[int, int, int]]]) -> float:
+        """Bytes of the most loaded pipeline rank, from each rank's chunks' (n_none, n_selective, n_full)
+        (``counts_by_rank[r][k]``: rank r's chunk k). Rank 0 holds the most micro-batches and the embedding
+        dropout's mask with its first chunk; the last rank holds the output side with its last chunk."""
         lay = self.layer
         per_layer = [lay.bytes(p) for p in RECOMPUTE_POLICIES]
-        chunk_bytes = [sum(n * x for n, x in zip(counts, per_layer)) for counts in chunk_counts]
         embedding_dropout = lay.sbh * lay.m / lay.replicated_split if self.embedding_dropout else 0
-        total = _first_rank_peak(self.pp, self.interleave, chunk_bytes, embedding_dropout)
-        if self.pp == 1:  # the output side lives on the first (only) stage
-            final_layernorm_input = lay.norm_input() / lay.replicated_split
-            output_layer_input = lay.sbh * lay.e / lay.replicated_split
-            logits = LOGITS_BYTES * lay.s * lay.b * self.vocab / lay.t
-            total += final_layernorm_input + output_layer_input + logits
-        return total
+        peaks = []
+        for rank, chunk_counts in enumerate(counts_by_rank):
+            chunk_bytes = [sum(n * x for n, x in zip(counts, per_layer)) for counts in chunk_counts]
+            if rank == 0:
+                chunk_bytes[0] += embedding_dropout
+            if rank == self.pp - 1:
+                chunk_bytes[-1] += self.output_side_bytes()
+            peaks.append(_rank_peak(self.pp, self.interleave, rank, chunk_bytes))
+        return max(peaks)
+
+    def stage_bytes(self, stage_policies: Sequence[str]) -> float:
+        """:meth:`activation_bytes` with every stage running ``stage_policies`` (1F1B)."""
+        return self.activation_bytes([[_count(stage_policies)]] * self.pp)
 
     def plan(self, stage_policies: Tuple[str, ...]) -> "RecomputePlan":
-        """The RecomputePlan of the first stage's per-layer policies (the same on every stage; 1F1B)."""
+        """The RecomputePlan of one stage's per-layer policies (the same on every stage; 1F1B)."""
         counts = _count(stage_policies)
         extra = self.extra_flops_all_ranks(counts)
-        return RecomputePlan(tuple(stage_policies), self.activation_bytes([counts]),
+        return RecomputePlan(tuple(stage_policies), self.stage_bytes(stage_policies),
                              extra / self.layer.t, extra / self.stage_flops_all_ranks())
 
     def extra_flops_all_ranks(self, counts: Tuple[int, int, int]) -> int:
@@ -457,19 +481,21 @@ def model_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
                            interleave: int = 1, normalization: str = "layernorm", activation: str = "gelu",
                            num_query_groups: Optional[int] = None, hidden_dropout=True, attention_dropout=True,
                            flash_attention: bool = False, embedding_dropout=None) -> float:
-    """Activation bytes of the first pipeline stage (the most loaded one), per tensor-parallel rank.
+    """Activation bytes of the most loaded pipeline stage, per tensor-parallel rank (the first stage
+    for the paper's models).
 
     The paper's Section 4.3: under 1F1B the first stage holds p micro-batches of its L/p layers, i.e.
     L layers' worth (Table 2 per layer), times 1 + (p-1)/(pm) with the interleaved schedule of
     ``interleave`` = m chunks per rank; plus the embedding dropout's mask per micro-batch in flight
-    (sbh M p / t with SP: ``sbhp/t``); and with ``pp`` = 1 the final LayerNorm input and the
-    output-layer input (sbh E each, / t with SP) and the fp32 logits (4 sbv / t).
+    (sbh M p / t with SP: ``sbhp/t``). The last stage holds the output side per micro-batch in flight:
+    the final LayerNorm input and the output-layer input (sbh E each, / t with SP) and the fp32 logits
+    (4 sb v' with v' = min(v, padded v / t), the busiest rank's vocabulary shard). Each stage's peak
+    comes from simulating its schedule (``_rank_peak``); the result is the largest (with p = 1 the one
+    stage holds everything).
 
-    ``recompute``: one policy for every layer, or a list of ``num_layers`` per-layer policies (only the
-    first stage's layers count: layers 0 .. L/p - 1, or rank 0's chunks when interleaved). Apply a
+    ``recompute``: one policy for every layer, or a list of ``num_layers`` per-layer policies (stage r
+    runs layers r L/p .. (r + 1) L/p - 1, or its chunks when interleaved). Apply a
     :class:`RecomputePlan` to every stage with ``list(plan.policies) * pp``.
-    Under the interleaved schedule the first chunk's micro-batches in flight (up to 2p) come from
-    simulating the schedule (see ``_first_rank_peak``), so do uneven per-chunk policies.
 
     Other blocks: the keywords of :func:`layer_activation_bytes` (``normalization``, ``activation``,
     ``num_query_groups``, ``hidden_dropout``, ``attention_dropout``, ``flash_attention``) and
@@ -483,7 +509,8 @@ def model_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
                                   attention_dropout=attention_dropout, flash_attention=flash_attention,
                                   embedding_dropout=embedding_dropout))
     policies = recompute_policies(recompute, num_layers)
-    return model.activation_bytes([_count(chunk) for chunk in model.first_rank_layers(policies)])
+    return model.activation_bytes([[_count(chunk) for chunk in model.rank_layers(policies, rank)]
+                                   for rank in range(pp)])
 
 
 def first_stage_parameters(hidden: int, num_layers: int, vocab: int, max_seq_len: int, *, tp: int = 1,
@@ -546,12 +573,12 @@ def first_stage_parameters(hidden: int, num_layers: int, vocab: int, max_seq_len
 
 @dataclasses.dataclass(frozen=True)
 class RecomputePlan:
-    """Per-layer recompute policies for the first pipeline stage and what they cost
+    """Per-layer recompute policies for a pipeline stage and what they cost
     (:func:`plan_recompute`: the cheapest that fits a budget; :func:`evaluate_recompute`: any list).
 
-    ``policies``: one of "none" | "selective" | "full" per layer of the first pipeline stage (L/p of
-    them; every stage can use the same list). ``activation_bytes``: the first stage's
-    :func:`model_activation_bytes` with these policies. ``extra_flops``: forward FLOPs the recompute adds
+    ``policies``: one of "none" | "selective" | "full" per layer of a pipeline stage (L/p of them; every
+    stage uses the same list). ``activation_bytes``: :func:`model_activation_bytes` with these policies
+    on every stage (the most loaded stage's). ``extra_flops``: forward FLOPs the recompute adds
     per micro-batch and tensor-parallel rank on that stage. ``extra_fraction``: ``extra_flops`` over the
     stage's model FLOPs per micro-batch and rank (forward + backward; with pp = 1 including the logits).
     """
@@ -573,9 +600,12 @@ def evaluate_recompute(policies: Sequence[str], seq_len: int, micro_batch: int, 
                        bytes_per_mask: float = 1, normalization: str = "layernorm", activation: str = "gelu",
                        num_query_groups: Optional[int] = None, hidden_dropout=True, attention_dropout=True,
                        flash_attention: bool = False, embedding_dropout=None) -> RecomputePlan:
-    """The :class:`RecomputePlan` of given per-layer ``policies`` for the first stage's L/p layers (every
-    stage running the same list), whether or not it is the cheapest: its activation bytes and extra FLOPs.
-    The block keywords are :func:`model_activation_bytes`'s."""
+    """The :class:`RecomputePlan` of given per-layer ``policies`` for a stage's L/p layers (every stage
+    running the same list), whether or not it is the cheapest: its activation bytes and extra FLOPs.
+    The block keywords are :func:`model_activation_bytes`'s. Note ``sequence_parallel`` defaults to True
+    here and in :func:`plan_recompute` (the planner's use), but to False in
+    :func:`model_activation_bytes` and :func:`layer_activation_bytes` (Table 2's first rows): pass it
+    explicitly when comparing their figures."""
     model = _Model.validated(seq_len, micro_batch, hidden, heads, num_layers, vocab, tp, pp, sequence_parallel,
                              ffn_hidden, bytes_per_element, bytes_per_mask, 1,
                              dict(normalization=normalization, activation=activation,
@@ -591,13 +621,14 @@ def plan_recompute(seq_len: int, micro_batch: int, hidden: int, heads: int, num_
                    bytes_per_mask: float = 1, normalization: str = "layernorm", activation: str = "gelu",
                    num_query_groups: Optional[int] = None, hidden_dropout=True, attention_dropout=True,
                    flash_attention: bool = False, embedding_dropout=None) -> RecomputePlan:
-    """The per-layer recompute mix with the least extra forward FLOPs whose first-stage activation
-    bytes (:func:`model_activation_bytes`, 1F1B) fit ``budget_bytes``.
+    """The per-layer recompute mix, the same on every stage, with the least extra forward FLOPs whose
+    activation bytes (:func:`model_activation_bytes`, 1F1B: the most loaded stage) fit ``budget_bytes``.
+    ``sequence_parallel`` defaults to True here (unlike :func:`model_activation_bytes`).
 
     Extra forward FLOPs per layer and rank: selective recompute 4bs^2h/t (the attention core's QK^T and
     attention over V), full recompute the whole layer forward (24bsh^2 + 4bs^2h)/t. Under 1F1B every
-    layer of the first stage is held for p micro-batches, so only how many layers take each policy
-    matters, not which ones. Memory falls and cost rises with each layer moved from "none" to
+    layer of a stage is held for the same number of micro-batches, so only how many layers take each
+    policy matters, not which ones. Memory falls and cost rises with each layer moved from "none" to
     "selective" to "full" (selective keeps at least the layer input that full keeps). So for each
     number of full layers n_full = 0 .. L/p, the cheapest fit takes the fewest selective layers that
     fit (binary search on the monotone memory); the plan is the cheapest of those L/p + 1 candidates
@@ -620,12 +651,12 @@ def plan_recompute(seq_len: int, micro_batch: int, hidden: int, heads: int, num_
     n = model.chunk_layers
 
     def memory(n_selective: int, n_full: int) -> float:
-        return model.activation_bytes([(n - n_selective - n_full, n_selective, n_full)])
+        return model.activation_bytes([[(n - n_selective - n_full, n_selective, n_full)]] * model.pp)
 
     floor = memory(0, n)
     if floor > budget_bytes:
-        raise ValueError(f"budget_bytes {budget_bytes:.6g} is below {floor:.6g}, the activation bytes of the first "
-                         f"stage even with full recompute of every layer")
+        raise ValueError(f"budget_bytes {budget_bytes:.6g} is below {floor:.6g}, the activation bytes of the most "
+                         f"loaded stage even with full recompute of every layer")
     best = None  # (extra flops, bytes, n_selective, n_full)
     for n_full in range(n + 1):
         rest = n - n_full

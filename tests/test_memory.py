@@ -129,26 +129,38 @@ def test_pipeline_and_interleave_terms_by_hand():
     # embedding-dropout mask per micro-batch: sbh / t = 16.
     kw = dict(tp=2, sequence_parallel=True)
     assert layer_activation_bytes(4, 1, 8, 2, recompute="none", **kw) == 624
-    # p = 2, 4 layers, 1F1B: rank 0 holds layers 0-1 for 2 micro-batches and 2 embedding masks.
+    # The output side, on the last stage per micro-batch in flight: final LN input and output-layer input
+    # (2 sbh / t = 32 each) and the fp32 logits of the busiest vocabulary shard. v = 16 pads to 128 t = 256
+    # rows, 128 a rank: rank 0 holds all 16 real columns, 4 sb * 16 = 256 bytes (not 4 sbv / t = 128).
+    out = 32 + 32 + 256
+    # p = 2, 4 layers, 1F1B: rank 0 holds layers 0-1 for 2 micro-batches and 2 embedding masks (2528); the
+    # last rank layers 2-3 for one micro-batch and the output side (2 * 624 + 320 = 1568).
     assert model_activation_bytes(4, 1, 8, 2, 4, 16, pp=2, **kw) == 2 * 2 * 624 + 2 * 16
-    # only the first stage's layers count: layers 2-3 (second stage) change nothing
+    # recomputing the first stage's layers leaves the last stage the most loaded ...
     assert model_activation_bytes(4, 1, 8, 2, 4, 16, pp=2, recompute=["full", "selective", "none", "none"],
-                                  **kw) == 2 * (32 + 544) + 2 * 16
+                                  **kw) == 2 * 624 + out
+    # ... until its layers are recomputed too (last: 2 * 32 + 320 = 384; first: 2 * (32 + 544) + 2 * 16)
     assert model_activation_bytes(4, 1, 8, 2, 4, 16, pp=2, recompute=["full", "selective", "full", "full"],
                                   **kw) == 2 * (32 + 544) + 2 * 16
     # p = 2, m = 2 chunks of one layer: rank 0 holds chunks 0 (layer 0) and 1 (layer 2). Schedule: warm-up
     # 2(p-1) + (m-1)p = 4 forwards (c0 mb0, c0 mb1, c1 mb0, c1 mb1), then forward/backward pairs:
     # F c0 mb2 (held: c0 x3, c1 x2), B c1 mb0, F c0 mb3 (c0 x4, c1 x1), B c1 mb1, F c1 mb2 (c0 x4, c1 x1) ...
     # peak 5 chunks = L (1 + (p-1)/(pm)) = 4 * 5/4 layers, with up to 4 chunk-0 micro-batches (embeddings).
+    # Rank 1 (layers 1 and 3, the output side with its chunk 1) warms up 2(p-1-1) + (m-1)p = 2 forwards
+    # (c0 x2), then F c1 (c0 x2, c1 x1): 2 * 624 + 624 + 320 = 2192 at most, below rank 0's 3184.
     assert model_activation_bytes(4, 1, 8, 2, 4, 16, pp=2, interleave=2, **kw) == 5 * 624 + 4 * 16
-    # uneven chunks: layer 0 full, layer 2 none -> max(3*32 + 2*624 + 3*16, 4*32 + 1*624 + 4*16) = 1392
+    # uneven chunks: layer 0 full, layer 2 none -> rank 0: max(3*32 + 2*624 + 3*16, 4*32 + 1*624 + 4*16) =
+    # 1392; rank 1 (all none) is now the most loaded: 2192
     assert model_activation_bytes(4, 1, 8, 2, 4, 16, pp=2, interleave=2, recompute=["full", "none", "none", "none"],
+                                  **kw) == 2 * 624 + 624 + out
+    assert model_activation_bytes(4, 1, 8, 2, 4, 16, pp=2, interleave=2, recompute=["full", "full", "none", "full"],
                                   **kw) == 3 * 32 + 2 * 624 + 3 * 16
-    # p = 1: one micro-batch in flight, plus final LN input and output-layer input (2 sbh / t = 32 each)
-    # and the fp32 logits 4 sbv / t = 128
-    assert model_activation_bytes(4, 1, 8, 2, 4, 16, **kw) == 4 * 624 + 16 + 32 + 32 + 128
+    # p = 1: one micro-batch in flight, plus the output side
+    assert model_activation_bytes(4, 1, 8, 2, 4, 16, **kw) == 4 * 624 + 16 + out
     # without SP the embedding mask and the output side are not split: 2 sbh = 64, sbh = 32
-    assert model_activation_bytes(4, 1, 8, 2, 4, 16, tp=2, recompute="full") == 4 * 64 + 32 + 64 + 64 + 128
+    assert model_activation_bytes(4, 1, 8, 2, 4, 16, tp=2, recompute="full") == 4 * 64 + 32 + 64 + 64 + 256
+    # a vocabulary filling the shards: v = 512 = 2 x 256, 4 sbv / t = 4096 for each rank
+    assert model_activation_bytes(4, 1, 8, 2, 4, 512, **kw) == 4 * 624 + 16 + 32 + 32 + 4096
 
 
 @pytest.mark.parametrize("p, m", [(2, 2), (3, 2), (4, 3), (8, 4), (35, 3)])
@@ -288,7 +300,8 @@ def test_model_llama_terms():
     layer = layer_activation_bytes(s, b, h, a, **kw)
     sbh = s * b * h
     # no embedding mask (no dropout); final RMSNorm input with its rstd, output-layer input, fp32 logits
-    expected = L * layer + (sbh * 2 + 4 * s * b) / t + sbh * 2 / t + 4 * s * b * v / t
+    # (v = 100 pads to 256, 128 rows a rank: rank 0 holds all 100 real columns)
+    expected = L * layer + (sbh * 2 + 4 * s * b) / t + sbh * 2 / t + 4 * s * b * v
     assert model_activation_bytes(s, b, h, a, L, v, **kw) == pytest.approx(expected, rel=1e-12)
     assert model_activation_bytes(s, b, h, a, L, v, embedding_dropout=0.1, **kw) == \
         pytest.approx(expected + sbh / t, rel=1e-12)

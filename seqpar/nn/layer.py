@@ -43,7 +43,7 @@ from ..parallel.state import ProcessGroup, check_ranks_agree, group_rank, group_
 from ..recompute import checkpoint
 from .layernorm import LayerNorm, RMSNorm
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .state_dict import check_shapes
+from .state_dict import check_loadable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,8 +373,8 @@ class TransformerLayer(nn.Module):
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
         """Load UNSHARDED weights (the same dict on every rank); each rank keeps its shard."""
-        shapes = self.full_shapes()
-        check_shapes(state_dict, shapes)
+        check_loadable(state_dict, self.full_shapes(), self.tp_group,
+                       what=f"TransformerLayer(layer_number={self.layer_number}).load_full_state_dict")
         device = self.input_layernorm.weight.device
         for name, part in self._parts().items():
             weight = state_dict[f"{name}.weight"].to(device)

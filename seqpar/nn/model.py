@@ -30,14 +30,15 @@ from torch import nn
 
 from .. import random as sp_random
 from ..config import TransformerConfig
+from ..ops.comm_matmul import all_gather_matmul
 from ..ops.dropout import DropoutSpec, dropout
-from ..parallel.mappings import (copy_to_tensor_region, gather_from_sequence_region, reduce_from_tensor_region,
+from ..parallel.mappings import (copy_to_tensor_region, reduce_from_tensor_region,
                                  scatter_to_sequence_region)
 from ..parallel.state import ProcessGroup, agreement_checked, check_ranks_agree, group_rank, group_size
-from ..memory import recompute_policies
+from ..memory import recompute_policies, saved_as
 from .layer import AGREEMENT_HINT, TransformerLayer, agreement_values, make_norm
 from .linear import _gather_rows
-from .state_dict import check_shapes
+from .state_dict import check_loadable
 
 EMBEDDING_RNG_LAYER = 2**31 - 1  # the embedding dropout's "layer number" in the RNG
 VOCAB_PAD_MULTIPLE = 128         # the padded vocabulary is a multiple of this times t
@@ -208,7 +209,11 @@ class GPTModel(nn.Module):
     ``model.layers[i]`` apply: ``checkpoint_wrapper`` / ``apply_activation_checkpointing``, FSDP, or
     ``torch.utils.checkpoint`` around each layer (dropout seeds are drawn from torch's CPU generator,
     which those restore, so recomputed layers replay their masks). Building the model checks once, over
-    ``tp_group``, that every rank passes the same arguments and RNG state (see TransformerLayer).
+    ``tp_group``, that every rank passes the same arguments and RNG state (see TransformerLayer); every
+    forward under tensor parallelism checks that the ranks' tokens shapes, labels (given or not), mode
+    and dropout RNG state agree and that none rejected its inputs (one all-gather of a few int64), so a
+    rank's mistake is a ValueError on every rank instead of an abort or a hang in a collective.
+    ``load_full_state_dict`` likewise raises on every rank when one rank's dict fails its checks.
     Like TransformerLayer, the model computes in its parameters' dtype (``config.params_dtype``, or what
     ``.to(dtype)`` / ``.half()`` / ``.bfloat16()`` converted them to) and raises ValueError under
     ``torch.autocast``.
@@ -326,9 +331,11 @@ class GPTModel(nn.Module):
         """Embedding output -> final norm output; each layer through its ``__call__``."""
         for layer in self.layers:
             hidden = layer(hidden)
-        return self.final_layernorm(hidden)
+        with saved_as("final norm input"):
+            return self.final_layernorm(hidden)
 
-    def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _check_inputs(self, tokens, labels) -> None:
+        """ValueError naming the first problem of this rank's ``tokens`` / ``labels``."""
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64:
             raise ValueError(f"tokens must be an int64 [b, s] tensor, got "
                              f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}")
@@ -344,18 +351,54 @@ class GPTModel(nn.Module):
         self._check_ids("token", tokens, allow_ignore=False)
         if labels is not None:
             self._check_ids("label", labels, allow_ignore=True)
+
+    def _check_ranks(self, tokens, labels, problem: Optional[str]) -> None:
+        """Every rank's tokens shape, labels or not, mode and dropout RNG state agree and no rank rejected
+        its inputs, else ValueError on every rank. The layers skip their own per-forward check (the model
+        builds their inputs), so this one is what keeps a rank's mistake from aborting or hanging the
+        others in a collective, or from silently mixing dropout masks. Cost: one all-gather of 6 int64 per
+        rank and forward, and hashing torch's CPU generator state (5 KB) when dropout is on."""
+        cfg = self.config
+        dropout_on = self.training and bool(self.embedding_dropout or cfg.hidden_dropout or cfg.attention_dropout)
+        shape = tuple(tokens.shape) if problem is None else (-1, -1)
+        check_ranks_agree(self.tp_group, {
+            "tokens.shape[0] (b)": shape[0], "tokens.shape[1] (s)": shape[1], "labels given": int(labels is not None),
+            "training": int(self.training),
+            "torch CPU generator state (dropout seeds)": torch.get_rng_state().numpy().tobytes() if dropout_on else b"",
+        }, what="GPTModel input", error=problem, device=self.final_layernorm.weight.device,
+            hint="Every rank passes the same tokens (and labels, or none) in the same mode; dropout seeds differ "
+                 "when torch's CPU generator diverged after seqpar.manual_seed (one rank drew random numbers "
+                 "the others did not)")
+
+    def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        problem = None
+        try:
+            self._check_inputs(tokens, labels)
+        except ValueError as exc:
+            problem = str(exc)
+        if group_size(self.tp_group) > 1:
+            self._check_ranks(tokens, labels, problem)
+        elif problem is not None:
+            raise ValueError(problem)
         hidden = self._layers(self._embed(tokens))
-        if self.config.sequence_parallel:
-            hidden = gather_from_sequence_region(hidden, self.tp_group)
-        else:
-            hidden = copy_to_tensor_region(hidden, self.tp_group)
         # The real rows only: padded logits are never computed, so they can't enter the softmax.
         head = self.embedding.word_embeddings if self.output_layer is None else self.output_layer
-        logits_local = torch.matmul(hidden, head.real_weight.t())                           # [s, b, v_local]
+        weight = head.real_weight                                                           # [v_local, h]
+        with saved_as("output layer input"):
+            if self.config.sequence_parallel:
+                # As the layers' column-parallel GEMMs: on flattened rows, saving only this rank's sequence
+                # shard for backward (re-gathered there), not the gathered [s, b, h] (t times the bytes).
+                rows = all_gather_matmul(hidden.reshape(-1, hidden.shape[-1]), weight, group=self.tp_group,
+                                         overlap=self.config.overlap_comm)
+                # Sizes written out: a rank's vocabulary shard may be empty (v_local = 0).
+                logits_local = rows.view(tokens.shape[1], hidden.shape[1], weight.shape[0])      # [s, b, v_local]
+            else:
+                logits_local = torch.matmul(copy_to_tensor_region(hidden, self.tp_group), weight.t())
         if labels is None:
             return logits_local
-        return _VocabParallelCrossEntropy.apply(logits_local, labels.t(), self.vocab_start, IGNORE_INDEX,
-                                                self.tp_group)
+        with saved_as("cross-entropy (fp32 softmax, label ids)"):
+            return _VocabParallelCrossEntropy.apply(logits_local, labels.t(), self.vocab_start, IGNORE_INDEX,
+                                                    self.tp_group)
 
     # ------------------------------------------------------------------ unsharded weights
     def full_shapes(self) -> Dict[str, tuple]:
@@ -378,8 +421,7 @@ class GPTModel(nn.Module):
         """Load UNSHARDED weights (the same dict on every rank, v real vocabulary rows); each rank keeps
         its shard. Every key, shape and value kind (floating point, not meta) is checked before anything is
         loaded (ValueError naming it); other floating dtypes are cast to the parameters'."""
-        shapes = self.full_shapes()
-        check_shapes(state_dict, shapes)
+        check_loadable(state_dict, self.full_shapes(), self.tp_group, what="GPTModel.load_full_state_dict")
         self.embedding.word_embeddings.load_full(state_dict["embedding.word_embeddings.weight"])
         if self.embedding.position_embeddings is not None:
             self.embedding.position_embeddings.weight.copy_(state_dict["embedding.position_embeddings.weight"])

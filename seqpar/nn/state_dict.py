@@ -5,6 +5,8 @@ from typing import Mapping, Tuple
 
 import torch
 
+from ..parallel.state import check_ranks_agree
+
 
 def check_shapes(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[int, ...]], *,
                  what: str = "state dict", config: str = "") -> None:
@@ -32,4 +34,19 @@ def check_shapes(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[in
             raise ValueError(f"{what} {key} must be a floating-point tensor with data, got {got}")
 
 
-__all__ = ["check_shapes"]
+def check_loadable(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[int, ...]], group, *,
+                   what: str) -> None:
+    """:func:`check_shapes` on every rank of the tensor-parallel ``group``, a failure on any rank a
+    ValueError on every rank (:func:`seqpar.parallel.state.check_ranks_agree`, one tiny all-gather):
+    a rank whose dict is wrong must not leave the others loading theirs and then waiting for it in the
+    next collective. (That every rank passes the same values is the caller's contract, not checked:
+    comparing them would hash every weight.)"""
+    problem = None
+    try:
+        check_shapes(state_dict, shapes)
+    except ValueError as exc:
+        problem = str(exc)
+    check_ranks_agree(group, {}, what=what, error=problem)
+
+
+__all__ = ["check_shapes", "check_loadable"]

@@ -68,8 +68,16 @@ from ..parallel.state import ProcessGroup, all_gather_seq, group_size, reduce_sc
 _TAG_GATHER, _TAG_SCATTER = 11, 12   # gloo tags per pattern (NCCL ignores tags, matches in order)
 
 
+# Sizes written out, never -1: a rank's output columns may be none (an empty vocabulary shard), and
+# reshape can't infer a dimension beside a 0.
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1])
+    """[..., n] -> [rows, n]."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
+def _by_rank(t: torch.Tensor, ranks: int) -> torch.Tensor:
+    """[s, ..., n] (s a multiple of ``ranks``) -> [ranks, rows per rank, n], a view."""
+    return t.view(ranks, math.prod(t.shape[:-1]) // ranks, t.shape[-1])
 
 
 # ---- chunked passes: no autograd; [rows, features] 2-D views and [t, rows, features] per-rank slots ----
@@ -201,7 +209,7 @@ class _AllGatherMatmul(torch.autograd.Function):
         y = torch.empty((x_shard.shape[0] * t,) + tuple(x_shard.shape[1:-1]) + (weight.shape[0],),
                         dtype=x_shard.dtype, device=x_shard.device)
         _chunked_all_gather_matmul_fwd(_flat(x_shard), weight, bias, group, plan,
-                                       y.view(t, -1, weight.shape[0]))
+                                       _by_rank(y, t))
         return y
 
     @staticmethod
@@ -214,7 +222,7 @@ class _AllGatherMatmul(torch.autograd.Function):
         if ctx.plan.overlapped and not ctx.plan.bulk_ag_backward:
             t = ctx.plan.chunks
             grad_x_shard2, grad_weight = _chunked_all_gather_matmul_bwd(
-                _flat(x_shard.contiguous()), grad_y.view(t, -1, grad_y.shape[-1]), weight, ctx.group,
+                _flat(x_shard.contiguous()), _by_rank(grad_y, t), weight, ctx.group,
                 ctx.plan, need_x, need_w)
             grad_x_shard = grad_x_shard2.view(x_shard.shape) if need_x else None
             return grad_x_shard, grad_weight, grad_bias, None, None
@@ -249,7 +257,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
             y_shard = reduce_scatter_seq(torch.matmul(x, weight.t()), group)
         else:
             t = plan.chunks
-            y_shard2 = _reduce_scatter_chunks(PeerExchange(group), x.contiguous().view(t, -1, x.shape[-1]),
+            y_shard2 = _reduce_scatter_chunks(PeerExchange(group), _by_rank(x.contiguous(), t),
                                               weight.t(), plan, "rs_fwd")
             y_shard = y_shard2.view((x.shape[0] // t,) + tuple(x.shape[1:-1]) + (weight.shape[0],))
         if bias is not None:
@@ -265,7 +273,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         if ctx.plan.overlapped:
             t = ctx.plan.chunks
             grad_x3, grad_weight = _chunked_matmul_reduce_scatter_bwd(
-                _flat(grad_y_shard.contiguous()), x.contiguous().view(t, -1, x.shape[-1]), weight,
+                _flat(grad_y_shard.contiguous()), _by_rank(x.contiguous(), t), weight,
                 ctx.group, ctx.plan, need_x, need_w)
             return (grad_x3.view(x.shape) if need_x else None), grad_weight, grad_bias, None, None
         grad_y_full = all_gather_seq(grad_y_shard, ctx.group)

@@ -41,7 +41,8 @@ def _worker(rank, world_size, policy_lists):
             loss = model(tokens, labels)
         loss.sum().backward()
         # numpy: tensors sent back from a rank that exits can't go through shared memory
-        out.append(dict(bytes=meter.bytes, report=meter.report(S * B * H * E), loss=loss.detach().numpy(),
+        out.append(dict(bytes=meter.bytes, labels=meter.by_label(), report=meter.report(S * B * H * E),
+                        loss=loss.detach().numpy(),
                         grads={name: p.grad.numpy() for name, p in model.named_parameters()}))
     return out
 
@@ -67,6 +68,10 @@ def test_gpt_memory_with_planned_policies(t):
             lower = 0.95 * model_activation_bytes(**_sizes(t), bytes_per_mask=0, **kwargs)
             upper = 1.05 * model_activation_bytes(**_sizes(t), bytes_per_mask=1, **kwargs)
             assert lower <= got["bytes"] <= upper, f"{policies}: {lower} <= {got['bytes']} <= {upper}\n{got['report']}"
+            # The output side exactly (the 5% above would hide it): with SP the output layer keeps only this
+            # rank's sequence shard, as its formula term sbhE/t says (not the gathered [s, b, h]).
+            assert got["labels"]["output layer input"] == S * B * H * E // t, got["report"]
+            assert got["labels"]["cross-entropy (fp32 softmax, label ids)"] >= 4 * S * B * V // t, got["report"]
         uniform = results[-1]
         for mixed in results[:-1]:  # recompute replays the same dropout masks: same numbers
             torch.testing.assert_close(torch.from_numpy(mixed["loss"]), torch.from_numpy(uniform["loss"]),

@@ -143,6 +143,20 @@ def _forward_cases(rank):
             torch.rand(1)
         return sp_layer(_randn(7, B, H))
 
+    def gpt_modes():
+        gpt.train(rank == 0)
+        try:
+            return gpt(torch.zeros(2, 8, dtype=torch.int64))
+        finally:
+            gpt.train()
+
+    def misshapen_state_dict():
+        full = plain_layer.full_state_dict()
+        if rank == 1:
+            full["input_layernorm.weight"] = torch.ones(5)
+        plain_layer.load_full_state_dict(full)
+
+    tokens = torch.zeros(2, 8, dtype=torch.int64)
     return {
         # s = 127 at t = 2: shards of 64 and 63 rows (gloo aborts the process in the all-gather)
         "uneven-sp-shards": lambda: sp_layer(_randn(64 if rank == 0 else 63, B, H)),
@@ -152,6 +166,12 @@ def _forward_cases(rank):
         "rank0-bad-hidden": lambda: sp_layer(_randn(7, B, 33 if rank == 0 else H)),
         "rank1-bad-dtype": lambda: sp_layer(_randn(7, B, H, dtype=torch.float64 if rank == 1 else torch.float32)),
         "diverged-torch-rng": diverged_seed,
+        # GPTModel turns its layers' per-forward check off and checks its own inputs instead
+        "gpt-different-batch": lambda: gpt(torch.zeros(2 if rank == 0 else 3, 8, dtype=torch.int64)),
+        "gpt-labels-on-one-rank": lambda: gpt(tokens, tokens if rank == 0 else None),
+        "gpt-rank1-bad-token": lambda: gpt(tokens if rank == 0 else tokens + 99),
+        "gpt-train-and-eval": gpt_modes,
+        "state-dict-rank1-misshapen": misshapen_state_dict,
     }
 
 
@@ -256,6 +276,13 @@ FORWARD = {  # case -> (rank 0's message, rank 1's message)
                          r"rank\(s\) \[0\] rejected their arguments"),
     "rank1-bad-dtype": (r"rank\(s\) \[1\] rejected their arguments", r"x dtype torch.float64 != params_dtype"),
     "diverged-torch-rng": (r"dropout seed of this forward differs",) * 2,
+    "gpt-different-batch": (r"GPTModel input: .*tokens.shape\[0\] \(b\) differs \(rank 0: 2, rank 1: 3\)",) * 2,
+    "gpt-labels-on-one-rank": (r"labels given differs \(rank 0: 1, rank 1: 0\)",) * 2,
+    "gpt-rank1-bad-token": (r"GPTModel input: tensor-parallel rank\(s\) \[1\] rejected",
+                            r"token id 99 at \[0, 0\] is outside the vocabulary"),
+    "gpt-train-and-eval": (r"training differs \(rank 0: 1, rank 1: 0\)",) * 2,
+    "state-dict-rank1-misshapen": (r"load_full_state_dict: tensor-parallel rank\(s\) \[1\] rejected",
+                                   r"input_layernorm.weight must have shape \(32,\)"),
 }
 
 

@@ -41,6 +41,17 @@ def test_single_rank_matches_linear(op, shape, dtype, overlap, bias):
             assert err <= TOLERANCES[dtype][1] * scale, f"{name}: {err:.3e} vs scale {scale:.3e}"
 
 
+@pytest.mark.parametrize("overlap", [True, False, ChunkPlan(1)], ids=["auto", "off", "plan1"])
+@pytest.mark.parametrize("op", list(OPS), ids=str)
+def test_no_output_columns(op, overlap):
+    """A weight shard of no rows (GPTModel's empty vocabulary shard on the last ranks): y [s, b, 0], zero
+    input gradient, an empty weight gradient (no reshape with -1 beside the 0)."""
+    x, w = torch.randn(6, 2, 5, requires_grad=True), torch.randn(0, 5, requires_grad=True)
+    y = OPS[op](x, w, group=None, overlap=overlap)
+    assert y.shape == (6, 2, 0)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x)) and w.grad.shape == (0, 5)
+
 def test_chunk_plan_validation():
     for bad in (0, -2, 1.5, True, "2"):
         with pytest.raises(ValueError, match="chunks"):
