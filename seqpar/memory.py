@@ -683,7 +683,15 @@ def plan_recompute(seq_len: int, micro_batch: int, hidden: int, heads: int, num_
 # ---------------------------------------------------------------------------------------------- meter
 @contextlib.contextmanager
 def saved_as(label: str) -> Iterator[None]:
-    """Name the tensors saved for backward inside this block (for :meth:`ActivationMeter.report`)."""
+    """Name the tensors saved for backward inside this block (for :meth:`ActivationMeter.report`).
+
+    Nothing happens while no meter is active (a meter entered inside the block sees its tensors
+    unlabelled): the label is a ContextVar, which torch.compile cannot trace, so an unconditional set
+    would break every compiled layer into pieces at each label.
+    """
+    if not _active_meters:
+        yield
+        return
     token = _label.set(label)
     try:
         yield

@@ -216,12 +216,17 @@ def dropout_threshold(p, name: str = "dropout probability p") -> int:
     return round(float(p) * 256)
 
 
+# float32(256 / (256 - P)) for every byte threshold P: quotients in double, rounded to fp32 once. A table
+# built at import, so an op traced by torch.compile reads a constant instead of a tensor's value.
+_DROPOUT_SCALES = tuple(torch.tensor([256.0 / (256 - p) for p in range(256)], dtype=torch.float32).tolist())
+
+
 def dropout_scale(threshold: int) -> float:
     """``float32(256 / (256 - P))``: the factor of kept values, as a Python float (exactly an fp32).
 
     The quotient is computed in double and rounded to fp32 once; every backend uses this value.
     """
-    return float(torch.tensor(256.0 / (256 - threshold), dtype=torch.float32))
+    return _DROPOUT_SCALES[threshold]
 
 
 def effective_dropout_p(p: float) -> float:

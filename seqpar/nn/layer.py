@@ -115,8 +115,9 @@ class ParallelAttention(nn.Module):
         a, g, t = config.num_attention_heads, config.kv_heads, group_size(tp_group)
         self.config, self.tp_group = config, tp_group
         self.local_heads, self.local_kv_heads = a // t, g // t
-        common = dict(tp_group=tp_group, sequence_parallel=config.sequence_parallel,
-                      overlap_comm=config.overlap_comm, device=device, dtype=dtype, bias=config.add_bias_linear)
+        # init_method=None: TransformerLayer.reset_parameters draws every weight of the layer
+        common = dict(tp_group=tp_group, sequence_parallel=config.sequence_parallel, overlap_comm=config.overlap_comm,
+                      device=device, dtype=dtype, bias=config.add_bias_linear, init_method=None)
         self.query_key_value = ColumnParallelLinear(h, (a + 2 * g) * d, partition_blocks=(a * d, g * d, g * d),
                                                     **common)
         self.dense = RowParallelLinear(a * d, h, skip_bias_add=True, **common)
@@ -171,7 +172,7 @@ class ParallelMLP(nn.Module):
         super().__init__()
         h, f = config.hidden_size, config.ffn_hidden_size
         common = dict(tp_group=tp_group, sequence_parallel=config.sequence_parallel, bias=config.add_bias_linear,
-                      overlap_comm=config.overlap_comm, device=device, dtype=config.params_dtype)
+                      overlap_comm=config.overlap_comm, device=device, dtype=config.params_dtype, init_method=None)
         self.config = config
         if config.activation == "swiglu":
             self.dense_h_to_4h = ColumnParallelLinear(h, 2 * f, partition_blocks=(f, f), **common)
@@ -250,7 +251,8 @@ class TransformerLayer(nn.Module):
         self.self_attention = ParallelAttention(config, tp_group, device)
         self.post_attention_layernorm = make_norm(config, tp_group, device)
         self.mlp = ParallelMLP(config, tp_group, device)
-        self.reset_parameters()
+        if self.input_layernorm.weight.device.type != "meta":  # on meta: to_empty, then reset_parameters()
+            self.reset_parameters()
 
     # ------------------------------------------------------------------ forward
     def _input_problem(self, x) -> Optional[str]:
@@ -339,7 +341,7 @@ class TransformerLayer(nn.Module):
         x = x.contiguous()  # the fused residual ops need rows; a no-op for the usual [s, b, h] layout
         if self.config.recompute == "full":
             with saved_as("layer input (full recompute)"):
-                return checkpoint(self._forward_impl, x, mode, params=list(self.parameters()))
+                return checkpoint(self._forward_impl, x, mode, module=self)
         return self._forward_impl(x, mode)
 
     # ------------------------------------------------------------------ unsharded weights
@@ -403,15 +405,16 @@ class TransformerLayer(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Deterministic init of the unsharded weights from (seqpar seed, layer_number): normal(0, 0.02)
-        matrices, zero biases, unit norm weights; then keep this rank's shard."""
+        matrices, zero biases, unit norm weights; then keep this rank's shard. Drawn on the CPU whatever
+        the default device (``with torch.device("meta")`` included)."""
         gen = torch.Generator().manual_seed(
             sp_random.stream_seed(sp_random.initial_seed(), self.layer_number, 1000) & (2**63 - 1))
         full = {}
         for key, shape in self.full_shapes().items():
             if key.endswith("layernorm.weight"):
-                full[key] = torch.ones(shape)
+                full[key] = torch.ones(shape, device="cpu")
             elif len(shape) == 2:
-                full[key] = torch.randn(shape, generator=gen) * 0.02
+                full[key] = torch.randn(shape, generator=gen, device="cpu") * 0.02
             else:
-                full[key] = torch.zeros(shape)
+                full[key] = torch.zeros(shape, device="cpu")
         self.load_full_state_dict({k: v.to(self.config.params_dtype) for k, v in full.items()})

@@ -45,6 +45,13 @@ class _ReplicatedNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype)) if bias else None
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Unit weight, zero bias (the deferred-init recipe: meta device, ``to_empty``, then this)."""
+        self.weight.fill_(1.0)
+        if self.bias is not None:
+            self.bias.zero_()
+
     def _check_hidden(self, x: torch.Tensor) -> None:
         if x.dim() >= 1 and x.shape[-1] != self.hidden_size:
             raise ValueError(f"x last dimension {x.shape[-1]} != hidden_size {self.hidden_size}")

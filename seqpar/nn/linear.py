@@ -19,7 +19,7 @@ With ``tp_group=None`` (or a one-rank group, t = 1) both layers are plain ``nn.L
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, Union
+from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -69,7 +69,42 @@ def block_sizes(out_features: int, partition_blocks: Union[int, Sequence[int]]) 
     return sizes
 
 
-class ColumnParallelLinear(nn.Module):
+def init_normal(weight: torch.Tensor) -> None:
+    """The default ``init_method``: N(0, 0.02) in place (Megatron's init_method_normal(0.02)), drawn from
+    torch's default CPU generator."""
+    weight.normal_(0.0, 0.02)
+
+
+class _TensorParallelLinear(nn.Module):
+    """What both splits share: initialisation of the unsharded weight and the repr."""
+
+    in_features: int
+    out_features: int
+
+    def _init_weights(self, init_method: Optional[Callable[[torch.Tensor], None]]) -> None:
+        self.init_method = init_method
+        if init_method is not None and self.weight.device.type != "meta":  # meta: to_empty, then reset
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """``init_method`` on the unsharded weight [n, k] (fp32, on the CPU: ranks whose CPU generators
+        agree draw the same matrix whatever t is), then this rank's shard of it and a zero bias. Nothing
+        with ``init_method=None`` (the caller loads the weights: TransformerLayer does)."""
+        if self.init_method is None:
+            return
+        full = torch.empty(self.out_features, self.in_features)
+        self.init_method(full)
+        bias = None if self.bias is None else torch.zeros(self.out_features)
+        self.load_full(full.to(self.weight.dtype), None if bias is None else bias.to(self.bias.dtype))
+
+    def extra_repr(self) -> str:
+        t = group_size(self.tp_group)
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"tp={t}, sequence_parallel={self.sequence_parallel}")
+
+
+class ColumnParallelLinear(_TensorParallelLinear):
     """``y = x W^T + b`` with W's output rows split over the TP group (see module table).
 
     ``partition_blocks`` treats the output rows as stacked blocks, each split over the t ranks
@@ -77,11 +112,17 @@ class ColumnParallelLinear(nn.Module):
     means n equal blocks (a fused QKV weight [3h, h] with ``partition_blocks=3``: each rank takes its
     heads' rows of the Q, K and V blocks), a sequence gives the block sizes (grouped-query QKV:
     ``(a d, g d, g d)``; SwiGLU's gate and up: ``(f, f)``). Every block must split evenly over t.
+
+    ``init_method`` (both splits): called on the unsharded fp32 weight [n, k] on the CPU at construction
+    (:meth:`reset_parameters`; default :func:`init_normal`, N(0, 0.02)); None leaves the weights
+    uninitialised for a caller that loads them. On the meta device nothing is drawn: ``to_empty``, then
+    ``reset_parameters()``.
     """
 
     def __init__(self, in_features: int, out_features: int, *, tp_group: ProcessGroup = None,
                  sequence_parallel: bool = False, bias: bool = True, partition_blocks: Union[int, Sequence[int]] = 1,
-                 overlap_comm: bool = True, device=None, dtype=None):
+                 overlap_comm: bool = True, device=None, dtype=None,
+                 init_method: Optional[Callable[[torch.Tensor], None]] = init_normal):
         super().__init__()
         t = group_size(tp_group)
         blocks = block_sizes(out_features, partition_blocks)
@@ -94,6 +135,7 @@ class ColumnParallelLinear(nn.Module):
         self.partition_blocks, self.overlap_comm = blocks, overlap_comm
         self.weight = nn.Parameter(torch.empty(out_features // t, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features // t, device=device, dtype=dtype)) if bias else None
+        self._init_weights(init_method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -123,12 +165,14 @@ class ColumnParallelLinear(nn.Module):
         return weight, bias
 
 
-class RowParallelLinear(nn.Module):
-    """``y = x W^T + b`` with W's input columns split over the TP group (see module table)."""
+class RowParallelLinear(_TensorParallelLinear):
+    """``y = x W^T + b`` with W's input columns split over the TP group (see module table);
+    ``init_method`` as in :class:`ColumnParallelLinear`."""
 
     def __init__(self, in_features: int, out_features: int, *, tp_group: ProcessGroup = None,
                  sequence_parallel: bool = False, bias: bool = True, skip_bias_add: bool = False,
-                 overlap_comm: bool = True, device=None, dtype=None):
+                 overlap_comm: bool = True, device=None, dtype=None,
+                 init_method: Optional[Callable[[torch.Tensor], None]] = init_normal):
         super().__init__()
         t = group_size(tp_group)
         if in_features % t:
@@ -138,6 +182,7 @@ class RowParallelLinear(nn.Module):
         self.skip_bias_add, self.overlap_comm = skip_bias_add, overlap_comm
         self.weight = nn.Parameter(torch.empty(out_features, in_features // t, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
+        self._init_weights(init_method)
 
     def output_bias(self) -> Optional[torch.Tensor]:
         """The bias as the layer adds it: under SP through f, so its gradient is summed over the group."""

@@ -274,6 +274,17 @@ class GPTModel(nn.Module):
         self.final_layernorm = make_norm(config, tp_group, device)
         self.output_layer = (None if share_embeddings_and_output_weights else
                              VocabParallelOutputLayer(vocab_size, h, tp_group=tp_group, device=device, dtype=dtype))
+        if self.final_layernorm.weight.device.type != "meta":  # on meta: to_empty, then reset_parameters()
+            self._reset_embeddings()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Every weight to its deterministic init (what building the model on a real device draws): the
+        layers' (:meth:`TransformerLayer.reset_parameters`), the embeddings', a unit final norm. The
+        deferred-init recipe: build with ``device="meta"``, ``to_empty(device=...)``, then this."""
+        for layer in self.layers:
+            layer.reset_parameters()
+        self.final_layernorm.reset_parameters()
         self._reset_embeddings()
 
     @property
@@ -298,11 +309,15 @@ class GPTModel(nn.Module):
         from the same model."""
         h = self.config.hidden_size
         gen = torch.Generator().manual_seed(sp_random.stream_seed(sp_random.initial_seed(), -1, 1000) & (2**63 - 1))
-        self.embedding.word_embeddings.load_full(torch.randn(self.vocab_size, h, generator=gen) * 0.02)
+
+        def normal(rows: int) -> torch.Tensor:
+            return torch.randn(rows, h, generator=gen, device="cpu") * 0.02
+
+        self.embedding.word_embeddings.load_full(normal(self.vocab_size))
         if self.embedding.position_embeddings is not None:
-            self.embedding.position_embeddings.weight.copy_(torch.randn(self.max_seq_len, h, generator=gen) * 0.02)
+            self.embedding.position_embeddings.weight.copy_(normal(self.max_seq_len))
         if self.output_layer is not None:
-            self.output_layer.load_full(torch.randn(self.vocab_size, h, generator=gen) * 0.02)
+            self.output_layer.load_full(normal(self.vocab_size))
 
     def _check_ids(self, name: str, ids: torch.Tensor, allow_ignore: bool) -> None:
         """ValueError naming the first id outside [0, vocab_size) (-100 allowed when ``allow_ignore``)."""

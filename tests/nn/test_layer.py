@@ -295,3 +295,34 @@ def test_layer_number_outside_63_bits_is_rejected(layer_number):
 
 def test_largest_layer_number_is_accepted():
     seqpar.TransformerLayer(_cfg(backend="torch"), layer_number=2**63 - 1)
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_functional_call_gradients_reach_the_passed_parameters(recompute):
+    """torch.func.functional_call puts the module's own parameters back when the forward returns; the
+    recompute in backward must still run on the passed ones (their gradients, and an input gradient
+    computed with them), as with recompute="none" and dropout on."""
+    x = torch.randn(8, 2, 32)
+    results = {}
+    for policy in ("none", recompute):
+        seqpar.manual_seed(1)
+        layer = seqpar.TransformerLayer(seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4,
+                                                                 hidden_dropout=0.1, attention_dropout=0.1,
+                                                                 recompute=policy, backend="torch"))
+        passed = {name: (p.detach() * 1.5).requires_grad_() for name, p in layer.named_parameters()}
+        x_leaf = x.clone().requires_grad_()
+        seqpar.manual_seed(2)
+        y = torch.func.functional_call(layer, passed, (x_leaf,))
+        results[policy] = torch.autograd.grad(y.square().sum(), [x_leaf, *passed.values()], allow_unused=True)
+        assert all(p.grad is None for p in layer.parameters())      # nothing reached the module's own
+    for got, want in zip(results[recompute], results["none"]):
+        assert got is not None
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_compile_traces_a_layer_without_graph_breaks():
+    """Nothing in the layer's forward is opaque to Dynamo when no meter is active and dropout is off
+    (memory labels were ContextVar sets: one graph break each)."""
+    layer = seqpar.TransformerLayer(_cfg())
+    explanation = torch._dynamo.explain(layer)(torch.randn(8, 2, H))
+    assert explanation.graph_break_count == 0, [str(b.reason)[:200] for b in explanation.break_reasons]
