@@ -204,8 +204,8 @@ def main(argv=None) -> None:
     rows = run(args)
     if not args.dry_run:
         print(f"wrote {rows.write(args.out)}")
-    if rows.interrupted:
-        sys.exit(130)
+    if rows.exit_status():
+        sys.exit(rows.exit_status())
 
 
 if __name__ == "__main__":

@@ -562,8 +562,8 @@ def main(argv=None):
         if "project" in args.part:
             part_project(args, rows, {} if args.quick else measured)
     print(f"wrote {len(rows.rows)} rows to {rows.write(args.out)}")
-    if rows.interrupted:
-        sys.exit(130)
+    if rows.exit_status():
+        sys.exit(rows.exit_status())
 
 
 if __name__ == "__main__":

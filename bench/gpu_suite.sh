@@ -6,68 +6,88 @@
 #
 #   tests      every gpu-marked test, 12 pytest-xdist workers (the image has pytest-xdist): Triton's
 #              compiles, which dominate, run on 12 of the 16 cores (limit 300 s; 377 tests took 164 s)
-#   norms      bench_layernorm_dropout, bench_llama_ops (280 + 180 s; took 136 s with 4 providers and 95+ s
-#              (past a 95 s limit, in RoPE) before the device-time measurement joined the call time; the
-#              LayerNorm sweep has since gained two design experiments, 6 configurations each (the row-sum
-#              backward at h = 4096, the chunked forward at h = 12288), and a copy of the same bytes per
-#              (tokens, h))
+#   norms      bench_layernorm_dropout (280 s; took 136 s with 4 providers before the device-time
+#              measurement joined the call time; it has since gained two design experiments, 6
+#              configurations each (the row-sum backward at h = 4096, the chunked forward at h = 12288),
+#              and a copy of the same bytes per (tokens, h); torch-eager is left out: no target reads it)
+#   llama      bench_llama_ops (150 s; took 95+ s, past a 95 s limit, in RoPE, before the device time)
 #   attention  bench_attention, its Triton compiles first, in parallel (100 + 150 s; took 25 + 90 s)
 #   layer      python -m seqpar bench --device cuda (the paper's five experiments, 22B layer),
 #              Megatron-Core's layer at the same shape, bench_overlap's chunked-GEMM cost
 #              (--part gemm,project) (150 + 120 + 150 s; took 41 s, -, 11 s)
-#   profile    bench/profile_kernels.py: Nsight Compute (throughput vs peak, occupancy, registers) and
-#              torch.profiler over one fwd+bwd step of the attention and LayerNorm kernels and their
-#              peers, for the note on a missed target (300 + 100 s; ncu ran past 170 s, torch took 16 s;
-#              RMSNorm and SwiGLU cases joined since)
+#   profile    bench/profile_kernels.py: torch.profiler, then Nsight Compute (throughput vs peak,
+#              occupancy, registers) over one fwd+bwd step of the attention, LayerNorm, RMSNorm and SwiGLU
+#              kernels and their peers, for the note on a missed target (100 + 300 s; torch took 16 s, ncu
+#              ran past 170 s; it profiles the cases of the targets missed most first)
 # ("took": the first GPU run, an H200, 2026-11-25; the install took 40 s cold.)
 # With 15 device minutes (the first start took 35 s of them) and a machine that stays warm 30 s after a
-# call: `tests norms` in one call, then at once `layer profile` on the warm machine (the first run did
-# `tests attention norms` in 444 s and `layer profile` in 77 + 187 s). `attention` when time is left:
-# it met its target in the first run, and its kernels have not changed since.
+# call: `tests norms` in one call, then at once `llama layer profile` on the warm machine with
+# SUITE_SECONDS the budget left less 40 s (the first run did `tests attention norms` in 444 s and `layer
+# profile` in 77 + 187 s). `attention` when time is left: it met its target in the first run, and its
+# kernels have not changed since. SUITE_SECONDS is whole seconds (a fraction is dropped).
 #
 # The call installs seqpar first (CMake rebuilds only what changed: build/ is kept on a warm machine),
 # keeps Triton's cache in .triton_cache/ (also kept on a warm machine), and installs the peers' wheels
 # from .whl/ when it was carried (bench/fetch_gpu_wheels.sh makes it, here). Under $OUT (default
 # bench/results/run-<date>) it writes one log, suite.log (the set-up and every step's output, the gpu
 # tests' summary too), and the benchmarks' rows: 8 files with every part, the most the device tool
-# brings back (gpu_summary.py draws the plots here).
+# brings back (gpu_summary.py draws the plots here). If installing seqpar fails, the call stops there:
+# every step after it would measure nothing.
 # At its limit a step gets SIGINT (the log then says exit status 124), and a benchmark writes the rows it
 # measured so far instead of losing them; SIGKILL follows 20 s later. Back on the development machine,
 # copy the rows into bench/results/ and run `python bench/gpu_summary.py` over them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-usage="usage: bash bench/gpu_suite.sh PART [PART...]; the parts are tests, norms, attention, layer, profile"
+usage="usage: bash bench/gpu_suite.sh PART [PART...]; the parts are tests, norms, llama, attention, layer, profile"
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 for part in "$@"; do
   case "$part" in
-    tests|norms|attention|layer|profile) ;;
+    tests|norms|llama|attention|layer|profile) ;;
     *) echo "gpu_suite.sh: unknown part '$part'; $usage" >&2; exit 2 ;;
   esac
 done
+SUITE_SECONDS="${SUITE_SECONDS:-570}"
+SUITE_SECONDS="${SUITE_SECONDS%%.*}"   # whole seconds: bash arithmetic has no fractions
+if ! [[ "$SUITE_SECONDS" =~ ^[0-9]+$ ]]; then
+  echo "gpu_suite.sh: SUITE_SECONDS must be a number of seconds, got '$SUITE_SECONDS'" >&2
+  exit 2
+fi
 OUT="${OUT:-bench/results/run-$(date +%Y%m%d-%H%M%S)}"
 mkdir -p "$OUT"
 LOG="$OUT/suite.log"
 export PYTHONUNBUFFERED=1 SEQPAR_BUILD_CUDA=1 SEQPAR_CUDA_ARCHS="${SEQPAR_CUDA_ARCHS:-90}"
 export TRITON_CACHE_DIR="$PWD/.triton_cache"
-SUITE_SECONDS="${SUITE_SECONDS:-570}"
 # A step: its limit cut to the budget left; SIGINT at the limit, SIGKILL 20 s later; output to the log.
+# Returns the command's exit status (1 when skipped).
 step() {
-  local seconds="$1" left=$((SUITE_SECONDS - SECONDS)); shift
+  local seconds="$1" left=$((SUITE_SECONDS - SECONDS)) status; shift
   [ "$seconds" -gt "$left" ] && seconds=$left
   if [ "$seconds" -lt 10 ]; then
     echo "=== $(date +%T) skipped (${left}s of SUITE_SECONDS left): $*" | tee -a "$LOG"
-    return
+    return 1
   fi
   echo "=== $(date +%T) $* (limit ${seconds}s)" | tee -a "$LOG"
   timeout --kill-after=20 --signal=INT "$seconds" "$@" 2>&1 | tee -a "$LOG" | tail -40
-  echo "=== $(date +%T) exit status ${PIPESTATUS[0]}" | tee -a "$LOG"
+  status=${PIPESTATUS[0]}
+  echo "=== $(date +%T) exit status $status" | tee -a "$LOG"
+  return "$status"
 }
 
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  echo "=== $(date +%T) peers' wheels from .whl/ into /tmp/site" | tee -a "$LOG"
+  if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl >>"$LOG" 2>&1; then
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    echo "=== the wheels did not install (see above): the peers will be 'not importable'" | tee -a "$LOG"
+  fi
 fi
-step 240 python3 -m pip install --no-build-isolation --no-deps -e .
+if ! step 240 python3 -m pip install --no-build-isolation --no-deps -e .; then
+  echo "=== seqpar is not installed (that step failed or was skipped): nothing after it could run; stopping" \
+    | tee -a "$LOG"
+  ls -la "$OUT"
+  exit 1
+fi
 step 30 python3 -m seqpar info
 
 for part in "$@"; do
@@ -78,8 +98,10 @@ for part in "$@"; do
       OMP_NUM_THREADS=1 step 300 python3 -m pytest -q -m gpu -ra --durations=15 "${workers[@]}" tests ;;
     norms)
       # 16384 tokens first: a sweep cut off at its limit keeps the full-size rows (the bandwidth targets)
-      step 280 python3 bench/bench_layernorm_dropout.py --out "$OUT" --tokens 16384,1024,256 --hidden 1024,4096,12288
-      step 180 python3 bench/bench_llama_ops.py --out "$OUT" ;;
+      step 280 python3 bench/bench_layernorm_dropout.py --out "$OUT" --tokens 16384,1024,256 --hidden 1024,4096,12288 \
+        --providers seqpar-triton,seqpar-cuda,torch-compile,apex-ln,te-ln,liger-ln,variant-triton-rowsums,variant-triton-fwd-chunks ;;
+    llama)
+      step 150 python3 bench/bench_llama_ops.py --out "$OUT" ;;
     attention)
       # A cold bench_attention spends minutes compiling its ~50 autotune configurations one after another:
       # compile them first in four processes at once (one per head dim and dropout, each with its own
@@ -89,12 +111,12 @@ for part in "$@"; do
       step 150 python3 bench/bench_attention.py --out "$OUT" --seqlens 1024,2048,4096 --head-dims 64,128 \
         --providers seqpar-triton,torch-sdpa-flash,seqpar-cuda ;;
     layer)
-      step 150 python3 -m seqpar bench --device cuda --json "$OUT/layer_bench.json"
+      step 150 python3 -m seqpar bench --device cuda --json "$OUT/layer_bench_gpu.json"
       step 120 python3 bench/bench_megatron_layer.py --out "$OUT"
       step 150 python3 bench/bench_overlap.py --part gemm,project --out "$OUT" --iters 5 ;;
     profile)
-      step 300 python3 bench/profile_kernels.py --tool ncu --out "$OUT"
-      step 100 python3 bench/profile_kernels.py --tool torch --out "$OUT" ;;
+      step 100 python3 bench/profile_kernels.py --tool torch --out "$OUT"
+      step 300 python3 bench/profile_kernels.py --tool ncu --out "$OUT" ;;
   esac
 done
 ls -la "$OUT"

@@ -7,7 +7,7 @@ Reads the rows that ``bash bench/gpu_suite.sh PART`` wrote on the GPU machine, c
     bench_layernorm_dropout.csv   bias-dropout-add + LayerNorm (seqpar backends, torch.compile, peers)
     bench_attention.csv           the attention core vs SDPA (time, and the peak memory of one fwd+bwd)
     layer_bench_gpu.json          python -m seqpar bench --device cuda --json (the paper's five experiments;
-                                  layer_bench.json, the name gpu_suite.sh gives it, is read too)
+                                  gpu_suite.sh writes this name; an older layer_bench.json is read too)
     bench_megatron_layer.csv      Megatron-Core's layer, the same five experiments and shape
     bench_overlap.csv             the "gemm" part: chunked vs unchunked GEMMs of the comm-overlapped linears
     bench_llama_ops.csv           residual add + RMSNorm, SwiGLU, RoPE (seqpar backends, torch.compile, Liger)
@@ -74,13 +74,20 @@ def is_gpu(device: str) -> bool:
     return not device.lower().startswith("cpu") and device != "unknown"
 
 
+# What a benchmark writes before its sweep: a run with nothing else (cut off before its first
+# configuration) measured nothing, and must not hide an older complete run.
+CEILING_METRICS = ("copy_gbps",)
+
+
 def latest_run(rows: List[Dict]) -> List[Dict]:
-    """The GPU rows of the file's latest run (rows of one run share device, date and commit)."""
-    gpu = [r for r in rows if is_gpu(r["device"])]
-    if not gpu:
-        return []
-    last = max((r["date"], r["device"], r["commit"]) for r in gpu)
-    return [r for r in gpu if (r["date"], r["device"], r["commit"]) == last]
+    """The GPU rows of the file's latest run that measured something beyond the copy ceiling (rows of
+    one run share device, date and commit)."""
+    runs: Dict[Tuple[str, str, str], List[Dict]] = {}
+    for r in rows:
+        if is_gpu(r["device"]):
+            runs.setdefault((r["date"], r["device"], r["commit"]), []).append(r)
+    measured = [key for key, run in runs.items() if any(r.get("metric") not in CEILING_METRICS for r in run)]
+    return runs[max(measured)] if measured else []
 
 
 def read_rows(path: str) -> List[Dict]:
@@ -95,14 +102,17 @@ def read_csv(path: str) -> List[Dict]:
 
 
 def read_layer_json(folder: str) -> Optional[Dict]:
+    """The latest GPU run (by its date) of layer_bench_gpu.json (gpu_suite.sh's name) and
+    layer_bench.json (an older name)."""
+    runs = []
     for name in ("layer_bench_gpu.json", "layer_bench.json"):
         path = os.path.join(folder, name)
         if os.path.exists(path):
             with open(path) as f:
                 data = json.load(f)
             if is_gpu(data.get("device", "cpu")):
-                return data
-    return None
+                runs.append(data)
+    return max(runs, key=lambda data: str(data.get("date", ""))) if runs else None
 
 
 def config_fields(config: str) -> Dict[str, str]:

@@ -54,9 +54,11 @@ def test_attention_quick_runs_triton_with_gqa(tmp_path):
     assert all({"s", "d", "p", "causal"} <= set(config_fields(c)) for _, c in configs)
 
 
-def test_interrupted_sweep_keeps_the_rows_measured(tmp_path, monkeypatch):
+@pytest.mark.parametrize("stop, status", [(KeyboardInterrupt, 130), (RuntimeError, 1)], ids=["sigint", "error"])
+def test_interrupted_sweep_keeps_the_rows_measured(tmp_path, monkeypatch, stop, status):
     """bench/gpu_suite.sh ends a step at its time limit with SIGINT: the rows measured before it are
-    written (the interrupt lands in the second configuration here) and the exit status says 130."""
+    written (the interrupt lands in the second configuration here) and the exit status says 130. An
+    error outside the providers' own handling (a CUDA error left behind) keeps them too, status 1."""
     from bench import bench_layernorm_dropout as bench
 
     calls = []
@@ -64,11 +66,11 @@ def test_interrupted_sweep_keeps_the_rows_measured(tmp_path, monkeypatch):
     def bench_config(provider, tokens, h, p, dtype, device, timer, copy_gbps, rows):
         calls.append((provider, tokens, h, p))
         if len(calls) == 2:
-            raise KeyboardInterrupt
+            raise stop("stopped in the second configuration")
         rows.add(f"tokens={tokens},h={h},p={p}", provider, "fwdbwd_ms", 1.5)
 
     monkeypatch.setattr(bench, "bench_config", bench_config)
-    assert bench.main(["--quick", "--out", str(tmp_path)]) == 130
+    assert bench.main(["--quick", "--out", str(tmp_path)]) == status
     assert len(calls) == 2                                  # the sweep ended at the interrupt
     with open(tmp_path / "bench_layernorm_dropout.csv") as f:
         rows = list(csv.DictReader(f))
@@ -193,6 +195,7 @@ def test_attention_compile_only_runs_each_configuration_and_writes_no_rows(tmp_p
 STUB_PYTHON = """#!/usr/bin/env bash
 # python3 as bench/gpu_suite.sh calls it, faked: records the call and creates the files a run would write
 echo "$*" >> "$STUB_CALLS"
+[[ -n "${STUB_FAIL:-}" && "$*" == *"$STUB_FAIL"* ]] && exit 1
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
   case "${args[$i]}" in
@@ -213,20 +216,34 @@ def test_gpu_suite_parts_fit_what_the_device_tool_brings_back(tmp_path):
     out, calls = tmp_path / "out", tmp_path / "calls.txt"
     env = dict(os.environ, PATH=f"{stub.parent}:{os.environ['PATH']}", OUT=str(out), STUB_CALLS=str(calls))
     script = os.path.join(ROOT, "bench", "gpu_suite.sh")
-    parts = ["tests", "norms", "attention", "layer", "profile"]
+    parts = ["tests", "norms", "llama", "attention", "layer", "profile"]
     done = subprocess.run(["bash", script, *parts], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     files = sorted(p.name for p in out.iterdir())
     assert len(files) <= 8 and "suite.log" in files, files
     log = (out / "suite.log").read_text()
-    assert log.count("exit status 0") == log.count("=== ") // 2 == 2 + 1 + 2 + 2 + 3 + 2   # set-up, then each part
+    steps = 2 + 1 + 1 + 1 + 2 + 3 + 2   # set-up, then each part in the order of `parts`
+    assert log.count("exit status 0") == log.count("s)\n") == steps, log   # "=== ... (limit Ns)" per step
     ran = calls.read_text()
     assert "-m pytest -q -m gpu -ra --durations=15 -n 12 tests" in ran and ran.count("--compile-only") == 4
-    # the call's budget: with 5 s of SUITE_SECONDS every step is skipped, and said so in the log
+    assert "layer_bench_gpu.json" in ran and "torch-eager" not in ran       # the name gpu_summary reads first
+    # the call's budget: with 5 s of SUITE_SECONDS the install is skipped, said so, and the call stops there
     starved = subprocess.run(["bash", script, "layer"], capture_output=True, text=True, timeout=60,
                              env=dict(env, OUT=str(tmp_path / "starved"), SUITE_SECONDS="5"))
-    assert starved.returncode == 0, starved.stderr
-    assert (tmp_path / "starved" / "suite.log").read_text().count("skipped (") == 2 + 3
+    log = (tmp_path / "starved" / "suite.log").read_text()
+    assert starved.returncode == 1 and "skipped (" in log and "seqpar is not installed" in log, log
+    assert "-m seqpar bench" not in calls.read_text().split("layer_bench_gpu.json")[-1]
+    # a failed install stops the call too (every step after it would measure nothing)
+    failed = subprocess.run(["bash", script, "tests"], capture_output=True, text=True, timeout=60,
+                            env=dict(env, OUT=str(tmp_path / "failed"), STUB_FAIL="--no-build-isolation"))
+    assert failed.returncode == 1 and "pytest" not in calls.read_text().split("--no-build-isolation")[-1]
+    # SUITE_SECONDS: a fraction is dropped (bash has integer arithmetic only); anything else is refused
+    fraction = subprocess.run(["bash", script, "layer"], capture_output=True, text=True, timeout=60,
+                              env=dict(env, OUT=str(tmp_path / "fraction"), SUITE_SECONDS="212.5"))
+    assert fraction.returncode == 0 and "(limit 150s)" in (tmp_path / "fraction" / "suite.log").read_text()
+    bad = subprocess.run(["bash", script, "layer"], capture_output=True, text=True, timeout=60,
+                         env=dict(env, OUT=str(tmp_path / "bad"), SUITE_SECONDS="soon"))
+    assert bad.returncode == 2 and "SUITE_SECONDS must be a number of seconds, got 'soon'" in bad.stderr
     refused = subprocess.run(["bash", script, "tests", "bogus"], capture_output=True, text=True, timeout=60,
                              env=dict(env, OUT=str(tmp_path / "refused")))
     assert refused.returncode == 2 and "unknown part 'bogus'" in refused.stderr

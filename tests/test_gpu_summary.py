@@ -55,6 +55,10 @@ def test_only_the_latest_gpu_run_counts(tmp_path):
     assert summary["runs"]["bench_layernorm_dropout"] == dict(device=H100, date="2026-12-02T00:00:00", commit="new")
     # 1e9 bytes in 4 ms = 250 GB/s = 1/12 of a 3000 GB/s copy
     assert by_name(summary, "LayerNorm fwd: fraction")["value"] == pytest.approx(250 / 3000, abs=1e-4)
+    # a later run cut off before its first configuration (only the copy ceiling) hides nothing
+    write_rows(tmp_path, "bench_layernorm_dropout", [("bytes=1073741824", "device-copy", "copy_gbps", 3000.0)],
+               date="2026-12-03T00:00:00", commit="cut")
+    assert {r["commit"] for r in S.read_csv(str(tmp_path / "bench_layernorm_dropout.csv"))} == {"new"}
 
 
 def test_layernorm_targets_take_the_fastest_seqpar_backend_and_the_worst_configuration(tmp_path):
@@ -196,7 +200,9 @@ def test_layer_megatron_and_gemm_targets(tmp_path):
                  config=dict(hidden=6144, heads=64, seq_len=2048, batch=4, tp=1),
                  rows=[dict(experiment=e, combined_ms=ms, overhead=o, activation_bytes=a, table2_bytes=1000.0,
                             backends={"attention_core": "cuda"}) for e, ms, o, a in experiments])
-    (tmp_path / "layer_bench.json").write_text(json.dumps(layer))
+    (tmp_path / "layer_bench_gpu.json").write_text(json.dumps(layer))
+    # an older run under the older name does not win over it
+    (tmp_path / "layer_bench.json").write_text(json.dumps(dict(layer, date="2026-11-25", rows=[])))
     shape = "s2048 b4 h6144 a64 t1 bf16 p0.1"
     write_rows(tmp_path, "bench_megatron_layer", [
         (f"{shape} no recompute", "megatron-core-0.16.1", "combined_ms", 12.0),

@@ -8,6 +8,7 @@ import datetime
 import os
 import subprocess
 import sys
+import traceback
 from typing import Iterator, List, Optional, Sequence
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,18 +35,26 @@ class ResultRows:
                          commit=git_commit())
         self.rows: List[dict] = []
         self.interrupted = False
+        self.failed = False
 
     @contextlib.contextmanager
     def sweep(self) -> Iterator["ResultRows"]:
         """The block that measures: a KeyboardInterrupt inside it (Ctrl-C, or ``timeout --signal=INT``,
         which is how bench/gpu_suite.sh ends a step at its time limit) ends the sweep, not the program,
         so the rows measured so far still reach :meth:`write`; ``interrupted`` is then True (a
-        benchmark's exit status says so)."""
+        benchmark's exit status says so). An error (a CUDA error a provider left behind, a failing
+        plan query) ends it the same way, its traceback printed and ``failed`` set: a device run's
+        minutes are too scarce to lose the configurations measured before it."""
         try:
             yield self
         except KeyboardInterrupt:
             self.interrupted = True
             print(f"\n{self.name}: interrupted; keeping the {len(self.rows)} rows measured so far",
+                  file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - reported, and the exit status says so
+            self.failed = True
+            traceback.print_exc()
+            print(f"\n{self.name}: failed (above); keeping the {len(self.rows)} rows measured so far",
                   file=sys.stderr, flush=True)
 
     def add(self, *values) -> None:
@@ -57,12 +66,16 @@ class ResultRows:
     def finish(self, out: Optional[str], quick: bool) -> int:
         """The end of a benchmark's main: append the rows to ``out``, by default the checkout's
         bench/results/ (a ``--quick`` smoke run writes only where ``out`` says), and return the exit
-        status: 130 after an interrupted :meth:`sweep`, else 0."""
+        status: 130 after an interrupted :meth:`sweep`, 1 after a failed one, else 0."""
         if out is None and not quick:
             out = os.path.join(_REPO, "bench", "results")
         if out is not None:
             print(f"{len(self.rows)} rows appended to {self.write(out)}")
-        return 130 if self.interrupted else 0
+        return self.exit_status()
+
+    def exit_status(self) -> int:
+        """130 after an interrupted :meth:`sweep`, 1 after a failed one, else 0."""
+        return 130 if self.interrupted else 1 if self.failed else 0
 
     def write(self, out: str) -> str:
         """Append to ``out`` (a .csv path, or a folder that gets ``<name>.csv``); returns the path."""
