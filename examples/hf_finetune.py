@@ -60,6 +60,9 @@ def parse_args(family=None):
         parser.error("--kv-heads is for --family llama")
     if args.family != "gpt2" and args.dropout is not None:
         parser.error("--dropout is for --family gpt2 (Llama has no dropout)")
+    for name in ("layers", "hidden", "heads", "seq_len", "batch", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     return args
 
 

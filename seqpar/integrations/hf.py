@@ -296,6 +296,14 @@ def _llama_rope_theta(get) -> float:
     return params.get("rope_theta", 10000.0)
 
 
+def _padding_idx(pad_token_id, vocab: int):
+    """HF Llama's ``embed_tokens`` padding_idx (its row gets no lookup gradient), negative ids counted from
+    the end as ``nn.Embedding`` counts them."""
+    if isinstance(pad_token_id, int) and not isinstance(pad_token_id, bool) and -vocab <= pad_token_id < 0:
+        return pad_token_id + vocab
+    return pad_token_id
+
+
 def _llama_settings(config) -> dict:
     """Read a LlamaConfig into GPTModel's arguments; ValueError naming any setting seqpar can't honour."""
     def get(name, default=None):
@@ -319,7 +327,8 @@ def _llama_settings(config) -> dict:
     return dict(hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=get("intermediate_size"),
                 layers=get("num_hidden_layers"), positions=get("max_position_embeddings"),
                 vocab=get("vocab_size"), eps=get("rms_norm_eps", 1e-6), theta=_llama_rope_theta(get),
-                tied=bool(get("tie_word_embeddings", False)), attention_dropout=get("attention_dropout", 0.0) or 0.0)
+                tied=bool(get("tie_word_embeddings", False)), attention_dropout=get("attention_dropout", 0.0) or 0.0,
+                pad=_padding_idx(get("pad_token_id"), get("vocab_size")))
 
 
 def _llama_shapes(settings: dict) -> Dict[str, tuple]:
@@ -425,7 +434,7 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
         params_dtype=embed.dtype if params_dtype is None else params_dtype, **LLAMA_BLOCK)
     model = GPTModel(cfg, settings["layers"], settings["vocab"], settings["positions"], tp_group=tp_group,
                      device=embed.device if device is None else device, embedding_dropout=0.0,
-                     share_embeddings_and_output_weights=settings["tied"])
+                     share_embeddings_and_output_weights=settings["tied"], padding_idx=settings["pad"])
     model.load_full_state_dict(_llama_to_seqpar_keys(sd, head, settings["layers"]))
     return model.train(training)
 

@@ -140,14 +140,26 @@ class VocabParallelEmbedding(_VocabShard):
     ``forward(tokens)``: int64 ids in [0, vocab_size) of shape [...] -> [..., h]; each rank looks up the
     ids of its shard ``[vocab_start, vocab_end)`` (zero elsewhere) and the group sums the results
     (f-bar). The padded rows (local rows ``vocab_end - vocab_start`` onwards) stay zero and are never
-    read.
+    read. ``padding_idx`` (a global id, or None) is ``nn.Embedding``'s: its row's lookups add nothing to
+    its gradient (HF Llama's ``pad_token_id``).
     """
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, tp_group: ProcessGroup = None, device=None,
+                 dtype=None, padding_idx: Optional[int] = None):
+        super().__init__(vocab_size, hidden_size, tp_group=tp_group, device=device, dtype=dtype)
+        if padding_idx is not None and (not isinstance(padding_idx, int) or isinstance(padding_idx, bool)
+                                        or not 0 <= padding_idx < vocab_size):
+            raise ValueError(f"padding_idx must be None or a token id in [0, {vocab_size}), got {padding_idx!r}")
+        self.padding_idx = padding_idx
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         n_real = self.vocab_end - self.vocab_start
         local_ids = tokens - self.vocab_start
         in_shard = (local_ids >= 0) & (local_ids < n_real)
-        word = nn.functional.embedding(local_ids.clamp(0, max(n_real - 1, 0)), self.weight)
+        local_pad = (self.padding_idx - self.vocab_start
+                     if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end
+                     else None)
+        word = nn.functional.embedding(local_ids.clamp(0, max(n_real - 1, 0)), self.weight, padding_idx=local_pad)
         return reduce_from_tensor_region(word * in_shard.unsqueeze(-1), self.tp_group)
 
 
@@ -168,10 +180,10 @@ class GPTEmbedding(nn.Module):
     """
 
     def __init__(self, vocab_size: int, max_seq_len: int, hidden_size: int, *, tp_group: ProcessGroup = None,
-                 device=None, dtype=None, learned_positions: bool = True):
+                 device=None, dtype=None, learned_positions: bool = True, padding_idx: Optional[int] = None):
         super().__init__()
         self.word_embeddings = VocabParallelEmbedding(vocab_size, hidden_size, tp_group=tp_group,
-                                                      device=device, dtype=dtype)
+                                                      device=device, dtype=dtype, padding_idx=padding_idx)
         self.position_embeddings = (nn.Embedding(max_seq_len, hidden_size, device=device, dtype=dtype)
                                     if learned_positions else None)
 
@@ -204,6 +216,8 @@ class GPTModel(nn.Module):
         share_embeddings_and_output_weights: True: the logits use the word embedding (GPT-2); False: a
             separate ``output_layer`` [v, h], padded and sharded over the vocabulary like the embedding
             (Llama's ``lm_head``).
+        padding_idx: None, or a token id whose embedding row gets no gradient from its lookups
+            (``nn.Embedding``'s padding_idx; HF Llama's ``pad_token_id``, which ``from_llama`` passes).
 
     Every layer runs through its ``__call__`` (``hidden = layer(hidden)``), so hooks and wrappers on
     ``model.layers[i]`` apply: ``checkpoint_wrapper`` / ``apply_activation_checkpointing``, FSDP, or
@@ -223,7 +237,10 @@ class GPTModel(nn.Module):
     follow position i): the per-token cross-entropy [s, b] in fp32; a label of -100 gives 0 and no
     gradient, like ``torch.nn.functional.cross_entropy(..., ignore_index=-100, reduction="none")``, and
     any other label outside [0, v) raises ValueError. Without labels: this rank's logits
-    [s, b, vocab_end - vocab_start], column j being global token id ``vocab_start + j``.
+    [s, b, vocab_end - vocab_start], column j being global token id ``vocab_start + j``. There is no
+    attention mask: every sequence is causal from its first position, so pad a batch on the right and
+    give the padded positions the label -100 (left padding would shift the positions and let the tokens
+    attend to the pads).
 
     HF's ``GPT2LMHeadModel(input_ids, labels=input_ids).loss`` (which shifts inside and averages over
     the predicted tokens) is ``model(input_ids, labels).sum() / (labels != -100).sum()`` with
@@ -243,12 +260,13 @@ class GPTModel(nn.Module):
     def __init__(self, config: TransformerConfig, num_layers: int, vocab_size: int, max_seq_len: int,
                  tp_group: ProcessGroup = None, device=None,
                  recompute: Union[None, str, Sequence[str]] = None, embedding_dropout: Optional[float] = None,
-                 share_embeddings_and_output_weights: bool = True):
+                 share_embeddings_and_output_weights: bool = True, padding_idx: Optional[int] = None):
         super().__init__()
         check_ranks_agree(tp_group, agreement_values(config, num_layers=num_layers, vocab_size=vocab_size,
                                                      max_seq_len=max_seq_len, recompute=recompute,
                                                      embedding_dropout=embedding_dropout,
-                                                     share_embeddings_and_output_weights=share_embeddings_and_output_weights),
+                                                     share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+                                                     padding_idx=padding_idx),
                           what="GPTModel", hint=AGREEMENT_HINT)
         if not isinstance(share_embeddings_and_output_weights, bool):
             raise ValueError(f"share_embeddings_and_output_weights must be a bool, got "
@@ -263,7 +281,8 @@ class GPTModel(nn.Module):
         self.embedding_dropout = float(embedding_dropout)
         h, dtype = config.hidden_size, config.params_dtype
         self.embedding = GPTEmbedding(vocab_size, max_seq_len, h, tp_group=tp_group, device=device, dtype=dtype,
-                                      learned_positions=config.position_embedding == "learned")
+                                      learned_positions=config.position_embedding == "learned",
+                                      padding_idx=padding_idx)
         policies = recompute_policies(config.recompute if recompute is None else recompute, num_layers)
         with agreement_checked():  # the check above covers every layer's
             self.layers = nn.ModuleList(

@@ -252,6 +252,25 @@ def test_from_model_objects_tied_and_untied_and_back(tied):
         torch.testing.assert_close(fresh.eval()(tokens).logits, llama(tokens).logits, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("pad_token_id", [2, -1], ids=["pad2", "pad-last"])
+def test_pad_token_row_gets_no_lookup_gradient_as_in_hf(pad_token_id):
+    """HF builds embed_tokens with padding_idx = pad_token_id (negative: from the end): that row's lookups
+    add nothing to its gradient. With the pad token inside the sequence (pad = eos, packed data) the
+    gradients match HF's, that row's included."""
+    _transformers()
+    llama = _random_llama(1, seed=5, vocab_size=300, pad_token_id=pad_token_id, tie_word_embeddings=False)
+    model = hf.from_llama(llama)
+    pad = pad_token_id % 300
+    assert model.embedding.word_embeddings.padding_idx == pad
+    tokens = _tokens(300)
+    tokens[:, 3] = pad
+    labels = hf.shift_labels(tokens)
+    (model(tokens, labels).sum() / (labels != -100).sum()).backward()
+    llama(tokens, labels=tokens).loss.backward()
+    ours, theirs = model.embedding.word_embeddings.weight.grad[:300], llama.model.embed_tokens.weight.grad
+    assert torch.equal(theirs[pad], torch.zeros_like(theirs[pad])) and torch.equal(ours[pad], theirs[pad])
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
+
 def test_settings_follow_the_config_and_arguments():
     llama = _random_llama(2, rope_theta=123456.0, rms_norm_eps=1e-5, attention_dropout=0.1).train()
     model = hf.from_llama(llama, recompute="full", backend="torch", params_dtype=torch.bfloat16,
