@@ -289,14 +289,12 @@ def _check(x, weight, bias, x_name):
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"weight must be a [n, {x.shape[-1]}] tensor ({x_name}'s inner dim), got "
                          f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
-    # bias is added to the GEMM's output, so it must match it (a fp32 bias on bf16 GEMMs would promote y).
-    for name, t, shape in (("weight", weight, weight.shape), ("bias", bias, (weight.shape[0],))):
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor) or t.shape != shape:
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be a {list(shape)} tensor, got {got}")
-        if t.dtype != x.dtype or t.device != x.device:
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],)):
+        got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"bias must be a [{weight.shape[0]}] tensor, got {got}")
+    # bias is added to the GEMM's output, so it must match it too (a fp32 bias on bf16 GEMMs would promote y)
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (t.dtype != x.dtype or t.device != x.device):
             raise ValueError(f"{name} is {t.dtype} on {t.device} but {x_name} is {x.dtype} on {x.device}")
 
 
