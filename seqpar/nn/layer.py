@@ -77,16 +77,24 @@ AGREEMENT_HINT = ("Build every rank's modules from the same arguments after seqp
                   "random numbers from it since then holds a different state)")
 
 
-def _autocast_problem(device_type: str, params_dtype: torch.dtype) -> Optional[str]:
-    """Why a seqpar module can't run under the ``torch.autocast`` now enabled for ``device_type`` (None
-    when autocast is off there). The fused ops' autograd Functions compute in their operands' dtype
-    and have no ``custom_fwd`` casts, so autocast would hand them mixed dtypes."""
-    if not torch.is_autocast_enabled(device_type):
-        return None
-    return (f"torch.autocast is enabled for {device_type!r} (dtype {torch.get_autocast_dtype(device_type)}), but "
-            f"seqpar modules run in their parameters' dtype ({params_dtype}) and do not support autocast: convert "
-            f"the model instead (TransformerConfig(params_dtype=torch.bfloat16) or model.to(torch.bfloat16)) "
-            f"and run it outside autocast")
+def autocast_dtype(module: nn.Module) -> Optional[torch.dtype]:
+    """The dtype of the ``torch.autocast`` enabled for ``module``'s parameters' device type, or None."""
+    device_type = next(module.parameters()).device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def run_in_dtype(module: nn.Module, dtype: torch.dtype, *args):
+    """``module(*args)`` with its parameters (and floating ``args``) cast to ``dtype`` for this call, autocast
+    off inside: what autocast does for a plain layer's GEMMs, for the whole module at once. The fused ops'
+    autograd Functions have no per-op casts (no ``custom_fwd``): they take their operands' dtype, so the
+    module runs as a ``dtype`` model would, and the casts' backward brings the gradients back to the
+    parameters' own dtype. Full recompute re-runs with the cast parameters (recompute.checkpoint).
+    Like autocast's own casts, the cast weights saved for backward count as activations in a meter."""
+    device_type = next(module.parameters()).device.type
+    with torch.autocast(device_type, enabled=False):
+        params = {name: p.to(dtype) for name, p in module.named_parameters()}
+        args = tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+        return torch.func.functional_call(module, params, args)
 
 
 def _activation(name: str):
@@ -217,8 +225,8 @@ class TransformerLayer(nn.Module):
     ``forward(x)``: x [s_local, b, h] of the parameters' dtype (s_local = s / t with sequence
     parallelism, else s) -> y of the same shape. Causal self-attention. The parameters' dtype is
     ``config.params_dtype``, or what ``.to(dtype)`` / ``.half()`` / ``.bfloat16()`` converted them to.
-    The layer computes in that dtype: under ``torch.autocast`` it raises ValueError (convert the
-    module instead). Dropout is active in training mode; each training forward draws its seed from
+    The layer computes in that dtype; under an enabled ``torch.autocast`` it runs as the layer converted
+    to the autocast dtype (:func:`run_in_dtype`). Dropout is active in training mode; each training forward draws its seed from
     torch's default CPU generator (seqpar.random), so ``torch.utils.checkpoint`` /
     ``checkpoint_wrapper`` around the layer replay its masks.
 
@@ -264,9 +272,6 @@ class TransformerLayer(nn.Module):
         if x.shape[0] == 0 or x.shape[1] == 0:
             return f"x must have a non-empty sequence and batch, got shape {tuple(x.shape)}"
         weight = self.input_layernorm.weight
-        problem = _autocast_problem(x.device.type, weight.dtype)
-        if problem is not None:
-            return problem
         # The parameters' dtype, not config.params_dtype: .to(dtype) / .half() convert the parameters only.
         if weight.dtype not in PARAMS_DTYPES:
             return (f"the layer's parameters are {weight.dtype} (converted with .to() / .double()?): seqpar layers "
@@ -332,6 +337,9 @@ class TransformerLayer(nn.Module):
         return bias_dropout_add(mlp_out, mlp_bias, x2, self._hidden_spec(mode, sp_random.Site.MLP_OUT, x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = autocast_dtype(self)
+        if dtype is not None:
+            return run_in_dtype(self, dtype, x)
         problem = self._input_problem(x)
         mode = self._forward_mode()  # drawn once, outside any region seqpar recomputes
         if self.check_rank_inputs and group_size(self.tp_group) > 1:

@@ -36,7 +36,7 @@ from ..parallel.mappings import (copy_to_tensor_region, reduce_from_tensor_regio
                                  scatter_to_sequence_region)
 from ..parallel.state import ProcessGroup, agreement_checked, check_ranks_agree, group_rank, group_size
 from ..memory import recompute_policies, saved_as
-from .layer import AGREEMENT_HINT, TransformerLayer, agreement_values, make_norm
+from .layer import AGREEMENT_HINT, TransformerLayer, agreement_values, autocast_dtype, make_norm, run_in_dtype
 from .linear import _gather_rows
 from .state_dict import check_loadable
 
@@ -229,8 +229,8 @@ class GPTModel(nn.Module):
     rank's mistake is a ValueError on every rank instead of an abort or a hang in a collective.
     ``load_full_state_dict`` likewise raises on every rank when one rank's dict fails its checks.
     Like TransformerLayer, the model computes in its parameters' dtype (``config.params_dtype``, or what
-    ``.to(dtype)`` / ``.half()`` / ``.bfloat16()`` converted them to) and raises ValueError under
-    ``torch.autocast``.
+    ``.to(dtype)`` / ``.half()`` / ``.bfloat16()`` converted them to), and under an enabled
+    ``torch.autocast`` runs as the model converted to the autocast dtype.
 
     ``forward(tokens, labels=None)``: tokens [b, s] int64 ids in [0, v) (ValueError naming a bad id).
     With labels [b, s] int64, already shifted by the caller (``labels[:, i]`` is the token that should
@@ -405,6 +405,9 @@ class GPTModel(nn.Module):
                  "the others did not)")
 
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        dtype = autocast_dtype(self)
+        if dtype is not None:
+            return run_in_dtype(self, dtype, tokens, labels)
         problem = None
         try:
             self._check_inputs(tokens, labels)

@@ -273,18 +273,30 @@ def test_layer_converted_to_an_unsupported_dtype_says_so():
         layer(torch.randn(8, 2, H, dtype=torch.float64))
 
 
-def test_autocast_is_rejected_with_advice():
-    seqpar.manual_seed(0)
-    cfg = _cfg(hidden_size=32, backend="torch")
-    layer, model = seqpar.TransformerLayer(cfg), seqpar.GPTModel(cfg, 1, 37, 16)
-    match = r"torch.autocast is enabled for 'cpu'.*parameters' dtype \(torch.float32\).*model.to\(torch.bfloat16\)"
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        with pytest.raises(ValueError, match=match):
-            layer(torch.randn(8, 2, 32))
-        with pytest.raises(ValueError, match=match):
-            model(torch.randint(0, 37, (2, 8)))
-    with torch.autocast("cpu", enabled=False):   # a disabled autocast region is fine
-        layer(torch.randn(8, 2, 32))
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_autocast_runs_as_the_model_in_that_dtype(dtype, recompute):
+    """Under torch.autocast an fp32 layer / GPTModel computes exactly as the same weights converted to
+    the autocast dtype (dropout on), and the parameters' fp32 gradients are that model's, cast."""
+    cfg = _cfg(hidden_size=32, backend="torch", hidden_dropout=0.1, attention_dropout=0.1, recompute=recompute)
+    tokens = torch.randint(0, 37, (2, 8))
+    x = torch.randn(8, 2, 32)
+    for build, inputs in ((lambda: seqpar.TransformerLayer(cfg), (x,)), (lambda: seqpar.GPTModel(cfg, 1, 37, 16),
+                                                                       (tokens, tokens))):
+        seqpar.manual_seed(0)
+        fp32, low = build(), build()
+        low.load_state_dict(fp32.state_dict())
+        low.to(dtype)
+        seqpar.manual_seed(1)
+        with torch.autocast("cpu", dtype=dtype):
+            got = fp32(*inputs)
+        got.float().sum().backward()
+        seqpar.manual_seed(1)
+        want = low(*(t.to(dtype) if t.is_floating_point() else t for t in inputs))
+        want.float().sum().backward()
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        for (name, p), q in zip(fp32.named_parameters(), low.parameters()):
+            assert p.grad.dtype == torch.float32 and torch.equal(p.grad, q.grad.float()), name
 
 
 @pytest.mark.parametrize("layer_number", [-1, 2**63, 2**64, 1.0, True])
