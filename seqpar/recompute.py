@@ -14,6 +14,7 @@ import contextlib
 from typing import Callable, Optional
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
@@ -78,6 +79,11 @@ def checkpoint(fn: Callable, *args, module: Optional[nn.Module] = None):
     holds others by backward, as after torch.func.functional_call). Once differentiable: a double
     backward through it raises.
     """
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace a backward that calls torch.autograd.grad (a graph break per region); torch's
+        # own non-reentrant checkpoint is a higher-order op it compiles, the re-run inside the compiled
+        # backward. Same contract: fn's modes and seeds come in through args.
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
     named = list(module.named_parameters()) if module is not None else []
     names, params = [n for n, _ in named], [p for _, p in named]
     return _Checkpoint.apply(fn, module, names, len(args), *args, *params)

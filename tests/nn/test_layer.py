@@ -332,9 +332,23 @@ def test_functional_call_gradients_reach_the_passed_parameters(recompute):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_torch_compile_traces_a_layer_without_graph_breaks():
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_torch_compile_traces_a_layer_without_graph_breaks(recompute):
     """Nothing in the layer's forward is opaque to Dynamo when no meter is active and dropout is off
-    (memory labels were ContextVar sets: one graph break each)."""
-    layer = seqpar.TransformerLayer(_cfg())
-    explanation = torch._dynamo.explain(layer)(torch.randn(8, 2, H))
+    (memory labels were ContextVar sets: one graph break each; seqpar's checkpoint re-runs with
+    torch.autograd.grad in backward, which Dynamo can't trace: under compile the recomputed regions
+    take torch's checkpoint); the compiled layer computes what the eager one does."""
+    seqpar.manual_seed(0)
+    layer = seqpar.TransformerLayer(_cfg(recompute=recompute))
+    x = torch.randn(8, 2, H)
+    explanation = torch._dynamo.explain(layer)(x)
     assert explanation.graph_break_count == 0, [str(b.reason)[:200] for b in explanation.break_reasons]
+    torch._dynamo.reset()
+    results = []
+    for run in (layer, torch.compile(layer, backend="aot_eager")):
+        x_leaf = x.clone().requires_grad_()
+        y = run(x_leaf)
+        y.square().sum().backward()
+        results.append((y.detach(), x_leaf.grad, [p.grad.clone() for p in layer.parameters()]))
+        layer.zero_grad()
+    torch.testing.assert_close(results[1], results[0], rtol=1e-6, atol=1e-6)
