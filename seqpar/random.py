@@ -33,8 +33,11 @@ in, and every external re-run of a forward - ``torch.utils.checkpoint`` (reentra
 ``checkpoint_wrapper``, HF gradient checkpointing - restores that generator's state first, so the re-run
 draws the same number and replays the same masks, while each new step draws fresh ones. Because
 nothing depends on the tensor-parallel rank or the sequence shard, the same seed gives the same masks for
-any TP size, with or without sequence parallelism; TP ranks must hold the same generator state, which layers and models check
-when they are built (:func:`seqpar.parallel.state.check_ranks_agree`).
+any TP size, with or without sequence parallelism; TP ranks must hold the same generator state, which
+layers and models check when they are built (:func:`seqpar.parallel.state.check_ranks_agree`).
+
+Under torch.compile the draws and their hashing run outside the graph (a graph break each), and the
+masks are one opaque custom op (:func:`mask_bytes`): compiled code reads the same masks as eager code.
 """
 from __future__ import annotations
 
@@ -42,10 +45,12 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from ._custom_op import kernel_op, outside_compile
+
 __all__ = [
-    "manual_seed", "initial_seed", "stream_seed", "next_layer_seed", "next_op_seed", "generator_fingerprint",
-    "Site", "philox4x32", "mask_bytes", "dropout_keep_mask", "dropout_threshold", "dropout_scale",
-    "effective_dropout_p", "MASK_GROUP",
+    "manual_seed", "initial_seed", "stream_seed", "next_layer_seed", "next_layer_streams", "next_op_seed",
+    "generator_fingerprint", "Site", "philox4x32", "mask_bytes", "dropout_keep_mask", "dropout_threshold",
+    "dropout_scale", "effective_dropout_p", "MASK_GROUP",
 ]
 
 _MASK32 = 0xFFFFFFFF
@@ -131,34 +136,55 @@ def _draw_bits() -> int:
     return int(torch.empty((), dtype=torch.int64).random_(generator=None))
 
 
-# A Python int drawn from a tensor cannot be traced: under torch.compile each draw is a graph break, and
-# fullgraph=True stops with this reason instead of Dynamo's bare "Tensor.random_ op".
-_DRAW_NOT_TRACEABLE = (
+# A Python int drawn from a tensor cannot be traced, so each draw runs outside torch.compile (a graph
+# break; fullgraph=True stops with this reason instead of Dynamo's bare "Tensor.random_ op"). The draw and
+# every hash of it run together out there: a drawn int enters the resumed graph as an input, specialised on
+# the first call and a dynamic SymInt from the first recompile on, and splitmix64 over a SymInt builds
+# sympy expressions that take minutes to trace. Only the finished stream seeds enter the graph, which
+# passes them to the ops untouched: one recompile, then one graph for every step's seeds. The reason is
+# shared with seqpar.nn.layer, whose draw reads the layer number outside the graph too.
+DRAW_NOT_TRACEABLE = (
     "seqpar draws a dropout seed per forward from torch's default CPU generator (so checkpointing replays "
     "it), which torch.compile cannot trace. Under fullgraph=True pass seed= to the functional ops (e.g. "
     "seqpar.random.next_op_seed() outside the compiled function), or compile the modules without "
     "fullgraph when their dropout is on")
-try:
-    _draw = torch.compiler.disable(_draw_bits, reason=_DRAW_NOT_TRACEABLE)
-except TypeError:  # torch < 2.7: no reason= (the graph break is the same, its message bare)
-    _draw = torch.compiler.disable(_draw_bits)
 
 
+_outside_compile = outside_compile(DRAW_NOT_TRACEABLE)
+
+
+@_outside_compile
 def next_layer_seed(layer_number: int) -> int:
     """Draw the seed of one training forward of layer ``layer_number``.
 
     ``stream_seed(manual seed, layer_number, 0, draw)`` with ``draw`` taken from torch's default CPU
-    generator. The per-site stream seeds are ``stream_seed(returned, layer_number, site)``. Draw once
-    per forward, outside any region seqpar recomputes; an external checkpoint that re-runs the whole
-    forward restores the generator first, so the re-run gets the same seed.
+    generator. The per-site stream seeds are ``stream_seed(returned, layer_number, site)``
+    (:func:`next_layer_streams` draws both at once). Draw once per forward, outside any region seqpar
+    recomputes; an external checkpoint that re-runs the whole forward restores the generator first, so
+    the re-run gets the same seed. Runs outside torch.compile (a graph break).
     """
-    return stream_seed(_state.seed, layer_number, 0, _draw())
+    return stream_seed(_state.seed, layer_number, 0, _draw_bits())
 
 
+@_outside_compile
+def next_layer_streams(layer_number: int) -> Tuple[int, int, int, int]:
+    """One training forward's seeds of layer ``layer_number``, drawn and hashed in one call.
+
+    Element 0 is :func:`next_layer_seed` (one draw); element ``site`` (:class:`Site` ``ATTENTION``,
+    ``ATTENTION_OUT``, ``MLP_OUT``) is that site's stream seed ``stream_seed(element 0, layer_number,
+    site)``. A layer takes its seeds from here so that under torch.compile no hashing is traced: the four
+    ints enter the compiled graph as inputs and go to the ops untouched (module comment above).
+    """
+    seed = next_layer_seed(layer_number)
+    return (seed,) + tuple(stream_seed(seed, layer_number, site)
+                           for site in (Site.ATTENTION, Site.ATTENTION_OUT, Site.MLP_OUT))
+
+
+@_outside_compile
 def next_op_seed() -> int:
     """A fresh stream seed for a functional op called with ``seed=None`` (drawn like
     :func:`next_layer_seed`, so a checkpointed re-run of the op replays its mask)."""
-    return stream_seed(_state.seed, -1, 0, _draw())
+    return stream_seed(_state.seed, -1, 0, _draw_bits())
 
 
 def philox4x32(key: int, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor,
@@ -189,15 +215,31 @@ def mask_bytes(stream: int, rows: torch.Tensor, n_cols: int) -> torch.Tensor:
 
     One Philox call per (row, 16-column group), counter ``(group, row & 0xffffffff, row >> 32, 0)``;
     column ``c`` gets byte ``c % 4`` (little-endian) of word ``(c % 16) // 4``.
+
+    Under graph capture (torch.compile, FakeTensorMode) this is one opaque custom op,
+    ``seqpar::dropout_mask_bytes``, run eagerly inside the compiled program. Traced, the Philox rounds
+    were wrong and slow to compile: inductor's C++ code does not wrap the int64 products as eager torch
+    does (signed overflow: compiled masks differed), a dynamic stream seed became symbolic arithmetic
+    (a C++ compile error), and the fused rounds took minutes to build.
     """
     if not isinstance(n_cols, int) or n_cols < 0:
         raise ValueError(f"n_cols must be a non-negative int, got {n_cols!r}")
+    return _mask_bytes_op(stream, rows, n_cols)
+
+
+@kernel_op("seqpar::dropout_mask_bytes")
+def _mask_bytes_op(stream: int, rows: torch.Tensor, n_cols: int) -> torch.Tensor:
     rows = rows.to(torch.int64).unsqueeze(-1)                                 # [..., 1]
     groups = torch.arange(-(-n_cols // MASK_GROUP), device=rows.device)       # [G]
     words = torch.stack(philox4x32(stream, groups, rows & _MASK32, rows >> 32, torch.zeros_like(groups)), -1)
     shifts = torch.arange(0, 32, 8, device=rows.device)                       # byte b of a word: >> 8b
     group_bytes = (words.unsqueeze(-1) >> shifts) & 0xFF                      # [..., G, word, byte]
     return group_bytes.flatten(-3)[..., :n_cols].to(torch.uint8)
+
+
+@_mask_bytes_op.register_fake
+def _(stream, rows, n_cols):
+    return rows.new_empty((*rows.shape, n_cols), dtype=torch.uint8)
 
 
 def dropout_keep_mask(stream: int, rows: torch.Tensor, n_cols: int, threshold: int) -> torch.Tensor:

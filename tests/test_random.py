@@ -64,6 +64,28 @@ def test_mask_bytes_match_the_elementwise_convention(row_offset):
     assert keep.shape == (5, 1, 1, 53) and torch.equal(keep.view(5, 53), mask_bytes(SEEDS[1], rows, 53) >= 77)
 
 
+def test_mask_bytes_under_inductor_and_fake_tensors():
+    """Under graph capture the mask is one opaque custom op, run eagerly: inductor's C++ code computed the
+    Philox products with signed int64 overflow (undefined in C++), and its masks differed from eager ones
+    for seeds whose low key word is >= 2**31 (4e9 here; 2**32 - 1 too), failing the every-backend-agrees
+    convention. Fake tensors get the shape and dtype from the op's fake implementation."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    rows = torch.arange(16).view(8, 2) + 2**32 - 6
+    for seed in (4_000_000_000, 2**32 - 1, SEEDS[3]):
+        def masked(x, seed=seed):
+            return seqpar.ops.dropout(x, seqpar.ops.DropoutSpec(0.1, seed, 3))
+
+        x = torch.randn(8, 2, 40)
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(masked)(x), masked(x)), seed
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(mask_bytes)(seed, rows, 40), mask_bytes(seed, rows, 40)), seed
+    with FakeTensorMode():
+        fake = mask_bytes(SEEDS[1], torch.arange(6).view(3, 2), 21)
+    assert fake.shape == (3, 2, 21) and fake.dtype == torch.uint8
+
+
 def test_host_build_matches_reference():
     """csrc/philox.cuh compiled for the host: the Philox known answers, and the kernels' mask path (one call
     per run of 4, 8 or 16 columns) against the reference, rows past 2**31 and 2**40."""

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .. import random as sp_random
+from .._custom_op import outside_compile
 from ..config import PARAMS_DTYPES, TransformerConfig
 from ..memory import name_storage, saved_as
 from ..ops.attention_core import attention_core, select_backend
@@ -49,12 +50,31 @@ from .state_dict import check_loadable
 @dataclasses.dataclass(frozen=True)
 class ForwardMode:
     """What one forward decided from the module's mode, captured at call time and passed down (never
-    re-read in a recomputed region): the dropout probabilities in effect (0 in eval mode) and the
-    layer seed drawn for this forward (0 without dropout)."""
+    re-read in a recomputed region): the dropout probabilities in effect (0 in eval mode) and the seeds
+    drawn for this forward (:func:`seqpar.random.next_layer_streams`: the layer seed, then one stream
+    seed per dropout site; zeros without dropout)."""
 
     hidden_p: float = 0.0
     attention_p: float = 0.0
-    seed: int = 0
+    seeds: Tuple[int, int, int, int] = (0, 0, 0, 0)
+
+    @property
+    def seed(self) -> int:
+        """The layer seed of this forward."""
+        return self.seeds[0]
+
+    def stream(self, site: int) -> int:
+        """The stream seed of dropout site ``site`` (a :class:`seqpar.random.Site`)."""
+        return self.seeds[site]
+
+
+@outside_compile(sp_random.DRAW_NOT_TRACEABLE)
+def _draw_seeds(layer: "TransformerLayer") -> Tuple[int, int, int, int]:
+    """:func:`seqpar.random.next_layer_streams` of ``layer.layer_number``, with the attribute read outside
+    torch.compile as well: Dynamo treats a module's int attributes as constants, so reading it in the
+    compiled forward would compile that forward once per layer, and a model deeper than Dynamo's
+    recompile limit (8) would run its later layers eagerly."""
+    return sp_random.next_layer_streams(layer.layer_number)
 
 
 def agreement_values(config: TransformerConfig, **arguments) -> Dict[str, object]:
@@ -306,13 +326,14 @@ class TransformerLayer(nn.Module):
                           hint=hint, device=self.input_layernorm.weight.device)
 
     def _forward_mode(self) -> ForwardMode:
-        """This call's mode: dropout in effect (training) and, if any, a seed drawn now from torch's
-        default CPU generator (seqpar.random.next_layer_seed)."""
+        """This call's mode: dropout in effect (training) and, if any, seeds drawn now from torch's
+        default CPU generator (seqpar.random.next_layer_streams)."""
         cfg = self.config
         hidden_p = cfg.hidden_dropout if self.training else 0.0
         attention_p = cfg.attention_dropout if self.training else 0.0
-        seed = sp_random.next_layer_seed(self.layer_number) if (hidden_p or attention_p) else 0
-        return ForwardMode(hidden_p, attention_p, seed)
+        if not (hidden_p or attention_p):
+            return ForwardMode(hidden_p, attention_p)
+        return ForwardMode(hidden_p, attention_p, _draw_seeds(self))
 
     def _hidden_spec(self, mode: ForwardMode, site: int, x: torch.Tensor) -> DropoutSpec:
         if not mode.hidden_p:
@@ -320,7 +341,7 @@ class TransformerLayer(nn.Module):
         s_local, b = x.shape[0], x.shape[1]
         # Global token rows: this rank's shard starts at sequence position rank * s_local under SP.
         first_row = group_rank(self.tp_group) * s_local * b if self.config.sequence_parallel else 0
-        return DropoutSpec(mode.hidden_p, sp_random.stream_seed(mode.seed, self.layer_number, site), first_row)
+        return DropoutSpec(mode.hidden_p, mode.stream(site), first_row)
 
     def _forward_impl(self, x: torch.Tensor, mode: ForwardMode) -> torch.Tensor:
         """The layer given this forward's ``mode``; reads no module state but parameters and the frozen
@@ -328,8 +349,7 @@ class TransformerLayer(nn.Module):
         norm1, norm2 = norm_labels(self.config)
         with saved_as(norm1):
             a1 = self.input_layernorm(x)
-        projection, projection_bias = self.self_attention(
-            a1, mode.attention_p, sp_random.stream_seed(mode.seed, self.layer_number, sp_random.Site.ATTENTION))
+        projection, projection_bias = self.self_attention(a1, mode.attention_p, mode.stream(sp_random.Site.ATTENTION))
         with saved_as(norm2):
             a2, x2 = self.post_attention_layernorm.after_bias_dropout_add(
                 projection, projection_bias, x, self._hidden_spec(mode, sp_random.Site.ATTENTION_OUT, x))

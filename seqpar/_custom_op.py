@@ -1,0 +1,65 @@
+"""Graph capture helpers: custom ops (the fused ops' kernel launches, the dropout mask) and functions
+that run outside torch.compile (the dropout seed draws).
+
+A module of its own, below both ``seqpar.random`` and ``seqpar.ops`` (which imports seqpar.random), so
+either can register an op without an import cycle.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Iterable, Optional
+
+import torch
+
+
+def tracing() -> bool:
+    """True while a graph is being captured: torch.compile / torch.export (Dynamo folds
+    ``torch.compiler.is_compiling()`` to True in the frames it traces), a Python dispatch mode
+    (FakeTensorMode, make_fx's proxy mode, FlopCounterMode, ...) or ``torch.jit.trace``."""
+    # Dynamo folds is_compiling() to True, so it never evaluates the two C calls after it.
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_tracing()
+
+
+def kernel_op(name: str, launcher: Optional[Callable] = None, *, mutates_args: Iterable[str] = ()):
+    """Register ``launcher`` as the ``torch.library`` custom op ``name`` and return a callable that runs
+    the custom op while :func:`tracing` and ``launcher`` itself otherwise. Usable as a decorator, like
+    ``torch.library.custom_op``; the result has ``register_fake`` (of the op), ``op`` (the
+    ``CustomOpDef``, also ``torch.ops.<name>``) and ``launcher``.
+
+    Why: the custom op exists for graph capture, where the kernel launch must be one opaque node with a
+    fake (shape-only) implementation. In eager mode its dispatcher path (the autograd kernel torch
+    registers for every custom op, a redispatch below autograd, the output-aliasing checks, a
+    Dynamo-disable wrapper) adds tens of microseconds per call and nothing else: the gradients come from
+    seqpar's own autograd.Functions, whose forward and backward already run with grad mode off, and a
+    mutated argument's version counter is bumped by ``ctx.mark_dirty``. Both paths run the same launcher
+    on the same arguments, so results are identical. Under the torch profiler the direct launch is a
+    ``record_function`` range named ``name``, so profiles still attribute the kernels to the op.
+    """
+    if launcher is None:
+        return functools.partial(kernel_op, name, mutates_args=mutates_args)
+    op = torch.library.custom_op(name, launcher, mutates_args=mutates_args)
+
+    def call(*args):
+        if tracing():
+            return op(*args)
+        if torch.autograd._profiler_enabled():
+            # profiles and traces name the launch after the op, as the custom op's own dispatch did
+            with torch.profiler.record_function(name):
+                return launcher(*args)
+        return launcher(*args)
+
+    call.__name__ = call.__qualname__ = getattr(launcher, "__name__", "kernel_op")
+    call.__doc__ = launcher.__doc__
+    call.op, call.launcher, call.register_fake = op, launcher, op.register_fake
+    return call
+
+
+def outside_compile(reason: str) -> Callable[[Callable], Callable]:
+    """Decorator: the function runs eagerly, outside torch.compile (``torch.compiler.disable``): a graph
+    break, and under ``fullgraph=True`` an error that gives ``reason``."""
+    def wrap(fn: Callable) -> Callable:
+        try:
+            return torch.compiler.disable(fn, reason=reason)
+        except TypeError:  # torch < 2.7: no reason= (the graph break is the same, its message bare)
+            return torch.compiler.disable(fn)
+    return wrap
