@@ -362,9 +362,7 @@ def _llama_state_dict(state_dict: Mapping[str, torch.Tensor], settings: dict):
     if head is None:
         raise ValueError(f"the state dict has no {_HEAD} but the config has tie_word_embeddings=False (a LlamaModel "
                          f"has no output head: pass the LlamaForCausalLM)")
-    if not isinstance(head, torch.Tensor) or tuple(head.shape) != tuple(embed.shape):
-        got = tuple(head.shape) if isinstance(head, torch.Tensor) else type(head).__name__
-        raise ValueError(f"Llama state dict {_HEAD} must have shape {tuple(embed.shape)} for this config, got {got}")
+    check_shapes({_HEAD: head}, {_HEAD: tuple(embed.shape)}, what="Llama state dict")
     return sd, head
 
 

@@ -40,7 +40,7 @@ from ..ops.attention_core import attention_core, select_backend
 from ..ops.dropout import DropoutSpec, bias_dropout_add
 from ..ops.rotary import rotary_embedding
 from ..ops.swiglu import swiglu
-from ..parallel.state import ProcessGroup, check_ranks_agree, group_rank, group_size
+from ..parallel.state import ProcessGroup, SharesProcessGroup, check_ranks_agree, group_rank, group_size
 from ..recompute import checkpoint
 from .layernorm import LayerNorm, RMSNorm
 from .linear import ColumnParallelLinear, RowParallelLinear
@@ -98,8 +98,11 @@ AGREEMENT_HINT = ("Build every rank's modules from the same arguments after seqp
 
 
 def autocast_dtype(module: nn.Module) -> Optional[torch.dtype]:
-    """The dtype of the ``torch.autocast`` enabled for ``module``'s parameters' device type, or None."""
+    """The dtype of the ``torch.autocast`` enabled for ``module``'s parameters' device type, or None (also
+    for meta parameters, which autocast knows nothing of: the input checks then name the device)."""
     device_type = next(module.parameters()).device.type
+    if device_type == "meta":
+        return None
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
@@ -128,7 +131,7 @@ def norm_labels(config: TransformerConfig) -> Tuple[str, str]:
     return ("LN1 input", "LN2 input") if config.normalization == "layernorm" else ("RMSNorm1 input", "RMSNorm2 input")
 
 
-class ParallelAttention(nn.Module):
+class ParallelAttention(SharesProcessGroup, nn.Module):
     """QKV projection (column-parallel), RoPE (optional), attention core (grouped-query when
     ``num_query_groups`` < heads), output projection (row-parallel, bias skipped).
 
@@ -230,7 +233,7 @@ def make_norm(config: TransformerConfig, tp_group: ProcessGroup, device=None):
                dtype=config.params_dtype)
 
 
-class TransformerLayer(nn.Module):
+class TransformerLayer(SharesProcessGroup, nn.Module):
     """One pre-norm transformer layer (GPT's or the Llama block, per the config) with tensor + sequence
     parallelism and activation recomputation.
 
@@ -403,9 +406,9 @@ class TransformerLayer(nn.Module):
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
         """Load UNSHARDED weights (the same dict on every rank); each rank keeps its shard."""
-        check_loadable(state_dict, self.full_shapes(), self.tp_group,
-                       what=f"TransformerLayer(layer_number={self.layer_number}).load_full_state_dict")
         device = self.input_layernorm.weight.device
+        check_loadable(state_dict, self.full_shapes(), self.tp_group, device=device,
+                       what=f"TransformerLayer(layer_number={self.layer_number}).load_full_state_dict")
         for name, part in self._parts().items():
             weight = state_dict[f"{name}.weight"].to(device)
             bias = state_dict[f"{name}.bias"].to(device) if f"{name}.bias" in state_dict else None

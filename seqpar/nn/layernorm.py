@@ -22,10 +22,10 @@ from ..ops.dropout import DropoutSpec, bias_dropout_add
 from ..ops.registry import validate_backend
 from ..ops.rms_norm import add_rms_norm
 from ..parallel.mappings import copy_to_tensor_region_coalesced
-from ..parallel.state import ProcessGroup, group_size
+from ..parallel.state import ProcessGroup, SharesProcessGroup, group_size
 
 
-class _ReplicatedNorm(nn.Module):
+class _ReplicatedNorm(SharesProcessGroup, nn.Module):
     """Shared by LayerNorm and RMSNorm: argument checks, a unit ``weight`` [h] and, if ``bias``, a zero
     ``bias`` [h], replicated over the tensor-parallel group (through f under SP)."""
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from ..ops.comm_matmul import all_gather_matmul, matmul_reduce_scatter
 from ..parallel.mappings import copy_to_tensor_region, reduce_from_tensor_region
-from ..parallel.state import ProcessGroup, group_rank, group_size
+from ..parallel.state import ProcessGroup, SharesProcessGroup, group_rank, group_size
 
 
 def _split_rows(full: torch.Tensor, blocks: Sequence[int], t: int, r: int) -> torch.Tensor:
@@ -75,7 +75,7 @@ def init_normal(weight: torch.Tensor) -> None:
     weight.normal_(0.0, 0.02)
 
 
-class _TensorParallelLinear(nn.Module):
+class _TensorParallelLinear(SharesProcessGroup, nn.Module):
     """What both splits share: initialisation of the unsharded weight and the repr."""
 
     in_features: int

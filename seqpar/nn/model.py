@@ -34,7 +34,8 @@ from ..ops.comm_matmul import all_gather_matmul
 from ..ops.dropout import DropoutSpec, dropout
 from ..parallel.mappings import (copy_to_tensor_region, reduce_from_tensor_region,
                                  scatter_to_sequence_region)
-from ..parallel.state import ProcessGroup, agreement_checked, check_ranks_agree, group_rank, group_size
+from ..parallel.state import (ProcessGroup, SharesProcessGroup, agreement_checked, check_ranks_agree, group_rank,
+                              group_size)
 from ..memory import recompute_policies, saved_as
 from .layer import AGREEMENT_HINT, TransformerLayer, agreement_values, autocast_dtype, make_norm, run_in_dtype
 from .linear import _gather_rows
@@ -102,7 +103,7 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-class _VocabShard(nn.Module):
+class _VocabShard(SharesProcessGroup, nn.Module):
     """A [v, h] table split along the padded vocabulary: ``weight`` [padded_vocab_size / t, h], this
     rank's real rows ``[vocab_start, vocab_end)`` first, padded rows (zeros, never read) after them."""
 
@@ -124,9 +125,10 @@ class _VocabShard(nn.Module):
 
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor) -> None:
-        """Keep this rank's rows of the unsharded ``weight`` [vocab_size, h]; padded rows become zero."""
-        self.weight.zero_()
+        """Keep this rank's rows of the unsharded ``weight`` [vocab_size, h]; padded rows become zero.
+        (Real rows first: ``weight`` may share memory with this table, e.g. the model's own state dict.)"""
         self.real_weight.copy_(weight[self.vocab_start:self.vocab_end])
+        self.weight[self.real_weight.shape[0]:].zero_()
 
     @torch.no_grad()
     def full(self) -> torch.Tensor:
@@ -194,7 +196,7 @@ class GPTEmbedding(nn.Module):
         return word.transpose(0, 1).contiguous()
 
 
-class GPTModel(nn.Module):
+class GPTModel(SharesProcessGroup, nn.Module):
     """GPT: embeddings (word: vocab-parallel, position: replicated) -> ``num_layers`` TransformerLayers
     (numbered 0..L-1 in the dropout RNG) -> final norm -> logits with the tied word embedding (or an
     untied ``output_layer``). The config's architecture knobs make it a Llama: RMSNorm (also the final
@@ -382,6 +384,12 @@ class GPTModel(nn.Module):
                                    or labels.shape != tokens.shape):
             raise ValueError(f"labels must be an int64 tensor of the tokens' shape {tuple(tokens.shape)}, got "
                              f"{getattr(labels, 'dtype', type(labels).__name__)} {tuple(getattr(labels, 'shape', ()))}")
+        device = self.final_layernorm.weight.device
+        for name, ids in (("tokens", tokens), ("labels", labels)):
+            if ids is not None and ids.device != device:
+                raise ValueError(f"{name} are on {ids.device} but the model's parameters are on {device}" + (
+                    " (build on meta, then to_empty(device=...) and reset_parameters() or load_full_state_dict)"
+                    if device.type == "meta" else ""))
         self._check_ids("token", tokens, allow_ignore=False)
         if labels is not None:
             self._check_ids("label", labels, allow_ignore=True)
@@ -458,7 +466,8 @@ class GPTModel(nn.Module):
         """Load UNSHARDED weights (the same dict on every rank, v real vocabulary rows); each rank keeps
         its shard. Every key, shape and value kind (floating point, not meta) is checked before anything is
         loaded (ValueError naming it); other floating dtypes are cast to the parameters'."""
-        check_loadable(state_dict, self.full_shapes(), self.tp_group, what="GPTModel.load_full_state_dict")
+        check_loadable(state_dict, self.full_shapes(), self.tp_group, what="GPTModel.load_full_state_dict",
+                       device=self.final_layernorm.weight.device)
         self.embedding.word_embeddings.load_full(state_dict["embedding.word_embeddings.weight"])
         if self.embedding.position_embeddings is not None:
             self.embedding.position_embeddings.weight.copy_(state_dict["embedding.position_embeddings.weight"])

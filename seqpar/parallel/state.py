@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import hashlib
 from typing import Iterator, Mapping, Optional
 
@@ -26,6 +27,22 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 # The consistency checks' own reference: they are control traffic, not the data collectives above
 # (bench/bench_overlap.py replaces those with no-ops to time compute alone; the checks must still run).
 _all_gather_control = _all_gather_single
+
+
+class SharesProcessGroup:
+    """Mixin of the modules that hold a ``tp_group``: ``copy.deepcopy`` shares the group instead of copying
+    it. A ProcessGroup can't be copied (deepcopy raised a pickling TypeError under TP), and a copy of a
+    shard (an EMA or reference model) belongs to the same ranks. Pickling a module that holds a group
+    still fails: save state dicts (``full_state_dict()`` or ``state_dict()``), not modules."""
+
+    def __deepcopy__(self, memo):
+        group = self.__dict__.get("tp_group")
+        if group is not None:
+            memo.setdefault(id(group), group)
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__dict__, memo))   # what deepcopy's default path does
+        return copied
 
 
 def _not_a_member(group) -> ValueError:

@@ -312,9 +312,12 @@ def _drop(key):
      r"layers.0.self_attn.k_proj.weight must have shape \(32, 128\) for this config, got \(128, 128\)", False),
     (_drop("lm_head.weight"), "no lm_head.weight but the config has tie_word_embeddings=False", False),
     (lambda sd: sd.update({"lm_head.weight": torch.zeros(VOCAB + 1, HIDDEN)}), r"lm_head.weight must have shape", False),
+    (lambda sd: sd.update({"lm_head.weight": sd["lm_head.weight"].long()}),
+     "Llama state dict lm_head.weight must be a floating-point tensor with data, got torch.int64", False),
     (lambda sd: sd.update({"lm_head.weight": sd["lm_head.weight"] + 1}), "differs from model.embed_tokens.weight", True),
     (lambda sd: sd.update({"norm.weight": sd["model.norm.weight"]}), "mixes 'model.'-prefixed keys", False),
-], ids=["missing", "unexpected", "kv-shape", "no-head", "head-shape", "untied-head-in-tied-config", "mixed-prefix"])
+], ids=["missing", "unexpected", "kv-shape", "no-head", "head-shape", "head-dtype", "untied-head-in-tied-config",
+        "mixed-prefix"])
 def test_bad_state_dicts_raise_naming_the_key(change, match, tied):
     state_dict = dict(_random_llama(2, tie_word_embeddings=tied).state_dict())
     change(state_dict)

@@ -46,3 +46,36 @@ def test_meta_then_to_empty_then_reset_parameters_is_the_eager_build(arch):
         assert torch.equal(p, want[name]), name
     tokens = torch.randint(0, 50, (2, 8))
     torch.testing.assert_close(deferred(tokens), eager(tokens), rtol=0, atol=0)
+
+
+def test_meta_model_refuses_loads_and_inputs_instead_of_doing_nothing():
+    """Loading into meta parameters copied nothing, silently, and the next forward crashed inside
+    autocast's device lookup; both are now ValueErrors that name the meta device."""
+    cfg = seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4, backend="torch")
+    seqpar.manual_seed(0)
+    full = seqpar.GPTModel(cfg, 1, 50, 16).full_state_dict()
+    model = seqpar.GPTModel(cfg, 1, 50, 16, device="meta")
+    with pytest.raises(ValueError, match="GPTModel.load_full_state_dict: the parameters are on the meta device"):
+        model.load_full_state_dict(full)
+    layer_dict = {k[len("layers.0."):]: v for k, v in full.items() if k.startswith("layers.0.")}
+    with pytest.raises(ValueError, match=r"load_full_state_dict: the parameters are on the meta device"):
+        model.layers[0].load_full_state_dict(layer_dict)
+    with pytest.raises(ValueError, match="tokens are on cpu but the model's parameters are on meta"):
+        model(torch.randint(0, 50, (2, 8)))
+    with pytest.raises(ValueError, match="x is on cpu but the layer's parameters are on meta"):
+        model.layers[0](torch.randn(8, 2, 32))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_loading_the_models_own_tensors_changes_nothing(tied):
+    """At t = 1 with v a multiple of 128 (no padded rows) the native state dict has the unsharded keys and
+    shapes, so load_full_state_dict accepts it; its tensors are the model's own. The vocabulary tables were
+    zeroed before their rows were copied, which zeroed the source too."""
+    cfg = seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4, backend="torch")
+    seqpar.manual_seed(0)
+    model = seqpar.GPTModel(cfg, 1, 128, 16, share_embeddings_and_output_weights=tied)
+    tokens = torch.randint(0, 128, (2, 8))
+    before = model(tokens)
+    model.load_full_state_dict(model.state_dict())
+    assert model.embedding.word_embeddings.weight.abs().sum() > 0
+    torch.testing.assert_close(model(tokens), before, rtol=0, atol=0)
