@@ -34,6 +34,7 @@ from ..ops.comm_matmul import all_gather_matmul
 from ..ops.dropout import DropoutSpec, dropout
 from ..parallel.mappings import (copy_to_tensor_region, reduce_from_tensor_region,
                                  scatter_to_sequence_region)
+from .._custom_op import tracing
 from ..parallel.state import (ProcessGroup, SharesProcessGroup, agreement_checked, check_ranks_agree, group_rank,
                               group_size)
 from ..memory import recompute_policies, saved_as
@@ -345,6 +346,12 @@ class GPTModel(SharesProcessGroup, nn.Module):
         bad = (ids < 0) | (ids >= self.vocab_size)
         if allow_ignore:
             bad &= ids != IGNORE_INDEX
+        if tracing():
+            # Branching on bad.any() breaks a compiled graph (and fails fullgraph=True): while tracing the
+            # check is an assertion inside the graph, which raises without naming the id.
+            allowed = f"[0, {self.vocab_size})" + (f" or {IGNORE_INDEX}" if allow_ignore else "")
+            torch._assert_async(~bad.any(), f"{name} ids outside {allowed}")
+            return
         if bad.any():
             i, j = (int(k) for k in bad.nonzero()[0])
             allowed = f"[0, {self.vocab_size})" + (f" or {IGNORE_INDEX} (ignored)" if allow_ignore else "")

@@ -58,8 +58,10 @@ class DropoutSpec:
 
 
 def _check_row_offset(row_offset) -> None:
-    if not isinstance(row_offset, int) or isinstance(row_offset, bool) or row_offset < 0:
-        raise ValueError(f"row_offset must be a non-negative int, got {row_offset!r}")
+    # A SymInt under graph capture with dynamic shapes: row offsets are products of sizes (torch.export's
+    # default non-strict mode passes it as torch.SymInt, which is no int).
+    if not isinstance(row_offset, (int, torch.SymInt)) or isinstance(row_offset, bool) or row_offset < 0:
+        raise ValueError(f"row_offset must be a non-negative int, got {row_offset!r} ({type(row_offset).__name__})")
 
 
 _NO_DROPOUT = DropoutSpec()  # immutable: shared by every call without active dropout

@@ -97,7 +97,13 @@ def _torch_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 def _torch_forward(x, position_offset: int, theta: float, inplace: bool):
     cos, sin = _cos_sin(x.shape[0], x.shape[-1], position_offset, theta, x.device)
     x_rot = _torch_rotate(x, cos, sin)
-    return x.copy_(x_rot) if inplace else x_rot
+    if not inplace:
+        return x_rot
+    # x itself, not copy_'s result: Dynamo does not see copy_'s return value as the input the autograd
+    # Function marks dirty, and broke the graph there (a RoPE layer compiled to 6 graphs, under full
+    # recompute to none).
+    x.copy_(x_rot)
+    return x
 
 
 def _torch_backward(grad, position_offset: int, theta: float):

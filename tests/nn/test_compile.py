@@ -79,3 +79,54 @@ def test_compiled_model_deeper_than_the_recompile_limit_shares_one_layer_graph()
         assert graph_counts[2] == graph_counts[1], graph_counts
         counts[num_layers] = graph_counts[-1]
     assert counts[10] == counts[1], counts
+
+
+LLAMA = dict(normalization="rmsnorm", activation="swiglu", position_embedding="rope", num_query_groups=2,
+             add_bias_linear=False)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_llama_layer_without_dropout_is_one_graph(recompute):
+    """The torch RoPE's in-place path returned copy_'s result, which Dynamo does not take for the input
+    its autograd Function marks dirty: 5 graph breaks per forward, and under full recompute no graph."""
+    seqpar.manual_seed(0)
+    layer = seqpar.TransformerLayer(seqpar.TransformerConfig(hidden_size=H, num_attention_heads=4, backend="torch",
+                                                             recompute=recompute, **LLAMA))
+    x = torch.randn(8, 2, H)
+    explanation = torch._dynamo.explain(layer)(x)
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(layer, backend="aot_eager", fullgraph=True)(x), layer(x),
+                               rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
+def test_model_without_dropout_is_one_graph_and_still_checks_token_ids():
+    """GPTModel's token-id check branched on the data (a graph break per forward, fullgraph=True failed);
+    while tracing it is an assertion inside the graph."""
+    seqpar.manual_seed(0)
+    model = seqpar.GPTModel(seqpar.TransformerConfig(hidden_size=H, num_attention_heads=4, backend="torch"),
+                            num_layers=2, vocab_size=50, max_seq_len=16)
+    tokens, labels = torch.randint(0, 50, (2, 8)), torch.randint(0, 50, (2, 8))
+    labels[0, 0] = -100
+    explanation = torch._dynamo.explain(model)(tokens, labels)
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(tokens, labels), model(tokens, labels), rtol=0, atol=0)
+    tokens[1, 3] = 50
+    with pytest.raises(RuntimeError, match=r"token ids outside \[0, 50\)"):
+        compiled(tokens)
+    torch._dynamo.reset()
+
+
+def test_export_with_a_dynamic_sequence_length():
+    """torch.export's default (non-strict) mode passes the attention's row offset as a torch.SymInt, which
+    the dropout spec refused as "not an int" although dropout is off in eval mode."""
+    seqpar.manual_seed(0)
+    layer = seqpar.TransformerLayer(seqpar.TransformerConfig(hidden_size=H, num_attention_heads=4,
+                                                             backend="torch")).eval()
+    program = torch.export.export(layer, (torch.randn(8, 2, H),),
+                                  dynamic_shapes=({0: torch.export.Dim("s", min=2, max=64)},))
+    x = torch.randn(12, 2, H)
+    torch.testing.assert_close(program.module()(x), layer(x), rtol=1e-6, atol=1e-6)
