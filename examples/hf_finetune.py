@@ -63,6 +63,18 @@ def parse_args(family=None):
     for name in ("layers", "hidden", "heads", "seq_len", "batch", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    t = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's ranks are the tensor-parallel group
+    if args.sequence_parallel and args.seq_len % t:
+        parser.error(f"--seq-len {args.seq_len} must be divisible by the {t} ranks (sequence parallelism; "
+                     f"or --no-sequence-parallel)")
+    if args.model is None:  # the random model's sizes (a pretrained model brings its own, checked on load)
+        kv_heads = args.kv_heads or args.heads
+        if args.hidden % args.heads:
+            parser.error(f"--hidden {args.hidden} must be divisible by --heads {args.heads}")
+        if args.heads % kv_heads:
+            parser.error(f"--heads {args.heads} must be divisible by --kv-heads {kv_heads}")
+        if kv_heads % t:
+            parser.error(f"the {kv_heads} k/v heads must be divisible by the {t} ranks")
     return args
 
 

@@ -329,13 +329,19 @@ def main(argv: Optional[List[str]] = None) -> None:
     sub.add_parser("bench", help="the paper's five layer experiments (python -m seqpar bench --help)", add_help=False)
     sub.add_parser("plan", help="whole-model activation memory and the cheapest recompute that fits "
                                 "(python -m seqpar plan --help)", add_help=False)
-    if argv and argv[0] == "bench":
-        bench(argv[1:])
-    elif argv and argv[0] == "plan":
-        run_reporting_errors("python -m seqpar plan", lambda: plan(argv[1:]))
-    else:
-        parser.parse_args(argv)
-        info()
+    try:
+        if argv and argv[0] == "bench":
+            bench(argv[1:])
+        elif argv and argv[0] == "plan":
+            run_reporting_errors("python -m seqpar plan", lambda: plan(argv[1:]))
+        else:
+            parser.parse_args(argv)
+            info()
+    except BrokenPipeError:
+        # The reader closed the pipe (python -m seqpar info | head -3): stop quietly, as coreutils do; stdout
+        # goes to devnull so the interpreter's flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(1) from None
 
 
 def bench(argv: Sequence[str]) -> None:

@@ -45,7 +45,7 @@ class TransformerConfig:
     (QK^T, softmax, softmax dropout, attention over V) in backward; "full" keeps only the layer input.
     ``hidden_dropout``, ``attention_dropout``: probabilities in [0, 1); the effective probability is
     ``round(p * 256) / 256`` (:func:`seqpar.random.effective_dropout_p`: 0.1 drops 26/256), and a p with
-    ``round(p * 256) = 256`` is rejected when the layer builds its dropout.
+    ``round(p * 256) = 256`` is rejected when the config is built.
     ``overlap_comm``: under sequence parallelism, overlap the all-gather / reduce-scatter with the
     GEMMs (:func:`seqpar.ops.all_gather_matmul`), where the op judges it helps. On CPU (gloo) the
     transfers need CPU time beside the GEMMs: with more ranks than cores, turn it off (measured with

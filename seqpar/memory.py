@@ -49,7 +49,7 @@ keeps one micro-batch of its layers (m = 1) plus the output side: final LayerNor
 input (sbh E each, / t with SP) and the fp32 logits for the cross-entropy (4 sbv / t, v the busiest
 rank's padded vocabulary shard). For the paper's models the first stage is the most loaded; with few
 layers per stage, full recompute and a large vocabulary the last one can be (Llama-3-8B sizes at t = 8,
-p = 4, full recompute: 581 MiB against the first stage's 256 MiB). The figure is the largest stage's,
+p = 4, full recompute: 584 MiB against the first stage's 256 MiB). The figure is the largest stage's,
 each stage's from simulating its schedule; with p = 1 the one stage holds both.
 
 **Recompute cost** (:func:`plan_recompute`; the forward FLOPs of the paper's FLOPs appendix): a layer's

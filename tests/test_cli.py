@@ -199,3 +199,16 @@ def test_bench_rank_failure_is_one_line_exit_1():
         pytest.skip("the triton backend needs TRITON_INTERPRET=1 on CPU")
     assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "rank" in out.stderr and "triton" in out.stderr and "Traceback" not in out.stderr + out.stdout
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
+    """``python -m seqpar plan ... | head -1`` printed a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "seqpar", "plan", "--model", "22B"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().startswith("seqpar plan:")
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) in (0, 1) and "Traceback" not in err, err

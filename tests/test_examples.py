@@ -68,3 +68,18 @@ def test_finetune_example_trains_and_hands_the_weights_back(tmp_path, family, sc
     assert abs(seqpar_loss - hf_loss) <= 1e-4, output
     saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert saved.config.hidden_size == 64 and saved.config.model_type == family
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--seq-len", "63"], "--seq-len 63 must be divisible by the 2 ranks"),
+    (["--heads", "3"], "--hidden 128 must be divisible by --heads 3"),
+    (["--family", "llama", "--heads", "6", "--hidden", "192", "--kv-heads", "3"], "the 3 k/v heads must be divisible"),
+    (["--steps", "0"], "--steps must be positive, got 0"),
+], ids=["seq-len", "heads", "kv-heads", "steps"])
+def test_finetune_example_refuses_sizes_the_ranks_cannot_split(args, match):
+    """Sizes that don't split over the ranks are a usage error before any rank starts, not a traceback
+    per rank from deep inside the model build."""
+    env = dict(os.environ, WORLD_SIZE="2")
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_finetune.py"), *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and match in out.stderr and "Traceback" not in out.stderr, out.stderr

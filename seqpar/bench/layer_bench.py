@@ -77,6 +77,12 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                         ffn=14336 if gpu else 352, dropout=0.0)
     elif args.kv_heads is not None:
         p.error("--kv-heads is for --arch llama (the gpt layer has one k/v head per head)")
+    if _under_torchrun():  # the launched ranks are the tensor-parallel group
+        world_size = int(os.environ["WORLD_SIZE"])
+        if args.tp is not None and args.tp != world_size:
+            p.error(f"--tp {args.tp} under torchrun with {world_size} ranks: the launched ranks are the "
+                    f"tensor-parallel group (drop --tp, or launch --nproc-per-node {args.tp})")
+        args.tp = world_size
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -298,7 +304,6 @@ def main(argv: Optional[List[str]] = None) -> List[Dict]:
         if args.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-        args.tp = world_size
         rows = _rank_main(rank, world_size, args, None)
         dist.destroy_process_group()
     elif args.tp == 1:

@@ -360,6 +360,9 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         return bias_dropout_add(mlp_out, mlp_bias, x2, self._hidden_spec(mode, sp_random.Site.MLP_OUT, x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [s_local, b, h] (s_local = s / t under sequence parallelism, else s), of the parameters' dtype
+        and device -> y [s_local, b, h]: causal self-attention and MLP, each added to its residual (the
+        class docstring has dropout, recompute, autocast and the rank checks)."""
         dtype = autocast_dtype(self)
         if dtype is not None:
             return run_in_dtype(self, dtype, x)

@@ -420,6 +420,9 @@ class GPTModel(SharesProcessGroup, nn.Module):
                  "the others did not)")
 
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """tokens [b, s] int64 ids in [0, v) -> with ``labels`` [b, s] (already shifted; -100 ignored) the
+        per-token cross-entropy [s, b] in fp32, without them this rank's logits [s, b, vocab_end -
+        vocab_start] (the class docstring has the details)."""
         dtype = autocast_dtype(self)
         if dtype is not None:
             return run_in_dtype(self, dtype, tokens, labels)

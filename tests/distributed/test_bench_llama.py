@@ -42,3 +42,18 @@ def test_bench_llama_usage_errors_are_one_line_exit_2(argv, match, capsys):
         cli.main(argv)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1 and match in err, err
+
+
+@pytest.mark.parametrize("argv, world_size, match", [
+    (["bench", "--tp", "4"], "2", "--tp 4 under torchrun with 2 ranks"),
+    (["bench", "--heads", "4"], "3", "tp=3"),
+], ids=["tp-differs", "validated-at-world-size"])
+def test_bench_under_torchrun_takes_tp_from_the_launch(argv, world_size, match, capsys, monkeypatch):
+    """Under torchrun the launched ranks are the group: a different --tp was ignored (and the sizes were
+    checked against it), now it is a usage error, and the sizes are checked against WORLD_SIZE."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1 and match in err, err
