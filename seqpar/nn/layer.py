@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .. import random as sp_random
-from .._custom_op import outside_compile
+from .._custom_op import outside_compile, tracing
 from ..config import PARAMS_DTYPES, TransformerConfig
 from ..memory import name_storage, saved_as
 from ..ops.attention_core import attention_core, select_backend
@@ -169,8 +169,12 @@ class ParallelAttention(SharesProcessGroup, nn.Module):
         q, k, v = per_head[:, :, :heads], per_head[:, :, heads:heads + kv_heads], per_head[:, :, heads + kv_heads:]
         if cfg.position_embedding == "rope":
             # qkv holds the whole sequence (under SP the column-parallel GEMM gathered it), so row i is
-            # global position i. In place: nothing new is stored, and RoPE saves nothing for backward.
-            q, k = rotary_embedding(q, k, position_offset=0, theta=cfg.rope_theta, inplace=True, backend=cfg.backend)
+            # global position i. In place: nothing new is stored, and RoPE saves nothing for backward. Not
+            # while tracing: torch 2.11's Dynamo fails on these views of qkv modified in place inside an
+            # autograd Function (a fake-tensor error at the permute below), and a compiled graph plans its
+            # buffers itself.
+            q, k = rotary_embedding(q, k, position_offset=0, theta=cfg.rope_theta, inplace=not tracing(),
+                                    backend=cfg.backend)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))    # [b, heads, s, d]
         impl = select_backend(q, k, v, causal=True, backend=cfg.backend)
         # Head-major global dropout rows over the query heads: this rank's first head is rank * H (seqpar.random).

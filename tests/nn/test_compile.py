@@ -87,8 +87,9 @@ LLAMA = dict(normalization="rmsnorm", activation="swiglu", position_embedding="r
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_llama_layer_without_dropout_is_one_graph(recompute):
-    """The torch RoPE's in-place path returned copy_'s result, which Dynamo does not take for the input
-    its autograd Function marks dirty: 5 graph breaks per forward, and under full recompute no graph."""
+    """A Llama layer was 6 graphs (the torch RoPE's in-place path broke the graph), under full recompute
+    none. While tracing, the layer now rotates q and k out of place: torch 2.11's Dynamo failed outright on
+    the in-place rotation of views of the QKV output."""
     seqpar.manual_seed(0)
     layer = seqpar.TransformerLayer(seqpar.TransformerConfig(hidden_size=H, num_attention_heads=4, backend="torch",
                                                              recompute=recompute, **LLAMA))

@@ -182,14 +182,17 @@ def test_triton_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.seqpar.rotary_embedding_triton_inplace, (q.clone(), 5, THETA, True))
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
-def test_torch_compile_traces_the_op(inplace):
+def test_torch_compile_traces_the_op(inplace, backend):
+    """fullgraph: the torch backend's in-place path returned copy_'s result, which Dynamo does not take for
+    the input the autograd Function marks dirty (a graph break)."""
     torch._dynamo.reset()
 
     def f(q, k):
         if inplace:  # leaves can't be modified in place: rotate copies
             q, k = q * 1.0, k * 1.0
-        q_rot, k_rot = rotary_embedding(q, k, position_offset=2, backend="triton", inplace=inplace)
+        q_rot, k_rot = rotary_embedding(q, k, position_offset=2, backend=backend, inplace=inplace)
         return q_rot * 2.0, k_rot + 1.0
 
     q, k = _qk(6, 2, 2, 1, 16, torch.float32, requires_grad=True)
