@@ -1,7 +1,7 @@
 """The one check every unsharded-weights loader runs before it copies anything."""
 from __future__ import annotations
 
-from typing import Mapping, Tuple
+from typing import Mapping, Optional, Tuple
 
 import torch
 
@@ -35,16 +35,16 @@ def check_shapes(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[in
 
 
 def check_loadable(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[int, ...]], group, *,
-                   what: str, device: torch.device) -> None:
+                   what: str, device: Optional[torch.device] = None) -> None:
     """:func:`check_shapes` on every rank of the tensor-parallel ``group``, a failure on any rank a
     ValueError on every rank (:func:`seqpar.parallel.state.check_ranks_agree`, one tiny all-gather):
     a rank whose dict is wrong must not leave the others loading theirs and then waiting for it in the
     next collective. (That every rank passes the same values is the caller's contract, not checked:
-    comparing them would hash every weight.) ``device``, where the target's parameters live, must not be
-    meta: copying into meta parameters does nothing, and nothing would say so."""
+    comparing them would hash every weight.) ``device``, where the target's parameters live (None: not
+    checked), must not be meta: copying into meta parameters does nothing, and nothing would say so."""
     problem = None
     try:
-        if device.type == "meta":
+        if device is not None and device.type == "meta":
             raise ValueError(f"{what}: the parameters are on the meta device, where loading copies nothing: "
                              "call module.to_empty(device=...) first")
         check_shapes(state_dict, shapes)
