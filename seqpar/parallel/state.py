@@ -19,6 +19,8 @@ from typing import Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from .._custom_op import tracing
+
 ProcessGroup = Optional["dist.ProcessGroup"]
 
 # torch 2.13 renamed the tensor collectives (the old names warn); older releases only have the old ones.
@@ -104,6 +106,9 @@ def all_gather_seq(x_shard: torch.Tensor, group: ProcessGroup, async_op: bool = 
     x_shard = x_shard.contiguous()
     if t == 1:  # nothing to gather: the shard is the whole tensor (returned as is, not copied)
         return (x_shard, None) if async_op else x_shard
+    if tracing():  # a functional collective: one node of the compiled graph, not a graph break
+        out = _functional().all_gather_tensor(x_shard, 0, group)
+        return (out, None) if async_op else out
     out = torch.empty((x_shard.shape[0] * t,) + tuple(x_shard.shape[1:]),
                       dtype=x_shard.dtype, device=x_shard.device)
     work = _all_gather_single(out, x_shard, group=group, async_op=async_op)
@@ -121,6 +126,9 @@ def reduce_scatter_seq(x_full: torch.Tensor, group: ProcessGroup, async_op: bool
     x_full = x_full.contiguous()
     if t == 1:  # nothing to reduce: returned as is, not copied
         return (x_full, None) if async_op else x_full
+    if tracing():
+        out = _functional().reduce_scatter_tensor(x_full, "sum", 0, group)
+        return (out, None) if async_op else out
     out = torch.empty((x_full.shape[0] // t,) + tuple(x_full.shape[1:]),
                       dtype=x_full.dtype, device=x_full.device)
     work = _reduce_scatter_single(out, x_full, group=group, async_op=async_op)
@@ -130,8 +138,19 @@ def reduce_scatter_seq(x_full: torch.Tensor, group: ProcessGroup, async_op: bool
 def all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """In-place sum over the group (no-op for one rank); returns ``x``."""
     if group_size(group) > 1:
-        dist.all_reduce(x, group=group)
+        if tracing():
+            x.copy_(_functional().all_reduce(x, "sum", group))
+        else:
+            dist.all_reduce(x, group=group)
     return x
+
+
+def _functional():
+    """``torch.distributed._functional_collectives``, which the collectives above use while a graph is
+    captured: Dynamo and AOT autograd trace them into the graph, where the c10d calls (``async_op``
+    work objects) are a graph break each (13 graphs per sequence-parallel layer forward)."""
+    import torch.distributed._functional_collectives as funcol
+    return funcol
 
 
 # ---- cross-rank consistency ----------------------------------------------------------------------
