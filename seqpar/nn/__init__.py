@@ -1,9 +1,13 @@
-"""Modules: parallel linear layers, LayerNorm / RMSNorm, the transformer layer and a small GPT model."""
+"""Modules: parallel linear layers, LayerNorm / RMSNorm, the transformer layer and a small GPT model;
+sharded state dicts of them (model and optimizer) for torch.distributed.checkpoint."""
 from .fused_layer_norm import FusedBiasDropoutAddLayerNorm
 from .layer import ParallelAttention, ParallelMLP, TransformerLayer
 from .layernorm import LayerNorm, RMSNorm
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .model import GPTModel
+from .state_dict import (ShardLayout, load_sharded_optimizer_state_dict, sharded_optimizer_state_dict,
+                         sharded_state_dict)
 
 __all__ = ["FusedBiasDropoutAddLayerNorm", "ColumnParallelLinear", "RowParallelLinear", "LayerNorm", "RMSNorm", "ParallelAttention", "ParallelMLP",
-           "TransformerLayer", "GPTModel"]
+           "TransformerLayer", "GPTModel", "ShardLayout", "sharded_state_dict", "sharded_optimizer_state_dict",
+           "load_sharded_optimizer_state_dict"]

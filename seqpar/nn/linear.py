@@ -19,38 +19,15 @@ With ``tp_group=None`` (or a one-rank group, t = 1) both layers are plain ``nn.L
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..ops.comm_matmul import all_gather_matmul, matmul_reduce_scatter
 from ..parallel.mappings import copy_to_tensor_region, reduce_from_tensor_region
-from ..parallel.state import ProcessGroup, SharesProcessGroup, group_rank, group_size
-
-
-def _split_rows(full: torch.Tensor, blocks: Sequence[int], t: int, r: int) -> torch.Tensor:
-    """Rows of this rank from ``full`` [n, ...] seen as stacked blocks of ``blocks`` rows (sum n), each
-    split over t: rank r takes rows ``r * size / t .. (r + 1) * size / t`` of every block, in block order."""
-    parts, start = [], 0
-    for size in blocks:
-        step = size // t
-        parts.append(full[start + r * step:start + (r + 1) * step])
-        start += size
-    return torch.cat(parts)
-
-
-def _gather_rows(local: torch.Tensor, blocks: Sequence[int], group: ProcessGroup) -> torch.Tensor:
-    """Inverse of :func:`_split_rows`: every rank's rows back into the full [n, ...] tensor."""
-    t = group_size(group)
-    parts = [local]
-    if t > 1:
-        parts = [torch.empty_like(local) for _ in range(t)]
-        dist.all_gather(parts, local.contiguous(), group=group)
-    local_sizes = [size // t for size in blocks]
-    chunks = [p.split(local_sizes, dim=0) for p in parts]
-    return torch.cat([chunks[r][i] for i in range(len(blocks)) for r in range(t)])
+from ..parallel.state import ProcessGroup, SharesProcessGroup, group_size
+from .state_dict import ShardedParameters, ShardLayout
 
 
 def block_sizes(out_features: int, partition_blocks: Union[int, Sequence[int]]) -> Tuple[int, ...]:
@@ -75,8 +52,9 @@ def init_normal(weight: torch.Tensor) -> None:
     weight.normal_(0.0, 0.02)
 
 
-class _TensorParallelLinear(SharesProcessGroup, nn.Module):
-    """What both splits share: initialisation of the unsharded weight and the repr."""
+class _TensorParallelLinear(ShardedParameters, SharesProcessGroup, nn.Module):
+    """What both splits share: initialisation, loading and gathering of the unsharded weights (by
+    ``shard_layouts``) and the repr."""
 
     in_features: int
     out_features: int
@@ -97,6 +75,15 @@ class _TensorParallelLinear(SharesProcessGroup, nn.Module):
         self.init_method(full)
         bias = None if self.bias is None else torch.zeros(self.out_features)
         self.load_full(full.to(self.weight.dtype), None if bias is None else bias.to(self.bias.dtype))
+
+    def load_full(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        """Keep this rank's shard of the unsharded ``weight`` [n, k] and ``bias`` [n] (see
+        :meth:`shard_layouts`; a replicated bias is copied whole)."""
+        self._load_full_parameters({"weight": weight, "bias": bias})
+
+    def full(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The unsharded (weight [n, k], bias [n] or None), new tensors (a collective under TP)."""
+        return self._full_parameter("weight"), self._full_parameter("bias")
 
     def extra_repr(self) -> str:
         t = group_size(self.tp_group)
@@ -149,20 +136,19 @@ class ColumnParallelLinear(_TensorParallelLinear):
             return y.view((-1,) + tuple(x.shape[1:-1]) + (y.shape[-1],))
         return nn.functional.linear(copy_to_tensor_region(x, self.tp_group), self.weight, self.bias)
 
-    @torch.no_grad()
-    def load_full(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
-        """Keep this rank's shard of the unsharded ``weight`` [n, k] and ``bias`` [n]."""
-        t, r = group_size(self.tp_group), group_rank(self.tp_group)
-        self.weight.copy_(_split_rows(weight, self.partition_blocks, t, r))
+    def shard_layouts(self, rank: int) -> Dict[str, ShardLayout]:
+        """Rank ``rank``'s rows of the weight [n, k] (and bias [n]): of each block, its t-th part, stacked
+        in block order."""
+        t = group_size(self.tp_group)
+        pieces, full_start = [], 0
+        for i, size in enumerate(self.partition_blocks):
+            step = size // t
+            pieces.append((sum(self.partition_blocks[:i]) // t, full_start + rank * step, step))
+            full_start += size
+        layouts = {"weight": ShardLayout((self.out_features, self.in_features), 0, tuple(pieces))}
         if self.bias is not None:
-            self.bias.copy_(_split_rows(bias, self.partition_blocks, t, r))
-
-    @torch.no_grad()
-    def full(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The unsharded (weight, bias) (a collective under TP)."""
-        weight = _gather_rows(self.weight, self.partition_blocks, self.tp_group)
-        bias = None if self.bias is None else _gather_rows(self.bias, self.partition_blocks, self.tp_group)
-        return weight, bias
+            layouts["bias"] = ShardLayout((self.out_features,), 0, tuple(pieces))
+        return layouts
 
 
 class RowParallelLinear(_TensorParallelLinear):
@@ -200,16 +186,7 @@ class RowParallelLinear(_TensorParallelLinear):
             return y, bias
         return y if bias is None else y + bias
 
-    @torch.no_grad()
-    def load_full(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
-        """Keep this rank's column shard of the unsharded ``weight`` [n, k]; the bias is replicated."""
-        t, r = group_size(self.tp_group), group_rank(self.tp_group)
-        self.weight.copy_(_split_rows(weight.t(), (self.in_features,), t, r).t())
-        if self.bias is not None:
-            self.bias.copy_(bias)
-
-    @torch.no_grad()
-    def full(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The unsharded (weight, bias) (a collective under TP)."""
-        weight = _gather_rows(self.weight.t(), (self.in_features,), self.tp_group).t().contiguous()
-        return weight, None if self.bias is None else self.bias.detach().clone()
+    def shard_layouts(self, rank: int) -> Dict[str, ShardLayout]:
+        """Rank ``rank``'s columns of the weight [n, k]: the t-th part; the bias is replicated."""
+        cols = self.in_features // group_size(self.tp_group)
+        return {"weight": ShardLayout((self.out_features, self.in_features), 1, ((0, rank * cols, cols),))}

@@ -39,8 +39,7 @@ from ..parallel.state import (ProcessGroup, SharesProcessGroup, agreement_checke
                               group_size)
 from ..memory import recompute_policies, saved_as
 from .layer import AGREEMENT_HINT, TransformerLayer, agreement_values, autocast_dtype, make_norm, run_in_dtype
-from .linear import _gather_rows
-from .state_dict import check_loadable
+from .state_dict import ShardedParameters, ShardLayout, check_loadable
 
 EMBEDDING_RNG_LAYER = 2**31 - 1  # the embedding dropout's "layer number" in the RNG
 VOCAB_PAD_MULTIPLE = 128         # the padded vocabulary is a multiple of this times t
@@ -104,7 +103,7 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-class _VocabShard(SharesProcessGroup, nn.Module):
+class _VocabShard(ShardedParameters, SharesProcessGroup, nn.Module):
     """A [v, h] table split along the padded vocabulary: ``weight`` [padded_vocab_size / t, h], this
     rank's real rows ``[vocab_start, vocab_end)`` first, padded rows (zeros, never read) after them."""
 
@@ -124,17 +123,24 @@ class _VocabShard(SharesProcessGroup, nn.Module):
         """The rows of real token ids ``[vocab_start, vocab_end)``: [vocab_end - vocab_start, h] (a view)."""
         return self.weight[:self.vocab_end - self.vocab_start]
 
+    def shard_layouts(self, rank: int) -> Dict[str, ShardLayout]:
+        """Rank ``rank``'s real rows of the [vocab_size, h] table: its first ``vocab_end - vocab_start``
+        rows are rows ``vocab_start ..`` (its padded rows are in no piece)."""
+        rows = self.padded_vocab_size // group_size(self.tp_group)
+        start = rank * rows
+        real = max(0, min(self.vocab_size, start + rows) - start)
+        return {"weight": ShardLayout((self.vocab_size, self.weight.shape[1]), 0, ((0, start, real),))}
+
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor) -> None:
         """Keep this rank's rows of the unsharded ``weight`` [vocab_size, h]; padded rows become zero.
         (Real rows first: ``weight`` may share memory with this table, e.g. the model's own state dict.)"""
-        self.real_weight.copy_(weight[self.vocab_start:self.vocab_end])
+        self._load_full_parameters({"weight": weight})
         self.weight[self.real_weight.shape[0]:].zero_()
 
-    @torch.no_grad()
     def full(self) -> torch.Tensor:
-        """The unsharded [vocab_size, h] table (a collective under TP)."""
-        return _gather_rows(self.weight, (self.padded_vocab_size,), self.tp_group)[:self.vocab_size].clone()
+        """The unsharded [vocab_size, h] table, a new tensor (a collective under TP)."""
+        return self._full_parameter("weight")
 
 
 class VocabParallelEmbedding(_VocabShard):

@@ -1,11 +1,306 @@
-"""The one check every unsharded-weights loader runs before it copies anything."""
+"""Where each rank's shard of a parameter lies in the unsharded tensor, and the state dicts built on it.
+
+* :class:`ShardLayout` is the one description of a tensor-parallel split: every loader of unsharded
+  weights (``load_full``), every gather of them (``full``) and the sharded state dicts for
+  torch.distributed.checkpoint (DCP) read it, so they cannot disagree.
+* :func:`sharded_state_dict` / :func:`sharded_optimizer_state_dict`: this rank's parameters and optimizer
+  state, keyed like ``full_state_dict()``, each split tensor a ShardedTensor whose pieces say where they
+  lie in the unsharded tensor. DCP saves every piece once and loads a checkpoint at any tensor-parallel
+  size, in place.
+* :func:`check_shapes` / :func:`check_loadable`: the one check every unsharded-weights loader runs
+  before it copies anything.
+"""
 from __future__ import annotations
 
-from typing import Mapping, Optional, Tuple
+import dataclasses
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
-from ..parallel.state import check_ranks_agree
+from ..parallel.state import ProcessGroup, check_ranks_agree, group_rank, group_size
+
+# (local_start, full_start, length) along a layout's dim: the shard's indices local_start .. +length are
+# the unsharded tensor's full_start .. +length.
+Piece = Tuple[int, int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """Where one rank's shard of a parameter lies in the unsharded tensor of shape ``full_shape``.
+
+    The shard is cut along ``dim`` into ``pieces``, each ``(local_start, full_start, length)``: the
+    shard's indices ``local_start .. local_start + length - 1`` along ``dim`` are the unsharded
+    tensor's ``full_start .. full_start + length - 1``; the other dims are whole. Indices of the shard
+    in no piece are padding (a vocabulary table's padded rows). Examples at t = 2, rank 1: a fused QKV
+    weight [3h, h] has three pieces of h/2 rows, ``(0, h/2, h/2), (h/2, 3h/2, h/2), (h, 5h/2, h/2)``;
+    a row-parallel weight [n, k] one piece of columns, dim 1, ``(0, k/2, k/2)``.
+    """
+
+    full_shape: Tuple[int, ...]
+    dim: int
+    pieces: Tuple[Piece, ...]
+
+    def __post_init__(self):
+        # Empty pieces dropped, pieces adjacent in both tensors merged: at t = 1 every layout is one piece.
+        merged: List[Piece] = []
+        for local_start, full_start, length in self.pieces:
+            if not length:
+                continue
+            if merged and merged[-1][0] + merged[-1][2] == local_start and merged[-1][1] + merged[-1][2] == full_start:
+                local_start, full_start, length = merged[-1][0], merged[-1][1], merged.pop()[2] + length
+            merged.append((local_start, full_start, length))
+        object.__setattr__(self, "full_shape", tuple(self.full_shape))
+        object.__setattr__(self, "pieces", tuple(merged))
+
+    def local_view(self, shard: torch.Tensor, piece: Piece) -> torch.Tensor:
+        return shard.narrow(self.dim, piece[0], piece[2])
+
+    def full_view(self, full: torch.Tensor, piece: Piece) -> torch.Tensor:
+        return full.narrow(self.dim, piece[1], piece[2])
+
+    def offsets(self, piece: Piece) -> List[int]:
+        """The piece's first index in the unsharded tensor, every dim."""
+        return [piece[1] if i == self.dim else 0 for i in range(len(self.full_shape))]
+
+    def sizes(self, piece: Piece) -> List[int]:
+        return [piece[2] if i == self.dim else n for i, n in enumerate(self.full_shape)]
+
+
+@torch.no_grad()
+def scatter_full(full: torch.Tensor, shard: torch.Tensor, layout: ShardLayout) -> None:
+    """Copy this rank's pieces of the unsharded ``full`` into ``shard`` (padding untouched)."""
+    for piece in layout.pieces:
+        layout.local_view(shard, piece).copy_(layout.full_view(full, piece))
+
+
+@torch.no_grad()
+def gather_full(shard: torch.Tensor, layout_of_rank: Callable[[int], ShardLayout], group: ProcessGroup) -> torch.Tensor:
+    """The unsharded tensor from every rank's ``shard`` (equal shapes on every rank; a collective under
+    TP), each placed by ``layout_of_rank(r)``; a new tensor."""
+    t = group_size(group)
+    shards = [shard]
+    if t > 1:
+        shards = [torch.empty_like(shard) for _ in range(t)]
+        dist.all_gather(shards, shard.contiguous(), group=group)
+    layout = layout_of_rank(0)
+    full = shard.new_empty(layout.full_shape)
+    for r, part in enumerate(shards):
+        layout = layout_of_rank(r)
+        for piece in layout.pieces:
+            layout.full_view(full, piece).copy_(layout.local_view(part, piece))
+    return full
+
+
+class ShardedParameters:
+    """Mixin of the modules whose parameters are split over their ``tp_group``. :meth:`shard_layouts`
+    names each split parameter's :class:`ShardLayout` on a rank; the parameters it doesn't name are
+    replicated (the same on every rank). Loading and gathering unsharded weights and the sharded state
+    dicts all read these layouts."""
+
+    tp_group: ProcessGroup
+
+    def shard_layouts(self, rank: int) -> Dict[str, ShardLayout]:
+        """{parameter name: its layout on ``rank`` of ``tp_group``}, split parameters only."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def _load_full_parameters(self, full: Mapping[str, Optional[torch.Tensor]]) -> None:
+        """Keep this rank's shard of each unsharded tensor in ``full`` (by parameter name; None: no such
+        parameter); replicated parameters take the whole tensor."""
+        layouts = self.shard_layouts(group_rank(self.tp_group))
+        for name, value in full.items():
+            param = getattr(self, name)
+            if param is None or value is None:
+                if param is not value:
+                    raise ValueError(f"{type(self).__name__} {'has no' if param is None else 'needs a'} {name}, "
+                                     f"got {'one' if param is None else 'None'}")
+                continue
+            if name in layouts:
+                scatter_full(value, param, layouts[name])
+            else:
+                param.copy_(value)
+
+    @torch.no_grad()
+    def _full_parameter(self, name: str) -> Optional[torch.Tensor]:
+        """The unsharded parameter ``name`` (a collective if it is split), a new tensor; None if unset."""
+        param = getattr(self, name)
+        if param is None:
+            return None
+        if name not in self.shard_layouts(0):
+            return param.detach().clone()
+        return gather_full(param.detach(), lambda r: self.shard_layouts(r)[name], self.tp_group)
+
+
+def _sharded_tensor(shard: torch.Tensor, layout: ShardLayout, group: ProcessGroup):
+    """``shard``'s pieces as a ShardedTensor of the unsharded shape (pieces are views: DCP loads into
+    ``shard`` in place). On one rank, the one piece as a plain tensor view."""
+    if group_size(group) == 1:
+        (piece,) = layout.pieces
+        return layout.local_view(shard, piece)
+    # torch.distributed.checkpoint takes arbitrary pieces only as ShardedTensor (DTensor's Shard splits
+    # evenly: it can express neither fused QKV's three pieces per rank nor the vocabulary's real rows).
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+    # A rank without pieces (a vocabulary shard of padding only) offers an empty one at the end of dim:
+    # DCP's load drops a ShardedTensor without local shards from its key set, takes the missing key for
+    # a pre-2.4 checkpoint and then fails on every other nested key ("Missing key ... param_groups").
+    pieces = layout.pieces or ((0, layout.full_shape[layout.dim], 0),)
+    placement = f"rank:{dist.get_rank()}/{shard.device}"     # the global rank, whatever the group
+    local = [Shard(layout.local_view(shard, piece), ShardMetadata(layout.offsets(piece), layout.sizes(piece), placement))
+             for piece in pieces]
+    return init_from_local_shards(local, *layout.full_shape, process_group=group)
+
+
+def _parameters_with_layouts(module: nn.Module) -> Iterator[Tuple[str, nn.Parameter, Optional[ShardLayout], ProcessGroup]]:
+    """(key, parameter, this rank's layout or None if replicated, group) for every parameter of
+    ``module``, keyed as ``named_parameters()`` (a parameter shared by two modules once)."""
+    seen = set()
+    for prefix, sub in module.named_modules():
+        layouts, group = {}, None
+        if isinstance(sub, ShardedParameters):
+            group = sub.tp_group
+            layouts = sub.shard_layouts(group_rank(group))
+        for name, param in sub.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            yield (f"{prefix}.{name}" if prefix else name), param, layouts.get(name), group
+
+
+def _check_not_meta(module: nn.Module, what: str) -> None:
+    meta = next((key for key, p in module.named_parameters() if p.is_meta), None)
+    if meta is not None:
+        raise ValueError(f"{what}: parameter {meta} is on the meta device (no data to save or load into): "
+                         "call module.to_empty(device=...) first")
+
+
+def sharded_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
+    """This rank's parameters for torch.distributed.checkpoint, keyed as ``full_state_dict()`` (and
+    ``named_parameters()``), every value a view of the parameter (no copy):
+
+    * a split parameter (tensor-parallel linear weights and column-parallel biases, the vocabulary
+      tables): a ShardedTensor of the UNSHARDED shape whose local pieces are this rank's parts of it,
+      each with its offset (fused QKV: its rows of the Q, K and V blocks; SwiGLU's fc1: of gate and up;
+      a vocabulary table: its real rows, not the padding);
+    * a replicated parameter (norms, position table, row-parallel biases): the parameter's data.
+
+    ``dcp.save(sharded_state_dict(model), checkpoint_id=path)`` on every rank writes each piece once;
+    ``dcp.load(sharded_state_dict(model), checkpoint_id=path)`` loads a checkpoint saved at any
+    tensor-parallel size into the parameters in place. (Not a collective itself on one rank; under TP the
+    ShardedTensors are built with a small all-gather each: call it on every rank.) On one rank every value
+    is a plain tensor, the vocabulary tables their real rows. ValueError for parameters on the meta device.
+
+    DCP's load warns that ShardedTensor is deprecated in favour of DTensor (its own code reads the
+    ShardedTensor's device). DTensor can't express these pieces; the warning changes nothing.
+    """
+    _check_not_meta(module, "sharded_state_dict")
+    out = {}
+    for key, param, layout, group in _parameters_with_layouts(module):
+        out[key] = param.detach() if layout is None else _sharded_tensor(param.detach(), layout, group)
+    return out
+
+
+@torch.no_grad()
+def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the state of every trainable parameter the optimizer's own way, changing no parameter: one
+    step with zero gradients at learning rate 0 (each step counter is then 1). The gradients and rates
+    are put back."""
+    grads, rates = {}, []
+    for group in optimizer.param_groups:
+        rates.append(group["lr"])
+        group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+        for param in group["params"]:
+            if param.requires_grad:
+                grads[param] = param.grad
+                param.grad = torch.zeros_like(param)
+    try:
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, rates):
+            group["lr"] = lr
+        for param, grad in grads.items():
+            param.grad = grad
+
+
+def _optimizer_keys(module: nn.Module, optimizer: torch.optim.Optimizer, what: str):
+    """{id(param): (key, layout, group)} over the module's parameters, checked to hold every parameter
+    the optimizer updates."""
+    info = {id(param): (key, layout, group) for key, param, layout, group in _parameters_with_layouts(module)}
+    foreign = sum(id(p) not in info for group in optimizer.param_groups for p in group["params"])
+    if foreign:
+        raise ValueError(f"{what}: the optimizer updates {foreign} parameter(s) that are not the module's; "
+                         "pass the module whose parameters it was built with")
+    return info
+
+
+def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, object]:
+    """This rank's optimizer state for torch.distributed.checkpoint, split like the parameters it
+    belongs to, so a checkpoint saved at one tensor-parallel size resumes at another:
+    ``{"state": {parameter key: {state name: tensor}}, "param_groups": [{hyperparameters, "params":
+    [parameter keys]}]}``, keys as :func:`sharded_state_dict`'s.
+
+    A state tensor of its parameter's shard shape (Adam's ``exp_avg`` / ``exp_avg_sq``, SGD's momentum)
+    is split like the parameter (a ShardedTensor of the unsharded shape under TP); a 0-d one (``step``)
+    and the state of replicated parameters are plain tensors. Every tensor is the optimizer's own (a view:
+    DCP loads in place). Parameters without state yet (a fresh optimizer, before loading) get it first
+    from the optimizer's own step with zero gradients at learning rate 0, which changes no parameter.
+    ValueError for a parameter the module doesn't hold, for state that is not a tensor or has another
+    shape (it could not be resharded), and for parameters on the meta device.
+
+    Save: ``dcp.save({"model": sharded_state_dict(model), "optim": sharded_optimizer_state_dict(model,
+    opt)}, checkpoint_id=path)``. Resume (any t): build the same two dicts, ``dcp.load`` them, then
+    :func:`load_sharded_optimizer_state_dict` for the hyperparameters.
+    """
+    what = "sharded_optimizer_state_dict"
+    _check_not_meta(module, what)
+    info = _optimizer_keys(module, optimizer, what)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(p.requires_grad and p not in optimizer.state for p in params):
+        _create_optimizer_state(optimizer)
+    state = {}
+    for param in params:
+        key, layout, group = info[id(param)]
+        entries = {}
+        for name, value in optimizer.state.get(param, {}).items():
+            if not isinstance(value, torch.Tensor) or (value.dim() and value.shape != param.shape):
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"{what}: optimizer state {name!r} of {key} must be a tensor of the "
+                                 f"parameter's shape {tuple(param.shape)} or a 0-d tensor to be resharded, got {got}")
+            split = layout is not None and value.dim()
+            entries[name] = _sharded_tensor(value, layout, group) if split else value
+        state[key] = entries
+    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [info[id(p)][0] for p in group["params"]]}
+              for group in optimizer.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+def load_sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer,
+                                      state_dict: Mapping[str, object]) -> None:
+    """After ``dcp.load`` into the dict :func:`sharded_optimizer_state_dict` returned for this optimizer
+    (whose state tensors DCP loaded in place): set each param group's hyperparameters (``lr``,
+    ``betas``, ...) to the loaded ones. ValueError, before anything is set, if the loaded groups do not
+    hold the optimizer's parameters in its order."""
+    what = "load_sharded_optimizer_state_dict"
+    info = _optimizer_keys(module, optimizer, what)
+    loaded = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+    expected = [[info[id(p)][0] for p in group["params"]] for group in optimizer.param_groups]
+    got = [list(group.get("params", ())) for group in loaded] if isinstance(loaded, (list, tuple)) else None
+    if got != expected:
+        if got is None:
+            detail = f"got {type(loaded).__name__} as param_groups"
+        elif [len(g) for g in got] != [len(g) for g in expected]:
+            detail = (f"{[len(g) for g in got]} parameters per group, the optimizer has "
+                      f"{[len(g) for g in expected]}")
+        else:
+            saved_key, own_key = next((a, b) for g, e in zip(got, expected) for a, b in zip(g, e) if a != b)
+            detail = f"{saved_key!r} where the optimizer has {own_key!r}"
+        raise ValueError(f"{what}: the loaded param_groups do not hold the optimizer's parameters in its "
+                         f"order ({detail}): build the optimizer as the checkpoint's was")
+    for group, saved in zip(optimizer.param_groups, loaded):
+        group.update({k: v for k, v in saved.items() if k != "params"})
 
 
 def check_shapes(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[int, ...]], *,
@@ -53,4 +348,5 @@ def check_loadable(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[
     check_ranks_agree(group, {}, what=what, error=problem)
 
 
-__all__ = ["check_shapes", "check_loadable"]
+__all__ = ["ShardLayout", "ShardedParameters", "scatter_full", "gather_full", "sharded_state_dict",
+           "sharded_optimizer_state_dict", "load_sharded_optimizer_state_dict", "check_shapes", "check_loadable"]

@@ -1,0 +1,179 @@
+"""torch.distributed.checkpoint (DCP) with seqpar's sharded state dicts: a GPTModel and its AdamW state
+saved at one tensor-parallel size resume at another, loading exactly the saved weights, and take the
+same next step as the saving run does without the checkpoint. (The reference is that run, not a
+single-process one: after two Adam steps, t = 1 and t = 2 already differ by 1.5e-5 where gradients are
+near zero. A misplaced piece of a weight or of Adam's moments shows as an error of ~lr = 1e-2 in the
+resumed step.)
+
+The model is a Llama-style GPT (fused grouped-query QKV: three pieces per rank; SwiGLU's gate / up: two;
+an untied vocabulary head whose 50 real rows all sit on rank 0 at t = 4, ranks 1-3 holding only padding)
+under sequence parallelism."""
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import seqpar
+from seqpar.nn import load_sharded_optimizer_state_dict, sharded_optimizer_state_dict, sharded_state_dict
+
+from launcher import run_ranks
+
+VOCAB, S, B, LR = 50, 8, 2, 1e-2
+STEPS_BEFORE_SAVE = 2
+
+
+def _config(sequence_parallel):
+    return seqpar.TransformerConfig(hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=96,
+                                    normalization="rmsnorm", activation="swiglu", add_bias_linear=False,
+                                    position_embedding="rope", sequence_parallel=sequence_parallel, backend="torch")
+
+
+def _model(group, seed):
+    seqpar.manual_seed(seed)
+    return seqpar.GPTModel(_config(group is not None), 2, VOCAB, S, tp_group=group,
+                           share_embeddings_and_output_weights=False)
+
+
+def _batch(step):
+    gen = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, VOCAB, (B, S + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _train(model, optimizer, steps):
+    for step in steps:
+        tokens, labels = _batch(step)
+        optimizer.zero_grad()
+        model(tokens, labels).mean().backward()
+        optimizer.step()
+
+
+def _optimizer(model, lr=LR):
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+
+
+def _by_value(state):
+    """Tensors as numpy arrays: a tensor returned from a rank is shared memory that dies with the rank."""
+    return {key: value.numpy() for key, value in state.items()}
+
+
+def _tp_group(world_size, tp):
+    """This rank's tensor-parallel group: consecutive ranks, ``world_size / tp`` data-parallel replicas."""
+    groups = [dist.new_group(list(range(first, first + tp))) for first in range(0, world_size, tp)]
+    return groups[dist.get_rank() // tp]
+
+
+def _save_worker(rank, world_size, path, tp):
+    model = _model(_tp_group(world_size, tp), seed=1)
+    optimizer = _optimizer(model)
+    _train(model, optimizer, range(STEPS_BEFORE_SAVE))
+    import torch.distributed.checkpoint as dcp
+    dcp.save({"model": sharded_state_dict(model), "optim": sharded_optimizer_state_dict(model, optimizer)},
+             checkpoint_id=path)
+    saved = _by_value(model.full_state_dict())
+    _train(model, optimizer, [STEPS_BEFORE_SAVE])       # the reference: the next step without the checkpoint
+    return saved, _by_value(model.full_state_dict())
+
+
+def _resume_worker(rank, world_size, path):
+    import torch.distributed.checkpoint as dcp
+    group = dist.group.WORLD if world_size > 1 else None
+    model = _model(group, seed=2)                        # other weights: the load must replace them all
+    optimizer = _optimizer(model, lr=0.5)                # another rate: the load must restore the saved one
+    state = {"model": sharded_state_dict(model), "optim": sharded_optimizer_state_dict(model, optimizer)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Please use DTensor instead", FutureWarning)  # DCP's own ShardedTensor use
+        dcp.load(state, checkpoint_id=path)
+    load_sharded_optimizer_state_dict(model, optimizer, state["optim"])
+    loaded = _by_value(model.full_state_dict())
+    _train(model, optimizer, [STEPS_BEFORE_SAVE])
+    return loaded, _by_value(model.full_state_dict()), optimizer.param_groups[0]["lr"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("save_world, resume_size", [(2, 1), (2, 4), (4, 1)],
+                         ids=["t2-to-t1", "t2-to-t4", "t2-dp2-to-t1"])
+def test_resume_at_another_tensor_parallel_size_continues_the_trajectory(tmp_path, save_world, resume_size):
+    """Saved at t = 2 (alone, or two data-parallel replicas of it: DCP writes each piece once)."""
+    path = str(tmp_path / "ckpt")
+    saved, reference = run_ranks(_save_worker, save_world, path, 2, timeout_s=120)[0]
+    results = run_ranks(_resume_worker, resume_size, path, timeout_s=120)
+    for rank, (loaded, resumed, lr) in enumerate(results):
+        assert lr == LR, rank
+        for key in saved:                                 # the saved weights, exactly, at the new size
+            assert (loaded[key] == saved[key]).all(), (rank, key)
+        for key in reference:                             # then the step the saving run takes
+            torch.testing.assert_close(torch.from_numpy(resumed[key]), torch.from_numpy(reference[key]), rtol=0,
+                                       atol=1e-5, msg=f"{rank} {key}")
+
+
+def _pieces_worker(rank, world_size):
+    """The pieces each rank offers DCP: where its rows of the fused QKV and the vocabulary lie."""
+    model = _model(dist.group.WORLD, seed=1)
+    state = sharded_state_dict(model)
+    qkv = state["layers.0.self_attention.query_key_value.weight"]
+    head = state["output_layer.weight"]
+    return ([(s.metadata.shard_offsets, s.metadata.shard_sizes) for s in qkv.local_shards()],
+            [(s.metadata.shard_offsets, s.metadata.shard_sizes) for s in head.local_shards()],
+            tuple(qkv.size()), tuple(head.size()),
+            qkv.local_shards()[0].tensor.data_ptr() == model.layers[0].self_attention.query_key_value.weight.data_ptr())
+
+
+@pytest.mark.timeout(120)
+def test_pieces_are_views_at_their_offsets_in_the_unsharded_tensor():
+    # h = 64, 8 query heads and 4 KV groups of d = 8: Q rows 64, K rows 32, V rows 32, split over t = 4.
+    results = run_ranks(_pieces_worker, 4, timeout_s=90)
+    for rank, (qkv, head, qkv_size, head_size, is_view) in enumerate(results):
+        assert qkv == [([16 * rank, 0], [16, 64]), ([64 + 8 * rank, 0], [8, 64]), ([96 + 8 * rank, 0], [8, 64])]
+        # Padded to 512 rows, 128 a rank: all 50 real rows on rank 0; the others offer an empty piece.
+        assert head == [([0, 0], [VOCAB, 64])] if rank == 0 else [([VOCAB, 0], [0, 64])]
+        assert qkv_size == (128, 64) and head_size == (VOCAB, 64) and is_view
+
+
+def test_one_rank_values_are_plain_views_of_real_rows():
+    model = _model(None, seed=1)
+    state = sharded_state_dict(model)
+    assert set(state) == set(model.full_shapes())
+    head = state["output_layer.weight"]
+    assert type(head) is torch.Tensor and head.shape == (VOCAB, 64)    # not the 128 padded rows
+    assert head.data_ptr() == model.output_layer.weight.data_ptr()
+    for key, value in model.full_state_dict().items():
+        assert torch.equal(state[key], value), key
+
+
+def test_misuse_is_a_value_error_naming_it():
+    model = _model(None, seed=1)
+    with torch.device("meta"):
+        meta = _model(None, seed=1)
+    with pytest.raises(ValueError, match="meta device"):
+        sharded_state_dict(meta)
+    other = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="1 parameter"):
+        sharded_optimizer_state_dict(model, torch.optim.SGD(list(model.parameters()) + [other.weight], lr=0.1))
+    optimizer = _optimizer(model)
+    state = sharded_optimizer_state_dict(model, optimizer)
+    state["param_groups"][0]["params"] = state["param_groups"][0]["params"][::-1]
+    with pytest.raises(ValueError, match="param_groups"):
+        load_sharded_optimizer_state_dict(model, optimizer, state)
+    param = next(model.parameters())
+    optimizer.state[param]["exp_avg"] = torch.zeros(3)
+    with pytest.raises(ValueError, match="'exp_avg' of embedding.word_embeddings.weight"):
+        sharded_optimizer_state_dict(model, optimizer)
+
+
+def test_creating_optimizer_state_changes_no_parameter_and_keeps_gradients():
+    model = _model(None, seed=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tokens, labels = _batch(0)
+    model(tokens, labels).mean().backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    optimizer = _optimizer(model)
+    state = sharded_optimizer_state_dict(model, optimizer)
+    assert set(state["state"]) == set(before)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(p.grad, grads[k]) for k, p in model.named_parameters())
+    assert optimizer.param_groups[0]["lr"] == LR
+    exp_avg = state["state"]["layers.0.mlp.dense_h_to_4h.weight"]["exp_avg"]
+    own = optimizer.state[model.layers[0].mlp.dense_h_to_4h.weight]["exp_avg"]
+    assert exp_avg.data_ptr() == own.data_ptr() and exp_avg.shape == own.shape and not exp_avg.any()  # a view
