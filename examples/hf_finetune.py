@@ -4,6 +4,9 @@ recompute, then hand the weights back to the HuggingFace model.
     # CPU, 2 gloo ranks, a small randomly initialised model (nothing downloaded):
     torchrun --nproc-per-node 2 examples/hf_finetune.py --steps 20
     torchrun --nproc-per-node 2 examples/hf_finetune.py --family llama --heads 8 --kv-heads 2 --steps 20
+    # a resumable checkpoint after step 10, then 10 more steps on 1 rank (any number of ranks resumes it):
+    torchrun --nproc-per-node 2 examples/hf_finetune.py --steps 10 --checkpoint ckpt
+    torchrun --nproc-per-node 1 examples/hf_finetune.py --steps 20 --resume ckpt
     # GPUs (NCCL), pretrained weights (a hub name or a local directory), bf16:
     torchrun --nproc-per-node 8 examples/hf_finetune.py --model gpt2-medium --dtype bf16 --seq-len 1024
     torchrun --nproc-per-node 4 examples/hf_finetune.py --family llama \
@@ -14,16 +17,25 @@ batch; seqpar keeps each rank's shard. Each step prints the loss (HF's: the mean
 tokens) and the activation memory this rank kept for backward (seqpar.memory.ActivationMeter), next
 to seqpar.memory.model_activation_bytes' figure for the whole model (the paper's Table 2 per layer for
 GPT-2's block, plus the embedding and the logits). Replace ``batches()`` with your data.
+
+``--checkpoint`` saves the model, the AdamW state, the step and torch's CPU generator (the dropout
+seeds) with torch.distributed.checkpoint, each rank writing only its shards (``checkpoint_state``);
+``--resume`` loads it at any number of ranks and continues the same run: seqpar's dropout masks do not
+depend on the tensor-parallel size.
 """
 import argparse
 import os
+import sys
+import warnings
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import transformers
 
 import seqpar
 from seqpar.integrations import hf
+from seqpar.nn import load_sharded_optimizer_state_dict, sharded_optimizer_state_dict, sharded_state_dict
 from seqpar.memory import ActivationMeter, architecture_kwargs, model_activation_bytes
 from seqpar.ops import select_attention_backend
 
@@ -47,7 +59,7 @@ def parse_args(family=None):
     parser.add_argument("--kv-heads", type=int, help="llama: k/v heads (default: --heads)")
     parser.add_argument("--seq-len", type=int, default=64, help="divisible by the number of ranks (SP)")
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="the last step (a resumed run continues to it)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--recompute", choices=["none", "selective", "full"], default="selective")
@@ -55,6 +67,9 @@ def parse_args(family=None):
     parser.add_argument("--dropout", type=float, help="gpt2: override its resid/attn/embd dropout")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--save", help="directory for the fine-tuned model (save_pretrained, rank 0)")
+    parser.add_argument("--checkpoint", help="directory for a resumable checkpoint after the last step "
+                                             "(torch.distributed.checkpoint, every rank writes its shards)")
+    parser.add_argument("--resume", help="checkpoint directory to continue from (saved at any number of ranks)")
     args = parser.parse_args()
     if args.family != "llama" and args.kv_heads is not None:
         parser.error("--kv-heads is for --family llama")
@@ -91,16 +106,35 @@ def random_model(args):
         vocab_size=1000, max_position_embeddings=positions))
 
 
-def batches(vocab_size, args, device):
-    """Stand-in data: a few fixed random sequences, cycled (the same on every rank of the group).
-    Yields HF-style (input_ids, labels) with labels = input_ids (HF shifts them inside its loss)."""
+def batches(vocab_size, args, device, step=0):
+    """Stand-in data: a few fixed random sequences, cycled (the same on every rank of the group), from
+    the batch of ``step``. Yields HF-style (input_ids, labels) with labels = input_ids (HF shifts them
+    inside its loss)."""
     gen = torch.Generator().manual_seed(args.seed)
     pool = torch.randint(0, vocab_size, (2, args.batch, args.seq_len), generator=gen)
-    step = 0
     while True:
         input_ids = pool[step % len(pool)].to(device)
         yield input_ids, input_ids.clone()
         step += 1
+
+
+def checkpoint_state(model, optimizer, step):
+    """What a checkpoint holds, as torch.distributed.checkpoint saves and loads it (in place): the model's
+    and the optimizer's sharded state dicts (keyed by the unsharded tensors, so any tensor-parallel size
+    loads them), the step, and torch's CPU generator state (the dropout seeds; the same on every rank)."""
+    return {"model": sharded_state_dict(model), "optim": sharded_optimizer_state_dict(model, optimizer),
+            "step": torch.tensor(step), "cpu_rng": torch.get_rng_state()}
+
+
+def resume(path, model, optimizer):
+    """Load the checkpoint at ``path`` into the model, the optimizer and torch's CPU generator; its step."""
+    state = checkpoint_state(model, optimizer, 0)
+    with warnings.catch_warnings():   # DCP's own code reads a ShardedTensor's device, which it deprecated
+        warnings.filterwarnings("ignore", "Please use DTensor instead", FutureWarning)
+        dcp.load(state, checkpoint_id=path)
+    load_sharded_optimizer_state_dict(model, optimizer, state["optim"])   # lr, betas, ... of each group
+    torch.set_rng_state(state["cpu_rng"])
+    return int(state["step"])
 
 
 def main(family=None):
@@ -125,12 +159,16 @@ def main(family=None):
     else:
         model = hf.from_llama(hf_model, **common).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    done = resume(args.resume, model, optimizer) if args.resume else 0
+    if done >= args.steps:
+        sys.exit(f"--steps {args.steps}: the checkpoint in {args.resume} is already after step {done}")
     cfg = model.config
     if rank == 0:
         print(f"{args.family} {len(model.layers)} layers, h={cfg.hidden_size}, {cfg.num_attention_heads} heads "
               f"({cfg.num_query_groups or cfg.num_attention_heads} k/v), vocab "
               f"{model.vocab_size} (padded to {model.padded_vocab_size}); t={t}, SP={cfg.sequence_parallel}, "
-              f"recompute={cfg.recompute}, {args.dtype} on {device.type}", flush=True)
+              f"recompute={cfg.recompute}, {args.dtype} on {device.type}"
+              + (f"; resumed from {args.resume} after step {done}" if args.resume else ""), flush=True)
     # The whole model's formula: the block's terms, no dropout-mask bytes (seqpar regenerates masks), and
     # flash-style attention (o and the fp32 LSE instead of s^2 probabilities) when the backend that runs
     # here is (triton on a GPU).
@@ -143,8 +181,8 @@ def main(family=None):
         bytes_per_element=torch.finfo(cfg.params_dtype).bits // 8, bytes_per_mask=0, flash_attention=flash,
         **architecture_kwargs(cfg))
 
-    data = batches(model.vocab_size, args, device)
-    for step in range(1, args.steps + 1):
+    data = batches(model.vocab_size, args, device, done)
+    for step in range(done + 1, args.steps + 1):
         input_ids, hf_labels = next(data)
         labels = hf.shift_labels(hf_labels)          # GPTModel takes labels already shifted
         with ActivationMeter() as meter:
@@ -157,6 +195,11 @@ def main(family=None):
             peak = f", peak allocated {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB" if cuda else ""
             print(f"step {step}/{args.steps} loss {loss.item():.4f} activations {meter.bytes / 2**20:.2f} MiB "
                   f"on this rank (formula: {formula / 2**20:.2f} MiB){peak}", flush=True)
+
+    if args.checkpoint:   # every rank, its own shards (and one copy of the replicated tensors)
+        dcp.save(checkpoint_state(model, optimizer, args.steps), checkpoint_id=args.checkpoint)
+        if rank == 0:
+            print(f"checkpoint after step {args.steps} in {args.checkpoint}", flush=True)
 
     # Hand the weights back: a collective (every rank calls it), then any rank can load them.
     state_dict = hf.to_gpt2_state_dict(model) if args.family == "gpt2" else hf.to_llama_state_dict(model)

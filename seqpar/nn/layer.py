@@ -358,7 +358,7 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
             a1 = self.input_layernorm(x)
         projection, projection_bias = self.self_attention(a1, mode.attention_p, mode.stream(sp_random.Site.ATTENTION))
         with saved_as(norm2):
-            a2, x2 = self.post_attention_layernorm.after_bias_dropout_add(
+            a2, x2 = self.post_attention_layernorm(  # its __call__ (hooks fire): the fused bias-dropout-add-norm
                 projection, projection_bias, x, self._hidden_spec(mode, sp_random.Site.ATTENTION_OUT, x))
         mlp_out, mlp_bias = self.mlp(a2)
         return bias_dropout_add(mlp_out, mlp_bias, x2, self._hidden_spec(mode, sp_random.Site.MLP_OUT, x))

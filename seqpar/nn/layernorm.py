@@ -7,8 +7,9 @@ gradient, with no separate "finalize grads" step. With ``tp_group=None`` (or a o
 ``sequence_parallel`` changes nothing: the shard is the whole sequence and f is the identity.
 
 Both norms have the same two entry points, so the transformer layer is written once for either:
-``norm(x)`` and ``norm.after_bias_dropout_add(x, bias, residual, spec) -> (norm(residual_out),
-residual_out)`` with ``residual_out = residual + dropout(x + bias)``.
+``norm(x)`` and ``norm(x, bias, residual, spec) -> (norm(residual_out), residual_out)`` with
+``residual_out = residual + dropout(x + bias)`` (fused; :meth:`after_bias_dropout_add`). Both go
+through the module's ``__call__``, so hooks on a norm fire whichever way the layer uses it.
 """
 from __future__ import annotations
 
@@ -52,6 +53,16 @@ class _ReplicatedNorm(SharesProcessGroup, nn.Module):
         if self.bias is not None:
             self.bias.zero_()
 
+    def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
+                spec: Optional[DropoutSpec] = None):
+        """``norm(x)`` [..., h] -> [..., h]; with ``residual`` (and optionally ``bias`` [h] and a dropout
+        ``spec``) the fused :meth:`after_bias_dropout_add` -> ``(norm(residual_out), residual_out)``."""
+        if residual is None:
+            if bias is not None or spec is not None:
+                raise ValueError("bias and spec are the fused bias-dropout-add's: pass residual with them")
+            return self._norm(x)
+        return self.after_bias_dropout_add(x, bias, residual, DropoutSpec() if spec is None else spec)
+
     def _check_hidden(self, x: torch.Tensor) -> None:
         if x.dim() >= 1 and x.shape[-1] != self.hidden_size:
             raise ValueError(f"x last dimension {x.shape[-1]} != hidden_size {self.hidden_size}")
@@ -79,7 +90,7 @@ class LayerNorm(_ReplicatedNorm):
         """(weight, bias) as the computation uses them (through f under SP)."""
         return self._replicated()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         self._check_hidden(x)
         weight, bias = self.affine()
         return nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
@@ -109,7 +120,7 @@ class RMSNorm(_ReplicatedNorm):
         super().__init__(hidden_size, eps, bias=False, tp_group=tp_group, sequence_parallel=sequence_parallel,
                          backend=backend, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         self._check_hidden(x)
         (weight,) = self._replicated()
         return add_rms_norm(x, None, weight, eps=self.eps, backend=self.backend)[0]

@@ -172,13 +172,34 @@ class VocabParallelEmbedding(_VocabShard):
         return reduce_from_tensor_region(word * in_shard.unsqueeze(-1), self.tp_group)
 
 
+def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, *, tp_group: ProcessGroup, sequence_parallel: bool,
+                 overlap_comm: bool = True) -> torch.Tensor:
+    """This rank's logits [s, b, v_local] = hidden @ weight^T for its real vocabulary rows ``weight``
+    [v_local, h] (v_local may be 0), from ``hidden`` [s, b, h], or under sequence parallelism its
+    sequence shard [s/t, b, h] (gathered inside the GEMM: g)."""
+    if not sequence_parallel:
+        return torch.matmul(copy_to_tensor_region(hidden, tp_group), weight.t())
+    # As the layers' column-parallel GEMMs: on flattened rows, saving only this rank's sequence shard
+    # for backward (re-gathered there), not the gathered [s, b, h] (t times the bytes).
+    rows = all_gather_matmul(hidden.reshape(-1, hidden.shape[-1]), weight, group=tp_group, overlap=overlap_comm)
+    # Sizes written out: a rank's vocabulary shard may be empty (v_local = 0).
+    return rows.view(hidden.shape[0] * group_size(tp_group), hidden.shape[1], weight.shape[0])
+
+
 class VocabParallelOutputLayer(_VocabShard):
     """An untied output head (Llama's ``lm_head``) split along the padded vocabulary like the embedding:
-    ``weight`` [padded_vocab_size / t, h]; ``forward(hidden)`` [s, b, h] (the full sequence, already
-    through f or g) -> this rank's logits [s, b, vocab_end - vocab_start] (real rows only)."""
+    ``weight`` [padded_vocab_size / t, h]; ``forward(hidden)``: [s, b, h], or under
+    ``sequence_parallel`` this rank's shard [s/t, b, h] -> this rank's logits [s, b, vocab_end -
+    vocab_start] (real rows only: :func:`vocab_logits`)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, tp_group: ProcessGroup = None, device=None,
+                 dtype=None, sequence_parallel: bool = False, overlap_comm: bool = True):
+        super().__init__(vocab_size, hidden_size, tp_group=tp_group, device=device, dtype=dtype)
+        self.sequence_parallel, self.overlap_comm = sequence_parallel, overlap_comm
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(hidden, self.real_weight.t())
+        return vocab_logits(hidden, self.real_weight, tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,
+                            overlap_comm=self.overlap_comm)
 
 
 class GPTEmbedding(nn.Module):
@@ -198,8 +219,8 @@ class GPTEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         word = self.word_embeddings(tokens)                                                  # [b, s, h]
-        if self.position_embeddings is not None:
-            word = word + self.position_embeddings.weight[:tokens.shape[1]]
+        if self.position_embeddings is not None:   # through its __call__: hooks on it fire
+            word = word + self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
         return word.transpose(0, 1).contiguous()
 
 
@@ -235,7 +256,10 @@ class GPTModel(SharesProcessGroup, nn.Module):
     ``tp_group``, that every rank passes the same arguments and RNG state (see TransformerLayer); every
     forward under tensor parallelism checks that the ranks' tokens shapes, labels (given or not), mode
     and dropout RNG state agree and that none rejected its inputs (one all-gather of a few int64), so a
-    rank's mistake is a ValueError on every rank instead of an abort or a hang in a collective.
+    rank's mistake is a ValueError on every rank instead of an abort or a hang in a collective. Set
+    ``check_rank_inputs = False`` to skip that check where the inputs are known to agree: it reads a
+    collective's result on the host, which under ``torch.compile`` breaks the graph twice (a compiled
+    sequence-parallel model is then one graph instead of three). Each rank still checks its own inputs.
     ``load_full_state_dict`` likewise raises on every rank when one rank's dict fails its checks.
     Like TransformerLayer, the model computes in its parameters' dtype (``config.params_dtype``, or what
     ``.to(dtype)`` / ``.half()`` / ``.bfloat16()`` converted them to), and under an enabled
@@ -297,11 +321,14 @@ class GPTModel(SharesProcessGroup, nn.Module):
             self.layers = nn.ModuleList(
                 TransformerLayer(dataclasses.replace(config, recompute=policy), tp_group, device, layer_number=i)
                 for i, policy in enumerate(policies))
+        self.check_rank_inputs = True
         for layer in self.layers:
             layer.check_rank_inputs = False  # the model builds their inputs (tokens checked in forward)
         self.final_layernorm = make_norm(config, tp_group, device)
         self.output_layer = (None if share_embeddings_and_output_weights else
-                             VocabParallelOutputLayer(vocab_size, h, tp_group=tp_group, device=device, dtype=dtype))
+                             VocabParallelOutputLayer(vocab_size, h, tp_group=tp_group, device=device, dtype=dtype,
+                                                      sequence_parallel=config.sequence_parallel,
+                                                      overlap_comm=config.overlap_comm))
         if self.final_layernorm.weight.device.type != "meta":  # on meta: to_empty, then reset_parameters()
             self._reset_embeddings()
 
@@ -437,24 +464,19 @@ class GPTModel(SharesProcessGroup, nn.Module):
             self._check_inputs(tokens, labels)
         except ValueError as exc:
             problem = str(exc)
-        if group_size(self.tp_group) > 1:
+        if self.check_rank_inputs and group_size(self.tp_group) > 1:
             self._check_ranks(tokens, labels, problem)
         elif problem is not None:
             raise ValueError(problem)
         hidden = self._layers(self._embed(tokens))
         # The real rows only: padded logits are never computed, so they can't enter the softmax.
-        head = self.embedding.word_embeddings if self.output_layer is None else self.output_layer
-        weight = head.real_weight                                                           # [v_local, h]
         with saved_as("output layer input"):
-            if self.config.sequence_parallel:
-                # As the layers' column-parallel GEMMs: on flattened rows, saving only this rank's sequence
-                # shard for backward (re-gathered there), not the gathered [s, b, h] (t times the bytes).
-                rows = all_gather_matmul(hidden.reshape(-1, hidden.shape[-1]), weight, group=self.tp_group,
-                                         overlap=self.config.overlap_comm)
-                # Sizes written out: a rank's vocabulary shard may be empty (v_local = 0).
-                logits_local = rows.view(tokens.shape[1], hidden.shape[1], weight.shape[0])      # [s, b, v_local]
+            if self.output_layer is not None:   # through its __call__: hooks on it fire
+                logits_local = self.output_layer(hidden)                                      # [s, b, v_local]
             else:
-                logits_local = torch.matmul(copy_to_tensor_region(hidden, self.tp_group), weight.t())
+                logits_local = vocab_logits(hidden, self.embedding.word_embeddings.real_weight, tp_group=self.tp_group,
+                                            sequence_parallel=self.config.sequence_parallel,
+                                            overlap_comm=self.config.overlap_comm)
         if labels is None:
             return logits_local
         with saved_as("cross-entropy (fp32 softmax, label ids)"):

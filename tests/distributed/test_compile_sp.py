@@ -46,3 +46,27 @@ def _worker(rank, world_size):
 def test_compiled_sequence_parallel_layer_is_one_graph_and_matches_eager():
     for rank, result in enumerate(run_ranks(_worker, 2, timeout_s=150)):
         assert (result["graphs"], result["breaks"]) == (1, 0) and result["steps equal"] == [True, True], (rank, result)
+
+
+def _model_worker(rank, world_size):
+    seqpar.manual_seed(0)
+    cfg = seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4, backend="torch", sequence_parallel=True)
+    model = seqpar.GPTModel(cfg, 2, 50, 8, tp_group=dist.group.WORLD)
+    tokens = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    counts = []
+    for check in (True, False):
+        model.check_rank_inputs = check
+        explanation = torch._dynamo.explain(model)(tokens, tokens)
+        torch._dynamo.reset()
+        counts.append((explanation.graph_count, explanation.graph_break_count))
+    compiled = torch.compile(model, backend=lookup_backend("aot_eager"))
+    equal = torch.equal(compiled(tokens, tokens), model(tokens, tokens))
+    torch._dynamo.reset()
+    return counts, equal
+
+
+@pytest.mark.timeout(180)
+def test_compiled_sequence_parallel_model_is_one_graph_without_its_rank_check():
+    """GPTModel's per-forward rank check reads a collective's result: two graph breaks, none without it."""
+    for rank, (counts, equal) in enumerate(run_ranks(_model_worker, 2, timeout_s=150)):
+        assert counts == [(3, 2), (1, 0)] and equal, (rank, counts, equal)
