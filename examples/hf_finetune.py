@@ -24,6 +24,7 @@ seeds) with torch.distributed.checkpoint, each rank writing only its shards (``c
 depend on the tensor-parallel size.
 """
 import argparse
+import math
 import os
 import sys
 import warnings
@@ -35,7 +36,8 @@ import transformers
 
 import seqpar
 from seqpar.integrations import hf
-from seqpar.nn import load_sharded_optimizer_state_dict, sharded_optimizer_state_dict, sharded_state_dict
+from seqpar.nn import (clip_grad_norm_, load_sharded_optimizer_state_dict, sharded_optimizer_state_dict,
+                       sharded_state_dict)
 from seqpar.memory import ActivationMeter, architecture_kwargs, model_activation_bytes
 from seqpar.ops import select_attention_backend
 
@@ -61,6 +63,8 @@ def parse_args(family=None):
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10, help="the last step (a resumed run continues to it)")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--clip-grad", type=float, default=1.0,
+                        help="max norm of the unsharded gradients (seqpar.nn.clip_grad_norm_); 0: no clipping")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--recompute", choices=["none", "selective", "full"], default="selective")
     parser.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
@@ -75,6 +79,8 @@ def parse_args(family=None):
         parser.error("--kv-heads is for --family llama")
     if args.family != "gpt2" and args.dropout is not None:
         parser.error("--dropout is for --family gpt2 (Llama has no dropout)")
+    if not args.clip_grad >= 0:
+        parser.error(f"--clip-grad must be >= 0 (0: no clipping), got {args.clip_grad}")
     for name in ("layers", "hidden", "heads", "seq_len", "batch", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -189,11 +195,15 @@ def main(family=None):
             loss_per_token = model(input_ids, labels)    # [s, b], 0 where labels == -100
         loss = loss_per_token.sum() / (labels != -100).sum()
         loss.backward()
+        # The norm of the whole (unsharded) model's gradients, the same on every rank: torch's clip on a
+        # rank's shards would clip each rank by another factor.
+        grad_norm = clip_grad_norm_(model, args.clip_grad if args.clip_grad > 0 else math.inf)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if rank == 0:
             peak = f", peak allocated {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB" if cuda else ""
-            print(f"step {step}/{args.steps} loss {loss.item():.4f} activations {meter.bytes / 2**20:.2f} MiB "
+            print(f"step {step}/{args.steps} loss {loss.item():.4f} grad norm {grad_norm.item():.3f} "
+                  f"activations {meter.bytes / 2**20:.2f} MiB "
                   f"on this rank (formula: {formula / 2**20:.2f} MiB){peak}", flush=True)
 
     if args.checkpoint:   # every rank, its own shards (and one copy of the replicated tensors)

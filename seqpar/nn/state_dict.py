@@ -55,9 +55,11 @@ class ShardLayout:
         object.__setattr__(self, "pieces", tuple(merged))
 
     def local_view(self, shard: torch.Tensor, piece: Piece) -> torch.Tensor:
+        """The piece in this rank's ``shard`` (a view)."""
         return shard.narrow(self.dim, piece[0], piece[2])
 
     def full_view(self, full: torch.Tensor, piece: Piece) -> torch.Tensor:
+        """The piece in the unsharded tensor ``full`` (a view)."""
         return full.narrow(self.dim, piece[1], piece[2])
 
     def offsets(self, piece: Piece) -> List[int]:
@@ -65,6 +67,7 @@ class ShardLayout:
         return [piece[1] if i == self.dim else 0 for i in range(len(self.full_shape))]
 
     def sizes(self, piece: Piece) -> List[int]:
+        """The piece's size, every dim."""
         return [piece[2] if i == self.dim else n for i, n in enumerate(self.full_shape)]
 
 

@@ -2,12 +2,15 @@
 saved at one tensor-parallel size resume at another, loading exactly the saved weights, and take the
 same next step as the saving run does without the checkpoint. (The reference is that run, not a
 single-process one: after two Adam steps, t = 1 and t = 2 already differ by 1.5e-5 where gradients are
-near zero. A misplaced piece of a weight or of Adam's moments shows as an error of ~lr = 1e-2 in the
-resumed step.)
+near zero. Adam scales a gradient of rounding noise up: GPT's K bias has a zero gradient in exact
+arithmetic, and its resumed step differs by 4e-5 between t = 2 and t = 4, the other tensors by < 1e-7.
+A misplaced piece of a weight or of Adam's moments shows as an error of ~lr = 1e-2, so 1e-4 tells them
+apart.)
 
-The model is a Llama-style GPT (fused grouped-query QKV: three pieces per rank; SwiGLU's gate / up: two;
-an untied vocabulary head whose 50 real rows all sit on rank 0 at t = 4, ranks 1-3 holding only padding)
-under sequence parallelism."""
+The models run under sequence parallelism: a Llama-style GPT (fused grouped-query QKV: three pieces per
+rank; SwiGLU's gate / up: two; an untied vocabulary head whose 50 real rows all sit on rank 0 at t = 4,
+ranks 1-3 holding only padding) and GPT's own block (split and replicated biases, a learned position
+table, the head tied to the embedding)."""
 import warnings
 
 import pytest
@@ -23,16 +26,20 @@ VOCAB, S, B, LR = 50, 8, 2, 1e-2
 STEPS_BEFORE_SAVE = 2
 
 
-def _config(sequence_parallel):
-    return seqpar.TransformerConfig(hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=96,
-                                    normalization="rmsnorm", activation="swiglu", add_bias_linear=False,
-                                    position_embedding="rope", sequence_parallel=sequence_parallel, backend="torch")
+FAMILIES = {   # Llama's block with an untied head; GPT's (biases: split column-parallel ones, replicated
+               # row-parallel ones; a learned position table) with the head tied to the embedding
+    "llama": (dict(num_query_groups=4, ffn_hidden_size=96, normalization="rmsnorm", activation="swiglu",
+                   add_bias_linear=False, position_embedding="rope"), False),
+    "gpt": ({}, True),
+}
 
 
-def _model(group, seed):
+def _model(group, seed, family="llama"):
     seqpar.manual_seed(seed)
-    return seqpar.GPTModel(_config(group is not None), 2, VOCAB, S, tp_group=group,
-                           share_embeddings_and_output_weights=False)
+    kwargs, tied = FAMILIES[family]
+    cfg = seqpar.TransformerConfig(hidden_size=64, num_attention_heads=8, sequence_parallel=group is not None,
+                                   backend="torch", **kwargs)
+    return seqpar.GPTModel(cfg, 2, VOCAB, S, tp_group=group, share_embeddings_and_output_weights=tied)
 
 
 def _batch(step):
@@ -64,8 +71,8 @@ def _tp_group(world_size, tp):
     return groups[dist.get_rank() // tp]
 
 
-def _save_worker(rank, world_size, path, tp):
-    model = _model(_tp_group(world_size, tp), seed=1)
+def _save_worker(rank, world_size, path, tp, family):
+    model = _model(_tp_group(world_size, tp), seed=1, family=family)
     optimizer = _optimizer(model)
     _train(model, optimizer, range(STEPS_BEFORE_SAVE))
     import torch.distributed.checkpoint as dcp
@@ -76,10 +83,10 @@ def _save_worker(rank, world_size, path, tp):
     return saved, _by_value(model.full_state_dict())
 
 
-def _resume_worker(rank, world_size, path):
+def _resume_worker(rank, world_size, path, family):
     import torch.distributed.checkpoint as dcp
     group = dist.group.WORLD if world_size > 1 else None
-    model = _model(group, seed=2)                        # other weights: the load must replace them all
+    model = _model(group, seed=2, family=family)         # other weights: the load must replace them all
     optimizer = _optimizer(model, lr=0.5)                # another rate: the load must restore the saved one
     state = {"model": sharded_state_dict(model), "optim": sharded_optimizer_state_dict(model, optimizer)}
     with warnings.catch_warnings():
@@ -92,20 +99,20 @@ def _resume_worker(rank, world_size, path):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("save_world, resume_size", [(2, 1), (2, 4), (4, 1)],
-                         ids=["t2-to-t1", "t2-to-t4", "t2-dp2-to-t1"])
-def test_resume_at_another_tensor_parallel_size_continues_the_trajectory(tmp_path, save_world, resume_size):
+@pytest.mark.parametrize("family, save_world, resume_size", [("llama", 2, 4), ("llama", 4, 1), ("gpt", 2, 4)],
+                         ids=["t2-to-t4", "t2-dp2-to-t1", "gpt-t2-to-t4"])
+def test_resume_at_another_tensor_parallel_size_continues_the_trajectory(tmp_path, family, save_world, resume_size):
     """Saved at t = 2 (alone, or two data-parallel replicas of it: DCP writes each piece once)."""
     path = str(tmp_path / "ckpt")
-    saved, reference = run_ranks(_save_worker, save_world, path, 2, timeout_s=120)[0]
-    results = run_ranks(_resume_worker, resume_size, path, timeout_s=120)
+    saved, reference = run_ranks(_save_worker, save_world, path, 2, family, timeout_s=120)[0]
+    results = run_ranks(_resume_worker, resume_size, path, family, timeout_s=120)
     for rank, (loaded, resumed, lr) in enumerate(results):
         assert lr == LR, rank
         for key in saved:                                 # the saved weights, exactly, at the new size
             assert (loaded[key] == saved[key]).all(), (rank, key)
         for key in reference:                             # then the step the saving run takes
             torch.testing.assert_close(torch.from_numpy(resumed[key]), torch.from_numpy(reference[key]), rtol=0,
-                                       atol=1e-5, msg=f"{rank} {key}")
+                                       atol=1e-4, msg=f"{rank} {key}")
 
 
 def _pieces_worker(rank, world_size):

@@ -1,0 +1,124 @@
+"""Gradient clipping and loss scaling that see the whole tensor-parallel model, not one rank's shards.
+
+``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` on a tensor-parallel rank sees only that
+rank's shards: each rank computes another norm and clips by another factor, so replicated parameters
+(norms, row-parallel biases) silently drift apart across the ranks, and no rank clips by the model's
+true norm. :func:`clip_grad_norm_` sums the split parameters' shares over their group and counts each
+replicated parameter once (every rank holds the same gradient), so every rank gets the norm of the
+unsharded model, the one a single-device run computes, and the same factor.
+
+``torch.amp.GradScaler`` looks for inf / nan in a rank's own gradients: an overflow in one rank's shard
+makes that rank skip the step and lower its scale while the others step, and the ranks' weights and
+scales part for good. :class:`TensorParallelGradScaler` makes every rank see any rank's overflow.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..parallel.state import ProcessGroup, group_size
+from .state_dict import _parameters_with_layouts
+
+
+def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Scale the gradients of ``module``'s parameters in place so that the norm of the unsharded
+    gradients is at most ``max_norm``; returns that norm before clipping (an fp32 0-d tensor, the same on
+    every rank). A drop-in for ``torch.nn.utils.clip_grad_norm_(module.parameters(), ...)`` under
+    tensor parallelism (see the module docstring); at t = 1 it computes what torch's does.
+
+    The ``norm_type``-norm (a positive float, or ``inf``) of every gradient together, in fp32: split
+    parameters' shares summed (max for inf) over their tensor-parallel group (one all-reduce per group;
+    call it on every rank), replicated parameters once; the factor ``max_norm / (norm + 1e-6)``, at most
+    1, is applied without a host sync. Parameters without a gradient are skipped. With data parallelism
+    call it after the data-parallel gradient reduction (DDP's backward), as torch's. ValueError unless
+    ``max_norm`` is a positive number; with ``error_if_nonfinite`` a RuntimeError when the norm is nan
+    or inf (as torch's).
+    """
+    if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm > 0:
+        raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
+    if not isinstance(norm_type, (int, float)) or isinstance(norm_type, bool) or not norm_type > 0:
+        raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}")
+    norm_type = float(norm_type)
+    replicated: List[torch.Tensor] = []
+    split: Dict[object, List[torch.Tensor]] = {}      # group -> gradients of parameters split over it
+    for _, param, layout, group in _parameters_with_layouts(module):
+        if param.grad is None:
+            continue
+        if layout is None or group_size(group) == 1:
+            replicated.append(param.grad)
+        else:
+            split.setdefault(group, []).append(param.grad)
+    grads = replicated + [g for gs in split.values() for g in gs]
+    if not grads:
+        return torch.zeros(())
+    device = grads[0].device
+
+    def share(tensors: List[torch.Tensor]) -> torch.Tensor:
+        """Their norm's share: sum of |g|^p, or max |g| for inf (0 for none)."""
+        if not tensors:
+            return torch.zeros((), device=device)
+        norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32).to(device)
+                             for g in tensors])
+        return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+
+    total = share(replicated)
+    for group, tensors in split.items():
+        part = share(tensors)
+        dist.all_reduce(part, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM, group=group)
+        total = torch.maximum(total, part) if math.isinf(norm_type) else total + part
+    norm = total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(norm):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {norm.item()}: "
+                           "non-finite, so they can't be clipped (error_if_nonfinite=False clips anyway)")
+    factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for grad in grads:
+        grad.detach().mul_(factor.to(grad.device, grad.dtype))
+    return norm
+
+
+
+class TensorParallelGradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` (fp16 loss scaling) for a tensor-parallel model: the inf / nan check of
+    every :meth:`unscale_` (explicit, or inside :meth:`step`) is summed over ``tp_group`` (one all-reduce
+    of a scalar; every rank calls it), so every rank skips the same steps and keeps the same scale.
+    ``device`` and the keyword arguments are GradScaler's (``init_scale``, ``growth_factor``,
+    ``backoff_factor``, ``growth_interval``, ``enabled``). Use it as GradScaler, with
+    :func:`clip_grad_norm_` between :meth:`unscale_` and :meth:`step`. With data parallelism too, the
+    data-parallel reduction of the gradients has already made the replicas' checks agree.
+    """
+
+    def __init__(self, device: str = "cuda", *, tp_group: ProcessGroup, **kwargs):
+        super().__init__(device, **kwargs)
+        group_size(tp_group)   # ValueError now if this rank is not in the group
+        self.tp_group = tp_group
+
+    def _agree(self, found_inf_per_device: Dict[torch.device, torch.Tensor]) -> None:
+        """Any rank's overflow in every rank's per-device flags (in place)."""
+        if group_size(self.tp_group) == 1:
+            return
+        found = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        for flag in found_inf_per_device.values():
+            found += flag.to(found.device)
+        dist.all_reduce(found, group=self.tp_group)
+        for flag in found_inf_per_device.values():
+            flag.copy_(found)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """GradScaler's, then the overflow check agreed over ``tp_group``."""
+        super().unscale_(optimizer)
+        if self._enabled:
+            self._agree(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"])
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer):
+        # The check of optimizers that unscale inside their own step (fused=True), agreed likewise.
+        found_inf_per_device = super()._check_inf_per_device(optimizer)
+        self._agree(found_inf_per_device)
+        return found_inf_per_device
+
+
+__all__ = ["clip_grad_norm_", "TensorParallelGradScaler"]

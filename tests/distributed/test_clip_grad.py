@@ -1,0 +1,107 @@
+"""seqpar.nn.clip_grad_norm_ under tensor + sequence parallelism against torch.nn.utils.clip_grad_norm_ on
+a single-device model built from the same weights and batch: the same norm on every rank, and the same
+clipped gradients (compared through one SGD step and full_state_dict()). Torch's own clipping on a
+rank's shards gets another norm on each rank (the trap it replaces). seqpar.nn.TensorParallelGradScaler:
+an overflow on one rank skips the step on every rank, where torch's GradScaler lets the ranks part."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import seqpar
+from seqpar.nn import clip_grad_norm_
+
+from launcher import run_ranks
+
+VOCAB, S, B = 50, 8, 2
+
+
+def _model(group):
+    seqpar.manual_seed(0)
+    cfg = seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4, num_query_groups=2, normalization="rmsnorm",
+                                   activation="swiglu", add_bias_linear=False, position_embedding="rope",
+                                   sequence_parallel=group is not None, backend="torch")
+    return seqpar.GPTModel(cfg, 2, VOCAB, S, tp_group=group, share_embeddings_and_output_weights=False)
+
+
+def _backward(model):
+    tokens = torch.randint(0, VOCAB, (B, S + 1), generator=torch.Generator().manual_seed(3))
+    model(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+
+
+def _step(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= p.grad
+
+
+def _worker(rank, world_size, norm_type, max_norm):
+    sharded, reference = _model(dist.group.WORLD), _model(None)
+    _backward(sharded)
+    _backward(reference)
+    naive = float(torch.nn.utils.clip_grad_norm_(sharded.parameters(), math.inf))   # max_norm inf: no change
+    norm = clip_grad_norm_(sharded, max_norm, norm_type)
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm, norm_type)
+    _step(sharded)
+    _step(reference)
+    ours, theirs = sharded.full_state_dict(), reference.full_state_dict()
+    worst = max(float((ours[k] - theirs[k]).abs().max()) for k in theirs)
+    return float(norm), float(expected), worst, naive
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_clipping_uses_the_unsharded_norm_on_every_rank(norm_type):
+    max_norm = 0.05   # below the gradients' norm: the factor is < 1
+    results = run_ranks(_worker, 2, norm_type, max_norm, timeout_s=150)
+    for rank, (norm, expected, worst, _) in enumerate(results):
+        assert norm > max_norm and math.isclose(norm, expected, rel_tol=1e-5), (rank, norm, expected)
+        assert worst < 1e-6, (rank, worst)   # the clipped gradients, stepped: the reference's weights
+    if norm_type == 2.0:
+        assert results[0][3] != results[1][3]   # torch's clip on each rank's shards: a norm per rank
+
+
+def test_one_rank_is_torchs_clip_and_bad_arguments_are_value_errors():
+    ours, theirs = _model(None), _model(None)
+    _backward(ours)
+    _backward(theirs)
+    norm = clip_grad_norm_(ours, 0.1)
+    assert torch.equal(norm, torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.1))
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(), theirs.parameters()))
+    for bad in (0, -1.0, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="max_norm"):
+            clip_grad_norm_(ours, bad)
+    with pytest.raises(ValueError, match="norm_type"):
+        clip_grad_norm_(ours, 1.0, norm_type=0)
+    next(ours.parameters()).grad[0, 0] = float("inf")
+    with pytest.raises(RuntimeError, match="non-finite"):
+        clip_grad_norm_(ours, 1.0, error_if_nonfinite=True)
+
+
+def _scaler_worker(rank, world_size, tensor_parallel):
+    model = _model(dist.group.WORLD)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    make = seqpar.nn.TensorParallelGradScaler if tensor_parallel else torch.amp.GradScaler
+    scaler = make("cpu", init_scale=256.0, **({"tp_group": dist.group.WORLD} if tensor_parallel else {}))
+    tokens = torch.randint(0, VOCAB, (B, S + 1), generator=torch.Generator().manual_seed(3))
+    scaler.scale(model(tokens[:, :-1], tokens[:, 1:]).mean()).backward()
+    if rank == 1:   # an overflow in one rank's shard of a split weight only
+        model.layers[0].mlp.dense_h_to_4h.weight.grad[0, 0] = float("inf")
+    layer_norm, norm = model.final_layernorm.weight.detach().clone(), None   # replicated on both ranks
+    if tensor_parallel:
+        scaler.unscale_(optimizer)                   # the usual place for clipping
+        norm = float(clip_grad_norm_(model, 1.0))
+    scaler.step(optimizer)
+    scaler.update()
+    return {"stepped": not torch.equal(model.final_layernorm.weight, layer_norm), "scale": scaler.get_scale(),
+            "norm": norm}
+
+
+@pytest.mark.timeout(180)
+def test_grad_scaler_skips_the_step_on_every_rank_when_one_rank_overflows():
+    ours = run_ranks(_scaler_worker, 2, True, timeout_s=150)
+    assert [r["stepped"] for r in ours] == [False, False] and [r["scale"] for r in ours] == [128.0, 128.0], ours
+    assert all(math.isinf(r["norm"]) for r in ours), ours         # the clip saw rank 1's inf on both ranks
+    theirs = run_ranks(_scaler_worker, 2, False, timeout_s=150)    # torch's: the ranks part
+    assert [r["stepped"] for r in theirs] == [True, False] and [r["scale"] for r in theirs] == [256.0, 128.0], theirs
