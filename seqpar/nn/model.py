@@ -169,7 +169,9 @@ class VocabParallelEmbedding(_VocabShard):
                      if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end
                      else None)
         word = nn.functional.embedding(local_ids.clamp(0, max(n_real - 1, 0)), self.weight, padding_idx=local_pad)
-        return reduce_from_tensor_region(word * in_shard.unsqueeze(-1), self.tp_group)
+        # masked_fill, not a product with the mask: a shard without real rows looks up padded row 0, which
+        # holds whatever to_empty left there until something fills it (NaN * 0 is NaN).
+        return reduce_from_tensor_region(word.masked_fill(~in_shard.unsqueeze(-1), 0.0), self.tp_group)
 
 
 def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, *, tp_group: ProcessGroup, sequence_parallel: bool,

@@ -157,9 +157,16 @@ def _sharded_tensor(shard: torch.Tensor, layout: ShardLayout, group: ProcessGrou
     return init_from_local_shards(local, *layout.full_shape, process_group=group)
 
 
+# Wrappers that add a name to the path but no parameters: activation checkpointing's checkpoint_wrapper
+# and torch.compile's OptimizedModule. Keys leave them out, as full_state_dict() does (wrapped or not, a
+# model saves and loads the same keys).
+_WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod")
+
+
 def _parameters_with_layouts(module: nn.Module) -> Iterator[Tuple[str, nn.Parameter, Optional[ShardLayout], ProcessGroup]]:
     """(key, parameter, this rank's layout or None if replicated, group) for every parameter of
-    ``module``, keyed as ``named_parameters()`` (a parameter shared by two modules once)."""
+    ``module``, keyed as ``named_parameters()`` without the wrappers' names (a parameter shared by two
+    modules once)."""
     seen = set()
     for prefix, sub in module.named_modules():
         layouts, group = {}, None
@@ -170,7 +177,8 @@ def _parameters_with_layouts(module: nn.Module) -> Iterator[Tuple[str, nn.Parame
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            yield (f"{prefix}.{name}" if prefix else name), param, layouts.get(name), group
+            key = ".".join(part for part in f"{prefix}.{name}".split(".") if part and part not in _WRAPPER_NAMES)
+            yield key, param, layouts.get(name), group
 
 
 def _check_not_meta(module: nn.Module, what: str) -> None:
@@ -182,7 +190,8 @@ def _check_not_meta(module: nn.Module, what: str) -> None:
 
 def sharded_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
     """This rank's parameters for torch.distributed.checkpoint, keyed as ``full_state_dict()`` (and
-    ``named_parameters()``), every value a view of the parameter (no copy):
+    ``named_parameters()`` without the names activation checkpointing's ``checkpoint_wrapper`` and
+    ``torch.compile`` add), every value a view of the parameter (no copy):
 
     * a split parameter (tensor-parallel linear weights and column-parallel biases, the vocabulary
       tables): a ShardedTensor of the UNSHARDED shape whose local pieces are this rank's parts of it,

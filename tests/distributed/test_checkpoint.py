@@ -84,9 +84,16 @@ def _save_worker(rank, world_size, path, tp, family):
 
 
 def _resume_worker(rank, world_size, path, family):
+    """The large-model recipe: build on the meta device, allocate (to_empty), load. Every parameter is
+    NaN before the load, padded vocabulary rows included: what the load doesn't fill must never be read."""
     import torch.distributed.checkpoint as dcp
     group = dist.group.WORLD if world_size > 1 else None
-    model = _model(group, seed=2, family=family)         # other weights: the load must replace them all
+    with torch.device("meta"):
+        model = _model(group, seed=2, family=family)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(float("nan"))
     optimizer = _optimizer(model, lr=0.5)                # another rate: the load must restore the saved one
     state = {"model": sharded_state_dict(model), "optim": sharded_optimizer_state_dict(model, optimizer)}
     with warnings.catch_warnings():
@@ -184,3 +191,19 @@ def test_creating_optimizer_state_changes_no_parameter_and_keeps_gradients():
     exp_avg = state["state"]["layers.0.mlp.dense_h_to_4h.weight"]["exp_avg"]
     own = optimizer.state[model.layers[0].mlp.dense_h_to_4h.weight]["exp_avg"]
     assert exp_avg.data_ptr() == own.data_ptr() and exp_avg.shape == own.shape and not exp_avg.any()  # a view
+
+
+def test_keys_leave_out_checkpointing_and_compile_wrappers():
+    """A model whose layers carry activation checkpointing's wrapper, or a compiled one, saves and loads
+    the plain model's keys (as full_state_dict() names them)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    plain = set(sharded_state_dict(_model(None, seed=1)))
+    wrapped = _model(None, seed=1)
+    apply_activation_checkpointing(wrapped, check_fn=lambda m: isinstance(m, seqpar.TransformerLayer))
+    assert "_checkpoint_wrapped_module" in next(k for k, _ in wrapped.named_parameters() if k.startswith("layers"))
+    assert set(sharded_state_dict(wrapped)) == plain == set(wrapped.full_state_dict())
+    compiled = torch.compile(_model(None, seed=1))
+    assert set(sharded_state_dict(compiled)) == plain
+    optimizer = _optimizer(compiled)
+    assert set(sharded_optimizer_state_dict(compiled, optimizer)["state"]) == plain
