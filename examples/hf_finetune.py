@@ -138,7 +138,7 @@ def resume(path, model, optimizer):
     with warnings.catch_warnings():   # DCP's own code reads a ShardedTensor's device, which it deprecated
         warnings.filterwarnings("ignore", "Please use DTensor instead", FutureWarning)
         dcp.load(state, checkpoint_id=path)
-    load_sharded_optimizer_state_dict(model, optimizer, state["optim"])   # lr, betas, ... of each group
+    load_sharded_optimizer_state_dict(model, optimizer, state["optim"])   # fresh parameters' state, lr, betas
     torch.set_rng_state(state["cpu_rng"])
     return int(state["step"])
 

@@ -31,14 +31,19 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     every rank). A drop-in for ``torch.nn.utils.clip_grad_norm_(module.parameters(), ...)`` under
     tensor parallelism (see the module docstring); at t = 1 it computes what torch's does.
 
-    The ``norm_type``-norm (a positive float, or ``inf``) of every gradient together, in fp32: split
+    The ``norm_type``-norm (a positive float, or ``inf`` / ``"inf"``) of every gradient together, in fp32: split
     parameters' shares summed (max for inf) over their tensor-parallel group (one all-reduce per group;
     call it on every rank), replicated parameters once; the factor ``max_norm / (norm + 1e-6)``, at most
     1, is applied without a host sync. Parameters without a gradient are skipped. With data parallelism
     call it after the data-parallel gradient reduction (DDP's backward), as torch's. ValueError unless
-    ``max_norm`` is a positive number; with ``error_if_nonfinite`` a RuntimeError when the norm is nan
-    or inf (as torch's).
+    ``module`` is an ``nn.Module`` (not its parameters) and ``max_norm`` a positive number; with
+    ``error_if_nonfinite`` a RuntimeError when the norm is nan or inf (as torch's).
     """
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"clip_grad_norm_ takes the module (it needs to know which parameters are split), "
+                         f"got {type(module).__name__}: pass the model, not model.parameters()")
+    if isinstance(norm_type, str) and norm_type.lower() == "inf":   # torch's clip accepts the string too
+        norm_type = math.inf
     if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm > 0:
         raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
     if not isinstance(norm_type, (int, float)) or isinstance(norm_type, bool) or not norm_type > 0:

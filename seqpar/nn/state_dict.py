@@ -167,6 +167,8 @@ def _parameters_with_layouts(module: nn.Module) -> Iterator[Tuple[str, nn.Parame
     """(key, parameter, this rank's layout or None if replicated, group) for every parameter of
     ``module``, keyed as ``named_parameters()`` without the wrappers' names (a parameter shared by two
     modules once)."""
+    while isinstance(module, nn.parallel.DistributedDataParallel):   # its parameters are its module's
+        module = module.module
     seen = set()
     for prefix, sub in module.named_modules():
         layouts, group = {}, None
@@ -216,25 +218,30 @@ def sharded_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the state of every trainable parameter the optimizer's own way, changing no parameter: one
-    step with zero gradients at learning rate 0 (each step counter is then 1). The gradients and rates
-    are put back."""
-    grads, rates = {}, []
+def _created_optimizer_state(optimizer: torch.optim.Optimizer, params: List[nn.Parameter]) -> Dict[nn.Parameter, dict]:
+    """The state the optimizer's own step would create for ``params`` (which have none), made by one step
+    over them alone with zero gradients at learning rate 0, then taken out of the optimizer again: it
+    changes no parameter, no other parameter's state, and leaves ``params`` without state. (Its values
+    are placeholders for a load: some optimizers derive state from lr, e.g. Rprop's step sizes.)"""
+    if not params:
+        return {}
+    wanted = {id(p) for p in params}
+    groups, rates, grads = [], [], {p: p.grad for p in params}
     for group in optimizer.param_groups:
+        groups.append(group["params"])
         rates.append(group["lr"])
+        group["params"] = [p for p in group["params"] if id(p) in wanted]
         group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
-        for param in group["params"]:
-            if param.requires_grad:
-                grads[param] = param.grad
-                param.grad = torch.zeros_like(param)
+    for param in params:
+        param.grad = torch.zeros_like(param)
     try:
         optimizer.step()
     finally:
-        for group, lr in zip(optimizer.param_groups, rates):
-            group["lr"] = lr
+        for group, members, lr in zip(optimizer.param_groups, groups, rates):
+            group["params"], group["lr"] = members, lr
         for param, grad in grads.items():
             param.grad = grad
+    return {p: optimizer.state.pop(p) for p in params if p in optimizer.state}
 
 
 def _optimizer_keys(module: nn.Module, optimizer: torch.optim.Optimizer, what: str):
@@ -248,53 +255,69 @@ def _optimizer_keys(module: nn.Module, optimizer: torch.optim.Optimizer, what: s
     return info
 
 
+class _OptimizerStateDict(dict):
+    """What :func:`sharded_optimizer_state_dict` returns: a plain dict to DCP, which also remembers the
+    state it made for parameters that had none (``created``: not in the optimizer, so saving changes
+    nothing; :func:`load_sharded_optimizer_state_dict` attaches it where the checkpoint had state)."""
+
+    created: Dict[nn.Parameter, dict]
+
+
 def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, object]:
     """This rank's optimizer state for torch.distributed.checkpoint, split like the parameters it
     belongs to, so a checkpoint saved at one tensor-parallel size resumes at another:
-    ``{"state": {parameter key: {state name: tensor}}, "param_groups": [{hyperparameters, "params":
-    [parameter keys]}]}``, keys as :func:`sharded_state_dict`'s.
+    ``{"state": {parameter key: {state name: tensor}}, "has_state": {parameter key: 0-d int64 tensor},
+    "param_groups": [{hyperparameters, "params": [parameter keys]}]}``, keys as :func:`sharded_state_dict`'s.
 
     A state tensor of its parameter's shard shape (Adam's ``exp_avg`` / ``exp_avg_sq``, SGD's momentum)
     is split like the parameter (a ShardedTensor of the unsharded shape under TP); a 0-d one (``step``)
     and the state of replicated parameters are plain tensors. Every tensor is the optimizer's own (a view:
-    DCP loads in place). Parameters without state yet (a fresh optimizer, before loading) get it first
-    from the optimizer's own step with zero gradients at learning rate 0, which changes no parameter.
-    ValueError for a parameter the module doesn't hold, for state that is not a tensor or has another
-    shape (it could not be resharded), and for parameters on the meta device.
+    DCP loads in place). A trainable parameter without state (a fresh optimizer before a load; a
+    parameter not stepped yet) gets placeholder tensors made by the optimizer's own step over it alone
+    (zero gradients, learning rate 0) but kept out of the optimizer, and ``has_state`` 0: saving changes
+    nothing, and a resumed run leaves that parameter without state as the saving run had it.
+    ValueError, before anything is made, for a parameter the module doesn't hold, for state that is not a
+    tensor or has another shape (it could not be resharded), and for parameters on the meta device.
 
     Save: ``dcp.save({"model": sharded_state_dict(model), "optim": sharded_optimizer_state_dict(model,
     opt)}, checkpoint_id=path)``. Resume (any t): build the same two dicts, ``dcp.load`` them, then
-    :func:`load_sharded_optimizer_state_dict` for the hyperparameters.
+    :func:`load_sharded_optimizer_state_dict` (required: it attaches the state loaded for parameters
+    that had none and sets the hyperparameters).
     """
     what = "sharded_optimizer_state_dict"
     _check_not_meta(module, what)
     info = _optimizer_keys(module, optimizer, what)
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if any(p.requires_grad and p not in optimizer.state for p in params):
-        _create_optimizer_state(optimizer)
-    state = {}
     for param in params:
-        key, layout, group = info[id(param)]
-        entries = {}
         for name, value in optimizer.state.get(param, {}).items():
             if not isinstance(value, torch.Tensor) or (value.dim() and value.shape != param.shape):
                 got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                raise ValueError(f"{what}: optimizer state {name!r} of {key} must be a tensor of the "
-                                 f"parameter's shape {tuple(param.shape)} or a 0-d tensor to be resharded, got {got}")
-            split = layout is not None and value.dim()
-            entries[name] = _sharded_tensor(value, layout, group) if split else value
-        state[key] = entries
+                raise ValueError(f"{what}: optimizer state {name!r} of {info[id(param)][0]} must be a tensor of "
+                                 f"the parameter's shape {tuple(param.shape)} or a 0-d tensor to be resharded, "
+                                 f"got {got}")
+    created = _created_optimizer_state(optimizer, [p for p in params if p.requires_grad and not optimizer.state.get(p)])
+    state, has_state = {}, {}
+    for param in params:
+        key, layout, group = info[id(param)]
+        own = optimizer.state.get(param)
+        state[key] = {name: _sharded_tensor(value, layout, group) if layout is not None and value.dim() else value
+                      for name, value in (own or created.get(param, {})).items()}
+        has_state[key] = torch.tensor(int(bool(own)))
     groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [info[id(p)][0] for p in group["params"]]}
               for group in optimizer.param_groups]
-    return {"state": state, "param_groups": groups}
+    out = _OptimizerStateDict(state=state, has_state=has_state, param_groups=groups)
+    out.created = created
+    return out
 
 
 def load_sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer,
                                       state_dict: Mapping[str, object]) -> None:
     """After ``dcp.load`` into the dict :func:`sharded_optimizer_state_dict` returned for this optimizer
-    (whose state tensors DCP loaded in place): set each param group's hyperparameters (``lr``,
-    ``betas``, ...) to the loaded ones. ValueError, before anything is set, if the loaded groups do not
-    hold the optimizer's parameters in its order."""
+    (DCP loaded its state tensors in place): give each parameter the state the checkpoint had for it
+    (the loaded placeholders where the optimizer had none; none where the checkpoint had none) and set
+    each param group's hyperparameters (``lr``, ``betas``, ...) to the loaded ones. ValueError, before
+    anything is set, if the loaded groups do not hold the optimizer's parameters in its order or the
+    dict is not one :func:`sharded_optimizer_state_dict` made."""
     what = "load_sharded_optimizer_state_dict"
     info = _optimizer_keys(module, optimizer, what)
     loaded = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
@@ -311,6 +334,16 @@ def load_sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.
             detail = f"{saved_key!r} where the optimizer has {own_key!r}"
         raise ValueError(f"{what}: the loaded param_groups do not hold the optimizer's parameters in its "
                          f"order ({detail}): build the optimizer as the checkpoint's was")
+    created, has_state = getattr(state_dict, "created", None), state_dict.get("has_state")
+    if created is None or not isinstance(has_state, Mapping):
+        raise ValueError(f"{what}: state_dict must be the dict sharded_optimizer_state_dict(module, optimizer) "
+                         f"returned (after dcp.load into it), got a {type(state_dict).__name__}")
+    for param in (p for group in optimizer.param_groups for p in group["params"]):
+        if int(has_state[info[id(param)][0]]):
+            if not optimizer.state.get(param) and param in created:   # (a frozen parameter has none made)
+                optimizer.state[param] = created[param]
+        else:
+            optimizer.state.pop(param, None)
     for group, saved in zip(optimizer.param_groups, loaded):
         group.update({k: v for k, v in saved.items() if k != "params"})
 

@@ -126,19 +126,24 @@ def _pieces_worker(rank, world_size):
     """The pieces each rank offers DCP: where its rows of the fused QKV and the vocabulary lie."""
     model = _model(dist.group.WORLD, seed=1)
     state = sharded_state_dict(model)
+    # Under DistributedDataParallel (over a data-parallel group: here each rank alone) the same keys.
+    data_parallel = [dist.new_group([r]) for r in range(world_size)][rank]
+    ddp_keys = set(sharded_state_dict(torch.nn.parallel.DistributedDataParallel(model, process_group=data_parallel)))
     qkv = state["layers.0.self_attention.query_key_value.weight"]
     head = state["output_layer.weight"]
     return ([(s.metadata.shard_offsets, s.metadata.shard_sizes) for s in qkv.local_shards()],
             [(s.metadata.shard_offsets, s.metadata.shard_sizes) for s in head.local_shards()],
             tuple(qkv.size()), tuple(head.size()),
-            qkv.local_shards()[0].tensor.data_ptr() == model.layers[0].self_attention.query_key_value.weight.data_ptr())
+            qkv.local_shards()[0].tensor.data_ptr() == model.layers[0].self_attention.query_key_value.weight.data_ptr(),
+            ddp_keys == set(state))
 
 
 @pytest.mark.timeout(120)
 def test_pieces_are_views_at_their_offsets_in_the_unsharded_tensor():
     # h = 64, 8 query heads and 4 KV groups of d = 8: Q rows 64, K rows 32, V rows 32, split over t = 4.
     results = run_ranks(_pieces_worker, 4, timeout_s=90)
-    for rank, (qkv, head, qkv_size, head_size, is_view) in enumerate(results):
+    for rank, (qkv, head, qkv_size, head_size, is_view, same_keys_under_ddp) in enumerate(results):
+        assert same_keys_under_ddp, rank
         assert qkv == [([16 * rank, 0], [16, 64]), ([64 + 8 * rank, 0], [8, 64]), ([96 + 8 * rank, 0], [8, 64])]
         # Padded to 512 rows, 128 a rank: all 50 real rows on rank 0; the others offer an empty piece.
         assert head == [([0, 0], [VOCAB, 64])] if rank == 0 else [([VOCAB, 0], [0, 64])]
@@ -176,7 +181,9 @@ def test_misuse_is_a_value_error_naming_it():
         sharded_optimizer_state_dict(model, optimizer)
 
 
-def test_creating_optimizer_state_changes_no_parameter_and_keeps_gradients():
+def test_placeholder_state_changes_nothing_in_the_optimizer_or_the_model():
+    """A fresh optimizer's dict holds placeholders (made by the optimizer's own step at lr 0, zero
+    gradients) that stay out of the optimizer: parameters, gradients, rates and state are untouched."""
     model = _model(None, seed=1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     tokens, labels = _batch(0)
@@ -184,13 +191,54 @@ def test_creating_optimizer_state_changes_no_parameter_and_keeps_gradients():
     grads = {k: p.grad.clone() for k, p in model.named_parameters()}
     optimizer = _optimizer(model)
     state = sharded_optimizer_state_dict(model, optimizer)
-    assert set(state["state"]) == set(before)
+    assert set(state["state"]) == set(before) and not any(int(v) for v in state["has_state"].values())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert all(torch.equal(p.grad, grads[k]) for k, p in model.named_parameters())
-    assert optimizer.param_groups[0]["lr"] == LR
-    exp_avg = state["state"]["layers.0.mlp.dense_h_to_4h.weight"]["exp_avg"]
-    own = optimizer.state[model.layers[0].mlp.dense_h_to_4h.weight]["exp_avg"]
-    assert exp_avg.data_ptr() == own.data_ptr() and exp_avg.shape == own.shape and not exp_avg.any()  # a view
+    assert optimizer.param_groups[0]["lr"] == LR and not optimizer.state
+    placeholder = state["state"]["layers.0.mlp.dense_h_to_4h.weight"]
+    assert set(placeholder) == {"step", "exp_avg", "exp_avg_sq"} and not placeholder["exp_avg"].any()
+
+
+def _three_steps(tmp_path, save, resume):
+    """Three AdamW steps at t = 1; final_layernorm.weight is frozen for the first, so it has no state
+    after it. ``save``: a checkpoint after step 1. ``resume``: steps 2-3 in a new model and optimizer
+    resumed from it. Returns the final weights and whether final_layernorm.weight had state after the
+    load (None without resume)."""
+    import torch.distributed.checkpoint as dcp
+    model = _model(None, seed=1)
+    optimizer = _optimizer(model)
+    model.final_layernorm.weight.requires_grad_(False)
+    _train(model, optimizer, [0])
+    model.final_layernorm.weight.requires_grad_(True)
+    path, had_state = str(tmp_path / "ckpt"), None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)   # one process
+        warnings.filterwarnings("ignore", "Please use DTensor instead", FutureWarning)
+        if save:
+            dcp.save({"model": sharded_state_dict(model), "optim": sharded_optimizer_state_dict(model, optimizer)},
+                     checkpoint_id=path)
+        if resume:
+            model = _model(None, seed=2)
+            optimizer = _optimizer(model, lr=0.5)
+            state = {"model": sharded_state_dict(model), "optim": sharded_optimizer_state_dict(model, optimizer)}
+            dcp.load(state, checkpoint_id=path)
+            load_sharded_optimizer_state_dict(model, optimizer, state["optim"])
+            had_state = model.final_layernorm.weight in optimizer.state
+    _train(model, optimizer, [1, 2])
+    return model.full_state_dict(), had_state
+
+
+def test_saving_changes_no_later_step_and_resume_keeps_stateless_parameters_stateless(tmp_path):
+    """A parameter without optimizer state when the checkpoint is saved (frozen until then) has none
+    after the resume either: its first update is a first step's, as in the run that never saved. The
+    earlier design gave it state at the save (step 1, zero moments): AdamW's first update of it was then
+    7.5e-3 instead of 1e-2, in the saving run too."""
+    uninterrupted, _ = _three_steps(tmp_path / "a", save=False, resume=False)
+    saving, _ = _three_steps(tmp_path / "b", save=True, resume=False)
+    resumed, had_state = _three_steps(tmp_path / "c", save=True, resume=True)
+    assert had_state is False
+    for key, value in uninterrupted.items():
+        assert torch.equal(saving[key], value) and torch.equal(resumed[key], value), key
 
 
 def test_keys_leave_out_checkpointing_and_compile_wrappers():

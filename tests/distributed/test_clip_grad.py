@@ -74,6 +74,10 @@ def test_one_rank_is_torchs_clip_and_bad_arguments_are_value_errors():
             clip_grad_norm_(ours, bad)
     with pytest.raises(ValueError, match="norm_type"):
         clip_grad_norm_(ours, 1.0, norm_type=0)
+    with pytest.raises(ValueError, match="not model.parameters"):
+        clip_grad_norm_(ours.parameters(), 1.0)
+    assert torch.equal(clip_grad_norm_(ours, 1e9, norm_type="inf"),
+                       torch.nn.utils.clip_grad_norm_(theirs.parameters(), 1e9, norm_type="inf"))
     next(ours.parameters()).grad[0, 0] = float("inf")
     with pytest.raises(RuntimeError, match="non-finite"):
         clip_grad_norm_(ours, 1.0, error_if_nonfinite=True)
