@@ -131,6 +131,9 @@ class ShardedParameters:
         param = getattr(self, name)
         if param is None:
             return None
+        if _is_dtensor(param):
+            raise ValueError(f"{type(self).__name__}.{name} is a DTensor (FSDP2's fully_shard?): gathering the "
+                             "unsharded weights takes plain tensor-parallel shards; FSDP2 is not supported here yet")
         if name not in self.shard_layouts(0):
             return param.detach().clone()
         return gather_full(param.detach(), lambda r: self.shard_layouts(r)[name], self.tp_group)
@@ -157,6 +160,25 @@ def _sharded_tensor(shard: torch.Tensor, layout: ShardLayout, group: ProcessGrou
     return init_from_local_shards(local, *layout.full_shape, process_group=group)
 
 
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """``module`` without the outer wrappers whose parameters are their inner module's: DDP (``.module``)
+    and torch.compile's OptimizedModule (``._orig_mod``), in any order (compile(DDP(model)) included)."""
+    while True:
+        inner = (module.module if isinstance(module, nn.parallel.DistributedDataParallel)
+                 else getattr(module, "_orig_mod", None))
+        if not isinstance(inner, nn.Module):
+            return module
+        module = inner
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:   # torch built without distributed
+        return False
+    return isinstance(tensor, DTensor)
+
+
 # Wrappers that add a name to the path but no parameters: activation checkpointing's checkpoint_wrapper
 # and torch.compile's OptimizedModule. Keys leave them out, as full_state_dict() does (wrapped or not, a
 # model saves and loads the same keys).
@@ -167,10 +189,8 @@ def _parameters_with_layouts(module: nn.Module) -> Iterator[Tuple[str, nn.Parame
     """(key, parameter, this rank's layout or None if replicated, group) for every parameter of
     ``module``, keyed as ``named_parameters()`` without the wrappers' names (a parameter shared by two
     modules once)."""
-    while isinstance(module, nn.parallel.DistributedDataParallel):   # its parameters are its module's
-        module = module.module
     seen = set()
-    for prefix, sub in module.named_modules():
+    for prefix, sub in _unwrapped(module).named_modules():
         layouts, group = {}, None
         if isinstance(sub, ShardedParameters):
             group = sub.tp_group
@@ -178,6 +198,10 @@ def _parameters_with_layouts(module: nn.Module) -> Iterator[Tuple[str, nn.Parame
         for name, param in sub.named_parameters(recurse=False):
             if id(param) in seen:
                 continue
+            if _is_dtensor(param):
+                raise ValueError(f"parameter {prefix}.{name} is a DTensor (FSDP2's fully_shard?): seqpar's sharded "
+                                 "state dicts and clip_grad_norm_ take plain tensor-parallel shards (DDP for data "
+                                 "parallelism); FSDP2 over the data-parallel ranks is not supported by them yet")
             seen.add(id(param))
             key = ".".join(part for part in f"{prefix}.{name}".split(".") if part and part not in _WRAPPER_NAMES)
             yield key, param, layouts.get(name), group

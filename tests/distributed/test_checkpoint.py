@@ -128,22 +128,36 @@ def _pieces_worker(rank, world_size):
     state = sharded_state_dict(model)
     # Under DistributedDataParallel (over a data-parallel group: here each rank alone) the same keys.
     data_parallel = [dist.new_group([r]) for r in range(world_size)][rank]
-    ddp_keys = set(sharded_state_dict(torch.nn.parallel.DistributedDataParallel(model, process_group=data_parallel)))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=data_parallel)
+    ddp_keys = [set(sharded_state_dict(wrapped)) for wrapped in (ddp, torch.compile(ddp))]   # compile(DDP(m))
+    # FSDP2's DTensor parameters: a ValueError that says so (not an error deep inside a collective).
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    linear = torch.nn.Linear(2, 2)
+    linear.weight = torch.nn.Parameter(distribute_tensor(linear.weight.detach(), init_device_mesh("cpu", (world_size,)),
+                                                         [Replicate()]))
+    refused = []
+    for call in (lambda: sharded_state_dict(linear), lambda: seqpar.nn.clip_grad_norm_(linear, 1.0)):
+        try:
+            call()
+        except ValueError as exc:
+            refused.append("FSDP2" in str(exc))
     qkv = state["layers.0.self_attention.query_key_value.weight"]
     head = state["output_layer.weight"]
     return ([(s.metadata.shard_offsets, s.metadata.shard_sizes) for s in qkv.local_shards()],
             [(s.metadata.shard_offsets, s.metadata.shard_sizes) for s in head.local_shards()],
             tuple(qkv.size()), tuple(head.size()),
             qkv.local_shards()[0].tensor.data_ptr() == model.layers[0].self_attention.query_key_value.weight.data_ptr(),
-            ddp_keys == set(state))
+            all(keys == set(state) for keys in ddp_keys), refused)
 
 
 @pytest.mark.timeout(120)
 def test_pieces_are_views_at_their_offsets_in_the_unsharded_tensor():
+    """Also: DDP and compile(DDP(model)) give the model's keys; DTensor (FSDP2) parameters are refused."""
     # h = 64, 8 query heads and 4 KV groups of d = 8: Q rows 64, K rows 32, V rows 32, split over t = 4.
     results = run_ranks(_pieces_worker, 4, timeout_s=90)
-    for rank, (qkv, head, qkv_size, head_size, is_view, same_keys_under_ddp) in enumerate(results):
-        assert same_keys_under_ddp, rank
+    for rank, (qkv, head, qkv_size, head_size, is_view, same_keys_under_ddp, refused) in enumerate(results):
+        assert same_keys_under_ddp and refused == [True, True], (rank, refused)
         assert qkv == [([16 * rank, 0], [16, 64]), ([64 + 8 * rank, 0], [8, 64]), ([96 + 8 * rank, 0], [8, 64])]
         # Padded to 512 rows, 128 a rank: all 50 real rows on rank 0; the others offer an empty piece.
         assert head == [([0, 0], [VOCAB, 64])] if rank == 0 else [([VOCAB, 0], [0, 64])]
