@@ -31,10 +31,10 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     every rank). A drop-in for ``torch.nn.utils.clip_grad_norm_(module.parameters(), ...)`` under
     tensor parallelism (see the module docstring); at t = 1 it computes what torch's does.
 
-    The ``norm_type``-norm (a positive float, or ``inf`` / ``"inf"``) of every gradient together, in fp32: split
-    parameters' shares summed (max for inf) over their tensor-parallel group (one all-reduce per group;
-    call it on every rank), replicated parameters once; the factor ``max_norm / (norm + 1e-6)``, at most
-    1, is applied without a host sync. Parameters without a gradient are skipped. With data parallelism
+    The ``norm_type``-norm (a positive float, or ``inf`` / ``"inf"``) of every gradient together, in
+    fp32: split parameters' shares summed (max for inf) over their tensor-parallel group (one all-reduce
+    per group; call it on every rank), replicated parameters once; the factor ``max_norm / (norm +
+    1e-6)``, at most 1, is applied without a host sync. Parameters without a gradient are skipped. With data parallelism
     call it after the data-parallel gradient reduction (DDP's backward), as torch's. ValueError unless
     ``module`` is an ``nn.Module`` (not its parameters) and ``max_norm`` a positive number; with
     ``error_if_nonfinite`` a RuntimeError when the norm is nan or inf (as torch's).
@@ -84,7 +84,6 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     for grad in grads:
         grad.detach().mul_(factor.to(grad.device, grad.dtype))
     return norm
-
 
 
 class TensorParallelGradScaler(torch.amp.GradScaler):

@@ -155,8 +155,8 @@ def _sharded_tensor(shard: torch.Tensor, layout: ShardLayout, group: ProcessGrou
     # a pre-2.4 checkpoint and then fails on every other nested key ("Missing key ... param_groups").
     pieces = layout.pieces or ((0, layout.full_shape[layout.dim], 0),)
     placement = f"rank:{dist.get_rank()}/{shard.device}"     # the global rank, whatever the group
-    local = [Shard(layout.local_view(shard, piece), ShardMetadata(layout.offsets(piece), layout.sizes(piece), placement))
-             for piece in pieces]
+    local = [Shard(layout.local_view(shard, piece),
+                   ShardMetadata(layout.offsets(piece), layout.sizes(piece), placement)) for piece in pieces]
     return init_from_local_shards(local, *layout.full_shape, process_group=group)
 
 
@@ -185,7 +185,8 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
 _WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod")
 
 
-def _parameters_with_layouts(module: nn.Module) -> Iterator[Tuple[str, nn.Parameter, Optional[ShardLayout], ProcessGroup]]:
+def _parameters_with_layouts(
+        module: nn.Module) -> Iterator[Tuple[str, nn.Parameter, Optional[ShardLayout], ProcessGroup]]:
     """(key, parameter, this rank's layout or None if replicated, group) for every parameter of
     ``module``, keyed as ``named_parameters()`` without the wrappers' names (a parameter shared by two
     modules once)."""
