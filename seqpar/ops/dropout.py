@@ -12,6 +12,7 @@ import torch
 
 from . import registry
 from .. import _ext
+from .._custom_op import tracing
 from ..random import check_stream_seed, dropout_keep_mask, dropout_scale, dropout_threshold, resolve_seed
 
 
@@ -48,7 +49,14 @@ class DropoutSpec:
 
     @property
     def scale(self) -> float:
-        """``float32(256 / (256 - P))``, the factor of kept values."""
+        """``float32(256 / (256 - P))``, the factor of kept values. While torch.compile traces: the double
+        ``256 / (256 - P)``, which fp32 / fp16 / bf16 tensors round to the same fp32 scalar (a float64
+        tensor would see the unrounded double)."""
+        if tracing():
+            # Not a read of the table: under dynamic=True Dynamo turns a float read inside an autograd
+            # Function's forward into an input of the forward's subgraph and reuses it in the backward's,
+            # which can't lift it. Arithmetic on the int threshold is a constant.
+            return 256.0 / (256 - self._threshold)
         return dropout_scale(self.threshold)
 
     def keep_mask_2d(self, n_rows: int, n_cols: int, device) -> torch.Tensor:
