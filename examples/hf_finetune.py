@@ -79,6 +79,8 @@ def parse_args(family=None):
         parser.error("--kv-heads is for --family llama")
     if args.family != "gpt2" and args.dropout is not None:
         parser.error("--dropout is for --family gpt2 (Llama has no dropout)")
+    if args.resume and not os.path.isdir(args.resume):
+        parser.error(f"--resume {args.resume} is not a directory (a --checkpoint directory of an earlier run)")
     if not args.clip_grad >= 0:
         parser.error(f"--clip-grad must be >= 0 (0: no clipping), got {args.clip_grad}")
     for name in ("layers", "hidden", "heads", "seq_len", "batch", "steps"):

@@ -100,7 +100,9 @@ def test_finetune_example_resumes_its_checkpoint_at_another_size(tmp_path):
     (["--heads", "3"], "--hidden 128 must be divisible by --heads 3"),
     (["--family", "llama", "--heads", "6", "--hidden", "192", "--kv-heads", "3"], "the 3 k/v heads must be divisible"),
     (["--steps", "0"], "--steps must be positive, got 0"),
-], ids=["seq-len", "heads", "kv-heads", "steps"])
+    (["--resume", "no/such/dir"], "--resume no/such/dir is not a directory"),
+    (["--clip-grad", "-1"], "--clip-grad must be >= 0"),
+], ids=["seq-len", "heads", "kv-heads", "steps", "resume", "clip-grad"])
 def test_finetune_example_refuses_sizes_the_ranks_cannot_split(args, match):
     """Sizes that don't split over the ranks are a usage error before any rank starts, not a traceback
     per rank from deep inside the model build."""
