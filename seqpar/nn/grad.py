@@ -14,16 +14,17 @@ scales part for good. :class:`TensorParallelGradScaler` makes every rank see any
 from __future__ import annotations
 
 import math
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..parallel.state import ProcessGroup, group_size
-from .state_dict import _parameters_with_layouts
+from .state_dict import _parameters_with_layouts, local_rows
 
 
+@torch.no_grad()
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """Scale the gradients of ``module``'s parameters in place so that the norm of the unsharded
@@ -34,8 +35,10 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     The ``norm_type``-norm (a positive float, or ``inf`` / ``"inf"``) of every gradient together, in
     fp32: split parameters' shares summed (max for inf) over their tensor-parallel group (one all-reduce
     per group; call it on every rank), replicated parameters once; the factor ``max_norm / (norm +
-    1e-6)``, at most 1, is applied without a host sync. Parameters without a gradient are skipped. With data parallelism
-    call it after the data-parallel gradient reduction (DDP's backward), as torch's. ValueError unless
+    1e-6)``, at most 1, is applied without a host sync. Parameters without a gradient are skipped. With
+    data parallelism call it after the data-parallel gradient reduction (DDP's or FSDP2's backward), as
+    torch's. Under FSDP2 (``fully_shard``, HSDP too) each gradient's share is also summed over its
+    FSDP2 shard group, so the norm is still the unsharded model's. ValueError unless
     ``module`` is an ``nn.Module`` (not its parameters) and ``max_norm`` a positive number; with
     ``error_if_nonfinite`` a RuntimeError when the norm is nan or inf (as torch's).
     """
@@ -49,32 +52,34 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     if not isinstance(norm_type, (int, float)) or isinstance(norm_type, bool) or not norm_type > 0:
         raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}")
     norm_type = float(norm_type)
-    replicated: List[torch.Tensor] = []
-    split: Dict[object, List[torch.Tensor]] = {}      # group -> gradients of parameters split over it
-    for _, param, layout, group in _parameters_with_layouts(module):
+    # A gradient's share of the norm is summed (max for inf) over the ranks that hold other parts of it:
+    # its tensor-parallel group if split, its FSDP2 shard group if a DTensor. One share per pair of them.
+    shares: Dict[Tuple[object, object], List[torch.Tensor]] = {}
+    grads: List[torch.Tensor] = []
+    for _, param, split in _parameters_with_layouts(module):
         if param.grad is None:
             continue
-        if layout is None or group_size(group) == 1:
-            replicated.append(param.grad)
-        else:
-            split.setdefault(group, []).append(param.grad)
-    grads = replicated + [g for gs in split.values() for g in gs]
+        local, chunks = local_rows(param.grad)
+        tp_group = split.group if split.layout is not None and group_size(split.group) > 1 else None
+        shares.setdefault((tp_group, chunks.group), []).append(local)
+        grads.append(local)
     if not grads:
         return torch.zeros(())
     device = grads[0].device
+    reduce_op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
 
     def share(tensors: List[torch.Tensor]) -> torch.Tensor:
         """Their norm's share: sum of |g|^p, or max |g| for inf (0 for none)."""
-        if not tensors:
-            return torch.zeros((), device=device)
-        norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32).to(device)
+        norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device)
                              for g in tensors])
         return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
 
-    total = share(replicated)
-    for group, tensors in split.items():
+    total = torch.zeros((), device=device)
+    for groups, tensors in shares.items():
         part = share(tensors)
-        dist.all_reduce(part, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM, group=group)
+        for group in groups:
+            if group is not None:
+                dist.all_reduce(part, op=reduce_op, group=group)
         total = torch.maximum(total, part) if math.isinf(norm_type) else total + part
     norm = total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(norm):
@@ -82,7 +87,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
                            "non-finite, so they can't be clipped (error_if_nonfinite=False clips anyway)")
     factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for grad in grads:
-        grad.detach().mul_(factor.to(grad.device, grad.dtype))
+        grad.mul_(factor.to(grad.device, grad.dtype))
     return norm
 
 

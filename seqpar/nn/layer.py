@@ -44,7 +44,7 @@ from ..parallel.state import ProcessGroup, SharesProcessGroup, check_ranks_agree
 from ..recompute import checkpoint
 from .layernorm import LayerNorm, RMSNorm
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .state_dict import check_loadable
+from .state_dict import check_loadable, gather_full, scatter_full
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,10 +419,10 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         for name, part in self._parts().items():
             weight = state_dict[f"{name}.weight"].to(device)
             bias = state_dict[f"{name}.bias"].to(device) if f"{name}.bias" in state_dict else None
-            if isinstance(part, (LayerNorm, RMSNorm)):
-                part.weight.copy_(weight)
+            if isinstance(part, (LayerNorm, RMSNorm)):      # replicated
+                scatter_full(weight, part.weight)
                 if bias is not None:
-                    part.bias.copy_(bias)
+                    scatter_full(bias, part.bias)
             else:
                 part.load_full(weight, bias)
 
@@ -432,7 +432,7 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         out = {}
         for name, part in self._parts().items():
             if isinstance(part, (LayerNorm, RMSNorm)):
-                weight, bias = part.weight.detach().clone(), None if part.bias is None else part.bias.detach().clone()
+                weight, bias = gather_full(part.weight), None if part.bias is None else gather_full(part.bias)
             else:
                 weight, bias = part.full()
             out[f"{name}.weight"] = weight

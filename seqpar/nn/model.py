@@ -39,7 +39,7 @@ from ..parallel.state import (ProcessGroup, SharesProcessGroup, agreement_checke
                               group_size)
 from ..memory import recompute_policies, saved_as
 from .layer import AGREEMENT_HINT, TransformerLayer, agreement_values, autocast_dtype, make_norm, run_in_dtype
-from .state_dict import ShardedParameters, ShardLayout, check_loadable
+from .state_dict import ShardedParameters, ShardLayout, check_loadable, gather_full, local_rows, scatter_full
 
 EMBEDDING_RNG_LAYER = 2**31 - 1  # the embedding dropout's "layer number" in the RNG
 VOCAB_PAD_MULTIPLE = 128         # the padded vocabulary is a multiple of this times t
@@ -136,7 +136,8 @@ class _VocabShard(ShardedParameters, SharesProcessGroup, nn.Module):
         """Keep this rank's rows of the unsharded ``weight`` [vocab_size, h]; padded rows become zero.
         (Real rows first: ``weight`` may share memory with this table, e.g. the model's own state dict.)"""
         self._load_full_parameters({"weight": weight})
-        self.weight[self.real_weight.shape[0]:].zero_()
+        local, chunks = local_rows(self.weight)      # under FSDP2 this rank's rows of the shard
+        local[max(0, self.real_weight.shape[0] - chunks.rows[chunks.index][1]):].zero_()
 
     def full(self) -> torch.Tensor:
         """The unsharded [vocab_size, h] table, a new tensor (a collective under TP)."""
@@ -372,7 +373,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
 
         self.embedding.word_embeddings.load_full(normal(self.vocab_size))
         if self.embedding.position_embeddings is not None:
-            self.embedding.position_embeddings.weight.copy_(normal(self.max_seq_len))
+            scatter_full(normal(self.max_seq_len), self.embedding.position_embeddings.weight)
         if self.output_layer is not None:
             self.output_layer.load_full(normal(self.vocab_size))
 
@@ -510,13 +511,13 @@ class GPTModel(SharesProcessGroup, nn.Module):
                        device=self.final_layernorm.weight.device)
         self.embedding.word_embeddings.load_full(state_dict["embedding.word_embeddings.weight"])
         if self.embedding.position_embeddings is not None:
-            self.embedding.position_embeddings.weight.copy_(state_dict["embedding.position_embeddings.weight"])
+            scatter_full(state_dict["embedding.position_embeddings.weight"], self.embedding.position_embeddings.weight)
         for i, layer in enumerate(self.layers):
             prefix = f"layers.{i}."
             layer.load_full_state_dict({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
-        self.final_layernorm.weight.copy_(state_dict["final_layernorm.weight"])
+        scatter_full(state_dict["final_layernorm.weight"], self.final_layernorm.weight)
         if self.final_layernorm.bias is not None:
-            self.final_layernorm.bias.copy_(state_dict["final_layernorm.bias"])
+            scatter_full(state_dict["final_layernorm.bias"], self.final_layernorm.bias)
         if self.output_layer is not None:
             self.output_layer.load_full(state_dict["output_layer.weight"])
 
@@ -525,12 +526,12 @@ class GPTModel(SharesProcessGroup, nn.Module):
         """The unsharded weights, the same on every rank (a collective under TP: call it on every rank)."""
         out = {"embedding.word_embeddings.weight": self.embedding.word_embeddings.full()}
         if self.embedding.position_embeddings is not None:
-            out["embedding.position_embeddings.weight"] = self.embedding.position_embeddings.weight.detach().clone()
+            out["embedding.position_embeddings.weight"] = gather_full(self.embedding.position_embeddings.weight)
         for i, layer in enumerate(self.layers):
             out.update({f"layers.{i}.{k}": v for k, v in layer.full_state_dict().items()})
-        out["final_layernorm.weight"] = self.final_layernorm.weight.detach().clone()
+        out["final_layernorm.weight"] = gather_full(self.final_layernorm.weight)
         if self.final_layernorm.bias is not None:
-            out["final_layernorm.bias"] = self.final_layernorm.bias.detach().clone()
+            out["final_layernorm.bias"] = gather_full(self.final_layernorm.bias)
         if self.output_layer is not None:
             out["output_layer.weight"] = self.output_layer.full()
         return out

@@ -3,17 +3,21 @@
 * :class:`ShardLayout` is the one description of a tensor-parallel split: every loader of unsharded
   weights (``load_full``), every gather of them (``full``) and the sharded state dicts for
   torch.distributed.checkpoint (DCP) read it, so they cannot disagree.
+* FSDP2 (``fully_shard`` over the data-parallel ranks) cuts each tensor-parallel shard once more, into
+  row chunks (DTensor ``Shard(0)``; HSDP replicates them): :func:`scatter_full`, :func:`gather_full`,
+  the sharded state dicts and :func:`seqpar.nn.clip_grad_norm_` take a parameter's pieces in this
+  rank's chunk (:func:`local_rows`), so they work with and without it.
 * :func:`sharded_state_dict` / :func:`sharded_optimizer_state_dict`: this rank's parameters and optimizer
   state, keyed like ``full_state_dict()``, each split tensor a ShardedTensor whose pieces say where they
   lie in the unsharded tensor. DCP saves every piece once and loads a checkpoint at any tensor-parallel
-  size, in place.
+  (and FSDP2) size, in place.
 * :func:`check_shapes` / :func:`check_loadable`: the one check every unsharded-weights loader runs
   before it copies anything.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,6 +28,9 @@ from ..parallel.state import ProcessGroup, check_ranks_agree, group_rank, group_
 # (local_start, full_start, length) along a layout's dim: the shard's indices local_start .. +length are
 # the unsharded tensor's full_start .. +length.
 Piece = Tuple[int, int, int]
+# One block of the unsharded tensor that a rank holds: ((dim, start, length): where it lies in the rank's
+# local tensor, a narrow of it; its offsets in the unsharded tensor, every dim; its sizes, every dim).
+Box = Tuple[Tuple[int, int, int], List[int], List[int]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,33 +69,100 @@ class ShardLayout:
         """The piece in the unsharded tensor ``full`` (a view)."""
         return full.narrow(self.dim, piece[1], piece[2])
 
-    def offsets(self, piece: Piece) -> List[int]:
-        """The piece's first index in the unsharded tensor, every dim."""
-        return [piece[1] if i == self.dim else 0 for i in range(len(self.full_shape))]
 
-    def sizes(self, piece: Piece) -> List[int]:
-        """The piece's size, every dim."""
-        return [piece[2] if i == self.dim else n for i, n in enumerate(self.full_shape)]
+def boxes(layout: Optional[ShardLayout], shard_shape: Sequence[int], first_row: int, rows: int) -> List[Box]:
+    """The blocks of the unsharded tensor in rows ``first_row .. first_row + rows - 1`` of a
+    tensor-parallel shard of shape ``shard_shape`` laid out by ``layout`` (None: a replicated tensor,
+    the shard is the unsharded tensor). Those rows are the rank's local tensor: the whole shard, or its
+    FSDP2 chunk. Each block: where it lies in the local tensor, its offsets and sizes in the unsharded
+    tensor (:data:`Box`); none for rows of padding only."""
+    shard_shape = list(shard_shape)
+    if layout is None:
+        return [((0, 0, rows), [first_row] + [0] * (len(shard_shape) - 1), [rows] + shard_shape[1:])] if rows else []
+    out: List[Box] = []
+    for local_start, full_start, length in layout.pieces:
+        offsets, sizes = [0] * len(shard_shape), list(layout.full_shape)
+        if layout.dim == 0:    # the piece's rows that fall in the chunk
+            start, end = max(local_start, first_row), min(local_start + length, first_row + rows)
+            if start < end:
+                offsets[0], sizes[0] = full_start + start - local_start, end - start
+                out.append(((0, start - first_row, end - start), offsets, sizes))
+        elif rows:             # a piece of columns: the chunk's rows of it
+            offsets[0], sizes[0] = first_row, rows
+            offsets[layout.dim], sizes[layout.dim] = full_start, length
+            out.append(((layout.dim, local_start, length), offsets, sizes))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RowChunks:
+    """How FSDP2 cuts a tensor (a tensor-parallel shard, or a replicated tensor) over its data-parallel
+    shard group: ``rows[j] = (global rank, first row, row count)`` for member j, ``index`` this rank's j,
+    ``group`` the group (None, one member holding every row, for a plain tensor)."""
+
+    rows: Tuple[Tuple[int, int, int], ...]
+    index: int
+    group: Optional[ProcessGroup]
+
+
+def local_rows(tensor: torch.Tensor) -> Tuple[torch.Tensor, RowChunks]:
+    """(this rank's local data of ``tensor``, :class:`RowChunks`). A plain tensor is all local; a DTensor
+    (FSDP2's parameters, their gradients and optimizer state) must be ``Shard(0)`` over one mesh dim and
+    ``Replicate()`` over any others (FSDP2, HSDP): its local data are its ``torch.chunk`` rows on that
+    dim. ValueError for other placements."""
+    if not _is_dtensor(tensor):
+        whole = tensor.shape[0] if tensor.dim() else 1
+        return tensor, RowChunks(((dist.get_rank() if dist.is_initialized() else 0, 0, whole),), 0, None)
+    placements = tuple(tensor.placements)
+    sharded = [i for i, p in enumerate(placements) if p.is_shard()]
+    with torch.no_grad():    # the local tensor itself (in-place writes reach the DTensor), not a graph node
+        local = tensor.to_local()
+    if len(sharded) != 1 or not placements[sharded[0]].is_shard(0) or not all(
+            p.is_replicate() for i, p in enumerate(placements) if i != sharded[0]):
+        raise ValueError(f"a DTensor with placements {placements}: seqpar takes FSDP2's (Shard(0) on one mesh dim, "
+                         "Replicate() on the others, as fully_shard makes them)")
+    mesh_dim = sharded[0]
+    group = tensor.device_mesh.get_group(mesh_dim)
+    ranks, index = dist.get_process_group_ranks(group), tensor.device_mesh.get_local_rank(mesh_dim)
+    total = tensor.shape[0]
+    per = -(-total // len(ranks))     # torch.chunk's rows per member: the last ones get fewer or none
+    rows = tuple((rank, min(j * per, total), max(0, min(per, total - j * per))) for j, rank in enumerate(ranks))
+    if local.shape[0] != rows[index][2]:
+        raise ValueError(f"a DTensor holding {local.shape[0]} of {total} rows on shard {index} of {len(ranks)}: "
+                         f"seqpar takes torch.chunk's split of Shard(0) ({rows[index][2]} rows there)")
+    return local, RowChunks(rows, index, group)
 
 
 @torch.no_grad()
-def scatter_full(full: torch.Tensor, shard: torch.Tensor, layout: ShardLayout) -> None:
-    """Copy this rank's pieces of the unsharded ``full`` into ``shard`` (padding untouched)."""
-    for piece in layout.pieces:
-        layout.local_view(shard, piece).copy_(layout.full_view(full, piece))
+def scatter_full(full: torch.Tensor, shard: torch.Tensor, layout: Optional[ShardLayout] = None) -> None:
+    """Copy this rank's blocks of the unsharded ``full`` into ``shard``, a tensor-parallel shard laid out
+    by ``layout`` (None: replicated, all of ``full``), plain or FSDP2's DTensor (padding untouched)."""
+    local, chunks = local_rows(shard)
+    _, first_row, rows = chunks.rows[chunks.index]
+    for (dim, start, length), offsets, sizes in boxes(layout, shard.shape, first_row, rows):
+        block = full
+        for d, (offset, size) in enumerate(zip(offsets, sizes)):
+            block = block.narrow(d, offset, size)
+        local.narrow(dim, start, length).copy_(block)
 
 
 @torch.no_grad()
-def gather_full(shard: torch.Tensor, layout_of_rank: Callable[[int], ShardLayout], group: ProcessGroup) -> torch.Tensor:
-    """The unsharded tensor from every rank's ``shard`` (equal shapes on every rank; a collective under
-    TP), each placed by ``layout_of_rank(r)``; a new tensor."""
+def gather_full(shard: torch.Tensor, layout_of_rank: Optional[Callable[[int], ShardLayout]] = None,
+                group: ProcessGroup = None) -> torch.Tensor:
+    """The unsharded tensor, a new one, from every rank's ``shard`` (equal shapes on every rank; a
+    collective under TP and under FSDP2: call it on every rank), each placed by ``layout_of_rank(r)``
+    (None: a replicated tensor). An FSDP2 DTensor is first gathered over its data-parallel ranks."""
+    if _is_dtensor(shard):
+        local_rows(shard)                  # ValueError for placements other than FSDP2's
+        shard = shard.full_tensor()
+    if layout_of_rank is None:
+        return shard.detach().clone()
     t = group_size(group)
     shards = [shard]
     if t > 1:
         shards = [torch.empty_like(shard) for _ in range(t)]
         dist.all_gather(shards, shard.contiguous(), group=group)
-    layout = layout_of_rank(0)
-    full = shard.new_empty(layout.full_shape)
+    full = shard.new_empty(layout_of_rank(0).full_shape)
     for r, part in enumerate(shards):
         layout = layout_of_rank(r)
         for piece in layout.pieces:
@@ -108,6 +182,12 @@ class ShardedParameters:
         """{parameter name: its layout on ``rank`` of ``tp_group``}, split parameters only."""
         raise NotImplementedError
 
+    def layout_of_rank(self, name: str) -> Optional[Callable[[int], ShardLayout]]:
+        """``rank -> layout of parameter name on that rank``; None for a replicated parameter."""
+        if name not in self.shard_layouts(0):
+            return None
+        return lambda rank: self.shard_layouts(rank)[name]
+
     @torch.no_grad()
     def _load_full_parameters(self, full: Mapping[str, Optional[torch.Tensor]]) -> None:
         """Keep this rank's shard of each unsharded tensor in ``full`` (by parameter name; None: no such
@@ -120,44 +200,13 @@ class ShardedParameters:
                     raise ValueError(f"{type(self).__name__} {'has no' if param is None else 'needs a'} {name}, "
                                      f"got {'one' if param is None else 'None'}")
                 continue
-            if name in layouts:
-                scatter_full(value, param, layouts[name])
-            else:
-                param.copy_(value)
+            scatter_full(value, param, layouts.get(name))
 
     @torch.no_grad()
     def _full_parameter(self, name: str) -> Optional[torch.Tensor]:
         """The unsharded parameter ``name`` (a collective if it is split), a new tensor; None if unset."""
         param = getattr(self, name)
-        if param is None:
-            return None
-        if _is_dtensor(param):
-            raise ValueError(f"{type(self).__name__}.{name} is a DTensor (FSDP2's fully_shard?): gathering the "
-                             "unsharded weights takes plain tensor-parallel shards; FSDP2 is not supported here yet")
-        if name not in self.shard_layouts(0):
-            return param.detach().clone()
-        return gather_full(param.detach(), lambda r: self.shard_layouts(r)[name], self.tp_group)
-
-
-def _sharded_tensor(shard: torch.Tensor, layout: ShardLayout, group: ProcessGroup):
-    """``shard``'s pieces as a ShardedTensor of the unsharded shape (pieces are views: DCP loads into
-    ``shard`` in place). On one rank, the one piece as a plain tensor view."""
-    if group_size(group) == 1:
-        (piece,) = layout.pieces
-        return layout.local_view(shard, piece)
-    # torch.distributed.checkpoint takes arbitrary pieces only as ShardedTensor (DTensor's Shard splits
-    # evenly: it can express neither fused QKV's three pieces per rank nor the vocabulary's real rows).
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
-
-    # A rank without pieces (a vocabulary shard of padding only) offers an empty one at the end of dim:
-    # DCP's load drops a ShardedTensor without local shards from its key set, takes the missing key for
-    # a pre-2.4 checkpoint and then fails on every other nested key ("Missing key ... param_groups").
-    pieces = layout.pieces or ((0, layout.full_shape[layout.dim], 0),)
-    placement = f"rank:{dist.get_rank()}/{shard.device}"     # the global rank, whatever the group
-    local = [Shard(layout.local_view(shard, piece),
-                   ShardMetadata(layout.offsets(piece), layout.sizes(piece), placement)) for piece in pieces]
-    return init_from_local_shards(local, *layout.full_shape, process_group=group)
+        return None if param is None else gather_full(param, self.layout_of_rank(name), self.tp_group)
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:
@@ -185,27 +234,30 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
 _WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod")
 
 
-def _parameters_with_layouts(
-        module: nn.Module) -> Iterator[Tuple[str, nn.Parameter, Optional[ShardLayout], ProcessGroup]]:
-    """(key, parameter, this rank's layout or None if replicated, group) for every parameter of
-    ``module``, keyed as ``named_parameters()`` without the wrappers' names (a parameter shared by two
-    modules once)."""
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """How a parameter is split over tensor parallelism: its ``group`` and ``layout_of_rank`` (None for a
+    replicated parameter, or a split one at t = 1: then every rank holds the whole of it)."""
+
+    group: ProcessGroup
+    layout_of_rank: Optional[Callable[[int], ShardLayout]]
+    layout: Optional[ShardLayout]      # this rank's
+
+
+def _parameters_with_layouts(module: nn.Module) -> Iterator[Tuple[str, nn.Parameter, _Split]]:
+    """(key, parameter, its :class:`_Split`) for every parameter of ``module``, keyed as
+    ``named_parameters()`` without the wrappers' names (a parameter shared by two modules once)."""
     seen = set()
     for prefix, sub in _unwrapped(module).named_modules():
-        layouts, group = {}, None
-        if isinstance(sub, ShardedParameters):
-            group = sub.tp_group
-            layouts = sub.shard_layouts(group_rank(group))
         for name, param in sub.named_parameters(recurse=False):
             if id(param) in seen:
                 continue
-            if _is_dtensor(param):
-                raise ValueError(f"parameter {prefix}.{name} is a DTensor (FSDP2's fully_shard?): seqpar's sharded "
-                                 "state dicts and clip_grad_norm_ take plain tensor-parallel shards (DDP for data "
-                                 "parallelism); FSDP2 over the data-parallel ranks is not supported by them yet")
             seen.add(id(param))
             key = ".".join(part for part in f"{prefix}.{name}".split(".") if part and part not in _WRAPPER_NAMES)
-            yield key, param, layouts.get(name), group
+            layout_of_rank = sub.layout_of_rank(name) if isinstance(sub, ShardedParameters) else None
+            group = sub.tp_group if layout_of_rank is not None else None
+            layout = layout_of_rank(group_rank(group)) if layout_of_rank is not None else None
+            yield key, param, _Split(group, layout_of_rank, layout)
 
 
 def _check_not_meta(module: nn.Module, what: str) -> None:
@@ -213,6 +265,85 @@ def _check_not_meta(module: nn.Module, what: str) -> None:
     if meta is not None:
         raise ValueError(f"{what}: parameter {meta} is on the meta device (no data to save or load into): "
                          "call module.to_empty(device=...) first")
+
+
+class _ShardedTensors:
+    """Makes the values of one sharded state dict. A tensor split over tensor parallelism or FSDP2
+    becomes a ShardedTensor of the unsharded shape: its local shards are views of this rank's blocks,
+    its metadata lists every rank's blocks (one copy of each: a data-parallel replica's own copies are
+    its own ShardedTensor's), so DCP saves each block once and loads in place.
+
+    Every rank's blocks are computed here, from every tensor-parallel rank's layout and FSDP2's row
+    chunks, so no ShardedTensor needs a collective of its own (torch's public ``init_from_local_shards``
+    all-gathers the blocks of every tensor, and over one process group, which tensor parallelism x
+    FSDP2 blocks are not). What this rank can't know, which ranks its tensor-parallel peers shard with
+    under FSDP2, takes one small all-gather over each tensor-parallel group when the maker is built
+    (none without FSDP2 or at t = 1).
+    """
+
+    def __init__(self, entries: Sequence[Tuple[torch.Tensor, _Split]]):
+        # {tp group: {this rank's FSDP2 shard ranks: that group's ranks on each tp rank}}
+        self._peer_ranks: Dict[object, Dict[Tuple[int, ...], List[Tuple[int, ...]]]] = {}
+        by_group: Dict[object, List[Tuple[int, ...]]] = {}
+        for tensor, split in entries:
+            if split.layout is not None and group_size(split.group) > 1 and _is_dtensor(tensor):
+                ranks = tuple(rank for rank, _, _ in local_rows(tensor)[1].rows)
+                if ranks not in by_group.setdefault(split.group, []):
+                    by_group[split.group].append(ranks)
+        for group, mine in by_group.items():
+            gathered: List[object] = [None] * group_size(group)
+            dist.all_gather_object(gathered, mine, group=group)
+            if any(len(theirs) != len(mine) for theirs in gathered):
+                raise ValueError("the tensor-parallel ranks shard their parameters over different numbers of "
+                                 f"FSDP2 meshes ({[len(theirs) for theirs in gathered]}): apply fully_shard alike "
+                                 "on every rank")
+            self._peer_ranks[group] = {ranks: [theirs[i] for theirs in gathered] for i, ranks in enumerate(mine)}
+
+    def __call__(self, tensor: torch.Tensor, split: _Split):
+        """``tensor`` (a parameter, or optimizer state of its shape) as a state-dict value: a plain tensor
+        when this rank holds all of it (replicated, or t = 1 without FSDP2: the one piece, a view), else a
+        ShardedTensor."""
+        local, chunks = local_rows(tensor)
+        split_over_tp = split.layout is not None and group_size(split.group) > 1
+        if chunks.group is None and not split_over_tp:
+            if split.layout is None:
+                return tensor
+            ((where, _, _),) = boxes(split.layout, tensor.shape, 0, tensor.shape[0])
+            return local.narrow(*where)
+        # DTensor's Shard splits evenly: it can express neither fused QKV's three pieces per rank nor the
+        # vocabulary's real rows, so DCP takes these pieces as a ShardedTensor.
+        from torch.distributed._shard.metadata import ShardMetadata
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+        from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+        full_shape = split.layout.full_shape if split.layout is not None else tuple(tensor.shape)
+        my_shard_ranks = tuple(rank for rank, _, _ in chunks.rows)
+        if split_over_tp:      # every tensor-parallel rank's layout and FSDP2 shard group
+            t = group_size(split.group)
+            ranks_of = (self._peer_ranks[split.group][my_shard_ranks] if chunks.group is not None
+                        else [(dist.get_global_rank(split.group, r),) for r in range(t)])
+            holders = [(split.layout_of_rank(r), ranks_of[r]) for r in range(t)]
+        else:                  # replicated over tensor parallelism: this rank's FSDP2 shard group
+            holders = [(split.layout, my_shard_ranks)]
+        me, metadata, local_shards = dist.get_rank(), [], []
+        for layout, ranks in holders:
+            for rank, (_, first_row, rows) in zip(ranks, chunks.rows):
+                # A rank without blocks (a vocabulary shard of padding only) offers an empty one at the end
+                # of dim 0: DCP's load drops a ShardedTensor without local shards from its key set, takes
+                # the missing key for a pre-2.4 checkpoint and then fails on every other nested key.
+                held = boxes(layout, tensor.shape, first_row, rows) or [
+                    ((0, 0, 0), [full_shape[0]] + [0] * (len(full_shape) - 1), [0] + list(full_shape[1:]))]
+                for where, offsets, sizes in held:
+                    # The global rank, whatever the group; another rank's device index isn't known here.
+                    placement = f"rank:{rank}/{local.device if rank == me else local.device.type}"
+                    shard_metadata = ShardMetadata(offsets, sizes, placement)
+                    metadata.append(shard_metadata)
+                    if rank == me:
+                        local_shards.append(Shard(local.narrow(*where), shard_metadata))
+        properties = TensorProperties(dtype=tensor.dtype, requires_grad=False)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            local_shards, ShardedTensorMetadata(metadata, torch.Size(full_shape), properties),
+            process_group=dist.group.WORLD)
 
 
 def sharded_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
@@ -228,18 +359,21 @@ def sharded_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
 
     ``dcp.save(sharded_state_dict(model), checkpoint_id=path)`` on every rank writes each piece once;
     ``dcp.load(sharded_state_dict(model), checkpoint_id=path)`` loads a checkpoint saved at any
-    tensor-parallel size into the parameters in place. (Not a collective itself on one rank; under TP the
-    ShardedTensors are built with a small all-gather each: call it on every rank.) On one rank every value
-    is a plain tensor, the vocabulary tables their real rows. ValueError for parameters on the meta device.
+    tensor-parallel size into the parameters in place. On one rank every value is a plain tensor, the
+    vocabulary tables their real rows. ValueError for parameters on the meta device.
+
+    Under FSDP2 (``fully_shard`` over the data-parallel ranks; HSDP too) every parameter is a ShardedTensor
+    of this rank's blocks in its row chunk (replicated ones too), so a checkpoint moves between any
+    tensor-parallel and FSDP2 sizes, or none. No collective but, under TP x FSDP2, one small all-gather
+    per tensor-parallel group (which ranks the peers shard with): call it on every rank.
 
     DCP's load warns that ShardedTensor is deprecated in favour of DTensor (its own code reads the
     ShardedTensor's device). DTensor can't express these pieces; the warning changes nothing.
     """
     _check_not_meta(module, "sharded_state_dict")
-    out = {}
-    for key, param, layout, group in _parameters_with_layouts(module):
-        out[key] = param.detach() if layout is None else _sharded_tensor(param.detach(), layout, group)
-    return out
+    entries = [(key, param.detach(), split) for key, param, split in _parameters_with_layouts(module)]
+    sharded = _ShardedTensors([(tensor, split) for _, tensor, split in entries])
+    return {key: sharded(tensor, split) for key, tensor, split in entries}
 
 
 @torch.no_grad()
@@ -270,9 +404,9 @@ def _created_optimizer_state(optimizer: torch.optim.Optimizer, params: List[nn.P
 
 
 def _optimizer_keys(module: nn.Module, optimizer: torch.optim.Optimizer, what: str):
-    """{id(param): (key, layout, group)} over the module's parameters, checked to hold every parameter
-    the optimizer updates."""
-    info = {id(param): (key, layout, group) for key, param, layout, group in _parameters_with_layouts(module)}
+    """{id(param): (key, split)} over the module's parameters, checked to hold every parameter the
+    optimizer updates."""
+    info = {id(param): (key, split) for key, param, split in _parameters_with_layouts(module)}
     foreign = sum(id(p) not in info for group in optimizer.param_groups for p in group["params"])
     if foreign:
         raise ValueError(f"{what}: the optimizer updates {foreign} parameter(s) that are not the module's; "
@@ -294,13 +428,13 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
     ``{"state": {parameter key: {state name: tensor}}, "has_state": {parameter key: 0-d int64 tensor},
     "param_groups": [{hyperparameters, "params": [parameter keys]}]}``, keys as :func:`sharded_state_dict`'s.
 
-    A state tensor of its parameter's shard shape (Adam's ``exp_avg`` / ``exp_avg_sq``, SGD's momentum)
-    is split like the parameter (a ShardedTensor of the unsharded shape under TP); a 0-d one (``step``)
-    and the state of replicated parameters are plain tensors. Every tensor is the optimizer's own (a view:
-    DCP loads in place). A trainable parameter without state (a fresh optimizer before a load; a
-    parameter not stepped yet) gets placeholder tensors made by the optimizer's own step over it alone
-    (zero gradients, learning rate 0) but kept out of the optimizer, and ``has_state`` 0: saving changes
-    nothing, and a resumed run leaves that parameter without state as the saving run had it.
+    A state tensor of its parameter's shard shape (Adam's ``exp_avg`` / ``exp_avg_sq``, SGD's momentum) is
+    split like the parameter (a ShardedTensor of the unsharded shape under TP or FSDP2); a 0-d one (``step``)
+    and, without FSDP2, the state of replicated parameters are plain tensors. Every tensor is the optimizer's
+    own (a view: DCP loads in place). A trainable parameter without state (a fresh optimizer before a load; a
+    parameter not stepped yet) gets placeholder tensors made by the optimizer's own step over it alone (zero
+    gradients, learning rate 0) but kept out of the optimizer, and ``has_state`` 0: saving changes nothing,
+    and a resumed run leaves that parameter without state as the saving run had it.
     ValueError, before anything is made, for a parameter the module doesn't hold, for state that is not a
     tensor or has another shape (it could not be resharded), and for parameters on the meta device.
 
@@ -321,13 +455,17 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
                                  f"the parameter's shape {tuple(param.shape)} or a 0-d tensor to be resharded, "
                                  f"got {got}")
     created = _created_optimizer_state(optimizer, [p for p in params if p.requires_grad and not optimizer.state.get(p)])
-    state, has_state = {}, {}
+    entries, has_state = [], {}
     for param in params:
-        key, layout, group = info[id(param)]
+        key, split = info[id(param)]
         own = optimizer.state.get(param)
-        state[key] = {name: _sharded_tensor(value, layout, group) if layout is not None and value.dim() else value
-                      for name, value in (own or created.get(param, {})).items()}
+        entries += [(key, name, value, split) for name, value in (own or created.get(param, {})).items()]
         has_state[key] = torch.tensor(int(bool(own)))
+    # A 0-d tensor (Adam's step) is the same on every rank; the others are split like their parameter.
+    sharded = _ShardedTensors([(value, split) for _, _, value, split in entries if value.dim()])
+    state = {info[id(param)][0]: {} for param in params}
+    for key, name, value, split in entries:
+        state[key][name] = sharded(value, split) if value.dim() else value
     groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [info[id(p)][0] for p in group["params"]]}
               for group in optimizer.param_groups]
     out = _OptimizerStateDict(state=state, has_state=has_state, param_groups=groups)
@@ -418,5 +556,6 @@ def check_loadable(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[
     check_ranks_agree(group, {}, what=what, error=problem)
 
 
-__all__ = ["ShardLayout", "ShardedParameters", "scatter_full", "gather_full", "sharded_state_dict",
-           "sharded_optimizer_state_dict", "load_sharded_optimizer_state_dict", "check_shapes", "check_loadable"]
+__all__ = ["ShardLayout", "ShardedParameters", "RowChunks", "boxes", "local_rows", "scatter_full", "gather_full",
+           "sharded_state_dict", "sharded_optimizer_state_dict", "load_sharded_optimizer_state_dict", "check_shapes",
+           "check_loadable"]

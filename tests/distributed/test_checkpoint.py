@@ -67,12 +67,31 @@ def _by_value(state):
 
 def _tp_group(world_size, tp):
     """This rank's tensor-parallel group: consecutive ranks, ``world_size / tp`` data-parallel replicas."""
+    if world_size == 1:
+        return None
     groups = [dist.new_group(list(range(first, first + tp))) for first in range(0, world_size, tp)]
     return groups[dist.get_rank() // tp]
 
 
-def _save_worker(rank, world_size, path, tp, family):
+def _fully_shard(model, world_size, tp, how):
+    """FSDP2 over this rank's data-parallel group (the ranks r, r + tp, ...): each layer, then the model.
+    ``how == "hsdp"`` (t = 1, world 4): HSDP, two replicas [0, 1] and [2, 3] of a 2-way FSDP2."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    if how == "hsdp":
+        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        groups = [dist.new_group(list(range(r, world_size, tp))) for r in range(tp)]
+        mesh = DeviceMesh.from_group(groups[dist.get_rank() % tp], "cpu")
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _save_worker(rank, world_size, path, tp, family, fsdp):
     model = _model(_tp_group(world_size, tp), seed=1, family=family)
+    if fsdp:
+        _fully_shard(model, world_size, tp, fsdp)
     optimizer = _optimizer(model)
     _train(model, optimizer, range(STEPS_BEFORE_SAVE))
     import torch.distributed.checkpoint as dcp
@@ -83,13 +102,15 @@ def _save_worker(rank, world_size, path, tp, family):
     return saved, _by_value(model.full_state_dict())
 
 
-def _resume_worker(rank, world_size, path, family):
-    """The large-model recipe: build on the meta device, allocate (to_empty), load. Every parameter is
-    NaN before the load, padded vocabulary rows included: what the load doesn't fill must never be read."""
+def _resume_worker(rank, world_size, path, family, tp, fsdp):
+    """The large-model recipe: build on the meta device (FSDP2: shard it there), allocate (to_empty),
+    load. Every parameter is NaN before the load, padded vocabulary rows included: what the load doesn't
+    fill must never be read."""
     import torch.distributed.checkpoint as dcp
-    group = dist.group.WORLD if world_size > 1 else None
     with torch.device("meta"):
-        model = _model(group, seed=2, family=family)
+        model = _model(_tp_group(world_size, tp), seed=2, family=family)
+    if fsdp:
+        _fully_shard(model, world_size, tp, fsdp)
     model.to_empty(device="cpu")
     with torch.no_grad():
         for param in model.parameters():
@@ -105,14 +126,25 @@ def _resume_worker(rank, world_size, path, family):
     return loaded, _by_value(model.full_state_dict()), optimizer.param_groups[0]["lr"]
 
 
+# (world size, t, FSDP2 over the world / t data-parallel ranks: no / "fsdp2" / "hsdp") of the saving and
+# the resuming run
+PLAIN_T2, T4, T1 = (2, 2, None), (4, 4, None), (1, 1, None)
+DP2_T2, FSDP2_T2, HSDP_T1 = (4, 2, None), (4, 2, "fsdp2"), (4, 1, "hsdp")
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("family, save_world, resume_size", [("llama", 2, 4), ("llama", 4, 1), ("gpt", 2, 4)],
-                         ids=["t2-to-t4", "t2-dp2-to-t1", "gpt-t2-to-t4"])
-def test_resume_at_another_tensor_parallel_size_continues_the_trajectory(tmp_path, family, save_world, resume_size):
-    """Saved at t = 2 (alone, or two data-parallel replicas of it: DCP writes each piece once)."""
+@pytest.mark.parametrize("family, save, resume", [("llama", PLAIN_T2, T4), ("llama", DP2_T2, T1), ("gpt", PLAIN_T2, T4),
+                                                  ("llama", FSDP2_T2, T1), ("gpt", PLAIN_T2, FSDP2_T2),
+                                                  ("gpt", HSDP_T1, PLAIN_T2)],
+                         ids=["t2-to-t4", "t2-dp2-to-t1", "gpt-t2-to-t4", "t2-fsdp2-to-t1", "gpt-t2-to-t2-fsdp2",
+                              "gpt-t1-hsdp-to-t2"])
+def test_resume_at_another_tensor_parallel_size_continues_the_trajectory(tmp_path, family, save, resume):
+    """Saved at t = 2 (alone, as two data-parallel replicas of it: DCP writes each piece once, or with
+    FSDP2 over those two: each rank holds half its shard's rows) or at t = 1 under HSDP, resumed at
+    t = 4, t = 2, t = 1 or under FSDP2."""
     path = str(tmp_path / "ckpt")
-    saved, reference = run_ranks(_save_worker, save_world, path, 2, family, timeout_s=120)[0]
-    results = run_ranks(_resume_worker, resume_size, path, family, timeout_s=120)
+    saved, reference = run_ranks(_save_worker, save[0], path, save[1], family, save[2], timeout_s=120)[0]
+    results = run_ranks(_resume_worker, resume[0], path, family, resume[1], resume[2], timeout_s=120)
     for rank, (loaded, resumed, lr) in enumerate(results):
         assert lr == LR, rank
         for key in saved:                                 # the saved weights, exactly, at the new size
@@ -130,18 +162,20 @@ def _pieces_worker(rank, world_size):
     data_parallel = [dist.new_group([r]) for r in range(world_size)][rank]
     ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=data_parallel)
     ddp_keys = [set(sharded_state_dict(wrapped)) for wrapped in (ddp, torch.compile(ddp))]   # compile(DDP(m))
-    # FSDP2's DTensor parameters: a ValueError that says so (not an error deep inside a collective).
+    # A DTensor split other than FSDP2's (Shard(0) on one mesh dim): a ValueError that says so, not a
+    # silent misplacement or an error deep inside a collective.
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
-    linear = torch.nn.Linear(2, 2)
-    linear.weight = torch.nn.Parameter(distribute_tensor(linear.weight.detach(), init_device_mesh("cpu", (world_size,)),
-                                                         [Replicate()]))
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world_size,))
+    linear = torch.nn.Linear(4, 4)
+    linear.weight = torch.nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [Shard(1)]))
+    linear.weight.grad = distribute_tensor(torch.ones(4, 4), mesh, [Shard(1)])
     refused = []
     for call in (lambda: sharded_state_dict(linear), lambda: seqpar.nn.clip_grad_norm_(linear, 1.0)):
         try:
             call()
         except ValueError as exc:
-            refused.append("FSDP2" in str(exc))
+            refused.append("Shard(dim=1)" in str(exc) and "FSDP2" in str(exc))
     qkv = state["layers.0.self_attention.query_key_value.weight"]
     head = state["output_layer.weight"]
     return ([(s.metadata.shard_offsets, s.metadata.shard_sizes) for s in qkv.local_shards()],
@@ -153,7 +187,7 @@ def _pieces_worker(rank, world_size):
 
 @pytest.mark.timeout(120)
 def test_pieces_are_views_at_their_offsets_in_the_unsharded_tensor():
-    """Also: DDP and compile(DDP(model)) give the model's keys; DTensor (FSDP2) parameters are refused."""
+    """Also: DDP and compile(DDP(model)) give the model's keys; DTensor splits other than FSDP2's are refused."""
     # h = 64, 8 query heads and 4 KV groups of d = 8: Q rows 64, K rows 32, V rows 32, split over t = 4.
     results = run_ranks(_pieces_worker, 4, timeout_s=90)
     for rank, (qkv, head, qkv_size, head_size, is_view, same_keys_under_ddp, refused) in enumerate(results):
