@@ -72,12 +72,19 @@ OP = "attention_core"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def attention_keep_mask(spec: DropoutSpec, b: int, heads: int, s_q: int, s_k: int, device) -> torch.Tensor:
+def attention_keep_mask(spec: DropoutSpec, b: int, heads: int, s_q: int, s_k: int, device,
+                        kv_heads: Optional[int] = None) -> torch.Tensor:
     """Bool keep-mask [b, heads, s_q, s_k] of the attention dropout (head-major rows over the q heads,
-    see module doc)."""
+    see module doc). With ``kv_heads``: the same mask in :func:`group_rows`' layout, [b, kv_heads,
+    (heads / kv_heads) * s_q, s_k] (row g * s_q + i of kv head h is q head h * G + g's row i)."""
     batch = torch.arange(b, device=device).view(b, 1, 1)
-    head = torch.arange(heads, device=device).view(1, heads, 1)
-    query = torch.arange(s_q, device=device).view(1, 1, s_q)
+    if kv_heads is None:
+        head, query = torch.arange(heads, device=device).view(1, heads, 1), torch.arange(s_q, device=device)
+    else:
+        group = heads // kv_heads
+        grouped_row = torch.arange(group * s_q, device=device)
+        head = torch.arange(kv_heads, device=device).view(1, kv_heads, 1) * group + grouped_row // s_q
+        query = grouped_row % s_q
     rows = (head * b + batch) * s_q + query + spec.row_offset
     return dropout_keep_mask(spec.seed, rows, s_k, spec.threshold)
 
@@ -91,41 +98,48 @@ def group_rows(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[b, Hq, s, n] -> [b, Hk, (Hq / Hk) * s, n]: the q heads of one kv head's group stacked along the
     rows (q head i is in group i // (Hq / Hk)), so one GEMM per kv head covers its group. A view when the
     head and row strides allow it (contiguous [b, Hq, s, n]), else a copy of x (never of k or v)."""
-    b, heads, s, n = x.shape
-    return x.reshape(b, kv_heads, (heads // kv_heads) * s, n)
+    return x.unflatten(1, (kv_heads, -1)).flatten(2, 3)     # not one reshape: see ungroup_rows
+
+
+def ungroup_rows(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[b, Hk, (Hq / Hk) * s, n] -> [b, Hq, s, n], the inverse of :func:`group_rows` (a view of a
+    contiguous x). Unflatten then flatten, not one reshape: torch.export with a dynamic s can't prove
+    the stride guards of one reshape between G * s rows and (G, s) (Min(s, G s^2) == s)."""
+    return x.unflatten(2, (heads // x.shape[1], -1)).flatten(1, 2)
 
 
 # ----------------------------------------------------------------------------- torch reference
+# Every [s_q, s_k] tensor (scores, probabilities, masks, their gradients) stays in group_rows' layout
+# [b, Hk, G * s_q, s_k], made there: regrouping one (a view between G * s_q rows and (G, s_q) of a matrix
+# whose other dim is s_k too) makes stride guards torch.export can't prove for a dynamic s.
 def _torch_forward(q, k, v, causal: bool, scale: float, spec: DropoutSpec):
     b, heads, s_q, d = q.shape
     kv_heads, s_k = k.shape[1], k.shape[2]
-    scores = torch.matmul(group_rows(q.float(), kv_heads), k.float().transpose(-2, -1))
-    scores = (scores * scale).view(b, heads, s_q, s_k)
+    scores = torch.matmul(group_rows(q.float(), kv_heads), k.float().transpose(-2, -1)) * scale
     if causal:
-        scores.masked_fill_(causal_mask(s_q, s_k, q.device), float("-inf"))
+        scores.masked_fill_(causal_mask(s_q, s_k, q.device).repeat(heads // kv_heads, 1), float("-inf"))
     probs = name_storage(torch.softmax(scores, dim=-1).to(q.dtype), "softmax output")
     dropped = probs
     if spec.active:
-        keep = attention_keep_mask(spec, b, heads, s_q, s_k, q.device)
+        keep = attention_keep_mask(spec, b, heads, s_q, s_k, q.device, kv_heads)
         dropped = name_storage((probs.float() * keep * spec.scale).to(q.dtype), "dropout output")
-    o = torch.matmul(group_rows(dropped.float(), kv_heads), v.float())
-    return registry.cast(o.view(b, heads, s_q, d), q.dtype), (probs, dropped)
+    o = torch.matmul(dropped.float(), v.float())
+    return registry.cast(ungroup_rows(o, heads), q.dtype), (probs, dropped)
 
 
 def _torch_backward(grad_o, q, k, v, saved, causal: bool, scale: float, spec: DropoutSpec):
     b, heads, s_q, d = q.shape
     kv_heads, s_k = k.shape[1], k.shape[2]
-    probs, dropped = (t.float() for t in saved)
+    probs, dropped = (t.float() for t in saved)                 # [b, Hk, G * s_q, s_k]
     grad_o = group_rows(grad_o.float(), kv_heads)
-    grad_v = torch.matmul(group_rows(dropped, kv_heads).transpose(-2, -1), grad_o)    # sums over the group
-    grad_dropped = torch.matmul(grad_o, v.float().transpose(-2, -1)).view(b, heads, s_q, s_k)
+    grad_v = torch.matmul(dropped.transpose(-2, -1), grad_o)    # sums over the group
+    grad_dropped = torch.matmul(grad_o, v.float().transpose(-2, -1))
     if spec.active:
-        keep = attention_keep_mask(spec, b, heads, s_q, s_k, q.device)
-        grad_probs = grad_dropped * keep * spec.scale
+        grad_probs = grad_dropped * attention_keep_mask(spec, b, heads, s_q, s_k, q.device, kv_heads) * spec.scale
     else:
         grad_probs = grad_dropped
-    grad_scores = group_rows(probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True)), kv_heads)
-    grad_q = (torch.matmul(grad_scores, k.float()) * scale).view(b, heads, s_q, d)
+    grad_scores = probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True))
+    grad_q = ungroup_rows(torch.matmul(grad_scores, k.float()) * scale, heads)
     grad_k = torch.matmul(grad_scores.transpose(-2, -1), group_rows(q.float(), kv_heads)) * scale
     return grad_q, grad_k, grad_v
 
@@ -237,7 +251,7 @@ def _cuda_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
             scores.data_ptr(), probs.data_ptr(),
             *_cuda_launch_args(probs.shape, q.dtype, causal, drop_threshold, seed, row_offset, q.device))
     dropped = scores if drop_threshold > 0 else probs.view(scores.shape)
-    return torch.matmul(dropped, v).view(b, heads, s_q, d), probs
+    return ungroup_rows(torch.matmul(dropped, v), heads), probs
 
 
 @_cuda_fwd_op.register_fake
@@ -263,7 +277,7 @@ def _cuda_bwd_op(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             probs.data_ptr(), grad.data_ptr(), dropped.data_ptr() if drop_threshold > 0 else 0,
             *_cuda_launch_args(probs.shape, q.dtype, causal, drop_threshold, seed, row_offset, q.device))
     grad_v = torch.matmul(dropped.transpose(-2, -1), grad_o)                       # sums over the group
-    grad_q = scaled_matmul(grad, k, scale).view(b, heads, s_q, d)
+    grad_q = ungroup_rows(scaled_matmul(grad, k, scale), heads)
     grad_k = scaled_matmul(grad.transpose(-2, -1), group_rows(q, kv_heads), scale)   # sums over the group
     return grad_q, grad_k, grad_v
 

@@ -414,10 +414,22 @@ def test_gqa_dropout_rows_are_per_q_head_and_shard_by_rank():
             torch.testing.assert_close(g, gf[:, sl], atol=1e-6, rtol=1e-6)
 
 
+def test_grouped_keep_mask_is_the_mask_in_group_rows_layout():
+    """The torch reference draws its attention-dropout mask in group_rows' layout [b, Hk, G s, s_k]:
+    the same bits as the [b, Hq, s, s_k] mask, regrouped (here also at a row offset, s_q != s_k)."""
+    from seqpar.ops.attention_core import group_rows
+    b, heads, kv_heads, s_q, s_k = 2, 6, 2, 5, 7
+    spec = DropoutSpec(0.3, SEED, 40)
+    grouped = attention_keep_mask(spec, b, heads, s_q, s_k, "cpu", kv_heads)
+    assert grouped.shape == (b, kv_heads, heads // kv_heads * s_q, s_k)
+    assert torch.equal(grouped, group_rows(attention_keep_mask(spec, b, heads, s_q, s_k, "cpu"), kv_heads))
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_gqa_keeps_k_and_v_at_their_heads(backend):
     """Nothing saved for backward is k or v repeated to Hq heads: the saved tensors are q, k, v as given
-    (Hk heads), then triton's o and lse or the torch reference's two s x s probability tensors."""
+    (Hk heads), then triton's o and lse or the torch reference's two s x s probability tensors (in
+    group_rows' layout [b, Hk, G s, s]: Hq s x s matrices, no more)."""
     b, heads, kv_heads, s, d = 1, 6, 2, 16, 16
     q = randn(b, heads, s, d).requires_grad_()
     k, v = (randn(b, kv_heads, s, d).requires_grad_() for _ in range(2))
@@ -425,7 +437,7 @@ def test_gqa_keeps_k_and_v_at_their_heads(backend):
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
         o = attention_core(q, k, v, is_causal=True, enable_gqa=True, dropout_p=0.1, seed=SEED, backend=backend)
     o.sum().backward()
-    extra = [(b, heads, s, d), (b, heads, s)] if backend == "triton" else [(b, heads, s, s)] * 2
+    extra = [(b, heads, s, d), (b, heads, s)] if backend == "triton" else [(b, kv_heads, heads // kv_heads * s, s)] * 2
     assert sorted(saved) == sorted([(b, heads, s, d), (b, kv_heads, s, d), (b, kv_heads, s, d)] + extra)
 
 
