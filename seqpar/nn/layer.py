@@ -44,7 +44,7 @@ from ..parallel.state import ProcessGroup, SharesProcessGroup, check_ranks_agree
 from ..recompute import checkpoint
 from .layernorm import LayerNorm, RMSNorm
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .state_dict import check_loadable, gather_full, scatter_full
+from .state_dict import IncompatibleKeys, check_loadable, full_parameters, load_full_parameters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,34 +411,22 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         return shapes
 
     @torch.no_grad()
-    def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
-        """Load UNSHARDED weights (the same dict on every rank); each rank keeps its shard."""
+    def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True) -> IncompatibleKeys:
+        """Load UNSHARDED weights (the same dict on every rank); each rank keeps its shard. Keys and shapes
+        are checked first (ValueError); ``strict=False`` loads the keys the dict holds and returns the
+        missing and unexpected ones (shapes are still checked), as ``nn.Module.load_state_dict``."""
         device = self.input_layernorm.weight.device
-        check_loadable(state_dict, self.full_shapes(), self.tp_group, device=device,
-                       what=f"TransformerLayer(layer_number={self.layer_number}).load_full_state_dict")
+        keys = check_loadable(state_dict, self.full_shapes(), self.tp_group, device=device, strict=strict,
+                              what=f"TransformerLayer(layer_number={self.layer_number}).load_full_state_dict")
         for name, part in self._parts().items():
-            weight = state_dict[f"{name}.weight"].to(device)
-            bias = state_dict[f"{name}.bias"].to(device) if f"{name}.bias" in state_dict else None
-            if isinstance(part, (LayerNorm, RMSNorm)):      # replicated
-                scatter_full(weight, part.weight)
-                if bias is not None:
-                    scatter_full(bias, part.bias)
-            else:
-                part.load_full(weight, bias)
+            load_full_parameters(part, {p: state_dict[f"{name}.{p}"].to(device) for p in ("weight", "bias")
+                                        if f"{name}.{p}" in state_dict})
+        return keys
 
     @torch.no_grad()
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The unsharded weights (a collective under tensor parallelism: call it on every rank)."""
-        out = {}
-        for name, part in self._parts().items():
-            if isinstance(part, (LayerNorm, RMSNorm)):
-                weight, bias = gather_full(part.weight), None if part.bias is None else gather_full(part.bias)
-            else:
-                weight, bias = part.full()
-            out[f"{name}.weight"] = weight
-            if bias is not None:
-                out[f"{name}.bias"] = bias
-        return out
+        return {f"{name}.{p}": value for name, part in self._parts().items() for p, value in full_parameters(part).items()}
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

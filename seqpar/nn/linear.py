@@ -27,7 +27,7 @@ from torch import nn
 from ..ops.comm_matmul import all_gather_matmul, matmul_reduce_scatter
 from ..parallel.mappings import copy_to_tensor_region, reduce_from_tensor_region
 from ..parallel.state import ProcessGroup, SharesProcessGroup, group_size
-from .state_dict import ShardedParameters, ShardLayout
+from .state_dict import ShardedParameters, ShardLayout, full_parameters
 
 
 def block_sizes(out_features: int, partition_blocks: Union[int, Sequence[int]]) -> Tuple[int, ...]:
@@ -83,7 +83,8 @@ class _TensorParallelLinear(ShardedParameters, SharesProcessGroup, nn.Module):
 
     def full(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The unsharded (weight [n, k], bias [n] or None), new tensors (a collective under TP)."""
-        return self._full_parameter("weight"), self._full_parameter("bias")
+        full = full_parameters(self)
+        return full["weight"], full.get("bias")
 
     def extra_repr(self) -> str:
         t = group_size(self.tp_group)

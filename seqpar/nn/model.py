@@ -22,7 +22,7 @@ get a gradient; unsharded state dicts hold the v real rows.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional, Sequence, Union
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,8 @@ from ..parallel.state import (ProcessGroup, SharesProcessGroup, agreement_checke
                               group_size)
 from ..memory import recompute_policies, saved_as
 from .layer import AGREEMENT_HINT, TransformerLayer, agreement_values, autocast_dtype, make_norm, run_in_dtype
-from .state_dict import ShardedParameters, ShardLayout, check_loadable, gather_full, local_rows, scatter_full
+from .state_dict import (IncompatibleKeys, ShardedParameters, ShardLayout, check_loadable, full_parameters,
+                         load_full_parameters, local_rows, scatter_full)
 
 EMBEDDING_RNG_LAYER = 2**31 - 1  # the embedding dropout's "layer number" in the RNG
 VOCAB_PAD_MULTIPLE = 128         # the padded vocabulary is a multiple of this times t
@@ -141,7 +142,7 @@ class _VocabShard(ShardedParameters, SharesProcessGroup, nn.Module):
 
     def full(self) -> torch.Tensor:
         """The unsharded [vocab_size, h] table, a new tensor (a collective under TP)."""
-        return self._full_parameter("weight")
+        return full_parameters(self)["weight"]
 
 
 class VocabParallelEmbedding(_VocabShard):
@@ -502,36 +503,42 @@ class GPTModel(SharesProcessGroup, nn.Module):
             shapes["output_layer.weight"] = (self.vocab_size, h)
         return shapes
 
+    def _outer_parts(self) -> Tuple[Dict[str, nn.Module], Dict[str, nn.Module]]:
+        """{key prefix: module} of the modules before the layers (embeddings) and after them (final norm,
+        untied output layer)."""
+        before = {"embedding.word_embeddings": self.embedding.word_embeddings,
+                  "embedding.position_embeddings": self.embedding.position_embeddings}
+        after = {"final_layernorm": self.final_layernorm, "output_layer": self.output_layer}
+        return tuple({prefix: part for prefix, part in parts.items() if part is not None} for parts in (before, after))
+
     @torch.no_grad()
-    def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
+    def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True) -> IncompatibleKeys:
         """Load UNSHARDED weights (the same dict on every rank, v real vocabulary rows); each rank keeps
         its shard. Every key, shape and value kind (floating point, not meta) is checked before anything is
-        loaded (ValueError naming it); other floating dtypes are cast to the parameters'."""
-        check_loadable(state_dict, self.full_shapes(), self.tp_group, what="GPTModel.load_full_state_dict",
-                       device=self.final_layernorm.weight.device)
-        self.embedding.word_embeddings.load_full(state_dict["embedding.word_embeddings.weight"])
-        if self.embedding.position_embeddings is not None:
-            scatter_full(state_dict["embedding.position_embeddings.weight"], self.embedding.position_embeddings.weight)
+        loaded (ValueError naming it); other floating dtypes are cast to the parameters'. ``strict=False``
+        loads the keys the dict holds and returns the missing and unexpected ones (shapes are still
+        checked), as ``nn.Module.load_state_dict`` does."""
+        keys = check_loadable(state_dict, self.full_shapes(), self.tp_group, what="GPTModel.load_full_state_dict",
+                              device=self.final_layernorm.weight.device, strict=strict)
+        before, after = self._outer_parts()
+        for prefix, part in {**before, **after}.items():
+            given = {p: state_dict[f"{prefix}.{p}"] for p in ("weight", "bias") if f"{prefix}.{p}" in state_dict}
+            if isinstance(part, _VocabShard) and given:
+                part.load_full(given["weight"])          # also zeroes the padded rows
+            else:
+                load_full_parameters(part, given)
         for i, layer in enumerate(self.layers):
             prefix = f"layers.{i}."
-            layer.load_full_state_dict({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
-        scatter_full(state_dict["final_layernorm.weight"], self.final_layernorm.weight)
-        if self.final_layernorm.bias is not None:
-            scatter_full(state_dict["final_layernorm.bias"], self.final_layernorm.bias)
-        if self.output_layer is not None:
-            self.output_layer.load_full(state_dict["output_layer.weight"])
+            layer.load_full_state_dict({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)},
+                                       strict=strict)
+        return keys
 
     @torch.no_grad()
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The unsharded weights, the same on every rank (a collective under TP: call it on every rank)."""
-        out = {"embedding.word_embeddings.weight": self.embedding.word_embeddings.full()}
-        if self.embedding.position_embeddings is not None:
-            out["embedding.position_embeddings.weight"] = gather_full(self.embedding.position_embeddings.weight)
+        before, after = self._outer_parts()
+        out = {f"{prefix}.{p}": value for prefix, part in before.items() for p, value in full_parameters(part).items()}
         for i, layer in enumerate(self.layers):
             out.update({f"layers.{i}.{k}": v for k, v in layer.full_state_dict().items()})
-        out["final_layernorm.weight"] = gather_full(self.final_layernorm.weight)
-        if self.final_layernorm.bias is not None:
-            out["final_layernorm.bias"] = gather_full(self.final_layernorm.bias)
-        if self.output_layer is not None:
-            out["output_layer.weight"] = self.output_layer.full()
+        out.update({f"{prefix}.{p}": value for prefix, part in after.items() for p, value in full_parameters(part).items()})
         return out

@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -170,6 +170,25 @@ def gather_full(shard: torch.Tensor, layout_of_rank: Optional[Callable[[int], Sh
     return full
 
 
+@torch.no_grad()
+def load_full_parameters(module: nn.Module, full: Mapping[str, torch.Tensor]) -> None:
+    """Keep this rank's part of each unsharded tensor in ``full`` (parameter name of ``module`` -> value):
+    its shard of a split parameter (:class:`ShardedParameters`), all of a replicated one; plain or
+    FSDP2 parameters alike (:func:`scatter_full`)."""
+    layouts = module.shard_layouts(group_rank(module.tp_group)) if isinstance(module, ShardedParameters) else {}
+    for name, value in full.items():
+        scatter_full(value, getattr(module, name), layouts.get(name))
+
+
+@torch.no_grad()
+def full_parameters(module: nn.Module) -> Dict[str, torch.Tensor]:
+    """{name: the unsharded value, a new tensor} of each parameter of ``module`` itself (not its
+    submodules'); a collective under TP and FSDP2 (:func:`gather_full`): call it on every rank."""
+    split = isinstance(module, ShardedParameters)
+    return {name: gather_full(param, module.layout_of_rank(name) if split else None, getattr(module, "tp_group", None))
+            for name, param in module.named_parameters(recurse=False)}
+
+
 class ShardedParameters:
     """Mixin of the modules whose parameters are split over their ``tp_group``. :meth:`shard_layouts`
     names each split parameter's :class:`ShardLayout` on a rank; the parameters it doesn't name are
@@ -192,21 +211,14 @@ class ShardedParameters:
     def _load_full_parameters(self, full: Mapping[str, Optional[torch.Tensor]]) -> None:
         """Keep this rank's shard of each unsharded tensor in ``full`` (by parameter name; None: no such
         parameter); replicated parameters take the whole tensor."""
-        layouts = self.shard_layouts(group_rank(self.tp_group))
         for name, value in full.items():
             param = getattr(self, name)
             if param is None or value is None:
                 if param is not value:
                     raise ValueError(f"{type(self).__name__} {'has no' if param is None else 'needs a'} {name}, "
                                      f"got {'one' if param is None else 'None'}")
-                continue
-            scatter_full(value, param, layouts.get(name))
+        load_full_parameters(self, {name: value for name, value in full.items() if value is not None})
 
-    @torch.no_grad()
-    def _full_parameter(self, name: str) -> Optional[torch.Tensor]:
-        """The unsharded parameter ``name`` (a collective if it is split), a new tensor; None if unset."""
-        param = getattr(self, name)
-        return None if param is None else gather_full(param, self.layout_of_rank(name), self.tp_group)
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:
@@ -511,21 +523,32 @@ def load_sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.
         group.update({k: v for k, v in saved.items() if k != "params"})
 
 
+class IncompatibleKeys(NamedTuple):
+    """What a ``load_full_state_dict`` did not load, as ``nn.Module.load_state_dict`` returns it: the
+    model's keys the dict lacks, and the dict's keys the model lacks (both empty when ``strict``)."""
+
+    missing_keys: List[str]
+    unexpected_keys: List[str]
+
+
 def check_shapes(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[int, ...]], *,
-                 what: str = "state dict", config: str = "") -> None:
+                 what: str = "state dict", config: str = "", strict: bool = True) -> IncompatibleKeys:
     """ValueError unless ``state_dict`` has exactly the keys of ``shapes`` (the shapes the model's config
     implies), each a real-floating tensor with data (not bool, integer, complex or meta) of that shape.
-    Any floating dtype passes: loaders cast it to the parameters' dtype.
+    Any floating dtype passes: loaders cast it to the parameters' dtype. With ``strict=False`` keys may
+    be missing or unexpected (returned; the keys both hold are checked).
 
     ``what`` names the dict in the messages ("GPT-2 state dict"); ``config`` names the setting that
     decides the keys ("n_layer=2") in the key-mismatch message; shape and dtype messages name the key,
     the expected and the given shape or dtype.
     """
     missing, unexpected = sorted(set(shapes) - set(state_dict)), sorted(set(state_dict) - set(shapes))
-    if missing or unexpected:
+    if strict and (missing or unexpected):
         against = f" the config ({config})" if config else " the model"
         raise ValueError(f"{what} keys do not match{against}: missing {missing}, unexpected {unexpected}")
     for key, shape in shapes.items():
+        if key not in state_dict:
+            continue
         value = state_dict[key]
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
@@ -535,27 +558,30 @@ def check_shapes(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[in
         if not value.is_floating_point() or value.is_meta:
             got = "a meta tensor (no data)" if value.is_meta else str(value.dtype)
             raise ValueError(f"{what} {key} must be a floating-point tensor with data, got {got}")
+    return IncompatibleKeys(missing, unexpected)
 
 
 def check_loadable(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[int, ...]], group, *,
-                   what: str, device: Optional[torch.device] = None) -> None:
+                   what: str, device: Optional[torch.device] = None, strict: bool = True) -> IncompatibleKeys:
     """:func:`check_shapes` on every rank of the tensor-parallel ``group``, a failure on any rank a
     ValueError on every rank (:func:`seqpar.parallel.state.check_ranks_agree`, one tiny all-gather):
     a rank whose dict is wrong must not leave the others loading theirs and then waiting for it in the
     next collective. (That every rank passes the same values is the caller's contract, not checked:
     comparing them would hash every weight.) ``device``, where the target's parameters live (None: not
-    checked), must not be meta: copying into meta parameters does nothing, and nothing would say so."""
-    problem = None
+    checked), must not be meta: copying into meta parameters does nothing, and nothing would say so.
+    Returns check_shapes' keys not to load (``strict=False``)."""
+    problem, keys = None, IncompatibleKeys([], [])
     try:
         if device is not None and device.type == "meta":
             raise ValueError(f"{what}: the parameters are on the meta device, where loading copies nothing: "
                              "call module.to_empty(device=...) first")
-        check_shapes(state_dict, shapes)
+        keys = check_shapes(state_dict, shapes, strict=strict)
     except ValueError as exc:
         problem = str(exc)
     check_ranks_agree(group, {}, what=what, error=problem)
+    return keys
 
 
 __all__ = ["ShardLayout", "ShardedParameters", "RowChunks", "boxes", "local_rows", "scatter_full", "gather_full",
-           "sharded_state_dict", "sharded_optimizer_state_dict", "load_sharded_optimizer_state_dict", "check_shapes",
-           "check_loadable"]
+           "sharded_state_dict", "sharded_optimizer_state_dict", "load_sharded_optimizer_state_dict", "IncompatibleKeys",
+           "load_full_parameters", "full_parameters", "check_shapes", "check_loadable"]

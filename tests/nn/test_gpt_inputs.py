@@ -174,6 +174,29 @@ def test_full_state_dict_keys_and_math():
                                    atol=1e-5, rtol=1e-5)
 
 
+def test_load_full_state_dict_strict_false_loads_the_keys_it_has():
+    """As nn.Module.load_state_dict(strict=False): the dict's keys are loaded, the model's other weights
+    stay, the missing and unexpected keys come back; shapes are still checked."""
+    model = _model(layers=3)
+    seqpar.manual_seed(7)
+    source = _model(layers=3).full_state_dict()
+    before = model.full_state_dict()
+    left_out = sorted([k for k in source if k.startswith("layers.1.")]
+                      + ["layers.0.mlp.dense_h_to_4h.bias", "embedding.position_embeddings.weight"])
+    partial = {k: v for k, v in source.items() if k not in left_out}
+    partial["lm_head.weight"] = torch.zeros(V, H)
+    assert model.load_full_state_dict(partial, strict=False) == (left_out, ["lm_head.weight"])
+    after = model.full_state_dict()
+    for key in source:
+        assert torch.equal(after[key], before[key] if key in left_out else source[key]), key
+    with pytest.raises(ValueError, match="final_layernorm.bias must have shape"):
+        model.load_full_state_dict({"final_layernorm.bias": torch.zeros(H + 1)}, strict=False)
+    with pytest.raises(ValueError, match="missing"):
+        model.load_full_state_dict(partial)
+    result = model.load_full_state_dict(source)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+
+
 def test_load_full_state_dict_names_bad_keys_and_shapes():
     model = _model()
     sd = model.full_state_dict()
