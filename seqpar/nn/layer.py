@@ -426,7 +426,8 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
     @torch.no_grad()
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The unsharded weights (a collective under tensor parallelism: call it on every rank)."""
-        return {f"{name}.{p}": value for name, part in self._parts().items() for p, value in full_parameters(part).items()}
+        return {f"{name}.{p}": value for name, part in self._parts().items()
+                for p, value in full_parameters(part).items()}
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -536,9 +536,13 @@ class GPTModel(SharesProcessGroup, nn.Module):
     @torch.no_grad()
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The unsharded weights, the same on every rank (a collective under TP: call it on every rank)."""
+        def of(parts: Dict[str, nn.Module]) -> Dict[str, torch.Tensor]:
+            return {f"{prefix}.{p}": value for prefix, part in parts.items()
+                    for p, value in full_parameters(part).items()}
+
         before, after = self._outer_parts()
-        out = {f"{prefix}.{p}": value for prefix, part in before.items() for p, value in full_parameters(part).items()}
+        out = of(before)
         for i, layer in enumerate(self.layers):
             out.update({f"layers.{i}.{k}": v for k, v in layer.full_state_dict().items()})
-        out.update({f"{prefix}.{p}": value for prefix, part in after.items() for p, value in full_parameters(part).items()})
+        out.update(of(after))
         return out

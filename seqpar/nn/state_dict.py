@@ -583,5 +583,5 @@ def check_loadable(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[
 
 
 __all__ = ["ShardLayout", "ShardedParameters", "RowChunks", "boxes", "local_rows", "scatter_full", "gather_full",
-           "sharded_state_dict", "sharded_optimizer_state_dict", "load_sharded_optimizer_state_dict", "IncompatibleKeys",
-           "load_full_parameters", "full_parameters", "check_shapes", "check_loadable"]
+           "load_full_parameters", "full_parameters", "sharded_state_dict", "sharded_optimizer_state_dict",
+           "load_sharded_optimizer_state_dict", "IncompatibleKeys", "check_shapes", "check_loadable"]
