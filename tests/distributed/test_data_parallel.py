@@ -44,19 +44,22 @@ def _train(model, wrapped, rows, steps):
 
 
 def _worker(rank, world_size, data_parallel):
-    tp_groups = [dist.new_group(list(range(first, first + TP))) for first in range(0, world_size, TP)]
-    dp_groups = [dist.new_group(list(range(r, world_size, TP))) for r in range(TP)]
     replica = rank // TP
-    model = _model(tp_groups[replica])
     if data_parallel == "ddp":
+        tp_groups = [dist.new_group(list(range(first, first + TP))) for first in range(0, world_size, TP)]
+        dp_groups = [dist.new_group(list(range(r, world_size, TP))) for r in range(TP)]
+        tp_group = tp_groups[replica]
+        model = _model(tp_group)
         wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=dp_groups[rank % TP])
-    else:
-        from torch.distributed.device_mesh import DeviceMesh
+    else:   # the README's recipe: a 2-D mesh, TP over its "tp" dim, FSDP2 over "dp" (the same groups)
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        mesh = DeviceMesh.from_group(dp_groups[rank % TP], "cpu")
+        mesh = init_device_mesh("cpu", (world_size // TP, TP), mesh_dim_names=("dp", "tp"))
+        tp_group = mesh["tp"].get_group()
+        model = _model(tp_group)
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        wrapped = fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh["dp"])
+        wrapped = fully_shard(model, mesh=mesh["dp"])
     norms = _train(model, wrapped, lambda batch: batch[replica * B:(replica + 1) * B], STEPS)
     max_grad = float(clip_grad_norm_(model, 1e9, "inf"))      # the last step's gradients, clipped by then
     reference = _model(None)
@@ -65,7 +68,7 @@ def _worker(rank, world_size, data_parallel):
     ours, theirs = model.full_state_dict(), reference.full_state_dict()
     worst = max(float((ours[k] - theirs[k]).abs().max()) for k in theirs)
     return norms, expected, max_grad, expected_max, worst, (
-        _overflow_skipped(model, wrapped, rank, tp_groups[replica]) if data_parallel == "fsdp2" else None)
+        _overflow_skipped(model, wrapped, rank, tp_group) if data_parallel == "fsdp2" else None)
 
 
 def _overflow_skipped(model, wrapped, rank, tp_group):
