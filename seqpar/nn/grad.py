@@ -97,8 +97,9 @@ class TensorParallelGradScaler(torch.amp.GradScaler):
     of a scalar; every rank calls it), so every rank skips the same steps and keeps the same scale.
     ``device`` and the keyword arguments are GradScaler's (``init_scale``, ``growth_factor``,
     ``backoff_factor``, ``growth_interval``, ``enabled``). Use it as GradScaler, with
-    :func:`clip_grad_norm_` between :meth:`unscale_` and :meth:`step`. With data parallelism too, the
-    data-parallel reduction of the gradients has already made the replicas' checks agree.
+    :func:`clip_grad_norm_` between :meth:`unscale_` and :meth:`step`. With data parallelism too, DDP's
+    all-reduce of the gradients has already made the replicas' checks agree; under FSDP2 each rank holds
+    a chunk of the reduced gradients, and DTensor's own check reduces the flag over the FSDP2 group.
     """
 
     def __init__(self, device: str = "cuda", *, tp_group: ProcessGroup, **kwargs):
