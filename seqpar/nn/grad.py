@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel.state import ProcessGroup, group_size
-from .state_dict import _parameters_with_layouts, local_rows
+from .state_dict import _parameters_with_layouts, local_rows, prepare_parameters
 
 
 @torch.no_grad()
@@ -52,6 +52,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     if not isinstance(norm_type, (int, float)) or isinstance(norm_type, bool) or not norm_type > 0:
         raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}")
     norm_type = float(norm_type)
+    prepare_parameters(module, "clip_grad_norm_")
     # A gradient's share of the norm is summed (max for inf) over the ranks that hold other parts of it:
     # its tensor-parallel group if split, its FSDP2 shard group if a DTensor. One share per pair of them.
     shares: Dict[Tuple[object, object], List[torch.Tensor]] = {}
@@ -70,9 +71,11 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
 
     def share(tensors: List[torch.Tensor]) -> torch.Tensor:
         """Their norm's share: sum of |g|^p, or max |g| for inf (0 for none)."""
-        norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device)
-                             for g in tensors])
-        return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+        # (An empty FSDP2 chunk adds nothing; torch has no inf norm of an empty tensor.)
+        norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device) for g in tensors if g.numel()]
+        if not norms:
+            return torch.zeros((), device=device)
+        return torch.stack(norms).max() if math.isinf(norm_type) else torch.stack(norms).pow(norm_type).sum()
 
     total = torch.zeros((), device=device)
     for groups, tensors in shares.items():

@@ -44,7 +44,7 @@ from ..parallel.state import ProcessGroup, SharesProcessGroup, check_ranks_agree
 from ..recompute import checkpoint
 from .layernorm import LayerNorm, RMSNorm
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .state_dict import IncompatibleKeys, check_loadable, full_parameters, load_full_parameters
+from .state_dict import IncompatibleKeys, check_loadable, full_parameters, load_full_parameters, prepare_parameters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,6 +415,7 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         """Load UNSHARDED weights (the same dict on every rank); each rank keeps its shard. Keys and shapes
         are checked first (ValueError); ``strict=False`` loads the keys the dict holds and returns the
         missing and unexpected ones (shapes are still checked), as ``nn.Module.load_state_dict``."""
+        prepare_parameters(self, f"TransformerLayer(layer_number={self.layer_number}).load_full_state_dict")
         device = self.input_layernorm.weight.device
         keys = check_loadable(state_dict, self.full_shapes(), self.tp_group, device=device, strict=strict,
                               what=f"TransformerLayer(layer_number={self.layer_number}).load_full_state_dict")
@@ -426,6 +427,7 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
     @torch.no_grad()
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The unsharded weights (a collective under tensor parallelism: call it on every rank)."""
+        prepare_parameters(self, f"TransformerLayer(layer_number={self.layer_number}).full_state_dict")
         return {f"{name}.{p}": value for name, part in self._parts().items()
                 for p, value in full_parameters(part).items()}
 

@@ -40,7 +40,7 @@ from ..parallel.state import (ProcessGroup, SharesProcessGroup, agreement_checke
 from ..memory import recompute_policies, saved_as
 from .layer import AGREEMENT_HINT, TransformerLayer, agreement_values, autocast_dtype, make_norm, run_in_dtype
 from .state_dict import (IncompatibleKeys, ShardedParameters, ShardLayout, check_loadable, full_parameters,
-                         load_full_parameters, local_rows, scatter_full)
+                         load_full_parameters, local_rows, prepare_parameters, scatter_full)
 
 EMBEDDING_RNG_LAYER = 2**31 - 1  # the embedding dropout's "layer number" in the RNG
 VOCAB_PAD_MULTIPLE = 128         # the padded vocabulary is a multiple of this times t
@@ -341,6 +341,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
         """Every weight to its deterministic init (what building the model on a real device draws): the
         layers' (:meth:`TransformerLayer.reset_parameters`), the embeddings', a unit final norm. The
         deferred-init recipe: build with ``device="meta"``, ``to_empty(device=...)``, then this."""
+        prepare_parameters(self, "GPTModel.reset_parameters")
         for layer in self.layers:
             layer.reset_parameters()
         self.final_layernorm.reset_parameters()
@@ -518,6 +519,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
         loaded (ValueError naming it); other floating dtypes are cast to the parameters'. ``strict=False``
         loads the keys the dict holds and returns the missing and unexpected ones (shapes are still
         checked), as ``nn.Module.load_state_dict`` does."""
+        prepare_parameters(self, "GPTModel.load_full_state_dict")
         keys = check_loadable(state_dict, self.full_shapes(), self.tp_group, what="GPTModel.load_full_state_dict",
                               device=self.final_layernorm.weight.device, strict=strict)
         before, after = self._outer_parts()
@@ -540,6 +542,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
             return {f"{prefix}.{p}": value for prefix, part in parts.items()
                     for p, value in full_parameters(part).items()}
 
+        prepare_parameters(self, "GPTModel.full_state_dict")
         before, after = self._outer_parts()
         out = of(before)
         for i, layer in enumerate(self.layers):

@@ -6,7 +6,8 @@
 * FSDP2 (``fully_shard`` over the data-parallel ranks) cuts each tensor-parallel shard once more, into
   row chunks (DTensor ``Shard(0)``; HSDP replicates them): :func:`scatter_full`, :func:`gather_full`,
   the sharded state dicts and :func:`seqpar.nn.clip_grad_norm_` take a parameter's pieces in this
-  rank's chunk (:func:`local_rows`), so they work with and without it.
+  rank's chunk (:func:`local_rows`), so they work with and without it. Each entry first calls
+  :func:`prepare_parameters` (FSDP2 resharded, the TP ranks' FSDP2 groups checked to form a grid).
 * :func:`sharded_state_dict` / :func:`sharded_optimizer_state_dict`: this rank's parameters and optimizer
   state, keyed like ``full_state_dict()``, each split tensor a ShardedTensor whose pieces say where they
   lie in the unsharded tensor. DCP saves every piece once and loads a checkpoint at any tensor-parallel
@@ -17,6 +18,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -279,6 +281,80 @@ def _check_not_meta(module: nn.Module, what: str) -> None:
                          "call module.to_empty(device=...) first")
 
 
+# {tensor-parallel group: {this rank's FSDP2 shard ranks (() without FSDP2): those of each TP rank}}
+PeerShardRanks = Dict[object, Dict[Tuple[int, ...], List[Tuple[int, ...]]]]
+_CHECKED_LAYOUTS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _reshard_fsdp(module: nn.Module) -> None:
+    """Reshard every FSDP2 module in ``module``: a forward without a backward leaves the root's parameters
+    unsharded, plain tensors that are FSDP2's temporary copies (not the optimizer's parameters); torch's
+    own state_dict() reshards first through a hook, and so does every seqpar entry that reads or writes
+    parameters. A no-op where nothing is unsharded."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:   # torch built without distributed
+        return
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
+
+
+def prepare_parameters(module: nn.Module, what: str) -> PeerShardRanks:
+    """Ready ``module``'s parameters for a seqpar read or write of their shards: FSDP2 modules resharded
+    (:func:`_reshard_fsdp`), and, under tensor parallelism, every TP rank's FSDP2 shard group of every
+    split parameter, checked to form a grid: FSDP2 on all TP ranks of a parameter or none, over groups
+    of one size that share no rank (a FSDP2 mesh that spans TP ranks cuts different shards as one
+    tensor). One small all-gather per TP group (call it on every rank), then cached while this rank's
+    groups stay the same. ValueError, on every rank, naming the first parameter that breaks the grid."""
+    _reshard_fsdp(module)
+    mine: Dict[object, List[Tuple[str, Tuple[int, ...]]]] = {}
+    for key, param, split in _parameters_with_layouts(module):
+        if split.layout is not None and group_size(split.group) > 1:
+            _, chunks = local_rows(param)
+            mine.setdefault(split.group, []).append(
+                (key, tuple(rank for rank, _, _ in chunks.rows) if chunks.group is not None else ()))
+    signature = tuple((id(group), tuple(ranks for _, ranks in entries)) for group, entries in mine.items())
+    cached = _CHECKED_LAYOUTS.get(module)
+    if cached is not None and cached[0] == signature:
+        return cached[1]
+    peers: PeerShardRanks = {}
+    for group, entries in mine.items():
+        distinct = list(dict.fromkeys(ranks for _, ranks in entries))
+        gathered: List[object] = [None] * group_size(group)
+        dist.all_gather_object(gathered, (distinct, [distinct.index(ranks) for _, ranks in entries]), group=group)
+        per_rank = [[groups[index] for index in indices] for groups, indices in gathered]   # [tp rank][param]
+        problem = _grid_problem([key for key, _ in entries], per_rank)
+        if problem:
+            raise ValueError(f"{what}: {problem}")
+        peers[group] = {ranks: [theirs[i] for theirs in per_rank] for i, (_, ranks) in enumerate(entries)}
+    _CHECKED_LAYOUTS[module] = (signature, peers)
+    return peers
+
+
+def _grid_problem(keys: List[str], per_rank: List[List[Tuple[int, ...]]]) -> Optional[str]:
+    """What keeps the TP ranks' FSDP2 shard groups (``per_rank[tp rank][parameter]``) from a grid, or None."""
+    if len({len(groups) for groups in per_rank}) != 1:
+        return (f"the tensor-parallel ranks hold different numbers of split parameters "
+                f"({[len(groups) for groups in per_rank]}): build the same model on every rank")
+    for i, key in enumerate(keys):
+        groups = [theirs[i] for theirs in per_rank]
+        sharded = [r for r, ranks in enumerate(groups) if ranks]
+        if sharded and len(sharded) != len(groups):
+            return (f"{key} is sharded by FSDP2 on tensor-parallel ranks {sharded} only: apply fully_shard alike "
+                    "on every rank")
+        if len({len(ranks) for ranks in groups}) != 1:
+            return (f"{key}'s FSDP2 shard groups differ in size across the tensor-parallel ranks "
+                    f"({[list(ranks) for ranks in groups]}): use one data-parallel mesh shape on every rank")
+        members = [rank for ranks in groups for rank in ranks]
+        if len(members) != len(set(members)):
+            return (f"{key}'s FSDP2 shard groups overlap across the tensor-parallel ranks "
+                    f"({[list(ranks) for ranks in groups]}): FSDP2 must shard over data-parallel ranks only "
+                    "(a mesh dim holding no two ranks of one tensor-parallel group), or it cuts different "
+                    "shards as one tensor")
+    return None
+
+
 class _ShardedTensors:
     """Makes the values of one sharded state dict. A tensor split over tensor parallelism or FSDP2
     becomes a ShardedTensor of the unsharded shape: its local shards are views of this rank's blocks,
@@ -286,30 +362,13 @@ class _ShardedTensors:
     its own ShardedTensor's), so DCP saves each block once and loads in place.
 
     Every rank's blocks are computed here, from every tensor-parallel rank's layout and FSDP2's row
-    chunks, so no ShardedTensor needs a collective of its own (torch's public ``init_from_local_shards``
-    all-gathers the blocks of every tensor, and over one process group, which tensor parallelism x
-    FSDP2 blocks are not). What this rank can't know, which ranks its tensor-parallel peers shard with
-    under FSDP2, takes one small all-gather over each tensor-parallel group when the maker is built
-    (none without FSDP2 or at t = 1).
+    chunks (``peers``: :func:`prepare_parameters`), so no ShardedTensor needs a collective of its own
+    (torch's public ``init_from_local_shards`` all-gathers the blocks of every tensor, and over one
+    process group, which tensor parallelism x FSDP2 blocks are not).
     """
 
-    def __init__(self, entries: Sequence[Tuple[torch.Tensor, _Split]]):
-        # {tp group: {this rank's FSDP2 shard ranks: that group's ranks on each tp rank}}
-        self._peer_ranks: Dict[object, Dict[Tuple[int, ...], List[Tuple[int, ...]]]] = {}
-        by_group: Dict[object, List[Tuple[int, ...]]] = {}
-        for tensor, split in entries:
-            if split.layout is not None and group_size(split.group) > 1 and _is_dtensor(tensor):
-                ranks = tuple(rank for rank, _, _ in local_rows(tensor)[1].rows)
-                if ranks not in by_group.setdefault(split.group, []):
-                    by_group[split.group].append(ranks)
-        for group, mine in by_group.items():
-            gathered: List[object] = [None] * group_size(group)
-            dist.all_gather_object(gathered, mine, group=group)
-            if any(len(theirs) != len(mine) for theirs in gathered):
-                raise ValueError("the tensor-parallel ranks shard their parameters over different numbers of "
-                                 f"FSDP2 meshes ({[len(theirs) for theirs in gathered]}): apply fully_shard alike "
-                                 "on every rank")
-            self._peer_ranks[group] = {ranks: [theirs[i] for theirs in gathered] for i, ranks in enumerate(mine)}
+    def __init__(self, peers: PeerShardRanks):
+        self._peer_ranks = peers
 
     def __call__(self, tensor: torch.Tensor, split: _Split):
         """``tensor`` (a parameter, or optimizer state of its shape) as a state-dict value: a plain tensor
@@ -376,16 +435,16 @@ def sharded_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
 
     Under FSDP2 (``fully_shard`` over the data-parallel ranks; HSDP too) every parameter is a ShardedTensor
     of this rank's blocks in its row chunk (replicated ones too), so a checkpoint moves between any
-    tensor-parallel and FSDP2 sizes, or none. No collective but, under TP x FSDP2, one small all-gather
-    per tensor-parallel group (which ranks the peers shard with): call it on every rank.
+    tensor-parallel and FSDP2 sizes, or none. No collective per tensor; under TP, the first call for a
+    model (or after its FSDP2 groups change) makes one small all-gather per tensor-parallel group
+    (:func:`prepare_parameters`): call it on every rank.
 
     DCP's load warns that ShardedTensor is deprecated in favour of DTensor (its own code reads the
     ShardedTensor's device). DTensor can't express these pieces; the warning changes nothing.
     """
     _check_not_meta(module, "sharded_state_dict")
-    entries = [(key, param.detach(), split) for key, param, split in _parameters_with_layouts(module)]
-    sharded = _ShardedTensors([(tensor, split) for _, tensor, split in entries])
-    return {key: sharded(tensor, split) for key, tensor, split in entries}
+    sharded = _ShardedTensors(prepare_parameters(module, "sharded_state_dict"))
+    return {key: sharded(param.detach(), split) for key, param, split in _parameters_with_layouts(module)}
 
 
 @torch.no_grad()
@@ -457,6 +516,7 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
     """
     what = "sharded_optimizer_state_dict"
     _check_not_meta(module, what)
+    peers = prepare_parameters(module, what)
     info = _optimizer_keys(module, optimizer, what)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for param in params:
@@ -474,7 +534,7 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
         entries += [(key, name, value, split) for name, value in (own or created.get(param, {})).items()]
         has_state[key] = torch.tensor(int(bool(own)))
     # A 0-d tensor (Adam's step) is the same on every rank; the others are split like their parameter.
-    sharded = _ShardedTensors([(value, split) for _, _, value, split in entries if value.dim()])
+    sharded = _ShardedTensors(peers)
     state = {info[id(param)][0]: {} for param in params}
     for key, name, value, split in entries:
         state[key][name] = sharded(value, split) if value.dim() else value
@@ -494,6 +554,7 @@ def load_sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.
     anything is set, if the loaded groups do not hold the optimizer's parameters in its order or the
     dict is not one :func:`sharded_optimizer_state_dict` made."""
     what = "load_sharded_optimizer_state_dict"
+    prepare_parameters(module, what)
     info = _optimizer_keys(module, optimizer, what)
     loaded = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
     expected = [[info[id(p)][0] for p in group["params"]] for group in optimizer.param_groups]
@@ -584,4 +645,5 @@ def check_loadable(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[
 
 __all__ = ["ShardLayout", "ShardedParameters", "RowChunks", "boxes", "local_rows", "scatter_full", "gather_full",
            "load_full_parameters", "full_parameters", "sharded_state_dict", "sharded_optimizer_state_dict",
-           "load_sharded_optimizer_state_dict", "IncompatibleKeys", "check_shapes", "check_loadable"]
+           "load_sharded_optimizer_state_dict", "IncompatibleKeys", "prepare_parameters", "check_shapes",
+           "check_loadable"]

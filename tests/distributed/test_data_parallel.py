@@ -1,25 +1,26 @@
 """Data parallelism and tensor parallelism together, the loop a user writes: 4 gloo ranks, TP groups
-[0, 1] and [2, 3], DDP or FSDP2 over the data-parallel groups [0, 2] and [1, 3], each replica its own
-micro-batch, seqpar.nn.clip_grad_norm_ before each SGD step. Against one process (t = 1, no DDP) on the
-concatenated batch: the clipped norm of every step and the weights after the steps.
+[0, 1] and [2, 3], DDP or FSDP2 over the data-parallel groups [0, 2] and [1, 3] (or FSDP2 over all 4 at
+t = 1), each replica its own micro-batch, seqpar.nn.clip_grad_norm_ before each SGD step. Against one
+process (t = 1, no DDP) on the concatenated batch: the clipped norm of every step and the weights after
+the steps.
 
-Under FSDP2 each rank holds half the rows of its tensor-parallel shards (9 position rows: 5 and 4; the
-vocabulary's 50 real rows all in rank 0's half, ranks 1-3 hold padding only), so the norm needs both
-groups' sums and the unsharded weights both gathers."""
+Under FSDP2 each rank holds a row chunk of its tensor-parallel shards (9 position rows: 5 and 4 at
+t = 2, 3 / 3 / 3 / 0 at t = 1; the vocabulary's 50 real rows all in rank 0's chunk at t = 2, ranks 1-3
+hold padding only), so the norm needs both groups' sums and the unsharded weights both gathers."""
 import pytest
 import torch
 import torch.distributed as dist
 
 import seqpar
-from seqpar.nn import clip_grad_norm_
+from seqpar.nn import clip_grad_norm_, sharded_optimizer_state_dict, sharded_state_dict
 
 from launcher import run_ranks
 
-VOCAB, S, B, TP, STEPS = 50, 8, 2, 2, 2
+VOCAB, S, B, STEPS, WORLD = 50, 8, 2, 2, 4
 
 
-def _model(group):
-    seqpar.manual_seed(0)
+def _model(group, seed=0):
+    seqpar.manual_seed(seed)
     cfg = seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4, sequence_parallel=group is not None,
                                    recompute="selective", backend="torch")
     return seqpar.GPTModel(cfg, 2, VOCAB, S + 1, tp_group=group)
@@ -30,12 +31,12 @@ def _batch(step, replicas):
     return torch.randint(0, VOCAB, (replicas * B, S + 1), generator=torch.Generator().manual_seed(step))
 
 
-def _train(model, wrapped, rows, steps):
+def _train(model, wrapped, rows, replicas, steps):
     """SGD steps (lr 0.5) on ``rows(step)`` of each step's batch, clipped at 0.05; the norms."""
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.5)
     norms = []
     for step in range(steps):
-        tokens = rows(_batch(step, 2))
+        tokens = rows(_batch(step, replicas))
         optimizer.zero_grad()
         wrapped(tokens[:, :-1], tokens[:, 1:]).mean().backward()
         norms.append(float(clip_grad_norm_(model, 0.05)))
@@ -43,45 +44,53 @@ def _train(model, wrapped, rows, steps):
     return norms
 
 
-def _worker(rank, world_size, data_parallel):
-    replica = rank // TP
+def _fsdp2(tp, build=_model):
+    """The README's recipe: a 2-D mesh, TP over its "tp" dim, FSDP2 over "dp" (each layer, then the
+    model): (model, its TP group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (WORLD // tp, tp), mesh_dim_names=("dp", "tp"))
+    tp_group = mesh["tp"].get_group()
+    model = build(tp_group)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model, tp_group
+
+
+def _worker(rank, world_size, data_parallel, tp):
+    replica, replicas = rank // tp, world_size // tp
     if data_parallel == "ddp":
-        tp_groups = [dist.new_group(list(range(first, first + TP))) for first in range(0, world_size, TP)]
-        dp_groups = [dist.new_group(list(range(r, world_size, TP))) for r in range(TP)]
+        tp_groups = [dist.new_group(list(range(first, first + tp))) for first in range(0, world_size, tp)]
+        dp_groups = [dist.new_group(list(range(r, world_size, tp))) for r in range(tp)]
         tp_group = tp_groups[replica]
         model = _model(tp_group)
-        wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=dp_groups[rank % TP])
-    else:   # the README's recipe: a 2-D mesh, TP over its "tp" dim, FSDP2 over "dp" (the same groups)
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cpu", (world_size // TP, TP), mesh_dim_names=("dp", "tp"))
-        tp_group = mesh["tp"].get_group()
-        model = _model(tp_group)
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh["dp"])
-        wrapped = fully_shard(model, mesh=mesh["dp"])
-    norms = _train(model, wrapped, lambda batch: batch[replica * B:(replica + 1) * B], STEPS)
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=dp_groups[rank % tp])
+    else:
+        model, tp_group = _fsdp2(tp)
+        wrapped = model
+    norms = _train(model, wrapped, lambda batch: batch[replica * B:(replica + 1) * B], replicas, STEPS)
     max_grad = float(clip_grad_norm_(model, 1e9, "inf"))      # the last step's gradients, clipped by then
     reference = _model(None)
-    expected = _train(reference, reference, lambda batch: batch, STEPS)
+    expected = _train(reference, reference, lambda batch: batch, replicas, STEPS)
     expected_max = float(clip_grad_norm_(reference, 1e9, "inf"))
     ours, theirs = model.full_state_dict(), reference.full_state_dict()
     worst = max(float((ours[k] - theirs[k]).abs().max()) for k in theirs)
     return norms, expected, max_grad, expected_max, worst, (
-        _overflow_skipped(model, wrapped, rank, tp_group) if data_parallel == "fsdp2" else None)
+        _overflow_skipped(model, rank, tp, tp_group) if data_parallel == "fsdp2" else None)
 
 
-def _overflow_skipped(model, wrapped, rank, tp_group):
+def _overflow_skipped(model, rank, tp, tp_group):
     """An inf in the gradient chunk that FSDP2's reduce-scatter left on rank 3 alone (injected after the
     reduction; under DDP the all-reduce spreads an overflow to every replica): (scale after the step,
     whether the weights stayed). Every rank must skip: DTensor's own inf check reduces over the FSDP2
     group, TensorParallelGradScaler over TP."""
     from seqpar.nn import TensorParallelGradScaler
     scaler = TensorParallelGradScaler("cpu", tp_group=tp_group, init_scale=256.0)
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.5)
-    tokens = _batch(STEPS, 2)[rank // TP * B:(rank // TP + 1) * B]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    tokens = _batch(STEPS, WORLD // tp)[rank // tp * B:(rank // tp + 1) * B]
     optimizer.zero_grad()
-    scaler.scale(wrapped(tokens[:, :-1], tokens[:, 1:]).mean()).backward()
+    scaler.scale(model(tokens[:, :-1], tokens[:, 1:]).mean()).backward()
     if rank == 3:
         model.layers[0].mlp.dense_h_to_4h.weight.grad.to_local()[0, 0] = float("inf")
     before = model.full_state_dict()
@@ -91,10 +100,12 @@ def _overflow_skipped(model, wrapped, rank, tp_group):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp2"])
-def test_data_parallel_over_tensor_parallel_replicas_matches_one_process_on_the_whole_batch(data_parallel):
+@pytest.mark.parametrize("data_parallel, tp", [("ddp", 2), ("fsdp2", 2), ("fsdp2", 1)])
+def test_data_parallel_over_tensor_parallel_replicas_matches_one_process_on_the_whole_batch(data_parallel, tp):
+    """FSDP2 at t = 1 over 4 ranks leaves rank 3 an empty chunk of the position table: its inf norm
+    (torch has none for an empty tensor) failed on that rank alone and hung the others."""
     for rank, (norms, expected, max_grad, expected_max, worst, skipped) in enumerate(
-            run_ranks(_worker, 4, data_parallel, timeout_s=150)):
+            run_ranks(_worker, WORLD, data_parallel, tp, timeout_s=150)):
         assert all(abs(a - b) <= 1e-5 * b for a, b in zip(norms, expected)) and min(norms) > 0.05, (rank, norms)
         assert abs(max_grad - expected_max) <= 1e-6 * expected_max, (rank, max_grad, expected_max)
         assert worst < 1e-6, (rank, worst)
@@ -104,21 +115,22 @@ def test_data_parallel_over_tensor_parallel_replicas_matches_one_process_on_the_
 def _deferred_init_worker(rank, world_size):
     """TP 2 x FSDP2 2, sharded on the meta device, to_empty, every parameter NaN: reset_parameters()
     gives the weights of the model built on the CPU directly, load_full_state_dict gives the weights it
-    loads, and the loaded model's loss is the plain model's."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-    tp_group = [dist.new_group(list(range(first, first + TP))) for first in range(0, world_size, TP)][rank // TP]
-    mesh = DeviceMesh.from_group([dist.new_group(list(range(r, world_size, TP))) for r in range(TP)][rank % TP], "cpu")
+    loads, and the loaded model's loss is the plain model's.
+
+    Then a forward without backward (eval), which leaves FSDP2's root module unsharded: its parameters
+    are FSDP2's temporary full copies, not the optimizer's. The optimizer's state dict must still find
+    the optimizer's parameters, and a load must reach them: the next step equals the plain model's step
+    from the loaded weights (before, the root's loaded weights were lost, 0.1 off after the step)."""
+    tp_group = [dist.new_group([first, first + 1]) for first in (0, 2)][rank // 2]
     plain = _model(tp_group)
     expected = plain.full_state_dict()
-    tokens = _batch(0, 2)[rank // TP * B:(rank // TP + 1) * B]
+    tokens = _batch(0, 1)        # one batch on both replicas: FSDP2's averaged gradient is the plain model's
     results = []
     for load in (lambda model: model.reset_parameters(), lambda model: model.load_full_state_dict(expected)):
-        with torch.device("meta"):
-            model = _model(tp_group)
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        def on_meta(group):
+            with torch.device("meta"):
+                return _model(group)
+        model, _ = _fsdp2(2, on_meta)
         model.to_empty(device="cpu")
         with torch.no_grad():
             for param in model.parameters():
@@ -126,11 +138,56 @@ def _deferred_init_worker(rank, world_size):
         load(model)
         got = model.full_state_dict()
         results.append(all(torch.equal(got[k], v) for k, v in expected.items()))
-    loss, plain_loss = (m.eval()(tokens[:, :-1], tokens[:, 1:]).mean().item() for m in (model, plain))   # no dropout
-    return results, loss, plain_loss
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss, plain_loss = (m.eval()(tokens[:, :-1], tokens[:, 1:]).mean().item() for m in (model, plain))  # no dropout
+    sharded_optimizer_state_dict(model, optimizer)                     # was: "updates 4 parameters not the module's"
+    other = _model(tp_group, seed=3)
+    model.load_full_state_dict(other.full_state_dict())
+    for trained, opt in ((model, optimizer), (other, torch.optim.SGD(other.parameters(), lr=0.5))):
+        trained.eval()(tokens[:, :-1], tokens[:, 1:]).mean().backward()        # a step without dropout
+        opt.step()
+    ours, theirs = model.full_state_dict(), other.full_state_dict()
+    return results, loss, plain_loss, max(float((ours[k] - theirs[k]).abs().max()) for k in theirs)
 
 
 @pytest.mark.timeout(120)
 def test_fsdp2_model_built_on_meta_is_initialised_and_loaded_in_place():
-    for rank, (results, loss, plain_loss) in enumerate(run_ranks(_deferred_init_worker, 4, timeout_s=90)):
+    for rank, (results, loss, plain_loss, after_eval) in enumerate(run_ranks(_deferred_init_worker, WORLD,
+                                                                             timeout_s=90)):
         assert results == [True, True] and abs(loss - plain_loss) <= 1e-6 * abs(plain_loss), (rank, results, loss)
+        assert after_eval < 1e-6, (rank, after_eval)
+
+
+def _misuse_worker(rank, world_size):
+    """FSDP2 laid over TP wrongly: on TP rank 0 of each replica only, or over all 4 ranks (TP peers
+    included: FSDP2 then cuts different shards as one tensor). Each seqpar entry must raise a
+    ValueError on every rank; before, the sharded state dict hung, clip_grad_norm_ gave each rank
+    another norm and full_state_dict wrong weights, without an error."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    tp_groups = [dist.new_group([first, first + 1]) for first in (0, 2)]
+    dp_groups = [dist.new_group([r, r + 2]) for r in (0, 1)]
+    world_mesh = init_device_mesh("cpu", (world_size,))
+    messages = []
+    for case in ("one TP rank", "world mesh"):
+        model = _model(tp_groups[rank // 2])
+        if case == "world mesh":
+            fully_shard(model, mesh=world_mesh)
+        elif rank % 2 == 0:
+            fully_shard(model, mesh=DeviceMesh.from_group(dp_groups[0], "cpu"))
+        for call in (sharded_state_dict, lambda m: clip_grad_norm_(m, 1.0), lambda m: m.full_state_dict()):
+            try:
+                call(model)
+                messages.append(None)
+            except ValueError as exc:
+                messages.append(str(exc))
+    return messages
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_laid_over_tensor_parallel_ranks_wrongly_is_a_value_error_on_every_rank():
+    for rank, messages in enumerate(run_ranks(_misuse_worker, WORLD, timeout_s=90)):
+        assert all(m is not None and "sharded by FSDP2 on tensor-parallel ranks [0] only" in m
+                   for m in messages[:3]), (rank, messages)
+        assert all(m is not None and "overlap across the tensor-parallel ranks" in m for m in messages[3:]), (rank,
+                                                                                                             messages)
