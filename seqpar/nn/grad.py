@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel.state import ProcessGroup, group_size
-from .state_dict import _parameters_with_layouts, local_rows, prepare_parameters
+from .state_dict import local_rows, prepare_parameters
 
 
 @torch.no_grad()
@@ -52,12 +52,11 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     if not isinstance(norm_type, (int, float)) or isinstance(norm_type, bool) or not norm_type > 0:
         raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}")
     norm_type = float(norm_type)
-    prepare_parameters(module, "clip_grad_norm_")
     # A gradient's share of the norm is summed (max for inf) over the ranks that hold other parts of it:
     # its tensor-parallel group if split, its FSDP2 shard group if a DTensor. One share per pair of them.
     shares: Dict[Tuple[object, object], List[torch.Tensor]] = {}
     grads: List[torch.Tensor] = []
-    for _, param, split in _parameters_with_layouts(module):
+    for _, param, split in prepare_parameters(module, "clip_grad_norm_").entries:
         if param.grad is None:
             continue
         local, chunks = local_rows(param.grad)
@@ -70,12 +69,13 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     reduce_op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
 
     def share(tensors: List[torch.Tensor]) -> torch.Tensor:
-        """Their norm's share: sum of |g|^p, or max |g| for inf (0 for none)."""
-        # (An empty FSDP2 chunk adds nothing; torch has no inf norm of an empty tensor.)
-        norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device) for g in tensors if g.numel()]
-        if not norms:
+        """Their norm's share: sum of |g|^p, or max |g| for inf (0 for none), from fp32 norms of each.
+        (An empty FSDP2 chunk adds nothing; torch has no inf norm of an empty tensor.)"""
+        tensors = [g for g in tensors if g.numel()]
+        if not tensors:
             return torch.zeros((), device=device)
-        return torch.stack(norms).max() if math.isinf(norm_type) else torch.stack(norms).pow(norm_type).sum()
+        norms = torch.stack([n.to(device) for n in torch._foreach_norm(tensors, norm_type, dtype=torch.float32)])
+        return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
 
     total = torch.zeros((), device=device)
     for groups, tensors in shares.items():
@@ -89,8 +89,11 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {norm.item()}: "
                            "non-finite, so they can't be clipped (error_if_nonfinite=False clips anyway)")
     factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    by_kind: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
     for grad in grads:
-        grad.mul_(factor.to(grad.device, grad.dtype))
+        by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (grad_device, dtype), group_grads in by_kind.items():
+        torch._foreach_mul_(group_grads, factor.to(grad_device, dtype))
     return norm
 
 

@@ -204,10 +204,18 @@ class ShardedParameters:
         raise NotImplementedError
 
     def layout_of_rank(self, name: str) -> Optional[Callable[[int], ShardLayout]]:
-        """``rank -> layout of parameter name on that rank``; None for a replicated parameter."""
-        if name not in self.shard_layouts(0):
+        """``rank -> layout of parameter name on that rank``; None for a replicated parameter. (Layouts
+        follow from the module's shapes and group, fixed at construction: kept once made, since every
+        clip_grad_norm_ step reads them.)"""
+        cache = self.__dict__.setdefault("_shard_layouts_by_rank", {})
+
+        def layouts(rank: int) -> Dict[str, ShardLayout]:
+            if rank not in cache:
+                cache[rank] = self.shard_layouts(rank)
+            return cache[rank]
+        if name not in layouts(0):
             return None
-        return lambda rank: self.shard_layouts(rank)[name]
+        return lambda rank: layouts(rank)[name]
 
     @torch.no_grad()
     def _load_full_parameters(self, full: Mapping[str, Optional[torch.Tensor]]) -> None:
@@ -300,7 +308,16 @@ def _reshard_fsdp(module: nn.Module) -> None:
             sub.reshard()
 
 
-def prepare_parameters(module: nn.Module, what: str) -> PeerShardRanks:
+class PreparedParameters(NamedTuple):
+    """:func:`prepare_parameters`' result: ``entries``, (key, parameter, :class:`_Split`) for every
+    parameter of the module (:func:`_parameters_with_layouts`, after resharding), and ``peers``, the TP
+    ranks' FSDP2 shard groups (:data:`PeerShardRanks`)."""
+
+    entries: List[Tuple[str, nn.Parameter, "_Split"]]
+    peers: PeerShardRanks
+
+
+def prepare_parameters(module: nn.Module, what: str) -> PreparedParameters:
     """Ready ``module``'s parameters for a seqpar read or write of their shards: FSDP2 modules resharded
     (:func:`_reshard_fsdp`), and, under tensor parallelism, every TP rank's FSDP2 shard group of every
     split parameter, checked to form a grid: FSDP2 on all TP ranks of a parameter or none, over groups
@@ -308,28 +325,29 @@ def prepare_parameters(module: nn.Module, what: str) -> PeerShardRanks:
     tensor). One small all-gather per TP group (call it on every rank), then cached while this rank's
     groups stay the same. ValueError, on every rank, naming the first parameter that breaks the grid."""
     _reshard_fsdp(module)
+    entries = list(_parameters_with_layouts(module))
     mine: Dict[object, List[Tuple[str, Tuple[int, ...]]]] = {}
-    for key, param, split in _parameters_with_layouts(module):
+    for key, param, split in entries:
         if split.layout is not None and group_size(split.group) > 1:
             _, chunks = local_rows(param)
             mine.setdefault(split.group, []).append(
                 (key, tuple(rank for rank, _, _ in chunks.rows) if chunks.group is not None else ()))
-    signature = tuple((id(group), tuple(ranks for _, ranks in entries)) for group, entries in mine.items())
+    signature = tuple((id(group), tuple(ranks for _, ranks in split_keys)) for group, split_keys in mine.items())
     cached = _CHECKED_LAYOUTS.get(module)
     if cached is not None and cached[0] == signature:
-        return cached[1]
+        return PreparedParameters(entries, cached[1])
     peers: PeerShardRanks = {}
-    for group, entries in mine.items():
-        distinct = list(dict.fromkeys(ranks for _, ranks in entries))
+    for group, split_keys in mine.items():
+        distinct = list(dict.fromkeys(ranks for _, ranks in split_keys))
         gathered: List[object] = [None] * group_size(group)
-        dist.all_gather_object(gathered, (distinct, [distinct.index(ranks) for _, ranks in entries]), group=group)
+        dist.all_gather_object(gathered, (distinct, [distinct.index(ranks) for _, ranks in split_keys]), group=group)
         per_rank = [[groups[index] for index in indices] for groups, indices in gathered]   # [tp rank][param]
-        problem = _grid_problem([key for key, _ in entries], per_rank)
+        problem = _grid_problem([key for key, _ in split_keys], per_rank)
         if problem:
             raise ValueError(f"{what}: {problem}")
-        peers[group] = {ranks: [theirs[i] for theirs in per_rank] for i, (_, ranks) in enumerate(entries)}
+        peers[group] = {ranks: [theirs[i] for theirs in per_rank] for i, (_, ranks) in enumerate(split_keys)}
     _CHECKED_LAYOUTS[module] = (signature, peers)
-    return peers
+    return PreparedParameters(entries, peers)
 
 
 def _grid_problem(keys: List[str], per_rank: List[List[Tuple[int, ...]]]) -> Optional[str]:
@@ -443,8 +461,9 @@ def sharded_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
     ShardedTensor's device). DTensor can't express these pieces; the warning changes nothing.
     """
     _check_not_meta(module, "sharded_state_dict")
-    sharded = _ShardedTensors(prepare_parameters(module, "sharded_state_dict"))
-    return {key: sharded(param.detach(), split) for key, param, split in _parameters_with_layouts(module)}
+    entries, peers = prepare_parameters(module, "sharded_state_dict")
+    sharded = _ShardedTensors(peers)
+    return {key: sharded(param.detach(), split) for key, param, split in entries}
 
 
 @torch.no_grad()
@@ -474,10 +493,10 @@ def _created_optimizer_state(optimizer: torch.optim.Optimizer, params: List[nn.P
     return {p: optimizer.state.pop(p) for p in params if p in optimizer.state}
 
 
-def _optimizer_keys(module: nn.Module, optimizer: torch.optim.Optimizer, what: str):
+def _optimizer_keys(prepared: PreparedParameters, optimizer: torch.optim.Optimizer, what: str):
     """{id(param): (key, split)} over the module's parameters, checked to hold every parameter the
     optimizer updates."""
-    info = {id(param): (key, split) for key, param, split in _parameters_with_layouts(module)}
+    info = {id(param): (key, split) for key, param, split in prepared.entries}
     foreign = sum(id(p) not in info for group in optimizer.param_groups for p in group["params"])
     if foreign:
         raise ValueError(f"{what}: the optimizer updates {foreign} parameter(s) that are not the module's; "
@@ -516,8 +535,8 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
     """
     what = "sharded_optimizer_state_dict"
     _check_not_meta(module, what)
-    peers = prepare_parameters(module, what)
-    info = _optimizer_keys(module, optimizer, what)
+    prepared = prepare_parameters(module, what)
+    info = _optimizer_keys(prepared, optimizer, what)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for param in params:
         for name, value in optimizer.state.get(param, {}).items():
@@ -534,7 +553,7 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
         entries += [(key, name, value, split) for name, value in (own or created.get(param, {})).items()]
         has_state[key] = torch.tensor(int(bool(own)))
     # A 0-d tensor (Adam's step) is the same on every rank; the others are split like their parameter.
-    sharded = _ShardedTensors(peers)
+    sharded = _ShardedTensors(prepared.peers)
     state = {info[id(param)][0]: {} for param in params}
     for key, name, value, split in entries:
         state[key][name] = sharded(value, split) if value.dim() else value
@@ -554,8 +573,7 @@ def load_sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.
     anything is set, if the loaded groups do not hold the optimizer's parameters in its order or the
     dict is not one :func:`sharded_optimizer_state_dict` made."""
     what = "load_sharded_optimizer_state_dict"
-    prepare_parameters(module, what)
-    info = _optimizer_keys(module, optimizer, what)
+    info = _optimizer_keys(prepare_parameters(module, what), optimizer, what)
     loaded = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
     expected = [[info[id(p)][0] for p in group["params"]] for group in optimizer.param_groups]
     got = [list(group.get("params", ())) for group in loaded] if isinstance(loaded, (list, tuple)) else None
@@ -645,5 +663,5 @@ def check_loadable(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[
 
 __all__ = ["ShardLayout", "ShardedParameters", "RowChunks", "boxes", "local_rows", "scatter_full", "gather_full",
            "load_full_parameters", "full_parameters", "sharded_state_dict", "sharded_optimizer_state_dict",
-           "load_sharded_optimizer_state_dict", "IncompatibleKeys", "prepare_parameters", "check_shapes",
-           "check_loadable"]
+           "load_sharded_optimizer_state_dict", "IncompatibleKeys", "PreparedParameters", "prepare_parameters",
+           "check_shapes", "check_loadable"]
