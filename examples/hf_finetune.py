@@ -7,15 +7,20 @@ recompute, then hand the weights back to the HuggingFace model.
     # a resumable checkpoint after step 10, then 10 more steps on 1 rank (any number of ranks resumes it):
     torchrun --nproc-per-node 2 examples/hf_finetune.py --steps 10 --checkpoint ckpt
     torchrun --nproc-per-node 1 examples/hf_finetune.py --steps 20 --resume ckpt
+    # data parallelism too: 2 FSDP2 replicas of a 2-rank tensor-parallel group, each its own batch:
+    torchrun --nproc-per-node 4 examples/hf_finetune.py --data-parallel 2 --steps 20
     # GPUs (NCCL), pretrained weights (a hub name or a local directory), bf16:
     torchrun --nproc-per-node 8 examples/hf_finetune.py --model gpt2-medium --dtype bf16 --seq-len 1024
     torchrun --nproc-per-node 4 examples/hf_finetune.py --family llama \
         --model TinyLlama/TinyLlama-1.1B-Chat-v1.0 --dtype bf16 --seq-len 2048
 
-Every rank of the tensor-parallel group (here: all ranks) loads the same model and sees the same
-batch; seqpar keeps each rank's shard. Each step prints the loss (HF's: the mean over the predicted
-tokens) and the activation memory this rank kept for backward (seqpar.memory.ActivationMeter), next
-to seqpar.memory.model_activation_bytes' figure for the whole model (the paper's Table 2 per layer for
+Every rank of the tensor-parallel group (all ranks, or WORLD_SIZE / --data-parallel of them) loads the
+same model and sees the same batch; seqpar keeps each rank's shard. With ``--data-parallel N`` the ranks
+form a 2-D mesh (N replicas x t tensor-parallel ranks, README "Multi-GPU"): FSDP2 shards each replica's
+weights over the replicas, each replica trains on its own rows of the global batch (N x --batch rows).
+Each step prints the loss (HF's: the mean over the predicted tokens of the global batch) and the
+activation memory this rank kept for backward (seqpar.memory.ActivationMeter), next to
+seqpar.memory.model_activation_bytes' figure for the whole model (the paper's Table 2 per layer for
 GPT-2's block, plus the embedding and the logits). Replace ``batches()`` with your data.
 
 ``--checkpoint`` saves the model, the AdamW state, the step and torch's CPU generator (the dropout
@@ -33,6 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import transformers
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 import seqpar
 from seqpar.integrations import hf
@@ -60,7 +67,9 @@ def parse_args(family=None):
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, help="llama: k/v heads (default: --heads)")
     parser.add_argument("--seq-len", type=int, default=64, help="divisible by the number of ranks (SP)")
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=4, help="sequences per replica")
+    parser.add_argument("--data-parallel", type=int, default=1,
+                        help="replicas (FSDP2), each of WORLD_SIZE / this tensor-parallel ranks")
     parser.add_argument("--steps", type=int, default=10, help="the last step (a resumed run continues to it)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--clip-grad", type=float, default=1.0,
@@ -83,10 +92,13 @@ def parse_args(family=None):
         parser.error(f"--resume {args.resume} is not a directory (a --checkpoint directory of an earlier run)")
     if not args.clip_grad >= 0:
         parser.error(f"--clip-grad must be >= 0 (0: no clipping), got {args.clip_grad}")
-    for name in ("layers", "hidden", "heads", "seq_len", "batch", "steps"):
+    for name in ("layers", "hidden", "heads", "seq_len", "batch", "steps", "data_parallel"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    t = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's ranks are the tensor-parallel group
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world % args.data_parallel:
+        parser.error(f"--data-parallel {args.data_parallel} must divide the {world} ranks")
+    t = world // args.data_parallel        # each replica's tensor-parallel ranks
     if args.sequence_parallel and args.seq_len % t:
         parser.error(f"--seq-len {args.seq_len} must be divisible by the {t} ranks (sequence parallelism; "
                      f"or --no-sequence-parallel)")
@@ -114,14 +126,14 @@ def random_model(args):
         vocab_size=1000, max_position_embeddings=positions))
 
 
-def batches(vocab_size, args, device, step=0):
-    """Stand-in data: a few fixed random sequences, cycled (the same on every rank of the group), from
-    the batch of ``step``. Yields HF-style (input_ids, labels) with labels = input_ids (HF shifts them
-    inside its loss)."""
+def batches(vocab_size, args, device, replica=0, step=0):
+    """Stand-in data: a few fixed random global batches (--data-parallel x --batch sequences), cycled,
+    from the batch of ``step``; a replica takes its rows (the same on every rank of its tensor-parallel
+    group). Yields HF-style (input_ids, labels) with labels = input_ids (HF shifts them inside its loss)."""
     gen = torch.Generator().manual_seed(args.seed)
-    pool = torch.randint(0, vocab_size, (2, args.batch, args.seq_len), generator=gen)
+    pool = torch.randint(0, vocab_size, (2, args.data_parallel * args.batch, args.seq_len), generator=gen)
     while True:
-        input_ids = pool[step % len(pool)].to(device)
+        input_ids = pool[step % len(pool), replica * args.batch:(replica + 1) * args.batch].to(device)
         yield input_ids, input_ids.clone()
         step += 1
 
@@ -152,8 +164,10 @@ def main(family=None):
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
-    rank, t = dist.get_rank(), dist.get_world_size()
-    tp_group = dist.group.WORLD        # with data parallelism too, build the TP groups with dist.new_group
+    rank, replicas = dist.get_rank(), args.data_parallel
+    t = dist.get_world_size() // replicas
+    mesh = init_device_mesh(device.type, (replicas, t), mesh_dim_names=("dp", "tp"))
+    tp_group, replica = mesh["tp"].get_group(), mesh["dp"].get_local_rank()
 
     # The same model on every rank: pretrained, or random from a fixed torch seed.
     hf_class = transformers.GPT2LMHeadModel if args.family == "gpt2" else transformers.LlamaForCausalLM
@@ -166,6 +180,10 @@ def main(family=None):
         model = hf.from_gpt2(hf_model, dropout=args.dropout, **common).train()
     else:
         model = hf.from_llama(hf_model, **common).train()
+    if replicas > 1:                   # FSDP2 over the replicas: each layer, then the rest
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     done = resume(args.resume, model, optimizer) if args.resume else 0
     if done >= args.steps:
@@ -174,7 +192,8 @@ def main(family=None):
     if rank == 0:
         print(f"{args.family} {len(model.layers)} layers, h={cfg.hidden_size}, {cfg.num_attention_heads} heads "
               f"({cfg.num_query_groups or cfg.num_attention_heads} k/v), vocab "
-              f"{model.vocab_size} (padded to {model.padded_vocab_size}); t={t}, SP={cfg.sequence_parallel}, "
+              f"{model.vocab_size} (padded to {model.padded_vocab_size}); t={t} x {replicas} FSDP2 replicas, "
+              f"SP={cfg.sequence_parallel}, "
               f"recompute={cfg.recompute}, {args.dtype} on {device.type}"
               + (f"; resumed from {args.resume} after step {done}" if args.resume else ""), flush=True)
     # The whole model's formula: the block's terms, no dropout-mask bytes (seqpar regenerates masks), and
@@ -189,7 +208,7 @@ def main(family=None):
         bytes_per_element=torch.finfo(cfg.params_dtype).bits // 8, bytes_per_mask=0, flash_attention=flash,
         **architecture_kwargs(cfg))
 
-    data = batches(model.vocab_size, args, device, done)
+    data = batches(model.vocab_size, args, device, replica, done)
     for step in range(done + 1, args.steps + 1):
         input_ids, hf_labels = next(data)
         labels = hf.shift_labels(hf_labels)          # GPTModel takes labels already shifted
@@ -202,6 +221,10 @@ def main(family=None):
         grad_norm = clip_grad_norm_(model, args.clip_grad if args.clip_grad > 0 else math.inf)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if replicas > 1:                 # the global batch's loss: the replicas' mean (equal token counts)
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=mesh["dp"].get_group())
+            loss /= replicas
         if rank == 0:
             peak = f", peak allocated {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB" if cuda else ""
             print(f"step {step}/{args.steps} loss {loss.item():.4f} grad norm {grad_norm.item():.3f} "

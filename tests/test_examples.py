@@ -95,6 +95,22 @@ def test_finetune_example_resumes_its_checkpoint_at_another_size(tmp_path):
         assert abs(loss - whole[step]) <= 1e-4, (step, loss, whole)
 
 
+@pytest.mark.timeout(300)
+def test_finetune_example_with_fsdp2_replicas_trains_as_one_rank_on_the_whole_batch(tmp_path):
+    """--data-parallel 2 on 4 ranks (2 FSDP2 replicas of t = 2, each its own 2 sequences) prints the
+    losses of 1 rank training on all 4 sequences (FSDP2 averages the replicas' gradients), then saves a
+    checkpoint that 1 rank resumes. (Dropout off: a replica's masks follow its own batch rows.)"""
+    pytest.importorskip("transformers")
+    replicas = _finetune(tmp_path, 4, "--data-parallel", "2", "--dropout", "0", "--steps", "3",
+                         "--checkpoint", str(tmp_path / "ckpt"))
+    whole = _finetune(tmp_path, 1, "--batch", "4", "--dropout", "0", "--steps", "4")
+    resumed = _finetune(tmp_path, 1, "--batch", "4", "--dropout", "0", "--steps", "4", "--resume",
+                        str(tmp_path / "ckpt"))
+    assert sorted(replicas) == [1, 2, 3] and sorted(resumed) == [4], (replicas, resumed)
+    for step, loss in {**replicas, **resumed}.items():
+        assert abs(loss - whole[step]) <= 1e-4, (step, loss, whole)
+
+
 @pytest.mark.parametrize("args, match", [
     (["--seq-len", "63"], "--seq-len 63 must be divisible by the 2 ranks"),
     (["--heads", "3"], "--hidden 128 must be divisible by --heads 3"),
@@ -102,7 +118,8 @@ def test_finetune_example_resumes_its_checkpoint_at_another_size(tmp_path):
     (["--steps", "0"], "--steps must be positive, got 0"),
     (["--resume", "no/such/dir"], "--resume no/such/dir is not a directory"),
     (["--clip-grad", "-1"], "--clip-grad must be >= 0"),
-], ids=["seq-len", "heads", "kv-heads", "steps", "resume", "clip-grad"])
+    (["--data-parallel", "3"], "--data-parallel 3 must divide the 2 ranks"),
+], ids=["seq-len", "heads", "kv-heads", "steps", "resume", "clip-grad", "data-parallel"])
 def test_finetune_example_refuses_sizes_the_ranks_cannot_split(args, match):
     """Sizes that don't split over the ranks are a usage error before any rank starts, not a traceback
     per rank from deep inside the model build."""
