@@ -40,7 +40,7 @@ from ..parallel.state import (ProcessGroup, SharesProcessGroup, agreement_checke
 from ..memory import recompute_policies, saved_as
 from .layer import AGREEMENT_HINT, TransformerLayer, agreement_values, autocast_dtype, make_norm, run_in_dtype
 from .state_dict import (IncompatibleKeys, ShardedParameters, ShardLayout, check_loadable, full_parameters,
-                         load_full_parameters, local_rows, prepare_parameters, scatter_full)
+                         load_full_parameters, prepare_parameters, scatter_full)
 
 EMBEDDING_RNG_LAYER = 2**31 - 1  # the embedding dropout's "layer number" in the RNG
 VOCAB_PAD_MULTIPLE = 128         # the padded vocabulary is a multiple of this times t
@@ -137,8 +137,6 @@ class _VocabShard(ShardedParameters, SharesProcessGroup, nn.Module):
         """Keep this rank's rows of the unsharded ``weight`` [vocab_size, h]; padded rows become zero.
         (Real rows first: ``weight`` may share memory with this table, e.g. the model's own state dict.)"""
         self._load_full_parameters({"weight": weight})
-        local, chunks = local_rows(self.weight)      # under FSDP2 this rank's rows of the shard
-        local[max(0, self.real_weight.shape[0] - chunks.rows[chunks.index][1]):].zero_()
 
     def full(self) -> torch.Tensor:
         """The unsharded [vocab_size, h] table, a new tensor (a collective under TP)."""
@@ -524,11 +522,8 @@ class GPTModel(SharesProcessGroup, nn.Module):
                               device=self.final_layernorm.weight.device, strict=strict)
         before, after = self._outer_parts()
         for prefix, part in {**before, **after}.items():
-            given = {p: state_dict[f"{prefix}.{p}"] for p in ("weight", "bias") if f"{prefix}.{p}" in state_dict}
-            if isinstance(part, _VocabShard) and given:
-                part.load_full(given["weight"])          # also zeroes the padded rows
-            else:
-                load_full_parameters(part, given)
+            load_full_parameters(part, {p: state_dict[f"{prefix}.{p}"] for p in ("weight", "bias")
+                                        if f"{prefix}.{p}" in state_dict})
         for i, layer in enumerate(self.layers):
             prefix = f"layers.{i}."
             layer.load_full_state_dict({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)},

@@ -138,14 +138,23 @@ def local_rows(tensor: torch.Tensor) -> Tuple[torch.Tensor, RowChunks]:
 @torch.no_grad()
 def scatter_full(full: torch.Tensor, shard: torch.Tensor, layout: Optional[ShardLayout] = None) -> None:
     """Copy this rank's blocks of the unsharded ``full`` into ``shard``, a tensor-parallel shard laid out
-    by ``layout`` (None: replicated, all of ``full``), plain or FSDP2's DTensor (padding untouched)."""
+    by ``layout`` (None: replicated, all of ``full``), plain or FSDP2's DTensor. Rows of padding (in no
+    piece: a vocabulary table's rows past its real ones) become zero: never read, but defined. (Blocks
+    are copied first: ``full`` may share memory with the shard, e.g. the model's own state dict.)"""
     local, chunks = local_rows(shard)
     _, first_row, rows = chunks.rows[chunks.index]
+    copied_rows = []
     for (dim, start, length), offsets, sizes in boxes(layout, shard.shape, first_row, rows):
         block = full
         for d, (offset, size) in enumerate(zip(offsets, sizes)):
             block = block.narrow(d, offset, size)
         local.narrow(dim, start, length).copy_(block)
+        copied_rows.append((start, start + length) if dim == 0 else (0, rows))
+    end = 0
+    for start, stop in sorted(copied_rows) + [(rows, rows)]:
+        if start > end:
+            local.narrow(0, end, start - end).zero_()
+        end = max(end, stop)
 
 
 @torch.no_grad()

@@ -78,3 +78,11 @@ def test_plain_tensor_is_all_local():
     tensor = torch.randn(4, 3)
     local, chunks = local_rows(tensor)
     assert local is tensor and chunks.rows == ((0, 0, 4),) and chunks.index == 0 and chunks.group is None
+
+
+def test_scatter_full_copies_the_real_rows_and_zeroes_the_padding():
+    """A vocabulary shard of 8 rows, 5 real: scatter_full copies them and zeroes rows 5-7 (NaN before)."""
+    from seqpar.nn.state_dict import scatter_full
+    table, shard = torch.randn(5, 2), torch.full((8, 2), float("nan"))
+    scatter_full(table, shard, ShardLayout((5, 2), 0, ((0, 0, 5),)))
+    assert torch.equal(shard[:5], table) and torch.equal(shard[5:], torch.zeros(3, 2))
