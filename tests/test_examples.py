@@ -98,16 +98,13 @@ def test_finetune_example_resumes_its_checkpoint_at_another_size(tmp_path):
 @pytest.mark.timeout(300)
 def test_finetune_example_with_fsdp2_replicas_trains_as_one_rank_on_the_whole_batch(tmp_path):
     """--data-parallel 2 on 4 ranks (2 FSDP2 replicas of t = 2, each its own 2 sequences) prints the
-    losses of 1 rank training on all 4 sequences (FSDP2 averages the replicas' gradients), then saves a
-    checkpoint that 1 rank resumes. (Dropout off: a replica's masks follow its own batch rows.)"""
+    losses of 1 rank training on all 4 sequences (FSDP2 averages the replicas' gradients). (Dropout off:
+    a replica's masks follow its own batch rows.)"""
     pytest.importorskip("transformers")
-    replicas = _finetune(tmp_path, 4, "--data-parallel", "2", "--dropout", "0", "--steps", "3",
-                         "--checkpoint", str(tmp_path / "ckpt"))
-    whole = _finetune(tmp_path, 1, "--batch", "4", "--dropout", "0", "--steps", "4")
-    resumed = _finetune(tmp_path, 1, "--batch", "4", "--dropout", "0", "--steps", "4", "--resume",
-                        str(tmp_path / "ckpt"))
-    assert sorted(replicas) == [1, 2, 3] and sorted(resumed) == [4], (replicas, resumed)
-    for step, loss in {**replicas, **resumed}.items():
+    replicas = _finetune(tmp_path, 4, "--data-parallel", "2", "--dropout", "0", "--steps", "3")
+    whole = _finetune(tmp_path, 1, "--batch", "4", "--dropout", "0", "--steps", "3")
+    assert sorted(replicas) == [1, 2, 3], replicas
+    for step, loss in replicas.items():
         assert abs(loss - whole[step]) <= 1e-4, (step, loss, whole)
 
 

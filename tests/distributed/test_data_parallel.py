@@ -112,7 +112,7 @@ def test_data_parallel_over_tensor_parallel_replicas_matches_one_process_on_the_
         assert data_parallel == "ddp" or skipped == (128.0, True), (rank, skipped)
 
 
-def _deferred_init_worker(rank, world_size):
+def _deferred_init(rank):
     """TP 2 x FSDP2 2, sharded on the meta device, to_empty, every parameter NaN: reset_parameters()
     gives the weights of the model built on the CPU directly, load_full_state_dict gives the weights it
     loads, and the loaded model's loss is the plain model's.
@@ -150,15 +150,7 @@ def _deferred_init_worker(rank, world_size):
     return results, loss, plain_loss, max(float((ours[k] - theirs[k]).abs().max()) for k in theirs)
 
 
-@pytest.mark.timeout(120)
-def test_fsdp2_model_built_on_meta_is_initialised_and_loaded_in_place():
-    for rank, (results, loss, plain_loss, after_eval) in enumerate(run_ranks(_deferred_init_worker, WORLD,
-                                                                             timeout_s=90)):
-        assert results == [True, True] and abs(loss - plain_loss) <= 1e-6 * abs(plain_loss), (rank, results, loss)
-        assert after_eval < 1e-6, (rank, after_eval)
-
-
-def _misuse_worker(rank, world_size):
+def _misuse(rank):
     """FSDP2 laid over TP wrongly: on TP rank 0 of each replica only, or over all 4 ranks (TP peers
     included: FSDP2 then cuts different shards as one tensor). Each seqpar entry must raise a
     ValueError on every rank; before, the sharded state dict hung, clip_grad_norm_ gave each rank
@@ -167,7 +159,7 @@ def _misuse_worker(rank, world_size):
     from torch.distributed.fsdp import fully_shard
     tp_groups = [dist.new_group([first, first + 1]) for first in (0, 2)]
     dp_groups = [dist.new_group([r, r + 2]) for r in (0, 1)]
-    world_mesh = init_device_mesh("cpu", (world_size,))
+    world_mesh = init_device_mesh("cpu", (WORLD,))
     messages = []
     for case in ("one TP rank", "world mesh"):
         model = _model(tp_groups[rank // 2])
@@ -184,9 +176,17 @@ def _misuse_worker(rank, world_size):
     return messages
 
 
-@pytest.mark.timeout(120)
-def test_fsdp2_laid_over_tensor_parallel_ranks_wrongly_is_a_value_error_on_every_rank():
-    for rank, messages in enumerate(run_ranks(_misuse_worker, WORLD, timeout_s=90)):
+def _setup_worker(rank, world_size):
+    return _deferred_init(rank), _misuse(rank)
+
+
+@pytest.mark.timeout(150)
+def test_fsdp2_on_meta_loads_in_place_and_fsdp2_laid_over_tp_ranks_wrongly_is_a_value_error():
+    """(One launch for both: each is a few seconds once 4 ranks have started.)"""
+    for rank, ((results, loss, plain_loss, after_eval), messages) in enumerate(run_ranks(_setup_worker, WORLD,
+                                                                                         timeout_s=120)):
+        assert results == [True, True] and abs(loss - plain_loss) <= 1e-6 * abs(plain_loss), (rank, results, loss)
+        assert after_eval < 1e-6, (rank, after_eval)
         assert all(m is not None and "sharded by FSDP2 on tensor-parallel ranks [0] only" in m
                    for m in messages[:3]), (rank, messages)
         assert all(m is not None and "overlap across the tensor-parallel ranks" in m for m in messages[3:]), (rank,
