@@ -415,10 +415,11 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         """Load UNSHARDED weights (the same dict on every rank); each rank keeps its shard. Keys and shapes
         are checked first (ValueError); ``strict=False`` loads the keys the dict holds and returns the
         missing and unexpected ones (shapes are still checked), as ``nn.Module.load_state_dict``."""
-        prepare_parameters(self, f"TransformerLayer(layer_number={self.layer_number}).load_full_state_dict")
+        what = f"TransformerLayer(layer_number={self.layer_number}).load_full_state_dict"
+        prepared = prepare_parameters(self, what)
         device = self.input_layernorm.weight.device
-        keys = check_loadable(state_dict, self.full_shapes(), self.tp_group, device=device, strict=strict,
-                              what=f"TransformerLayer(layer_number={self.layer_number}).load_full_state_dict")
+        keys = check_loadable(state_dict, self.full_shapes(), self.tp_group, device=device, strict=strict, what=what,
+                              data_parallel_groups=prepared.data_parallel_groups())
         for name, part in self._parts().items():
             load_full_parameters(part, {p: state_dict[f"{name}.{p}"].to(device) for p in ("weight", "bias")
                                         if f"{name}.{p}" in state_dict})

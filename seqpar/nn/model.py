@@ -517,9 +517,10 @@ class GPTModel(SharesProcessGroup, nn.Module):
         loaded (ValueError naming it); other floating dtypes are cast to the parameters'. ``strict=False``
         loads the keys the dict holds and returns the missing and unexpected ones (shapes are still
         checked), as ``nn.Module.load_state_dict`` does."""
-        prepare_parameters(self, "GPTModel.load_full_state_dict")
+        prepared = prepare_parameters(self, "GPTModel.load_full_state_dict")
         keys = check_loadable(state_dict, self.full_shapes(), self.tp_group, what="GPTModel.load_full_state_dict",
-                              device=self.final_layernorm.weight.device, strict=strict)
+                              device=self.final_layernorm.weight.device, strict=strict,
+                              data_parallel_groups=prepared.data_parallel_groups())
         before, after = self._outer_parts()
         for prefix, part in {**before, **after}.items():
             load_full_parameters(part, {p: state_dict[f"{prefix}.{p}"] for p in ("weight", "bias")

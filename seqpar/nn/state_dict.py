@@ -325,6 +325,11 @@ class PreparedParameters(NamedTuple):
     entries: List[Tuple[str, nn.Parameter, "_Split"]]
     peers: PeerShardRanks
 
+    def data_parallel_groups(self) -> List[ProcessGroup]:
+        """The distinct FSDP2 shard groups of the parameters, in their order (none without FSDP2)."""
+        groups = (local_rows(param)[1].group for _, param, _ in self.entries)
+        return list(dict.fromkeys(group for group in groups if group is not None))
+
 
 def prepare_parameters(module: nn.Module, what: str) -> PreparedParameters:
     """Ready ``module``'s parameters for a seqpar read or write of their shards: FSDP2 modules resharded
@@ -650,14 +655,17 @@ def check_shapes(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[in
 
 
 def check_loadable(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[int, ...]], group, *,
-                   what: str, device: Optional[torch.device] = None, strict: bool = True) -> IncompatibleKeys:
+                   what: str, device: Optional[torch.device] = None, strict: bool = True,
+                   data_parallel_groups: Sequence[ProcessGroup] = ()) -> IncompatibleKeys:
     """:func:`check_shapes` on every rank of the tensor-parallel ``group``, a failure on any rank a
     ValueError on every rank (:func:`seqpar.parallel.state.check_ranks_agree`, one tiny all-gather):
     a rank whose dict is wrong must not leave the others loading theirs and then waiting for it in the
-    next collective. (That every rank passes the same values is the caller's contract, not checked:
-    comparing them would hash every weight.) ``device``, where the target's parameters live (None: not
-    checked), must not be meta: copying into meta parameters does nothing, and nothing would say so.
-    Returns check_shapes' keys not to load (``strict=False``)."""
+    next collective. Under FSDP2 the ranks of each of ``data_parallel_groups`` (the model's FSDP2 shard
+    groups: they hold other rows of the same tensors) agree too, after the TP group, so a failure
+    anywhere in the TP x FSDP2 grid stops every rank of it. (That every rank passes the same values is
+    the caller's contract, not checked: comparing them would hash every weight.) ``device``, where the
+    target's parameters live (None: not checked), must not be meta: copying into meta parameters does
+    nothing, and nothing would say so. Returns check_shapes' keys not to load (``strict=False``)."""
     problem, keys = None, IncompatibleKeys([], [])
     try:
         if device is not None and device.type == "meta":
@@ -666,7 +674,13 @@ def check_loadable(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[
         keys = check_shapes(state_dict, shapes, strict=strict)
     except ValueError as exc:
         problem = str(exc)
-    check_ranks_agree(group, {}, what=what, error=problem)
+    for agreeing in (group, *data_parallel_groups):    # every rank takes part in every agreement
+        try:
+            check_ranks_agree(agreeing, {}, what=what, error=problem)
+        except ValueError as exc:
+            problem = str(exc)
+    if problem is not None:
+        raise ValueError(problem)
     return keys
 
 

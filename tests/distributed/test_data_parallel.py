@@ -176,18 +176,37 @@ def _misuse(rank):
     return messages
 
 
+def _refused_on_every_replica(rank):
+    """TP 2 x FSDP2 2, rank 3's dict of the wrong shape: every rank raises and nothing is loaded. (The
+    check agreed over the TP group only: ranks 0 and 1 loaded their row chunks, 2 and 3 did not.)"""
+    model, tp_group = _fsdp2(2)
+    before = model.full_state_dict()
+    source = _model(tp_group, seed=3).full_state_dict()
+    if rank == 3:
+        source["final_layernorm.weight"] = torch.ones(33)
+    try:
+        model.load_full_state_dict(source)
+        refused = False
+    except ValueError:
+        refused = True
+    after = model.full_state_dict()
+    return refused, all(torch.equal(after[k], v) for k, v in before.items())
+
+
 def _setup_worker(rank, world_size):
-    return _deferred_init(rank), _misuse(rank)
+    return _deferred_init(rank), _misuse(rank), _refused_on_every_replica(rank)
 
 
 @pytest.mark.timeout(150)
 def test_fsdp2_on_meta_loads_in_place_and_fsdp2_laid_over_tp_ranks_wrongly_is_a_value_error():
-    """(One launch for both: each is a few seconds once 4 ranks have started.)"""
-    for rank, ((results, loss, plain_loss, after_eval), messages) in enumerate(run_ranks(_setup_worker, WORLD,
-                                                                                         timeout_s=120)):
+    """Also: a dict one replica can't load is refused on every rank. (One launch for the three: each is a
+    few seconds once 4 ranks have started.)"""
+    for rank, ((results, loss, plain_loss, after_eval), messages, refused) in enumerate(
+            run_ranks(_setup_worker, WORLD, timeout_s=120)):
         assert results == [True, True] and abs(loss - plain_loss) <= 1e-6 * abs(plain_loss), (rank, results, loss)
         assert after_eval < 1e-6, (rank, after_eval)
         assert all(m is not None and "sharded by FSDP2 on tensor-parallel ranks [0] only" in m
                    for m in messages[:3]), (rank, messages)
         assert all(m is not None and "overlap across the tensor-parallel ranks" in m for m in messages[3:]), (rank,
                                                                                                              messages)
+        assert refused == (True, True), (rank, refused)
