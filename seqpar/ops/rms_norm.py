@@ -264,7 +264,9 @@ class _AddRMSNorm(torch.autograd.Function):
         ctx.impl, ctx.has_residual, ctx.shape = impl, residual is not None, shape
         ctx.set_materialize_grads(False)  # an unused residual_out costs no zeros tensor to read
         if len(shape) != 2:
-            return _unflatten_rows(y, shape), _unflatten_rows(residual_out, shape)
+            # no residual: residual_out is x itself. Not the [rows, h] view of x viewed back: export can't
+            # prove that view's stride guard for a dynamic batch dim (b * min(h, h b) == h b)
+            return _unflatten_rows(y, shape), (x.detach() if residual is None else _unflatten_rows(residual_out, shape))
         return y, residual_out
 
     @staticmethod

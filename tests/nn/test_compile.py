@@ -126,22 +126,25 @@ LLAMA = dict(num_query_groups=2, ffn_hidden_size=96, normalization="rmsnorm", ac
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
-def test_export_with_a_dynamic_sequence_length(family):
-    if family == "llama" and tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 13):
-        pytest.skip("torch < 2.13: export still makes a stride guard of its own inside the GQA matmuls "
-                    "(Min(8 s, 16 s) == 8 s on 2.11)")
+def test_export_with_a_dynamic_sequence_length_and_batch(family):
     """torch.export's default (non-strict) mode passes the attention's row offset as a torch.SymInt, which
     the dropout spec refused as "not an int" although dropout is off in eval mode. The Llama layer (GQA:
     2 q heads per kv head) failed with "Constraints violated (s)": regrouping the [s, s] scores between
     G * s rows and (G, s) made stride guards (Min(s, 2 s^2) == s) that export can't prove for every s;
-    the torch reference now makes them in the grouped layout."""
+    the torch reference now makes them in the grouped layout. With a dynamic batch dim it failed with
+    "Constraints violated (b)": add_rms_norm without a residual returned x's [rows, h] view viewed back to
+    [s, b, h], whose stride guard (b * min(h, h b) == h b) export can't prove; it returns x itself."""
+    if family == "llama" and tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 13):
+        pytest.skip("torch < 2.13: export still makes a stride guard of its own inside the GQA matmuls "
+                    "(Min(8 s, 16 s) == 8 s on 2.11)")
     seqpar.manual_seed(0)
     layer = seqpar.TransformerLayer(seqpar.TransformerConfig(hidden_size=H, num_attention_heads=4, backend="torch",
                                                              **(LLAMA if family == "llama" else {}))).eval()
     program = torch.export.export(layer, (torch.randn(8, 2, H),),
-                                  dynamic_shapes=({0: torch.export.Dim("s", min=2, max=64)},))
-    for s in (3, 12):
-        x = torch.randn(s, 2, H)
+                                  dynamic_shapes=({0: torch.export.Dim("s", min=2, max=64),
+                                                   1: torch.export.Dim("b", min=1, max=16)},))
+    for s, b in ((3, 1), (12, 5)):
+        x = torch.randn(s, b, H)
         torch.testing.assert_close(program.module()(x), layer(x), rtol=1e-6, atol=1e-6)
 
 
