@@ -231,7 +231,10 @@ def mask_bytes(stream: int, rows: torch.Tensor, n_cols: int) -> torch.Tensor:
 def _mask_bytes_op(stream: int, rows: torch.Tensor, n_cols: int) -> torch.Tensor:
     rows = rows.to(torch.int64).unsqueeze(-1)                                 # [..., 1]
     groups = torch.arange(-(-n_cols // MASK_GROUP), device=rows.device)       # [G]
-    words = torch.stack(philox4x32(stream, groups, rows & _MASK32, rows >> 32, torch.zeros_like(groups)), -1)
+    # rows are the 64 bits of an unsigned row index: the high word of one past 2**63 (a negative int64) is
+    # its bits, not the sign-extended shift (the kernels read it as uint32)
+    words = torch.stack(philox4x32(stream, groups, rows & _MASK32, (rows >> 32) & _MASK32, torch.zeros_like(groups)),
+                        -1)
     shifts = torch.arange(0, 32, 8, device=rows.device)                       # byte b of a word: >> 8b
     group_bytes = (words.unsqueeze(-1) >> shifts) & 0xFF                      # [..., G, word, byte]
     return group_bytes.flatten(-3)[..., :n_cols].to(torch.uint8)

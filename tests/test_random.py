@@ -210,3 +210,14 @@ def test_seed_draw_under_torch_compile():
     torch._dynamo.reset()
     with pytest.raises(Exception, match="pass seed= to the functional ops"):
         torch.compile(f, backend="eager", fullgraph=True)(x)
+
+
+def test_mask_bytes_of_a_row_past_2_63_follow_its_unsigned_bits():
+    """A row index is 64 unsigned bits: row 2**63 + 3, held in int64 as a negative number, takes the counter
+    words (row & 0xffffffff, row >> 32) of the unsigned value, as the kernels read it (uint32 words). The
+    torch reference shifted the int64 arithmetically, so its high word was sign-extended: another mask."""
+    row, seed = 2**63 + 3, SEEDS[1]
+    words = philox4x32(seed, torch.tensor([0]), torch.tensor([row & 0xFFFFFFFF]), torch.tensor([row >> 32]),
+                       torch.tensor([0]))                                      # Python ints: no sign
+    expected = [(int(word) >> (8 * byte)) & 0xFF for word in words for byte in range(4)]
+    assert mask_bytes(seed, torch.tensor([row - 2**64]), 16)[0].tolist() == expected

@@ -344,6 +344,8 @@ def _check_inputs(q, k, v, enable_gqa: bool) -> None:
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.dtype not in _DTYPES:
             got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} must be a floating [b, heads, s, d] tensor of {_DTYPES}, got {got}")
+        if t.layout != torch.strided:
+            raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape != v.shape:
@@ -351,6 +353,8 @@ def _check_inputs(q, k, v, enable_gqa: bool) -> None:
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q shape {tuple(q.shape)} does not match k/v shape {tuple(k.shape)} "
                          "in batch or head dim")
+    if q.shape[3] == 0:
+        raise ValueError(f"q, k, v need a head dim d of at least 1, got q shape {tuple(q.shape)}")
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads == 0 or kv_heads == 0:
         raise ValueError(f"q and k/v need at least one head, got {heads} q heads and {kv_heads} k/v heads")

@@ -22,7 +22,7 @@ class DropoutSpec:
 
     Every field is validated on construction: ``p`` by :func:`seqpar.random.dropout_threshold`
     (ValueError unless ``round(p * 256) < 256``), ``seed`` an int in [0, 2**62) (a Philox stream seed),
-    ``row_offset`` a non-negative int. The byte threshold ``P = round(p * 256) == 0`` means no dropout
+    ``row_offset`` an int in [0, 2**62) (rows count on from it in int64). The byte threshold ``P = round(p * 256) == 0`` means no dropout
     (seed and row_offset are then ignored).
     """
 
@@ -65,11 +65,15 @@ class DropoutSpec:
         return dropout_keep_mask(self.seed, rows, n_cols, self.threshold)
 
 
+MAX_ROW_OFFSET = 2**62  # rows count on from row_offset in int64 tensors: row_offset + rows stays < 2**63
+
+
 def _check_row_offset(row_offset) -> None:
     # A SymInt under graph capture with dynamic shapes: row offsets are products of sizes (torch.export's
     # default non-strict mode passes it as torch.SymInt, which is no int).
-    if not isinstance(row_offset, (int, torch.SymInt)) or isinstance(row_offset, bool) or row_offset < 0:
-        raise ValueError(f"row_offset must be a non-negative int, got {row_offset!r} ({type(row_offset).__name__})")
+    if (not isinstance(row_offset, (int, torch.SymInt)) or isinstance(row_offset, bool) or row_offset < 0
+            or row_offset >= MAX_ROW_OFFSET):
+        raise ValueError(f"row_offset must be an int in [0, 2**62), got {row_offset!r} ({type(row_offset).__name__})")
 
 
 _NO_DROPOUT = DropoutSpec()  # immutable: shared by every call without active dropout

@@ -506,7 +506,8 @@ def test_triton_check_accepts_the_issue_head_dims():
         assert registry._REGISTRY[OP]["triton"].check(q=q, k=q, v=q, causal=True) is None, d
 
 
-@pytest.mark.parametrize("case", ["dtype", "kv_shape", "head_dim", "p_one", "p_negative", "p_rounds_to_256", "rank3"])
+@pytest.mark.parametrize("case", ["dtype", "kv_shape", "head_dim", "head_dim_zero", "sparse", "p_one", "p_negative",
+                                  "p_rounds_to_256", "rank3"])
 def test_bad_input_raises_value_error(case):
     q, k, v = (randn(1, 2, 8, 32) for _ in range(3))
     kwargs, match = {}, None
@@ -516,6 +517,11 @@ def test_bad_input_raises_value_error(case):
         v, match = randn(1, 2, 9, 32), "k shape"
     elif case == "head_dim":
         k, v, match = randn(1, 2, 8, 64), randn(1, 2, 8, 64), "head dim"
+    elif case == "head_dim_zero":   # the default scale 1 / sqrt(d) was a ZeroDivisionError
+        q = k = v = randn(1, 2, 8, 0)
+        match = r"head dim d of at least 1, got q shape \(1, 2, 8, 0\)"
+    elif case == "sparse":          # failed deep inside (aten::view on SparseCPU)
+        q, match = q.to_sparse(), "q must be a dense .strided. tensor, got layout torch.sparse_coo"
     elif case == "p_one":
         kwargs, match = {"dropout_p": 1.0}, "1.0"
     elif case == "p_negative":

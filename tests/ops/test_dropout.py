@@ -97,8 +97,10 @@ def test_dropout_and_spec_validation():
     # The fields the kernels read are checked as the fused ops check them: 2**64 would alias seed 0.
     for kwargs, match in (({"seed": 1.5}, "seed must be an int"), ({"seed": -1}, "seed must be an int"),
                           ({"seed": 2**64}, r"seed must be an int in \[0, 2\*\*62\)"),
-                          ({"row_offset": -3}, "row_offset must be a non-negative int"),
-                          ({"row_offset": True}, "row_offset must be a non-negative int")):
+                          ({"row_offset": -3}, r"row_offset must be an int in \[0, 2\*\*62\), got -3"),
+                          ({"row_offset": True}, "row_offset must be an int"),
+                          # rows count on from it in int64: 2**64 was an OverflowError deep in a kernel call
+                          ({"row_offset": 2**62}, r"row_offset must be an int in \[0, 2\*\*62\), got 4611686018427387904")):
         with pytest.raises(ValueError, match=match):
             DropoutSpec(0.5, **kwargs)
     # training must be a bool ("False" is truthy), and a given seed is checked even with dropout off.
