@@ -133,9 +133,10 @@ DP2_T2, FSDP2_T2, HSDP_T1 = (4, 2, None), (4, 2, "fsdp2"), (4, 1, "hsdp")
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("family, save, resume", [("llama", PLAIN_T2, T4), ("llama", DP2_T2, T1), ("gpt", PLAIN_T2, T4),
+# (GPT's biases, LayerNorm and tied head resume in the HSDP case; the vocabulary rows at t = 4 in the first.)
+@pytest.mark.parametrize("family, save, resume", [("llama", PLAIN_T2, T4), ("llama", DP2_T2, T1),
                                                   ("llama", FSDP2_T2, T1), ("gpt", HSDP_T1, FSDP2_T2)],
-                         ids=["t2-to-t4", "t2-dp2-to-t1", "gpt-t2-to-t4", "t2-fsdp2-to-t1", "gpt-t1-hsdp-to-t2-fsdp2"])
+                         ids=["t2-to-t4", "t2-dp2-to-t1", "t2-fsdp2-to-t1", "gpt-t1-hsdp-to-t2-fsdp2"])
 def test_resume_at_another_tensor_parallel_size_continues_the_trajectory(tmp_path, family, save, resume):
     """Saved at t = 2 (alone, as two data-parallel replicas of it: DCP writes each piece once, or with
     FSDP2 over those two: each rank holds half its shard's rows) or at t = 1 under HSDP (two replicas
