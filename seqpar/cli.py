@@ -189,11 +189,11 @@ def _plan_args(argv: Sequence[str]) -> argparse.Namespace:
         value = getattr(args, key)
         if value is not None and value <= 0:
             p.error(f"--{key.replace('_', '-')} must be positive, got {value}")
-    for key in ("gpu_memory", "bytes_per_element"):   # float options: inf and nan parse too
-        if not (math.isfinite(getattr(args, key)) and getattr(args, key) > 0):
+    for key, scale in (("gpu_memory", GIB), ("bytes_per_element", 1)):   # float options: inf and nan parse too
+        if not (math.isfinite(getattr(args, key) * scale) and getattr(args, key) > 0):   # GiB: finite in bytes
             p.error(f"--{key.replace('_', '-')} must be finite and positive, got {getattr(args, key)}")
-    for key in ("other_gib", "bytes_per_mask"):
-        if not (math.isfinite(getattr(args, key)) and getattr(args, key) >= 0):
+    for key, scale in (("other_gib", GIB), ("bytes_per_mask", 1)):
+        if not (math.isfinite(getattr(args, key) * scale) and getattr(args, key) >= 0):
             p.error(f"--{key.replace('_', '-')} must be finite and non-negative, got {getattr(args, key)}")
     if args.plot and matplotlib_missing():
         p.error(matplotlib_missing())
@@ -277,10 +277,14 @@ def plan(argv: Sequence[str]) -> dict:
           f"(bf16 weight 2 + fp32 grad 4 + fp32 master 4 + Adam 4 + 4) = {_size(state_bytes)}")
     print(f"activation budget: {args.gpu_memory:g} GiB GPU - {_size(state_bytes)} model state - "
           f"{args.other_gib:g} GiB other = {_size(budget)}")
+    # sequence parallelism needs t to divide s: without --sp, an s it doesn't divide leaves out SP's rows
+    sp_possible = args.seq_len % args.tp == 0
     uniform = [(label, sp, policy, evaluate_recompute(policy, **sizes, sequence_parallel=sp, **options))
-               for label, sp, policy in UNIFORM]
+               for label, sp, policy in UNIFORM if sp_possible or not sp]
     baseline = uniform[0][3].activation_bytes
     print("\nuniform policies, most loaded stage per GPU (the paper's Figure 7: % of tensor parallelism alone):")
+    if not sp_possible:
+        print(f"  (no sequence-parallel rows: t={args.tp} does not divide s={args.seq_len})")
     print(f"  {'configuration':<40}{'activations':>13}{'% of TP':>9}{'extra FLOPs':>13}{'fits':>6}")
     for label, _, _, cost in uniform:
         print(f"  {label:<40}{_size(cost.activation_bytes):>13}{100 * cost.activation_bytes / baseline:>8.0f}%"

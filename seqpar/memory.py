@@ -85,6 +85,7 @@ __all__ = ["layer_activation_bytes", "layer_activation_terms", "architecture_kwa
 
 #: What a layer keeps for backward: everything, all but the attention core, or only its input.
 RECOMPUTE_POLICIES = ("none", "selective", "full")
+MAX_LAYERS = 2**16  # a model's layers, listed one by one (1e9 from a typo would fill memory, not fail)
 
 #: Bytes of model state per parameter in mixed-precision Adam training (Megatron-LM's layout without a
 #: distributed optimizer): bf16/fp16 weight 2 + fp32 gradient 4 + fp32 master weight 4 + Adam's first
@@ -117,8 +118,27 @@ def _check_divides(divisor_name: str, divisor: int, name: str, value: int, why: 
         raise ValueError(f"{divisor_name} {divisor} does not divide {name} {value}{why}")
 
 
+def _finite(value) -> bool:
+    """Whether a number is a finite float (an int too large for a float is not: math.isfinite raises)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _check_finite_bytes(what: str, compute, sizes: str) -> None:
+    """ValueError unless ``compute()`` (a byte count of these sizes) is a finite float: a count that
+    overflowed to inf made 0 layers x inf a NaN, which max() dropped (a model of 0 bytes)."""
+    try:
+        value = compute()
+    except OverflowError:
+        value = math.inf
+    if not _finite(value):
+        raise ValueError(f"{what} overflows a float byte count: {sizes}")
+
+
 def _check_bytes(name: str, value, allow_zero: bool) -> None:
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value)
           and (value > 0 or (allow_zero and value == 0)))
     if not ok:
         raise ValueError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} finite number, "
@@ -204,8 +224,12 @@ class _Layer:
             _check_divides("tp", tp, "num_query_groups", block.g)
         if sequence_parallel:
             _check_divides("tp", tp, "seq_len", seq_len, " (sequence parallelism splits it)")
-        return cls(seq_len, micro_batch, hidden, heads, tp, sequence_parallel, f, bytes_per_element,
-                   bytes_per_mask, block)
+        layer = cls(seq_len, micro_batch, hidden, heads, tp, sequence_parallel, f, bytes_per_element,
+                    bytes_per_mask, block)
+        _check_finite_bytes("one layer's activations", lambda: layer.bytes("none"),   # "none" keeps the most
+                            f"seq_len={seq_len}, micro_batch={micro_batch}, hidden={hidden}, heads={heads}, "
+                            f"ffn_hidden={f}, bytes_per_element={bytes_per_element}, bytes_per_mask={bytes_per_mask}")
+        return layer
 
     @property
     def sbh(self) -> int:
@@ -334,6 +358,8 @@ def _check_policy(name: str, policy) -> None:
 def recompute_policies(recompute, num_layers: int) -> Tuple[str, ...]:
     """``recompute`` as one policy per layer: a policy name (every layer) or a sequence of
     ``num_layers`` names. ValueError naming the offending value otherwise."""
+    if isinstance(num_layers, int) and num_layers > MAX_LAYERS:   # its type is checked with the model's sizes
+        raise ValueError(f"num_layers must be at most {MAX_LAYERS} (policies are listed per layer), got {num_layers}")
     if isinstance(recompute, str):
         _check_policy("recompute", recompute)
         return (recompute,) * num_layers
@@ -364,6 +390,8 @@ def _rank_peak(pp: int, interleave: int, rank: int, chunk_bytes: Sequence[float]
     is one chunk's worth (m = 1).
     """
     p, m = pp, interleave
+    if m == 1:   # warm-up + 1 forwards, then one backward per forward: the steady state holds p - rank
+        return (p - rank) * chunk_bytes[0]   # (closed form: the walk below is O(p) per rank, O(p^2) a model)
     group = p * m
     warmup = p - 1 - rank if m == 1 else 2 * (p - 1 - rank) + (m - 1) * p
     total = 4 * p * m          # forwards of 4p micro-batches: the steady state repeats every pm forwards
@@ -408,7 +436,12 @@ class _Model:
         if interleave > 1 and pp == 1:
             raise ValueError(f"interleave {interleave} needs pipeline parallelism (pp > 1), got pp=1")
         _check_divides("pp * interleave =", pp * interleave, "num_layers", num_layers)
-        return cls(layer, num_layers, vocab, pp, interleave, embedding_dropout)
+        model = cls(layer, num_layers, vocab, pp, interleave, embedding_dropout)
+        # a rank's peak is at most twice all layers' bytes plus the output side (interleaved: 1 + (p-1)/(pm))
+        _check_finite_bytes("the model's activations", lambda: 2 * (layer.bytes("none") * num_layers
+                                                                    + model.output_side_bytes()),
+                            f"num_layers={num_layers}, vocab={vocab} with one layer's {layer.bytes('none'):.4g} bytes")
+        return model
 
     @property
     def chunk_layers(self) -> int:

@@ -118,6 +118,21 @@ def test_plan_llama_block(argv, capsys):
         assert 0.99e9 < params < 1.01e9
 
 
+def test_plan_without_sp_takes_a_sequence_length_t_does_not_divide(capsys):
+    """Only sequence parallelism needs t | s: without --sp the command planned nothing and failed on the
+    table's sequence-parallel rows. Now it leaves those rows out and plans as the API does."""
+    from seqpar.memory import plan_recompute
+
+    result = cli.plan(["--model", "22B", "--seq-len", "2047"])
+    out = capsys.readouterr().out
+    assert "(no sequence-parallel rows: t=8 does not divide s=2047)" in out and "tensor + sequence" not in out
+    assert [label for label, sp, _, _ in result["uniform"]] == [
+        "tensor parallel (baseline)", "tensor parallel + selective", "full recompute"]
+    expected = plan_recompute(**result["sizes"], budget_bytes=result["budget"], sequence_parallel=False,
+                              **result["options"])
+    assert result["sizes"]["seq_len"] == 2047 and result["plan"] == expected and expected.counts["selective"] > 0
+
+
 def test_plan_reports_when_nothing_fits(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.plan(["--model", "1T", "--gpu-memory", "38"])      # the model state alone needs 36.6 GiB
@@ -162,6 +177,11 @@ def _usage_error(argv, capsys):
     (["plan", "--model", "22B", "--gpu-memory", "inf"], "--gpu-memory must be finite and positive, got inf"),
     (["plan", "--model", "22B", "--gpu-memory", "nan"], "--gpu-memory must be finite and positive, got nan"),
     (["plan", "--model", "22B", "--other-gib", "inf"], "--other-gib must be finite and non-negative, got inf"),
+    # finite GiB but not in bytes: the budget was inf and planning failed with exit 1
+    (["plan", "--model", "22B", "--gpu-memory", "1e300"], "--gpu-memory must be finite and positive, got 1e+300"),
+    # a byte count that overflows: a ZeroDivisionError traceback (the overflowed baseline was NaN, then 0)
+    (["plan", "--model", "22B", "--bytes-per-mask", "1e308"], "one layer's activations overflows a float byte count"),
+    (["plan", "--model", "22B", "--layers", "10000000000"], "num_layers must be at most 65536"),
     (["plan", "--model", "22B", "--plot", "/nonexistent/dir/x.png"],
      "--plot /nonexistent/dir/x.png: its folder /nonexistent/dir does not exist"),
     (["bench", "--json", "/nonexistent/dir/x.json"], "--json /nonexistent/dir/x.json: its folder /nonexistent/dir"),

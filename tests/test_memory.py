@@ -78,6 +78,13 @@ def test_meter_counts_storages_once_and_skips_parameters():
     (dict(tp=3), "tp 3 does not divide heads 4"), (dict(ffn_hidden=30, tp=4), "ffn_hidden 30"),
     (dict(ffn_hidden=True), "ffn_hidden.*True"), (dict(hidden=10), "hidden 10"),
     (dict(seq_len=6, tp=4, sequence_parallel=True), "seq_len 6"), (dict(recompute=["none"]), "recompute"),
+    # overflow: 10**400 made math.isfinite raise OverflowError; byte counts that overflow are refused (an inf
+    # layer made 0 layers x inf a NaN, which max() dropped: the model's bytes came out 0)
+    pytest.param(dict(bytes_per_element=10**400), "bytes_per_element must be a positive finite number",
+                 id="bytes_per_element=10**400"),
+    (dict(bytes_per_mask=1e308), "one layer's activations overflows a float byte count: .*bytes_per_mask=1e\\+308"),
+    pytest.param(dict(seq_len=10**200), "one layer's activations overflows a float byte count: seq_len=1000",
+                 id="seq_len=10**200"),
 ], ids=lambda v: str(v) if not isinstance(v, dict) else "-".join(f"{k}={v[k]}" for k in v))
 def test_layer_formula_rejects_bad_values_by_name(kwargs, match):
     args = dict(seq_len=8, micro_batch=1, hidden=16, heads=4)
@@ -178,6 +185,9 @@ def test_interleaved_schedule_holds_paper_factor(p, m):
     (dict(vocab=0), "vocab.*0"), (dict(recompute=["none"] * 3), "3 per-layer policies for 8 layers"),
     (dict(recompute=["none"] * 7 + ["some"]), r"recompute\[7\].*some"), (dict(recompute=None), "None"),
     (dict(tp=3), "tp 3 does not divide heads 4"), (dict(bytes_per_mask=-1), "-1"),
+    (dict(bytes_per_element=1e304), "the model's activations overflows a float byte count"),  # was 0.0
+    pytest.param(dict(num_layers=10**25), "num_layers must be at most 65536",   # an OverflowError building the list
+                 id="num_layers=10**25"),
 ])
 def test_model_formula_rejects_bad_values_by_name(kwargs, match):
     args = dict(seq_len=8, micro_batch=1, hidden=16, heads=4, num_layers=8, vocab=32)
