@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .. import random as sp_random
+from .autocast import autocast_dtype, run_in_dtype
 from .._custom_op import outside_compile, tracing
 from ..config import PARAMS_DTYPES, TransformerConfig
 from ..memory import name_storage, saved_as
@@ -95,29 +96,6 @@ def agreement_values(config: TransformerConfig, **arguments) -> Dict[str, object
 AGREEMENT_HINT = ("Build every rank's modules from the same arguments after seqpar.manual_seed(s) with the same s "
                   "(it also seeds torch's CPU generator, from which dropout seeds are drawn: a rank that drew "
                   "random numbers from it since then holds a different state)")
-
-
-def autocast_dtype(module: nn.Module) -> Optional[torch.dtype]:
-    """The dtype of the ``torch.autocast`` enabled for ``module``'s parameters' device type, or None (also
-    for meta parameters, which autocast knows nothing of: the input checks then name the device)."""
-    device_type = next(module.parameters()).device.type
-    if device_type == "meta":
-        return None
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-
-
-def run_in_dtype(module: nn.Module, dtype: torch.dtype, *args):
-    """``module(*args)`` with its parameters (and floating ``args``) cast to ``dtype`` for this call, autocast
-    off inside: what autocast does for a plain layer's GEMMs, for the whole module at once. The fused ops'
-    autograd Functions have no per-op casts (no ``custom_fwd``): they take their operands' dtype, so the
-    module runs as a ``dtype`` model would, and the casts' backward brings the gradients back to the
-    parameters' own dtype. Full recompute re-runs with the cast parameters (recompute.checkpoint).
-    Like autocast's own casts, the cast weights saved for backward count as activations in a meter."""
-    device_type = next(module.parameters()).device.type
-    with torch.autocast(device_type, enabled=False):
-        params = {name: p.to(dtype) for name, p in module.named_parameters()}
-        args = tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-        return torch.func.functional_call(module, params, args)
 
 
 def _activation(name: str):
@@ -369,7 +347,11 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         class docstring has dropout, recompute, autocast and the rank checks)."""
         dtype = autocast_dtype(self)
         if dtype is not None:
-            return run_in_dtype(self, dtype, x)
+            return run_in_dtype(self, dtype, self._forward, x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` in the parameters' dtype."""
         problem = self._input_problem(x)
         mode = self._forward_mode()  # drawn once, outside any region seqpar recomputes
         if self.check_rank_inputs and group_size(self.tp_group) > 1:

@@ -15,7 +15,8 @@ GEMM by :func:`seqpar.ops.all_gather_matmul` (saves only the input shard, re-gat
 ``(output, bias)`` so the bias can be fused into the following bias-dropout-add; under SP that bias is
 replicated but sees only a sequence shard, so it passes f and its gradient is summed over the group.
 With ``tp_group=None`` (or a one-rank group, t = 1) both layers are plain ``nn.Linear`` math and
-``sequence_parallel`` changes nothing (g and g-bar are the identity on one rank).
+``sequence_parallel`` changes nothing (g and g-bar are the identity on one rank). Under an enabled
+``torch.autocast`` both run as if converted to its dtype (:mod:`seqpar.nn.autocast`), like ``nn.Linear``.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from torch import nn
 from ..ops.comm_matmul import all_gather_matmul, matmul_reduce_scatter
 from ..parallel.mappings import copy_to_tensor_region, reduce_from_tensor_region
 from ..parallel.state import ProcessGroup, SharesProcessGroup, group_size
+from .autocast import autocast_dtype, run_in_dtype
 from .state_dict import ShardedParameters, ShardLayout, full_parameters
 
 
@@ -126,6 +128,12 @@ class ColumnParallelLinear(_TensorParallelLinear):
         self._init_weights(init_method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = autocast_dtype(self)
+        if dtype is not None:   # as if converted (seqpar.nn.autocast): the SP op's backward has no autocast
+            return run_in_dtype(self, dtype, self._forward, x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             # On flattened rows (the gather is along the leading sequence dim, so [s/t * b, k] rows gather
             # to the same [s * b, k]): the op's output is then a fresh GEMM result, never a view (F.linear
@@ -178,6 +186,12 @@ class RowParallelLinear(_TensorParallelLinear):
         return copy_to_tensor_region(self.bias, self.tp_group)
 
     def forward(self, x: torch.Tensor):
+        dtype = autocast_dtype(self)
+        if dtype is not None:   # as if converted (seqpar.nn.autocast): the SP op's backward has no autocast
+            return run_in_dtype(self, dtype, self._forward, x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor):
         if self.sequence_parallel:
             y = matmul_reduce_scatter(x, self.weight, None, group=self.tp_group, overlap=self.overlap_comm)
         else:

@@ -38,7 +38,8 @@ from .._custom_op import tracing
 from ..parallel.state import (ProcessGroup, SharesProcessGroup, agreement_checked, check_ranks_agree, group_rank,
                               group_size)
 from ..memory import recompute_policies, saved_as
-from .layer import AGREEMENT_HINT, TransformerLayer, agreement_values, autocast_dtype, make_norm, run_in_dtype
+from .autocast import autocast_dtype, run_in_dtype
+from .layer import AGREEMENT_HINT, TransformerLayer, agreement_values, make_norm
 from .state_dict import (IncompatibleKeys, ShardedParameters, ShardLayout, check_loadable, full_parameters,
                          load_full_parameters, prepare_parameters, scatter_full)
 
@@ -460,8 +461,13 @@ class GPTModel(SharesProcessGroup, nn.Module):
         per-token cross-entropy [s, b] in fp32, without them this rank's logits [s, b, vocab_end -
         vocab_start] (the class docstring has the details)."""
         dtype = autocast_dtype(self)
-        if dtype is not None:
-            return run_in_dtype(self, dtype, tokens, labels)
+        if dtype is not None:   # the layers cast their own parameters (under FSDP2 they hold them only in their call)
+            layers = [module for module in self.modules() if isinstance(module, TransformerLayer)]
+            return run_in_dtype(self, dtype, self._forward, tokens, labels, self_casting=layers)
+        return self._forward(tokens, labels)
+
+    def _forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
+        """:meth:`forward` in the parameters' dtype."""
         problem = None
         try:
             self._check_inputs(tokens, labels)

@@ -299,6 +299,40 @@ def test_autocast_runs_as_the_model_in_that_dtype(dtype, recompute):
             assert p.grad.dtype == torch.float32 and torch.equal(p.grad, q.grad.float()), name
 
 
+def test_autocast_runs_each_hook_once_and_the_parallel_linears_as_converted():
+    """Under autocast a layer or model re-entered its own __call__ (torch.func.functional_call): its hooks
+    ran twice, the second time on the cast input. ColumnParallelLinear / RowParallelLinear with
+    sequence_parallel=True (nn.Linear math at t = 1) failed in backward: the SP ops' backward multiplied a
+    bf16 gradient by the fp32 weight. Both now run as if converted, like the layer."""
+    import copy
+    from seqpar.nn import ColumnParallelLinear, RowParallelLinear
+
+    calls = []
+    layer = seqpar.TransformerLayer(_cfg(hidden_size=32, backend="torch"))
+    layer.register_forward_pre_hook(lambda module, args: calls.append(args[0].dtype))
+    model = seqpar.GPTModel(_cfg(hidden_size=32, backend="torch"), 1, 37, 16)
+    model.register_forward_hook(lambda module, args, output: calls.append("model"))
+    tokens = torch.randint(0, 37, (2, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(torch.randn(8, 2, 32))
+        model(tokens, tokens)
+    assert calls == [torch.float32, "model"]
+    for cls in (ColumnParallelLinear, RowParallelLinear):
+        linear = cls(16, 8, sequence_parallel=True)
+        converted = copy.deepcopy(linear).bfloat16()
+        x = torch.randn(4, 2, 16, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = linear(x)
+        got.float().square().sum().backward()
+        x_low = x.detach().bfloat16().requires_grad_()
+        want = converted(x_low)
+        want.float().square().sum().backward()
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), cls.__name__
+        assert torch.equal(x.grad, x_low.grad.float()), cls.__name__
+        for p, q in zip(linear.parameters(), converted.parameters()):
+            assert p.grad.dtype == torch.float32 and torch.equal(p.grad, q.grad.float()), cls.__name__
+
+
 @pytest.mark.parametrize("layer_number", [-1, 2**63, 2**64, 1.0, True])
 def test_layer_number_outside_63_bits_is_rejected(layer_number):
     with pytest.raises(ValueError, match=f"layer_number must be an int in \\[0, 2\\*\\*63\\), got {layer_number!r}"):

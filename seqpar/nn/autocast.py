@@ -1,0 +1,61 @@
+"""``torch.autocast`` for seqpar's modules: under an enabled autocast a module runs as if converted to
+the autocast dtype.
+
+A module's ``forward`` asks :func:`autocast_dtype`; when it gets a dtype it hands the rest of its forward
+(``body``) to :func:`run_in_dtype`, which casts the module's parameters and floating inputs once for the
+call and runs ``body`` with autocast off. That is what autocast does for a plain layer's GEMM operands,
+done for the whole module at once: the fused ops' autograd Functions have no per-op casts (no
+``custom_fwd``), they take their operands' dtype, so the module computes as a model of that dtype would,
+and the casts' backward brings the gradients back to the parameters' own dtype (fp32 master weights with
+bf16 compute). Like autocast's own casts, the cast weights saved for backward count as activations in a
+meter, and full recompute re-runs with the cast parameters (:func:`seqpar.recompute.checkpoint`).
+
+``body`` is called directly, not through ``module.__call__``: the caller's hooks (forward hooks, FSDP2's
+unshard) have run once already, and must not run again.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
+
+_HANDED_DOWN = "_seqpar_autocast_dtype"   # the attribute run_in_dtype sets on ``self_casting`` modules
+
+
+def autocast_dtype(module: nn.Module) -> Optional[torch.dtype]:
+    """The dtype ``module`` runs in for this call: that of the ``torch.autocast`` enabled for its
+    parameters' device type, else the one an enclosing :func:`run_in_dtype` handed it, else None (also
+    for meta parameters, which autocast knows nothing of: the input checks then name the device)."""
+    device_type = next(module.parameters()).device.type
+    if device_type == "meta":
+        return None
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return getattr(module, _HANDED_DOWN, None)
+
+
+def run_in_dtype(module: nn.Module, dtype: torch.dtype, body: Callable, *args,
+                 self_casting: Sequence[nn.Module] = ()):
+    """``body(*args)`` (``module``'s forward after its autocast check) with ``module``'s parameters and the
+    floating ``args`` cast to ``dtype`` for this call, autocast off inside.
+
+    ``self_casting``: submodules that cast their own parameters when they are called (their
+    :func:`autocast_dtype` returns ``dtype`` meanwhile); theirs are left alone here. A layer sharded
+    with FSDP2 holds its unsharded parameters only inside its own call, after its pre-forward hook: a
+    cast made from outside would be replaced by its fp32 parameters.
+    """
+    device_type = next(module.parameters()).device.type
+    skipped = {id(p) for child in self_casting for p in child.parameters()}
+    with torch.autocast(device_type, enabled=False):
+        params = {name: p.to(dtype) for name, p in module.named_parameters() if id(p) not in skipped}
+        args = tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+        for child in self_casting:
+            setattr(child, _HANDED_DOWN, dtype)
+        try:
+            with _reparametrize_module(module, params, tie_weights=True):
+                return body(*args)
+        finally:
+            for child in self_casting:
+                setattr(child, _HANDED_DOWN, None)
