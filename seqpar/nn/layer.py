@@ -20,9 +20,11 @@ RMSNorm, SwiGLU, grouped-query attention, RoPE, no biases, no dropout.
 
 Dropout masks come from seqpar.random with global coordinates, so results do not depend on t or SP.
 Each forward captures its mode (``training``) and draws its dropout seed once, at call time
-(:class:`ForwardMode`), and passes them down: a recomputation - seqpar's ``recompute`` in backward, or
-any external checkpoint re-running ``forward`` (which restores torch's CPU generator first) - replays
-the same masks, whatever ``train()`` / ``eval()`` did in between.
+(:class:`ForwardMode`), and passes them down: seqpar's ``recompute`` in backward replays the same masks,
+whatever ``train()`` / ``eval()`` did in between. An external checkpoint (``torch.utils.checkpoint``)
+re-runs ``forward`` itself, after restoring torch's CPU generator: it replays them while the mode is the
+forward's; like ``nn.Dropout`` under it, a layer switched to ``eval()`` before the backward recomputes
+without dropout.
 """
 from __future__ import annotations
 
