@@ -35,7 +35,6 @@ import torch
 from torch import nn
 
 from .. import random as sp_random
-from .autocast import autocast_dtype, run_in_dtype
 from .._custom_op import outside_compile, tracing
 from ..config import PARAMS_DTYPES, TransformerConfig
 from ..memory import name_storage, saved_as
@@ -45,6 +44,7 @@ from ..ops.rotary import rotary_embedding
 from ..ops.swiglu import swiglu
 from ..parallel.state import ProcessGroup, SharesProcessGroup, check_ranks_agree, group_rank, group_size
 from ..recompute import checkpoint
+from .autocast import autocast_dtype, run_in_dtype
 from .layernorm import LayerNorm, RMSNorm
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .state_dict import IncompatibleKeys, check_loadable, full_parameters, load_full_parameters, prepare_parameters

@@ -61,6 +61,18 @@ class _TensorParallelLinear(ShardedParameters, SharesProcessGroup, nn.Module):
     in_features: int
     out_features: int
 
+    def forward(self, x: torch.Tensor):
+        """x -> the split's output (module table; ``RowParallelLinear(skip_bias_add=True)``: ``(y, bias)``).
+        Under an enabled autocast as if converted to its dtype (:mod:`seqpar.nn.autocast`): with sequence
+        parallelism the comm GEMMs' backward has no autocast of its own."""
+        dtype = autocast_dtype(self)
+        if dtype is not None:
+            return run_in_dtype(self, dtype, self._forward, x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor):
+        raise NotImplementedError
+
     def _init_weights(self, init_method: Optional[Callable[[torch.Tensor], None]]) -> None:
         self.init_method = init_method
         if init_method is not None and self.weight.device.type != "meta":  # meta: to_empty, then reset
@@ -127,12 +139,6 @@ class ColumnParallelLinear(_TensorParallelLinear):
         self.bias = nn.Parameter(torch.zeros(out_features // t, device=device, dtype=dtype)) if bias else None
         self._init_weights(init_method)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = autocast_dtype(self)
-        if dtype is not None:   # as if converted (seqpar.nn.autocast): the SP op's backward has no autocast
-            return run_in_dtype(self, dtype, self._forward, x)
-        return self._forward(x)
-
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             # On flattened rows (the gather is along the leading sequence dim, so [s/t * b, k] rows gather
@@ -184,12 +190,6 @@ class RowParallelLinear(_TensorParallelLinear):
         if self.bias is None or not self.sequence_parallel:
             return self.bias
         return copy_to_tensor_region(self.bias, self.tp_group)
-
-    def forward(self, x: torch.Tensor):
-        dtype = autocast_dtype(self)
-        if dtype is not None:   # as if converted (seqpar.nn.autocast): the SP op's backward has no autocast
-            return run_in_dtype(self, dtype, self._forward, x)
-        return self._forward(x)
 
     def _forward(self, x: torch.Tensor):
         if self.sequence_parallel:
