@@ -315,8 +315,8 @@ def forward(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tenso
         return y, residual_out, mean, rstd
     block_m, block_n, chunked, launch = _fwd_config(n_rows, h)
     drop_args, has_dropout = _drop_args(drop_threshold, seed, row_offset)
-    _fwd_kernel[(triton.cdiv(n_rows, block_m),)](
-        x, x if bias is None else bias, residual, ln_weight.contiguous(), ln_bias.contiguous(),
+    _fwd_kernel[(triton.cdiv(n_rows, block_m),)](   # the [h] vectors are read at unit stride: a view may be strided
+        x, x if bias is None else bias.contiguous(), residual, ln_weight.contiguous(), ln_bias.contiguous(),
         y, residual_out, mean, rstd,
         n_rows, h, x.stride(0), residual.stride(0), float(eps), *drop_args,
         HAS_BIAS=bias is not None, HAS_DROPOUT=has_dropout, MANUAL_BF16=R.interpreting(), CHUNKED=chunked,

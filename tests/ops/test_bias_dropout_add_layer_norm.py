@@ -161,14 +161,16 @@ def test_triton_bf16_error_within_2x_torch(shape, p, has_bias, poisoned_triton):
 
 
 def test_triton_fp16_and_strided_rows(poisoned_triton):
-    """fp16, and x / residual as row-strided views (last dim contiguous, row stride != h)."""
+    """fp16, x / residual as row-strided views (last dim contiguous, row stride != h), and the [h] vectors
+    as stride-2 views (the Triton launcher passed a strided bias to a kernel reading it at unit stride:
+    residual_out was silently wrong)."""
     inp = _make_inputs((37, 2 * 96), torch.float16)
     for name in ("x", "residual"):
         inp[name] = inp[name].detach()[:, 5:101].requires_grad_()  # leaf views with row stride 192
     inp["grad_y"], inp["grad_residual_out"] = inp["grad_y"][:, :96], inp["grad_residual_out"][:, :96]
     for name in ("bias", "ln_weight", "ln_bias"):
-        inp[name] = inp[name].detach()[:96].clone().requires_grad_()
-    assert inp["x"].stride() == (192, 1)
+        inp[name] = inp[name].detach()[::2].requires_grad_()
+    assert inp["x"].stride() == (192, 1) and inp["bias"].stride() == (2,)
     ref = _run(inp, "torch", 0.2, row_offset=11)
     got = _run(inp, "triton", 0.2, row_offset=11)
     assert torch.equal(got[1], ref[1])
