@@ -344,8 +344,7 @@ def _check_inputs(q, k, v, enable_gqa: bool) -> None:
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.dtype not in _DTYPES:
             got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} must be a floating [b, heads, s, d] tensor of {_DTYPES}, got {got}")
-        if t.layout != torch.strided:
-            raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    registry.check_dense(q=q, k=k, v=v)
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape != v.shape:
@@ -435,7 +434,7 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_ma
     d = q.shape[-1]
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale) or not scale > 0:
+    if not registry.is_positive_finite(scale):
         raise ValueError(f"scale must be a positive finite float, got {scale!r}")
     spec = make_dropout_spec(dropout_p, training, seed, row_offset)
     impl = select_backend(q, k, v, causal=causal, backend=backend, dropout=spec.active)

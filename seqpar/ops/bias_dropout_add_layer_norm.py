@@ -295,16 +295,17 @@ def check_row_inputs(x, residual, weights: dict, eps, dtypes, *, residual_option
     # Fast path (called on every op call): the common valid case in one pass. Whatever it doesn't accept
     # goes to _explain_row_inputs, the full checks, which raise the ValueError naming the argument (or
     # accept it after all: e.g. eps a float subclass).
-    if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.dtype in dtypes and \
-            (type(eps) is float or type(eps) is int) and 0 < eps < math.inf:
+    dense = torch.strided
+    if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.dtype in dtypes and x.layout == dense and \
+            type(eps) is float and 0 < eps < math.inf:
         shape, device = x.shape, x.device
         h = shape[-1]
         ok = h != 0 and ((residual is None and residual_optional) or (
             isinstance(residual, torch.Tensor) and residual.shape == shape and residual.dtype == x.dtype
-            and residual.device == device))
+            and residual.device == device and residual.layout == dense))
         for t in weights.values():
             ok = ok and isinstance(t, torch.Tensor) and t.dim() == 1 and t.shape[0] == h and \
-                t.is_floating_point() and t.device == device
+                t.is_floating_point() and t.device == device and t.layout == dense
         for t in on_device:
             ok = ok and isinstance(t, torch.Tensor) and t.device == device
         if ok:
@@ -318,6 +319,7 @@ def _explain_row_inputs(x, residual, weights: dict, eps, dtypes, residual_option
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    registry.check_dense(**named)
     if x.dim() < 1 or x.dtype not in dtypes:
         raise ValueError(f"x must be a floating [..., h] tensor of {dtypes}, got {x.dtype} {tuple(x.shape)}")
     h = x.shape[-1]
@@ -334,7 +336,7 @@ def _explain_row_inputs(x, residual, weights: dict, eps, dtypes, residual_option
     devices = {t.device for t in (*named.values(), *on_device)}
     if len(devices) > 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+    if not registry.is_positive_finite(eps):
         raise ValueError(f"eps must be a positive finite float, got {eps!r}")
     return h
 
@@ -342,10 +344,11 @@ def _explain_row_inputs(x, residual, weights: dict, eps, dtypes, residual_option
 def _check_inputs(x, bias, residual, ln_weight, ln_bias, eps) -> int:
     h = check_row_inputs(x, residual, {"ln_weight": ln_weight, "ln_bias": ln_bias}, eps, _DTYPES,
                          on_device=() if bias is None else (bias,))
+    registry.check_dense(bias=bias)
     if bias is not None and (bias.shape != (h,) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be [{h}] of {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
     for name, t in (("x", x), ("residual", residual)):
-        if t.numel() and t.stride(-1) != 1:
+        if t.numel() and t.stride(-1) != 1 and h > 1:   # h = 1: any column stride reads the one column
             raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
     return h
 

@@ -62,6 +62,7 @@ from typing import List, Optional, Union
 
 import torch
 
+from . import registry
 from ..parallel.overlap import ChunkPlan, PeerExchange, note
 from ..parallel.state import ProcessGroup, all_gather_seq, group_size, reduce_scatter_seq
 
@@ -283,6 +284,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
 
 
 def _check(x, weight, bias, x_name):
+    registry.check_dense(**{x_name: x, "weight": weight, "bias": bias})
     if not isinstance(x, torch.Tensor) or x.dim() < 2 or not x.is_floating_point():
         raise ValueError(f"{x_name} must be a floating [s, b, k] tensor, got "
                          f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")

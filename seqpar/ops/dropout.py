@@ -130,6 +130,7 @@ def _check_dropout_args(x, spec) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or not x.is_floating_point():
         got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"x must be a floating [..., h] tensor, got {got}")
+    registry.check_dense(x=x)
     if not isinstance(spec, DropoutSpec):
         raise ValueError(f"spec must be a seqpar.ops.DropoutSpec, got {type(spec).__name__}")
 
@@ -157,6 +158,7 @@ def bias_dropout_add(x: torch.Tensor, bias, residual: torch.Tensor, spec: Dropou
     argument.
     """
     _check_dropout_args(x, spec)
+    registry.check_dense(residual=residual, bias=bias)
     for name, t, shape in (("residual", residual, x.shape), ("bias", bias, x.shape[-1:])):
         if t is None and name == "bias":
             continue

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
@@ -229,3 +230,24 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     returns, lost that output's gradient in the compiled graph (zeros, no error): the torch references'
     gradients came out wrong under torch.compile for fp32 inputs."""
     return t if t.dtype == dtype else t.to(dtype)
+
+
+# ----------------------------------------------------------------------------- argument checks every op shares
+def check_dense(**tensors) -> None:
+    """ValueError naming the first of ``tensors`` ({name: tensor or anything}) that is a tensor of another
+    layout than strided (sparse, ...): the kernels and the torch references read dense rows, and a sparse
+    argument failed deep inside (or came back sparse). Non-tensors are the callers' own checks."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+            raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+
+
+def is_positive_finite(value) -> bool:
+    """Whether ``value`` is an int or float (not a bool), > 0 and finite as a float (an int too large for
+    a float is not: the kernels take a float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value) and value > 0
+    except OverflowError:
+        return False

@@ -52,7 +52,6 @@ their launchers directly (:func:`seqpar.ops.registry.kernel_op`).
 from __future__ import annotations
 
 import functools
-import math
 from typing import Tuple
 
 import torch
@@ -64,6 +63,7 @@ from .. import _ext
 
 OP = "rotary_embedding"
 MAX_TRITON_HEAD_DIM = 8192  # the Triton kernel holds half a head per program row
+MAX_POSITION_OFFSET = 2**62  # positions count on from it in int64 (the torch reference's arange)
 
 
 def rope_inv_freq(d: int, theta: float) -> torch.Tensor:
@@ -212,6 +212,7 @@ def _check_inputs(q, k, position_offset, theta, inplace) -> int:
         if t.dim() != 4 or t.dtype not in _DTYPES:
             raise ValueError(f"{name} must be a [s, b, heads, d] tensor of {_DTYPES}, got {t.dtype} "
                              f"{tuple(t.shape)}")
+    registry.check_dense(q=q, k=k)
     if k.dtype != q.dtype:
         raise ValueError(f"k dtype {k.dtype} != q dtype {q.dtype}")
     if (k.shape[0], k.shape[1], k.shape[3]) != (q.shape[0], q.shape[1], q.shape[3]):
@@ -221,9 +222,10 @@ def _check_inputs(q, k, position_offset, theta, inplace) -> int:
         raise ValueError(f"head dim d must be even and positive, got d={d}")
     if k.device != q.device:
         raise ValueError(f"q and k must be on one device, got {q.device} and {k.device}")
-    if isinstance(position_offset, bool) or not isinstance(position_offset, int) or position_offset < 0:
-        raise ValueError(f"position_offset must be a non-negative int, got {position_offset!r}")
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+    if (isinstance(position_offset, bool) or not isinstance(position_offset, int) or position_offset < 0
+            or position_offset >= MAX_POSITION_OFFSET):
+        raise ValueError(f"position_offset must be an int in [0, 2**62), got {position_offset!r}")
+    if not registry.is_positive_finite(theta):
         raise ValueError(f"theta must be a positive finite float, got {theta!r}")
     if not isinstance(inplace, bool):
         raise ValueError(f"inplace must be a bool, got {inplace!r}")
@@ -272,7 +274,7 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, *, position_offset: int =
     stride along d) and returns them; autograd sees them modified in place. Gradients flow to q and k.
 
     Args:
-        position_offset: global position of sequence row 0 (non-negative int).
+        position_offset: global position of sequence row 0 (an int in [0, 2**62)).
         theta: RoPE base (HF ``rope_theta``), positive.
         backend: "auto" | "torch" | "triton" | "cuda" (see :mod:`seqpar.ops.registry`).
     """

@@ -187,6 +187,7 @@ def swiglu(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """
     if not isinstance(gate_up, torch.Tensor):
         raise ValueError(f"gate_up must be a tensor, got {type(gate_up).__name__}")
+    registry.check_dense(gate_up=gate_up)
     if gate_up.dim() < 1 or gate_up.dtype not in _DTYPES:
         raise ValueError(f"gate_up must be a floating [..., 2n] tensor of {_DTYPES}, got {gate_up.dtype} "
                          f"{tuple(gate_up.shape)}")

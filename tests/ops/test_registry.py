@@ -1,6 +1,7 @@
 """The backend registry's visibility of auto fallbacks: what "auto" picks and why it skips the others
 (auto_report, shown by ``python -m seqpar info``), and the backends that actually ran
 (record_selections, recorded in the bench rows)."""
+import pytest
 import torch
 
 from seqpar.ops import attention_core, bias_dropout_add_layer_norm, registry
@@ -49,3 +50,59 @@ def test_layer_bench_rows_record_the_backends_that_ran(capsys):
         assert row["backends"] == {"attention_core": "torch", "bias_dropout_add_layer_norm": "torch"}, row
     out = capsys.readouterr().out
     assert "attention_core ran on: torch" in out and "bias_dropout_add_layer_norm ran on: torch" in out
+
+
+# ----------------------------------------------------------------------------- argument checks every op shares
+def _sparse_cases():
+    from seqpar.ops import add_rms_norm, all_gather_matmul, bias_dropout_add, dropout, DropoutSpec, rotary_embedding, swiglu
+
+    x, res, w, b = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8), torch.randn(8)
+    q = torch.randn(2, 1, 1, 4)
+    return {   # (call, the argument the ValueError must name)
+        "layer norm weight": (lambda: bias_dropout_add_layer_norm(x, None, res, w.to_sparse(), b), "ln_weight"),
+        "layer norm bias": (lambda: bias_dropout_add_layer_norm(x, b.to_sparse(), res, w, b), "bias"),
+        "rms norm x": (lambda: add_rms_norm(x.to_sparse(), None, w), "x"),
+        # the torch reference accepted a sparse weight and returned a sparse y
+        "rms norm weight": (lambda: add_rms_norm(x, None, w.to_sparse()), "weight"),
+        "swiglu": (lambda: swiglu(x.to_sparse()), "gate_up"),
+        "rotary": (lambda: rotary_embedding(q.to_sparse(), q), "q"),
+        "dropout": (lambda: dropout(x.to_sparse(), DropoutSpec(0.1, 3)), "x"),
+        "bias_dropout_add": (lambda: bias_dropout_add(x, None, res.to_sparse(), DropoutSpec(0.1, 3)), "residual"),
+        # accepted silently too
+        "comm matmul weight": (lambda: all_gather_matmul(x[:, None], w[None].to_sparse(), None, group=None), "weight"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_sparse_cases()))
+def test_every_op_refuses_a_sparse_argument_by_name(case):
+    """Sparse tensors passed every op's checks and failed deep inside torch (RuntimeError,
+    NotImplementedError), or were accepted: registry.check_dense names them."""
+    call, name = _sparse_cases()[case]
+    with pytest.raises(ValueError, match=f"{name} must be a dense .strided. tensor, got layout torch.sparse_coo"):
+        call()
+
+
+def test_numbers_too_large_for_a_float_or_an_int64_are_value_errors():
+    """eps / theta of 10**400 passed the checks (an int compares finite) and overflowed converting to a
+    float; position_offset 2**63 was a RuntimeError in the torch reference and ran on the triton backend."""
+    from seqpar.ops import add_rms_norm, rotary_embedding
+
+    x, w, q = torch.randn(3, 8), torch.randn(8), torch.randn(2, 1, 1, 4)
+    for call, match in ((lambda: bias_dropout_add_layer_norm(x, None, x, w, w, eps=10**400), "eps must be"),
+                        (lambda: add_rms_norm(x, None, w, eps=10**400), "eps must be"),
+                        (lambda: rotary_embedding(q, q, theta=10**400), "theta must be"),
+                        (lambda: rotary_embedding(q, q, position_offset=2**62),
+                         r"position_offset must be an int in \[0, 2\*\*62\), got 4611686018427387904")):
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_layer_norm_takes_one_column_of_any_stride(backend):
+    """h = 1: x = randn(1, 4).t() is contiguous ([4, 1], strides (1, 4)) but was refused for its column
+    stride, which the kernels never step along."""
+    x, res = torch.randn(1, 4).t(), torch.randn(1, 4).t()
+    w, b = torch.randn(1), torch.randn(1)
+    got = bias_dropout_add_layer_norm(x, None, res, w, b, backend=backend)
+    want = bias_dropout_add_layer_norm(x.contiguous(), None, res.contiguous(), w, b, backend="torch")
+    assert all(torch.equal(g, e) for g, e in zip(got, want))
