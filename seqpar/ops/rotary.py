@@ -233,8 +233,11 @@ def _check_inputs(q, k, position_offset, theta, inplace) -> int:
         for name, t in (("q", q), ("k", k)):
             if t.numel() and t.stride(-1) != 1:
                 raise ValueError(f"inplace=True needs {name} with unit stride along d, got strides {t.stride()}")
+            if not registry.tracing() and torch._debug_has_internal_overlap(t) == 1:   # 1: certainly overlaps
+                raise ValueError(f"inplace=True needs {name} without repeated elements (an expanded view), got "
+                                 f"{tuple(t.shape)} strides {t.stride()}")
         # A graph capture has no addresses (fake tensors): there, only the same tensor object is caught.
-        overlap = q is k if registry.tracing() else _first_element_shared(q, k) or _first_element_shared(k, q)
+        overlap = q is k if registry.tracing() else _shares_elements(q, k)
         if overlap:
             raise ValueError("inplace=True needs q and k not to share elements (they overlap in memory), "
                              f"got q {tuple(q.shape)} strides {q.stride()} at element {q.storage_offset()} and "
@@ -243,26 +246,59 @@ def _check_inputs(q, k, position_offset, theta, inplace) -> int:
     return d
 
 
-def _first_element_shared(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether b's first element is one of a's elements (same storage; exact for views whose strides,
-    sorted, each step over the inner dims' extent, as slices of one buffer do).
+def _shares_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b (views of any strides, no element repeated within one) share an element; exact.
 
-    Catches overlapping slices of one buffer (q = buf[:, :, 0:2], k = buf[:, :, 1:3]) without a false
-    alarm for disjoint ones, such as the q and k heads of a fused QKV projection.
+    Views of other storages, or of disjoint address ranges, share none. Views with one set of strides
+    that nest (each a multiple of the next smaller one, the digits of both views' offsets and extents
+    within each radix) are boxes in that mixed radix, sharing an element iff their index intervals meet
+    in every dim: so the q and k heads of a fused QKV output, whose address ranges interleave, are told
+    apart without touching an element. Any other pair (differently strided views of one buffer) compares
+    its element offsets.
     """
     if not (a.numel() and b.numel()) or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
     if a.element_size() != b.element_size():
+        return True   # reinterpreted bytes: no element grid in common; assume the worst
+    spans = [(t.storage_offset(), t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())))
+             for t in (a, b)]
+    if spans[0][1] < spans[1][0] or spans[1][1] < spans[0][0]:
         return False
-    rest = b.storage_offset() - a.storage_offset()
-    if rest < 0:
+    meet = _nested_boxes_meet(a, b)
+    if meet is not None:
+        return meet
+    offsets = []
+    for t in (a, b):
+        grid = torch.zeros((), dtype=torch.int64)
+        for dim, (n, st) in enumerate(zip(t.shape, t.stride())):
+            grid = grid.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st
+        offsets.append(grid.flatten() + t.storage_offset())
+    return bool(torch.isin(offsets[0], offsets[1]).any())
+
+
+def _nested_boxes_meet(a: torch.Tensor, b: torch.Tensor) -> Optional[bool]:
+    """Whether the boxes of a and b meet: each view's [start, end) index interval per dim of the mixed
+    radix of their common strides (dims of size 1 dropped). None when they have no common nesting
+    strides or an offset's digits carry past a radix (the boxes would not be exact)."""
+    dims = [sorted(((st, n) for n, st in zip(t.shape, t.stride()) if n > 1), reverse=True) for t in (a, b)]
+    strides = [st for st, _ in dims[0]]
+    if strides != [st for st, _ in dims[1]] or not strides or strides[-1] == 0:
+        return None
+    if any(outer % inner for outer, inner in zip(strides, strides[1:])):
+        return None
+    boxes = []
+    for t, t_dims in zip((a, b), dims):
+        rest, box = t.storage_offset(), []
+        for j, (st, n) in enumerate(t_dims):
+            digit, rest = divmod(rest, st)
+            if j and digit + n > strides[j - 1] // st:   # past the radix: the digit carries, no exact box
+                return None
+            box.append((digit, digit + n))
+        boxes.append((box, rest))
+    (box_a, rest_a), (box_b, rest_b) = boxes
+    if rest_a != rest_b:   # offsets differ modulo the smallest stride: interleaved grids, nothing shared
         return False
-    for stride, size in sorted(zip(a.stride(), a.shape), reverse=True):
-        index = rest // stride if stride else 0
-        if index >= size:
-            return False
-        rest -= index * stride
-    return rest == 0
+    return all(lo_a < hi_b and lo_b < hi_a for (lo_a, hi_a), (lo_b, hi_b) in zip(box_a, box_b))
 
 
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, *, position_offset: int = 0, theta: float = 10000.0,

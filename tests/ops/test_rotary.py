@@ -247,11 +247,16 @@ def test_bad_inputs_raise_value_error(overrides, match):
 
 def test_inplace_refuses_overlapping_slices_of_one_buffer():
     """Overlapping views would rotate the shared heads twice; disjoint ones (fused QKV heads, interleaved
-    heads) are fine."""
-    buf = torch.randn(4, 2, 3, 8)
-    for q, k in ((buf[:, :, 0:2], buf[:, :, 1:3]), (buf[:, :, 1:3], buf[:, :, 0:2]), (buf[0:3], buf[1:4])):
+    heads) are fine. The check looked at each view's first element only: even heads and heads 1-3 (both
+    hold head 2), or boxes crossing in two dims, got past it and head 2 was rotated twice, silently. An
+    expanded k (its heads one memory) raced in the Triton kernel."""
+    buf = torch.randn(4, 2, 6, 8)
+    for q, k in ((buf[:, :, 0:2], buf[:, :, 1:3]), (buf[:, :, 1:3], buf[:, :, 0:2]), (buf[0:3], buf[1:4]),
+                 (buf[:, :, 0::2], buf[:, :, 1:4]), (buf[0:2, :, 1:3], buf[1:3, :, 0:2])):
         with pytest.raises(ValueError, match="not to share elements"):
             rotary_embedding(q, k, inplace=True, backend="torch")
+    with pytest.raises(ValueError, match="inplace=True needs k without repeated elements"):
+        rotary_embedding(buf[:, :, 0:2], buf[:, :, 5:6].expand(4, 2, 3, 8), inplace=True, backend="torch")
     qkv = torch.randn(4, 2, 12, 8)
     interleaved = torch.randn(4, 2, 6, 8)
     for q, k in ((qkv[:, :, 0:6], qkv[:, :, 6:9]), (interleaved[:, :, 0::2], interleaved[:, :, 1::2])):
