@@ -73,7 +73,7 @@ from torch import nn
 from ..config import TransformerConfig
 from ..nn.model import IGNORE_INDEX, GPTModel
 from ..nn.state_dict import check_shapes
-from ..parallel.state import ProcessGroup
+from ..parallel.state import ProcessGroup, check_ranks_agree
 
 __all__ = ["from_gpt2", "to_gpt2_state_dict", "from_llama", "to_llama_state_dict", "shift_labels"]
 
@@ -214,9 +214,12 @@ def from_gpt2(source, *, config=None, tp_group: ProcessGroup = None, sequence_pa
     when it is a model. Raises ValueError naming a GPT-2 setting seqpar does not implement, or a
     missing, unexpected or misshapen weight.
     """
-    state_dict, config, training = _source_state_dict(source, config, "GPT2")
-    settings = _gpt2_settings(config)
-    sd = _transformer_state_dict(state_dict, settings)
+    def read():
+        state_dict, settings_config, training = _source_state_dict(source, config, "GPT2")
+        settings = _gpt2_settings(settings_config)
+        return settings, _transformer_state_dict(state_dict, settings), training
+
+    settings, sd, training = _read_on_every_rank(read, tp_group, "seqpar.integrations.hf.from_gpt2")
     wte = sd["wte.weight"]
     if dropout is None:
         hidden_p, attention_p, embedding_p = settings["resid_pdrop"], settings["attn_pdrop"], settings["embd_pdrop"]
@@ -384,6 +387,19 @@ def _llama_to_seqpar_keys(sd: Dict[str, torch.Tensor], head: Optional[torch.Tens
     return out
 
 
+def _read_on_every_rank(read, tp_group: ProcessGroup, what: str):
+    """``read()`` (the source's settings and weights, checked on this rank alone), agreed over the TP
+    group before the model's first collective: a source one rank rejects is a ValueError on every rank,
+    not one rank raising while the others wait in the GPTModel constructor's collective."""
+    problem, result = None, None
+    try:
+        result = read()
+    except ValueError as exc:
+        problem = str(exc)
+    check_ranks_agree(tp_group, {}, what=what, error=problem)
+    return result
+
+
 def _source_state_dict(source, config, kind: str):
     """(state dict, config, training) of a model or state-dict ``source`` (ValueError otherwise)."""
     if isinstance(source, nn.Module):
@@ -420,9 +436,17 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
     weight. Loss: ``model(input_ids, shift_labels(labels)).sum() / (shift_labels(labels) != -100).sum()``
     is HF's ``LlamaForCausalLM(input_ids, labels=labels).loss``.
     """
-    state_dict, config, training = _source_state_dict(source, config, "Llama")
-    settings = _llama_settings(config)
-    sd, head = _llama_state_dict(state_dict, settings)
+    def read():
+        state_dict, settings_config, training = _source_state_dict(source, config, "Llama")
+        settings = _llama_settings(settings_config)
+        if isinstance(source, nn.Module):
+            # HF reads pad_token_id when it builds the embedding: a config changed since (the common
+            # `model.config.pad_token_id = tokenizer.eos_token_id`) leaves the module's padding_idx, which
+            # is what HF trains by
+            settings["pad"] = source.get_input_embeddings().padding_idx
+        return settings, *_llama_state_dict(state_dict, settings), training
+
+    settings, sd, head, training = _read_on_every_rank(read, tp_group, "seqpar.integrations.hf.from_llama")
     embed = sd["embed_tokens.weight"]
     groups = settings["kv_heads"]
     cfg = TransformerConfig(

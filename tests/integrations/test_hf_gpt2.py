@@ -199,6 +199,17 @@ def test_round_trip_is_bitwise_under_tp(world_size, tmp_path_factory):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 4], ids=lambda t: f"t{t}")
+def test_a_state_dict_one_rank_rejects_is_a_value_error_on_every_rank(world_size, tmp_path_factory):
+    """from_gpt2 checked the state dict on each rank alone: rank 0 raised while the others waited in the
+    model's first collective until the process group's timeout (30 minutes by default)."""
+    per_rank = ranks(world_size, tmp_path_factory)
+    assert "h.0.mlp.c_fc.bias must have shape" in per_rank[0]["rejected"], per_rank[0]["rejected"]
+    for rank, result in enumerate(per_rank[1:], 1):
+        assert "rank(s) [0] rejected their arguments" in result["rejected"], (rank, result["rejected"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 4], ids=lambda t: f"t{t}")
 def test_padded_vocab_shards_match_one_device(world_size, tmp_path_factory):
     """Padding leaves ranks with a partial or empty vocabulary shard; loss and gradients still match."""
     real_rows = {vocab: [] for vocab in (300, 1000)}

@@ -271,6 +271,26 @@ def test_pad_token_row_gets_no_lookup_gradient_as_in_hf(pad_token_id):
     assert torch.equal(theirs[pad], torch.zeros_like(theirs[pad])) and torch.equal(ours[pad], theirs[pad])
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
 
+@pytest.mark.parametrize("built_with, set_after", [(None, 2), (2, None)], ids=["set-after", "cleared-after"])
+def test_pad_token_is_the_embedding_modules_not_the_configs(built_with, set_after):
+    """HF reads pad_token_id when it builds embed_tokens; `model.config.pad_token_id = tokenizer.eos_token_id`
+    afterwards changes nothing in HF's training. from_llama read the config: it froze a row HF trains (or
+    trained one HF freezes). A state-dict source has only its config, which it follows."""
+    _transformers()
+    llama = _random_llama(1, seed=5, vocab_size=300, pad_token_id=built_with, tie_word_embeddings=False)
+    llama.config.pad_token_id = set_after
+    model = hf.from_llama(llama)
+    assert model.embedding.word_embeddings.padding_idx == llama.model.embed_tokens.padding_idx == built_with
+    tokens = _tokens(300)
+    tokens[:, 3] = 2
+    labels = hf.shift_labels(tokens)
+    (model(tokens, labels).sum() / (labels != -100).sum()).backward()
+    llama(tokens, labels=tokens).loss.backward()
+    ours, theirs = model.embedding.word_embeddings.weight.grad[:300], llama.model.embed_tokens.weight.grad
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
+    assert hf.from_llama(llama.state_dict(), config=llama.config).embedding.word_embeddings.padding_idx == set_after
+
+
 def test_settings_follow_the_config_and_arguments():
     llama = _random_llama(2, rope_theta=123456.0, rms_norm_eps=1e-5, attention_dropout=0.1).train()
     model = hf.from_llama(llama, recompute="full", backend="torch", params_dtype=torch.bfloat16,
