@@ -393,7 +393,7 @@ def _rank_peak(pp: int, interleave: int, rank: int, chunk_bytes: Sequence[float]
     if m == 1:   # warm-up + 1 forwards, then one backward per forward: the steady state holds p - rank
         return (p - rank) * chunk_bytes[0]   # (closed form: the walk below is O(p) per rank, O(p^2) a model)
     group = p * m
-    warmup = p - 1 - rank if m == 1 else 2 * (p - 1 - rank) + (m - 1) * p
+    warmup = 2 * (p - 1 - rank) + (m - 1) * p
     total = 4 * p * m          # forwards of 4p micro-batches: the steady state repeats every pm forwards
     held = [0] * m
     peak = 0.0
