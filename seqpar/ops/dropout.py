@@ -95,7 +95,8 @@ def make_dropout_spec(p: float, training: bool, seed, row_offset: int = 0) -> Dr
 
 
 def apply_keep_mask(x2d: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
-    """``x2d * keep * scale`` (``x2d`` unchanged when the spec is inactive).
+    """``where(keep, x2d * scale, 0)`` (``x2d`` unchanged when the spec is inactive): a dropped inf or NaN
+    is 0, as in the kernels (``x2d * keep * scale`` made it NaN: inf * 0).
 
     CUDA tensors use the kernel of csrc/dropout.cu when seqpar._C is built (the same mask, computed in
     registers, one Philox call per 16 columns); everything else uses the torch reference.
@@ -111,7 +112,7 @@ def apply_keep_mask(x2d: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
                                                spec.threshold, _ext.cuda_stream(x2d.device))
         return out
     keep = spec.keep_mask_2d(x2d.shape[0], x2d.shape[1], x2d.device)
-    return x2d * keep * spec.scale
+    return torch.where(keep, x2d * spec.scale, 0.0)
 
 
 class _Dropout(torch.autograd.Function):

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from seqpar.ops import bias_dropout_add_layer_norm
 from seqpar.ops.dropout import DropoutSpec, apply_keep_mask, bias_dropout_add, dropout, make_dropout_spec
 from seqpar.random import dropout_threshold, philox4x32
 
@@ -124,3 +125,22 @@ def test_cuda_kernel_matches_reference(dtype, cols):
     keep = spec.keep_mask_2d(300, cols, "cpu")
     expected = (x.float().cpu() * keep * spec.scale).to(dtype)
     assert torch.equal(got.cpu(), expected)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_dropped_inf_or_nan_is_zero_as_in_the_kernels(backend):
+    """The torch reference computed x * keep * scale: a dropped inf became NaN (inf * 0), and the layer
+    norm's whole row with it, where the Triton and CUDA kernels select 0. Dropped positions hold inf and
+    NaN here, forward and backward; kept ones are finite."""
+    spec = make_dropout_spec(0.5, True, 123)
+    keep = spec.keep_mask_2d(4, 32, "cpu")
+    x = torch.randn(4, 32).masked_fill(~keep, float("inf"))
+    x[~keep & (torch.arange(32) % 2 == 0)] = float("nan")
+    residual, weight, bias = torch.randn(4, 32), torch.ones(32), torch.zeros(32)
+    x.requires_grad_()
+    y, residual_out = bias_dropout_add_layer_norm(x, None, residual, weight, bias, p=0.5, seed=123, backend=backend)
+    want = residual + torch.where(keep, x.detach() * spec.scale, 0.0)
+    assert torch.equal(residual_out, want) and y.isfinite().all()
+    grad = torch.randn(4, 32).masked_fill(~keep, float("nan"))   # through the mask again: dropped -> 0
+    residual_out.backward(grad)
+    assert torch.equal(x.grad, torch.where(keep, grad * spec.scale, 0.0))
