@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import statistics
 import sys
@@ -516,8 +517,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", default="all", help=f"all, or a comma-separated list of {', '.join(PARTS)}")
     p.add_argument("--quick", action="store_true", help="tiny shapes, few iterations: a CPU smoke test")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"),
-                   help="directory for bench_overlap.csv, or a .csv path (rows are appended)")
+    p.add_argument("--out", help="directory for bench_overlap.csv, or a .csv path (rows are appended; default "
+                                 "bench/results/, and with --quick nothing unless --out is given)")
     p.add_argument("--world-sizes", default="2,4", help="gloo ranks to run, comma separated")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per gloo op measurement")
     p.add_argument("--layer-iters", type=int, default=80, help="timed iterations per gloo layer measurement")
@@ -541,8 +542,12 @@ def parse_args(argv=None):
         p.error(f"--world-sizes must be comma-separated ints, got {args.world_sizes!r}")
     if args.iters < 2 or args.layer_iters < 2:
         p.error(f"--iters and --layer-iters must be >= 2, got {args.iters} and {args.layer_iters}")
-    if any(w < 2 for w in args.world_sizes):
-        p.error(f"--world-sizes must all be >= 2, got {args.world_sizes}")
+    if not args.world_sizes or any(w < 2 for w in args.world_sizes):
+        p.error(f"--world-sizes must be one or more sizes >= 2, got {args.world_sizes}")
+    for name, value, allow_zero in (("bandwidth-gbs", args.bandwidth_gbs, False), ("tflops", args.tflops, False),
+                                    ("hbm-gbs", args.hbm_gbs, False), ("latency-us", args.latency_us, True)):
+        if not (math.isfinite(value) and (value > 0 or (allow_zero and value == 0))):
+            p.error(f"--{name} must be finite and {'non-negative' if allow_zero else 'positive'}, got {value}")
     return args
 
 
@@ -561,9 +566,9 @@ def main(argv=None):
             part_gloo(args, rows)
         if "project" in args.part:
             part_project(args, rows, {} if args.quick else measured)
-    print(f"wrote {len(rows.rows)} rows to {rows.write(args.out)}")
-    if rows.exit_status():
-        sys.exit(rows.exit_status())
+    status = rows.finish(args.out, args.quick)   # a --quick run writes only where --out says
+    if status:
+        sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -77,3 +77,36 @@ def test_chunk_variants_compute_the_whole_product():
         out.fill_(float("nan"))
         fn()
         torch.testing.assert_close(out, a @ w, msg=name)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--bandwidth-gbs", "0"], "--bandwidth-gbs must be finite and positive, got 0.0"),   # a ZeroDivisionError
+    (["--latency-us", "inf"], "--latency-us must be finite and non-negative, got inf"),   # NaN rows, exit 0
+    (["--tflops", "-1"], "--tflops must be finite and positive, got -1.0"),
+    (["--world-sizes", ","], "--world-sizes must be one or more sizes >= 2, got []"),     # 0 rows, exit 0
+], ids=["bandwidth", "latency", "tflops", "world-sizes"])
+def test_bad_options_are_usage_errors(argv, match, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_overlap.parse_args(["--quick", *argv])
+    assert exit_info.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_quick_writes_nothing_without_out_and_appends_refuse_another_header(tmp_path):
+    """--quick appended its smoke rows to the checked-in bench/results/bench_overlap.csv by default. An
+    append to a CSV of other columns wrote rows of another width under its header, and one to a file
+    without a final newline glued the first row onto its last line."""
+    from seqpar.bench.results import ResultRows
+
+    assert bench_overlap.parse_args(["--quick"]).out is None
+    rows = ResultRows("cpu", "bench_x", ("config", "value"))
+    rows.rows.append({"device": "cpu", "date": "d", "commit": "c", "config": "a", "value": 1})
+    assert rows.finish(None, quick=True) == 0                       # nothing written, no default path
+    unended = tmp_path / "unended.csv"
+    unended.write_text("device,date,commit,config,value\ncpu,d0,c0,z,0")
+    rows.write(str(unended))
+    assert unended.read_text().splitlines() == ["device,date,commit,config,value", "cpu,d0,c0,z,0", "cpu,d,c,a,1"]
+    other = tmp_path / "other.csv"
+    other.write_text("device,date,commit,part,config,value\n")
+    with pytest.raises(ValueError, match="has the columns .*'part'.* not this benchmark's"):
+        rows.write(str(other))
+    assert other.read_text() == "device,date,commit,part,config,value\n"

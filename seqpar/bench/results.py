@@ -78,12 +78,28 @@ class ResultRows:
         return 130 if self.interrupted else 1 if self.failed else 0
 
     def write(self, out: str) -> str:
-        """Append to ``out`` (a .csv path, or a folder that gets ``<name>.csv``); returns the path."""
+        """Append to ``out`` (a .csv path, or a folder that gets ``<name>.csv``); returns the path.
+
+        An existing file must have these columns (ValueError naming both headers otherwise: rows of
+        another width under its header were appended silently); one that doesn't end its last line
+        gets the newline first (the first row was glued onto the last one)."""
         path = out if out.endswith(".csv") else os.path.join(out, f"{self.name}.csv")
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        new = not os.path.exists(path)
+        fieldnames = ["device", "date", "commit", *self.columns]
+        new = not os.path.exists(path) or os.path.getsize(path) == 0
+        if not new:
+            with open(path, newline="") as f:
+                header = next(csv.reader(f), [])
+            with open(path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                ends_line = f.read(1) == b"\n"
+            if header != fieldnames:
+                raise ValueError(f"{path} has the columns {header}, not this benchmark's {fieldnames}: "
+                                 "write to another file (--out)")
         with open(path, "a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=["device", "date", "commit", *self.columns])
+            if not new and not ends_line:
+                f.write("\n")
+            writer = csv.DictWriter(f, fieldnames=fieldnames)
             if new:
                 writer.writeheader()
             writer.writerows(self.rows)
