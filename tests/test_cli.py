@@ -232,3 +232,30 @@ def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
     proc.stdout.close()
     err = proc.stderr.read()
     assert proc.wait(timeout=60) in (0, 1) and "Traceback" not in err, err
+
+
+_KILLED_RANK_SCRIPT = """
+import os, signal, sys
+import seqpar.bench.layer_bench as layer_bench
+real = layer_bench.run_experiments
+def killed_on_rank_1(args, rank, world_size, group):   # at module level: the spawned ranks import it too
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)           # as the out-of-memory killer does: no report
+    return real(args, rank, world_size, group)
+layer_bench.run_experiments = killed_on_rank_1
+if __name__ == "__main__":
+    from seqpar.cli import main
+    main(["bench"] + sys.argv[1:])
+"""
+
+
+@pytest.mark.timeout(150)
+def test_bench_names_a_rank_killed_without_a_report(tmp_path):
+    """A spawned rank killed by a signal posted nothing: the parent waited on its queue for ever (both
+    ranks killed), or blamed rank 0 with its gloo 'Connection reset by peer' traceback."""
+    script = tmp_path / "killed_rank.py"
+    script.write_text(_KILLED_RANK_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), "--tp", "2", "--seq-len", "8", "--hidden", "16", "--heads", "2",
+                          "--batch", "1", "--iters", "1", "--warmup", "0"], capture_output=True, text=True, timeout=140)
+    assert out.returncode == 1 and "rank 1 died (signal 9) without a report" in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]

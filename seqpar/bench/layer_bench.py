@@ -22,6 +22,7 @@ import datetime
 import json
 import functools
 import os
+import queue as queue_module
 import socket
 import statistics
 import time
@@ -293,6 +294,12 @@ def _spawned(rank, world_size, args, port, queue):
         raise SystemExit(1)
 
 
+def _unreported_deaths(procs) -> List[tuple]:
+    """(rank, exit code) of the spawned ranks that ended without a report: :func:`_spawned` exits 1 after
+    posting one, so another non-zero code (a signal, ``os._exit``) means the rank was killed."""
+    return [(rank, proc.exitcode) for rank, proc in enumerate(procs) if proc.exitcode not in (None, 0, 1)]
+
+
 def main(argv: Optional[List[str]] = None) -> List[Dict]:
     args = parse_args(argv)
     import torch
@@ -318,17 +325,32 @@ def main(argv: Optional[List[str]] = None) -> List[Dict]:
         procs = [ctx.Process(target=_spawned, args=(r, args.tp, args, port, queue)) for r in range(args.tp)]
         for proc in procs:
             proc.start()
-        rows, failures = None, []
-        for _ in procs:
-            status, payload = queue.get()
-            if status == "error":
-                failures.append(payload)
-                break
-            rows = payload if payload is not None else rows
-        for proc in procs:
-            if failures:
-                proc.kill()
-            proc.join()
+        rows, failures, dead, received = None, [], [], 0
+        try:
+            while received < len(procs) and not failures and not dead:
+                try:
+                    status, payload = queue.get(timeout=1.0)
+                except queue_module.Empty:   # a rank killed (out of memory, a signal) never reports: look
+                    dead = _unreported_deaths(procs)
+                    continue
+                received += 1
+                if status == "error":
+                    failures.append(payload)
+                    dead = _unreported_deaths(procs)   # a peer's death is what the others' errors are about
+                rows = payload if status == "ok" and payload is not None else rows
+        except KeyboardInterrupt:   # Ctrl-C: stop the ranks, no traceback
+            dead = [(None, None)]
+            raise SystemExit(130)
+        finally:
+            for proc in procs:
+                if failures or dead:
+                    proc.kill()
+                proc.join()
+        if dead:
+            rank, code = dead[0]
+            how = f"signal {-code}" if code < 0 else f"exit code {code}"
+            raise SystemExit(f"python -m seqpar bench: rank {rank} died ({how}) without a report "
+                             "(killed: out of memory?); the other ranks were stopped")
         if failures:
             rank, bad_input, message, trace = failures[0]
             if bad_input:  # seqpar rejected an input: the message names it
