@@ -325,7 +325,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict]:
         procs = [ctx.Process(target=_spawned, args=(r, args.tp, args, port, queue)) for r in range(args.tp)]
         for proc in procs:
             proc.start()
-        rows, failures, dead, received = None, [], [], 0
+        rows, failures, dead, received, interrupted = None, [], [], 0, False
         try:
             while received < len(procs) and not failures and not dead:
                 try:
@@ -339,11 +339,11 @@ def main(argv: Optional[List[str]] = None) -> List[Dict]:
                     dead = _unreported_deaths(procs)   # a peer's death is what the others' errors are about
                 rows = payload if status == "ok" and payload is not None else rows
         except KeyboardInterrupt:   # Ctrl-C: stop the ranks, no traceback
-            dead = [(None, None)]
+            interrupted = True
             raise SystemExit(130)
         finally:
             for proc in procs:
-                if failures or dead:
+                if failures or dead or interrupted:
                     proc.kill()
                 proc.join()
         if dead:
