@@ -42,7 +42,8 @@ Usage:
     python bench/bench_overlap.py                       # all parts, rows to bench/results/
     python bench/bench_overlap.py --part gloo --world-sizes 2,4
     python bench/bench_overlap.py --part gemm,project   # the GPU's parts (bench/gpu_suite.sh)
-    python bench/bench_overlap.py --quick               # CPU smoke test of every part (tiny shapes)
+    python bench/bench_overlap.py --quick               # CPU smoke test of every part (tiny shapes; no rows
+                                                        # written unless --out is given)
     python bench/bench_overlap.py --out DIR             # rows to DIR/bench_overlap.csv (bench/gpu_suite.sh)
 """
 from __future__ import annotations
