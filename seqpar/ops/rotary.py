@@ -52,7 +52,7 @@ their launchers directly (:func:`seqpar.ops.registry.kernel_op`).
 from __future__ import annotations
 
 import functools
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
