@@ -1,7 +1,8 @@
 """Command line: ``python -m seqpar info | bench | plan`` (``bench`` is also the ``seqpar-bench`` script).
 
 A usage error prints one line on stderr and exits with status 2 (argparse's convention); a run stopped
-by bad input (a ValueError) prints one line and exits with status 1.
+by bad input (a ValueError) prints one line and exits with status 1. A reader that closes stdout
+(``python -m seqpar plan ... | head -1``) ends the command quietly with status 1.
 """
 from __future__ import annotations
 
@@ -51,32 +52,56 @@ def run_reporting_errors(prog: str, fn: Callable[[], object]) -> None:
         raise SystemExit(1) from None
 
 
-def matplotlib_missing() -> Optional[str]:
-    """Why ``--plot`` can't draw (None when matplotlib imports)."""
+def _plot_problem(path: str) -> Optional[str]:
+    """Why ``--plot path`` can't be drawn (None when it can): no matplotlib, or a file type it does not
+    write (without an extension it would write ``path.png`` while the command said ``path``)."""
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib.backend_bases   # (imports matplotlib itself first, even once the submodule is loaded)
     except ImportError:
         return "--plot needs matplotlib: pip install 'seqpar[plot]' (or pip install matplotlib)"
+    extension = os.path.splitext(path)[1].lower().lstrip(".")
+    formats = matplotlib.backend_bases.FigureCanvasBase.get_supported_filetypes()
+    if extension not in formats:
+        got = f"extension .{extension}" if extension else "no extension"
+        return f"--plot {path}: {got}; give a file name ending in one of .{', .'.join(sorted(formats))} (.png)"
+    return None
+
+
+def _unwritable(path: str) -> Optional[str]:
+    """Why ``path`` can't be written (None when it can), found by opening it for appending (a new file is
+    removed again): permission bits alone pass root, read-only file systems and /proc."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return "is a directory"
+    if not os.path.isdir(folder):
+        return f"its folder {folder} does not exist"
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        return f"can't be written ({exc.strerror or exc})"
+    if not existed:
+        os.remove(path)
     return None
 
 
 def check_output_paths(parser: argparse.ArgumentParser, args: argparse.Namespace, *options: str) -> None:
-    """``parser.error`` (one line, status 2) for an ``--option PATH`` the command could not write, checked
-    at parsing: otherwise it would fail only when writing, after the whole run."""
+    """``parser.error`` (one line, status 2) for an ``--option PATH`` the command could not write, or for
+    ``--plot`` one it could not draw, checked at parsing: otherwise it would fail only when writing, after
+    the whole run."""
     for option in options:
         path = getattr(args, option)
+        if path is None:
+            continue
         if not path:
-            continue
-        folder = os.path.dirname(os.path.abspath(path))
-        if os.path.isdir(path):
-            problem = "is a directory"
-        elif not os.path.isdir(folder):
-            problem = f"its folder {folder} does not exist"
-        elif not os.access(path if os.path.exists(path) else folder, os.W_OK):
-            problem = "is not writable"
-        else:
-            continue
-        parser.error(f"--{option} {path}: {problem}")
+            parser.error(f"--{option}: an empty path")
+        problem = _plot_problem(path) if option == "plot" else None
+        if problem:
+            parser.error(problem)
+        problem = _unwritable(path)
+        if problem:
+            parser.error(f"--{option} {path}: {problem}")
 
 
 # ---------------------------------------------------------------------------------------------- info
@@ -195,8 +220,6 @@ def _plan_args(argv: Sequence[str]) -> argparse.Namespace:
     for key, scale in (("other_gib", GIB), ("bytes_per_mask", 1)):
         if not (math.isfinite(getattr(args, key) * scale) and getattr(args, key) >= 0):
             p.error(f"--{key.replace('_', '-')} must be finite and non-negative, got {getattr(args, key)}")
-    if args.plot and matplotlib_missing():
-        p.error(matplotlib_missing())
     check_output_paths(p, args, "plot")
     try:  # the sizes themselves (tp dividing heads, pp dividing layers, ...): usage errors too
         _sizes(args)
@@ -333,26 +356,35 @@ def main(argv: Optional[List[str]] = None) -> None:
     sub.add_parser("bench", help="the paper's five layer experiments (python -m seqpar bench --help)", add_help=False)
     sub.add_parser("plan", help="whole-model activation memory and the cheapest recompute that fits "
                                 "(python -m seqpar plan --help)", add_help=False)
+    if argv and argv[0] == "bench":
+        bench(argv[1:])
+    elif argv and argv[0] == "plan":
+        quiet_on_broken_pipe(lambda: run_reporting_errors("python -m seqpar plan", lambda: plan(argv[1:])))
+    else:
+        parser.parse_args(argv)
+        quiet_on_broken_pipe(info)
+
+
+def quiet_on_broken_pipe(fn: Callable[[], object]) -> None:
+    """Run ``fn``; when the reader of stdout goes away (``python -m seqpar info | head -3``) stop quietly
+    with status 1, as coreutils do. stdout goes to devnull, so the interpreter's flush at exit (or a
+    spawned rank's) does not raise again."""
     try:
-        if argv and argv[0] == "bench":
-            bench(argv[1:])
-        elif argv and argv[0] == "plan":
-            run_reporting_errors("python -m seqpar plan", lambda: plan(argv[1:]))
-        else:
-            parser.parse_args(argv)
-            info()
+        fn()
     except BrokenPipeError:
-        # The reader closed the pipe (python -m seqpar info | head -3): stop quietly, as coreutils do; stdout
-        # goes to devnull so the interpreter's flush at exit does not raise again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        stdout_to_devnull()
         raise SystemExit(1) from None
+
+
+def stdout_to_devnull() -> None:
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def bench(argv: Sequence[str]) -> None:
     """``python -m seqpar bench`` / ``seqpar-bench``."""
     from .bench.layer_bench import main as bench_main
 
-    run_reporting_errors("python -m seqpar bench", lambda: bench_main(list(argv)))
+    quiet_on_broken_pipe(lambda: run_reporting_errors("python -m seqpar bench", lambda: bench_main(list(argv))))
 
 
 def bench_main() -> None:

@@ -186,6 +186,9 @@ def _usage_error(argv, capsys):
      "--plot /nonexistent/dir/x.png: its folder /nonexistent/dir does not exist"),
     (["bench", "--json", "/nonexistent/dir/x.json"], "--json /nonexistent/dir/x.json: its folder /nonexistent/dir"),
     (["bench", "--json", "/"], "--json /: is a directory"),
+    # found only after the run (a traceback): root passes os.access, /proc takes no new files
+    (["bench", "--json", "/proc/x.json"], "--json /proc/x.json: can't be written (No such file or directory)"),
+    (["bench", "--json", ""], "--json: an empty path"),   # was ignored: no file, no error
     (["info", "--verbose"], "unrecognized arguments: --verbose"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
@@ -209,6 +212,17 @@ def test_plot_without_matplotlib_says_how_to_get_it(command, tmp_path, monkeypat
     assert not (tmp_path / "x.png").exists()
 
 
+@pytest.mark.parametrize("command", [["plan", "--model", "22B"], ["bench"]], ids=["plan", "bench"])
+@pytest.mark.parametrize("name,match", [("fig.txt", "extension .txt"), ("fig", "no extension")])
+def test_plot_file_types_matplotlib_does_not_write_are_usage_errors(command, name, match, tmp_path, capsys):
+    """fig.txt failed in matplotlib after the whole run; fig was written as fig.png while the command
+    said 'wrote fig'."""
+    pytest.importorskip("matplotlib")
+    err = _usage_error(command + ["--plot", str(tmp_path / name)], capsys)
+    assert match in err and ".png" in err
+    assert not list(tmp_path.iterdir())
+
+
 def test_bench_rank_failure_is_one_line_exit_1():
     """Spawned ranks that reject the layer while running (a head size the Triton kernel does not take)
     give one line naming the problem, not every rank's traceback."""
@@ -221,17 +235,21 @@ def test_bench_rank_failure_is_one_line_exit_1():
     assert "rank" in out.stderr and "triton" in out.stderr and "Traceback" not in out.stderr + out.stdout
 
 
-def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("command,first", [
+    (["plan", "--model", "22B"], "seqpar plan:"),
+    # a spawned rank printed its progress line into the closed pipe: the parent reported its traceback
+    (["bench", "--tp", "2", "--seq-len", "8", "--hidden", "16", "--heads", "2", "--batch", "1", "--iters", "1",
+      "--warmup", "0"], "seqpar bench: spawning 2"),
+], ids=["plan", "bench-tp2"])
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(command, first):
     """``python -m seqpar plan ... | head -1`` printed a BrokenPipeError traceback."""
-    import subprocess
-    import sys
-
-    proc = subprocess.Popen([sys.executable, "-m", "seqpar", "plan", "--model", "22B"], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "seqpar", *command], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().startswith("seqpar plan:")
+    assert proc.stdout.readline().startswith(first)
     proc.stdout.close()
     err = proc.stderr.read()
-    assert proc.wait(timeout=60) in (0, 1) and "Traceback" not in err, err
+    assert proc.wait(timeout=140) in (0, 1) and "Traceback" not in err and "Error" not in err, err
 
 
 _KILLED_RANK_SCRIPT = """

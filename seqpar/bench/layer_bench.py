@@ -43,7 +43,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     """The bench's options; a usage error (bad value, unknown or unusable backend, no CUDA device for
     ``--device cuda``, no matplotlib for ``--plot``, a ``--json`` / ``--plot`` path that can't be
     written) is one line on stderr and exit status 2."""
-    from ..cli import ArgumentParser, check_output_paths, matplotlib_missing
+    from ..cli import ArgumentParser, check_output_paths
     from ..ops.registry import BACKEND_CHOICES
 
     p = ArgumentParser(prog="python -m seqpar bench", description=__doc__,
@@ -102,8 +102,6 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                 f"(heads={args.heads}, kv_heads={args.kv_heads}, tp={args.tp})")
     if args.ffn is not None and args.ffn % args.tp:
         p.error(f"need ffn % tp == 0 (ffn={args.ffn}, tp={args.tp})")
-    if args.plot and matplotlib_missing():
-        p.error(matplotlib_missing())
     check_output_paths(p, args, "json", "plot")
     import torch
 
@@ -287,6 +285,12 @@ def _spawned(rank, world_size, args, port, queue):
     re-raising here would print every rank's traceback as well)."""
     try:
         queue.put(("ok", _rank_main(rank, world_size, args, port)))
+    except BrokenPipeError:  # the reader of stdout went away (bench | head -1): the parent stops quietly
+        from ..cli import stdout_to_devnull
+
+        stdout_to_devnull()
+        queue.put(("reader_gone", rank))
+        raise SystemExit(1)
     except BaseException as exc:  # noqa: BLE001 - everything goes to the parent
         import traceback
         queue.put(("error", (rank, isinstance(exc, ValueError), f"{type(exc).__name__}: {exc}",
@@ -325,15 +329,16 @@ def main(argv: Optional[List[str]] = None) -> List[Dict]:
         procs = [ctx.Process(target=_spawned, args=(r, args.tp, args, port, queue)) for r in range(args.tp)]
         for proc in procs:
             proc.start()
-        rows, failures, dead, received, interrupted = None, [], [], 0, False
+        rows, failures, dead, received, interrupted, reader_gone = None, [], [], 0, False, False
         try:
-            while received < len(procs) and not failures and not dead:
+            while received < len(procs) and not failures and not dead and not reader_gone:
                 try:
                     status, payload = queue.get(timeout=1.0)
                 except queue_module.Empty:   # a rank killed (out of memory, a signal) never reports: look
                     dead = _unreported_deaths(procs)
                     continue
                 received += 1
+                reader_gone = status == "reader_gone"
                 if status == "error":
                     failures.append(payload)
                     dead = _unreported_deaths(procs)   # a peer's death is what the others' errors are about
@@ -343,9 +348,11 @@ def main(argv: Optional[List[str]] = None) -> List[Dict]:
             raise SystemExit(130)
         finally:
             for proc in procs:
-                if failures or dead or interrupted:
+                if failures or dead or interrupted or reader_gone:
                     proc.kill()
                 proc.join()
+        if reader_gone:
+            raise BrokenPipeError   # python -m seqpar's handler ends quietly
         if dead:
             rank, code = dead[0]
             how = f"signal {-code}" if code < 0 else f"exit code {code}"
