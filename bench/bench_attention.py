@@ -54,6 +54,7 @@ if __name__ == "__main__" and "--quick" in sys.argv[1:] and not torch.cuda.is_av
     # main() it is too late for the @triton.jit helpers the kernels call.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from seqpar.bench.options import comma_list, fill_defaults, probability  # noqa: E402
 from seqpar.bench.results import ResultRows  # noqa: E402
 
 PROVIDERS = ["seqpar-triton", "seqpar-cuda", "torch-eager", "torch-sdpa-flash", "torch-sdpa-efficient",
@@ -186,16 +187,17 @@ def bench_config(provider: str, b: int, heads: int, s: int, d: int, causal: bool
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny shapes, Triton interpreter")
+    ap.add_argument("--quick", action="store_true", help="CPU smoke test: Triton interpreter, tiny shapes for "
+                    "the size options not given (s = 32, d = 16, 32 tokens, H * d = 32 per q head of a group)")
     ap.add_argument("--out", default=None, help="directory (or .csv path) for rows; default bench/results "
                     "(--quick writes nothing unless --out is given)")
-    ap.add_argument("--seqlens", default="1024,2048,4096,8192")
-    ap.add_argument("--head-dims", default="64,128")
-    ap.add_argument("--dropouts", default="0,0.1")
+    ap.add_argument("--seqlens", help="comma-separated s (default 1024,2048,4096,8192)")
+    ap.add_argument("--head-dims", help="comma-separated d (default 64,128)")
+    ap.add_argument("--dropouts", default="0,0.1", help="comma-separated p in [0, 1) (default 0,0.1)")
     ap.add_argument("--causal", choices=["1", "0", "both"], default="1")
     ap.add_argument("--providers", default=",".join(PROVIDERS))
-    ap.add_argument("--tokens", type=int, default=16384, help="b * s")
-    ap.add_argument("--hidden", type=int, default=2048, help="H * d")
+    ap.add_argument("--tokens", type=int, help="b * s (default 16384)")
+    ap.add_argument("--hidden", type=int, help="H * d (default 2048)")
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--gqa-group", type=int, default=1,
                     help="q heads per k/v head (grouped-query attention; must divide the head count)")
@@ -205,26 +207,29 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
     if args.gqa_group < 1:
         ap.error(f"--gqa-group must be >= 1, got {args.gqa_group}")
+    fill_defaults(args, dict(seqlens="1024,2048,4096,8192", head_dims="64,128", tokens=16384, hidden=2048),
+                  dict(seqlens="32", head_dims="16", tokens=32, hidden=32 * args.gqa_group))
+    seqlens, head_dims = (comma_list(ap, f"--{key.replace('_', '-')}", getattr(args, key))
+                          for key in ("seqlens", "head_dims"))
+    dropouts = comma_list(ap, "--dropouts", args.dropouts, float, probability, "probabilities in [0, 1)")
+    for key in ("tokens", "hidden"):
+        if getattr(args, key) <= 0:
+            ap.error(f"--{key} must be positive, got {getattr(args, key)}")
+    tokens, hidden = args.tokens, args.hidden
 
     has_cuda = torch.cuda.is_available()
     if args.quick:
         if not has_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             ap.error("--quick on CPU runs Triton in its interpreter: set TRITON_INTERPRET=1 before importing this "
                      "module (running it as a script with --quick does)")
-        seqlens, head_dims, tokens, hidden = [32], [16], 32, 32 * args.gqa_group
-    else:
-        if not has_cuda:
-            print("bench_attention: needs a CUDA device (none found); use --quick for a CPU smoke test")
-            return 2
-        seqlens = [int(x) for x in args.seqlens.split(",")]
-        head_dims = [int(x) for x in args.head_dims.split(",")]
-        tokens, hidden = args.tokens, args.hidden
+    elif not has_cuda:
+        print("bench_attention: needs a CUDA device (none found); use --quick for a CPU smoke test")
+        return 2
     device = torch.device("cuda" if has_cuda else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if args.quick and not has_cuda:
         dtype = torch.float32          # the interpreter's bf16 path is a testing fallback
     dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    dropouts = [float(x) for x in args.dropouts.split(",")]
     causals = {"1": [True], "0": [False], "both": [True, False]}[args.causal]
     providers = [x for x in args.providers.split(",") if x]
     for name in providers:

@@ -95,6 +95,7 @@ if __name__ == "__main__" and "--quick" in sys.argv[1:]:
 
 import torch  # noqa: E402
 
+from seqpar.bench.options import comma_list, fill_defaults, probability  # noqa: E402
 from seqpar.bench.results import ResultRows  # noqa: E402
 from seqpar.bench.timing import DeviceTime, device_time, input_sets, l2_bytes, median_ms  # noqa: E402
 from seqpar.bench.timing import reuse_distance_l2  # noqa: E402
@@ -424,28 +425,33 @@ def _summary(results: Dict[Tuple[int, int, float], Dict[str, Dict[str, float]]])
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--hidden", default="1024,4096,12288,20480", help="comma-separated hidden sizes")
-    ap.add_argument("--tokens", default="256,1024,16384", help="comma-separated token counts (rows)")
+    ap.add_argument("--hidden", help="comma-separated hidden sizes (default 1024,4096,12288,20480)")
+    ap.add_argument("--tokens", help="comma-separated token counts (rows; default 256,1024,16384)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("-p", default="0,0.1", help="comma-separated dropout probabilities (0: dropout off)")
-    ap.add_argument("--providers", default=",".join(p for p in PROVIDERS if p != "seqpar-torch"),
-                    help="comma-separated; default: every provider but seqpar-torch")
+    ap.add_argument("--providers", help="comma-separated; default: every provider but seqpar-torch (--quick: "
+                    "seqpar-triton,seqpar-torch,torch-eager,torch-compile)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--reps", type=int, default=50, help="eager call time: timed single calls")
     ap.add_argument("--gpu-reps", type=int, default=8, help="GPU time: timed batches of back-to-back calls")
     ap.add_argument("--out", default=None, help="directory (or .csv path) for rows; default bench/results "
                     "(--quick writes nothing unless --out is given)")
     ap.add_argument("--quick", action="store_true",
-                    help="CPU smoke test: tiny shapes, few runs, Triton in its interpreter")
+                    help="CPU smoke test: few runs, Triton in its interpreter, tiny shapes for the size options "
+                    "not given (h = 64,200, 48 rows)")
     args = ap.parse_args(argv)
+    fill_defaults(args, dict(hidden="1024,4096,12288,20480", tokens="256,1024,16384",
+                             providers=",".join(p for p in PROVIDERS if p != "seqpar-torch")),
+                  dict(hidden="64,200", tokens="48", providers="seqpar-triton,seqpar-torch,torch-eager,torch-compile"))
+    hidden, tokens = comma_list(ap, "--hidden", args.hidden), comma_list(ap, "--tokens", args.tokens)
+    dropouts = comma_list(ap, "-p", args.p, float, probability, "probabilities in [0, 1)")
+    providers = [p for p in args.providers.split(",") if p]
 
     if args.quick:
         device = torch.device("cpu")
         if os.environ.get("TRITON_INTERPRET") != "1":
             ap.error("--quick runs Triton in its interpreter: set TRITON_INTERPRET=1 before importing this module "
                      "(running it as a script with --quick does)")
-        hidden, tokens = [64, 200], [48]
-        providers = ["seqpar-triton", "seqpar-torch", "torch-eager", "torch-compile"]
         warmup, reps, copy_bytes = 1, 3, 2**24
         gpu_reps, gpu_min_calls = 2, 2
     else:
@@ -454,22 +460,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                   "smoke test", file=sys.stderr)
             return 2
         device = torch.device("cuda")
-        hidden = [int(v) for v in args.hidden.split(",")]
-        tokens = [int(v) for v in args.tokens.split(",")]
-        providers = args.providers.split(",")
         warmup, reps, copy_bytes = args.warmup, args.reps, 2**30
         gpu_reps, gpu_min_calls = args.gpu_reps, 4
     unknown = [p for p in providers if p not in PROVIDERS]
     if unknown:
         ap.error(f"unknown providers {unknown}; choose from {PROVIDERS}")
     dtype = DTYPES[args.dtype]
-    try:
-        dropouts = [float(v) for v in args.p.split(",")]
-    except ValueError:
-        ap.error(f"-p must be comma-separated probabilities, got {args.p!r}")
-    for p in dropouts:
-        if not 0.0 <= p < 1.0:
-            ap.error(f"-p must be in [0, 1), got {p}")
 
     timer = Timer(device, warmup, reps, gpu_reps, gpu_min_calls)
     rows = ResultRows(_device_name(device), "bench_layernorm_dropout")

@@ -74,6 +74,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.bench_layernorm_dropout import (  # noqa: E402
     CLOCKS, Timer, _device_name, compiled_for_one_shape, cuda_forward_plan, measure_copy_gbps, record)
+from seqpar.bench.options import comma_list, fill_defaults  # noqa: E402
 from seqpar.bench.results import ResultRows  # noqa: E402
 
 OPS = ("rmsnorm", "swiglu", "rope")
@@ -267,13 +268,12 @@ def bench_config(op: str, provider: str, size: Dict[str, int], dtype, device: to
 
 
 def _sizes(op: str, args) -> List[Dict[str, int]]:
-    ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
     if op == "rmsnorm":
-        return [dict(tokens=n, hidden=h) for n in ints(args.tokens) for h in ints(args.hidden)]
+        return [dict(tokens=n, hidden=h) for n in args.tokens for h in args.hidden]
     if op == "swiglu":
-        return [dict(tokens=n, ffn=f) for n in ints(args.tokens) for f in ints(args.ffn)]
+        return [dict(tokens=n, ffn=f) for n in args.tokens for f in args.ffn]
     return [dict(seq=s, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
-            for s in ints(args.seq)]
+            for s in args.seq]
 
 
 def _summary(results: Dict[Tuple[str, str], Dict[str, Dict[str, float]]]) -> None:
@@ -293,37 +293,45 @@ def main(argv: Optional[List[str]] = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.split("\n")[1:]))
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {OPS}")
-    ap.add_argument("--tokens", default="16384", help="rmsnorm / swiglu rows (comma-separated)")
-    ap.add_argument("--hidden", default="4096,8192", help="rmsnorm hidden sizes h (comma-separated)")
-    ap.add_argument("--ffn", default="11008,14336", help="swiglu widths n (gate_up has 2n; comma-separated)")
-    ap.add_argument("--seq", default="4096", help="rope sequence lengths s (comma-separated)")
-    ap.add_argument("--batch", type=int, default=4, help="rope batch b")
-    ap.add_argument("--heads", type=int, default=32, help="rope query heads Hq")
-    ap.add_argument("--kv-heads", type=int, default=8, help="rope key/value heads Hk")
-    ap.add_argument("--head-dim", type=int, default=128, help="rope head dim d")
+    ap.add_argument("--tokens", help="rmsnorm / swiglu rows (comma-separated; default 16384)")
+    ap.add_argument("--hidden", help="rmsnorm hidden sizes h (comma-separated; default 4096,8192)")
+    ap.add_argument("--ffn", help="swiglu widths n (gate_up has 2n; comma-separated; default 11008,14336)")
+    ap.add_argument("--seq", help="rope sequence lengths s (comma-separated; default 4096)")
+    ap.add_argument("--batch", type=int, help="rope batch b (default 4)")
+    ap.add_argument("--heads", type=int, help="rope query heads Hq (default 32)")
+    ap.add_argument("--kv-heads", type=int, help="rope key/value heads Hk (default 8)")
+    ap.add_argument("--head-dim", type=int, help="rope head dim d (default 128)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    ap.add_argument("--providers", default=",".join(p for p in PROVIDERS if p != "seqpar-torch"))
+    ap.add_argument("--providers", help="comma-separated (default: every provider but seqpar-torch; --quick: "
+                    "seqpar-triton,seqpar-torch,torch-eager)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--reps", type=int, default=50, help="eager call time: timed single calls")
     ap.add_argument("--gpu-reps", type=int, default=8, help="GPU time: timed batches of back-to-back calls")
     ap.add_argument("--out", default=None, help="directory (or .csv path) for rows; default bench/results "
                     "(--quick writes nothing unless --out is given)")
-    ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny shapes, few runs, Triton in its "
-                    "interpreter")
+    ap.add_argument("--quick", action="store_true", help="CPU smoke test: few runs, Triton in its interpreter, "
+                    "tiny shapes for the size options not given")
     args = ap.parse_args(argv)
     ops_list = args.ops.split(",")
     bad = [o for o in ops_list if o not in OPS]
     if bad:
         ap.error(f"unknown ops {bad}; choose from {OPS}")
+    fill_defaults(args, dict(tokens="16384", hidden="4096,8192", ffn="11008,14336", seq="4096", batch=4, heads=32,
+                             kv_heads=8, head_dim=128, providers=",".join(p for p in PROVIDERS if p != "seqpar-torch")),
+                  dict(tokens="24", hidden="40", ffn="24", seq="6", batch=2, heads=4, kv_heads=2, head_dim=16,
+                       providers="seqpar-triton,seqpar-torch,torch-eager"))
+    for key in ("tokens", "hidden", "ffn", "seq"):
+        setattr(args, key, comma_list(ap, f"--{key}", getattr(args, key)))
+    for key in ("batch", "heads", "kv_heads", "head_dim"):
+        if getattr(args, key) <= 0:
+            ap.error(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
+    providers = [p for p in args.providers.split(",") if p]
 
     if args.quick:
         device = torch.device("cpu")
         if os.environ.get("TRITON_INTERPRET") != "1":
             ap.error("--quick runs Triton in its interpreter: set TRITON_INTERPRET=1 before importing this module "
                      "(running it as a script with --quick does)")
-        args.tokens, args.hidden, args.ffn, args.seq = "24", "40", "24", "6"
-        args.batch, args.heads, args.kv_heads, args.head_dim = 2, 4, 2, 16
-        providers = ["seqpar-triton", "seqpar-torch", "torch-eager"]
         warmup, reps, copy_bytes = 1, 3, 2**22
         gpu_reps, gpu_min_calls = 2, 2
     else:
@@ -332,7 +340,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                   file=sys.stderr)
             return 2
         device = torch.device("cuda")
-        providers = args.providers.split(",")
         warmup, reps, copy_bytes = args.warmup, args.reps, 2**30
         gpu_reps, gpu_min_calls = args.gpu_reps, 4
     unknown = [p for p in providers if p not in PROVIDERS]

@@ -64,6 +64,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+from seqpar.bench.options import comma_list  # noqa: E402
 from seqpar.bench.results import ResultRows  # noqa: E402
 from seqpar.bench.timing import median_ms, paired_speedup  # noqa: E402
 from seqpar.parallel.overlap import ChunkPlan  # noqa: E402
@@ -537,14 +538,9 @@ def parse_args(argv=None):
     unknown = [part for part in args.part if part not in PARTS]
     if unknown:
         p.error(f"unknown --part {unknown}; choose all or a comma-separated list of {', '.join(PARTS)}")
-    try:
-        args.world_sizes = [int(w) for w in args.world_sizes.split(",") if w]
-    except ValueError:
-        p.error(f"--world-sizes must be comma-separated ints, got {args.world_sizes!r}")
+    args.world_sizes = comma_list(p, "--world-sizes", args.world_sizes, check=lambda w: w >= 2, what="sizes >= 2")
     if args.iters < 2 or args.layer_iters < 2:
         p.error(f"--iters and --layer-iters must be >= 2, got {args.iters} and {args.layer_iters}")
-    if not args.world_sizes or any(w < 2 for w in args.world_sizes):
-        p.error(f"--world-sizes must be one or more sizes >= 2, got {args.world_sizes}")
     for name, value, allow_zero in (("bandwidth-gbs", args.bandwidth_gbs, False), ("tflops", args.tflops, False),
                                     ("hbm-gbs", args.hbm_gbs, False), ("latency-us", args.latency_us, True)):
         if not (math.isfinite(value) and (value > 0 or (allow_zero and value == 0))):

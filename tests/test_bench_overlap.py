@@ -83,7 +83,7 @@ def test_chunk_variants_compute_the_whole_product():
     (["--bandwidth-gbs", "0"], "--bandwidth-gbs must be finite and positive, got 0.0"),   # a ZeroDivisionError
     (["--latency-us", "inf"], "--latency-us must be finite and non-negative, got inf"),   # NaN rows, exit 0
     (["--tflops", "-1"], "--tflops must be finite and positive, got -1.0"),
-    (["--world-sizes", ","], "--world-sizes must be one or more sizes >= 2, got []"),     # 0 rows, exit 0
+    (["--world-sizes", ","], "--world-sizes must be comma-separated sizes >= 2, got ','"),     # 0 rows, exit 0
 ], ids=["bandwidth", "latency", "tflops", "world-sizes"])
 def test_bad_options_are_usage_errors(argv, match, capsys):
     with pytest.raises(SystemExit) as exit_info:

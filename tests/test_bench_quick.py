@@ -285,3 +285,46 @@ def test_design_variants_take_the_other_design_only_inside_their_context(name, h
     for other_h in outside:
         with pytest.raises(RuntimeError, match="where seqpar-triton takes"):
             bench.make_provider(name, other_h, 0.1, torch.float32, device)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="--quick runs Triton in its CPU interpreter")
+@pytest.mark.parametrize("script, argv, want", [
+    ("bench_attention", ["--seqlens", "16", "--head-dims", "24", "--tokens", "16", "--hidden", "48", "--dropouts", "0",
+                         "--providers", "seqpar-triton"], {"s": "16", "d": "24", "H": "2", "b": "1"}),
+    ("bench_llama_ops", ["--ops", "rope", "--seq", "5", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
+                         "--providers", "seqpar-torch"], {"s": "5", "hq": "2", "hk": "1", "d": "8"}),
+    ("bench_layernorm_dropout", ["--hidden", "24", "--tokens", "6", "-p", "0", "--providers", "seqpar-torch"],
+     {"tokens": "6", "h": "24", "p": "0.0"}),
+], ids=["attention", "llama_ops", "layernorm"])
+def test_quick_keeps_the_sweep_options_given(script, argv, want, tmp_path):
+    """--quick replaced --seqlens, --heads, --hidden, ... by its tiny shapes without a word: it now fills in
+    only the options not given."""
+    import importlib
+
+    module = importlib.import_module(f"bench.{script}")
+    assert module.main(["--quick", "--out", str(tmp_path), *argv]) == 0
+    with open(tmp_path / f"{script}.csv") as f:
+        configs = {r["config"] for r in csv.DictReader(f) if r["provider"] != "device-copy"
+                   and "vs_best" not in r["metric"]}
+    assert configs and all(config_fields(c).items() >= want.items() for c in configs), configs
+
+
+@pytest.mark.parametrize("script, argv, match", [
+    ("bench_attention", ["--dropouts", "abc"], "--dropouts must be comma-separated probabilities in [0, 1), got 'abc'"),
+    ("bench_attention", ["--dropouts", "1.5"], "got '1.5'"),     # skipped every provider, exit 0
+    ("bench_attention", ["--dropouts", "nan"], "got 'nan'"),
+    ("bench_attention", ["--seqlens", "0,64"], "--seqlens must be comma-separated positive integers, got '0,64'"),
+    ("bench_llama_ops", ["--hidden", "4k"], "--hidden must be comma-separated positive integers, got '4k'"),
+    ("bench_llama_ops", ["--heads", "0"], "--heads must be positive, got 0"),
+    ("bench_layernorm_dropout", ["--tokens", ""], "--tokens must be comma-separated positive integers, got ''"),
+    ("bench_layernorm_dropout", ["-p", "0.1,1"], "-p must be comma-separated probabilities in [0, 1), got '0.1,1'"),
+])
+def test_bad_sweep_values_are_usage_errors(script, argv, match, capsys):
+    """A value the sweep can't use was a traceback mid-run (int('4k')), or a sweep that skipped every
+    provider and exited 0 (p = 1.5)."""
+    import importlib
+
+    module = importlib.import_module(f"bench.{script}")
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--quick", *argv])
+    assert exit_info.value.code == 2 and match in capsys.readouterr().err
