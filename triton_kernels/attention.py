@@ -4,8 +4,8 @@ Math, per (batch, head); rows i are queries, columns j keys, ``c`` the softmax s
 dropout byte threshold round(p * 256)::
 
     S_ij   = c * q_i . k_j                       (-inf where causal and j > i)
-    lse_i  = log sum_j exp(S_ij)                 (natural log, fp32: the only per-row state saved)
-    P_ij   = exp(S_ij - lse_i)
+    lse_i  = log2 sum_j exp(S_ij)                (fp32, base 2: the only per-row state saved)
+    P_ij   = exp2(S_ij log2(e) - lse_i)
     Z_ij   = keep_ij * 256 / (256 - P),  keep_ij = mask_byte(seed, row_offset + (head*b + batch)*s_q + i, j) >= P
     o_i    = sum_j P_ij Z_ij v_j
 
@@ -15,6 +15,15 @@ Backward, given dO::
     dP_ij   = Z_ij (dO_i . v_j)
     dS_ij   = P_ij (dP_ij - delta_i)
     dq_i = c sum_j dS_ij k_j,   dk_j = c sum_i dS_ij q_i,   dv_j = sum_i P_ij Z_ij dO_i
+
+Two choices keep the backward exact to its dtype at extreme inputs:
+- ``lse`` is stored in base 2, the domain the kernels exponentiate in (``exp2``). A natural-log ``lse``
+  multiplied back by log2(e) is off by an ulp of |S log2 e|: at logits ~1e5 that is 0.0078, a 0.5 %
+  error in every P (and 10x the torch backend's error in dv).
+- the backward rounds ``c dS_ij = P_ij (c dP_ij - c delta_i)`` to the input dtype for its GEMMs (the
+  gradient of the raw product q_i . k_j, on the scale of dq / |k|), not dS, which is 1 / c times
+  larger (sqrt(d) at the default scale) and overflowed fp16's 65504 to inf (dq, dk NaN) where the
+  gradients themselves were representable. The dq kernel stores ``c delta`` for the dk / dv kernel.
 
 The forward runs an online softmax over key blocks (causal programs stop at the diagonal) and keeps
 only ``o`` and ``lse``; the backward recomputes P block by block and regenerates Z with
@@ -35,7 +44,7 @@ q               [b, Hq, s_q, d]      any strides; fp16 / bf16 (fp32 for testing)
 k, v            [b, Hk, s_k, d]      any strides, dtype of q; Hk divides Hq
 o, dq           [b, Hq, s_q, d]      views of contiguous [s_q, b, Hq, d] buffers (the layer's layout)
 dk, dv          [b, Hk, s_k, d]      views of contiguous [s_k, b, Hk, d] buffers
-lse, delta      [b, Hq, s_q]         fp32, contiguous
+lse, delta      [b, Hq, s_q]         fp32, contiguous (lse base 2; delta times c)
 ==============  ===================  ===============================================================
 
 ``d`` is padded to the next power of two inside the kernels (masked loads/stores), so d = 80, 96 work.
@@ -229,7 +238,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
     if DROPOUT:
         inv_l = inv_l * drop_scale
     o = acc * inv_l[:, None]
-    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453            # back to natural log
+    lse = m_i + tl.log2(l_i)                                   # base 2, as the backward uses it
     o_ptrs = (O + tl.cast(batch, tl.int64) * stride_ob + tl.cast(head, tl.int64) * stride_oh
               + tl.cast(m0, tl.int64) * stride_om
               + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :] * stride_od)
@@ -243,11 +252,12 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
 
 # ----------------------------------------------------------------------------- backward: dq (+ delta)
 @triton.jit
-def _bwd_dq_inner(dq, q, do, lse2, delta, K_base, V_base, k_offs, v_offs, start, end, offs_m, offs_n, mask_d,
-                  drop_rows, stride_kn, stride_vn, S_K, qk_scale, seed, threshold, drop_scale,
+def _bwd_dq_inner(dq, q, do, lse, delta, K_base, V_base, k_offs, v_offs, start, end, offs_m, offs_n, mask_d,
+                  drop_rows, stride_kn, stride_vn, S_K, qk_scale, dp_scale, seed, threshold,
                   MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT: tl.constexpr):
-    """Online softmax over key blocks [start, end); MASK applies the bound and causal masks."""
+    """dq += sum over key blocks [start, end) of (c dS) k; MASK applies the bound and causal masks.
+    ``delta`` holds c delta_i (see the module doc); ``dp_scale`` is c, times the dropout scale with dropout."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         k_ptrs = K_base + tl.cast(start_n, tl.int64) * stride_kn + k_offs
@@ -259,16 +269,16 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, K_base, V_base, k_offs, v_offs, start,
             kT = _load_2d(k_ptrs, (cols < S_K)[None, :], mask_d[:, None], True, EVEN_D)
             vT = _load_2d(v_ptrs, (cols < S_K)[None, :], mask_d[:, None], True, EVEN_D)
         qk = _dot(q, kT, DOT) * qk_scale
-        p = tl.exp2(qk - lse2[:, None])
+        p = tl.exp2(qk - lse[:, None])
         if MASK:
             valid = cols[None, :] < S_K
             if CAUSAL:
                 valid = valid & (cols[None, :] <= offs_m[:, None])
             p = tl.where(valid, p, 0.0)
         dp = _dot(do, vT, DOT)                                  # dO v^T: gradient of the dropped P
-        if DROPOUT:  # (select, then one FFMA with the delta subtraction below)
-            dp = tl.where(keep_mask(seed, drop_rows, start_n, threshold, BLOCK_M, BLOCK_N), dp, 0.0) * drop_scale
-        ds = p * (dp - delta[:, None])
+        if DROPOUT:
+            dp = tl.where(keep_mask(seed, drop_rows, start_n, threshold, BLOCK_M, BLOCK_N), dp, 0.0)
+        ds = p * (dp * dp_scale - delta[:, None])               # c dS (one FFMA), rounded below
         dq += _dot(ds.to(kT.dtype), tl.trans(kT), DOT)
     return dq
 
@@ -309,14 +319,18 @@ def _attn_bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA,
     o = _load_2d(O + tl.cast(batch, tl.int64) * stride_ob + tl.cast(head, tl.int64) * stride_oh
                  + tl.cast(m0, tl.int64) * stride_om + rows * stride_om + offs_d[None, :] * stride_od,
                  mask_m, mask_d[None, :], EVEN_M, EVEN_D)
-    # delta_i = dO_i . o_i: computed here once per query block, read again by the dk/dv kernel.
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    # c delta_i = c dO_i . o_i: computed here once per query block, read again by the dk/dv kernel.
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1) * sm_scale
     stat_offs = tl.cast(batch * H + head, tl.int64) * S_Q + offs_m
     if EVEN_M:
         tl.store(DELTA + stat_offs, delta)
     else:
         tl.store(DELTA + stat_offs, delta, mask=offs_m < S_Q)
-    lse2 = _load_1d(LSE + stat_offs, offs_m < S_Q, EVEN_M) * 1.4426950408889634   # log2 domain
+    lse = _load_1d(LSE + stat_offs, offs_m < S_Q, EVEN_M)
+    if DROPOUT:
+        dp_scale = sm_scale * drop_scale
+    else:
+        dp_scale = sm_scale
 
     # Scalar bases + loop-invariant offsets (not loop-carried pointer tiles, which cost registers).
     K_base = K + tl.cast(batch, tl.int64) * stride_kb + tl.cast(kv_head, tl.int64) * stride_kh
@@ -331,13 +345,12 @@ def _attn_bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA,
         hi = S_K
         full_end = (S_K // BLOCK_N) * BLOCK_N
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_base, V_base, k_offs, v_offs, 0, full_end, offs_m, offs_n, mask_d,
-                       drop_rows, stride_kn, stride_vn, S_K, qk_scale, seed, threshold, drop_scale,
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, K_base, V_base, k_offs, v_offs, 0, full_end, offs_m, offs_n, mask_d,
+                       drop_rows, stride_kn, stride_vn, S_K, qk_scale, dp_scale, seed, threshold,
                        False, CAUSAL, DROPOUT, BLOCK_M, BLOCK_N, EVEN_N, EVEN_D, DOT)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K_base, V_base, k_offs, v_offs, full_end, hi, offs_m, offs_n, mask_d,
-                       drop_rows, stride_kn, stride_vn, S_K, qk_scale, seed, threshold, drop_scale,
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, K_base, V_base, k_offs, v_offs, full_end, hi, offs_m, offs_n, mask_d,
+                       drop_rows, stride_kn, stride_vn, S_K, qk_scale, dp_scale, seed, threshold,
                        True, CAUSAL, DROPOUT, BLOCK_M, BLOCK_N, EVEN_N, EVEN_D, DOT)
-    dq = dq * sm_scale
     _store_2d(DQ + tl.cast(batch, tl.int64) * stride_dqb + tl.cast(head, tl.int64) * stride_dqh
               + tl.cast(m0, tl.int64) * stride_dqm + rows * stride_dqm + offs_d[None, :] * stride_dqd,
               dq.to(DQ.dtype.element_ty), mask_m, mask_d[None, :], EVEN_M, EVEN_D)
@@ -346,26 +359,26 @@ def _attn_bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA,
 # ----------------------------------------------------------------------------- backward: dk, dv
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, q_offs, do_offs, LSE_base, DELTA_base, start, end, n0, offs_n,
-                    offs_m_local, mask_d, drop_row_base, stride_qm, stride_dom, S_Q, qk_scale, seed, threshold,
-                    drop_scale, MASK: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    offs_m_local, mask_d, drop_row_base, stride_qm, stride_dom, S_Q, qk_scale, sm_scale, seed,
+                    threshold, drop_scale, MASK: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr, DOT: tl.constexpr):
-    """Accumulate dk, dv of one key block over query blocks [start, end); MASK = causal diagonal."""
+    """Accumulate dk (of c dS, see the module doc) and dv of one key block over query blocks [start, end);
+    MASK = causal diagonal."""
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + offs_m_local
         q_ptrs = Q_base + tl.cast(start_m, tl.int64) * stride_qm + q_offs
         do_ptrs = DO_base + tl.cast(start_m, tl.int64) * stride_dom + do_offs
         # Rows past s_q load q = dO = 0, lse = delta = 0: their P is 1 and every term they add is 0.
         qT = _load_2d(q_ptrs, (rows < S_Q)[None, :], mask_d[:, None], EVEN_M, EVEN_D)   # [D_PAD, BLOCK_M]
-        lse2 = _load_1d(LSE_base + rows, rows < S_Q, EVEN_M) * 1.4426950408889634
+        lse = _load_1d(LSE_base + rows, rows < S_Q, EVEN_M)
         qkT = _dot(k, qT, DOT) * qk_scale                                             # [BLOCK_N, BLOCK_M]
-        pT = tl.exp2(qkT - lse2[None, :])
+        pT = tl.exp2(qkT - lse[None, :])
         if MASK:
             pT = tl.where(rows[None, :] >= offs_n[:, None], pT, 0.0)
         do = _load_2d(do_ptrs, (rows < S_Q)[:, None], mask_d[None, :], EVEN_M, EVEN_D)   # [BLOCK_M, D_PAD]
         dpT = _dot(v, tl.trans(do), DOT)
         if DROPOUT:
-            # The mask of (query rows, key columns), drawn transposed for this [keys, queries] tile. The
-            # dropout scale of dv is applied once after the loop; dpT's fuses with the delta subtraction.
+            # The mask of (query rows, key columns), drawn transposed for this [keys, queries] tile.
             z = tl.where(keep_mask(seed, drop_row_base + rows, n0, threshold, BLOCK_M, BLOCK_N, True), drop_scale, 0.0)
             ppT = pT * z
             dpT = dpT * z
@@ -373,7 +386,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, q_offs, do_offs, LSE_base, DE
             ppT = pT
         dv += _dot(ppT.to(do.dtype), do, DOT)
         delta = _load_1d(DELTA_base + rows, rows < S_Q, EVEN_M)
-        dsT = pT * (dpT - delta[None, :])
+        dsT = pT * (dpT * sm_scale - delta[None, :])            # c dS^T (one FFMA; delta holds c delta)
         dk += _dot(dsT.to(qT.dtype), tl.trans(qT), DOT)
     return dk, dv
 
@@ -435,18 +448,17 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
         if CAUSAL:
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, q_offs, do_offs, LSE_base, DELTA_base,
                                      m_start, m_mid, n0, offs_n, offs_m_local, mask_d, drop_row_base, stride_qm,
-                                     stride_dom, S_Q, qk_scale, seed, threshold, drop_scale, True, DROPOUT,
+                                     stride_dom, S_Q, qk_scale, sm_scale, seed, threshold, drop_scale, True, DROPOUT,
                                      BLOCK_M, BLOCK_N, EVEN_M, EVEN_D, DOT)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, q_offs, do_offs, LSE_base, DELTA_base,
                                      m_mid, S_Q, n0, offs_n, offs_m_local, mask_d, drop_row_base, stride_qm,
-                                     stride_dom, S_Q, qk_scale, seed, threshold, drop_scale, False, DROPOUT,
+                                     stride_dom, S_Q, qk_scale, sm_scale, seed, threshold, drop_scale, False, DROPOUT,
                                      BLOCK_M, BLOCK_N, EVEN_M, EVEN_D, DOT)
         else:
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, q_offs, do_offs, LSE_base, DELTA_base,
                                      0, S_Q, n0, offs_n, offs_m_local, mask_d, drop_row_base, stride_qm,
-                                     stride_dom, S_Q, qk_scale, seed, threshold, drop_scale, False, DROPOUT,
+                                     stride_dom, S_Q, qk_scale, sm_scale, seed, threshold, drop_scale, False, DROPOUT,
                                      BLOCK_M, BLOCK_N, EVEN_M, EVEN_D, DOT)
-    dk = dk * sm_scale
     _store_2d(DK + tl.cast(batch, tl.int64) * stride_dkb + tl.cast(kv_head, tl.int64) * stride_dkh
               + tl.cast(n0, tl.int64) * stride_dkn + cols * stride_dkn + offs_d[None, :] * stride_dkd,
               dk.to(DK.dtype.element_ty), mask_n, mask_d[None, :], EVEN_N, EVEN_D)
@@ -575,12 +587,12 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
                   drop_threshold: int = 0, seed: int = 0, row_offset: int = 0,
                   config: Optional[dict] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Forward: returns ``(o, lse)``; ``o`` [b, Hq, s_q, d] (a view of [s_q, b, Hq, d]), ``lse`` fp32
-    [b, Hq, s_q]. k, v [b, Hk, s_k, d] with Hk dividing Hq (grouped-query attention: q head i reads kv
-    head i // (Hq / Hk)).
+    [b, Hq, s_q] in base 2 (log2 sum_j exp(S_ij)). k, v [b, Hk, s_k, d] with Hk dividing Hq (grouped-query
+    attention: q head i reads kv head i // (Hq / Hk)).
 
     ``drop_threshold`` is the dropout byte threshold P = round(p * 256) (0: no dropout; see
-    :func:`seqpar.random.dropout_threshold`). ``config`` (tests) pins ``BLOCK_M``/``BLOCK_N`` (and optionally num_warps/num_stages) instead of
-    autotuning.
+    :func:`seqpar.random.dropout_threshold`). ``config`` (tests) pins ``BLOCK_M``/``BLOCK_N`` (and
+    optionally num_warps/num_stages) instead of autotuning.
     """
     group = _check(q, k, v)
     b, heads, s_q, d = q.shape

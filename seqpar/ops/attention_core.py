@@ -214,9 +214,13 @@ registry.register(registry.Backend(
 # ----------------------------------------------------------------------------- cuda backend
 # Megatron's non-flash path: the GEMMs in torch, the s^2-sized middle in one fused kernel each way
 # (csrc/softmax_dropout.cu). Saves the softmax output (2 bytes x s_q x s_k per q head); the dropout mask
-# and the dropped probabilities are regenerated in backward. The softmax scale rides in the GEMMs' alpha,
+# and the dropped probabilities are regenerated in backward. The softmax scale c rides in the GEMMs' alpha,
 # applied to the fp32 accumulator before the result is rounded: q k^T never exists unscaled in fp16 (where
-# |q k^T| > 65504 overflows long before scale * q k^T does), and the kernels see the scaled scores.
+# |q k^T| > 65504 overflows long before c q k^T does), and the kernels see the scaled scores. The backward
+# likewise rounds c dP = c dO v^T (and the kernel, linear in it, c dS), not dP, which is 1 / c times larger
+# (sqrt(d) at the default scale) and overflowed fp16 where dq, dk are representable; dq = (c dS) k then.
+# Not covered: scaled scores beyond fp16's range (|c q.k| > 65504) round to +-inf, and the softmax kernel
+# splits a row's probability among its +inf entries (the torch backend keeps fp32 scores).
 
 
 def scaled_matmul(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -267,18 +271,19 @@ def _cuda_bwd_op(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     b, heads, s_q, d = q.shape
     kv_heads = k.shape[1]
     grad_o = group_rows(grad_o.to(q.dtype), kv_heads)
-    grad = torch.matmul(grad_o, v.transpose(-2, -1))        # d loss / d dropped probs, [b, Hk, G * s_q, s_k]
+    # c times d loss / d dropped probs, [b, Hk, G * s_q, s_k] (c dP: see the comment above scaled_matmul)
+    grad = scaled_matmul(grad_o, v.transpose(-2, -1), scale)
     # probs is the saved forward output (contiguous); .contiguous() guards a direct call of this op.
     probs = probs.contiguous()
     dropped = torch.empty_like(grad) if drop_threshold > 0 else probs.view(grad.shape)
-    # In place: grad becomes d loss / d (scale * q k^T); dropped is regenerated from probs.
+    # In place: grad becomes c d loss / d (c q k^T) = d loss / d (q k^T); dropped is regenerated from probs.
     with _ext.on_device(q):
         _ext.cuda_extension().attention_softmax_dropout_bwd(
             probs.data_ptr(), grad.data_ptr(), dropped.data_ptr() if drop_threshold > 0 else 0,
             *_cuda_launch_args(probs.shape, q.dtype, causal, drop_threshold, seed, row_offset, q.device))
     grad_v = torch.matmul(dropped.transpose(-2, -1), grad_o)                       # sums over the group
-    grad_q = ungroup_rows(scaled_matmul(grad, k, scale), heads)
-    grad_k = scaled_matmul(grad.transpose(-2, -1), group_rows(q, kv_heads), scale)   # sums over the group
+    grad_q = ungroup_rows(torch.matmul(grad, k), heads)
+    grad_k = torch.matmul(grad.transpose(-2, -1), group_rows(q, kv_heads))          # sums over the group
     return grad_q, grad_k, grad_v
 
 
@@ -315,7 +320,8 @@ def _cuda_check(q=None, k=None, v=None, causal=True, dropout=True, **_) -> Optio
 
 registry.register(registry.Backend(
     OP, "cuda", _cuda_forward, _cuda_backward, _cuda_check,
-    limits=f"b * Hq * s_q < 2**31; s_k < 2**31, with dropout s_k <= {_CUDA_MAX_KEYS_DROPOUT}"))
+    limits=(f"b * Hq * s_q < 2**31; s_k < 2**31, with dropout s_k <= {_CUDA_MAX_KEYS_DROPOUT}; "
+            "fp16 scaled scores |scale * q.k| <= 65504")))
 # Prefer the flash-style kernel (nothing s^2-sized kept) over the cuda softmax-dropout (keeps probs).
 registry.set_auto_order(OP, ("triton", "cuda", "torch"))
 
