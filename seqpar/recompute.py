@@ -3,15 +3,18 @@
 Dropout masks are pure functions of seeds drawn *before* the checkpointed region (seqpar.random), so
 the recomputation replays the same masks with no RNG state saved; mode flags (``training``) are
 likewise decided before the region and passed in as arguments, never read inside it (the re-run happens
-in backward, after any ``train()`` / ``eval()``). The region's tensor inputs go through
-``ctx.save_for_backward`` (so :class:`seqpar.memory.ActivationMeter` sees them); the parameters of
-``module``, which the function reads, are passed through so their gradients flow and
-``torch.autograd.grad`` works.
+in backward, after any ``train()`` / ``eval()``). The autocast state is the forward's too: the
+re-run enters the autocast the forward ran under, whatever is active during backward. The region's
+tensor inputs go through ``ctx.save_for_backward`` (so :class:`seqpar.memory.ActivationMeter` sees
+them); the parameters of ``module``, which the function reads, are passed through so their gradients
+flow and ``torch.autograd.grad`` works. The re-run differentiates detached copies of the inputs and
+parameters (swapped into ``module``): hooks registered on the parameters run once, when the returned
+gradients reach them, as without recompute.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.utils.checkpoint
@@ -26,12 +29,14 @@ class _Checkpoint(torch.autograd.Function):
         tensor_index = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.fn, ctx.args, ctx.tensor_index = fn, list(args), tensor_index
         ctx.module, ctx.param_names = module, param_names
+        ctx.autocast = _autocast_state(args[i] for i in tensor_index)
         for i in tensor_index:
             ctx.args[i] = None  # held via save_for_backward only
         ctx.save_for_backward(*(args[i] for i in tensor_index), *args_and_params[n_args:])
         with torch.no_grad():
             out = fn(*args)
         ctx.tuple_out = isinstance(out, tuple)
+        _check_outputs(out)
         return out
 
     @staticmethod
@@ -39,34 +44,64 @@ class _Checkpoint(torch.autograd.Function):
     def backward(ctx, *grad_outs):
         saved = ctx.saved_tensors
         n = len(ctx.tensor_index)
-        inputs, params = saved[:n], saved[n:]
+        # Detached copies of the inputs and parameters: autograd.grad with respect to the parameters
+        # themselves would run their hooks here, and again when the returned gradients reach them.
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in saved]
         args = list(ctx.args)
-        detached = []
-        for i, t in zip(ctx.tensor_index, inputs):
-            args[i] = t.detach().requires_grad_(t.requires_grad)
-            detached.append(args[i])
-        with torch.enable_grad(), _parameters_of_forward(ctx.module, ctx.param_names, params):
+        for i, t in zip(ctx.tensor_index, leaves[:n]):
+            args[i] = t
+        with torch.enable_grad(), _autocast(ctx.autocast), _parameters(ctx.module, ctx.param_names, leaves[n:]):
             outs = ctx.fn(*args)
         outs = outs if ctx.tuple_out else (outs,)
-        pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
-        wrt = [t for t in detached + list(params) if t.requires_grad]
+        pairs = [(o, g) for o, g in zip(outs, grad_outs)
+                 if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+        wrt = [t for t in leaves if t.requires_grad]
         grads = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
-                     if pairs and wrt else [])
-        grad_inputs = [next(grads) if t.requires_grad else None for t in detached + list(params)]
+                     if pairs and wrt else [None] * len(wrt))
+        grad_inputs = [next(grads) if t.requires_grad else None for t in leaves]
         out = [None] * len(ctx.args)
         for i, g in zip(ctx.tensor_index, grad_inputs[:n]):
             out[i] = g
         return (None, None, None, None, *out, *grad_inputs[n:])
 
 
-def _parameters_of_forward(module: Optional[nn.Module], names, params):
-    """The re-run's parameters are the forward's: where the module holds others now (the forward ran
-    under torch.func.functional_call, which puts the module's own back on return), they are swapped in
-    for the re-run, so it computes what the forward did and the gradients reach the tensors it used."""
-    current = dict(module.named_parameters()) if module is not None else {}
-    if all(current.get(name) is p for name, p in zip(names, params)):
+def _parameters(module: Optional[nn.Module], names: List[str], params: List[torch.Tensor]):
+    """Swap ``params`` (the detached copies of the forward's parameters) into ``module`` for the re-run,
+    so it computes what the forward did (also where the module holds others by now, as after
+    torch.func.functional_call) and the gradients come back for those copies."""
+    if module is None:
         return contextlib.nullcontext()
-    return _reparametrize_module(module, dict(zip(names, params)))
+    return _reparametrize_module(module, dict(zip(names, params)), tie_weights=True)
+
+
+AutocastState = Tuple[Tuple[str, bool, torch.dtype], ...]
+
+
+def _autocast_state(tensors) -> AutocastState:
+    """(device type, enabled, dtype) of autocast for the CPU and the device types of ``tensors``."""
+    devices = ["cpu"] + sorted({t.device.type for t in tensors} - {"cpu"})
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices
+                 if torch.amp.is_autocast_available(d))
+
+
+def _autocast(state: AutocastState):
+    """Re-enter the autocast state of the forward (and leave autocast off where it was off)."""
+    stack = contextlib.ExitStack()
+    for device, enabled, dtype in state:
+        stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+    return stack
+
+
+def _check_outputs(out) -> None:
+    """``fn`` returns a tensor or a flat tuple: a list, a dict or a nested tuple would leave the tensors
+    inside it detached from the graph (an autograd.Function tracks only its direct outputs)."""
+    if isinstance(out, (list, dict)):
+        raise ValueError(f"checkpoint: fn must return a tensor or a flat tuple, not a {type(out).__name__}: "
+                         "the tensors in it would get no gradient")
+    for o in out if isinstance(out, tuple) else ():
+        if isinstance(o, (list, tuple, dict)):
+            raise ValueError(f"checkpoint: fn must return a tensor or a flat tuple (of tensors and other values), "
+                             f"not one holding a {type(o).__name__}: the tensors in it would get no gradient")
 
 
 def checkpoint(fn: Callable, *args, module: Optional[nn.Module] = None):
@@ -76,14 +111,28 @@ def checkpoint(fn: Callable, *args, module: Optional[nn.Module] = None):
     activations, and receive their gradients). ``fn`` must compute the same thing when re-run in
     backward: everything it draws or reads from a mode (dropout seeds, ``training``) comes in through
     ``args``, and the parameters it reads are ``module``'s (those of the forward, even if the module
-    holds others by backward, as after torch.func.functional_call). Once differentiable: a double
-    backward through it raises.
+    holds others by backward, as after torch.func.functional_call). ``module`` defaults to ``fn`` itself
+    when ``fn`` is an ``nn.Module`` (or a bound method of one).
+
+    Gradients flow to the tensors among ``args`` and to ``module``'s parameters only: a tensor that
+    requires grad inside a list, tuple or dict argument is refused (ValueError), and ``fn`` returns a
+    tensor or a flat tuple (ValueError otherwise); tensors ``fn`` reads from elsewhere (a closure, a
+    global) get no gradient. The re-run uses the forward's autocast state. Once differentiable: a
+    double backward through it raises.
     """
     if torch.compiler.is_compiling():
         # Dynamo cannot trace a backward that calls torch.autograd.grad (a graph break per region); torch's
         # own non-reentrant checkpoint is a higher-order op it compiles, the re-run inside the compiled
         # backward. Same contract: fn's modes and seeds come in through args.
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+    if module is None and isinstance(getattr(fn, "__self__", fn), nn.Module):
+        module = getattr(fn, "__self__", fn)
+    for i, a in enumerate(args):
+        if isinstance(a, (list, tuple, dict)) and any(
+                isinstance(t, torch.Tensor) and t.requires_grad
+                for t in (a.values() if isinstance(a, dict) else a)):
+            raise ValueError(f"checkpoint: argument {i} is a {type(a).__name__} holding tensors that require grad; "
+                             "pass them as separate arguments (a container's tensors would get no gradient)")
     named = list(module.named_parameters()) if module is not None else []
     names, params = [n for n, _ in named], [p for _, p in named]
     return _Checkpoint.apply(fn, module, names, len(args), *args, *params)

@@ -1,0 +1,107 @@
+"""seqpar.recompute.checkpoint against plain autograd (and torch.utils.checkpoint): parameter hooks, the
+forward's autocast state, outputs without a gradient, and what it refuses (containers of tensors)."""
+import pytest
+import torch
+
+import seqpar
+from seqpar.recompute import checkpoint
+
+
+def _linear():
+    torch.manual_seed(0)
+    return torch.nn.Linear(8, 8)
+
+
+def _layer_grad(recompute, hook=None):
+    """mlp.dense_4h_to_h.weight's gradient of one forward and backward (the same weights, input and
+    dropout masks for every policy), with ``hook`` registered on that weight."""
+    seqpar.manual_seed(0)
+    layer = seqpar.TransformerLayer(seqpar.TransformerConfig(hidden_size=16, num_attention_heads=2,
+                                                             recompute=recompute, backend="torch"))
+    weight = layer.mlp.dense_4h_to_h.weight
+    if hook is not None:
+        weight.register_hook(hook)
+    layer(torch.randn(4, 1, 16, generator=torch.Generator().manual_seed(1))).sum().backward()
+    return weight.grad
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_a_hook_on_a_parameter_runs_once(recompute):
+    """The re-run's autograd.grad with respect to the parameters themselves ran their tensor hooks, and
+    the returned gradient ran them again: a hook that doubles a gradient quadrupled it under full
+    recompute. Also for checkpoint() called directly."""
+    calls = []
+    grad = _layer_grad(recompute, lambda g: calls.append(1) or g * 2)
+    assert calls == [1]
+    torch.testing.assert_close(grad, 2 * _layer_grad("none"), rtol=0, atol=0)
+
+    lin, plain, calls = _linear(), _linear(), []
+    lin.weight.register_hook(lambda g: calls.append(1) or g * 2)
+    x = torch.randn(3, 8)
+    checkpoint(lin, x).sum().backward()
+    plain(x).sum().backward()
+    assert calls == [1]
+    torch.testing.assert_close(lin.weight.grad, 2 * plain.weight.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backward_in_autocast", [False, True], ids=["backward-outside", "backward-inside"])
+def test_the_re_run_uses_the_forwards_autocast(backward_in_autocast):
+    """The re-run ran under whatever autocast was active during backward: after a bf16 forward, a
+    backward outside autocast recomputed in fp32, and the gradients differed from plain autograd's."""
+    lin = _linear()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+
+    def fn(t):
+        return lin(lin(t).float().tanh())
+
+    grads = []
+    for call in (fn, lambda t: checkpoint(fn, t, module=lin)):
+        lin.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = call(xx)
+            if backward_in_autocast:
+                y.float().square().sum().backward()
+        if not backward_in_autocast:
+            y.float().square().sum().backward()
+        assert y.dtype == torch.bfloat16
+        grads.append((xx.grad, lin.weight.grad, lin.bias.grad))
+    for plain, recomputed in zip(*grads):
+        torch.testing.assert_close(recomputed, plain, rtol=0, atol=0)
+
+
+def test_outputs_without_a_gradient_give_none():
+    """fn whose outputs do not depend differentiably on the inputs: backward raised a bare StopIteration."""
+    x = torch.randn(5, requires_grad=True)
+    y = checkpoint(lambda t: (t > 0).float(), x)
+    (y * x).sum().backward()
+    torch.testing.assert_close(x.grad, (x > 0).float().detach())
+
+
+def test_module_defaults_to_fn_when_fn_is_a_module():
+    """checkpoint(lin, x) without module= left lin.weight.grad None."""
+    lin, plain = _linear(), _linear()
+    x = torch.randn(3, 8)
+    checkpoint(lin, x).sum().backward()
+    checkpoint(lin.forward, x).sum().backward()      # a bound method of the module: the same
+    plain(x).sum().backward()
+    torch.testing.assert_close(lin.weight.grad, 2 * plain.weight.grad)
+
+
+@pytest.mark.parametrize("case", ["list_arg", "dict_arg", "list_out", "dict_out", "nested_out"])
+def test_containers_that_would_lose_gradients_are_refused(case):
+    """Tensors in a list or dict argument, or returned in a list, a dict or a nested tuple, got no
+    gradient without a word (torch.utils.checkpoint's non-reentrant mode tracks them; this one doesn't)."""
+    a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    calls = {
+        "list_arg": lambda: checkpoint(lambda ab: ab[0] * ab[1], [a, b]),
+        "dict_arg": lambda: checkpoint(lambda ab: ab["a"] * ab["b"], {"a": a, "b": b}),
+        "list_out": lambda: checkpoint(lambda x, y: [x * y], a, b),
+        "dict_out": lambda: checkpoint(lambda x, y: {"p": x * y}, a, b),
+        "nested_out": lambda: checkpoint(lambda x, y: (x, (x * y,)), a, b),
+    }
+    with pytest.raises(ValueError, match="list|dict|tuple"):
+        calls[case]()
+    y = checkpoint(lambda x, y: (x * y, 3), a, b)[0]    # a flat tuple with a non-tensor is fine
+    y.sum().backward()
+    torch.testing.assert_close(a.grad, b.detach())
