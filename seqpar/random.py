@@ -132,8 +132,10 @@ def stream_seed(seed: int, layer_number: int, site: int, call: int = 0) -> int:
 
 
 def _draw_bits() -> int:
-    """63 random bits from torch's default CPU generator (the state torch's checkpoint restores)."""
-    return int(torch.empty((), dtype=torch.int64).random_(generator=None))
+    """63 random bits from torch's default CPU generator (the state torch's checkpoint restores). On the
+    CPU whatever torch's default device is: under ``torch.set_default_device("cuda")`` the draw took the
+    CUDA generator (which :func:`seqpar.manual_seed` does not seed) and synced the host on every forward."""
+    return int(torch.empty((), dtype=torch.int64, device="cpu").random_(generator=None))
 
 
 # A Python int drawn from a tensor cannot be traced, so each draw runs outside torch.compile (a graph
@@ -161,9 +163,16 @@ def next_layer_seed(layer_number: int) -> int:
     generator. The per-site stream seeds are ``stream_seed(returned, layer_number, site)``
     (:func:`next_layer_streams` draws both at once). Draw once per forward, outside any region seqpar
     recomputes; an external checkpoint that re-runs the whole forward restores the generator first, so
-    the re-run gets the same seed. Runs outside torch.compile (a graph break).
+    the re-run gets the same seed. Runs outside torch.compile (a graph break). ``layer_number`` is an int
+    in [0, 2**63) (ValueError otherwise: stream_seed reads it modulo 2**64, so 2**64 was layer 0).
     """
+    if not _is_int(layer_number) or not 0 <= layer_number < 2**63:
+        raise ValueError(f"layer_number must be an int in [0, 2**63), got {layer_number!r}")
     return stream_seed(_state.seed, layer_number, 0, _draw_bits())
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @_outside_compile
@@ -222,8 +231,14 @@ def mask_bytes(stream: int, rows: torch.Tensor, n_cols: int) -> torch.Tensor:
     does (signed overflow: compiled masks differed), a dynamic stream seed became symbolic arithmetic
     (a C++ compile error), and the fused rounds took minutes to build.
     """
-    if not isinstance(n_cols, int) or n_cols < 0:
+    if not _is_int(n_cols) or n_cols < 0:
         raise ValueError(f"n_cols must be a non-negative int, got {n_cols!r}")
+    if not _is_int(stream) or not 0 <= stream < 2**64:
+        raise ValueError(f"stream must be an int in [0, 2**64) (a stream seed), got {stream!r}")
+    if not isinstance(rows, torch.Tensor) or rows.dtype.is_floating_point or rows.dtype.is_complex \
+            or rows.dtype == torch.bool:
+        raise ValueError(f"rows must be an integer tensor of row indices, got "
+                         f"{rows.dtype if isinstance(rows, torch.Tensor) else type(rows).__name__}")
     return _mask_bytes_op(stream, rows, n_cols)
 
 
@@ -246,8 +261,15 @@ def _(stream, rows, n_cols):
 
 
 def dropout_keep_mask(stream: int, rows: torch.Tensor, n_cols: int, threshold: int) -> torch.Tensor:
-    """Bool keep-mask [*rows.shape, n_cols]: ``mask_bytes(stream, rows, n_cols) >= threshold`` (P)."""
+    """Bool keep-mask [*rows.shape, n_cols]: ``mask_bytes(stream, rows, n_cols) >= threshold`` (P, an int
+    in [0, 256): :func:`dropout_threshold`)."""
+    _check_threshold(threshold)
     return mask_bytes(stream, rows, n_cols) >= threshold
+
+
+def _check_threshold(threshold) -> None:
+    if not _is_int(threshold) or not 0 <= threshold < 256:
+        raise ValueError(f"a dropout byte threshold is an int in [0, 256) (dropout_threshold(p)), got {threshold!r}")
 
 
 def dropout_threshold(p, name: str = "dropout probability p") -> int:
@@ -269,8 +291,10 @@ _DROPOUT_SCALES = tuple(torch.tensor([256.0 / (256 - p) for p in range(256)], dt
 def dropout_scale(threshold: int) -> float:
     """``float32(256 / (256 - P))``: the factor of kept values, as a Python float (exactly an fp32).
 
-    The quotient is computed in double and rounded to fp32 once; every backend uses this value.
+    The quotient is computed in double and rounded to fp32 once; every backend uses this value. P is an
+    int in [0, 256) (ValueError otherwise: -1 read the table from its end).
     """
+    _check_threshold(threshold)
     return _DROPOUT_SCALES[threshold]
 
 

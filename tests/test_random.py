@@ -12,7 +12,7 @@ import triton.language as tl
 
 import seqpar
 from seqpar.random import (dropout_keep_mask, dropout_scale, dropout_threshold, effective_dropout_p, mask_bytes,
-                           philox4x32, stream_seed)
+                           next_layer_seed, philox4x32, stream_seed)
 from seqpar.triton_kernels.philox import keep_mask
 
 # Global rows around the 32-bit boundaries: the row's high word is the third Philox counter word.
@@ -221,3 +221,31 @@ def test_mask_bytes_of_a_row_past_2_63_follow_its_unsigned_bits():
                        torch.tensor([0]))                                      # Python ints: no sign
     expected = [(int(word) >> (8 * byte)) & 0xFF for word in words for byte in range(4)]
     assert mask_bytes(seed, torch.tensor([row - 2**64]), 16)[0].tolist() == expected
+
+
+def test_seeds_are_drawn_on_the_cpu_whatever_the_default_device():
+    """The draw followed torch's default device: under torch.device("meta") it failed (no value), under
+    torch.set_default_device("cuda") it took the CUDA generator, which manual_seed does not seed."""
+    seqpar.manual_seed(5)
+    expected = next_layer_seed(3)
+    seqpar.manual_seed(5)
+    with torch.device("meta"):
+        assert next_layer_seed(3) == expected
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: dropout_scale(-1), "threshold is an int in \\[0, 256\\).*-1"),    # read the table from its end
+    (lambda: dropout_scale(256), "got 256"),                                    # an IndexError
+    (lambda: dropout_scale(26.0), "got 26.0"),
+    (lambda: dropout_keep_mask(7, torch.arange(2), 4, 300), "got 300"),        # compared as 300 % 256 = 44
+    (lambda: mask_bytes(-1, torch.arange(2), 4), "stream must be an int in \\[0, 2\\*\\*64\\)"),  # was 2**64 - 1
+    (lambda: mask_bytes(2**64 + 5, torch.arange(2), 4), "got 18446744073709551621"),             # was 5
+    (lambda: mask_bytes(7, torch.arange(2.0), 4), "rows must be an integer tensor"),              # truncated
+    (lambda: mask_bytes(7, torch.arange(2), True), "n_cols must be a non-negative int"),
+    (lambda: next_layer_seed(2**64), "layer_number must be an int in \\[0, 2\\*\\*63\\)"),       # was layer 0
+    (lambda: next_layer_seed(-1), "got -1"),                                                    # next_op_seed's
+], ids=["scale-1", "scale256", "scale-float", "keep300", "stream-1", "stream2^64", "rows-float", "ncols-bool",
+        "layer2^64", "layer-1"])
+def test_out_of_range_inputs_raise_value_error(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
