@@ -391,12 +391,15 @@ def _read_on_every_rank(read, tp_group: ProcessGroup, what: str):
     """``read()`` (the source's settings and weights, checked on this rank alone), agreed over the TP
     group before the model's first collective: a source one rank rejects is a ValueError on every rank,
     not one rank raising while the others wait in the GPTModel constructor's collective."""
-    problem, result = None, None
+    problem, cause, result = None, None, None
     try:
         result = read()
+    except Exception as exc:   # any failure, not only the checks' ValueErrors: the other ranks must not wait
+        problem, cause = (str(exc) if isinstance(exc, ValueError) else f"{what}: {type(exc).__name__}: {exc}"), exc
+    try:
+        check_ranks_agree(tp_group, {}, what=what, error=problem)
     except ValueError as exc:
-        problem = str(exc)
-    check_ranks_agree(tp_group, {}, what=what, error=problem)
+        raise ValueError(str(exc)) from cause
     return result
 
 

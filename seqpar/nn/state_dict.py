@@ -485,7 +485,9 @@ def _created_optimizer_state(optimizer: torch.optim.Optimizer, params: List[nn.P
     """The state the optimizer's own step would create for ``params`` (which have none), made by one step
     over them alone with zero gradients at learning rate 0, then taken out of the optimizer again: it
     changes no parameter, no other parameter's state, and leaves ``params`` without state. (Its values
-    are placeholders for a load: some optimizers derive state from lr, e.g. Rprop's step sizes.)"""
+    are placeholders for a load: some optimizers derive state from lr, e.g. Rprop's step sizes.) The step
+    is the optimizer class's own, without the step hooks torch.optim wraps around it and without an LR
+    scheduler's wrapper of the instance's step: an EMA hook or a scheduler's count must not see it."""
     if not params:
         return {}
     wanted = {id(p) for p in params}
@@ -497,8 +499,9 @@ def _created_optimizer_state(optimizer: torch.optim.Optimizer, params: List[nn.P
         group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
     for param in params:
         param.grad = torch.zeros_like(param)
+    step = type(optimizer).step
     try:
-        optimizer.step()
+        getattr(step, "__wrapped__", step)(optimizer)
     finally:
         for group, members, lr in zip(optimizer.param_groups, groups, rates):
             group["params"], group["lr"] = members, lr
@@ -552,14 +555,14 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
     prepared = prepare_parameters(module, what)
     info = _optimizer_keys(prepared, optimizer, what)
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    for param in params:
-        for name, value in optimizer.state.get(param, {}).items():
+    created = _created_optimizer_state(optimizer, [p for p in params if p.requires_grad and not optimizer.state.get(p)])
+    for param in params:   # the state made for a fresh optimizer too: Adafactor's factored moments are not
+        for name, value in (optimizer.state.get(param) or created.get(param, {})).items():
             if not isinstance(value, torch.Tensor) or (value.dim() and value.shape != param.shape):
                 got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise ValueError(f"{what}: optimizer state {name!r} of {info[id(param)][0]} must be a tensor of "
                                  f"the parameter's shape {tuple(param.shape)} or a 0-d tensor to be resharded, "
                                  f"got {got}")
-    created = _created_optimizer_state(optimizer, [p for p in params if p.requires_grad and not optimizer.state.get(p)])
     entries, has_state = [], {}
     for param in params:
         key, split = info[id(param)]
@@ -635,6 +638,8 @@ def check_shapes(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[in
     decides the keys ("n_layer=2") in the key-mismatch message; shape and dtype messages name the key,
     the expected and the given shape or dtype.
     """
+    if not isinstance(state_dict, Mapping):
+        raise ValueError(f"{what} must be a mapping of names to tensors, got {type(state_dict).__name__}")
     missing, unexpected = sorted(set(shapes) - set(state_dict)), sorted(set(state_dict) - set(shapes))
     if strict and (missing or unexpected):
         against = f" the config ({config})" if config else " the model"
@@ -643,6 +648,9 @@ def check_shapes(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[in
         if key not in state_dict:
             continue
         value = state_dict[key]
+        if _is_distributed_tensor(value):
+            raise ValueError(f"{what} {key} is a {type(value).__name__} (a sharded tensor): pass the full tensors "
+                             "(full_state_dict()), or load a sharded state dict with torch.distributed.checkpoint")
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"{what} {key} must have shape {tuple(shape)} for this config, got {got}")
@@ -652,6 +660,15 @@ def check_shapes(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[in
             got = "a meta tensor (no data)" if value.is_meta else str(value.dtype)
             raise ValueError(f"{what} {key} must be a floating-point tensor with data, got {got}")
     return IncompatibleKeys(missing, unexpected)
+
+
+def _is_distributed_tensor(value) -> bool:
+    """A DTensor (FSDP2's state_dict values) or a ShardedTensor: its shape is the global one, its data a
+    shard, so it passes a shape check and then fails (or copies one shard) in copy_."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, (DTensor, ShardedTensor))
 
 
 def check_loadable(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[int, ...]], group, *,
@@ -666,21 +683,21 @@ def check_loadable(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[
     the caller's contract, not checked: comparing them would hash every weight.) ``device``, where the
     target's parameters live (None: not checked), must not be meta: copying into meta parameters does
     nothing, and nothing would say so. Returns check_shapes' keys not to load (``strict=False``)."""
-    problem, keys = None, IncompatibleKeys([], [])
+    problem, cause, keys = None, None, IncompatibleKeys([], [])
     try:
         if device is not None and device.type == "meta":
             raise ValueError(f"{what}: the parameters are on the meta device, where loading copies nothing: "
                              "call module.to_empty(device=...) first")
         keys = check_shapes(state_dict, shapes, strict=strict)
-    except ValueError as exc:
-        problem = str(exc)
+    except Exception as exc:   # any failure, not only the checks' ValueErrors: the other ranks must not wait
+        problem, cause = (str(exc) if isinstance(exc, ValueError) else f"{what}: {type(exc).__name__}: {exc}"), exc
     for agreeing in (group, *data_parallel_groups):    # every rank takes part in every agreement
         try:
             check_ranks_agree(agreeing, {}, what=what, error=problem)
         except ValueError as exc:
             problem = str(exc)
     if problem is not None:
-        raise ValueError(problem)
+        raise ValueError(problem) from cause
     return keys
 
 

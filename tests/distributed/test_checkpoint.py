@@ -246,6 +246,25 @@ def test_placeholder_state_changes_nothing_in_the_optimizer_or_the_model():
     assert set(placeholder) == {"step", "exp_avg", "exp_avg_sq"} and not placeholder["exp_avg"].any()
 
 
+def test_placeholder_state_runs_no_step_hooks_and_a_fresh_optimizers_state_is_checked():
+    """The placeholders came from the optimizer's public step(): its pre/post hooks ran (an EMA hook
+    moved the EMA weights while saving) and an LR scheduler's wrapper counted a step. A fresh Adafactor
+    (factored moments, not the parameter's shape) failed deep in torch instead of naming its state."""
+    model = _model(None, seed=1)
+    optimizer = _optimizer(model)
+    calls = []
+    optimizer.register_step_pre_hook(lambda *args: calls.append("pre"))
+    optimizer.register_step_post_hook(lambda *args: calls.append("post"))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    counted = optimizer._opt_called if hasattr(optimizer, "_opt_called") else None
+    sharded_optimizer_state_dict(model, optimizer)
+    assert calls == [] and scheduler.last_epoch == 0
+    assert (optimizer._opt_called if hasattr(optimizer, "_opt_called") else None) == counted
+    if hasattr(torch.optim, "Adafactor"):
+        with pytest.raises(ValueError, match="state 'row_var' of .* must be a tensor of the parameter's shape"):
+            sharded_optimizer_state_dict(model, torch.optim.Adafactor(model.parameters()))
+
+
 def _three_steps(tmp_path, save, resume):
     """Three AdamW steps at t = 1; final_layernorm.weight is frozen for the first, so it has no state
     after it. ``save``: a checkpoint after step 1. ``resume``: steps 2-3 in a new model and optimizer

@@ -193,7 +193,9 @@ def _misuse(rank):
 
 def _refused_on_every_replica(rank):
     """TP 2 x FSDP2 2, rank 3's dict of the wrong shape: every rank raises and nothing is loaded. (The
-    check agreed over the TP group only: ranks 0 and 1 loaded their row chunks, 2 and 3 did not.)"""
+    check agreed over the TP group only: ranks 0 and 1 loaded their row chunks, 2 and 3 did not.) Also
+    FSDP2's own state_dict() (DTensor values, of the global shape) given to load_full_state_dict: it
+    passed the shape check, then failed inside copy_ ("mixed torch.Tensor and DTensor"); the message."""
     model, tp_group = _fsdp2(2)
     before = model.full_state_dict()
     source = _model(tp_group, seed=3).full_state_dict()
@@ -205,7 +207,12 @@ def _refused_on_every_replica(rank):
     except ValueError:
         refused = True
     after = model.full_state_dict()
-    return refused, all(torch.equal(after[k], v) for k, v in before.items())
+    try:
+        model.load_full_state_dict(model.state_dict())
+        dtensor_message = None
+    except ValueError as exc:
+        dtensor_message = str(exc)
+    return refused, all(torch.equal(after[k], v) for k, v in before.items()), dtensor_message
 
 
 def _setup_worker(rank, world_size):
@@ -224,4 +231,5 @@ def test_fsdp2_on_meta_loads_in_place_and_fsdp2_laid_over_tp_ranks_wrongly_is_a_
                    for m in messages[:3]), (rank, messages)
         assert all(m is not None and "overlap across the tensor-parallel ranks" in m for m in messages[3:]), (rank,
                                                                                                              messages)
-        assert refused == (True, True), (rank, refused)
+        assert refused[:2] == (True, True), (rank, refused)
+        assert refused[2] is not None and "is a DTensor (a sharded tensor)" in refused[2], (rank, refused)

@@ -156,6 +156,10 @@ def _forward_cases(rank):
             full["input_layernorm.weight"] = torch.ones(5)
         plain_layer.load_full_state_dict(full)
 
+    def none_on_rank_1():
+        full = plain_layer.full_state_dict()      # a collective: every rank gathers
+        plain_layer.load_full_state_dict(full if rank == 0 else None)
+
     tokens = torch.zeros(2, 8, dtype=torch.int64)
     return {
         # s = 127 at t = 2: shards of 64 and 63 rows (gloo aborts the process in the all-gather)
@@ -172,6 +176,8 @@ def _forward_cases(rank):
         "gpt-rank1-bad-token": lambda: gpt(tokens if rank == 0 else tokens + 99),
         "gpt-train-and-eval": gpt_modes,
         "state-dict-rank1-misshapen": misshapen_state_dict,
+        # the checkpoint read on rank 0 only: rank 1's TypeError escaped the agreement, rank 0 waited
+        "state-dict-none-on-rank1": none_on_rank_1,
     }
 
 
@@ -283,6 +289,8 @@ FORWARD = {  # case -> (rank 0's message, rank 1's message)
     "gpt-train-and-eval": (r"training differs \(rank 0: 1, rank 1: 0\)",) * 2,
     "state-dict-rank1-misshapen": (r"load_full_state_dict: tensor-parallel rank\(s\) \[1\] rejected",
                                    r"input_layernorm.weight must have shape \(32,\)"),
+    "state-dict-none-on-rank1": (r"load_full_state_dict: tensor-parallel rank\(s\) \[1\] rejected",
+                                 r"state dict must be a mapping of names to tensors, got NoneType"),
 }
 
 
