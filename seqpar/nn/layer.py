@@ -355,11 +355,12 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` in the parameters' dtype."""
         problem = self._input_problem(x)
-        mode = self._forward_mode()  # drawn once, outside any region seqpar recomputes
-        if self.check_rank_inputs and group_size(self.tp_group) > 1:
-            self._check_ranks(x, problem, mode)
-        elif problem is not None:
+        agree = self.check_rank_inputs and group_size(self.tp_group) > 1
+        if problem is not None and not agree:   # before the draw: a rejected input leaves the generator as it was
             raise ValueError(problem)
+        mode = self._forward_mode()  # drawn once, outside any region seqpar recomputes
+        if agree:   # the ranks compare their draws too, so every rank draws before any raises
+            self._check_ranks(x, problem, mode)
         x = x.contiguous()  # the fused residual ops need rows; a no-op for the usual [s, b, h] layout
         if self.config.recompute == "full":
             with saved_as("layer input (full recompute)"):
