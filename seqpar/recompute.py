@@ -118,7 +118,9 @@ def checkpoint(fn: Callable, *args, module: Optional[nn.Module] = None):
     requires grad inside a list, tuple or dict argument is refused (ValueError), and ``fn`` returns a
     tensor or a flat tuple (ValueError otherwise); tensors ``fn`` reads from elsewhere (a closure, a
     global) get no gradient. The re-run uses the forward's autocast state. Once differentiable: a
-    double backward through it raises.
+    double backward through it raises. A torch.utils.checkpoint inside ``fn`` must be non-reentrant
+    (``use_reentrant=False``: the reentrant kind refuses the re-run's autograd.grad), and torch.func
+    transforms (grad, vmap) do not go through it.
     """
     if torch.compiler.is_compiling():
         # Dynamo cannot trace a backward that calls torch.autograd.grad (a graph break per region); torch's
