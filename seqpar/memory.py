@@ -534,6 +534,12 @@ def model_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     ``num_query_groups``, ``hidden_dropout``, ``attention_dropout``, ``flash_attention``) and
     ``embedding_dropout`` (None: as ``hidden_dropout``, GPTModel's default): without it there is no
     embedding mask; with RMSNorm the final norm's input also keeps its fp32 rstd (4sb / t with SP).
+
+    ValueError (naming the value) for sizes that are not positive ints (``num_layers`` at most 2**16), t
+    not dividing the heads (or the query groups, ffn, and s under SP), pp * interleave not dividing
+    num_layers, a per-layer list of another length or an unknown policy, an unknown normalization or
+    activation, ``num_query_groups`` not dividing heads, and byte sizes that are negative or overflow a
+    float.
     """
     model = _Model.validated(seq_len, micro_batch, hidden, heads, num_layers, vocab, tp, pp, sequence_parallel,
                              ffn_hidden, bytes_per_element, bytes_per_mask, interleave,
@@ -563,7 +569,9 @@ def first_stage_parameters(hidden: int, num_layers: int, vocab: int, max_seq_len
     padded to a multiple of 128 t as GPTModel does, split t ways) and with learned positions the position
     table (max_seq_len x h); with pp = 1 also the final norm and, untied
     (``share_embeddings_and_output_weights=False``), the output layer (another padded v/t x h).
-    ``heads`` is needed only with ``num_query_groups``.
+    ``heads`` is needed only with ``num_query_groups``. ValueError for sizes that are not positive ints,
+    t not dividing h / ffn / the heads or groups, pp not dividing num_layers, ``num_query_groups``
+    without ``heads``, and unknown normalization / activation / position-embedding names.
     """
     from .config import ACTIVATIONS, NORMALIZATIONS, POSITION_EMBEDDINGS  # config imports this module
     from .nn.model import padded_vocab_size
@@ -638,7 +646,8 @@ def evaluate_recompute(policies: Sequence[str], seq_len: int, micro_batch: int, 
     The block keywords are :func:`model_activation_bytes`'s. Note ``sequence_parallel`` defaults to True
     here and in :func:`plan_recompute` (the planner's use), but to False in
     :func:`model_activation_bytes` and :func:`layer_activation_bytes` (Table 2's first rows): pass it
-    explicitly when comparing their figures."""
+    explicitly when comparing their figures. ValueError as :func:`model_activation_bytes`, and for a
+    ``policies`` list whose length is not the stage's L/p layers."""
     model = _Model.validated(seq_len, micro_batch, hidden, heads, num_layers, vocab, tp, pp, sequence_parallel,
                              ffn_hidden, bytes_per_element, bytes_per_mask, 1,
                              dict(normalization=normalization, activation=activation,

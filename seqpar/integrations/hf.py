@@ -505,7 +505,7 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     HF predicts ``labels[:, i + 1]`` from position i and drops the last position; GPTModel expects the
     target of position i at ``labels[:, i]``, so this shifts left by one and ignores (-100) the last
     position. ``GPTModel(input_ids, shift_labels(labels)).sum() / (shift_labels(labels) != -100).sum()``
-    is HF's ``.loss``.
+    is HF's ``.loss``. ValueError for labels that are not an int64 [b, s] tensor.
     """
     if not isinstance(labels, torch.Tensor) or labels.dim() != 2 or labels.dtype != torch.int64:
         raise ValueError(f"labels must be an int64 [b, s] tensor, got "

@@ -28,7 +28,12 @@ from ..parallel.state import ProcessGroup, SharesProcessGroup, group_size
 
 class _ReplicatedNorm(SharesProcessGroup, nn.Module):
     """Shared by LayerNorm and RMSNorm: argument checks, a unit ``weight`` [h] and, if ``bias``, a zero
-    ``bias`` [h], replicated over the tensor-parallel group (through f under SP)."""
+    ``bias`` [h], replicated over the tensor-parallel group (through f under SP).
+
+    ``forward(x)``: x [..., h] -> [..., h]. As their torch counterparts, a bf16 / fp16 x with fp32
+    parameters is normalised with fp32 statistics and returned in x's dtype. ValueError at construction
+    for a hidden_size that is not a positive int, a non-positive eps, a non-floating dtype or a tp_group
+    without this rank; at the call for an x whose last dim is not h."""
 
     def __init__(self, hidden_size: int, eps: float, *, bias: bool, tp_group: ProcessGroup,
                  sequence_parallel: bool, backend: str, device, dtype):

@@ -119,6 +119,11 @@ class ColumnParallelLinear(_TensorParallelLinear):
     (:meth:`reset_parameters`; default :func:`init_normal`, N(0, 0.02)); None leaves the weights
     uninitialised for a caller that loads them. On the meta device nothing is drawn: ``to_empty``, then
     ``reset_parameters()``.
+
+    ``forward(x)``: x [s, b, in_features] ([s/t, b, in_features] under SP) of the weight's dtype ->
+    [s, b, out_features / t]. ValueError at construction for out_features (or a block) not divisible by
+    t, or bad ``partition_blocks``; at the call, a ValueError from :func:`seqpar.ops.all_gather_matmul`
+    under SP (shapes, dtypes), else torch's own matmul error for another dtype or inner size.
     """
 
     def __init__(self, in_features: int, out_features: int, *, tp_group: ProcessGroup = None,
@@ -168,7 +173,14 @@ class ColumnParallelLinear(_TensorParallelLinear):
 
 class RowParallelLinear(_TensorParallelLinear):
     """``y = x W^T + b`` with W's input columns split over the TP group (see module table);
-    ``init_method`` as in :class:`ColumnParallelLinear`."""
+    ``init_method`` as in :class:`ColumnParallelLinear`.
+
+    ``forward(x)``: x [s, b, in_features / t] of the weight's dtype -> [s, b, out_features] ([s/t, b,
+    out_features] under SP), or ``(output, bias)`` with ``skip_bias_add=True``. ValueError at
+    construction for in_features not divisible by t; at the call, a ValueError from
+    :func:`seqpar.ops.matmul_reduce_scatter` under SP (s not divisible by t, shapes, dtypes), else
+    torch's own matmul error for another dtype or inner size.
+    """
 
     def __init__(self, in_features: int, out_features: int, *, tp_group: ProcessGroup = None,
                  sequence_parallel: bool = False, bias: bool = True, skip_bias_add: bool = False,

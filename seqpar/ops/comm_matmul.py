@@ -306,6 +306,9 @@ def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, bias: Optiona
 
     ``overlap``: ``True`` chunks by rank where :meth:`ChunkPlan.choose` says it pays (large GEMMs),
     ``False`` runs the plain path, a :class:`ChunkPlan` forces that plan.
+
+    ValueError (naming the value) for an ``x_shard`` that is not a floating [s/t, b, k] tensor, a
+    ``weight`` not [n_local, k], a ``bias`` not [n_local], or a weight / bias of another dtype or device.
     """
     _check(x_shard, weight, bias, "x_shard")
     t = group_size(group)
@@ -319,7 +322,9 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
                           group: ProcessGroup, overlap: Union[bool, ChunkPlan] = True) -> torch.Tensor:
     """``reduce_scatter_seq(x @ weight^T) + bias``: [s, b, k_local] x [n, k_local] -> [s/t, b, n].
 
-    ``overlap`` as in :func:`all_gather_matmul`.
+    ``overlap`` as in :func:`all_gather_matmul`. ValueError (naming the value) for an ``x`` that is not a
+    floating [s, b, k_local] tensor, s not divisible by t, a ``weight`` not [n, k_local], a ``bias`` not
+    [n], or a weight / bias of another dtype or device.
     """
     _check(x, weight, bias, "x")
     t = group_size(group)

@@ -296,7 +296,9 @@ def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
 
     Returns ``(y, residual_out)``; with ``residual=None``, residual_out is x's values (no copy). Gradients
     flow to x, residual and weight. Any layout of x / residual: rows that can't be viewed as ``[rows, h]``
-    with unit column stride are copied first.
+    with unit column stride are copied first. ValueError (naming the value) for x or residual not a
+    floating [..., h] tensor, a residual of another shape, dtype or device than x, a weight not [h] of
+    x's dtype and device, an eps that is not positive and finite, or a backend that can't run it.
 
     Args:
         eps: added to the mean square (positive, finite).

@@ -308,6 +308,9 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, *, position_offset: int =
     Returns ``(q_rot, k_rot)``. Row i of the sequence has position ``position_offset + i`` (global: a
     sequence shard passes the position of its first row). ``inplace=True`` writes into q and k (unit
     stride along d) and returns them; autograd sees them modified in place. Gradients flow to q and k.
+    ValueError (naming the value) for q / k that are not floating 4-D tensors of one dtype and device
+    with equal s, b and d, an odd d, a position_offset outside [0, 2**62), a theta that is not positive
+    and finite, and with ``inplace=True`` for q / k that are strided along d, expanded, or overlap.
 
     Args:
         position_offset: global position of sequence row 0 (an int in [0, 2**62)).

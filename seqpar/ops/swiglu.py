@@ -177,10 +177,13 @@ class _SwiGLU(torch.autograd.Function):
 
 
 def swiglu(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
-    """``y = silu(gate) * up`` with ``gate, up = gate_up.chunk(2, dim=-1)``, computed in fp32.
+    """``y = silu(gate) * up`` with ``gate, up = gate_up.chunk(2, dim=-1)``, computed in fp32 (fp64 for
+    fp64 input, which only the torch backend takes).
 
     ``gate_up`` is ``[..., 2n]`` (any layout: rows that can't be viewed as ``[rows, 2n]`` with unit column
-    stride are copied first); returns ``[..., n]``. Only gate_up is saved for backward.
+    stride are copied first); returns ``[..., n]``. Only gate_up is saved for backward. ValueError for a
+    gate_up that is not a floating tensor (fp32 / fp16 / bf16 / fp64), is sparse, or has an odd or zero
+    last dimension, and for a backend that can't run it.
 
     Args:
         backend: "auto" | "torch" | "triton" | "cuda" (see :mod:`seqpar.ops.registry`).

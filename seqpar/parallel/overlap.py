@@ -62,7 +62,7 @@ class ChunkPlan:
     collectives). Ignored with chunks = 1.
 
     Pass an instance as ``overlap=`` to force a plan (tests, benchmarks); ``overlap=True`` asks
-    :meth:`choose`.
+    :meth:`choose`. ValueError for chunks or prefetch that are not positive ints.
     """
 
     chunks: int = 1

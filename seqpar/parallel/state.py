@@ -88,7 +88,8 @@ def group_rank(group: ProcessGroup) -> int:
 
 
 def sequence_shard(full: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """This rank's contiguous sequence shard of ``full`` [s, ...] -> [s/t, ...] (a view)."""
+    """This rank's contiguous sequence shard of ``full`` [s, ...] -> [s/t, ...] (a view). ValueError when t
+    does not divide s (or this rank is not in ``group``)."""
     t = group_size(group)
     if full.shape[0] % t:
         raise ValueError(f"sequence length {full.shape[0]} is not divisible by the group size {t}")
