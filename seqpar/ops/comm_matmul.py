@@ -103,10 +103,10 @@ def _gather_chunks(ex: PeerExchange, shard2, slots3, plan: ChunkPlan, name: str,
         note("gemm", name, j)
 
 
-def _reduce_scatter_chunks(ex: PeerExchange, a3, b, plan: ChunkPlan, name: str, beside=None):
-    """This rank's rows of sum_ranks(a3 [t, rows, m] @ b [m, n]) -> [rows, n], partials sent pairwise
-    right after their GEMM, up to ``plan.prefetch`` in flight, summed once at the end. ``beside()``, if
-    given, runs after the last GEMM while the last partials are still in flight."""
+def _reduce_scatter_chunks(ex: PeerExchange, a3, b, plan: ChunkPlan, name: str, beside=None, out=None):
+    """This rank's rows of sum_ranks(a3 [t, rows, m] @ b [m, n]) -> [rows, n] (into ``out`` if given),
+    partials sent pairwise right after their GEMM, up to ``plan.prefetch`` in flight, summed once at the
+    end. ``beside()``, if given, runs after the last GEMM while the last partials are still in flight."""
     t, r = ex.t, ex.rank
     rows, n = a3.shape[1], b.shape[1]
     partials = torch.empty((t, rows, n), dtype=a3.dtype, device=a3.device)   # [i]: rank i's, for me
@@ -129,7 +129,7 @@ def _reduce_scatter_chunks(ex: PeerExchange, a3, b, plan: ChunkPlan, name: str, 
     for p in pending:
         if p is not None:
             p.wait()
-    return partials.sum(0)
+    return torch.sum(partials, 0, out=out)
 
 
 def _chunked_all_gather_matmul_fwd(x_shard2, weight, bias, group, plan: ChunkPlan, out3):
@@ -202,13 +202,20 @@ class _AllGatherMatmul(torch.autograd.Function):
     def forward(ctx, x_shard, weight, bias, group, plan: ChunkPlan):
         ctx.group, ctx.has_bias, ctx.plan = group, bias is not None, plan
         ctx.save_for_backward(x_shard, weight)
-        if not plan.overlapped:
-            x_full = all_gather_seq(x_shard, group)
-            return torch.nn.functional.linear(x_full, weight, bias)
+        # Outputs are written into a fresh y of the final shape, never returned as a view of a tensor made
+        # here: autograd refuses in-place ops on such a view (a caller's y.add_(...)), and F.linear of a 3-D
+        # input with a bias is one (a reshape of its 2-D addmm).
         t = group_size(group)
         x_shard = x_shard.contiguous()
         y = torch.empty((x_shard.shape[0] * t,) + tuple(x_shard.shape[1:-1]) + (weight.shape[0],),
                         dtype=x_shard.dtype, device=x_shard.device)
+        if not plan.overlapped:
+            x_full = _flat(all_gather_seq(x_shard, group))
+            if bias is None:
+                torch.mm(x_full, weight.t(), out=_flat(y))
+            else:
+                torch.addmm(bias, x_full, weight.t(), out=_flat(y))
+            return y
         _chunked_all_gather_matmul_fwd(_flat(x_shard), weight, bias, group, plan,
                                        _by_rank(y, t))
         return y
@@ -258,9 +265,10 @@ class _MatmulReduceScatter(torch.autograd.Function):
             y_shard = reduce_scatter_seq(torch.matmul(x, weight.t()), group)
         else:
             t = plan.chunks
-            y_shard2 = _reduce_scatter_chunks(PeerExchange(group), _by_rank(x.contiguous(), t),
-                                              weight.t(), plan, "rs_fwd")
-            y_shard = y_shard2.view((x.shape[0] // t,) + tuple(x.shape[1:-1]) + (weight.shape[0],))
+            y_shard = torch.empty((x.shape[0] // t,) + tuple(x.shape[1:-1]) + (weight.shape[0],),
+                                  dtype=x.dtype, device=x.device)   # not a view (see _AllGatherMatmul)
+            _reduce_scatter_chunks(PeerExchange(group), _by_rank(x.contiguous(), t), weight.t(), plan, "rs_fwd",
+                                   out=_flat(y_shard))
         if bias is not None:
             y_shard = y_shard + bias
         return y_shard

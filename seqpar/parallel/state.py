@@ -201,7 +201,7 @@ def check_ranks_agree(group: ProcessGroup, values: Mapping[str, object], *, what
     the other ranks from waiting in a collective the failing rank never enters. The message names
     ``what`` was checked, each differing value and which ranks hold what, then ``hint``.
 
-    Cost: one all-gather of ``len(values) + 1`` int64 per rank (tens of bytes) and, for the answer,
+    Cost: one all-gather of ``2 len(values) + 1`` int64 per rank (tens of bytes) and, for the answer,
     a copy of the gathered [t, n] tensor to the host. On NCCL that copy synchronises the host with the
     current stream: the host stops queueing kernels until everything queued before has run (the
     ~10-30 us collective plus draining the launch queue). With ``group`` of one rank (or None) nothing
@@ -212,7 +212,10 @@ def check_ranks_agree(group: ProcessGroup, values: Mapping[str, object], *, what
             raise ValueError(error)
         return
     names = list(values)
-    local = [_digest(values[name]) for name in names] + [int(error is not None)]
+    # per value: its digest, then whether it is a plain int (reported as itself only if it is one on
+    # every rank: a float 4.0 on one rank and 4 on another printed the float's hash as a value)
+    local = ([_digest(values[name]) for name in names] + [int(_plain_int(values[name])) for name in names]
+             + [int(error is not None)])
     device = _control_device(group) if device is None else torch.device(device)
     mine = torch.tensor(local, dtype=torch.int64, device=device)
     gathered = torch.empty(group_size(group) * mine.numel(), dtype=torch.int64, device=device)
@@ -231,7 +234,7 @@ def check_ranks_agree(group: ProcessGroup, values: Mapping[str, object], *, what
         if len(set(column)) == 1:
             continue
         value = values[name]
-        if _plain_int(value):   # compared as itself: name every rank's value
+        if all(row[len(names) + i] for row in rows):   # ints on every rank, compared as themselves
             held = ", ".join(f"rank {r}: {v}" for r, v in enumerate(column))
         else:
             by_value = {}

@@ -13,7 +13,11 @@ One spawn per world size runs every case (spawns are the expensive part):
   process), and that only the plain path's tensors are saved for backward;
 * subgroups that are not the world (t = 4 split in two groups of 2);
 * one TransformerLayer with SP at t = 2: 4 all-gathers + 4 reduce-scatters + 2 backward re-gathers,
-  all of them point-to-point sends when overlapped (the CPU plan), with equal results.
+  all of them point-to-point sends when overlapped (the CPU plan), with equal results;
+* outputs that take in-place ops on every path (they were views made inside the autograd Function on
+  the ring path without a bias and the plain path with one: ``y.add_`` raised);
+* cross-rank agreement naming a float on one rank and an int on another without printing a hash as a
+  rank's value.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import torch.distributed as dist
 
 from seqpar.ops import all_gather_matmul, matmul_reduce_scatter
 from seqpar.parallel.overlap import ChunkPlan, record_schedule
+from seqpar.parallel.state import check_ranks_agree
 from tests.distributed.launcher import run_ranks
 from tests.tolerances import TOLERANCES, assert_close, assert_error_within
 
@@ -359,12 +364,43 @@ def _subgroups(r, t):
     return True
 
 
+def _in_place_outputs(r, t):
+    """y.add_(1) on each op's output, plain and ring plans, with and without a bias, equals y + 1 (and
+    backward runs through it)."""
+    s_local, b, k, n = SHAPES[0]
+    group = dist.group.WORLD if t > 1 else None
+    g = torch.Generator().manual_seed(5)
+    for plan in {ChunkPlan(1), ChunkPlan(t)}:
+        for with_bias in (False, True):
+            x = torch.randn(s_local, b, k, generator=g, requires_grad=True)
+            w = torch.randn(n, k, generator=g, requires_grad=True)
+            bias = torch.randn(n, generator=g) if with_bias else None
+            x_full = torch.randn(s_local * t, b, k, generator=g, requires_grad=True)
+            w_rs = torch.randn(n, k, generator=g, requires_grad=True)
+            for op, args in ((all_gather_matmul, (x, w, bias)), (matmul_reduce_scatter, (x_full, w_rs, bias))):
+                y = op(*args, group=group, overlap=plan)
+                expected = y.detach() + 1
+                y.add_(1.0)
+                y.sum().backward()
+                assert torch.equal(y.detach(), expected), (op.__name__, plan, with_bias)
+    return True
+
+
+def _agreement_message(r):
+    try:
+        check_ranks_agree(dist.group.WORLD, {"heads": 4.0 if r == 0 else 4}, what="demo")
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def _all_checks(rank, world_size):
     torch.manual_seed(0)
     out = {"cases": _parity(rank, world_size), "counts": _counts(rank, world_size),
-           "saved": _saved_tensors(rank, world_size)}
+           "saved": _saved_tensors(rank, world_size), "in_place": _in_place_outputs(rank, world_size)}
     if world_size > 1:
         out["order"] = _order(rank, world_size)
+        out["agreement"] = _agreement_message(rank)
     if world_size == 2:
         out["layer"] = _layer_counts(rank, world_size)
     if world_size == 4:
@@ -377,7 +413,10 @@ def test_comm_matmul_multirank(world_size):
     results = run_ranks(_all_checks, world_size, timeout_s=240)
     plans = 3 + 2 * (world_size > 1) + (world_size > 2)
     assert all(res["cases"] == len(SHAPES) * len(DTYPES) * plans for res in results), results
-    assert all(res["counts"] and res["saved"] for res in results)
+    assert all(res["counts"] and res["saved"] and res["in_place"] for res in results)
+    for rank, res in enumerate(results[:2] if world_size > 1 else []):
+        held = "rank 0 has 4.0" if rank == 0 else "rank 1 has 4"
+        assert "heads differs (ranks [0] vs ranks [1" in res["agreement"] and held in res["agreement"], res
     if world_size == 2:
         assert all(res["layer"]["all_gather"] == 6 for res in results), results
     if world_size == 4:
