@@ -20,6 +20,7 @@ With ``tp_group=None`` (or a one-rank group, t = 1) both layers are plain ``nn.L
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
@@ -72,6 +73,19 @@ class _TensorParallelLinear(ShardedParameters, SharesProcessGroup, nn.Module):
 
     def _forward(self, x: torch.Tensor):
         raise NotImplementedError
+
+    def _check_input(self, x: torch.Tensor, width: int) -> None:
+        """ValueError naming the layer for an x that is not a floating [..., width] tensor of the weight's
+        dtype ([s, ..., width] under SP: at least 2-D), before any collective: torch's matmul error
+        otherwise, or under SP a message blaming the weight."""
+        min_dim = 2 if self.sequence_parallel else 1
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < min_dim or x.shape[-1] != width:
+            got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            sp = " (sequence parallel: [s, b, ...])" if self.sequence_parallel else ""
+            raise ValueError(f"{type(self).__name__}: x must be a floating [..., {width}] tensor{sp}, got {got}")
+        if x.dtype != self.weight.dtype:
+            raise ValueError(f"{type(self).__name__}: x dtype {x.dtype} != weight dtype {self.weight.dtype} "
+                             "(convert the layer, or run it under torch.autocast)")
 
     def _init_weights(self, init_method: Optional[Callable[[torch.Tensor], None]]) -> None:
         self.init_method = init_method
@@ -145,15 +159,14 @@ class ColumnParallelLinear(_TensorParallelLinear):
         self._init_weights(init_method)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x, self.in_features)
         if self.sequence_parallel:
             # On flattened rows (the gather is along the leading sequence dim, so [s/t * b, k] rows gather
-            # to the same [s * b, k]): the op's output is then a fresh GEMM result, never a view (F.linear
-            # of a 3-D input with a bias returns a view of its 2-D result in no-grad mode, and autograd
-            # forbids writing into views made inside a custom Function), so callers may modify views of
-            # it in place: RoPE rotates q and k inside the QKV output.
-            y = all_gather_matmul(x.reshape(-1, x.shape[-1]), self.weight, self.bias, group=self.tp_group,
-                                  overlap=self.overlap_comm)
-            return y.view((-1,) + tuple(x.shape[1:-1]) + (y.shape[-1],))
+            # to the same [s * b, k]); sizes written out, not -1 (a dim of size 0 would be ambiguous).
+            t = group_size(self.tp_group)
+            y = all_gather_matmul(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), self.weight, self.bias,
+                                  group=self.tp_group, overlap=self.overlap_comm)
+            return y.view((x.shape[0] * t,) + tuple(x.shape[1:-1]) + (y.shape[-1],))
         return nn.functional.linear(copy_to_tensor_region(x, self.tp_group), self.weight, self.bias)
 
     def shard_layouts(self, rank: int) -> Dict[str, ShardLayout]:
@@ -204,6 +217,7 @@ class RowParallelLinear(_TensorParallelLinear):
         return copy_to_tensor_region(self.bias, self.tp_group)
 
     def _forward(self, x: torch.Tensor):
+        self._check_input(x, self.in_features // group_size(self.tp_group))
         if self.sequence_parallel:
             y = matmul_reduce_scatter(x, self.weight, None, group=self.tp_group, overlap=self.overlap_comm)
         else:

@@ -1,0 +1,62 @@
+"""ColumnParallelLinear / RowParallelLinear on one rank (t = 1, where SP changes nothing): the input
+checks and load_full's shape check (the multi-rank math is in tests/distributed)."""
+import pytest
+import torch
+
+from seqpar.nn import ColumnParallelLinear, RowParallelLinear
+from seqpar.ops import all_gather_matmul
+
+LAYERS = [ColumnParallelLinear, RowParallelLinear]
+
+
+@pytest.mark.parametrize("layer_cls", LAYERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("sp", [False, True], ids=["plain", "sp"])
+@pytest.mark.parametrize("x, match", [
+    (torch.randn(2, 3, 5), r"x must be a floating \[\.\.\., 4\] tensor.*got torch.float32 \(2, 3, 5\)"),
+    (torch.zeros(2, 3, 4, dtype=torch.int64), r"x must be a floating .*got torch.int64"),
+    (torch.randn(2, 3, 4, dtype=torch.float64), "x dtype torch.float64 != weight dtype torch.float32"),
+], ids=["width", "int", "dtype"])
+def test_bad_input_is_a_value_error_naming_the_layer(layer_cls, sp, x, match):
+    """Without SP torch's matmul error ('mat1 and mat2 must have the same dtype'); with SP a message
+    blaming the weight ('weight must be a [n, 5] tensor') about the flattened input."""
+    layer = layer_cls(4, 6, sequence_parallel=sp)
+    with pytest.raises(ValueError, match=f"{layer_cls.__name__}: {match}"):
+        layer(x)
+
+
+@pytest.mark.parametrize("x_shape, y_shape", [((2, 0, 4), (2, 0, 6)), ((4,), (6,))], ids=["empty-batch", "1-D"])
+def test_sequence_parallel_at_t1_changes_nothing(x_shape, y_shape):
+    """At t = 1 SP failed on an empty batch (a reshape with -1) and gave a 1-D input a [1, 6] output."""
+    plain, sp = ColumnParallelLinear(4, 6), ColumnParallelLinear(4, 6, sequence_parallel=True)
+    sp.load_state_dict(plain.state_dict())
+    x = torch.randn(x_shape)
+    assert plain(x).shape == y_shape
+    if len(x_shape) < 2:                                   # SP needs a sequence dim: refused, not reshaped
+        with pytest.raises(ValueError, match=r"sequence parallel: \[s, b, \.\.\.\]"):
+            sp(x)
+    else:
+        torch.testing.assert_close(sp(x), plain(x))
+
+
+@pytest.mark.parametrize("layer_cls", LAYERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("shape", [(7, 5), (6, 3)], ids=["larger", "smaller"])
+def test_load_full_refuses_another_shape(layer_cls, shape):
+    """A larger weight was cut to fit without a word; a smaller one failed in torch's narrow."""
+    layer = layer_cls(4, 6)
+    before = layer.weight.detach().clone()
+    with pytest.raises(ValueError, match=rf"{layer_cls.__name__}.weight must be an unsharded tensor of shape "
+                                         rf"\(6, 4\), got \({shape[0]}, {shape[1]}\)"):
+        layer.load_full(torch.randn(shape), torch.zeros(6))
+    assert torch.equal(layer.weight, before)
+
+
+def test_all_gather_matmul_output_takes_in_place_ops():
+    """A 3-D input with a bias on the plain path returned F.linear's view of its 2-D result: in-place ops
+    on it raised (views made inside an autograd Function)."""
+    x, w, b = torch.randn(3, 2, 4, requires_grad=True), torch.randn(6, 4, requires_grad=True), torch.randn(6)
+    y = all_gather_matmul(x, w, b, group=None, overlap=False)
+    expected = torch.nn.functional.linear(x, w, b).detach() * 2
+    y.mul_(2)
+    y.sum().backward()
+    torch.testing.assert_close(y.detach(), expected)
+    torch.testing.assert_close(x.grad, 2 * w.detach().sum(0).expand(3, 2, 4))
