@@ -21,19 +21,17 @@ import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-_HANDED_DOWN = "_seqpar_autocast_dtype"   # the attribute run_in_dtype sets on ``self_casting`` modules
+_HANDED_DOWN = "_seqpar_autocast_dtype"   # the attribute run_in_dtype sets on its module for the call
 
 
 def autocast_dtype(module: nn.Module) -> Optional[torch.dtype]:
     """The dtype ``module`` runs in for this call: that of the ``torch.autocast`` enabled for its
-    parameters' device type, else the one an enclosing :func:`run_in_dtype` handed it, else None (also
-    for meta parameters, which autocast knows nothing of: the input checks then name the device)."""
+    parameters' device type, else None (also for meta parameters, which autocast knows nothing of: the
+    input checks then name the device)."""
     device_type = next(module.parameters()).device.type
-    if device_type == "meta":
+    if device_type == "meta" or not torch.is_autocast_enabled(device_type):
         return None
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return getattr(module, _HANDED_DOWN, None)
+    return torch.get_autocast_dtype(device_type)
 
 
 def run_in_dtype(module: nn.Module, dtype: torch.dtype, body: Callable, *args,
@@ -41,21 +39,32 @@ def run_in_dtype(module: nn.Module, dtype: torch.dtype, body: Callable, *args,
     """``body(*args)`` (``module``'s forward after its autocast check) with ``module``'s parameters and the
     floating ``args`` cast to ``dtype`` for this call, autocast off inside.
 
-    ``self_casting``: submodules that cast their own parameters when they are called (their
-    :func:`autocast_dtype` returns ``dtype`` meanwhile); theirs are left alone here. A layer sharded
-    with FSDP2 holds its unsharded parameters only inside its own call, after its pre-forward hook: a
-    cast made from outside would be replaced by its fp32 parameters.
+    ``self_casting``: submodules that cast their own parameters when they are called; theirs are left
+    alone here, and ``body`` calls them through :func:`call_self_casting`. A layer sharded with FSDP2
+    holds its unsharded parameters only inside its own call, after its pre-forward hook: a cast made
+    from outside would be replaced by its fp32 parameters.
     """
     device_type = next(module.parameters()).device.type
     skipped = {id(p) for child in self_casting for p in child.parameters()}
     with torch.autocast(device_type, enabled=False):
         params = {name: p.to(dtype) for name, p in module.named_parameters() if id(p) not in skipped}
         args = tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-        for child in self_casting:
-            setattr(child, _HANDED_DOWN, dtype)
+        setattr(module, _HANDED_DOWN, dtype)
         try:
             with _reparametrize_module(module, params, tie_weights=True):
                 return body(*args)
         finally:
-            for child in self_casting:
-                setattr(child, _HANDED_DOWN, None)
+            setattr(module, _HANDED_DOWN, None)
+
+
+def call_self_casting(parent: nn.Module, child: Callable, *args):
+    """``child(*args)``, a ``self_casting`` submodule (or a wrapper of one) of ``parent``, under
+    ``torch.autocast`` of the dtype :func:`run_in_dtype` runs ``parent`` in (plainly when it runs in none):
+    the child then casts its own parameters. Autocast, not an attribute, is the signal because it is
+    what torch.utils.checkpoint records and re-enters for its recompute: a checkpoint wrapper around the
+    child (``apply_activation_checkpointing``) re-ran it in fp32 on its bf16 input."""
+    dtype = getattr(parent, _HANDED_DOWN, None)
+    if dtype is None:
+        return child(*args)
+    with torch.autocast(next(parent.parameters()).device.type, dtype=dtype):
+        return child(*args)

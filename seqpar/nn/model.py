@@ -38,7 +38,7 @@ from .._custom_op import tracing
 from ..parallel.state import (ProcessGroup, SharesProcessGroup, agreement_checked, check_ranks_agree, group_rank,
                               group_size)
 from ..memory import recompute_policies, saved_as
-from .autocast import autocast_dtype, run_in_dtype
+from .autocast import autocast_dtype, call_self_casting, run_in_dtype
 from .layer import AGREEMENT_HINT, TransformerLayer, agreement_values, make_norm
 from .state_dict import (IncompatibleKeys, ShardedParameters, ShardLayout, check_loadable, full_parameters,
                          load_full_parameters, prepare_parameters, scatter_full)
@@ -74,7 +74,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         in_shard = valid & (local_labels >= 0) & (local_labels < v_local)
         safe = local_labels.clamp(0, max(v_local - 1, 0))
         if v_local:
-            target = torch.gather(shifted, -1, safe.unsqueeze(-1)).squeeze(-1) * in_shard
+            # where, not a product with in_shard: the clamped column of a label outside this shard may
+            # hold -inf (an fp16 logit that overflowed), and -inf * 0 is NaN, which the sum spreads
+            target = torch.where(in_shard, torch.gather(shifted, -1, safe.unsqueeze(-1)).squeeze(-1), 0.0)
         else:
             target = torch.zeros_like(logits_max)
         exp = shifted.exp()
@@ -249,8 +251,8 @@ class GPTModel(SharesProcessGroup, nn.Module):
         share_embeddings_and_output_weights: True: the logits use the word embedding (GPT-2); False: a
             separate ``output_layer`` [v, h], padded and sharded over the vocabulary like the embedding
             (Llama's ``lm_head``).
-        padding_idx: None, or a token id whose embedding row gets no gradient from its lookups
-            (``nn.Embedding``'s padding_idx; HF Llama's ``pad_token_id``, which ``from_llama`` passes).
+        padding_idx: None, or a token id whose embedding row starts at zero and gets no gradient from its
+            lookups (``nn.Embedding``'s padding_idx; HF Llama's ``pad_token_id``, which ``from_llama`` passes).
 
     Every layer runs through its ``__call__`` (``hidden = layer(hidden)``), so hooks and wrappers on
     ``model.layers[i]`` apply: ``checkpoint_wrapper`` / ``apply_activation_checkpointing``, FSDP, or
@@ -364,7 +366,8 @@ class GPTModel(SharesProcessGroup, nn.Module):
     @torch.no_grad()
     def _reset_embeddings(self) -> None:
         """Deterministic init of the unsharded embeddings from the seqpar seed: normal(0, 0.02) over the
-        v real word rows, then the positions, then an untied output layer's v rows; so any t starts
+        v real word rows (the ``padding_idx`` row then zero, as nn.Embedding and HF start it: its lookups
+        never update it), then the positions, then an untied output layer's v rows; so any t starts
         from the same model."""
         h = self.config.hidden_size
         gen = torch.Generator().manual_seed(sp_random.stream_seed(sp_random.initial_seed(), -1, 1000) & (2**63 - 1))
@@ -372,7 +375,10 @@ class GPTModel(SharesProcessGroup, nn.Module):
         def normal(rows: int) -> torch.Tensor:
             return torch.randn(rows, h, generator=gen, device="cpu") * 0.02
 
-        self.embedding.word_embeddings.load_full(normal(self.vocab_size))
+        words = normal(self.vocab_size)
+        if self.embedding.word_embeddings.padding_idx is not None:
+            words[self.embedding.word_embeddings.padding_idx] = 0.0
+        self.embedding.word_embeddings.load_full(words)
         if self.embedding.position_embeddings is not None:
             scatter_full(normal(self.max_seq_len), self.embedding.position_embeddings.weight)
         if self.output_layer is not None:
@@ -410,14 +416,15 @@ class GPTModel(SharesProcessGroup, nn.Module):
     def _layers(self, hidden: torch.Tensor) -> torch.Tensor:
         """Embedding output -> final norm output; each layer through its ``__call__``."""
         for layer in self.layers:
-            hidden = layer(hidden)
+            hidden = call_self_casting(self, layer, hidden)
         with saved_as("final norm input"):
             return self.final_layernorm(hidden)
 
     def _check_inputs(self, tokens, labels) -> None:
         """ValueError naming the first problem of this rank's ``tokens`` / ``labels``."""
-        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64:
-            raise ValueError(f"tokens must be an int64 [b, s] tensor, got "
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64 \
+                or not tokens.numel():
+            raise ValueError(f"tokens must be a non-empty int64 [b, s] tensor, got "
                              f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}")
         s, t = tokens.shape[1], group_size(self.tp_group)
         if s > self.max_seq_len:

@@ -120,6 +120,28 @@ def test_gpt_with_every_layer_checkpointed_matches_unwrapped(recompute):
         assert torch.equal(grads[key], ref[key]), key
 
 
+@pytest.mark.parametrize("impl", [CheckpointImpl.NO_REENTRANT, CheckpointImpl.REENTRANT], ids=["non-reentrant",
+                                                                                             "reentrant"])
+def test_gpt_with_checkpointed_layers_under_autocast_matches_unwrapped(impl):
+    """The model handed its dtype to its layers by an attribute that was gone by backward: a checkpoint
+    wrapper's recompute (which restores the autocast state it saw, off) re-ran the layer in fp32 on its
+    bf16 input, a ValueError ('x dtype torch.bfloat16 != params_dtype')."""
+    tokens = torch.randint(0, 40, (B, 11), generator=torch.Generator().manual_seed(1))
+
+    def loss_and_grads(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _gpt_grads(model, tokens)
+
+    ref_loss, ref = loss_and_grads(_gpt("selective"))
+    model = _gpt("selective")
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(layer, checkpoint_impl=impl)
+    loss, grads = loss_and_grads(model)
+    assert torch.equal(loss, ref_loss) and ref_loss.dtype == torch.float32
+    for key in ref:
+        assert torch.equal(grads[key], ref[key]), key
+
+
 def test_gpt_calls_each_layer_through_call():
     """Hooks on model.layers[i] fire in order, each layer's input is the previous layer's output, and
     each output is what calling the layer gives."""

@@ -40,6 +40,40 @@ def test_labels_outside_vocab_raise_naming_the_id(bad):
         model(tokens, labels)
 
 
+@pytest.mark.parametrize("shape", [(2, 0), (0, 4)], ids=["s0", "b0"])
+def test_empty_tokens_are_named(shape):
+    """The first layer refused them, naming x and an internal [s, b, h] shape."""
+    with pytest.raises(ValueError, match=rf"tokens must be a non-empty int64 \[b, s\] tensor, got torch.int64 "
+                                         rf"\({shape[0]}, {shape[1]}\)"):
+        _model()(torch.zeros(shape, dtype=torch.int64))
+
+
+def test_padding_row_starts_at_zero():
+    """As nn.Embedding(padding_idx=...) and HF: the row its lookups never update started random."""
+    seqpar.manual_seed(0)
+    model = seqpar.GPTModel(seqpar.TransformerConfig(hidden_size=H, num_attention_heads=A), num_layers=1,
+                            vocab_size=V, max_seq_len=16, padding_idx=3)
+    for _ in range(2):
+        weight = model.embedding.word_embeddings.weight
+        assert not weight[3].any() and weight[[2, 4]].abs().min() > 0
+        model.reset_parameters()
+
+
+def test_a_neg_inf_logit_outside_the_shard_does_not_make_the_loss_nan():
+    """The vocabulary-parallel cross-entropy read a clamped column for labels outside this rank's shard
+    and multiplied it by 0: a -inf there (an fp16 logit that overflowed) made NaN, which the group's
+    sum spread to every rank's losses. Here one rank's view (group None): labels below vocab_start."""
+    from seqpar.nn.model import _VocabParallelCrossEntropy
+
+    logits = torch.randn(3, 2, 8, dtype=torch.float16)
+    logits[..., 0] = float("-inf")
+    labels = torch.full((3, 2), 5)                       # ids 0..7 at vocab_start 16: none in this shard
+    loss = _VocabParallelCrossEntropy.apply(logits, labels, 16, -100, None)
+    # this shard's part, no target term: log sum exp(z - max) (the max and the sums are the group's)
+    expected = torch.logsumexp(logits.float(), -1) - logits.float().amax(-1)
+    torch.testing.assert_close(loss, expected)
+
+
 def test_labels_must_be_int64_of_the_tokens_shape():
     model = _model()
     tokens = _tokens()
