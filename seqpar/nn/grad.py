@@ -14,7 +14,8 @@ scales part for good. :class:`TensorParallelGradScaler` makes every rank see any
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Tuple
+import numbers
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from .state_dict import local_rows, prepare_parameters
 
 @torch.no_grad()
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False) -> torch.Tensor:
+                    error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
     """Scale the gradients of ``module``'s parameters in place so that the norm of the unsharded
     gradients is at most ``max_norm``; returns that norm before clipping (an fp32 0-d tensor, the same on
     every rank). A drop-in for ``torch.nn.utils.clip_grad_norm_(module.parameters(), ...)`` under
@@ -38,20 +39,22 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     1e-6)``, at most 1, is applied without a host sync. Parameters without a gradient are skipped. With
     data parallelism call it after the data-parallel gradient reduction (DDP's or FSDP2's backward), as
     torch's. Under FSDP2 (``fully_shard``, HSDP too) each gradient's share is also summed over its
-    FSDP2 shard group, so the norm is still the unsharded model's. ValueError unless
-    ``module`` is an ``nn.Module`` (not its parameters) and ``max_norm`` a positive number; with
-    ``error_if_nonfinite`` a RuntimeError when the norm is nan or inf (as torch's).
+    FSDP2 shard group, so the norm is still the unsharded model's. A NaN gradient makes the norm NaN on
+    every rank, the inf-norm included. ValueError unless ``module`` is an ``nn.Module`` (not its
+    parameters) and ``max_norm`` a positive number (a Python, numpy or 0-d tensor scalar, as torch's);
+    with ``error_if_nonfinite`` a RuntimeError when the norm is nan or inf (as torch's). ``foreach`` is
+    accepted for torch's signature and ignored: the norms and the scaling always use the foreach kernels.
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"clip_grad_norm_ takes the module (it needs to know which parameters are split), "
                          f"got {type(module).__name__}: pass the model, not model.parameters()")
     if isinstance(norm_type, str) and norm_type.lower() == "inf":   # torch's clip accepts the string too
         norm_type = math.inf
-    if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm > 0:
+    max_norm, norm_type = _real(max_norm), _real(norm_type)
+    if max_norm is None or not max_norm > 0:
         raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
-    if not isinstance(norm_type, (int, float)) or isinstance(norm_type, bool) or not norm_type > 0:
+    if norm_type is None or not norm_type > 0:
         raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}")
-    norm_type = float(norm_type)
     # A gradient's share of the norm is summed (max for inf) over the ranks that hold other parts of it:
     # its tensor-parallel group if split, its FSDP2 shard group if a DTensor. One share per pair of them.
     shares: Dict[Tuple[object, object], List[torch.Tensor]] = {}
@@ -66,7 +69,6 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     if not grads:
         return torch.zeros(())
     device = grads[0].device
-    reduce_op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
 
     def share(tensors: List[torch.Tensor]) -> torch.Tensor:
         """Their norm's share: sum of |g|^p, or max |g| for inf (0 for none), from fp32 norms of each.
@@ -82,7 +84,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
         part = share(tensors)
         for group in groups:
             if group is not None:
-                dist.all_reduce(part, op=reduce_op, group=group)
+                part = _all_reduce_max(part, group) if math.isinf(norm_type) else _all_reduce_sum(part, group)
         total = torch.maximum(total, part) if math.isinf(norm_type) else total + part
     norm = total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(norm):
@@ -95,6 +97,29 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     for (grad_device, dtype), group_grads in by_kind.items():
         torch._foreach_mul_(group_grads, factor.to(grad_device, dtype))
     return norm
+
+
+def _real(value) -> Optional[float]:
+    """A Python, numpy or 0-d tensor real number as a float (None for anything else, bools included)."""
+    if isinstance(value, torch.Tensor):
+        real = value.dim() == 0 and value.dtype != torch.bool and not value.is_complex()
+        return float(value) if real else None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _all_reduce_sum(part: torch.Tensor, group) -> torch.Tensor:
+    dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)
+    return part
+
+
+def _all_reduce_max(part: torch.Tensor, group) -> torch.Tensor:
+    """The max over ``group``, NaN if any rank's is NaN: a MAX all-reduce drops NaN (gloo's does, NCCL's
+    fmax too), which made one rank's NaN gradient vanish from the inf-norm. A NaN flag rides along."""
+    flagged = torch.stack([torch.where(part.isnan(), 0.0, part), part.isnan().to(part.dtype)])
+    dist.all_reduce(flagged, op=dist.ReduceOp.MAX, group=group)
+    return torch.where(flagged[1] > 0, math.nan, flagged[0])
 
 
 class TensorParallelGradScaler(torch.amp.GradScaler):

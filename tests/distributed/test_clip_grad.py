@@ -47,7 +47,11 @@ def _worker(rank, world_size, norm_type, max_norm):
     _step(reference)
     ours, theirs = sharded.full_state_dict(), reference.full_state_dict()
     worst = max(float((ours[k] - theirs[k]).abs().max()) for k in theirs)
-    return float(norm), float(expected), worst, naive
+    _backward(sharded)
+    if rank == 1:   # a NaN in one rank's shard of a split weight: a MAX all-reduce dropped it (inf-norm)
+        sharded.layers[0].mlp.dense_h_to_4h.weight.grad[0, 0] = float("nan")
+    nan_norm = float(clip_grad_norm_(sharded, max_norm, norm_type))
+    return float(norm), float(expected), worst, naive, nan_norm
 
 
 @pytest.mark.timeout(180)
@@ -55,9 +59,10 @@ def _worker(rank, world_size, norm_type, max_norm):
 def test_clipping_uses_the_unsharded_norm_on_every_rank(norm_type):
     max_norm = 0.05   # below the gradients' norm: the factor is < 1
     results = run_ranks(_worker, 2, norm_type, max_norm, timeout_s=150)
-    for rank, (norm, expected, worst, _) in enumerate(results):
+    for rank, (norm, expected, worst, _, nan_norm) in enumerate(results):
         assert norm > max_norm and math.isclose(norm, expected, rel_tol=1e-5), (rank, norm, expected)
         assert worst < 1e-6, (rank, worst)   # the clipped gradients, stepped: the reference's weights
+        assert math.isnan(nan_norm), (rank, nan_norm)   # as torch's on the unsharded gradients
     if norm_type == 2.0:
         assert results[0][3] != results[1][3]   # torch's clip on each rank's shards: a norm per rank
 
@@ -76,6 +81,11 @@ def test_one_rank_is_torchs_clip_and_bad_arguments_are_value_errors():
         clip_grad_norm_(ours, 1.0, norm_type=0)
     with pytest.raises(ValueError, match="not model.parameters"):
         clip_grad_norm_(ours.parameters(), 1.0)
+    # torch's signature and scalar types: foreach= was a TypeError, numpy and 0-d tensor scalars ValueErrors
+    import numpy as np
+    for max_norm, norm_type in ((np.float32(1e9), np.float64(2.0)), (torch.tensor(1e9), torch.tensor(2.0))):
+        torch.testing.assert_close(clip_grad_norm_(ours, max_norm, norm_type, foreach=True),
+                                   torch.nn.utils.clip_grad_norm_(theirs.parameters(), max_norm, norm_type))
     assert torch.equal(clip_grad_norm_(ours, 1e9, norm_type="inf"),
                        torch.nn.utils.clip_grad_norm_(theirs.parameters(), 1e9, norm_type="inf"))
     next(ours.parameters()).grad[0, 0] = float("inf")
