@@ -74,9 +74,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         in_shard = valid & (local_labels >= 0) & (local_labels < v_local)
         safe = local_labels.clamp(0, max(v_local - 1, 0))
         if v_local:
-            # where, not a product with in_shard: the clamped column of a label outside this shard may
-            # hold -inf (an fp16 logit that overflowed), and -inf * 0 is NaN, which the sum spreads
-            target = torch.where(in_shard, torch.gather(shifted, -1, safe.unsqueeze(-1)).squeeze(-1), 0.0)
+            # masked_fill, not a product with in_shard: the clamped column of a label outside this shard may
+            # hold -inf (an fp16 logit that overflowed), and -inf * 0 is NaN, which the sum spreads. (Not
+            # torch.where either: its output takes the layout of labels, which may be a transposed view,
+            # and the all-reduce below needs a contiguous tensor: gloo summed the wrong elements.)
+            target = torch.gather(shifted, -1, safe.unsqueeze(-1)).squeeze(-1).masked_fill(~in_shard, 0.0)
         else:
             target = torch.zeros_like(logits_max)
         exp = shifted.exp()
