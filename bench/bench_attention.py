@@ -216,6 +216,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         if getattr(args, key) <= 0:
             ap.error(f"--{key} must be positive, got {getattr(args, key)}")
     tokens, hidden = args.tokens, args.hidden
+    providers = [x for x in args.providers.split(",") if x]
+    for name in providers:
+        if name not in PROVIDERS:
+            ap.error(f"unknown provider {name!r}; expected one of {PROVIDERS}")
 
     has_cuda = torch.cuda.is_available()
     if args.quick:
@@ -231,10 +235,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         dtype = torch.float32          # the interpreter's bf16 path is a testing fallback
     dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     causals = {"1": [True], "0": [False], "both": [True, False]}[args.causal]
-    providers = [x for x in args.providers.split(",") if x]
-    for name in providers:
-        if name not in PROVIDERS:
-            ap.error(f"unknown provider {name!r}; expected one of {PROVIDERS}")
     device_name = torch.cuda.get_device_name(device) if has_cuda else "cpu"
     rows = ResultRows(device_name, "bench_attention")
     results: Dict[tuple, Dict[str, float]] = {}

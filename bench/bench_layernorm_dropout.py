@@ -446,6 +446,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     hidden, tokens = comma_list(ap, "--hidden", args.hidden), comma_list(ap, "--tokens", args.tokens)
     dropouts = comma_list(ap, "-p", args.p, float, probability, "probabilities in [0, 1)")
     providers = [p for p in args.providers.split(",") if p]
+    unknown = [p for p in providers if p not in PROVIDERS]
+    if unknown:
+        ap.error(f"unknown providers {unknown}; choose from {PROVIDERS}")
 
     if args.quick:
         device = torch.device("cpu")
@@ -462,9 +465,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         device = torch.device("cuda")
         warmup, reps, copy_bytes = args.warmup, args.reps, 2**30
         gpu_reps, gpu_min_calls = args.gpu_reps, 4
-    unknown = [p for p in providers if p not in PROVIDERS]
-    if unknown:
-        ap.error(f"unknown providers {unknown}; choose from {PROVIDERS}")
     dtype = DTYPES[args.dtype]
 
     timer = Timer(device, warmup, reps, gpu_reps, gpu_min_calls)

@@ -328,3 +328,31 @@ def test_bad_sweep_values_are_usage_errors(script, argv, match, capsys):
     with pytest.raises(SystemExit) as exit_info:
         module.main(["--quick", *argv])
     assert exit_info.value.code == 2 and match in capsys.readouterr().err
+
+
+def _suite_commands(script):
+    """The argv of every ``python3 bench/<script>.py ...`` command in bench/gpu_suite.sh (continuation
+    lines joined; shell variables as the suite would expand them for one head dim and dropout)."""
+    import re
+    import shlex
+
+    with open(os.path.join(ROOT, "bench", "gpu_suite.sh")) as f:
+        text = f.read().replace("\\\n", " ")
+    found = re.findall(rf"python3 bench/{script}\.py ([^;&'\n]*)", text)
+    return [shlex.split(args.replace('"$OUT"', "/tmp/out").replace("$d", "64").replace("$p", "0.1")) for args in found]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU answer after parsing")
+@pytest.mark.parametrize("script", ["bench_layernorm_dropout", "bench_llama_ops", "bench_attention"])
+def test_the_gpu_suites_command_lines_parse(script, capsys):
+    """A suite step whose options no longer parse (a renamed option, a misspelled provider) would show
+    only on the device, costing its time: each command parses here and stops at the device check."""
+    import importlib
+
+    module = importlib.import_module(f"bench.{script}")
+    commands = _suite_commands(script)
+    assert commands, script
+    for argv in commands:
+        assert module.main(argv) == 2, argv
+        captured = capsys.readouterr()
+        assert "needs a CUDA device" in captured.out + captured.err, (argv, captured)
