@@ -50,11 +50,12 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
                          f"got {type(module).__name__}: pass the model, not model.parameters()")
     if isinstance(norm_type, str) and norm_type.lower() == "inf":   # torch's clip accepts the string too
         norm_type = math.inf
+    given = max_norm, norm_type
     max_norm, norm_type = _real(max_norm), _real(norm_type)
     if max_norm is None or not max_norm > 0:
-        raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
+        raise ValueError(f"max_norm must be a positive number, got {given[0]!r}")
     if norm_type is None or not norm_type > 0:
-        raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}")
+        raise ValueError(f"norm_type must be a positive number or inf, got {given[1]!r}")
     # A gradient's share of the norm is summed (max for inf) over the ranks that hold other parts of it:
     # its tensor-parallel group if split, its FSDP2 shard group if a DTensor. One share per pair of them.
     shares: Dict[Tuple[object, object], List[torch.Tensor]] = {}
