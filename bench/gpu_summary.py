@@ -155,7 +155,8 @@ def require_sweep(targets: List[Dict], measured: int, expected: int, what: str) 
     their time limit, so a cut sweep drops the small shard sizes where targets miss."""
     if 0 < measured < expected:
         for t in targets:
-            t["met"] = None if t["met"] else t["met"]
+            if t["met"]:
+                t["met"] = None
             t["detail"] += f"; incomplete sweep: {measured} of {expected} {what} measured"
     return targets
 
