@@ -5,6 +5,7 @@ import csv
 import io
 
 import pytest
+import torch
 
 from bench.profile_kernels import launch_table, ncu_parsed, ncu_row, ncu_table, parse_ncu_csv, short_kernel_name
 
@@ -121,3 +122,37 @@ def test_a_long_short_name_is_cut_to_the_column():
             "0, 1, 1, 0>(pytorch_flash::Flash_bwd_params)")
     short = short_kernel_name(name, width=40)
     assert len(short) == 40 and short.startswith("pytorch_flash::flash_bwd_dq_dk") and short.endswith("...")
+
+
+def test_ncu_skips_providers_that_cannot_run_and_stops_when_ncu_cannot_profile(monkeypatch, tmp_path, capsys):
+    """Each case under ncu starts ncu and a Python child (~12 s on the H200): a provider that was not
+    importable failed only inside that child, case after case, and a machine where ncu can't initialise
+    spent the step's whole limit producing nothing. (torch.cuda and the two calls faked: no GPU here.)"""
+    from bench import profile_kernels as P
+
+    built, profiled = [], []
+
+    def build_step(family, provider, shape, device):
+        built.append(provider)
+        if provider.startswith("liger"):
+            raise ImportError("No module named 'liger_kernel'")
+        return lambda: None
+
+    def run_ncu(case, quick, timeout_s):
+        profiled.append(case)
+        if len(profiled) == 2:
+            raise RuntimeError("ncu exit status 1, 0 rows: ==ERROR== Failed to initialize the profiler: "
+                               "LibraryNotLoaded")
+        return []
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(P, "build_step", build_step)
+    monkeypatch.setattr(P, "run_ncu", run_ncu)
+    names = list(P.cases(False))
+    liger = [n for n in names if P.cases(False)[n][1].startswith("liger")][:1]
+    others = [n for n in names if n not in liger][:4]
+    P.main(["--tool", "ncu", "--out", str(tmp_path)] + [a for n in liger + others for a in ("--case", n)])
+    assert profiled == others[:2]                      # the liger case never started ncu; then ncu failed: stop
+    assert "ncu can't profile on this machine" in capsys.readouterr().out
