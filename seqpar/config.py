@@ -9,7 +9,7 @@ import torch
 
 from .memory import RECOMPUTE_POLICIES
 from .ops.registry import validate_backend
-from .random import dropout_threshold
+from .random import dropout_threshold, is_int
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
@@ -21,10 +21,6 @@ PARAMS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def _check_prob(name: str, value) -> None:
     dropout_threshold(value, name)  # [0, 1) with round(p * 256) < 256: the mask's byte threshold
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,14 +93,14 @@ class TransformerConfig:
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_attention_heads"):
             value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
                              f"num_attention_heads {self.num_attention_heads}")
         if self.ffn_hidden_size is None:
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)  # frozen: set once, here
-        if not _is_int(self.ffn_hidden_size) or self.ffn_hidden_size <= 0:
+        if not is_int(self.ffn_hidden_size) or self.ffn_hidden_size <= 0:
             raise ValueError(f"ffn_hidden_size must be a positive int, got {self.ffn_hidden_size!r}")
         _check_prob("hidden_dropout", self.hidden_dropout)
         _check_prob("attention_dropout", self.attention_dropout)
@@ -126,7 +122,7 @@ class TransformerConfig:
             raise ValueError(f"unknown normalization {self.normalization!r}; expected one of {NORMALIZATIONS}")
         groups = self.num_query_groups
         if groups is not None:
-            if not _is_int(groups) or groups <= 0:
+            if not is_int(groups) or groups <= 0:
                 raise ValueError(f"num_query_groups must be None or a positive int, got {groups!r}")
             if self.num_attention_heads % groups:
                 raise ValueError(f"num_query_groups {groups} does not divide num_attention_heads "

@@ -166,12 +166,13 @@ def next_layer_seed(layer_number: int) -> int:
     the re-run gets the same seed. Runs outside torch.compile (a graph break). ``layer_number`` is an int
     in [0, 2**63) (ValueError otherwise: stream_seed reads it modulo 2**64, so 2**64 was layer 0).
     """
-    if not _is_int(layer_number) or not 0 <= layer_number < 2**63:
+    if not is_int(layer_number) or not 0 <= layer_number < 2**63:
         raise ValueError(f"layer_number must be an int in [0, 2**63), got {layer_number!r}")
     return stream_seed(_state.seed, layer_number, 0, _draw_bits())
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """An int, not a bool (the argument checks' test)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -231,9 +232,9 @@ def mask_bytes(stream: int, rows: torch.Tensor, n_cols: int) -> torch.Tensor:
     does (signed overflow: compiled masks differed), a dynamic stream seed became symbolic arithmetic
     (a C++ compile error), and the fused rounds took minutes to build.
     """
-    if not _is_int(n_cols) or n_cols < 0:
+    if not is_int(n_cols) or n_cols < 0:
         raise ValueError(f"n_cols must be a non-negative int, got {n_cols!r}")
-    if not _is_int(stream) or not 0 <= stream < 2**64:
+    if not is_int(stream) or not 0 <= stream < 2**64:
         raise ValueError(f"stream must be an int in [0, 2**64) (a stream seed), got {stream!r}")
     if not isinstance(rows, torch.Tensor) or rows.dtype.is_floating_point or rows.dtype.is_complex \
             or rows.dtype == torch.bool:
@@ -268,7 +269,7 @@ def dropout_keep_mask(stream: int, rows: torch.Tensor, n_cols: int, threshold: i
 
 
 def _check_threshold(threshold) -> None:
-    if not _is_int(threshold) or not 0 <= threshold < 256:
+    if not is_int(threshold) or not 0 <= threshold < 256:
         raise ValueError(f"a dropout byte threshold is an int in [0, 256) (dropout_threshold(p)), got {threshold!r}")
 
 

@@ -20,7 +20,6 @@ With ``tp_group=None`` (or a one-rank group, t = 1) both layers are plain ``nn.L
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
@@ -161,12 +160,7 @@ class ColumnParallelLinear(_TensorParallelLinear):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x, self.in_features)
         if self.sequence_parallel:
-            # On flattened rows (the gather is along the leading sequence dim, so [s/t * b, k] rows gather
-            # to the same [s * b, k]); sizes written out, not -1 (a dim of size 0 would be ambiguous).
-            t = group_size(self.tp_group)
-            y = all_gather_matmul(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), self.weight, self.bias,
-                                  group=self.tp_group, overlap=self.overlap_comm)
-            return y.view((x.shape[0] * t,) + tuple(x.shape[1:-1]) + (y.shape[-1],))
+            return all_gather_matmul(x, self.weight, self.bias, group=self.tp_group, overlap=self.overlap_comm)
         return nn.functional.linear(copy_to_tensor_region(x, self.tp_group), self.weight, self.bias)
 
     def shard_layouts(self, rank: int) -> Dict[str, ShardLayout]:
