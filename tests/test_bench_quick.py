@@ -80,6 +80,46 @@ def test_interrupted_sweep_keeps_the_rows_measured(tmp_path, monkeypatch, stop, 
     assert measured[1]["config"] == f"tokens={calls[0][1]},h={calls[0][2]},p={calls[0][3]}"
 
 
+_TWO_SIGINTS = """
+import os, signal, sys, time
+from seqpar.bench.results import ResultRows
+rows = ResultRows("cpu", "two_sigints")
+with rows.sweep():
+    rows.add("c", "p", "m", 1.0)
+    os.kill(os.getpid(), signal.SIGINT)     # timeout's SIGINT to the command ...
+    time.sleep(30)
+    rows.add("c", "p", "never", 2.0)
+os.kill(os.getpid(), signal.SIGINT)         # ... and then to its process group
+time.sleep(0.2)
+sys.exit(rows.finish(sys.argv[1], quick=True))
+"""
+
+
+def test_a_second_sigint_does_not_lose_the_rows(tmp_path):
+    """`timeout --signal=INT` (bench/gpu_suite.sh's step limit) signals the command and then its whole
+    process group: on the GPU machine the second SIGINT landed while the sweep was handling the first,
+    and the LayerNorm sweep's rows were lost. Only the first SIGINT may raise."""
+    out = subprocess.run([sys.executable, "-c", _TWO_SIGINTS, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 130, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr
+    with open(tmp_path / "two_sigints.csv") as f:
+        assert [r["metric"] for r in csv.DictReader(f)] == ["m"]
+
+
+@pytest.mark.parametrize("stop", [None, RuntimeError], ids=["finished", "failed"])
+def test_a_sweep_without_an_interrupt_gives_sigint_back(stop):
+    import signal
+
+    from seqpar.bench.results import ResultRows
+
+    before = signal.getsignal(signal.SIGINT)
+    with ResultRows("cpu", "t").sweep():
+        if stop is not None:
+            raise stop("a provider's error")
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 class FakeTimer:
     """bench_layernorm_dropout.Timer's interface: runs each callable once, counting the provider's
     forward calls inside each timed region, and reports fixed times (call 2 ms, GPU 0.5 ms per call) as

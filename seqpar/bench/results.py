@@ -6,8 +6,10 @@ import contextlib
 import csv
 import datetime
 import os
+import signal
 import subprocess
 import sys
+import threading
 import traceback
 from typing import Iterator, List, Optional, Sequence
 
@@ -44,18 +46,23 @@ class ResultRows:
         so the rows measured so far still reach :meth:`write`; ``interrupted`` is then True (a
         benchmark's exit status says so). An error (a CUDA error a provider left behind, a failing
         plan query) ends it the same way, its traceback printed and ``failed`` set: a device run's
-        minutes are too scarce to lose the configurations measured before it."""
-        try:
-            yield self
-        except KeyboardInterrupt:
-            self.interrupted = True
-            print(f"\n{self.name}: interrupted; keeping the {len(self.rows)} rows measured so far",
-                  file=sys.stderr, flush=True)
-        except Exception:  # noqa: BLE001 - reported, and the exit status says so
-            self.failed = True
-            traceback.print_exc()
-            print(f"\n{self.name}: failed (above); keeping the {len(self.rows)} rows measured so far",
-                  file=sys.stderr, flush=True)
+        minutes are too scarce to lose the configurations measured before it.
+
+        Only the first SIGINT raises; SIGINT is then ignored until the program ends, so that the rows
+        are written. ``timeout`` signals the command and then its whole process group, and on the GPU
+        machine the second SIGINT landed in this block's handler and lost a 160 s sweep's rows."""
+        with _sigint_raises_once():
+            try:
+                yield self
+            except KeyboardInterrupt:
+                self.interrupted = True
+                print(f"\n{self.name}: interrupted; keeping the {len(self.rows)} rows measured so far",
+                      file=sys.stderr, flush=True)
+            except Exception:  # noqa: BLE001 - reported, and the exit status says so
+                self.failed = True
+                traceback.print_exc()
+                print(f"\n{self.name}: failed (above); keeping the {len(self.rows)} rows measured so far",
+                      file=sys.stderr, flush=True)
 
     def add(self, *values) -> None:
         if len(values) != len(self.columns):
@@ -104,3 +111,28 @@ class ResultRows:
                 writer.writeheader()
             writer.writerows(self.rows)
         return path
+
+
+@contextlib.contextmanager
+def _sigint_raises_once() -> Iterator[None]:
+    """Inside the block the first SIGINT raises KeyboardInterrupt and every later one is ignored, for
+    the rest of the program once one came (the default handler is back otherwise). Does nothing outside
+    the main thread or where the program installed its own handler."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    fired = False
+
+    def first_interrupt(signum, frame):
+        nonlocal fired
+        fired = True
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, first_interrupt)
+    try:
+        yield
+    finally:
+        if not fired:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
