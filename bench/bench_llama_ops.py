@@ -19,6 +19,10 @@ Providers (a provider that can't run is reported and skipped):
     liger             Liger-Kernel, if importable: torch add + LigerRMSNorm; LigerSiLUMulFunction;
                       liger_rotary_pos_emb on HF's layout
     seqpar-torch      the ops' torch reference backend (only with --quick: an oracle, not a contender)
+    variant-*         design experiments, not contenders (:data:`VARIANTS`; gpu_summary's targets read
+                      only seqpar-* rows): seqpar-triton with one launch-time setting of its kernel module
+                      changed while the variant's calls run, backward included
+      variant-triton-bwd-w16   rmsnorm only: the backward's tiles at 8 elements per thread, 16 warps
 HF and Liger take cos / sin tables, built once outside the timed region (as a model builds them once per
 forward for all its layers); seqpar's kernels compute cos / sin themselves, inside the timed region.
 
@@ -57,6 +61,9 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import importlib
 import os
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -78,7 +85,39 @@ from seqpar.bench.options import comma_list, fill_defaults  # noqa: E402
 from seqpar.bench.results import ResultRows  # noqa: E402
 
 OPS = ("rmsnorm", "swiglu", "rope")
-PROVIDERS = ["seqpar-cuda", "seqpar-triton", "torch-eager", "torch-compile", "liger", "seqpar-torch"]
+PROVIDERS = ["seqpar-cuda", "seqpar-triton", "torch-eager", "torch-compile", "liger", "variant-triton-bwd-w16",
+             "seqpar-torch"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DesignVariant:
+    """seqpar-triton on ``op`` with ``module.setting`` = ``value`` (read at each launch) while the variant's
+    calls run; its rows, against seqpar-triton's, say whether the shipped value belongs."""
+    op: str
+    module: str       # under seqpar.triton_kernels
+    setting: str
+    value: int
+    takes: str        # what the variant runs instead of the shipped design
+
+    @contextlib.contextmanager
+    def applied(self):
+        module = importlib.import_module(f"seqpar.triton_kernels.{self.module}")
+        saved = getattr(module, self.setting)
+        setattr(module, self.setting, self.value)
+        try:
+            yield
+        finally:
+            setattr(module, self.setting, saved)
+
+
+VARIANTS = {
+    # sm_90a, bf16, h = 4096 (kernel_report's compile): 32 warps take 37 registers, so one 1024-thread
+    # program per SM and one row between two barriers; 16 warps take 56, two 512-thread programs per SM,
+    # two rows in flight, 16-byte loads. h = 8192 (column chunks): 32 vs 39 registers, 2 vs 3 programs.
+    "variant-triton-bwd-w16": DesignVariant(
+        "rmsnorm", "rms_norm", "BWD_ELEMENTS_PER_THREAD", 8,
+        takes="backward tiles of 8 elements per thread (16 warps for 4096 columns)"),
+}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DIRECTIONS = ("fwd", "bwd", "fwdbwd")
 EPS = 1e-6
@@ -163,6 +202,10 @@ def make_problem(op: str, provider: str, size: Dict[str, int], dtype, device: to
     g = torch.Generator().manual_seed(sum(size.values()))
     elem = torch.empty((), dtype=dtype).element_size()
     backend = provider.split("-", 1)[1] if provider.startswith("seqpar-") else None
+    if provider in VARIANTS:
+        if op != VARIANTS[provider].op:
+            raise RuntimeError(f"only for {VARIANTS[provider].op}")
+        backend = "triton"
     if provider == "liger":
         if device.type != "cuda":
             raise RuntimeError("Liger-Kernel needs CUDA")
@@ -253,11 +296,12 @@ def bench_config(op: str, provider: str, size: Dict[str, int], dtype, device: to
         return lambda: torch.autograd.grad(outs, problem.leaves, problem.grads, retain_graph=True)
 
     try:
-        ms, gpu = {"fwd": timer(fn)}, {"fwd": timer.gpu(fn)}
-        bwd = bwd_of(fn())
-        ms["bwd"], gpu["bwd"] = timer(bwd), timer.gpu(bwd)
-        del bwd
-        ms["fwdbwd"], gpu["fwdbwd"] = timer(fwdbwd), timer.gpu(fwdbwd)
+        with VARIANTS[provider].applied() if provider in VARIANTS else contextlib.nullcontext():
+            ms, gpu = {"fwd": timer(fn)}, {"fwd": timer.gpu(fn)}
+            bwd = bwd_of(fn())
+            ms["bwd"], gpu["bwd"] = timer(bwd), timer.gpu(bwd)
+            del bwd
+            ms["fwdbwd"], gpu["fwdbwd"] = timer(fwdbwd), timer.gpu(fwdbwd)
     except Exception as exc:  # a provider failing on one configuration must not stop the sweep
         print(f"  {op:8s} {provider:14s} {label}: failed ({type(exc).__name__}: {exc})")
         return None
@@ -286,6 +330,13 @@ def _summary(results: Dict[Tuple[str, str], Dict[str, Dict[str, float]]]) -> Non
                          f"({by_provider[other]['fwdbwd'] / mine['fwdbwd']:.2f}x)"
                          for other in ("torch-eager", "torch-compile", "liger") if other in by_provider]
                 print(f"  {op:8s} {label:40s} {ours:14s} " + ", ".join(parts))
+    for name, variant in VARIANTS.items():
+        pairs = [(label, by[name], by["seqpar-triton"]) for (op, label), by in results.items()
+                 if name in by and "seqpar-triton" in by]
+        if pairs:
+            print(f"\nbwd GPU time, {name} / seqpar-triton (below 1: {variant.takes} beats the shipped design)")
+            for label, mine, shipped in pairs:
+                print(f"  {variant.op:8s} {label:40s} {mine['bwd_gpu'] / shipped['bwd_gpu']:.2f}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -10,7 +10,8 @@
 #              measurement joined the call time; it has since gained two design experiments, 6
 #              configurations each (the row-sum backward at h = 4096, the chunked forward at h = 12288),
 #              and a copy of the same bytes per (tokens, h); torch-eager is left out: no target reads it)
-#   llama      bench_llama_ops (150 s; took 95+ s, past a 95 s limit, in RoPE, before the device time)
+#   llama      bench_llama_ops (170 s; took 126 s in the second run, before its design variant joined: 2 more
+#              RMSNorm configurations)
 #   attention  bench_attention, its Triton compiles first, in parallel (100 + 150 s; took 25 + 90 s)
 #   layer      python -m seqpar bench --device cuda (the paper's five experiments, 22B layer),
 #              Megatron-Core's layer at the same shape, bench_overlap's chunked-GEMM cost
@@ -103,7 +104,7 @@ for part in "$@"; do
       step 280 python3 bench/bench_layernorm_dropout.py --out "$OUT" --tokens 16384,1024,256 --hidden 1024,4096,12288 \
         --providers seqpar-triton,seqpar-cuda,torch-compile,apex-ln,te-ln,liger-ln,variant-triton-rowsums,variant-triton-fwd-chunks ;;
     llama)
-      step 150 python3 bench/bench_llama_ops.py --out "$OUT" ;;
+      step 170 python3 bench/bench_llama_ops.py --out "$OUT" ;;
     attention)
       # A cold bench_attention spends minutes compiling its ~50 autotune configurations one after another:
       # compile them first in four processes at once (one per head dim and dropout, each with its own

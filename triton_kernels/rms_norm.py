@@ -44,7 +44,8 @@ import triton.language as tl
 from . import rows as R
 from .rows import cast_rne
 
-__all__ = ["forward", "backward", "MAX_FUSED_HIDDEN", "MAX_FUSED_HIDDEN_BWD", "CHUNK_COLUMNS"]
+__all__ = ["forward", "backward", "MAX_FUSED_HIDDEN", "MAX_FUSED_HIDDEN_BWD", "CHUNK_COLUMNS",
+           "BWD_ELEMENTS_PER_THREAD"]
 
 # Longest row held in one program's registers (forward, backward: the backward holds more per column, and a
 # whole row of 8192 took one 1024-thread program per SM, each row's loads, reduction and stores in series;
@@ -53,6 +54,9 @@ __all__ = ["forward", "backward", "MAX_FUSED_HIDDEN", "MAX_FUSED_HIDDEN_BWD", "C
 MAX_FUSED_HIDDEN = 16384
 MAX_FUSED_HIDDEN_BWD = 4096
 CHUNK_COLUMNS = 4096
+# Elements of a backward tile per thread (4096-element tiles: 32 warps). Read at launch time: the design
+# experiment variant-triton-bwd-w16 of bench/bench_llama_ops.py runs 8 (16 warps) on the GPU.
+BWD_ELEMENTS_PER_THREAD = 4
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -221,7 +225,8 @@ def _bwd_config(n_rows: int, h: int):
     if R.interpreting():
         return R.rows_per_block(n_rows, block_n, 1 << 14), block_n, chunked, {}
     block_m = R.rows_per_block(n_rows, block_n, 4096)
-    return block_m, block_n, chunked, {"num_warps": R.num_warps(block_m * block_n, 32, per_thread=4)}
+    return block_m, block_n, chunked, {"num_warps": R.num_warps(block_m * block_n, 32,
+                                                                per_thread=BWD_ELEMENTS_PER_THREAD)}
 
 
 # ----------------------------------------------------------------------------- launchers
