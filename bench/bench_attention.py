@@ -149,6 +149,21 @@ def _bench_ms(fn: Callable, device: torch.device, quick: bool, grad_to_none=None
     return statistics.median(times)
 
 
+def tuned_configs() -> str:
+    """The tiles the Triton autotuner picked in the latest forward, dq and dk/dv launches (the log says
+    which configuration a slow row ran: the second GPU run's d = 128, s = 1024, p = 0.1 forward took
+    1.35x the first run's with an unchanged kernel)."""
+    from seqpar.triton_kernels import attention as A
+
+    def one(kernel) -> str:
+        c = getattr(kernel, "best_config", None)
+        if c is None:
+            return "-"
+        return f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
+    return ", ".join(f"{which} {one(k)}" for which, k in (("fwd", A._fwd_tuned), ("dq", A._dq_tuned),
+                                                           ("dkdv", A._dkdv_tuned)))
+
+
 def bench_config(provider: str, b: int, heads: int, s: int, d: int, causal: bool, p: float, dtype,
                  device, quick: bool, group: int = 1, compile_only: bool = False) -> Dict[str, float]:
     """fwd / bwd / fwd+bwd times and TFLOP/s (and on a GPU the fwd+bwd peak); ``compile_only``: one
@@ -271,6 +286,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                 rows.add(config, name, metric, value)
                             print(f"{name:22s} {config:44s} {r['fwd_tflops']:8.1f} {r['bwd_tflops']:8.1f} "
                                   f"{r['fwdbwd_tflops']:8.1f}  ({r['fwdbwd_ms']:.3f} ms)")
+                            if name == "seqpar-triton" and device.type == "cuda":
+                                print(f"{'':22s} {'tuned: ' + tuned_configs():44s}")
                             if device.type == "cuda":
                                 torch.cuda.empty_cache()
 

@@ -396,3 +396,19 @@ def test_the_gpu_suites_command_lines_parse(script, capsys):
         assert module.main(argv) == 2, argv
         captured = capsys.readouterr()
         assert "needs a CUDA device" in captured.out + captured.err, (argv, captured)
+
+
+def test_the_attention_log_names_the_tiles_the_autotuner_picked(monkeypatch):
+    import triton
+
+    from bench.bench_attention import tuned_configs
+    from seqpar.triton_kernels import attention as A
+
+    for kernel in (A._fwd_tuned, A._dq_tuned, A._dkdv_tuned):
+        monkeypatch.delattr(kernel, "best_config", raising=False)
+    assert tuned_configs() == "fwd -, dq -, dkdv -"            # nothing tuned yet (CPU: never)
+    monkeypatch.setattr(A._fwd_tuned, "best_config", triton.Config({"BLOCK_M": 128, "BLOCK_N": 32}, num_warps=8,
+                                                                   num_stages=3), raising=False)
+    monkeypatch.setattr(A._dkdv_tuned, "best_config", triton.Config({"BLOCK_M": 32, "BLOCK_N": 128}, num_warps=8,
+                                                                    num_stages=2), raising=False)
+    assert tuned_configs() == "fwd 128x32 w8 s3, dq -, dkdv 32x128 w8 s2"
