@@ -17,17 +17,6 @@ Providers (a provider that can't run is reported and skipped):
     te-ln             torch bias-dropout-add + transformer_engine.pytorch.LayerNorm   (if importable)
     liger-ln          torch bias-dropout-add + liger_kernel LigerLayerNorm             (if importable)
     seqpar-torch      the op's torch reference backend (only with --quick: it is an oracle, not a contender)
-    variant-*         design experiments, not contenders (:class:`DesignVariant`): seqpar-triton with one
-                      kernel limit lowered while its calls run, run only on the rows the change moves to
-                      the other design; their rows say where the limit belongs (gpu_summary counts only
-                      seqpar-* providers)
-      variant-triton-rowsums     backward whole-row limit 4096 -> 2048: rows of 2049 .. 4096 columns take
-                                 the row-sum pass and column-chunk programs (7 tensor passes, no reduction
-                                 in the row loop) instead of whole rows (5 passes, two reductions per row)
-      variant-triton-fwd-chunks  forward whole-row limit 16384 -> 8192: rows of 8193 .. 16384 columns take
-                                 column chunks of 4096 (residual_out read back twice from L2, 3-4
-                                 512-thread programs per SM) instead of one whole-row tile (h = 12288: a
-                                 16384 tile with a quarter masked, one 1024-thread program per SM)
 
 Bandwidth counts the minimal bytes, each input read once and each output written once (E = bytes per
 element, N = tokens; the per-row fp32 mean/rstd are ignored):
@@ -78,8 +67,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import os
 import platform
 import sys
@@ -102,49 +89,9 @@ from seqpar.bench.timing import reuse_distance_l2  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 PROVIDERS = ["seqpar-triton", "seqpar-cuda", "torch-eager", "torch-compile", "apex-ln", "te-ln", "liger-ln",
-             "variant-triton-rowsums", "variant-triton-fwd-chunks", "seqpar-torch"]
+             "seqpar-torch"]
 
 
-@dataclasses.dataclass(frozen=True)
-class DesignVariant:
-    """A design experiment, not a contender: seqpar-triton with one launch-time limit of the Triton
-    LayerNorm module (seqpar.triton_kernels.bias_dropout_add_layer_norm, read at each launch) lowered from
-    ``shipped`` to ``lowered`` while the variant's calls run, backward included, so rows of
-    ``lowered < h <= shipped`` columns take the design seqpar-triton takes only above ``shipped``. Run only
-    there; its rows, against seqpar-triton's, say where the limit belongs (``direction`` is the time it
-    decides). Not a ``seqpar-*`` provider, so gpu_summary's targets ignore it."""
-    limit: str        # the module attribute
-    lowered: int
-    shipped: int      # the module's value (a test keeps them equal)
-    direction: str    # "fwd" or "bwd"
-    ships: str        # what seqpar-triton runs on these rows
-    takes: str        # what the variant runs instead
-
-    def applies(self, h: int) -> bool:
-        return self.lowered < h <= self.shipped
-
-    @contextlib.contextmanager
-    def lowered_limit(self):
-        from seqpar.triton_kernels import bias_dropout_add_layer_norm as kernels
-
-        saved = getattr(kernels, self.limit)
-        setattr(kernels, self.limit, self.lowered)
-        try:
-            yield
-        finally:
-            setattr(kernels, self.limit, saved)
-
-
-VARIANTS = {
-    "variant-triton-rowsums": DesignVariant(
-        "BWD_BLOCK_N", 2048, 4096, "bwd", ships="whole rows in the backward (5 tensor passes, two block-wide "
-        "reductions per row)", takes="the row-sum pass and column-chunk programs (7 passes, no reduction in the "
-        "row loop)"),
-    "variant-triton-fwd-chunks": DesignVariant(
-        "MAX_FUSED_HIDDEN", 8192, 16384, "fwd", ships="a whole-row tile in the forward (h = 12288: a 16384 "
-        "tile, a quarter of it masked, one 1024-thread program per SM)", takes="column chunks of 4096 (residual_out "
-        "read back twice from L2, 3-4 512-thread programs per SM)"),
-}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 EPS = 1e-5
 SEED = 1234
@@ -314,13 +261,6 @@ def make_provider(name: str, h: int, p: float, dtype, device: torch.device
     if name == "torch-compile":
         compiled = compiled_for_one_shape(_torch_bda_ln, device)
         return (lambda x, bias, res: compiled(x, bias, res, w, b, p)), [w, b]
-    if name in VARIANTS:
-        # (called inside provider_context: the variant's limit is lowered here)
-        variant = VARIANTS[name]
-        if not variant.applies(h):
-            raise RuntimeError(f"only for {variant.lowered} < h <= {variant.shipped}, where seqpar-triton takes "
-                               f"{variant.ships}")
-        return make_provider("seqpar-triton", h, p, dtype, device)
     if name in ("apex-ln", "te-ln", "liger-ln"):
         if device.type != "cuda":
             raise RuntimeError(f"{name} needs CUDA")
@@ -332,11 +272,6 @@ def make_provider(name: str, h: int, p: float, dtype, device: torch.device
     raise ValueError(f"unknown provider {name!r}; expected one of {PROVIDERS}")
 
 
-def provider_context(name: str):
-    """What ``name`` needs around its calls, backward included: a design variant's lowered limit."""
-    return VARIANTS[name].lowered_limit() if name in VARIANTS else contextlib.nullcontext()
-
-
 def _peer_forward(ln, x, bias, residual, p: float):
     residual_out = residual + F.dropout(x + bias, p=p, training=True)
     return ln(residual_out), residual_out
@@ -345,12 +280,6 @@ def _peer_forward(ln, x, bias, residual, p: float):
 # ----------------------------------------------------------------------------- one configuration
 def bench_config(provider: str, tokens: int, h: int, p: float, dtype, device: torch.device, timer: Timer,
                  copy_gbps: float, rows: ResultRows) -> Optional[Dict[str, float]]:
-    with provider_context(provider):
-        return _bench_config(provider, tokens, h, p, dtype, device, timer, copy_gbps, rows)
-
-
-def _bench_config(provider: str, tokens: int, h: int, p: float, dtype, device: torch.device, timer: Timer,
-                  copy_gbps: float, rows: ResultRows) -> Optional[Dict[str, float]]:
     config = f"tokens={tokens},h={h},p={p},dtype={str(dtype).replace('torch.', '')}"
     try:
         f, params = make_provider(provider, h, p, dtype, device)
@@ -413,14 +342,6 @@ def _summary(results: Dict[Tuple[int, int, float], Dict[str, Dict[str, float]]])
                      for base in ("torch-eager", "torch-compile", "apex-ln", "te-ln", "liger-ln")
                      if base in by_provider]
             print(f"  tokens={tokens:6d} h={h:6d} p={p:<4} {ours:14s} " + ", ".join(parts))
-    for name, variant in VARIANTS.items():
-        pairs = [(key, by[name], by["seqpar-triton"]) for key, by in results.items()
-                 if name in by and "seqpar-triton" in by]
-        if pairs:
-            d = variant.direction
-            print(f"\n{d} GPU time, {name} / seqpar-triton (below 1: {variant.takes} beats {variant.ships})")
-            for (tokens, h, p), mine, shipped in pairs:
-                print(f"  tokens={tokens:6d} h={h:6d} p={p:<4} {mine[f'{d}_gpu'] / shipped[f'{d}_gpu']:.2f}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -290,43 +290,6 @@ def test_gpu_suite_parts_fit_what_the_device_tool_brings_back(tmp_path):
     assert not (tmp_path / "refused").exists()
 
 
-@pytest.mark.parametrize("name, h, design, shipped, lowered, outside", [
-    # the backward's whole-row limit 4096 -> 2048: h = 4096 takes the row-sum pass and two column chunks
-    ("variant-triton-rowsums", 4096, lambda kernels, h: kernels._bwd_config(3, h)[2], 1, 2, (2048, 8192)),
-    # the forward's whole-row limit 16384 -> 8192: h = 12288 takes the chunked forward
-    ("variant-triton-fwd-chunks", 12288, lambda kernels, h: kernels._fwd_config(3, h)[2], False, True,
-     (8192, 20480)),
-])
-def test_design_variants_take_the_other_design_only_inside_their_context(name, h, design, shipped, lowered,
-                                                                          outside):
-    """A design-experiment provider is seqpar-triton with one kernel limit lowered while its calls
-    (backward included) run: the other design on its rows, the same values as seqpar-triton's; the limit
-    restored after; refused where the two would run the same kernels."""
-    from bench import bench_layernorm_dropout as bench
-    from seqpar.triton_kernels import bias_dropout_add_layer_norm as kernels
-
-    variant, device = bench.VARIANTS[name], torch.device("cpu")
-    assert getattr(kernels, variant.limit) == variant.shipped          # the bench's copy of the shipped limit
-    g = torch.Generator().manual_seed(0)
-    x, residual, bias = (torch.randn(*shape, generator=g).requires_grad_() for shape in ((3, h), (3, h), (h,)))
-    grads_out = (torch.randn(3, h, generator=g), torch.randn(3, h, generator=g))
-    results = {}
-    for provider in ("seqpar-triton", name):
-        with bench.provider_context(provider):
-            f, params = bench.make_provider(provider, h, 0.1, torch.float32, device)
-            outs = f(x, bias, residual)
-            results[provider] = (design(kernels, h), outs,
-                                 torch.autograd.grad(outs, [x, bias, residual] + params, grads_out))
-    assert getattr(kernels, variant.limit) == variant.shipped          # restored
-    assert results["seqpar-triton"][0] == shipped and results[name][0] == lowered
-    (_, shipped_outs, shipped_grads), (_, variant_outs, variant_grads) = results.values()
-    for a, b in zip(shipped_outs + shipped_grads, variant_outs + variant_grads):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    for other_h in outside:
-        with pytest.raises(RuntimeError, match="where seqpar-triton takes"):
-            bench.make_provider(name, other_h, 0.1, torch.float32, device)
-
-
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="--quick runs Triton in its CPU interpreter")
 @pytest.mark.parametrize("script, argv, want", [
     ("bench_attention", ["--seqlens", "16", "--head-dims", "24", "--tokens", "16", "--hidden", "48", "--dropouts", "0",

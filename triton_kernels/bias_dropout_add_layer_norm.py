@@ -54,9 +54,14 @@ from .rows import cast_rne
 
 __all__ = ["forward", "backward", "MAX_FUSED_HIDDEN", "CHUNK_COLUMNS", "BWD_BLOCK_N"]
 
-# Longest row the forward holds in one register tile (ptxas: no spills at 32 warps); longer rows are
-# covered in chunks of CHUNK_COLUMNS. Read at launch time (tests lower them to exercise the chunked path).
-MAX_FUSED_HIDDEN = 16384
+# Longest row the forward holds in one register tile; longer rows are covered in chunks of CHUNK_COLUMNS
+# (three passes, the later two reading residual_out back from L2). Measured on an H200 (commit 0200fea,
+# bf16, GPU time), h = 12288 in chunks against one whole-row tile (16384 wide, a quarter masked, one
+# 1024-thread program per SM): forward 0.420 / 0.492 ms (p = 0) and 0.472 / 0.702 ms (p = 0.1) at 16384
+# rows, 0.034 / 0.038 and 0.037 / 0.048 ms at 1024 rows; the backward is the same kernel either way. So
+# the whole-row tile stops at 8192 columns (it was 16384). Read at launch time (tests lower them to
+# exercise the chunked path).
+MAX_FUSED_HIDDEN = 8192
 CHUNK_COLUMNS = 4096
 
 
@@ -255,9 +260,8 @@ def _fwd_config(n_rows: int, h: int):
         # Fewer, fatter programs: the interpreter's cost is per program, numpy vectorises the tile.
         return R.rows_per_block(n_rows, block_n, 1 << 15), block_n, chunked, {}
     block_m = 1 if chunked else R.rows_per_block(n_rows, block_n, 4096)
-    # Up to 32 warps, 8 elements per thread (16 in a row of 8193 .. 16384 columns): a whole 12288- or
-    # 16384-wide row at 16 warps took 72-111 registers (one 512-thread program per SM: 25% occupancy),
-    # at 32 warps 43-60 (50%); 8192-wide rows go from 40-63 to 32 (Triton 3.6 and 3.9, bf16).
+    # Up to 32 warps, 8 elements per thread: a whole 8192-wide row took 40-63 registers at 16 warps and
+    # 32 at 32 warps (Triton 3.6 and 3.9, bf16).
     # No FMA contraction: residual + dropped must round exactly like the torch reference (bitwise
     # identical residual_out across backends); the kernel is memory bound, so this costs nothing.
     return block_m, block_n, chunked, {"num_warps": R.num_warps(block_m * block_n, 32), "enable_fp_fusion": False}
@@ -272,7 +276,9 @@ def _fwd_config(n_rows: int, h: int):
 # minimal bytes). That pass replaced chunk programs that each streamed their rows' other chunks for the row
 # sums: 16 warps at 100-128 registers (25% occupancy), 612-761 loop instructions per 8 elements at
 # h = 12288 / 16384, and a block reduction per chunk per row; 16384 x 12288 bf16 took 2.3 ms on an H200, 5x
-# its memory time (commit 96c73a0), where 7 passes take 0.66 ms at the copy bandwidth.
+# its memory time (commit 96c73a0), where 7 passes take 0.66 ms at the copy bandwidth. Whole rows against
+# the row-sum pass at h = 4096 (H200, commit 0200fea, bf16, p = 0, backward GPU time): 0.301 / 0.315 ms at
+# 16384 rows, 0.033 / 0.038 at 1024, 0.018 / 0.023 at 256; so rows up to 4096 columns stay whole.
 BWD_BLOCK_N = 4096
 BWD_TILE = 4096
 

@@ -548,7 +548,8 @@ def test_gpu_many_rows_partial_reduction(backend):
 @pytest.mark.parametrize("h", [16385, 20480, 25600, 32768 + 40, 65536], ids=lambda h: f"h{h}")
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_gpu_any_hidden_size(backend, h, dtype_name):
-    """Rows longer than one block / program holds (h > 16384: the column-chunked kernels; the paper's 530B
+    """Rows longer than one block / program holds (h > 16384: the column-chunked kernels, which the Triton
+    forward takes from h = 8193 on (GPU_SHAPES' 12288 and 16384 rows run them too); the paper's 530B
     and 1T models have h = 20480 and 25600): residual_out bitwise equal to the torch reference, the rest
     within tolerance; more rows than one wave for the cuda backward's partial rows."""
     skip_unless_backend_runs(backend)
