@@ -90,8 +90,6 @@ import torch.nn.functional as F  # noqa: E402
 
 PROVIDERS = ["seqpar-triton", "seqpar-cuda", "torch-eager", "torch-compile", "apex-ln", "te-ln", "liger-ln",
              "seqpar-torch"]
-
-
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 EPS = 1e-5
 SEED = 1234
