@@ -28,11 +28,14 @@ def cast_rne(v, dtype: tl.constexpr, MANUAL_BF16: tl.constexpr):
     """``v.to(dtype)`` with round-to-nearest-even.
 
     The CPU interpreter truncates fp32 -> bf16 (and its "rtne" mode rounds ties away), so there the bf16
-    rounding is done on the bits; on a GPU the native conversion already rounds to nearest even.
+    rounding is done on the bits; on a GPU the native conversion already rounds to nearest even. A NaN
+    becomes bf16's quiet NaN (0x7FC0): rounding its bits carried a NaN with a full mantissa (0x7FFFFFFF,
+    0xFFFFFFFF) into +-0.
     """
     if MANUAL_BF16 and dtype == tl.bfloat16:
         bits = v.to(tl.uint32, bitcast=True)
         bits = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+        bits = tl.where(v != v, 0x7FC0, bits)
         return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return v.to(dtype)
