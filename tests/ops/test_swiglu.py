@@ -83,7 +83,8 @@ def test_triton_half_error_within_2x_torch(dtype, poisoned_triton):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_strided_rows_and_non_contiguous_layouts(backend):
-    """gate_up as a row-strided view (a column block of a wider output), and a transposed layout."""
+    """gate_up as a row-strided view (a column block of a wider output), a transposed layout, and rows
+    broadcast by expand (row stride 0)."""
     wide, gy = _gate_up((12, 2 * 80), torch.float32)
     x = wide[:, 16:16 + 2 * 40]
     assert x.stride() == (160, 1)
@@ -93,6 +94,8 @@ def test_strided_rows_and_non_contiguous_layouts(backend):
     assert_close(grad, grad64, dtype=torch.float32)
     t = torch.randn(2 * 8, 5).t()  # last-dim stride 5
     assert torch.equal(swiglu(t, backend=backend), swiglu(t.contiguous(), backend=backend))
+    b = torch.randn(1, 2 * 8).expand(6, -1)  # broadcast rows: row stride 0
+    assert torch.equal(swiglu(b, backend=backend), swiglu(b.contiguous(), backend=backend))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -186,7 +189,9 @@ def test_gpu_backend_matches_references(backend, shape, dtype_name):
 def test_gpu_strided_and_unaligned(backend):
     skip_unless_backend_runs(backend)
     wide = torch.randn(300, 2 * 4096, device="cuda", dtype=torch.bfloat16)
-    for x in (wide[:, 8:8 + 2 * 2048], wide[:, 1:1 + 2 * 2047]):  # 16-byte aligned rows, then 2-byte offset
+    broadcast = torch.randn(1, 2 * 2048, device="cuda", dtype=torch.bfloat16).expand(300, -1)  # row stride 0
+    # 16-byte aligned rows, then 2-byte offset, then one row read by all (the cuda kernel refused ld < 2n)
+    for x in (wide[:, 8:8 + 2 * 2048], wide[:, 1:1 + 2 * 2047], broadcast):
         x = x.requires_grad_() if x.is_leaf else x.detach().requires_grad_()
         gy = torch.randn(300, x.shape[1] // 2, device="cuda", dtype=torch.bfloat16)
         for a, t, e in zip(_run(x, gy, backend), _run(x, gy, "torch"), _reference_fp64(x, gy)):
