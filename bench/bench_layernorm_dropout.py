@@ -17,6 +17,10 @@ Providers (a provider that can't run is reported and skipped):
     te-ln             torch bias-dropout-add + transformer_engine.pytorch.LayerNorm   (if importable)
     liger-ln          torch bias-dropout-add + liger_kernel LigerLayerNorm             (if importable)
     seqpar-torch      the op's torch reference backend (only with --quick: it is an oracle, not a contender)
+    variant-triton-bwd-pipelined   a design experiment, not a contender (seqpar.bench.variants; gpu_summary's
+                      targets read only seqpar-* rows): seqpar-triton with the backward's row loop
+                      software-pipelined over 2 stages (the next rows' tiles copied to shared memory with
+                      cp.async while the current row reduces); tokens >= 1024 only
 
 Bandwidth counts the minimal bytes, each input read once and each output written once (E = bytes per
 element, N = tokens; the per-row fp32 mean/rstd are ignored):
@@ -86,10 +90,19 @@ from seqpar.bench.options import comma_list, fill_defaults, probability  # noqa:
 from seqpar.bench.results import ResultRows  # noqa: E402
 from seqpar.bench.timing import DeviceTime, device_time, input_sets, l2_bytes, median_ms  # noqa: E402
 from seqpar.bench.timing import reuse_distance_l2  # noqa: E402
+from seqpar.bench.variants import DesignVariant, applied, print_bwd_ratios  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 PROVIDERS = ["seqpar-triton", "seqpar-cuda", "torch-eager", "torch-compile", "apex-ln", "te-ln", "liger-ln",
-             "seqpar-torch"]
+             "variant-triton-bwd-pipelined", "seqpar-torch"]
+# One 1024-thread backward program per SM (59-64 registers at h = 4096) leaves the next row's loads waiting
+# on the current row's two block reductions; pipelined, the same registers, no spills (sm_90a, bf16).
+# Shards under 1024 rows give a program 2 rows or fewer: nothing to pipeline.
+VARIANTS = {
+    "variant-triton-bwd-pipelined": DesignVariant(
+        "bias_dropout_add_layer_norm", "BWD_ROW_STAGES", 2, takes="the backward's row loop pipelined over 2 "
+        "stages (cp.async)", where="tokens >= 1024", runs_on=lambda tokens, **_: tokens >= 1024),
+}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 EPS = 1e-5
 SEED = 1234
@@ -259,6 +272,8 @@ def make_provider(name: str, h: int, p: float, dtype, device: torch.device
     if name == "torch-compile":
         compiled = compiled_for_one_shape(_torch_bda_ln, device)
         return (lambda x, bias, res: compiled(x, bias, res, w, b, p)), [w, b]
+    if name in VARIANTS:  # (its setting is applied around its calls by bench_config)
+        return make_provider("seqpar-triton", h, p, dtype, device)
     if name in ("apex-ln", "te-ln", "liger-ln"):
         if device.type != "cuda":
             raise RuntimeError(f"{name} needs CUDA")
@@ -280,6 +295,8 @@ def bench_config(provider: str, tokens: int, h: int, p: float, dtype, device: to
                  copy_gbps: float, rows: ResultRows) -> Optional[Dict[str, float]]:
     config = f"tokens={tokens},h={h},p={p},dtype={str(dtype).replace('torch.', '')}"
     try:
+        if provider in VARIANTS:
+            VARIANTS[provider].check(tokens=tokens, h=h, p=p)
         f, params = make_provider(provider, h, p, dtype, device)
     except RuntimeError as exc:
         print(f"  {provider:14s} {config}: skipped ({exc})")
@@ -311,13 +328,14 @@ def bench_config(provider: str, tokens: int, h: int, p: float, dtype, device: to
         return lambda: torch.autograd.grad(outs, leaves, (s[2], s[3]), retain_graph=True)
 
     try:
-        fwds = [fwd_of(s) for s in sets]
-        ms, gpu = {"fwd": timer(fwds[0])}, {"fwd": timer.gpu(fwds)}
-        bwds = [bwd_of(s, fn()) for s, fn in zip(sets, fwds)]          # one retained graph per input set
-        ms["bwd"], gpu["bwd"] = timer(bwds[0]), timer.gpu(bwds)
-        del bwds
-        fwdbwds = [fwdbwd_of(s) for s in sets]
-        ms["fwdbwd"], gpu["fwdbwd"] = timer(fwdbwds[0]), timer.gpu(fwdbwds)
+        with applied(VARIANTS, provider):
+            fwds = [fwd_of(s) for s in sets]
+            ms, gpu = {"fwd": timer(fwds[0])}, {"fwd": timer.gpu(fwds)}
+            bwds = [bwd_of(s, fn()) for s, fn in zip(sets, fwds)]          # one retained graph per input set
+            ms["bwd"], gpu["bwd"] = timer(bwds[0]), timer.gpu(bwds)
+            del bwds
+            fwdbwds = [fwdbwd_of(s) for s in sets]
+            ms["fwdbwd"], gpu["fwdbwd"] = timer(fwdbwds[0]), timer.gpu(fwdbwds)
     except Exception as exc:  # a provider failing on one configuration must not stop the sweep
         print(f"  {provider:14s} {config}: failed ({type(exc).__name__}: {exc})")
         return None
@@ -340,7 +358,7 @@ def _summary(results: Dict[Tuple[int, int, float], Dict[str, Dict[str, float]]])
                      for base in ("torch-eager", "torch-compile", "apex-ln", "te-ln", "liger-ln")
                      if base in by_provider]
             print(f"  tokens={tokens:6d} h={h:6d} p={p:<4} {ours:14s} " + ", ".join(parts))
-
+    print_bwd_ratios(VARIANTS, results, lambda key: f"tokens={key[0]:6d} h={key[1]:6d} p={key[2]:<4}")
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

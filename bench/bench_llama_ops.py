@@ -19,10 +19,11 @@ Providers (a provider that can't run is reported and skipped):
     liger             Liger-Kernel, if importable: torch add + LigerRMSNorm; LigerSiLUMulFunction;
                       liger_rotary_pos_emb on HF's layout
     seqpar-torch      the ops' torch reference backend (only with --quick: an oracle, not a contender)
-    variant-*         design experiments, not contenders (:data:`VARIANTS`; gpu_summary's targets read
-                      only seqpar-* rows): seqpar-triton with one launch-time setting of its kernel module
-                      changed while the variant's calls run, backward included
-      variant-triton-bwd-w16   rmsnorm only: the backward's tiles at 8 elements per thread, 16 warps
+    variant-*         design experiments, not contenders (seqpar.bench.variants; gpu_summary's targets
+                      read only seqpar-* rows): seqpar-triton with one launch-time setting of its kernel
+                      module changed while the variant's calls run, backward included; rmsnorm only
+      variant-triton-bwd-w16        the backward's tiles at 8 elements per thread, 16 warps
+      variant-triton-bwd-pipelined  the backward's row loop software-pipelined over 2 stages
 HF and Liger take cos / sin tables, built once outside the timed region (as a model builds them once per
 forward for all its layers); seqpar's kernels compute cos / sin themselves, inside the timed region.
 
@@ -61,9 +62,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-import importlib
 import os
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -83,31 +81,11 @@ from bench.bench_layernorm_dropout import (  # noqa: E402
     CLOCKS, Timer, _device_name, compiled_for_one_shape, cuda_forward_plan, measure_copy_gbps, record)
 from seqpar.bench.options import comma_list, fill_defaults  # noqa: E402
 from seqpar.bench.results import ResultRows  # noqa: E402
+from seqpar.bench.variants import DesignVariant, applied, print_bwd_ratios  # noqa: E402
 
 OPS = ("rmsnorm", "swiglu", "rope")
 PROVIDERS = ["seqpar-cuda", "seqpar-triton", "torch-eager", "torch-compile", "liger", "variant-triton-bwd-w16",
-             "seqpar-torch"]
-
-
-@dataclasses.dataclass(frozen=True)
-class DesignVariant:
-    """seqpar-triton on ``op`` with ``module.setting`` = ``value`` (read at each launch) while the variant's
-    calls run; its rows, against seqpar-triton's, say whether the shipped value belongs."""
-    op: str
-    module: str       # under seqpar.triton_kernels
-    setting: str
-    value: int
-    takes: str        # what the variant runs instead of the shipped design
-
-    @contextlib.contextmanager
-    def applied(self):
-        module = importlib.import_module(f"seqpar.triton_kernels.{self.module}")
-        saved = getattr(module, self.setting)
-        setattr(module, self.setting, self.value)
-        try:
-            yield
-        finally:
-            setattr(module, self.setting, saved)
+             "variant-triton-bwd-pipelined", "seqpar-torch"]
 
 
 VARIANTS = {
@@ -115,8 +93,13 @@ VARIANTS = {
     # program per SM and one row between two barriers; 16 warps take 56, two 512-thread programs per SM,
     # two rows in flight, 16-byte loads. h = 8192 (column chunks): 32 vs 39 registers, 2 vs 3 programs.
     "variant-triton-bwd-w16": DesignVariant(
-        "rmsnorm", "rms_norm", "BWD_ELEMENTS_PER_THREAD", 8,
-        takes="backward tiles of 8 elements per thread (16 warps for 4096 columns)"),
+        "rms_norm", "BWD_ELEMENTS_PER_THREAD", 8, takes="backward tiles of 8 elements per thread (16 warps for "
+        "4096 columns)", where="rmsnorm", runs_on=lambda op, **_: op == "rmsnorm"),
+    # the row loop software-pipelined: the next rows' tiles copied to shared memory (cp.async) while the
+    # current row reduces; 32 registers at h = 4096 (37 shipped), no spills
+    "variant-triton-bwd-pipelined": DesignVariant(
+        "rms_norm", "BWD_ROW_STAGES", 2, takes="the backward's row loop pipelined over 2 stages (cp.async)",
+        where="rmsnorm", runs_on=lambda op, **_: op == "rmsnorm"),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DIRECTIONS = ("fwd", "bwd", "fwdbwd")
@@ -203,8 +186,7 @@ def make_problem(op: str, provider: str, size: Dict[str, int], dtype, device: to
     elem = torch.empty((), dtype=dtype).element_size()
     backend = provider.split("-", 1)[1] if provider.startswith("seqpar-") else None
     if provider in VARIANTS:
-        if op != VARIANTS[provider].op:
-            raise RuntimeError(f"only for {VARIANTS[provider].op}")
+        VARIANTS[provider].check(op=op, **size)
         backend = "triton"
     if provider == "liger":
         if device.type != "cuda":
@@ -296,7 +278,7 @@ def bench_config(op: str, provider: str, size: Dict[str, int], dtype, device: to
         return lambda: torch.autograd.grad(outs, problem.leaves, problem.grads, retain_graph=True)
 
     try:
-        with VARIANTS[provider].applied() if provider in VARIANTS else contextlib.nullcontext():
+        with applied(VARIANTS, provider):
             ms, gpu = {"fwd": timer(fn)}, {"fwd": timer.gpu(fn)}
             bwd = bwd_of(fn())
             ms["bwd"], gpu["bwd"] = timer(bwd), timer.gpu(bwd)
@@ -330,14 +312,7 @@ def _summary(results: Dict[Tuple[str, str], Dict[str, Dict[str, float]]]) -> Non
                          f"({by_provider[other]['fwdbwd'] / mine['fwdbwd']:.2f}x)"
                          for other in ("torch-eager", "torch-compile", "liger") if other in by_provider]
                 print(f"  {op:8s} {label:40s} {ours:14s} " + ", ".join(parts))
-    for name, variant in VARIANTS.items():
-        pairs = [(label, by[name], by["seqpar-triton"]) for (op, label), by in results.items()
-                 if name in by and "seqpar-triton" in by]
-        if pairs:
-            print(f"\nbwd GPU time, {name} / seqpar-triton (below 1: {variant.takes} beats the shipped design)")
-            for label, mine, shipped in pairs:
-                print(f"  {variant.op:8s} {label:40s} {mine['bwd_gpu'] / shipped['bwd_gpu']:.2f}")
-
+    print_bwd_ratios(VARIANTS, results, lambda key: f"{key[0]:8s} {key[1]:40s}")
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],

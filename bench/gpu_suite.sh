@@ -9,9 +9,11 @@
 #   norms      bench_layernorm_dropout (280 s; took 136 s with 4 providers before the device-time
 #              measurement joined the call time; in the second run, with the device time, a copy of the
 #              same bytes per (tokens, h) and two design experiments (decided by it, since removed), it
-#              passed 161 s before the 256-row configurations; torch-eager is left out: no target reads it)
-#   llama      bench_llama_ops (170 s; took 126 s in the second run, before its design variant joined: 2 more
-#              RMSNorm configurations)
+#              passed 161 s before the 256-row configurations; now one design experiment, the pipelined
+#              backward, on the 12 configurations of >= 1024 tokens; torch-eager is left out: no target
+#              reads it)
+#   llama      bench_llama_ops (180 s; took 126 s in the second run, before its two design variants joined:
+#              4 more RMSNorm configurations)
 #   attention  bench_attention, its Triton compiles first, in parallel (100 + 150 s; took 25 + 90 s)
 #   layer      python -m seqpar bench --device cuda (the paper's five experiments, 22B layer),
 #              Megatron-Core's layer at the same shape, bench_overlap's chunked-GEMM cost
@@ -102,9 +104,9 @@ for part in "$@"; do
     norms)
       # 16384 tokens first: a sweep cut off at its limit keeps the full-size rows (the bandwidth targets)
       step 280 python3 bench/bench_layernorm_dropout.py --out "$OUT" --tokens 16384,1024,256 --hidden 1024,4096,12288 \
-        --providers seqpar-triton,seqpar-cuda,torch-compile,apex-ln,te-ln,liger-ln ;;
+        --providers seqpar-triton,seqpar-cuda,torch-compile,apex-ln,te-ln,liger-ln,variant-triton-bwd-pipelined ;;
     llama)
-      step 170 python3 bench/bench_llama_ops.py --out "$OUT" ;;
+      step 180 python3 bench/bench_llama_ops.py --out "$OUT" ;;
     attention)
       # A cold bench_attention spends minutes compiling its ~50 autotune configurations one after another:
       # compile them first in four processes at once (one per head dim and dropout, each with its own

@@ -375,3 +375,29 @@ def test_the_attention_log_names_the_tiles_the_autotuner_picked(monkeypatch):
     monkeypatch.setattr(A._dkdv_tuned, "best_config", triton.Config({"BLOCK_M": 32, "BLOCK_N": 128}, num_warps=8,
                                                                     num_stages=2), raising=False)
     assert tuned_configs() == "fwd 128x32 w8 s3, dq -, dkdv 32x128 w8 s2"
+
+
+def test_the_layernorm_pipelined_variant_runs_seqpar_triton_with_two_row_stages(tmp_path):
+    """variant-triton-bwd-pipelined: seqpar-triton's values with BWD_ROW_STAGES = 2 inside its calls (1
+    after), skipped below 1024 tokens (a shard whose programs loop over 2 rows or fewer)."""
+    from bench import bench_layernorm_dropout as bench
+    from seqpar.bench.results import ResultRows
+    from seqpar.bench.variants import applied
+    from seqpar.triton_kernels import bias_dropout_add_layer_norm as kernels
+
+    name = "variant-triton-bwd-pipelined"
+    with applied(bench.VARIANTS, name):
+        assert kernels.BWD_ROW_STAGES == 2
+    with applied(bench.VARIANTS, "seqpar-triton"):
+        assert kernels.BWD_ROW_STAGES == 1
+    assert kernels.BWD_ROW_STAGES == 1
+    rows = ResultRows("cpu", "t")
+    assert bench.bench_config(name, 256, 64, 0.1, torch.float32, torch.device("cpu"), None, 1.0, rows) is None
+    assert rows.rows == []                                       # skipped: "only for tokens >= 1024"
+    with pytest.raises(RuntimeError, match=r"only for tokens >= 1024"):
+        bench.VARIANTS[name].check(tokens=256, h=64, p=0.1)
+    f, params = bench.make_provider(name, 64, 0.1, torch.float32, torch.device("cpu"))
+    g, _ = bench.make_provider("seqpar-triton", 64, 0.1, torch.float32, torch.device("cpu"))
+    x, res, bias = torch.randn(5, 64), torch.randn(5, 64), torch.randn(64)
+    for a, b in zip(f(x, bias, res), g(x, bias, res)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

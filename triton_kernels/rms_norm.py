@@ -45,7 +45,7 @@ from . import rows as R
 from .rows import cast_rne
 
 __all__ = ["forward", "backward", "MAX_FUSED_HIDDEN", "MAX_FUSED_HIDDEN_BWD", "CHUNK_COLUMNS",
-           "BWD_ELEMENTS_PER_THREAD"]
+           "BWD_ELEMENTS_PER_THREAD", "BWD_ROW_STAGES"]
 
 # Longest row held in one program's registers (forward, backward: the backward holds more per column, and a
 # whole row of 8192 took one 1024-thread program per SM, each row's loads, reduction and stores in series;
@@ -57,6 +57,11 @@ CHUNK_COLUMNS = 4096
 # Elements of a backward tile per thread (4096-element tiles: 32 warps). Read at launch time: the design
 # experiment variant-triton-bwd-w16 of bench/bench_llama_ops.py runs 8 (16 warps) on the GPU.
 BWD_ELEMENTS_PER_THREAD = 4
+# Software-pipelining stages of the backward's row loop (tl.range num_stages; 1: none). At 2, Triton copies
+# the next rows' tiles to shared memory (cp.async) while the current row reduces: sm_90a, bf16, h = 4096,
+# the same registers (LayerNorm 58, RMSNorm 32 instead of 37), no spills, +5-15% loop instructions. Read
+# at launch time: a design experiment (variant-triton-bwd-pipelined in the bench scripts) until measured.
+BWD_ROW_STAGES = 1
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -154,7 +159,7 @@ def _bwd_row_sums_kernel(GY, RO, W, RSTD, ROW_SUMS, n_rows, h, stride_ro,
 @triton.jit
 def _bwd_kernel(GY, GRO, RO, W, RSTD, ROW_SUMS, GX, GRES, PART_W, n_rows, h, stride_ro, rows_per_program,
                 HAS_GRO: tl.constexpr, HAS_GRES: tl.constexpr, MANUAL_BF16: tl.constexpr, CHUNKED: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_STAGES: tl.constexpr):
     # Program (pid, chunk) owns rows [pid * rows_per_program, ...) and columns [chunk * BLOCK_N, ...) of
     # them, and writes those columns of row `pid` of the partial buffer. A whole row reduces its row sum
     # sum(g * n) here; a chunked row reads it from ROW_SUMS (_bwd_row_sums_kernel): no reduction, so no
@@ -167,7 +172,7 @@ def _bwd_kernel(GY, GRO, RO, W, RSTD, ROW_SUMS, GX, GRES, PART_W, n_rows, h, str
     col_mask = cols < h
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     acc_w = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for start in range(row_start, row_end, BLOCK_M):
+    for start in tl.range(row_start, row_end, BLOCK_M, num_stages=ROW_STAGES):
         rows = start + tl.arange(0, BLOCK_M)
         row_mask = rows < row_end
         mask = row_mask[:, None] & col_mask[None, :]
@@ -276,7 +281,8 @@ def backward(grad_y: torch.Tensor, grad_residual_out: Optional[torch.Tensor], re
     block_m, block_n, chunked, launch = _bwd_config(n_rows, h)
     n_chunks = triton.cdiv(h, block_n)
     launch.update(HAS_GRO=grad_residual_out is not None, HAS_GRES=grad_res is not None,
-                  MANUAL_BF16=R.interpreting(), CHUNKED=chunked, BLOCK_M=block_m, BLOCK_N=block_n)
+                  MANUAL_BF16=R.interpreting(), CHUNKED=chunked, BLOCK_M=block_m, BLOCK_N=block_n,
+                  ROW_STAGES=BWD_ROW_STAGES)
     weight = weight.contiguous()
 
     row_sums = rstd                                        # (unused with whole rows)

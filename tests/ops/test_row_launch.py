@@ -166,3 +166,34 @@ def test_the_interpreters_bf16_rounding_rounds_to_nearest_even_and_keeps_nan():
     want = x.to(torch.bfloat16)
     assert torch.isnan(y[:6]).all(), y[:6]
     assert torch.equal(y[6:].view(torch.int16), want[6:].view(torch.int16)), (y[6:], want[6:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [1024, 4096, 12288])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_gpu_pipelined_row_loop_computes_the_same_bits(monkeypatch, op, h):
+    """BWD_ROW_STAGES = 2 (the design experiment variant-triton-bwd-pipelined: the backward's row loop
+    software-pipelined with cp.async) computes the same bits as the shipped loop, dropout and the column
+    sums included, on enough rows for several per program."""
+    from tests.gpu import skip_unless_backend_runs
+    from seqpar.ops import add_rms_norm, bias_dropout_add_layer_norm
+    from seqpar.triton_kernels import bias_dropout_add_layer_norm as L, rms_norm as M
+
+    skip_unless_backend_runs("triton")
+    g = torch.Generator().manual_seed(h)
+    x, res = (torch.randn(3000, h, generator=g).to("cuda", torch.bfloat16).requires_grad_() for _ in range(2))
+    w, b, bias = (torch.randn(h, generator=g).to("cuda", torch.bfloat16).requires_grad_() for _ in range(3))
+    grads = torch.randn(3000, h, generator=g).to("cuda", torch.bfloat16)
+
+    def run():
+        if op == "layer_norm":
+            y, ro = bias_dropout_add_layer_norm(x, bias, res, w, b, p=0.1, seed=5, backend="triton")
+        else:
+            y, ro = add_rms_norm(x, res, w, backend="triton")
+        return torch.autograd.grad((y, ro), [x, res, w] + ([b, bias] if op == "layer_norm" else []),
+                                   (grads, 0.5 * grads))
+
+    shipped = run()
+    monkeypatch.setattr(L if op == "layer_norm" else M, "BWD_ROW_STAGES", 2)
+    for got, want in zip(run(), shipped):
+        assert torch.equal(got, want)
