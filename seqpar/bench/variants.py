@@ -12,6 +12,8 @@ from typing import Callable, Iterator
 
 @dataclasses.dataclass(frozen=True)
 class DesignVariant:
+    """``seqpar.triton_kernels.<module>.<setting>`` = ``value`` while the variant's calls run
+    (:meth:`applied`), on the configurations ``runs_on`` accepts (:meth:`check`)."""
     module: str                        # under seqpar.triton_kernels
     setting: str
     value: int
