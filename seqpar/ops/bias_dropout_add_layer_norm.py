@@ -204,7 +204,10 @@ def _cuda_bwd_op(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual
                  row_offset: int, has_bias: bool
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     ext = _ext.cuda_extension()
+    # The kernels address every [rows, h] operand at row stride h (residual_out too: a direct call may pass
+    # a row-strided view; the op itself saves a fresh one)
     grad_y, grad_residual_out = grad_y.contiguous(), grad_residual_out.contiguous()
+    residual_out = residual_out.contiguous()
     g_x, g_bias, g_res, g_w, g_b = _bwd_fake(grad_y)
     rows, h = grad_y.shape
     w = ln_weight.contiguous() if ln_weight.dtype in _ext.DTYPE_CODES else ln_weight.float()

@@ -610,3 +610,37 @@ def test_gpu_cuda_odd_wide_rows_scalar_chunks():
         got = _run(inp, "cuda", 0.1)
         assert torch.equal(got[1], ref[1]), h
         _check_error_within(got, ref, _reference_fp64(inp, 0.1))
+
+
+def test_cuda_backward_launcher_passes_residual_out_at_row_stride_h(monkeypatch):
+    """The CUDA backward's kernels read residual_out at row stride h (they take no stride): a row-strided
+    view passed to the op directly (a documented entry point) is copied first, as the Triton launcher
+    does; it was passed as is and rows 1.. were read from the wrong memory (found by an audit helper).
+    Checked on CPU with a stand-in extension that reads the rows at the pointer the launcher passes."""
+    import ctypes
+    import importlib
+
+    import seqpar._ext as ext
+
+    module = importlib.import_module("seqpar.ops.bias_dropout_add_layer_norm")   # (the package exports the op)
+
+    rows, h = 4, 16
+    wide = torch.randn(rows, 2 * h, dtype=torch.float16)
+    residual_out = wide[:, :h]                                   # row stride 2h
+    seen = {}
+
+    class Extension:
+        def bias_dropout_add_layer_norm_bwd_partials(self, *args):
+            return 1
+
+        def bias_dropout_add_layer_norm_bwd(self, grad_y, grad_res_out, residual_out_ptr, *args):
+            raw = bytes((ctypes.c_char * (rows * h * 2)).from_address(residual_out_ptr))
+            seen["rows"] = torch.frombuffer(bytearray(raw), dtype=torch.float16).view(rows, h)
+
+    monkeypatch.setattr(ext, "cuda_extension", lambda: Extension())
+    monkeypatch.setattr(ext, "cuda_stream", lambda device: 0)
+    grad_y = torch.randn(rows, h, dtype=torch.float16)
+    stats = torch.zeros(rows)
+    module._cuda_bwd_op(grad_y, torch.zeros_like(grad_y), residual_out, torch.ones(h, dtype=torch.float16),
+                        stats, stats, 0, 0, 0, False)
+    assert torch.equal(seen["rows"], residual_out)
