@@ -88,6 +88,17 @@ inline RopeGrid rope_grid(int64_t half, int vec, int64_t rows) {
   return {tx, ty, cdiv(rows, static_cast<int64_t>(ty) * kRowsPerThread)};
 }
 
+// Batches rotated per launch: gridDim.y (the row groups) is at most 65535, so one launch covers at most
+// 65535 * ty * kRowsPerThread of the b * heads rows; a larger b takes several launches (b up to the
+// returned count each). Throws only when one batch alone has more rows than a launch holds.
+inline int64_t rope_batches_per_launch(int64_t half, int vec, int64_t b, int64_t heads) {
+  const RopeGrid g = rope_grid(half, vec, b * heads);
+  if (g.groups <= 65535) return b;
+  const int64_t max_rows = int64_t(65535) * g.ty * kRowsPerThread;
+  if (heads > max_rows) throw std::invalid_argument("rotary_embedding: heads is too large (" + std::to_string(heads) + ")");
+  return max_rows / heads;
+}
+
 }  // namespace rotary
 
 // The entry point launches with <<<>>>, which needs nvcc: host emulation (tests/cuda_emulation, g++) stops here.
@@ -108,13 +119,16 @@ void rotary_embedding(uintptr_t x, uintptr_t out, uintptr_t inv_freq, int64_t s,
   dispatch_type_vec(dtype, vectorized, [&](auto tag, auto vec) {
     using T = decltype(tag);
     constexpr int kVec = decltype(vec)::value;
-    const RopeGrid g = rope_grid(half, kVec, rows);
-    if (g.groups >= 65536) throw std::invalid_argument("rotary_embedding: b * heads is too large");
-    const RopeArgs a{reinterpret_cast<const void*>(x), reinterpret_cast<void*>(out),
-                     reinterpret_cast<const float*>(inv_freq), b, heads, half, position_offset, in_s, in_b, in_h,
-                     out_s, out_b, out_h, inverse ? -1.0f : 1.0f};
-    const dim3 grid(static_cast<unsigned>(s), static_cast<unsigned>(g.groups)), block(g.tx, g.ty);
-    rope_kernel<T, kVec><<<grid, block, 0, reinterpret_cast<cudaStream_t>(stream)>>>(a);
+    const int64_t step = rope_batches_per_launch(half, kVec, b, heads);
+    for (int64_t b0 = 0; b0 < b; b0 += step) {
+      const int64_t bn = std::min(step, b - b0);
+      const RopeGrid g = rope_grid(half, kVec, bn * heads);
+      const RopeArgs a{reinterpret_cast<const T*>(x) + b0 * in_b, reinterpret_cast<T*>(out) + b0 * out_b,
+                       reinterpret_cast<const float*>(inv_freq), bn, heads, half, position_offset, in_s, in_b, in_h,
+                       out_s, out_b, out_h, inverse ? -1.0f : 1.0f};
+      const dim3 grid(static_cast<unsigned>(s), static_cast<unsigned>(g.groups)), block(g.tx, g.ty);
+      rope_kernel<T, kVec><<<grid, block, 0, reinterpret_cast<cudaStream_t>(stream)>>>(a);
+    }
   });
   check_cuda(cudaGetLastError(), "rotary_embedding launch");
 }

@@ -59,6 +59,10 @@ def _rope_kernel(X, OUT, INV_FREQ, n_rows, heads, half, position_offset,
     tl.store(OUT + o_off + half, cast_rne(o2, OUT.dtype.element_ty, MANUAL_BF16), mask=mask)
 
 
+# CUDA's limit on a grid's second axis (gridDim.y), which counts the programs' blocks of BLOCK_R rows.
+MAX_ROW_BLOCKS = 65535
+
+
 def _config(n_rows: int, half: int):
     block_d = triton.next_power_of_2(half)
     if R.interpreting():  # one program per sequence row: the interpreter's cost is per program
@@ -80,8 +84,15 @@ def rotate(x: torch.Tensor, out: torch.Tensor, inv_freq: torch.Tensor, position_
     if x.numel() == 0:
         return out
     block_r, block_d, launch = _config(n_rows, half)
-    _rope_kernel[(s, triton.cdiv(n_rows, block_r))](
-        x, out, inv_freq, n_rows, heads, half, int(position_offset),
-        x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        SIGN=-1.0 if inverse else 1.0, MANUAL_BF16=R.interpreting(), BLOCK_R=block_r, BLOCK_D=block_d, **launch)
+    # The grid's second axis (row blocks) holds at most MAX_ROW_BLOCKS: a larger b takes several launches.
+    step = b if triton.cdiv(n_rows, block_r) <= MAX_ROW_BLOCKS else (MAX_ROW_BLOCKS * block_r) // heads
+    if step < 1:
+        raise ValueError(f"rotary_embedding: {heads} heads is too many for one launch of the Triton kernel")
+    for b0 in range(0, b, step):
+        x_part, out_part = x[:, b0:b0 + step], out[:, b0:b0 + step]
+        rows = x_part.shape[1] * heads
+        _rope_kernel[(s, triton.cdiv(rows, block_r))](
+            x_part, out_part, inv_freq, rows, heads, half, int(position_offset),
+            x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            SIGN=-1.0 if inverse else 1.0, MANUAL_BF16=R.interpreting(), BLOCK_R=block_r, BLOCK_D=block_d, **launch)
     return out

@@ -60,8 +60,31 @@ int check(int64_t s, int64_t b, int64_t heads, int64_t d, int64_t pad, bool inve
   return tally.bad;
 }
 
-int main() {
+// The entry point's launches over b: every launch's row groups fit gridDim.y (<= 65535), the batch count
+// per launch as large as that allows, and one launch while it fits (s = 1, b = 65536, H = 32, d = 64 on the
+// scalar path is 2,097,152 rows: 65,536 groups of 32, one past the limit).
+int check_batches_per_launch() {
   int bad = 0;
+  struct Case { int64_t half; int vec; int64_t b, heads; };
+  for (const Case c : {Case{32, 1, 65536, 32}, Case{32, 8, 65536, 32}, Case{64, 1, 1 << 20, 8}, Case{256, 8, 65536, 64},
+                       Case{32, 1, 4, 32}, Case{32, 1, 1, 1}}) {
+    const int64_t step = rope_batches_per_launch(c.half, c.vec, c.b, c.heads);
+    const bool fits = rope_grid(c.half, c.vec, c.b * c.heads).groups <= 65535;
+    const int64_t groups = rope_grid(c.half, c.vec, std::min(step, c.b) * c.heads).groups;
+    const int64_t one_more = rope_grid(c.half, c.vec, (step + 1) * c.heads).groups;
+    const bool ok = step >= 1 && groups <= 65535 && (fits ? step == c.b : one_more > 65535);
+    if (!ok) {
+      printf("  half=%ld vec=%d b=%ld heads=%ld: %ld batches a launch, %ld groups\n", long(c.half), c.vec, long(c.b),
+             long(c.heads), long(step), long(groups));
+      ++bad;
+    }
+  }
+  printf("batches per launch: %d bad\n", bad);
+  return bad;
+}
+
+int main() {
+  int bad = check_batches_per_launch();
   bad += check<__nv_bfloat16, 8>(2, 3, 100, 128, 0, false, false); // 300 heads: 3 groups of 128, the last ragged
   bad += check<__nv_bfloat16, 8>(2, 3, 5, 64, 16, true, true);     // inverse, in place, strided heads
   bad += check<float, 4>(4, 1, 3, 128, 0, false, true);

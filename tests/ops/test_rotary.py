@@ -324,3 +324,49 @@ def test_gpu_inplace_fused_qkv_and_unaligned(backend):
     got = rotary_embedding(q2, k2, position_offset=5, backend=backend)
     want = rotary_embedding(q2, k2, position_offset=5, backend="torch")
     assert_error_within(got[0].cpu(), want[0].cpu(), _reference_fp64(q2, 5))
+
+
+def test_triton_rotates_more_row_blocks_than_one_launch_holds(monkeypatch):
+    """More blocks of (batch, head) rows than a CUDA grid's second axis holds (65535): the launcher splits b
+    over several launches (s = 1, b = 65536, H = 32 at d = 128 is 2**21 rows, 65536 blocks of 32, where the
+    kernel failed to launch). Here the limit is lowered to 3 blocks of 2 rows: q (b = 5, H = 3) takes 3
+    launches of 2, 2 and 1 batches, k (H = 1) one."""
+    import triton
+
+    from seqpar.triton_kernels import rotary as kernel
+
+    class Recorder:
+        def __init__(self, jit_fn):
+            self.jit_fn, self.grids = jit_fn, []
+
+        def __getitem__(self, grid):
+            self.grids.append(grid)
+            return self.jit_fn[grid]
+
+    recorder = Recorder(kernel._rope_kernel)
+    monkeypatch.setattr(kernel, "_rope_kernel", recorder)
+    monkeypatch.setattr(kernel, "MAX_ROW_BLOCKS", 3)
+    monkeypatch.setattr(kernel, "_config", lambda n_rows, half: (2, triton.next_power_of_2(half), {}))
+    q, k = torch.randn(2, 5, 3, 8), torch.randn(2, 5, 1, 8)
+    got = rotary_embedding(q, k, position_offset=3, backend="triton")
+    want = rotary_embedding(q, k, position_offset=3, backend="torch")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert recorder.grids == [(2, 3), (2, 3), (2, 2), (2, 3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_more_rows_than_one_launch_holds(backend):
+    """s = 1, b = 65536, H = 32, d = 64 from an fp32 view 4 bytes off 16-byte alignment (the cuda kernel's
+    scalar path): 2**21 (batch, head) rows, past one launch's 65535 row groups in both kernels (the cuda
+    entry point refused "b * heads is too large"; auto picks cuda first). Within 1e-6 of the torch backend,
+    as test_gpu_backend_matches_references asks in fp32."""
+    skip_unless_backend_runs(backend)
+    flat = torch.randn(1 * 65536 * 32 * 64 + 1, device="cuda")
+    q = flat[1:].view(1, 65536, 32, 64)
+    k = q[:, :, :8]
+    got = rotary_embedding(q, k, position_offset=7, backend=backend)
+    want = rotary_embedding(q, k, position_offset=7, backend="torch")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
