@@ -73,7 +73,7 @@ from torch import nn
 from ..config import TransformerConfig
 from ..nn.model import IGNORE_INDEX, GPTModel
 from ..nn.state_dict import check_shapes
-from ..parallel.state import ProcessGroup, check_ranks_agree
+from ..parallel.state import ProcessGroup, run_agreed
 
 __all__ = ["from_gpt2", "to_gpt2_state_dict", "from_llama", "to_llama_state_dict", "shift_labels"]
 
@@ -391,16 +391,7 @@ def _read_on_every_rank(read, tp_group: ProcessGroup, what: str):
     """``read()`` (the source's settings and weights, checked on this rank alone), agreed over the TP
     group before the model's first collective: a source one rank rejects is a ValueError on every rank,
     not one rank raising while the others wait in the GPTModel constructor's collective."""
-    problem, cause, result = None, None, None
-    try:
-        result = read()
-    except Exception as exc:   # any failure, not only the checks' ValueErrors: the other ranks must not wait
-        problem, cause = (str(exc) if isinstance(exc, ValueError) else f"{what}: {type(exc).__name__}: {exc}"), exc
-    try:
-        check_ranks_agree(tp_group, {}, what=what, error=problem)
-    except ValueError as exc:
-        raise ValueError(str(exc)) from cause
-    return result
+    return run_agreed(read, (tp_group,), what=what)
 
 
 def _source_state_dict(source, config, kind: str):

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..parallel.state import ProcessGroup, check_ranks_agree, group_rank, group_size
+from ..parallel.state import ProcessGroup, group_rank, group_size, run_agreed
 
 # (local_start, full_start, length) along a layout's dim: the shard's indices local_start .. +length are
 # the unsharded tensor's full_start .. +length.
@@ -690,22 +690,13 @@ def check_loadable(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[
     the caller's contract, not checked: comparing them would hash every weight.) ``device``, where the
     target's parameters live (None: not checked), must not be meta: copying into meta parameters does
     nothing, and nothing would say so. Returns check_shapes' keys not to load (``strict=False``)."""
-    problem, cause, keys = None, None, IncompatibleKeys([], [])
-    try:
+    def check() -> IncompatibleKeys:
         if device is not None and device.type == "meta":
             raise ValueError(f"{what}: the parameters are on the meta device, where loading copies nothing: "
                              "call module.to_empty(device=...) first")
-        keys = check_shapes(state_dict, shapes, strict=strict)
-    except Exception as exc:   # any failure, not only the checks' ValueErrors: the other ranks must not wait
-        problem, cause = (str(exc) if isinstance(exc, ValueError) else f"{what}: {type(exc).__name__}: {exc}"), exc
-    for agreeing in (group, *data_parallel_groups):    # every rank takes part in every agreement
-        try:
-            check_ranks_agree(agreeing, {}, what=what, error=problem)
-        except ValueError as exc:
-            problem = str(exc)
-    if problem is not None:
-        raise ValueError(problem) from cause
-    return keys
+        return check_shapes(state_dict, shapes, strict=strict)
+
+    return run_agreed(check, (group, *data_parallel_groups), what=what)
 
 
 __all__ = ["ShardLayout", "ShardedParameters", "RowChunks", "boxes", "local_rows", "scatter_full", "gather_full",

@@ -14,7 +14,7 @@ import contextlib
 import contextvars
 import copy
 import hashlib
-from typing import Iterator, Mapping, Optional
+from typing import Callable, Iterator, Mapping, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -247,3 +247,27 @@ def check_ranks_agree(group: ProcessGroup, values: Mapping[str, object], *, what
     if problems:
         raise ValueError(f"{what}: the tensor-parallel ranks disagree: " + "; ".join(problems)
                          + (f". {hint}" if hint else ""))
+
+
+_Result = TypeVar("_Result")
+
+
+def run_agreed(fn: Callable[[], _Result], groups: Sequence[ProcessGroup], *, what: str) -> _Result:
+    """``fn()`` on this rank, its failure agreed over each of ``groups`` in turn (every rank takes part in
+    every agreement: :func:`check_ranks_agree`): any exception on any rank is a ValueError on every rank
+    (chained from this rank's own exception), not one rank raising while the others wait in the next
+    collective. A non-ValueError is reported as "``what``: its type: its message"."""
+    problem, cause, result = None, None, None
+    try:
+        result = fn()
+    except Exception as exc:   # any failure, not only the checks' ValueErrors: the other ranks must not wait
+        problem, cause = (str(exc) if isinstance(exc, ValueError) else f"{what}: {type(exc).__name__}: {exc}"), exc
+    for group in groups:
+        try:
+            check_ranks_agree(group, {}, what=what, error=problem)
+        except ValueError as exc:
+            problem = str(exc)
+    if problem is not None:
+        raise ValueError(problem) from cause
+    return result
+
