@@ -239,6 +239,13 @@ registry.register(_kernel_backend("cuda", _cuda_fwd_op, _cuda_bwd_op))
 
 
 # ----------------------------------------------------------------------------- autograd
+def _rows(t: torch.Tensor, h: int) -> torch.Tensor:
+    """``[rows, h]`` view of t (a copy only when its layout has none), with unit column stride: the layout
+    every backend of a row op reads. Any row stride stays a view."""
+    t2d = t if t.dim() == 2 else t.reshape(-1, h)
+    return t2d if t2d.stride(-1) == 1 or t2d.shape[0] == 0 else t2d.contiguous()
+
+
 def _unflatten_rows(t2d: torch.Tensor, shape) -> torch.Tensor:
     """An autograd.Function's ``[rows, h]`` output as ``shape``, sharing its storage and version counter.
     Not a view to autograd (detached): a view created inside a custom Function could not be modified in
@@ -247,14 +254,13 @@ def _unflatten_rows(t2d: torch.Tensor, shape) -> torch.Tensor:
 
 
 class _BiasDropoutAddLayerNorm(torch.autograd.Function):
-    """On x / residual of any rank: the [rows, h] views are taken in here (grad mode off: no view nodes
-    in the autograd graph) and the gradients reshaped back."""
+    """On x / residual of any rank and layout: the ``[rows, h]`` views (or copies) are taken in here (grad
+    mode off: no view or copy nodes in the autograd graph) and the gradients reshaped back."""
 
     @staticmethod
     def forward(ctx, x, bias, residual, ln_weight, ln_bias, eps, spec, impl):
         shape = x.shape
-        if len(shape) != 2:
-            x, residual = x.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1])
+        x, residual = _rows(x, shape[-1]), _rows(residual, shape[-1])
         y, residual_out, mean, rstd = impl.forward(x, bias, residual, ln_weight, ln_bias, eps, spec)
         ctx.save_for_backward(residual_out, ln_weight, mean, rstd)
         ctx.spec, ctx.impl, ctx.shape = spec, impl, shape
@@ -350,9 +356,6 @@ def _check_inputs(x, bias, residual, ln_weight, ln_bias, eps) -> int:
     registry.check_dense(bias=bias)
     if bias is not None and (bias.shape != (h,) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be [{h}] of {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
-    for name, t in (("x", x), ("residual", residual)):
-        if t.numel() and t.stride(-1) != 1 and h > 1:   # h = 1: any column stride reads the one column
-            raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
     return h
 
 
@@ -363,7 +366,9 @@ def bias_dropout_add_layer_norm(x: torch.Tensor, bias: Optional[torch.Tensor], r
                                 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``residual_out = residual + dropout_p(x + bias)``; ``y = LayerNorm(residual_out)``.
 
-    Returns ``(y, residual_out)``; gradients flow to x, bias, residual, ln_weight and ln_bias.
+    Returns ``(y, residual_out)``; gradients flow to x, bias, residual, ln_weight and ln_bias. Any layout
+    of x / residual: rows that can't be viewed as ``[rows, h]`` with unit column stride are copied first
+    (the dropout mask follows the logical row-major index, so it is the contiguous tensor's mask).
 
     Args:
         p: dropout probability in [0, 1) (ignored when ``training`` is False). The effective probability

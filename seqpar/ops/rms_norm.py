@@ -68,7 +68,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import registry
-from .bias_dropout_add_layer_norm import _unflatten_rows, _vectorized, check_row_inputs
+from .bias_dropout_add_layer_norm import _rows, _unflatten_rows, _vectorized, check_row_inputs
 from .. import _ext
 
 OP = "add_rms_norm"
@@ -244,12 +244,6 @@ registry.register(_kernel_backend("cuda", _cuda_fwd_op, _cuda_bwd_op))
 
 
 # ----------------------------------------------------------------------------- autograd
-def _rows(t: torch.Tensor, h: int) -> torch.Tensor:
-    """``[rows, h]`` view of t (a copy only when its layout has none), with unit column stride."""
-    t2d = t if t.dim() == 2 else t.reshape(-1, h)
-    return t2d if t2d.stride(-1) == 1 or t2d.shape[0] == 0 else t2d.contiguous()
-
-
 class _AddRMSNorm(torch.autograd.Function):
     """On x / residual of any rank and layout: the ``[rows, h]`` views (or copies) are taken in here
     (grad mode off: no view or copy nodes in the autograd graph) and the gradients reshaped back."""

@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from . import registry
-from .bias_dropout_add_layer_norm import _unflatten_rows, _vectorized
-from .rms_norm import _DTYPES, _rows, acc_dtype, float64_torch_only
+from .bias_dropout_add_layer_norm import _rows, _unflatten_rows, _vectorized
+from .rms_norm import _DTYPES, acc_dtype, float64_torch_only
 from .. import _ext
 
 OP = "swiglu"
