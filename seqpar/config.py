@@ -9,6 +9,7 @@ import torch
 
 from .memory import RECOMPUTE_POLICIES
 from .ops.registry import validate_backend
+from .ops.rotary import check_theta
 from .random import dropout_threshold, is_int
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
@@ -131,8 +132,7 @@ class TransformerConfig:
             raise ValueError(f"unknown position_embedding {self.position_embedding!r}; expected one of "
                              f"{POSITION_EMBEDDINGS}")
         theta = self.rope_theta
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
-            raise ValueError(f"rope_theta must be a finite positive float, got {theta!r}")
+        check_theta(theta, "rope_theta")
         if self.position_embedding == "rope" and self.head_dim % 2:
             raise ValueError(f"position_embedding='rope' needs an even head dim, got hidden_size "
                              f"{self.hidden_size} / num_attention_heads {self.num_attention_heads} = {self.head_dim}")

@@ -121,12 +121,13 @@ def test_architecture_defaults_are_the_gpt_layer():
     (dict(rope_theta=0.0), "rope_theta must be a finite positive float, got 0.0"),
     (dict(rope_theta=float("inf")), "rope_theta must be a finite positive float"),
     (dict(rope_theta=True), "rope_theta must be a finite positive float, got True"),
+    (dict(rope_theta=1e39), r"rope_theta must be within fp32's range .* got 1e\+39"),
     (dict(add_bias_linear=0), "add_bias_linear must be a bool, got 0"),
     (dict(hidden_size=72, num_attention_heads=24, num_query_groups=None),
      r"position_embedding='rope' needs an even head dim, got hidden_size 72 / num_attention_heads 24 = 3"),
     (dict(position_embedding="learned"), r"rope_theta=500000.0 with position_embedding='learned'"),
 ], ids=["norm", "norm-none", "activation", "groups-divide", "groups-zero", "groups-bool", "groups-float", "position",
-        "theta-zero", "theta-inf", "theta-bool", "bias-int", "rope-odd-head-dim", "theta-with-learned"])
+        "theta-zero", "theta-inf", "theta-bool", "theta-past-fp32", "bias-int", "rope-odd-head-dim", "theta-with-learned"])
 def test_architecture_knobs_reject(kwargs, match):
     with pytest.raises(ValueError, match=match):
         seqpar.TransformerConfig(**{**LLAMA, **kwargs})

@@ -64,6 +64,18 @@ from .. import _ext
 OP = "rotary_embedding"
 MAX_TRITON_HEAD_DIM = 8192  # the Triton kernel holds half a head per program row
 MAX_POSITION_OFFSET = 2**62  # positions count on from it in int64 (the torch reference's arange)
+# theta's range: fp32's normal numbers. The frequencies are fp32 (as HF's): past 3.4e38 theta is inf there
+# (frequencies 1, 0, 0, ...), and below 1.2e-38 its powers underflow (frequencies inf).
+THETA_RANGE = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
+
+
+def check_theta(theta, name: str = "theta") -> None:
+    """ValueError naming ``name`` unless theta is a positive finite number within :data:`THETA_RANGE`."""
+    if not registry.is_positive_finite(theta):
+        raise ValueError(f"{name} must be a finite positive float, got {theta!r}")
+    if not THETA_RANGE[0] <= theta <= THETA_RANGE[1]:
+        raise ValueError(f"{name} must be within fp32's range [{THETA_RANGE[0]:.4g}, {THETA_RANGE[1]:.4g}] (the "
+                         f"frequencies 1 / theta**(2j / d) are fp32: inf or 0 beyond it), got {theta!r}")
 
 
 def rope_inv_freq(d: int, theta: float) -> torch.Tensor:
@@ -225,8 +237,7 @@ def _check_inputs(q, k, position_offset, theta, inplace) -> int:
     if (isinstance(position_offset, bool) or not isinstance(position_offset, int) or position_offset < 0
             or position_offset >= MAX_POSITION_OFFSET):
         raise ValueError(f"position_offset must be an int in [0, 2**62), got {position_offset!r}")
-    if not registry.is_positive_finite(theta):
-        raise ValueError(f"theta must be a positive finite float, got {theta!r}")
+    check_theta(theta)
     if not isinstance(inplace, bool):
         raise ValueError(f"inplace must be a bool, got {inplace!r}")
     if inplace:
@@ -310,7 +321,8 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, *, position_offset: int =
     stride along d) and returns them; autograd sees them modified in place. Gradients flow to q and k.
     ValueError (naming the value) for q / k that are not floating 4-D tensors of one dtype and device
     with equal s, b and d, an odd d, a position_offset outside [0, 2**62), a theta that is not positive
-    and finite, and with ``inplace=True`` for q / k that are strided along d, expanded, or overlap.
+    and finite or is beyond fp32's normal range [1.2e-38, 3.4e38], and with ``inplace=True`` for q / k
+    that are strided along d, expanded, or overlap.
 
     Args:
         position_offset: global position of sequence row 0 (an int in [0, 2**62)).

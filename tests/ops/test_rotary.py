@@ -226,6 +226,8 @@ BAD = [
     ("offset_bool", dict(position_offset=True), "position_offset"),
     ("theta_zero", dict(theta=0.0), "theta"),
     ("theta_inf", dict(theta=float("inf")), "theta"),
+    ("theta_past_fp32", dict(theta=1e39), "within fp32's range"),      # fp32 inf: frequencies 1, 0, 0, 0
+    ("theta_under_fp32", dict(theta=1e-46), "within fp32's range"),    # fp32 0: frequencies 1, inf, inf, inf
     ("inplace_int", dict(inplace=1), "inplace must be a bool"),
     ("inplace_strided_d", dict(q=torch.randn(4, 2, 2, 16)[..., ::2], inplace=True), "unit stride along d"),
     ("inplace_same_tensor", dict(k="q", inplace=True), "not to share elements"),
