@@ -361,7 +361,9 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         mode = self._forward_mode()  # drawn once, outside any region seqpar recomputes
         if agree:   # the ranks compare their draws too, so every rank draws before any raises
             self._check_ranks(x, problem, mode)
-        x = x.contiguous()  # the fused residual ops need rows; a no-op for the usual [s, b, h] layout
+        # x is read by several ops (the first norm, the residual add, under SP the all-gather): one copy of an
+        # unusual layout (a transposed [b, s, h]) here, not one in each; a no-op for the usual [s, b, h]
+        x = x.contiguous()
         if self.config.recompute == "full":
             with saved_as("layer input (full recompute)"):
                 return checkpoint(self._forward_impl, x, mode, module=self)
