@@ -132,6 +132,7 @@ class ParallelAttention(SharesProcessGroup, nn.Module):
         self.query_key_value = ColumnParallelLinear(h, (a + 2 * g) * d, partition_blocks=(a * d, g * d, g * d),
                                                     **common)
         self.dense = RowParallelLinear(a * d, h, skip_bias_add=True, **common)
+        self.dense.check_rank_inputs = False   # its input comes from query_key_value's, which agreed on it
 
     def forward(self, a1: torch.Tensor, dropout_p: float, seed: int):
         """a1 [s/t or s, b, h] -> (projection output without bias, bias or None) as RowParallelLinear gives them.
@@ -194,6 +195,7 @@ class ParallelMLP(nn.Module):
         else:
             self.dense_h_to_4h = ColumnParallelLinear(h, f, **common)
         self.dense_4h_to_h = RowParallelLinear(f, h, skip_bias_add=True, **common)
+        self.dense_4h_to_h.check_rank_inputs = False   # its input comes from dense_h_to_4h's, which agreed on it
 
     def forward(self, a2: torch.Tensor):
         with saved_as("fc1 input"):
@@ -243,7 +245,8 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
     ``check_rank_inputs`` (default True) runs one more: the ranks' x shapes (s_local, b) and dropout
     seeds must agree, and an input one rank rejects makes every rank raise, instead of a collective
     aborting or hanging (cost: :func:`seqpar.parallel.state.check_ranks_agree`). GPTModel turns it off
-    for its layers: it builds their inputs itself.
+    for its layers: it builds their inputs itself. The layer's own linears never agree per call (their
+    ``check_rank_inputs`` is False): this check, or its opt-out, covers them.
 
     Parameters are initialised deterministically from ``seqpar.manual_seed``'s seed and
     ``layer_number`` on the *unsharded* tensors, so any t starts from the same model.
@@ -266,6 +269,9 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         self.self_attention = ParallelAttention(config, tp_group, device)
         self.post_attention_layernorm = make_norm(config, tp_group, device)
         self.mlp = ParallelMLP(config, tp_group, device)
+        for module in self.modules():   # the layer's own input check (or its opt-out) covers its linears'
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.check_rank_inputs = False
         if self.input_layernorm.weight.device.type != "meta":  # on meta: to_empty, then reset_parameters()
             self.reset_parameters()
 

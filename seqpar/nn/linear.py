@@ -25,9 +25,9 @@ from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from ..ops.comm_matmul import all_gather_matmul, matmul_reduce_scatter
+from ..ops.comm_matmul import SHARD_HINT, _all_gather_matmul, _matmul_reduce_scatter
 from ..parallel.mappings import copy_to_tensor_region, reduce_from_tensor_region
-from ..parallel.state import ProcessGroup, SharesProcessGroup, group_size
+from ..parallel.state import ProcessGroup, SharesProcessGroup, agree_on_inputs, group_size
 from .autocast import autocast_dtype, run_in_dtype
 from .state_dict import ShardedParameters, ShardLayout, full_parameters
 
@@ -60,6 +60,9 @@ class _TensorParallelLinear(ShardedParameters, SharesProcessGroup, nn.Module):
 
     in_features: int
     out_features: int
+    #: Agree on the input over ``tp_group`` at every call (:meth:`_check_input`); False where the inputs are
+    #: known to agree (TransformerLayer sets it on its own linears: its input check covers theirs).
+    check_rank_inputs: bool = True
 
     def forward(self, x: torch.Tensor):
         """x -> the split's output (module table; ``RowParallelLinear(skip_bias_add=True)``: ``(y, bias)``).
@@ -76,15 +79,30 @@ class _TensorParallelLinear(ShardedParameters, SharesProcessGroup, nn.Module):
     def _check_input(self, x: torch.Tensor, width: int) -> None:
         """ValueError naming the layer for an x that is not a floating [..., width] tensor of the weight's
         dtype ([s, ..., width] under SP: at least 2-D), before any collective: torch's matmul error
-        otherwise, or under SP a message blaming the weight."""
-        min_dim = 2 if self.sequence_parallel else 1
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < min_dim or x.shape[-1] != width:
-            got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-            sp = " (sequence parallel: [s, b, ...])" if self.sequence_parallel else ""
-            raise ValueError(f"{type(self).__name__}: x must be a floating [..., {width}] tensor{sp}, got {got}")
-        if x.dtype != self.weight.dtype:
-            raise ValueError(f"{type(self).__name__}: x dtype {x.dtype} != weight dtype {self.weight.dtype} "
-                             "(convert the layer, or run it under torch.autocast)")
+        otherwise, or under SP a message blaming the weight. With ``check_rank_inputs``, on every rank
+        when any rank rejects its x or the ranks' x differ in leading dims or dtype (uneven sequence
+        shards: gloo aborts the process in the first collective, NCCL hangs or reads past the shard):
+        one all-gather of a few int64 per call and, on NCCL, a host sync
+        (:func:`seqpar.parallel.state.agree_on_inputs`)."""
+        name = type(self).__name__
+
+        def check():
+            min_dim = 2 if self.sequence_parallel else 1
+            if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < min_dim or \
+                    x.shape[-1] != width:
+                got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+                sp = " (sequence parallel: [s, b, ...])" if self.sequence_parallel else ""
+                raise ValueError(f"{name}: x must be a floating [..., {width}] tensor{sp}, got {got}")
+            if x.dtype != self.weight.dtype:
+                raise ValueError(f"{name}: x dtype {x.dtype} != weight dtype {self.weight.dtype} "
+                                 "(convert the layer, or run it under torch.autocast)")
+
+        if not self.check_rank_inputs:
+            check()
+            return
+        leading = tuple(x.shape[:-1]) if isinstance(x, torch.Tensor) else None
+        agree_on_inputs(self.tp_group, check, {"x.shape[:-1]": leading, "x dtype": getattr(x, "dtype", None)},
+                        what=f"{name} input", hint=SHARD_HINT)
 
     def _init_weights(self, init_method: Optional[Callable[[torch.Tensor], None]]) -> None:
         self.init_method = init_method
@@ -135,8 +153,9 @@ class ColumnParallelLinear(_TensorParallelLinear):
 
     ``forward(x)``: x [s, b, in_features] ([s/t, b, in_features] under SP) of the weight's dtype ->
     [s, b, out_features / t]. ValueError at construction for out_features (or a block) not divisible by
-    t, or bad ``partition_blocks``; at the call, a ValueError from :func:`seqpar.ops.all_gather_matmul`
-    under SP (shapes, dtypes), else torch's own matmul error for another dtype or inner size.
+    t, or bad ``partition_blocks``; at the call for an x that is not a floating [..., in_features] tensor
+    of the weight's dtype and, with ``check_rank_inputs`` (default True), on every rank when the ranks'
+    x differ in leading dims or dtype (uneven sequence shards) or one rank rejects its x.
     """
 
     def __init__(self, in_features: int, out_features: int, *, tp_group: ProcessGroup = None,
@@ -160,7 +179,7 @@ class ColumnParallelLinear(_TensorParallelLinear):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x, self.in_features)
         if self.sequence_parallel:
-            return all_gather_matmul(x, self.weight, self.bias, group=self.tp_group, overlap=self.overlap_comm)
+            return _all_gather_matmul(x, self.weight, self.bias, self.tp_group, self.overlap_comm, agree=False)
         return nn.functional.linear(copy_to_tensor_region(x, self.tp_group), self.weight, self.bias)
 
     def shard_layouts(self, rank: int) -> Dict[str, ShardLayout]:
@@ -184,9 +203,9 @@ class RowParallelLinear(_TensorParallelLinear):
 
     ``forward(x)``: x [s, b, in_features / t] of the weight's dtype -> [s, b, out_features] ([s/t, b,
     out_features] under SP), or ``(output, bias)`` with ``skip_bias_add=True``. ValueError at
-    construction for in_features not divisible by t; at the call, a ValueError from
-    :func:`seqpar.ops.matmul_reduce_scatter` under SP (s not divisible by t, shapes, dtypes), else
-    torch's own matmul error for another dtype or inner size.
+    construction for in_features not divisible by t; at the call for an x that is not a floating
+    [..., in_features / t] tensor of the weight's dtype, under SP for s not divisible by t and, with
+    ``check_rank_inputs``, on every rank as for :class:`ColumnParallelLinear`.
     """
 
     def __init__(self, in_features: int, out_features: int, *, tp_group: ProcessGroup = None,
@@ -213,7 +232,7 @@ class RowParallelLinear(_TensorParallelLinear):
     def _forward(self, x: torch.Tensor):
         self._check_input(x, self.in_features // group_size(self.tp_group))
         if self.sequence_parallel:
-            y = matmul_reduce_scatter(x, self.weight, None, group=self.tp_group, overlap=self.overlap_comm)
+            y = _matmul_reduce_scatter(x, self.weight, None, self.tp_group, self.overlap_comm, agree=False)
         else:
             y = reduce_from_tensor_region(torch.matmul(x, self.weight.t()), self.tp_group)
         bias = self.output_bias()

@@ -30,7 +30,7 @@ from torch import nn
 
 from .. import random as sp_random
 from ..config import TransformerConfig
-from ..ops.comm_matmul import all_gather_matmul
+from ..ops.comm_matmul import _all_gather_matmul
 from ..ops.dropout import DropoutSpec, dropout
 from ..parallel.mappings import (copy_to_tensor_region, reduce_from_tensor_region,
                                  scatter_to_sequence_region)
@@ -188,7 +188,8 @@ def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, *, tp_group: Proces
         return torch.matmul(copy_to_tensor_region(hidden, tp_group), weight.t())
     # As the layers' column-parallel GEMMs: on flattened rows, saving only this rank's sequence shard
     # for backward (re-gathered there), not the gathered [s, b, h] (t times the bytes).
-    rows = all_gather_matmul(hidden.reshape(-1, hidden.shape[-1]), weight, group=tp_group, overlap=overlap_comm)
+    # its callers agreed on the input (GPTModel's token check, or its check_rank_inputs = False)
+    rows = _all_gather_matmul(hidden.reshape(-1, hidden.shape[-1]), weight, None, tp_group, overlap_comm, agree=False)
     # Sizes written out: a rank's vocabulary shard may be empty (v_local = 0).
     return rows.view(hidden.shape[0] * group_size(tp_group), hidden.shape[1], weight.shape[0])
 

@@ -64,7 +64,7 @@ import torch
 
 from . import registry
 from ..parallel.overlap import ChunkPlan, PeerExchange, note
-from ..parallel.state import ProcessGroup, all_gather_seq, group_size, reduce_scatter_seq
+from ..parallel.state import ProcessGroup, agree_on_inputs, all_gather_seq, group_size, reduce_scatter_seq
 
 _TAG_GATHER, _TAG_SCATTER = 11, 12   # gloo tags per pattern (NCCL ignores tags, matches in order)
 
@@ -308,6 +308,19 @@ def _check(x, weight, bias, x_name):
             raise ValueError(f"{name} is {t.dtype} on {t.device} but {x_name} is {x.dtype} on {x.device}")
 
 
+# What the ranks of a call must share, beyond each rank's own checks: an all-gather or reduce-scatter of
+# tensors of other sizes aborts the process inside gloo (or hangs / corrupts NCCL).
+SHARD_HINT = ("Every rank passes its part of the same [s, b, ...] sequence (under sequence parallelism its s/t "
+              "rows, s divisible by t) in the same dtype")
+
+
+def _shape_and_dtype(name: str, t, dims: slice = slice(None)) -> dict:
+    """``{name shape, name dtype}`` for :func:`agree_on_inputs`, whatever ``t`` is (never raises)."""
+    if not isinstance(t, torch.Tensor):
+        return {f"{name} shape": None, f"{name} dtype": None}
+    return {f"{name} shape": tuple(t.shape[dims]), f"{name} dtype": t.dtype}
+
+
 def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                       group: ProcessGroup, overlap: Union[bool, ChunkPlan] = True) -> torch.Tensor:
     """``all_gather_seq(x_shard) @ weight^T + bias``: [s/t, b, k] x [n_local, k] -> [s, b, n_local].
@@ -317,8 +330,21 @@ def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, bias: Optiona
 
     ValueError (naming the value) for an ``x_shard`` that is not a floating [s/t, b, k] tensor, a
     ``weight`` not [n_local, k], a ``bias`` not [n_local], or a weight / bias of another dtype or device.
+    On every rank of ``group``, before any collective, when any rank rejects its arguments or the ranks'
+    ``x_shard`` shapes or dtypes differ (uneven sequence shards): one all-gather of a few int64 per call
+    and, on NCCL, a host sync (:func:`seqpar.parallel.state.check_ranks_agree`); skipped inside
+    :func:`seqpar.parallel.state.agreement_checked` and while a graph is captured.
     """
-    _check(x_shard, weight, bias, "x_shard")
+    return _all_gather_matmul(x_shard, weight, bias, group, overlap, agree=True)
+
+
+def _all_gather_matmul(x_shard, weight, bias, group: ProcessGroup, overlap, *, agree: bool) -> torch.Tensor:
+    """:func:`all_gather_matmul`; ``agree=False`` for callers that agreed on the input themselves."""
+    check = lambda: _check(x_shard, weight, bias, "x_shard")  # noqa: E731
+    if agree:
+        agree_on_inputs(group, check, _shape_and_dtype("x_shard", x_shard), what="all_gather_matmul", hint=SHARD_HINT)
+    else:
+        check()
     t = group_size(group)
     rows = math.prod(x_shard.shape[:-1])
     plan = ChunkPlan.choose(overlap, t=t, chunk_rows=rows, k=weight.shape[1], n=weight.shape[0],
@@ -332,12 +358,27 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
 
     ``overlap`` as in :func:`all_gather_matmul`. ValueError (naming the value) for an ``x`` that is not a
     floating [s, b, k_local] tensor, s not divisible by t, a ``weight`` not [n, k_local], a ``bias`` not
-    [n], or a weight / bias of another dtype or device.
+    [n], or a weight / bias of another dtype or device; on every rank, as in :func:`all_gather_matmul`,
+    when any rank rejects its arguments or the ranks' ``x`` leading dims [s, b], n or dtypes differ.
     """
-    _check(x, weight, bias, "x")
+    return _matmul_reduce_scatter(x, weight, bias, group, overlap, agree=True)
+
+
+def _matmul_reduce_scatter(x, weight, bias, group: ProcessGroup, overlap, *, agree: bool) -> torch.Tensor:
+    """:func:`matmul_reduce_scatter`; ``agree=False`` for callers that agreed on the input themselves."""
     t = group_size(group)
-    if x.shape[0] % t:
-        raise ValueError(f"sequence length {x.shape[0]} is not divisible by the group size {t}")
+
+    def check():
+        _check(x, weight, bias, "x")
+        if x.shape[0] % t:
+            raise ValueError(f"sequence length {x.shape[0]} is not divisible by the group size {t}")
+
+    if agree:
+        n = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+        agree_on_inputs(group, check, {**_shape_and_dtype("x", x, slice(0, -1)), "weight.shape[0] (n)": n},
+                        what="matmul_reduce_scatter", hint=SHARD_HINT)
+    else:
+        check()
     rows = math.prod(x.shape[:-1]) // t
     plan = ChunkPlan.choose(overlap, t=t, chunk_rows=rows, k=weight.shape[1], n=weight.shape[0],
                             device=x.device)

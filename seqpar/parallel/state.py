@@ -170,6 +170,31 @@ def agreement_checked() -> Iterator[None]:
         _SKIP_AGREEMENT.reset(token)
 
 
+def agreement_wanted(group: ProcessGroup) -> bool:
+    """Whether a per-call cross-rank check (:func:`agree_on_inputs`) runs: on more than one rank,
+    outside :func:`agreement_checked`, and not while a graph is captured (its answer is read on the host:
+    a graph break there; compiled callers turn their check off, as TransformerLayer's is)."""
+    return group_size(group) > 1 and not tracing() and not _SKIP_AGREEMENT.get()
+
+
+def agree_on_inputs(group: ProcessGroup, check: Callable[[], None], values: Mapping[str, object], *, what: str,
+                    hint: str = "") -> None:
+    """``check()`` (this rank's input checks, raising ValueError) and, where :func:`agreement_wanted`,
+    :func:`check_ranks_agree` over ``values`` (computed without raising: the same names on every rank):
+    a rejected input or a differing value on any rank is a ValueError on every rank, before the caller's
+    first collective (where uneven shards abort gloo, or hang / corrupt NCCL). Cost as
+    :func:`check_ranks_agree`'s."""
+    if not agreement_wanted(group):
+        check()
+        return
+    problem = None
+    try:
+        check()
+    except ValueError as exc:
+        problem = str(exc)
+    check_ranks_agree(group, values, what=what, error=problem, hint=hint)
+
+
 def _plain_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63
 

@@ -17,7 +17,12 @@ One spawn per world size runs every case (spawns are the expensive part):
 * outputs that take in-place ops on every path (they were views made inside the autograd Function on
   the ring path without a bias and the plain path with one: ``y.add_`` raised);
 * cross-rank agreement naming a float on one rank and an int on another without printing a hash as a
-  rank's value.
+  rank's value;
+* input agreement (t = 2): uneven sequence shards, another n or dtype, or one rank's rejected argument
+  in the comm GEMMs and the parallel linears are a ValueError on every rank before the first collective
+  (gloo aborted the process, or returned a tensor of the wrong size); how many agreements each entry
+  point runs (one per op call and per standalone linear or block, none for a TransformerLayer's linears,
+  inside ``agreement_checked()`` or with ``check_rank_inputs = False``).
 """
 from __future__ import annotations
 
@@ -394,6 +399,83 @@ def _agreement_message(r):
     return None
 
 
+def _raised(fn):
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _input_agreement(r, t):
+    """Messages of the rejected calls and agreement counts (see the module doc), on every rank."""
+    import seqpar
+    import seqpar.parallel.state as state
+    from seqpar.nn import ColumnParallelLinear, ParallelMLP, RowParallelLinear
+
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(3)
+    rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    out = {
+        "uneven_ag": _raised(lambda: all_gather_matmul(rnd(3 - r, 2, 8), rnd(5, 8), group=group, overlap=False)),
+        "uneven_ag_ring": _raised(lambda: all_gather_matmul(rnd(3 - r, 2, 8), rnd(5, 8), group=group,
+                                                            overlap=ChunkPlan(t))),
+        "dtype_ag": _raised(lambda: all_gather_matmul(rnd(3, 2, 8).to(torch.bfloat16 if r else torch.float32),
+                                                      rnd(5, 8).to(torch.bfloat16 if r else torch.float32),
+                                                      group=group)),
+        "n_rs": _raised(lambda: matmul_reduce_scatter(rnd(4, 2, 8), rnd(5 + r, 8), group=group)),
+        "rejected_ag": _raised(lambda: all_gather_matmul(rnd(3, 2, 8), rnd(5, 8 + r), group=group)),
+        "uneven_column": _raised(lambda: ColumnParallelLinear(8, 10, tp_group=group, sequence_parallel=True)(
+            rnd(3 - r, 2, 8))),
+        "batch_row": _raised(lambda: RowParallelLinear(8, 6, tp_group=group)(rnd(4, 2 + r, 4))),
+    }
+    calls = []
+    real = state._all_gather_control
+    state._all_gather_control = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        def agreements(fn):
+            del calls[:]
+            fn()
+            return len(calls)
+
+        x_shard, w = rnd(3, 2, 8), rnd(5, 8)
+        column = ColumnParallelLinear(8, 10, tp_group=group, sequence_parallel=True)
+        seqpar.manual_seed(0)
+        cfg = seqpar.TransformerConfig(hidden_size=8, num_attention_heads=2, ffn_hidden_size=16,
+                                       sequence_parallel=True)
+        mlp = ParallelMLP(cfg, group)
+        seqpar.manual_seed(0)
+        layer = seqpar.TransformerLayer(cfg, tp_group=group)
+
+        def unchecked_layer():
+            layer.check_rank_inputs = False
+            layer(x_shard)
+            layer.check_rank_inputs = True
+
+        def unchecked_column():
+            column.check_rank_inputs = False
+            column(x_shard)
+            column.check_rank_inputs = True
+
+        def op_in_checked_context():
+            with state.agreement_checked():
+                all_gather_matmul(x_shard, w, group=group)
+
+        out["counts"] = {
+            "op": agreements(lambda: all_gather_matmul(x_shard, w, group=group)),
+            "op_rs": agreements(lambda: matmul_reduce_scatter(rnd(4, 2, 8), w, group=group)),
+            "op_in_agreement_checked": agreements(op_in_checked_context),
+            "column": agreements(lambda: column(x_shard)),
+            "column_unchecked": agreements(unchecked_column),
+            "mlp_block": agreements(lambda: mlp(x_shard)),
+            "layer": agreements(lambda: layer(x_shard)),
+            "layer_unchecked": agreements(unchecked_layer),
+        }
+    finally:
+        state._all_gather_control = real
+    return out
+
+
 def _all_checks(rank, world_size):
     torch.manual_seed(0)
     out = {"cases": _parity(rank, world_size), "counts": _counts(rank, world_size),
@@ -403,6 +485,7 @@ def _all_checks(rank, world_size):
         out["agreement"] = _agreement_message(rank)
     if world_size == 2:
         out["layer"] = _layer_counts(rank, world_size)
+        out["input_agreement"] = _input_agreement(rank, world_size)
     if world_size == 4:
         out["subgroups"] = _subgroups(rank, world_size)
     return out
@@ -419,5 +502,26 @@ def test_comm_matmul_multirank(world_size):
         assert "heads differs (ranks [0] vs ranks [1" in res["agreement"] and held in res["agreement"], res
     if world_size == 2:
         assert all(res["layer"]["all_gather"] == 6 for res in results), results
+        _check_input_agreement([res["input_agreement"] for res in results])
     if world_size == 4:
         assert all(res["subgroups"] for res in results)
+
+
+def _check_input_agreement(per_rank):
+    """Every rank raised for every bad call, naming what differed (or who rejected what)."""
+    for rank, res in enumerate(per_rank):
+        for key in ("uneven_ag", "uneven_ag_ring"):
+            assert res[key] and "all_gather_matmul: the tensor-parallel ranks disagree: x_shard shape differs" \
+                in res[key] and f"rank {rank} has ({3 - rank}, 2, 8)" in res[key], (rank, key, res[key])
+        assert res["dtype_ag"] and "x_shard dtype differs" in res["dtype_ag"], (rank, res["dtype_ag"])
+        assert res["n_rs"] and "matmul_reduce_scatter" in res["n_rs"] and \
+            "weight.shape[0] (n) differs (rank 0: 5, rank 1: 6)" in res["n_rs"], (rank, res["n_rs"])
+        rejected = res["rejected_ag"]
+        assert rejected and (("weight must be a [n, 8] tensor" in rejected) if rank == 1 else
+                             ("rank(s) [1] rejected their arguments" in rejected)), (rank, rejected)
+        assert res["uneven_column"] and "ColumnParallelLinear input" in res["uneven_column"] and \
+            "x.shape[:-1] differs" in res["uneven_column"], (rank, res["uneven_column"])
+        assert res["batch_row"] and "RowParallelLinear input" in res["batch_row"], (rank, res["batch_row"])
+        assert res["counts"] == {"op": 1, "op_rs": 1, "op_in_agreement_checked": 0, "column": 1,
+                                 "column_unchecked": 0, "mlp_block": 1, "layer": 1, "layer_unchecked": 0}, \
+            (rank, res["counts"])
