@@ -230,7 +230,16 @@ def _without_communication():
         state._all_gather_single, state._reduce_scatter_single, dist.all_reduce, dist.batch_isend_irecv = saved
 
 
-def _gloo_worker(rank, t, op_configs, layer_cfgs, iters, layer_iters, warmup, pin):
+def _gloo_worker(rank, t, *args):
+    """:func:`_gloo_measure` as a layer runs the ops: without their per-call input agreement (one more
+    small all-gather each; the layer's own input check covers its GEMMs)."""
+    from seqpar.parallel.state import agreement_checked
+
+    with agreement_checked():
+        return _gloo_measure(rank, t, *args)
+
+
+def _gloo_measure(rank, t, op_configs, layer_cfgs, iters, layer_iters, warmup, pin):
     import torch.distributed as dist
 
     import seqpar
