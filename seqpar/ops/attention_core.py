@@ -422,7 +422,7 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_ma
         dropout_p: attention-probability dropout in [0, 1) (ignored when ``training`` is False). The
             effective probability is ``round(dropout_p * 256) / 256``
             (:func:`seqpar.random.effective_dropout_p`); ``round(dropout_p * 256) >= 256`` is a ValueError.
-        scale: softmax scale, default ``1/sqrt(d)``.
+        scale: softmax scale, default ``1/sqrt(d)``; any finite float, as SDPA's.
         enable_gqa: allow k, v with Hk heads dividing q's Hq (q head i uses kv head i // (Hq / Hk)).
             Without it, differing head counts are a ValueError.
         seed: dropout stream seed; None draws one from :func:`seqpar.manual_seed`'s generator.
@@ -440,8 +440,9 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_ma
     d = q.shape[-1]
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    if not registry.is_positive_finite(scale):
-        raise ValueError(f"scale must be a positive finite float, got {scale!r}")
+    # Any finite scale, as SDPA's (0: uniform weights over the allowed keys; < 0: the scores' sign flips)
+    if not registry.is_finite(scale):
+        raise ValueError(f"scale must be a finite float, got {scale!r}")
     spec = make_dropout_spec(dropout_p, training, seed, row_offset)
     impl = select_backend(q, k, v, causal=causal, backend=backend, dropout=spec.active)
     return _AttentionCore.apply(q, k, v, causal, float(scale), spec, impl)

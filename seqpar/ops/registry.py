@@ -242,12 +242,17 @@ def check_dense(**tensors) -> None:
             raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
 
 
-def is_positive_finite(value) -> bool:
-    """Whether ``value`` is an int or float (not a bool), > 0 and finite as a float (an int too large for
-    a float is not: the kernels take a float)."""
+def is_finite(value) -> bool:
+    """Whether ``value`` is an int or float (not a bool), finite as a float (an int too large for a float
+    is not: the kernels take a float)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     try:
-        return math.isfinite(value) and value > 0
+        return math.isfinite(value)
     except OverflowError:
         return False
+
+
+def is_positive_finite(value) -> bool:
+    """:func:`is_finite` and > 0."""
+    return is_finite(value) and value > 0

@@ -400,6 +400,22 @@ def test_matches_sdpa_with_its_keywords(backend, kwargs):
     torch.testing.assert_close(o.double(), ref, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("scale", [-0.4, 0.0])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_any_finite_scale_as_sdpa(backend, scale):
+    """A zero scale (uniform weights over the allowed keys) or a negative one (the scores' sign flips) is
+    SDPA's math, forward and gradients, with causal masking and dropout; only a non-finite scale is
+    refused."""
+    q, k, v, grad_o = (randn(1, 2, 19, 16) for _ in range(4))
+    o, grads = run(backend, q, k, v, grad_o, True, 0.2, scale=scale)
+    o_ref, grads_ref = reference_fp64(q, k, v, grad_o, True, 0.2, SEED, scale=scale)
+    for got, want in zip((o, *grads), (o_ref, *grads_ref)):
+        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-4)
+    for bad in (float("nan"), float("inf"), "0.1", True):
+        with pytest.raises(ValueError, match="scale must be a finite float"):
+            attention_core(q, k, v, scale=bad, backend=backend)
+
+
 def test_causal_alias():
     q, k, v = (randn(1, 2, 9, 16) for _ in range(3))
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
