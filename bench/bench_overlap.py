@@ -230,22 +230,13 @@ def _without_communication():
         state._all_gather_single, state._reduce_scatter_single, dist.all_reduce, dist.batch_isend_irecv = saved
 
 
-def _gloo_worker(rank, t, *args):
-    """:func:`_gloo_measure` as a layer runs the ops: without their per-call input agreement (one more
-    small all-gather each; the layer's own input check covers its GEMMs)."""
-    from seqpar.parallel.state import agreement_checked
-
-    with agreement_checked():
-        return _gloo_measure(rank, t, *args)
-
-
-def _gloo_measure(rank, t, op_configs, layer_cfgs, iters, layer_iters, warmup, pin):
+def _gloo_worker(rank, t, op_configs, layer_cfgs, iters, layer_iters, warmup, pin):
     import torch.distributed as dist
 
     import seqpar
     from seqpar.ops import all_gather_matmul, matmul_reduce_scatter
     from seqpar.parallel.overlap import record_schedule
-    from seqpar.parallel.state import all_gather_seq, reduce_scatter_seq
+    from seqpar.parallel.state import agreement_checked, all_gather_seq, reduce_scatter_seq
 
     group = dist.group.WORLD
     if pin:
@@ -259,11 +250,14 @@ def _gloo_measure(rank, t, op_configs, layer_cfgs, iters, layer_iters, warmup, p
         w = torch.randn(n, k, requires_grad=True)
         gy_full, gy_shard = torch.randn(R, 1, n), torch.randn(rows_local, 1, n)
 
+        # The ops as a layer runs them: without their per-call input agreement (the layer's check covers it)
         def ag(plan):
-            all_gather_matmul(x_shard, w, group=group, overlap=plan).backward(gy_full)
+            with agreement_checked():
+                all_gather_matmul(x_shard, w, group=group, overlap=plan).backward(gy_full)
 
         def rs(plan):
-            matmul_reduce_scatter(x_full, w, group=group, overlap=plan).backward(gy_shard)
+            with agreement_checked():
+                matmul_reduce_scatter(x_full, w, group=group, overlap=plan).backward(gy_shard)
 
         def gemm_only():      # the same FLOPs with no communication (either op: R x k x n, fwd + bwd)
             torch.nn.functional.linear(x_full, w).backward(gy_full)
@@ -283,11 +277,13 @@ def _gloo_measure(rank, t, op_configs, layer_cfgs, iters, layer_iters, warmup, p
 
         @torch.no_grad()
         def ag_fwd(plan):
-            all_gather_matmul(x_shard, w, group=group, overlap=plan)
+            with agreement_checked():
+                all_gather_matmul(x_shard, w, group=group, overlap=plan)
 
         @torch.no_grad()
         def rs_fwd(plan):
-            matmul_reduce_scatter(x_full, w, group=group, overlap=plan)
+            with agreement_checked():
+                matmul_reduce_scatter(x_full, w, group=group, overlap=plan)
 
         @torch.no_grad()
         def gemm_only_fwd():

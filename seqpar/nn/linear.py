@@ -25,6 +25,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from ..ops import registry
 from ..ops.comm_matmul import SHARD_HINT, _all_gather_matmul, _matmul_reduce_scatter
 from ..parallel.mappings import copy_to_tensor_region, reduce_from_tensor_region
 from ..parallel.state import ProcessGroup, SharesProcessGroup, agree_on_inputs, group_size
@@ -96,13 +97,16 @@ class _TensorParallelLinear(ShardedParameters, SharesProcessGroup, nn.Module):
             if x.dtype != self.weight.dtype:
                 raise ValueError(f"{name}: x dtype {x.dtype} != weight dtype {self.weight.dtype} "
                                  "(convert the layer, or run it under torch.autocast)")
+            if x.device != self.weight.device:
+                raise ValueError(f"{name}: x is on {x.device} but the weight on {self.weight.device}")
+            registry.check_dense(x=x)
 
         if not self.check_rank_inputs:
             check()
             return
         leading = tuple(x.shape[:-1]) if isinstance(x, torch.Tensor) else None
-        agree_on_inputs(self.tp_group, check, {"x.shape[:-1]": leading, "x dtype": getattr(x, "dtype", None)},
-                        what=f"{name} input", hint=SHARD_HINT)
+        agree_on_inputs(self.tp_group, check, {"x.shape[:-1]": leading, "x dtype": getattr(x, "dtype", None),
+                                               "overlap_comm": self.overlap_comm}, what=f"{name} input", hint=SHARD_HINT)
 
     def _init_weights(self, init_method: Optional[Callable[[torch.Tensor], None]]) -> None:
         self.init_method = init_method

@@ -32,6 +32,7 @@ from .. import random as sp_random
 from ..config import TransformerConfig
 from ..ops.comm_matmul import _all_gather_matmul
 from ..ops.dropout import DropoutSpec, dropout
+from ..parallel.overlap import ChunkPlan
 from ..parallel.mappings import (copy_to_tensor_region, reduce_from_tensor_region,
                                  scatter_to_sequence_region)
 from .._custom_op import tracing
@@ -129,6 +130,25 @@ class _VocabShard(ShardedParameters, SharesProcessGroup, nn.Module):
         """The rows of real token ids ``[vocab_start, vocab_end)``: [vocab_end - vocab_start, h] (a view)."""
         return self.weight[:self.vocab_end - self.vocab_start]
 
+    def logits(self, hidden: torch.Tensor, *, sequence_parallel: bool, overlap_comm: bool = True) -> torch.Tensor:
+        """This rank's logits [s, b, v_local] = hidden @ real_weight^T (v_local = vocab_end - vocab_start,
+        may be 0), from ``hidden`` [s, b, h], or under sequence parallelism its sequence shard [s/t, b, h]
+        (gathered inside the GEMM: g). Its callers agreed on ``hidden`` (GPTModel's token check)."""
+        weight = self.real_weight
+        if not sequence_parallel:
+            return torch.matmul(copy_to_tensor_region(hidden, self.tp_group), weight.t())
+        # As the layers' column-parallel GEMMs: on flattened rows, saving only this rank's sequence shard
+        # for backward (re-gathered there), not the gathered [s, b, h] (t times the bytes). The overlap plan
+        # is sized by the padded shard's rows, which every rank shares: the real rows differ on the last
+        # ranks, and plans chosen from them could differ (ranks waiting in different collectives).
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        t = group_size(self.tp_group)
+        plan = ChunkPlan.choose(overlap_comm, t=t, chunk_rows=rows.shape[0], k=rows.shape[1],
+                                n=self.weight.shape[0], device=rows.device)
+        logits = _all_gather_matmul(rows, weight, None, self.tp_group, plan, agree=False)
+        # Sizes written out: a rank's vocabulary shard may be empty (v_local = 0).
+        return logits.view(hidden.shape[0] * t, hidden.shape[1], weight.shape[0])
+
     def shard_layouts(self, rank: int) -> Dict[str, ShardLayout]:
         """Rank ``rank``'s real rows of the [vocab_size, h] table: its first ``vocab_end - vocab_start``
         rows are rows ``vocab_start ..`` (its padded rows are in no piece)."""
@@ -179,26 +199,11 @@ class VocabParallelEmbedding(_VocabShard):
         return reduce_from_tensor_region(word.masked_fill(~in_shard.unsqueeze(-1), 0.0), self.tp_group)
 
 
-def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, *, tp_group: ProcessGroup, sequence_parallel: bool,
-                 overlap_comm: bool = True) -> torch.Tensor:
-    """This rank's logits [s, b, v_local] = hidden @ weight^T for its real vocabulary rows ``weight``
-    [v_local, h] (v_local may be 0), from ``hidden`` [s, b, h], or under sequence parallelism its
-    sequence shard [s/t, b, h] (gathered inside the GEMM: g)."""
-    if not sequence_parallel:
-        return torch.matmul(copy_to_tensor_region(hidden, tp_group), weight.t())
-    # As the layers' column-parallel GEMMs: on flattened rows, saving only this rank's sequence shard
-    # for backward (re-gathered there), not the gathered [s, b, h] (t times the bytes).
-    # its callers agreed on the input (GPTModel's token check, or its check_rank_inputs = False)
-    rows = _all_gather_matmul(hidden.reshape(-1, hidden.shape[-1]), weight, None, tp_group, overlap_comm, agree=False)
-    # Sizes written out: a rank's vocabulary shard may be empty (v_local = 0).
-    return rows.view(hidden.shape[0] * group_size(tp_group), hidden.shape[1], weight.shape[0])
-
-
 class VocabParallelOutputLayer(_VocabShard):
     """An untied output head (Llama's ``lm_head``) split along the padded vocabulary like the embedding:
     ``weight`` [padded_vocab_size / t, h]; ``forward(hidden)``: [s, b, h], or under
     ``sequence_parallel`` this rank's shard [s/t, b, h] -> this rank's logits [s, b, vocab_end -
-    vocab_start] (real rows only: :func:`vocab_logits`)."""
+    vocab_start] (real rows only: :meth:`logits`)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, *, tp_group: ProcessGroup = None, device=None,
                  dtype=None, sequence_parallel: bool = False, overlap_comm: bool = True):
@@ -206,8 +211,7 @@ class VocabParallelOutputLayer(_VocabShard):
         self.sequence_parallel, self.overlap_comm = sequence_parallel, overlap_comm
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return vocab_logits(hidden, self.real_weight, tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,
-                            overlap_comm=self.overlap_comm)
+        return self.logits(hidden, sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm)
 
 
 class GPTEmbedding(nn.Module):
@@ -493,9 +497,8 @@ class GPTModel(SharesProcessGroup, nn.Module):
             if self.output_layer is not None:   # through its __call__: hooks on it fire
                 logits_local = self.output_layer(hidden)                                      # [s, b, v_local]
             else:
-                logits_local = vocab_logits(hidden, self.embedding.word_embeddings.real_weight, tp_group=self.tp_group,
-                                            sequence_parallel=self.config.sequence_parallel,
-                                            overlap_comm=self.config.overlap_comm)
+                logits_local = self.embedding.word_embeddings.logits(
+                    hidden, sequence_parallel=self.config.sequence_parallel, overlap_comm=self.config.overlap_comm)
         if labels is None:
             return logits_local
         with saved_as("cross-entropy (fp32 softmax, label ids)"):

@@ -309,9 +309,10 @@ def _check(x, weight, bias, x_name):
 
 
 # What the ranks of a call must share, beyond each rank's own checks: an all-gather or reduce-scatter of
-# tensors of other sizes aborts the process inside gloo (or hangs / corrupts NCCL).
+# tensors of other sizes aborts the process inside gloo (or hangs / corrupts NCCL), and ranks whose overlap
+# plans differ wait in different collectives.
 SHARD_HINT = ("Every rank passes its part of the same [s, b, ...] sequence (under sequence parallelism its s/t "
-              "rows, s divisible by t) in the same dtype")
+              "rows, s divisible by t) in the same dtype, with the same overlap")
 
 
 def _shape_and_dtype(name: str, t, dims: slice = slice(None)) -> dict:
@@ -319,6 +320,13 @@ def _shape_and_dtype(name: str, t, dims: slice = slice(None)) -> dict:
     if not isinstance(t, torch.Tensor):
         return {f"{name} shape": None, f"{name} dtype": None}
     return {f"{name} shape": tuple(t.shape[dims]), f"{name} dtype": t.dtype}
+
+
+def _plan_inputs(overlap, name: str, local_size) -> dict:
+    """The agreed values the overlap plan depends on beyond the agreed shapes: ``overlap`` itself and,
+    with ``overlap=True`` (:meth:`ChunkPlan.choose` sizes the GEMM), this rank's ``name`` dim."""
+    return {"overlap": repr(overlap), f"{name} (overlap=True chooses the plan from it)":
+            local_size if overlap is True else None}
 
 
 def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -331,25 +339,34 @@ def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, bias: Optiona
     ValueError (naming the value) for an ``x_shard`` that is not a floating [s/t, b, k] tensor, a
     ``weight`` not [n_local, k], a ``bias`` not [n_local], or a weight / bias of another dtype or device.
     On every rank of ``group``, before any collective, when any rank rejects its arguments or the ranks'
-    ``x_shard`` shapes or dtypes differ (uneven sequence shards): one all-gather of a few int64 per call
-    and, on NCCL, a host sync (:func:`seqpar.parallel.state.check_ranks_agree`); skipped inside
+    ``x_shard`` shapes or dtypes differ (uneven sequence shards), or their ``overlap`` (with
+    ``overlap=True`` also n_local, which sizes the plan: pass ``False`` or a ChunkPlan for uneven weight
+    shards): one all-gather of a few int64 per call and, on NCCL, a host sync
+    (:func:`seqpar.parallel.state.check_ranks_agree`); skipped inside
     :func:`seqpar.parallel.state.agreement_checked` and while a graph is captured.
     """
     return _all_gather_matmul(x_shard, weight, bias, group, overlap, agree=True)
 
 
 def _all_gather_matmul(x_shard, weight, bias, group: ProcessGroup, overlap, *, agree: bool) -> torch.Tensor:
-    """:func:`all_gather_matmul`; ``agree=False`` for callers that agreed on the input themselves."""
-    check = lambda: _check(x_shard, weight, bias, "x_shard")  # noqa: E731
+    """:func:`all_gather_matmul`; ``agree=False`` for callers that agreed on the input and the plan
+    themselves (an ``overlap=True`` plan is sized by this rank's n_local: pass a ChunkPlan where those
+    differ)."""
+    plans = []
+
+    def check():
+        _check(x_shard, weight, bias, "x_shard")
+        plans.append(ChunkPlan.choose(overlap, t=group_size(group), chunk_rows=math.prod(x_shard.shape[:-1]),
+                                      k=weight.shape[1], n=weight.shape[0], device=x_shard.device))
+
     if agree:
-        agree_on_inputs(group, check, _shape_and_dtype("x_shard", x_shard), what="all_gather_matmul", hint=SHARD_HINT)
+        n_local = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+        agree_on_inputs(group, check, {**_shape_and_dtype("x_shard", x_shard),
+                                       **_plan_inputs(overlap, "weight.shape[0] (n_local)", n_local)},
+                        what="all_gather_matmul", hint=SHARD_HINT)
     else:
         check()
-    t = group_size(group)
-    rows = math.prod(x_shard.shape[:-1])
-    plan = ChunkPlan.choose(overlap, t=t, chunk_rows=rows, k=weight.shape[1], n=weight.shape[0],
-                            device=x_shard.device)
-    return _AllGatherMatmul.apply(x_shard, weight, bias, group, plan)
+    return _AllGatherMatmul.apply(x_shard, weight, bias, group, plans[0])
 
 
 def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -359,27 +376,31 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     ``overlap`` as in :func:`all_gather_matmul`. ValueError (naming the value) for an ``x`` that is not a
     floating [s, b, k_local] tensor, s not divisible by t, a ``weight`` not [n, k_local], a ``bias`` not
     [n], or a weight / bias of another dtype or device; on every rank, as in :func:`all_gather_matmul`,
-    when any rank rejects its arguments or the ranks' ``x`` leading dims [s, b], n or dtypes differ.
+    when any rank rejects its arguments or the ranks' ``x`` leading dims [s, b], n, dtypes or ``overlap``
+    differ (with ``overlap=True`` also k_local).
     """
     return _matmul_reduce_scatter(x, weight, bias, group, overlap, agree=True)
 
 
 def _matmul_reduce_scatter(x, weight, bias, group: ProcessGroup, overlap, *, agree: bool) -> torch.Tensor:
-    """:func:`matmul_reduce_scatter`; ``agree=False`` for callers that agreed on the input themselves."""
+    """:func:`matmul_reduce_scatter`; ``agree=False`` for callers that agreed on the input and the plan
+    themselves (an ``overlap=True`` plan is sized by this rank's k_local)."""
     t = group_size(group)
+    plans = []
 
     def check():
         _check(x, weight, bias, "x")
         if x.shape[0] % t:
             raise ValueError(f"sequence length {x.shape[0]} is not divisible by the group size {t}")
+        plans.append(ChunkPlan.choose(overlap, t=t, chunk_rows=math.prod(x.shape[:-1]) // t, k=weight.shape[1],
+                                      n=weight.shape[0], device=x.device))
 
     if agree:
         n = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
-        agree_on_inputs(group, check, {**_shape_and_dtype("x", x, slice(0, -1)), "weight.shape[0] (n)": n},
+        k_local = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() else None
+        agree_on_inputs(group, check, {**_shape_and_dtype("x", x, slice(0, -1)), "weight.shape[0] (n)": n,
+                                       **_plan_inputs(overlap, "x.shape[-1] (k_local)", k_local)},
                         what="matmul_reduce_scatter", hint=SHARD_HINT)
     else:
         check()
-    rows = math.prod(x.shape[:-1]) // t
-    plan = ChunkPlan.choose(overlap, t=t, chunk_rows=rows, k=weight.shape[1], n=weight.shape[0],
-                            device=x.device)
-    return _MatmulReduceScatter.apply(x, weight, bias, group, plan)
+    return _MatmulReduceScatter.apply(x, weight, bias, group, plans[0])

@@ -33,7 +33,7 @@ from typing import Iterator, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from .._custom_op import tracing
+from .._custom_op import capturing_graph
 from .state import ProcessGroup, group_rank, group_size
 
 #: Smallest per-chunk GEMM (2 * rows * k * n FLOPs) for which ``overlap=True`` chunks, per device type.
@@ -107,7 +107,7 @@ class ChunkPlan:
             return overlap.validate(t)
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be a bool or a ChunkPlan, got {overlap!r}")
-        if not overlap or t == 1 or tracing():  # a captured graph schedules its collectives itself
+        if not overlap or t == 1 or capturing_graph():  # a captured graph schedules its collectives itself
             return ChunkPlan(1)
         flops = 2.0 * chunk_rows * k * n
         threshold = MIN_CHUNK_FLOPS.get(device.type, MIN_CHUNK_FLOPS["cuda"])

@@ -4,9 +4,11 @@
 this process is not a member of is a ValueError.
 
 :func:`check_ranks_agree` is the one cross-rank consistency check: layers and models run it when they
-are built (same config, same RNG state on every rank) and TransformerLayer on every forward under TP
-(same input shapes, same dropout seed), so a disagreement is a ValueError on every rank instead of a
-hang, an abort inside the collective library or silently different dropout masks.
+are built (same config, same RNG state on every rank), TransformerLayer and GPTModel on every forward
+under TP (same input shapes, same dropout seed), and the comm GEMMs and parallel linears on every call
+(:func:`agree_on_inputs`: same input shapes, dtypes and overlap plan), so a disagreement is a ValueError
+on every rank instead of a hang, an abort inside the collective library or silently different dropout
+masks.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from .._custom_op import tracing
+from .._custom_op import capturing_graph, tracing
 
 ProcessGroup = Optional["dist.ProcessGroup"]
 
@@ -161,8 +163,9 @@ _SKIP_AGREEMENT = contextvars.ContextVar("seqpar_skip_agreement", default=False)
 
 @contextlib.contextmanager
 def agreement_checked() -> Iterator[None]:
-    """Inside, :func:`check_ranks_agree` only raises local errors (no collective): for a builder that
-    has already checked everything its parts would check (GPTModel: one check for all its layers)."""
+    """Inside, :func:`check_ranks_agree` only raises local errors (no collective): for a caller that has
+    already checked everything its parts would check (GPTModel building its layers; code calling the
+    comm GEMMs on inputs known to agree). Every rank must enter it alike."""
     token = _SKIP_AGREEMENT.set(True)
     try:
         yield
@@ -171,10 +174,11 @@ def agreement_checked() -> Iterator[None]:
 
 
 def agreement_wanted(group: ProcessGroup) -> bool:
-    """Whether a per-call cross-rank check (:func:`agree_on_inputs`) runs: on more than one rank,
-    outside :func:`agreement_checked`, and not while a graph is captured (its answer is read on the host:
-    a graph break there; compiled callers turn their check off, as TransformerLayer's is)."""
-    return group_size(group) > 1 and not tracing() and not _SKIP_AGREEMENT.get()
+    """Whether a building block's per-call cross-rank check (:func:`agree_on_inputs`) runs: on more than
+    one rank, outside :func:`agreement_checked`, and not while a graph is captured
+    (:func:`seqpar._custom_op.capturing_graph`: the answer can't be read on the host there; the graph
+    keeps the blocks' collectives without it)."""
+    return group_size(group) > 1 and not capturing_graph() and not _SKIP_AGREEMENT.get()
 
 
 def agree_on_inputs(group: ProcessGroup, check: Callable[[], None], values: Mapping[str, object], *, what: str,

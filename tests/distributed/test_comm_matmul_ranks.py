@@ -20,7 +20,10 @@ One spawn per world size runs every case (spawns are the expensive part):
   rank's value;
 * input agreement (t = 2): uneven sequence shards, another n or dtype, or one rank's rejected argument
   in the comm GEMMs and the parallel linears are a ValueError on every rank before the first collective
-  (gloo aborted the process, or returned a tensor of the wrong size); how many agreements each entry
+  (gloo aborted the process, or returned a tensor of the wrong size), and so are differing overlap
+  plans (``overlap``, or with ``overlap=True`` the local GEMM size it sizes the plan by), also under a
+  dispatch mode such as FlopCounterMode; GPTModel's output GEMM, whose ranks hold different numbers of
+  real vocabulary rows, picks one plan on every rank (it hung); how many agreements each entry
   point runs (one per op call and per standalone linear or block, none for a TransformerLayer's linears,
   inside ``agreement_checked()`` or with ``check_rank_inputs = False``).
 """
@@ -428,7 +431,28 @@ def _input_agreement(r, t):
         "uneven_column": _raised(lambda: ColumnParallelLinear(8, 10, tp_group=group, sequence_parallel=True)(
             rnd(3 - r, 2, 8))),
         "batch_row": _raised(lambda: RowParallelLinear(8, 6, tp_group=group)(rnd(4, 2 + r, 4))),
+        # the overlap plan: overlap itself, and with overlap=True the local GEMM size it is chosen from
+        "overlap_ag": _raised(lambda: all_gather_matmul(rnd(3, 2, 8), rnd(5, 8), group=group, overlap=r == 0)),
+        "n_local_plan": _raised(lambda: all_gather_matmul(rnd(3, 2, 8), rnd(5 + r, 8), group=group)),
+        "k_local_plan": _raised(lambda: matmul_reduce_scatter(rnd(4, 2, 8 + r), rnd(5, 8 + r), group=group)),
+        # a device one rank's linear rejects (the op rejected it after the agreement, on that rank only)
+        "meta_x": _raised(lambda: ColumnParallelLinear(8, 10, tp_group=group, sequence_parallel=True)(
+            rnd(3, 2, 8).to("meta" if r else "cpu"))),
     }
+    # uneven weight shards are fine where the plan doesn't depend on them
+    out["uneven_n_plain"] = tuple(all_gather_matmul(rnd(3, 2, 8), rnd(5 + r, 8), group=group, overlap=False).shape)
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False):   # a dispatch mode that runs real tensors: the agreement still runs
+        out["uneven_under_flop_counter"] = _raised(
+            lambda: ColumnParallelLinear(8, 10, tp_group=group, sequence_parallel=True)(rnd(3 - r, 2, 8)))
+    # GPTModel's output GEMM: real vocabulary rows 3200 and 3000 (vocab 6200 padded to 6400); overlap=True
+    # sized each rank's plan by its own rows, which fell on both sides of the CPU threshold: a hang
+    seqpar.manual_seed(0)
+    model_cfg = seqpar.TransformerConfig(hidden_size=256, num_attention_heads=2, ffn_hidden_size=256,
+                                         sequence_parallel=True)
+    model = seqpar.GPTModel(model_cfg, 1, 6200, 128, tp_group=group)
+    with torch.no_grad():
+        out["vocab_logits"] = tuple(model(torch.randint(0, 6200, (1, 128), generator=g)).shape)
     calls = []
     real = state._all_gather_control
     state._all_gather_control = lambda *a, **k: calls.append(1) or real(*a, **k)
@@ -522,6 +546,16 @@ def _check_input_agreement(per_rank):
         assert res["uneven_column"] and "ColumnParallelLinear input" in res["uneven_column"] and \
             "x.shape[:-1] differs" in res["uneven_column"], (rank, res["uneven_column"])
         assert res["batch_row"] and "RowParallelLinear input" in res["batch_row"], (rank, res["batch_row"])
+        assert res["overlap_ag"] and "overlap differs" in res["overlap_ag"], (rank, res["overlap_ag"])
+        assert res["n_local_plan"] and "weight.shape[0] (n_local) (overlap=True chooses the plan from it) " \
+            "differs (rank 0: 5, rank 1: 6)" in res["n_local_plan"], (rank, res["n_local_plan"])
+        assert res["k_local_plan"] and "x.shape[-1] (k_local)" in res["k_local_plan"], (rank, res["k_local_plan"])
+        assert res["meta_x"] and (("x is on meta but the weight on cpu" in res["meta_x"]) if rank == 1 else
+                                  ("rank(s) [1] rejected their arguments" in res["meta_x"])), (rank, res["meta_x"])
+        assert res["uneven_n_plain"] == (6, 2, 5 + rank), (rank, res["uneven_n_plain"])
+        assert res["uneven_under_flop_counter"] and "x.shape[:-1] differs" in res["uneven_under_flop_counter"], \
+            (rank, res["uneven_under_flop_counter"])
+        assert res["vocab_logits"] == (128, 1, 3200 if rank == 0 else 3000), (rank, res["vocab_logits"])
         assert res["counts"] == {"op": 1, "op_rs": 1, "op_in_agreement_checked": 0, "column": 1,
                                  "column_unchecked": 0, "mlp_block": 1, "layer": 1, "layer_unchecked": 0}, \
             (rank, res["counts"])
