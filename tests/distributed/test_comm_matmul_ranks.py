@@ -394,20 +394,17 @@ def _in_place_outputs(r, t):
     return True
 
 
-def _agreement_message(r):
-    try:
-        check_ranks_agree(dist.group.WORLD, {"heads": 4.0 if r == 0 else 4}, what="demo")
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
 def _raised(fn):
+    """``fn()``'s ValueError text (None: no error)."""
     try:
         fn()
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def _agreement_message(r):
+    return _raised(lambda: check_ranks_agree(dist.group.WORLD, {"heads": 4.0 if r == 0 else 4}, what="demo"))
 
 
 def _input_agreement(r, t):
