@@ -304,6 +304,18 @@ def _unreported_deaths(procs) -> List[tuple]:
     return [(rank, proc.exitcode) for rank, proc in enumerate(procs) if proc.exitcode not in (None, 0, 1)]
 
 
+def _deaths_behind_a_failure(procs, grace_s: float = 5.0) -> List[tuple]:
+    """:func:`_unreported_deaths` once a rank reported a failure: a killed peer is what the others'
+    errors are usually about ("Connection reset by peer"), and their reports can arrive before the dead
+    process is reaped, so look again until one is seen, every rank has ended, or ``grace_s`` passed."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        dead = _unreported_deaths(procs)
+        if dead or all(proc.exitcode is not None for proc in procs) or time.monotonic() > deadline:
+            return dead
+        time.sleep(0.05)
+
+
 def main(argv: Optional[List[str]] = None) -> List[Dict]:
     args = parse_args(argv)
     import torch
@@ -341,7 +353,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict]:
                 reader_gone = status == "reader_gone"
                 if status == "error":
                     failures.append(payload)
-                    dead = _unreported_deaths(procs)   # a peer's death is what the others' errors are about
+                    dead = _deaths_behind_a_failure(procs)
                 rows = payload if status == "ok" and payload is not None else rows
         except KeyboardInterrupt:   # Ctrl-C: stop the ranks, no traceback
             interrupted = True
