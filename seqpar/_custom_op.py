@@ -21,20 +21,19 @@ def tracing() -> bool:
 
 
 def capturing_graph() -> bool:
-    """True while a graph is captured whose collectives can't be read back on the host: torch.compile /
-    torch.export (Dynamo), make_fx / AOT tracing (a fake or proxy mode), ``torch.jit.trace`` or a CUDA
-    graph capture. Unlike :func:`tracing`, other dispatch modes (FlopCounterMode, selective activation
-    checkpointing, CommDebugMode) run real tensors eagerly and don't count: code that decides which
-    collectives run must decide alike on ranks that differ only in such a mode."""
+    """True while the Python-level ops are captured into a graph: torch.compile / torch.export (Dynamo),
+    make_fx / AOT tracing (a fake or proxy mode) or ``torch.jit.trace``. Unlike :func:`tracing`, other
+    dispatch modes (FlopCounterMode, selective activation checkpointing, CommDebugMode) run real tensors
+    eagerly and don't count: code that decides which collectives run must decide alike on ranks that
+    differ only in such a mode."""
     if torch.compiler.is_compiling() or torch._C._is_tracing():
         return True
-    if torch._C._len_torch_dispatch_stack() > 0:
-        from torch._guards import detect_fake_mode
-        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+    if torch._C._len_torch_dispatch_stack() == 0:
+        return False
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-        if detect_fake_mode() is not None or get_proxy_mode() is not None:
-            return True
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    return detect_fake_mode() is not None or get_proxy_mode() is not None
 
 
 def kernel_op(name: str, launcher: Optional[Callable] = None, *, mutates_args: Iterable[str] = ()):

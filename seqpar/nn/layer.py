@@ -297,11 +297,11 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         return None
 
     def _check_ranks(self, x, problem: Optional[str], mode: ForwardMode) -> None:
-        """Every rank's input shape and dropout seed agree and no rank rejected its x, else ValueError on
-        every rank: uneven SP shards (s = 127 at t = 2: 64 and 63 rows) would otherwise abort the process
+        """Every rank's input shape, dtype and dropout seed agree and no rank rejected its x, else ValueError
+        on every rank: uneven SP shards (s = 127 at t = 2: 64 and 63 rows) would otherwise abort the process
         inside gloo, or hang / corrupt NCCL, in the first all-gather.
 
-        Cost, every forward: one all-gather of 4 int64 per rank and the host reading the result. On
+        Cost, every forward: one all-gather of 9 int64 per rank and the host reading the result. On
         NCCL that read synchronises the host with the stream once per layer: the collective's latency
         (~10-30 us) plus the host no longer queueing kernels ahead of the GPU at that point (a few tens
         of us before the queue refills), small against a layer forward of milliseconds but not free:
@@ -314,7 +314,8 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
                 "input") + ("; dropout seeds differ when torch's CPU generator diverged after "
                             "seqpar.manual_seed (one rank drew random numbers the others did not)")
         check_ranks_agree(self.tp_group, {"x.shape[0] (s_local)" if sp else "x.shape[0] (s)": shape[0],
-                                          "x.shape[1] (b)": shape[1], "dropout seed of this forward": mode.seed},
+                                          "x.shape[1] (b)": shape[1], "x dtype (under autocast its dtype)": getattr(x, "dtype", None),
+                                          "dropout seed of this forward": mode.seed},
                           what=f"TransformerLayer(layer_number={self.layer_number}) input", error=problem,
                           hint=hint, device=self.input_layernorm.weight.device)
 

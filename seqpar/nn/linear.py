@@ -26,8 +26,10 @@ import torch
 from torch import nn
 
 from ..ops import registry
-from ..ops.comm_matmul import SHARD_HINT, _all_gather_matmul, _matmul_reduce_scatter
+from ..ops.comm_matmul import (SHARD_HINT, _all_gather_matmul, _matmul_reduce_scatter, agreed_shape_and_dtype,
+                                all_gather_plan, reduce_scatter_plan)
 from ..parallel.mappings import copy_to_tensor_region, reduce_from_tensor_region
+from ..parallel.overlap import ChunkPlan
 from ..parallel.state import ProcessGroup, SharesProcessGroup, agree_on_inputs, group_size
 from .autocast import autocast_dtype, run_in_dtype
 from .state_dict import ShardedParameters, ShardLayout, full_parameters
@@ -77,17 +79,18 @@ class _TensorParallelLinear(ShardedParameters, SharesProcessGroup, nn.Module):
     def _forward(self, x: torch.Tensor):
         raise NotImplementedError
 
-    def _check_input(self, x: torch.Tensor, width: int) -> None:
+    def _check_input(self, x: torch.Tensor, width: int, plan: Callable[[], Optional[ChunkPlan]]) -> Optional[ChunkPlan]:
         """ValueError naming the layer for an x that is not a floating [..., width] tensor of the weight's
-        dtype ([s, ..., width] under SP: at least 2-D), before any collective: torch's matmul error
-        otherwise, or under SP a message blaming the weight. With ``check_rank_inputs``, on every rank
-        when any rank rejects its x or the ranks' x differ in leading dims or dtype (uneven sequence
+        dtype and device ([s, ..., width] under SP: at least 2-D), before any collective: torch's matmul
+        error otherwise, or under SP a message blaming the weight. Returns ``plan()``: the SP GEMM's
+        overlap plan (None without SP). With ``check_rank_inputs``, on every rank when any rank rejects
+        its x or the ranks' x differ in leading dims or dtype, or their plans differ (uneven sequence
         shards: gloo aborts the process in the first collective, NCCL hangs or reads past the shard):
         one all-gather of a few int64 per call and, on NCCL, a host sync
         (:func:`seqpar.parallel.state.agree_on_inputs`)."""
         name = type(self).__name__
 
-        def check():
+        def check() -> Optional[ChunkPlan]:
             min_dim = 2 if self.sequence_parallel else 1
             if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < min_dim or \
                     x.shape[-1] != width:
@@ -100,13 +103,14 @@ class _TensorParallelLinear(ShardedParameters, SharesProcessGroup, nn.Module):
             if x.device != self.weight.device:
                 raise ValueError(f"{name}: x is on {x.device} but the weight on {self.weight.device}")
             registry.check_dense(x=x)
+            return plan()
 
         if not self.check_rank_inputs:
-            check()
-            return
-        leading = tuple(x.shape[:-1]) if isinstance(x, torch.Tensor) else None
-        agree_on_inputs(self.tp_group, check, {"x.shape[:-1]": leading, "x dtype": getattr(x, "dtype", None),
-                                               "overlap_comm": self.overlap_comm}, what=f"{name} input", hint=SHARD_HINT)
+            return check()
+        hint = SHARD_HINT if self.sequence_parallel else "Every rank passes the same input in the same dtype"
+        return agree_on_inputs(self.tp_group, check, lambda chosen: {
+            **agreed_shape_and_dtype(x, "x.shape[:-1]", "x dtype", slice(0, -1)), "overlap plan": chosen},
+            what=f"{name} input", hint=hint)
 
     def _init_weights(self, init_method: Optional[Callable[[torch.Tensor], None]]) -> None:
         self.init_method = init_method
@@ -181,9 +185,10 @@ class ColumnParallelLinear(_TensorParallelLinear):
         self._init_weights(init_method)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x, self.in_features)
+        plan = self._check_input(x, self.in_features, lambda: all_gather_plan(
+            x, self.weight, self.tp_group, self.overlap_comm) if self.sequence_parallel else None)
         if self.sequence_parallel:
-            return _all_gather_matmul(x, self.weight, self.bias, self.tp_group, self.overlap_comm, agree=False)
+            return _all_gather_matmul(x, self.weight, self.bias, self.tp_group, plan)
         return nn.functional.linear(copy_to_tensor_region(x, self.tp_group), self.weight, self.bias)
 
     def shard_layouts(self, rank: int) -> Dict[str, ShardLayout]:
@@ -234,9 +239,19 @@ class RowParallelLinear(_TensorParallelLinear):
         return copy_to_tensor_region(self.bias, self.tp_group)
 
     def _forward(self, x: torch.Tensor):
-        self._check_input(x, self.in_features // group_size(self.tp_group))
+        t = group_size(self.tp_group)
+
+        def plan() -> Optional[ChunkPlan]:
+            if not self.sequence_parallel:
+                return None
+            if x.shape[0] % t:
+                raise ValueError(f"{type(self).__name__}: sequence length {x.shape[0]} is not divisible by the "
+                                 f"tensor-parallel size {t} (sequence parallelism reduce-scatters it)")
+            return reduce_scatter_plan(x, self.weight, self.tp_group, self.overlap_comm)
+
+        plan = self._check_input(x, self.in_features // t, plan)
         if self.sequence_parallel:
-            y = _matmul_reduce_scatter(x, self.weight, None, self.tp_group, self.overlap_comm, agree=False)
+            y = _matmul_reduce_scatter(x, self.weight, None, self.tp_group, plan)
         else:
             y = reduce_from_tensor_region(torch.matmul(x, self.weight.t()), self.tp_group)
         bias = self.output_bias()

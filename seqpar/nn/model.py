@@ -130,7 +130,7 @@ class _VocabShard(ShardedParameters, SharesProcessGroup, nn.Module):
         """The rows of real token ids ``[vocab_start, vocab_end)``: [vocab_end - vocab_start, h] (a view)."""
         return self.weight[:self.vocab_end - self.vocab_start]
 
-    def logits(self, hidden: torch.Tensor, *, sequence_parallel: bool, overlap_comm: bool = True) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, *, sequence_parallel: bool, overlap_comm: bool) -> torch.Tensor:
         """This rank's logits [s, b, v_local] = hidden @ real_weight^T (v_local = vocab_end - vocab_start,
         may be 0), from ``hidden`` [s, b, h], or under sequence parallelism its sequence shard [s/t, b, h]
         (gathered inside the GEMM: g). Its callers agreed on ``hidden`` (GPTModel's token check)."""
@@ -145,7 +145,7 @@ class _VocabShard(ShardedParameters, SharesProcessGroup, nn.Module):
         t = group_size(self.tp_group)
         plan = ChunkPlan.choose(overlap_comm, t=t, chunk_rows=rows.shape[0], k=rows.shape[1],
                                 n=self.weight.shape[0], device=rows.device)
-        logits = _all_gather_matmul(rows, weight, None, self.tp_group, plan, agree=False)
+        logits = _all_gather_matmul(rows, weight, None, self.tp_group, plan)
         # Sizes written out: a rank's vocabulary shard may be empty (v_local = 0).
         return logits.view(hidden.shape[0] * t, hidden.shape[1], weight.shape[0])
 
@@ -456,7 +456,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
         """Every rank's tokens shape, labels or not, mode and dropout RNG state agree and no rank rejected
         its inputs, else ValueError on every rank. The layers skip their own per-forward check (the model
         builds their inputs), so this one is what keeps a rank's mistake from aborting or hanging the
-        others in a collective, or from silently mixing dropout masks. Cost: one all-gather of 6 int64 per
+        others in a collective, or from silently mixing dropout masks. Cost: one all-gather of 13 int64 per
         rank and forward, and hashing torch's CPU generator state (5 KB) when dropout is on."""
         cfg = self.config
         dropout_on = self.training and bool(self.embedding_dropout or cfg.hidden_dropout or cfg.attention_dropout)
@@ -464,6 +464,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
         check_ranks_agree(self.tp_group, {
             "tokens.shape[0] (b)": shape[0], "tokens.shape[1] (s)": shape[1], "labels given": int(labels is not None),
             "training": int(self.training),
+            "compute dtype (under autocast its dtype)": self.final_layernorm.weight.dtype,
             "torch CPU generator state (dropout seeds)": torch.get_rng_state().numpy().tobytes() if dropout_on else b"",
         }, what="GPTModel input", error=problem, device=self.final_layernorm.weight.device,
             hint="Every rank passes the same tokens (and labels, or none) in the same mode; dropout seeds differ "

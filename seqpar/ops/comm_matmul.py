@@ -312,21 +312,30 @@ def _check(x, weight, bias, x_name):
 # tensors of other sizes aborts the process inside gloo (or hangs / corrupts NCCL), and ranks whose overlap
 # plans differ wait in different collectives.
 SHARD_HINT = ("Every rank passes its part of the same [s, b, ...] sequence (under sequence parallelism its s/t "
-              "rows, s divisible by t) in the same dtype, with the same overlap")
+              "rows, s divisible by t) in the same dtype, with the same overlap plan (overlap=True sizes it by "
+              "this rank's GEMM: pass overlap=False or one ChunkPlan where the weight shards differ)")
 
 
-def _shape_and_dtype(name: str, t, dims: slice = slice(None)) -> dict:
-    """``{name shape, name dtype}`` for :func:`agree_on_inputs`, whatever ``t`` is (never raises)."""
-    if not isinstance(t, torch.Tensor):
-        return {f"{name} shape": None, f"{name} dtype": None}
-    return {f"{name} shape": tuple(t.shape[dims]), f"{name} dtype": t.dtype}
+def agreed_shape_and_dtype(t, shape_name: str, dtype_name: str, dims: slice = slice(None)) -> dict:
+    """``{shape_name: t.shape[dims], dtype_name: t.dtype}``: values for :func:`agree_on_inputs`, whatever
+    ``t`` is (never raises)."""
+    tensor = isinstance(t, torch.Tensor)
+    return {shape_name: tuple(t.shape[dims]) if tensor else None, dtype_name: t.dtype if tensor else None}
 
 
-def _plan_inputs(overlap, name: str, local_size) -> dict:
-    """The agreed values the overlap plan depends on beyond the agreed shapes: ``overlap`` itself and,
-    with ``overlap=True`` (:meth:`ChunkPlan.choose` sizes the GEMM), this rank's ``name`` dim."""
-    return {"overlap": repr(overlap), f"{name} (overlap=True chooses the plan from it)":
-            local_size if overlap is True else None}
+def all_gather_plan(x_shard: torch.Tensor, weight: torch.Tensor, group: ProcessGroup,
+                    overlap: Union[bool, ChunkPlan]) -> ChunkPlan:
+    """The :class:`ChunkPlan` of ``all_gather_matmul(x_shard, weight, group=group, overlap=overlap)``."""
+    return ChunkPlan.choose(overlap, t=group_size(group), chunk_rows=math.prod(x_shard.shape[:-1]),
+                            k=weight.shape[1], n=weight.shape[0], device=x_shard.device)
+
+
+def reduce_scatter_plan(x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup,
+                        overlap: Union[bool, ChunkPlan]) -> ChunkPlan:
+    """The :class:`ChunkPlan` of ``matmul_reduce_scatter(x, weight, group=group, overlap=overlap)``."""
+    t = group_size(group)
+    return ChunkPlan.choose(overlap, t=t, chunk_rows=math.prod(x.shape[:-1]) // t, k=weight.shape[1],
+                            n=weight.shape[0], device=x.device)
 
 
 def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -339,34 +348,26 @@ def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, bias: Optiona
     ValueError (naming the value) for an ``x_shard`` that is not a floating [s/t, b, k] tensor, a
     ``weight`` not [n_local, k], a ``bias`` not [n_local], or a weight / bias of another dtype or device.
     On every rank of ``group``, before any collective, when any rank rejects its arguments or the ranks'
-    ``x_shard`` shapes or dtypes differ (uneven sequence shards), or their ``overlap`` (with
-    ``overlap=True`` also n_local, which sizes the plan: pass ``False`` or a ChunkPlan for uneven weight
-    shards): one all-gather of a few int64 per call and, on NCCL, a host sync
+    ``x_shard`` shapes, dtypes or overlap plans differ (uneven sequence shards; ``overlap=True`` sizes
+    the plan by this rank's GEMM, so weight shards of different n_local can pick different plans): one
+    all-gather of a few int64 per call and, on NCCL, a host sync
     (:func:`seqpar.parallel.state.check_ranks_agree`); skipped inside
     :func:`seqpar.parallel.state.agreement_checked` and while a graph is captured.
     """
-    return _all_gather_matmul(x_shard, weight, bias, group, overlap, agree=True)
-
-
-def _all_gather_matmul(x_shard, weight, bias, group: ProcessGroup, overlap, *, agree: bool) -> torch.Tensor:
-    """:func:`all_gather_matmul`; ``agree=False`` for callers that agreed on the input and the plan
-    themselves (an ``overlap=True`` plan is sized by this rank's n_local: pass a ChunkPlan where those
-    differ)."""
-    plans = []
-
-    def check():
+    def check() -> ChunkPlan:
         _check(x_shard, weight, bias, "x_shard")
-        plans.append(ChunkPlan.choose(overlap, t=group_size(group), chunk_rows=math.prod(x_shard.shape[:-1]),
-                                      k=weight.shape[1], n=weight.shape[0], device=x_shard.device))
+        return all_gather_plan(x_shard, weight, group, overlap)
 
-    if agree:
-        n_local = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
-        agree_on_inputs(group, check, {**_shape_and_dtype("x_shard", x_shard),
-                                       **_plan_inputs(overlap, "weight.shape[0] (n_local)", n_local)},
-                        what="all_gather_matmul", hint=SHARD_HINT)
-    else:
-        check()
-    return _AllGatherMatmul.apply(x_shard, weight, bias, group, plans[0])
+    plan = agree_on_inputs(group, check, lambda plan: {**agreed_shape_and_dtype(x_shard, "x_shard shape", "x_shard dtype"),
+                                                      "overlap plan": plan},
+                           what="all_gather_matmul", hint=SHARD_HINT)
+    return _all_gather_matmul(x_shard, weight, bias, group, plan)
+
+
+def _all_gather_matmul(x_shard, weight, bias, group: ProcessGroup, plan: ChunkPlan) -> torch.Tensor:
+    """:func:`all_gather_matmul` on ``plan``, unchecked: for callers that checked and agreed on their
+    arguments and plan themselves (the parallel linears, the model's output GEMM)."""
+    return _AllGatherMatmul.apply(x_shard, weight, bias, group, plan)
 
 
 def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -376,31 +377,26 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     ``overlap`` as in :func:`all_gather_matmul`. ValueError (naming the value) for an ``x`` that is not a
     floating [s, b, k_local] tensor, s not divisible by t, a ``weight`` not [n, k_local], a ``bias`` not
     [n], or a weight / bias of another dtype or device; on every rank, as in :func:`all_gather_matmul`,
-    when any rank rejects its arguments or the ranks' ``x`` leading dims [s, b], n, dtypes or ``overlap``
-    differ (with ``overlap=True`` also k_local).
+    when any rank rejects its arguments or the ranks' ``x`` leading dims [s, b], n, dtypes or overlap
+    plans differ.
     """
-    return _matmul_reduce_scatter(x, weight, bias, group, overlap, agree=True)
-
-
-def _matmul_reduce_scatter(x, weight, bias, group: ProcessGroup, overlap, *, agree: bool) -> torch.Tensor:
-    """:func:`matmul_reduce_scatter`; ``agree=False`` for callers that agreed on the input and the plan
-    themselves (an ``overlap=True`` plan is sized by this rank's k_local)."""
     t = group_size(group)
-    plans = []
 
-    def check():
+    def check() -> ChunkPlan:
         _check(x, weight, bias, "x")
         if x.shape[0] % t:
             raise ValueError(f"sequence length {x.shape[0]} is not divisible by the group size {t}")
-        plans.append(ChunkPlan.choose(overlap, t=t, chunk_rows=math.prod(x.shape[:-1]) // t, k=weight.shape[1],
-                                      n=weight.shape[0], device=x.device))
+        return reduce_scatter_plan(x, weight, group, overlap)
 
-    if agree:
+    def agreed(plan):
         n = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
-        k_local = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() else None
-        agree_on_inputs(group, check, {**_shape_and_dtype("x", x, slice(0, -1)), "weight.shape[0] (n)": n,
-                                       **_plan_inputs(overlap, "x.shape[-1] (k_local)", k_local)},
-                        what="matmul_reduce_scatter", hint=SHARD_HINT)
-    else:
-        check()
-    return _MatmulReduceScatter.apply(x, weight, bias, group, plans[0])
+        return {**agreed_shape_and_dtype(x, "x.shape[:-1]", "x dtype", slice(0, -1)), "weight.shape[0] (n)": n,
+                "overlap plan": plan}
+
+    plan = agree_on_inputs(group, check, agreed, what="matmul_reduce_scatter", hint=SHARD_HINT)
+    return _matmul_reduce_scatter(x, weight, bias, group, plan)
+
+
+def _matmul_reduce_scatter(x, weight, bias, group: ProcessGroup, plan: ChunkPlan) -> torch.Tensor:
+    """:func:`matmul_reduce_scatter` on ``plan``, unchecked (as :func:`_all_gather_matmul`)."""
+    return _MatmulReduceScatter.apply(x, weight, bias, group, plan)

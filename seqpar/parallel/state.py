@@ -173,32 +173,6 @@ def agreement_checked() -> Iterator[None]:
         _SKIP_AGREEMENT.reset(token)
 
 
-def agreement_wanted(group: ProcessGroup) -> bool:
-    """Whether a building block's per-call cross-rank check (:func:`agree_on_inputs`) runs: on more than
-    one rank, outside :func:`agreement_checked`, and not while a graph is captured
-    (:func:`seqpar._custom_op.capturing_graph`: the answer can't be read on the host there; the graph
-    keeps the blocks' collectives without it)."""
-    return group_size(group) > 1 and not capturing_graph() and not _SKIP_AGREEMENT.get()
-
-
-def agree_on_inputs(group: ProcessGroup, check: Callable[[], None], values: Mapping[str, object], *, what: str,
-                    hint: str = "") -> None:
-    """``check()`` (this rank's input checks, raising ValueError) and, where :func:`agreement_wanted`,
-    :func:`check_ranks_agree` over ``values`` (computed without raising: the same names on every rank):
-    a rejected input or a differing value on any rank is a ValueError on every rank, before the caller's
-    first collective (where uneven shards abort gloo, or hang / corrupt NCCL). Cost as
-    :func:`check_ranks_agree`'s."""
-    if not agreement_wanted(group):
-        check()
-        return
-    problem = None
-    try:
-        check()
-    except ValueError as exc:
-        problem = str(exc)
-    check_ranks_agree(group, values, what=what, error=problem, hint=hint)
-
-
 def _plain_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63
 
@@ -281,22 +255,37 @@ def check_ranks_agree(group: ProcessGroup, values: Mapping[str, object], *, what
 _Result = TypeVar("_Result")
 
 
-def run_agreed(fn: Callable[[], _Result], groups: Sequence[ProcessGroup], *, what: str) -> _Result:
+def run_agreed(fn: Callable[[], _Result], groups: Sequence[ProcessGroup], *, what: str,
+               values: Optional[Callable[[Optional[_Result]], Mapping[str, object]]] = None,
+               hint: str = "") -> _Result:
     """``fn()`` on this rank, its failure agreed over each of ``groups`` in turn (every rank takes part in
     every agreement: :func:`check_ranks_agree`): any exception on any rank is a ValueError on every rank
     (chained from this rank's own exception), not one rank raising while the others wait in the next
-    collective. A non-ValueError is reported as "``what``: its type: its message"."""
+    collective. A non-ValueError is reported as "``what``: its type: its message". ``values(result)``
+    (``result`` None where ``fn`` failed; the same names on every rank) must agree too, with ``hint``
+    after a difference."""
     problem, cause, result = None, None, None
     try:
         result = fn()
     except Exception as exc:   # any failure, not only the checks' ValueErrors: the other ranks must not wait
         problem, cause = (str(exc) if isinstance(exc, ValueError) else f"{what}: {type(exc).__name__}: {exc}"), exc
+    agreed = {} if values is None else values(None if problem is not None else result)
     for group in groups:
         try:
-            check_ranks_agree(group, {}, what=what, error=problem)
+            check_ranks_agree(group, agreed, what=what, error=problem, hint=hint)
         except ValueError as exc:
             problem = str(exc)
     if problem is not None:
         raise ValueError(problem) from cause
     return result
 
+
+def agree_on_inputs(group: ProcessGroup, check: Callable[[], _Result],
+                    values: Callable[[Optional[_Result]], Mapping[str, object]], *, what: str, hint: str = "") -> _Result:
+    """A building block's per-call agreement: :func:`run_agreed` of ``check`` (this rank's input checks,
+    returning what the call will do, e.g. its overlap plan) over ``group``, with ``values`` agreed too.
+    While a graph is captured (:func:`seqpar._custom_op.capturing_graph`, or a CUDA graph capture) only
+    ``check()`` runs: no value can be read back on the host there."""
+    if capturing_graph() or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
+        return check()
+    return run_agreed(check, (group,), what=what, values=values, hint=hint)

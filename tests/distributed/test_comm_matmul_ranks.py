@@ -21,8 +21,9 @@ One spawn per world size runs every case (spawns are the expensive part):
 * input agreement (t = 2): uneven sequence shards, another n or dtype, or one rank's rejected argument
   in the comm GEMMs and the parallel linears are a ValueError on every rank before the first collective
   (gloo aborted the process, or returned a tensor of the wrong size), and so are differing overlap
-  plans (``overlap``, or with ``overlap=True`` the local GEMM size it sizes the plan by), also under a
-  dispatch mode such as FlopCounterMode; GPTModel's output GEMM, whose ranks hold different numbers of
+  plans (another ``overlap``, or ``overlap=True`` sizing each rank's plan by its own weight shard),
+  also under a dispatch mode such as FlopCounterMode, and a TransformerLayer under autocast on one rank
+  only; uneven weight shards whose plans agree run; GPTModel's output GEMM, whose ranks hold different numbers of
   real vocabulary rows, picks one plan on every rank (it hung); how many agreements each entry
   point runs (one per op call and per standalone linear or block, none for a TransformerLayer's linears,
   inside ``agreement_checked()`` or with ``check_rank_inputs = False``).
@@ -407,6 +408,18 @@ def _agreement_message(r):
     return _raised(lambda: check_ranks_agree(dist.group.WORLD, {"heads": 4.0 if r == 0 else 4}, what="demo"))
 
 
+def _on_both_sides_of_the_chunk_threshold(flops: float, fn):
+    """``fn()``'s ValueError text with overlap=True chunking CPU GEMMs from ``flops`` FLOPs (any rows)."""
+    import seqpar.parallel.overlap as overlap_mod
+
+    saved = overlap_mod.MIN_CHUNK_FLOPS, overlap_mod.MIN_CHUNK_ROWS
+    overlap_mod.MIN_CHUNK_FLOPS, overlap_mod.MIN_CHUNK_ROWS = {**saved[0], "cpu": flops}, 1
+    try:
+        return _raised(fn)
+    finally:
+        overlap_mod.MIN_CHUNK_FLOPS, overlap_mod.MIN_CHUNK_ROWS = saved
+
+
 def _input_agreement(r, t):
     """Messages of the rejected calls and agreement counts (see the module doc), on every rank."""
     import seqpar
@@ -428,16 +441,25 @@ def _input_agreement(r, t):
         "uneven_column": _raised(lambda: ColumnParallelLinear(8, 10, tp_group=group, sequence_parallel=True)(
             rnd(3 - r, 2, 8))),
         "batch_row": _raised(lambda: RowParallelLinear(8, 6, tp_group=group)(rnd(4, 2 + r, 4))),
-        # the overlap plan: overlap itself, and with overlap=True the local GEMM size it is chosen from
-        "overlap_ag": _raised(lambda: all_gather_matmul(rnd(3, 2, 8), rnd(5, 8), group=group, overlap=r == 0)),
-        "n_local_plan": _raised(lambda: all_gather_matmul(rnd(3, 2, 8), rnd(5 + r, 8), group=group)),
-        "k_local_plan": _raised(lambda: matmul_reduce_scatter(rnd(4, 2, 8 + r), rnd(5, 8 + r), group=group)),
+        # the overlap plans: another overlap, or overlap=True sizing each rank's plan by its own GEMM
+        "overlap_ag": _raised(lambda: all_gather_matmul(rnd(3, 2, 8), rnd(5, 8), group=group,
+                                                        overlap=ChunkPlan(t) if r == 0 else False)),
+        "n_local_plan": _on_both_sides_of_the_chunk_threshold(
+            500.0, lambda: all_gather_matmul(rnd(3, 2, 8), rnd(5 + r, 8), group=group)),        # 480 / 576 FLOPs
+        "k_local_plan": _on_both_sides_of_the_chunk_threshold(
+            340.0, lambda: matmul_reduce_scatter(rnd(4, 2, 8 + r), rnd(5, 8 + r), group=group)),  # 320 / 360
         # a device one rank's linear rejects (the op rejected it after the agreement, on that rank only)
         "meta_x": _raised(lambda: ColumnParallelLinear(8, 10, tp_group=group, sequence_parallel=True)(
             rnd(3, 2, 8).to("meta" if r else "cpu"))),
     }
-    # uneven weight shards are fine where the plan doesn't depend on them
-    out["uneven_n_plain"] = tuple(all_gather_matmul(rnd(3, 2, 8), rnd(5 + r, 8), group=group, overlap=False).shape)
+    # uneven weight shards are fine where the ranks' plans agree (overlap=True: both plain at these sizes)
+    out["uneven_n_plain"] = tuple(all_gather_matmul(rnd(3, 2, 8), rnd(5 + r, 8), group=group).shape)
+    # a TransformerLayer under autocast on one rank only: its check covers its linears' dtypes too
+    seqpar.manual_seed(0)
+    cfg = seqpar.TransformerConfig(hidden_size=8, num_attention_heads=2, ffn_hidden_size=16, sequence_parallel=True)
+    layer = seqpar.TransformerLayer(cfg, tp_group=group)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=r == 1):
+        out["layer_autocast_one_rank"] = _raised(lambda: layer(rnd(3, 2, 8)))
     from torch.utils.flop_counter import FlopCounterMode
     with FlopCounterMode(display=False):   # a dispatch mode that runs real tensors: the agreement still runs
         out["uneven_under_flop_counter"] = _raised(
@@ -543,10 +565,13 @@ def _check_input_agreement(per_rank):
         assert res["uneven_column"] and "ColumnParallelLinear input" in res["uneven_column"] and \
             "x.shape[:-1] differs" in res["uneven_column"], (rank, res["uneven_column"])
         assert res["batch_row"] and "RowParallelLinear input" in res["batch_row"], (rank, res["batch_row"])
-        assert res["overlap_ag"] and "overlap differs" in res["overlap_ag"], (rank, res["overlap_ag"])
-        assert res["n_local_plan"] and "weight.shape[0] (n_local) (overlap=True chooses the plan from it) " \
-            "differs (rank 0: 5, rank 1: 6)" in res["n_local_plan"], (rank, res["n_local_plan"])
-        assert res["k_local_plan"] and "x.shape[-1] (k_local)" in res["k_local_plan"], (rank, res["k_local_plan"])
+        for key in ("overlap_ag", "n_local_plan", "k_local_plan"):
+            assert res[key] and "overlap plan differs" in res[key] and "pass overlap=False or one ChunkPlan" \
+                in res[key], (rank, key, res[key])
+        assert "rank 0 has ChunkPlan(chunks=2" in res["overlap_ag"] if rank == 0 else \
+            "rank 1 has ChunkPlan(chunks=1" in res["overlap_ag"], (rank, res["overlap_ag"])
+        assert res["layer_autocast_one_rank"] and "x dtype (under autocast its dtype) differs" in \
+            res["layer_autocast_one_rank"], (rank, res["layer_autocast_one_rank"])
         assert res["meta_x"] and (("x is on meta but the weight on cpu" in res["meta_x"]) if rank == 1 else
                                   ("rank(s) [1] rejected their arguments" in res["meta_x"])), (rank, res["meta_x"])
         assert res["uneven_n_plain"] == (6, 2, 5 + rank), (rank, res["uneven_n_plain"])

@@ -640,6 +640,21 @@ def test_gpu_fp32_matches_fp64(backend, shape, causal, p):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scale", [-0.4, 0.0])
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_any_finite_scale(backend, scale):
+    """test_any_finite_scale_as_sdpa on the device: the cuda backend's score GEMM takes the scale as
+    its alpha (negative or zero included)."""
+    _gpu_backend_ready(backend)
+    q, k, v, grad_o = (randn(2, 3, 37, 64) for _ in range(4))
+    o, grads = run(backend, q, k, v, grad_o, True, 0.2, scale=scale)
+    o_ref, grads_ref = reference_fp64(q, k, v, grad_o, True, 0.2, SEED, scale=scale)
+    torch.testing.assert_close(o.double(), o_ref, atol=5e-5, rtol=1e-4)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+        torch.testing.assert_close(g.double(), g_ref, atol=2e-4, rtol=1e-3, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
 def test_gpu_dropout_mask_is_the_reference_mask(backend):
     _gpu_backend_ready(backend)

@@ -355,19 +355,24 @@ def test_bad_inputs_raise_value_error(overrides, match, backend):
 def test_non_contiguous_layouts_are_copied_into_rows(backend):
     """A transposed x and a column-strided residual (last-dim stride != 1, which the kernels can't read)
     give the contiguous tensors' outputs and gradients, dropout mask included (it follows the logical index)."""
-    args = {**_valid(), "x": torch.randn(8, 3).t(), "residual": torch.randn(3, 16)[:, ::2]}
-    dense = {k: None if v is None else v.contiguous() for k, v in args.items()}
-    outs, grads = [], []
-    for inputs in (args, dense):
-        leaves = {k: v.detach().clone().requires_grad_() for k, v in inputs.items()}
-        y, ro = bias_dropout_add_layer_norm(leaves["x"], leaves["bias"], leaves["residual"], leaves["ln_weight"],
-                                            leaves["ln_bias"], p=0.3, seed=5, backend=backend)
+    leaves = {**{k: v.requires_grad_() for k, v in _valid().items()},
+              "x": torch.randn(8, 3).t().requires_grad_(), "residual": torch.randn(3, 16, requires_grad=True)}
+    strided = {**leaves, "residual": leaves["residual"][:, ::2]}   # column stride 2 (a view of its leaf)
+    assert strided["x"].stride() == (1, 3) and strided["residual"].stride() == (16, 2)
+    dense_leaves = {k: v.detach().contiguous().requires_grad_() for k, v in strided.items()}
+    outs = []
+    for inputs in (strided, dense_leaves):
+        y, ro = bias_dropout_add_layer_norm(inputs["x"], inputs["bias"], inputs["residual"], inputs["ln_weight"],
+                                            inputs["ln_bias"], p=0.3, seed=5, backend=backend)
         (y * torch.arange(24.0).view(3, 8) + ro).sum().backward()
         outs.append((y, ro))
-        grads.append([leaves[k].grad for k in ("x", "bias", "residual", "ln_weight", "ln_bias")])
+    grads = [[leaves[k].grad for k in ("x", "bias", "ln_weight", "ln_bias")] + [leaves["residual"].grad[:, ::2]],
+             [dense_leaves[k].grad for k in ("x", "bias", "ln_weight", "ln_bias", "residual")]]
+    assert torch.count_nonzero(leaves["residual"].grad[:, 1::2]) == 0   # the columns the view skips
     for got, want in zip(outs[0] + tuple(grads[0]), outs[1] + tuple(grads[1])):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert not torch.equal(outs[0][1], (args["x"] + args["bias"] + args["residual"])), "dropout must drop"
+    plain = strided["x"] + strided["bias"] + strided["residual"]
+    assert not torch.equal(outs[0][1], plain), "dropout must drop"
 
 
 BAD_OPTIONS = [
