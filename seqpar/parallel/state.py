@@ -284,8 +284,9 @@ def agree_on_inputs(group: ProcessGroup, check: Callable[[], _Result],
                     values: Callable[[Optional[_Result]], Mapping[str, object]], *, what: str, hint: str = "") -> _Result:
     """A building block's per-call agreement: :func:`run_agreed` of ``check`` (this rank's input checks,
     returning what the call will do, e.g. its overlap plan) over ``group``, with ``values`` agreed too.
-    While a graph is captured (:func:`seqpar._custom_op.capturing_graph`, or a CUDA graph capture) only
-    ``check()`` runs: no value can be read back on the host there."""
-    if capturing_graph() or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
+    On one rank, and while a graph is captured (:func:`seqpar._custom_op.capturing_graph`, or a CUDA
+    graph capture: no value can be read back on the host there), only ``check()`` runs."""
+    if group_size(group) == 1 or capturing_graph() or (
+            torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
         return check()
     return run_agreed(check, (group,), what=what, values=values, hint=hint)
