@@ -127,7 +127,8 @@ def test_architecture_defaults_are_the_gpt_layer():
      r"position_embedding='rope' needs an even head dim, got hidden_size 72 / num_attention_heads 24 = 3"),
     (dict(position_embedding="learned"), r"rope_theta=500000.0 with position_embedding='learned'"),
 ], ids=["norm", "norm-none", "activation", "groups-divide", "groups-zero", "groups-bool", "groups-float", "position",
-        "theta-zero", "theta-inf", "theta-bool", "theta-past-fp32", "bias-int", "rope-odd-head-dim", "theta-with-learned"])
+        "theta-zero", "theta-inf", "theta-bool", "theta-past-fp32", "bias-int", "rope-odd-head-dim",
+        "theta-with-learned"])
 def test_architecture_knobs_reject(kwargs, match):
     with pytest.raises(ValueError, match=match):
         seqpar.TransformerConfig(**{**LLAMA, **kwargs})

@@ -314,7 +314,8 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
                 "input") + ("; dropout seeds differ when torch's CPU generator diverged after "
                             "seqpar.manual_seed (one rank drew random numbers the others did not)")
         check_ranks_agree(self.tp_group, {"x.shape[0] (s_local)" if sp else "x.shape[0] (s)": shape[0],
-                                          "x.shape[1] (b)": shape[1], "x dtype (under autocast its dtype)": getattr(x, "dtype", None),
+                                          "x.shape[1] (b)": shape[1],
+                                          "x dtype (under autocast its dtype)": getattr(x, "dtype", None),
                                           "dropout seed of this forward": mode.seed},
                           what=f"TransformerLayer(layer_number={self.layer_number}) input", error=problem,
                           hint=hint, device=self.input_layernorm.weight.device)

@@ -358,9 +358,10 @@ def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, bias: Optiona
         _check(x_shard, weight, bias, "x_shard")
         return all_gather_plan(x_shard, weight, group, overlap)
 
-    plan = agree_on_inputs(group, check, lambda plan: {**agreed_shape_and_dtype(x_shard, "x_shard shape", "x_shard dtype"),
-                                                      "overlap plan": plan},
-                           what="all_gather_matmul", hint=SHARD_HINT)
+    def agreed(plan):
+        return {**agreed_shape_and_dtype(x_shard, "x_shard shape", "x_shard dtype"), "overlap plan": plan}
+
+    plan = agree_on_inputs(group, check, agreed, what="all_gather_matmul", hint=SHARD_HINT)
     return _all_gather_matmul(x_shard, weight, bias, group, plan)
 
 

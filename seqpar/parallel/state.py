@@ -281,7 +281,8 @@ def run_agreed(fn: Callable[[], _Result], groups: Sequence[ProcessGroup], *, wha
 
 
 def agree_on_inputs(group: ProcessGroup, check: Callable[[], _Result],
-                    values: Callable[[Optional[_Result]], Mapping[str, object]], *, what: str, hint: str = "") -> _Result:
+                    values: Callable[[Optional[_Result]], Mapping[str, object]], *, what: str,
+                    hint: str = "") -> _Result:
     """A building block's per-call agreement: :func:`run_agreed` of ``check`` (this rank's input checks,
     returning what the call will do, e.g. its overlap plan) over ``group``, with ``values`` agreed too.
     On one rank, and while a graph is captured (:func:`seqpar._custom_op.capturing_graph`, or a CUDA
