@@ -352,6 +352,8 @@ def layer_targets(layer: Optional[Dict]) -> List[Dict]:
 
     cfg = (layer or {}).get("config", {})
     shape = f"h={cfg.get('hidden')} a={cfg.get('heads')} s={cfg.get('seq_len')} b={cfg.get('batch')} t={cfg.get('tp')}"
+    if (layer or {}).get("complete") is False:     # the bench rewrites its json after each experiment
+        shape += f" (the run stopped after {len(rows)} of its experiments)"
     out = [target("layer: selective recompute overhead (vs no recompute)", overhead("selective recompute"), 0.03,
                   "fraction", "<=", missing or shape),
            target("layer: full recompute overhead (expected about +33% or worse)", overhead("full recompute"), 0.30,

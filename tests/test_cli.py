@@ -60,7 +60,9 @@ def test_bench_prints_five_experiments(tmp_path):
     for name in ("no recompute", "sequence parallel", "full recompute", "selective recompute",
                  "selective + sequence parallel"):
         assert name in out.stdout
-    rows = json.loads(path.read_text())["rows"]
+    written = json.loads(path.read_text())
+    rows = written["rows"]
+    assert written["complete"] is True
     assert [r["recompute"] for r in rows] == ["none", "none", "full", "selective", "selective"]
     by_name = {r["experiment"]: r for r in rows}
     # selective keeps less than none, full keeps least, SP keeps less than plain TP
@@ -70,6 +72,30 @@ def test_bench_prints_five_experiments(tmp_path):
     for r in rows:  # seqpar regenerates masks: between Table 2 without and with them
         assert 0.95 * r["table2_bytes_no_masks"] <= r["activation_bytes"] <= 1.05 * r["table2_bytes"], r
     _assert_png(tmp_path / "fig8.png")
+
+
+@pytest.mark.timeout(120)
+def test_bench_json_keeps_the_rows_of_a_run_stopped_part_way(tmp_path, monkeypatch):
+    """A run killed part way (a device call's time limit) keeps the experiments it measured."""
+    from seqpar.bench import layer_bench
+
+    real = layer_bench.layer_config
+
+    def config_failing_at_full_recompute(args, sequence_parallel, recompute, dtype):
+        if recompute == "full":
+            raise RuntimeError("stopped here")
+        return real(args, sequence_parallel, recompute, dtype)
+
+    monkeypatch.setattr(layer_bench, "layer_config", config_failing_at_full_recompute)
+    path = tmp_path / "rows.json"
+    with pytest.raises(RuntimeError, match="stopped here"):
+        layer_bench.main(["--tp", "1", "--seq-len", "16", "--hidden", "32", "--heads", "4", "--batch", "1",
+                          "--iters", "1", "--warmup", "0", "--dtype", "fp32", "--json", str(path)])
+    written = json.loads(path.read_text())
+    assert written["complete"] is False and written["config"]["seq_len"] == 16
+    assert [r["experiment"] for r in written["rows"]] == ["no recompute", "sequence parallel"]
+    base, sp = written["rows"]
+    assert base["overhead"] == 0.0 and sp["overhead"] == pytest.approx(sp["combined_ms"] / base["combined_ms"] - 1)
 
 
 # ------------------------------------------------------------------------------- plan
@@ -256,10 +282,10 @@ _KILLED_RANK_SCRIPT = """
 import os, signal, sys
 import seqpar.bench.layer_bench as layer_bench
 real = layer_bench.run_experiments
-def killed_on_rank_1(args, rank, world_size, group):   # at module level: the spawned ranks import it too
+def killed_on_rank_1(args, rank, *rest):              # at module level: the spawned ranks import it too
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)           # as the out-of-memory killer does: no report
-    return real(args, rank, world_size, group)
+    return real(args, rank, *rest)
 layer_bench.run_experiments = killed_on_rank_1
 if __name__ == "__main__":
     from seqpar.cli import main

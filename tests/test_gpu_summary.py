@@ -241,6 +241,20 @@ def test_layer_megatron_and_gemm_targets(tmp_path):
     assert by_name(summary, "175B shapes")["met"] is True
 
 
+def test_a_layer_run_stopped_part_way_gives_what_it_measured(tmp_path):
+    """``python -m seqpar bench --json`` rewrites the file after each experiment ("complete": false)."""
+    rows = [dict(experiment=e, combined_ms=10.0, overhead=0.0, activation_bytes=900.0, table2_bytes=1000.0)
+            for e in ("no recompute", "sequence parallel")]
+    (tmp_path / "layer_bench_gpu.json").write_text(json.dumps(dict(
+        device=H100, date="2026-12-01", commit="abc1234", complete=False, rows=rows,
+        config=dict(hidden=6144, heads=64, seq_len=2048, batch=4, tp=1))))
+    summary = S.summarize(str(tmp_path))
+    selective = by_name(summary, "selective recompute overhead")
+    assert selective["value"] is None and selective["met"] is None
+    assert "stopped after 2 of its experiments" in selective["detail"]
+    assert by_name(summary, "layer sequence parallel: activation bytes")["value"] == pytest.approx(0.9)
+
+
 def test_missing_rows_list_every_target_as_not_measured(tmp_path):
     summary = S.summarize(str(tmp_path))
     assert summary["device"] is None and summary["date"] is None

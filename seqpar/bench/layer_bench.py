@@ -26,7 +26,7 @@ import queue as queue_module
 import socket
 import statistics
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from .results import git_commit
 
@@ -182,7 +182,9 @@ class _Timer:
         return out, (time.perf_counter() - t0) * 1e3
 
 
-def run_experiments(args, rank: int, world_size: int, group) -> List[Dict]:
+def run_experiments(args, rank: int, world_size: int, group,
+                    on_row: Optional[Callable[[List[Dict]], None]] = None) -> List[Dict]:
+    """The five experiments' rows, in order; ``on_row(rows so far)`` after each (rank 0 writes them)."""
     import torch
 
     import seqpar
@@ -231,15 +233,36 @@ def run_experiments(args, rank: int, world_size: int, group) -> List[Dict]:
                    activation_bytes=meter.bytes, table2_bytes=table2(), table2_bytes_no_masks=table2(bytes_per_mask=0),
                    backends={op: ",".join(sorted(names)) for op, names in sorted(ran.items())})
         row["combined_ms"] = row["forward_ms"] + row["backward_ms"]
+        row["overhead"] = row["combined_ms"] / (rows[0] if rows else row)["combined_ms"] - 1.0  # vs no recompute
         rows.append(row)
         if rank == 0:
             print(f"[{index}/{len(EXPERIMENTS)}] {name}: fwd {row['forward_ms']:.1f} ms, bwd "
                   f"{row['backward_ms']:.1f} ms, {meter.bytes / 2**20:.2f} MiB saved "
                   f"({time.perf_counter() - started:.1f} s)", flush=True)
-    base = rows[0]["combined_ms"]
-    for row in rows:
-        row["overhead"] = row["combined_ms"] / base - 1.0
+        if on_row is not None:
+            on_row(rows)
     return rows
+
+
+def bench_device_name(args) -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores, gloo)"
+
+
+def json_meta(args) -> Dict:
+    """What ``--json`` records beside the rows: device, date, commit and the run's options."""
+    return dict(device=bench_device_name(args), date=datetime.date.today().isoformat(), commit=git_commit(),
+                config=dict(arch=args.arch, kv_heads=args.kv_heads, ffn=args.ffn,
+                            seq_len=args.seq_len, batch=args.batch, hidden=args.hidden, heads=args.heads,
+                            tp=args.tp, dtype=args.dtype, dropout=args.dropout, backend=args.backend,
+                            iters=args.iters, warmup=args.warmup))
+
+
+def write_json(path: str, meta: Dict, rows: List[Dict]) -> None:
+    """``meta`` and the rows measured so far to ``path``; ``"complete"`` says whether all five are in."""
+    with open(path, "w") as f:
+        json.dump(dict(meta, complete=len(rows) == len(EXPERIMENTS), rows=rows), f, indent=2)
 
 
 def format_table(rows: List[Dict], header: str, formula: str = "Table 2") -> str:
@@ -272,8 +295,11 @@ def _rank_main(rank: int, world_size: int, args, port: Optional[int]) -> Optiona
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=600))
     group = dist.group.WORLD if dist.is_initialized() and world_size > 1 else None
+    # rank 0 rewrites --json after every experiment: a run killed part way (a device call's time limit)
+    # keeps the rows it measured, with "complete": false
+    on_row = functools.partial(write_json, args.json, json_meta(args)) if rank == 0 and args.json else None
     try:
-        rows = run_experiments(args, rank, world_size, group)
+        rows = run_experiments(args, rank, world_size, group, on_row)
     finally:
         if port is not None:
             dist.destroy_process_group()
@@ -378,20 +404,13 @@ def main(argv: Optional[List[str]] = None) -> List[Dict]:
         rank = 0
     if rank != 0:
         return []
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores, gloo)"
+    device_name = bench_device_name(args)
     arch = "" if args.arch == "gpt" else f" llama (g={args.kv_heads} f={args.ffn})"
     header = (f"seqpar bench: one{arch} layer, s={args.seq_len} b={args.batch} h={args.hidden} a={args.heads} "
               f"t={args.tp} {args.dtype} dropout={args.dropout} backend={args.backend} on {device_name}")
     formula = "Table 2" if args.arch == "gpt" else "formula"   # llama: Table 2's terms for its block
     print(format_table(rows, header, formula))
-    if args.json:
-        meta = dict(device=device_name, date=datetime.date.today().isoformat(), commit=git_commit(),
-                    config=dict(arch=args.arch, kv_heads=args.kv_heads, ffn=args.ffn,
-                                seq_len=args.seq_len, batch=args.batch, hidden=args.hidden, heads=args.heads,
-                                tp=args.tp, dtype=args.dtype, dropout=args.dropout, backend=args.backend,
-                                iters=args.iters, warmup=args.warmup))
-        with open(args.json, "w") as f:
-            json.dump(dict(meta, rows=rows), f, indent=2)
+    if args.json:   # written by rank 0 after each experiment
         print(f"wrote {args.json}")
     if args.plot:
         from .plots import plot_bench
