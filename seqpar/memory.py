@@ -26,8 +26,8 @@ layer gives it (:func:`saved_as`), per rank (R = t with SP, else 1)::
                                                         the fp32 rstd per token
     QKV input, fc1 input            sbh E / R           column-parallel GEMM inputs (the shard under SP,
                                                         re-gathered in backward)
-    Q, K, V                         sbh E (1 + 2g/a)/t  one QKV storage; g < a shrinks K and V (RoPE
-                                                        rotates q, k in place: nothing more)
+    Q, K, V                         sbh E (1 + 2g/a)/t  one QKV storage; g < a shrinks K and V (RoPE:
+                                                        rotated q, k and a copy of v instead)
     softmax output                  a s^2 b E / t       the softmax core's probabilities
     dropout output, mask            a s^2 b (E + M)/t   only with attention dropout
     attention core (flash-style)    (sbh E + 4asb) / t  o (the projection input's storage) and the

@@ -8,7 +8,7 @@ without SP in brackets)::
     x          [s/t, b, h]   ([s, b, h])
     a1 = norm1(x)                                        LayerNorm or RMSNorm, sequence-sharded under SP
     qkv        [s, b, (H + 2G) d]   column-parallel (g / f before it): [its Q heads, its K, its V groups]
-    q, k = rope(q, k)                                    "rope": in place, global positions 0 .. s-1
+    q, k = rope(q, k)                                    "rope": global positions 0 .. s-1 (out of place)
     o  = attention_core(q, k, v)  [b, H, s, d]           causal, grouped-query when G < H; recomputed in
                                                          backward if "selective" (unless flash-style)
     x2, a2 = norm2 after bias-dropout-add (o W_proj^T, b_proj, x)   row-parallel (g-bar / f-bar), fused
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .. import random as sp_random
-from .._custom_op import outside_compile, tracing
+from .._custom_op import outside_compile
 from ..config import PARAMS_DTYPES, TransformerConfig
 from ..memory import name_storage, saved_as
 from ..ops.attention_core import attention_core, select_backend
@@ -145,17 +145,14 @@ class ParallelAttention(SharesProcessGroup, nn.Module):
             qkv = name_storage(self.query_key_value(a1), "Q, K, V")
         s, b = qkv.shape[0], qkv.shape[1]
         heads, kv_heads, d = self.local_heads, self.local_kv_heads, cfg.head_dim
-        # Views of the one QKV storage (slices, not split(): RoPE writes into q and k in place).
-        per_head = qkv.view(s, b, heads + 2 * kv_heads, d)
-        q, k, v = per_head[:, :, :heads], per_head[:, :, heads:heads + kv_heads], per_head[:, :, heads + kv_heads:]
+        q, k, v = qkv.view(s, b, heads + 2 * kv_heads, d).split([heads, kv_heads, kv_heads], dim=2)
         if cfg.position_embedding == "rope":
             # qkv holds the whole sequence (under SP the column-parallel GEMM gathered it), so row i is
-            # global position i. In place: nothing new is stored, and RoPE saves nothing for backward. Not
-            # while tracing: torch 2.11's Dynamo fails on these views of qkv modified in place inside an
-            # autograd Function (a fake-tensor error at the permute below), and a compiled graph plans its
-            # buffers itself.
-            q, k = rotary_embedding(q, k, position_offset=0, theta=cfg.rope_theta, inplace=not tracing(),
-                                    backend=cfg.backend)
+            # global position i. Out of place: qkv is the linear's output, which its forward hooks saw
+            # and may keep (an in-place rotation changed it under them). v is copied out of it, so the
+            # QKV storage is freed and the core keeps the same bytes: rotated q, k and the copy of v.
+            q, k = rotary_embedding(q, k, position_offset=0, theta=cfg.rope_theta, backend=cfg.backend)
+            q, k, v = (name_storage(x, "Q, K, V") for x in (q, k, v.clone()))
         q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))    # [b, heads, s, d]
         impl = select_backend(q, k, v, causal=True, backend=cfg.backend)
         # Head-major global dropout rows over the query heads: this rank's first head is rank * H (seqpar.random).

@@ -41,3 +41,25 @@ def test_post_attention_norm_called_as_the_fused_op_returns_what_the_method_does
         residual_out, (32,), layer.post_attention_layernorm.weight, layer.post_attention_layernorm.bias))
     with pytest.raises(ValueError, match="pass residual"):
         layer.post_attention_layernorm(x, bias)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_hooked_output_is_not_changed_after_its_hook(name):
+    """RoPE rotated q and k in place inside the QKV linear's output: a forward hook that kept it saw it
+    change afterwards, and an auxiliary loss built from it failed in backward (modified in place)."""
+    layer = seqpar.TransformerLayer(seqpar.TransformerConfig(backend="torch", **CONFIGS[name][0])).eval()
+    kept = []
+    layer.self_attention.query_key_value.register_forward_hook(
+        lambda mod, args, out: kept.append((out, out.detach().clone())))
+    x = torch.randn(8, 2, 32, requires_grad=True)
+    y = layer(x)
+    out, copy = kept[0]
+    assert torch.equal(out, copy)
+    aux = out.float().pow(2).mean()          # an activation penalty on the hooked output
+    (y.sum() + aux).backward()
+    grad_with_aux = x.grad.clone()
+    x.grad = None
+    layer(x).sum().backward()
+    layer(x)                                 # the penalty's own gradient, through the first norm only
+    x_aux = torch.autograd.grad(kept[-1][0].float().pow(2).mean(), x)[0]
+    torch.testing.assert_close(grad_with_aux, x.grad + x_aux)
