@@ -1,20 +1,22 @@
-"""Activation recomputation (checkpointing) without RNG bookkeeping.
+"""Activation recomputation (checkpointing) without RNG bookkeeping for seqpar's dropout.
 
 Dropout masks are pure functions of seeds drawn *before* the checkpointed region (seqpar.random), so
-the recomputation replays the same masks with no RNG state saved; mode flags (``training``) are
+the recomputation replays the same masks from its arguments. Code inside the region that draws from
+torch's own generators (a user's hook adding noise) draws the same again: the re-run starts from the
+forward's CPU and CUDA generator states, as torch.utils.checkpoint's does. Mode flags (``training``) are
 likewise decided before the region and passed in as arguments, never read inside it (the re-run happens
 in backward, after any ``train()`` / ``eval()``). The autocast state is the forward's too: the
 re-run enters the autocast the forward ran under, whatever is active during backward. The region's
 tensor inputs go through ``ctx.save_for_backward`` (so :class:`seqpar.memory.ActivationMeter` sees
 them); the parameters of ``module``, which the function reads, are passed through so their gradients
 flow and ``torch.autograd.grad`` works. The re-run differentiates detached copies of the inputs and
-parameters (swapped into ``module``): hooks registered on the parameters run once, when the returned
-gradients reach them, as without recompute.
+parameters (swapped into ``module``, backward into their ``.grad``): hooks registered on the parameters
+run once, when the returned gradients reach them, as without recompute.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.utils.checkpoint
@@ -30,6 +32,7 @@ class _Checkpoint(torch.autograd.Function):
         ctx.fn, ctx.args, ctx.tensor_index = fn, list(args), tensor_index
         ctx.module, ctx.param_names = module, param_names
         ctx.autocast = _autocast_state(args[i] for i in tensor_index)
+        ctx.rng = _rng_state(args[i] for i in tensor_index)
         for i in tensor_index:
             ctx.args[i] = None  # held via save_for_backward only
         ctx.save_for_backward(*(args[i] for i in tensor_index), *args_and_params[n_args:])
@@ -44,21 +47,25 @@ class _Checkpoint(torch.autograd.Function):
     def backward(ctx, *grad_outs):
         saved = ctx.saved_tensors
         n = len(ctx.tensor_index)
-        # Detached copies of the inputs and parameters: autograd.grad with respect to the parameters
-        # themselves would run their hooks here, and again when the returned gradients reach them.
+        # Detached copies of the inputs and parameters: a backward into the parameters themselves would
+        # run their hooks here, and again when the returned gradients reach them.
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in saved]
         args = list(ctx.args)
         for i, t in zip(ctx.tensor_index, leaves[:n]):
             args[i] = t
-        with torch.enable_grad(), _autocast(ctx.autocast), _parameters(ctx.module, ctx.param_names, leaves[n:]):
+        with torch.enable_grad(), _autocast(ctx.autocast), _replayed_rng(ctx.rng), \
+                _parameters(ctx.module, ctx.param_names, leaves[n:]):
             outs = ctx.fn(*args)
         outs = outs if ctx.tuple_out else (outs,)
         pairs = [(o, g) for o, g in zip(outs, grad_outs)
                  if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
         wrt = [t for t in leaves if t.requires_grad]
-        grads = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
-                     if pairs and wrt else [None] * len(wrt))
-        grad_inputs = [next(grads) if t.requires_grad else None for t in leaves]
+        if pairs and wrt:
+            # backward into the leaves' .grad, not autograd.grad: module hooks that watch gradients
+            # (ModuleTracker, FlopCounterMode) ask whether a leaf's accumulator will run, which
+            # autograd.grad refuses to answer
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=wrt)
+        grad_inputs = [t.grad for t in leaves]
         out = [None] * len(ctx.args)
         for i, g in zip(ctx.tensor_index, grad_inputs[:n]):
             out[i] = g
@@ -92,6 +99,31 @@ def _autocast(state: AutocastState):
     return stack
 
 
+RngState = Tuple[torch.Tensor, Tuple[Tuple[int, torch.Tensor], ...]]
+
+
+def _rng_state(tensors) -> RngState:
+    """torch's CPU generator state and that of the CUDA devices of ``tensors`` (not while a CUDA graph is
+    captured, where reading a device generator's state is not allowed): what code inside the region
+    that draws from torch's generators (a user's hook adding noise) draws from."""
+    devices = sorted({t.device.index for t in tensors if t.device.type == "cuda"})
+    if devices and torch.cuda.is_current_stream_capturing():
+        devices = []
+    return torch.get_rng_state(), tuple((d, torch.cuda.get_rng_state(d)) for d in devices)
+
+
+@contextlib.contextmanager
+def _replayed_rng(state: RngState) -> Iterator[None]:
+    """The forward's generator states for the re-run, and the backward's own back after it (as
+    torch.utils.checkpoint's preserve_rng_state does): the re-run draws what the forward drew."""
+    cpu, cuda = state
+    with torch.random.fork_rng(devices=[d for d, _ in cuda]):
+        torch.set_rng_state(cpu)
+        for device, device_state in cuda:
+            torch.cuda.set_rng_state(device_state, device)
+        yield
+
+
 def _check_outputs(out) -> None:
     """``fn`` returns a tensor or a flat tuple: a list, a dict or a nested tuple would leave the tensors
     inside it detached from the graph (an autograd.Function tracks only its direct outputs)."""
@@ -117,9 +149,11 @@ def checkpoint(fn: Callable, *args, module: Optional[nn.Module] = None):
     Gradients flow to the tensors among ``args`` and to ``module``'s parameters only: a tensor that
     requires grad inside a list, tuple or dict argument is refused (ValueError), and ``fn`` returns a
     tensor or a flat tuple (ValueError otherwise); tensors ``fn`` reads from elsewhere (a closure, a
-    global) get no gradient. The re-run uses the forward's autocast state. Once differentiable: a
-    double backward through it raises. A torch.utils.checkpoint inside ``fn`` must be non-reentrant
-    (``use_reentrant=False``: the reentrant kind refuses the re-run's autograd.grad), and torch.func
+    global) get no gradient. The re-run uses the forward's autocast state and torch's generator states
+    (CPU, and the CUDA devices of the tensor ``args``; not under CUDA graph capture). Once
+    differentiable: a double backward through it raises. A torch.utils.checkpoint inside ``fn`` must be
+    non-reentrant (``use_reentrant=False``: the reentrant kind refuses the re-run's backward with
+    ``inputs``), and torch.func
     transforms (grad, vmap) do not go through it.
     """
     if torch.compiler.is_compiling():

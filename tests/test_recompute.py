@@ -44,6 +44,52 @@ def test_a_hook_on_a_parameter_runs_once(recompute):
     torch.testing.assert_close(lin.weight.grad, 2 * plain.weight.grad, rtol=0, atol=0)
 
 
+def _noisy_layer(recompute):
+    """A layer whose fc1 output gets noise from torch's generator in a forward hook (noise injection)."""
+    seqpar.manual_seed(0)
+    layer = seqpar.TransformerLayer(seqpar.TransformerConfig(hidden_size=16, num_attention_heads=2,
+                                                             recompute=recompute, backend="torch"))
+    layer.mlp.dense_h_to_4h.register_forward_hook(lambda mod, args, out: out + torch.randn_like(out))
+    return layer
+
+
+def test_the_re_run_draws_what_the_forward_drew_from_torch_rng():
+    """Full recompute re-ran a hook that draws from torch's generator with the generator moved on: the
+    backward differentiated another forward (fc2's weight gradient off by more than its own size).
+    torch.utils.checkpoint restores the forward's generator state for its re-run; so does this one,
+    and the backward's own draws after it are as without recompute."""
+    got = {}
+    for recompute in ("none", "full"):
+        layer = _noisy_layer(recompute)
+        x = torch.randn(4, 1, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        torch.manual_seed(123)
+        layer(x).pow(2).sum().backward()
+        got[recompute] = (x.grad, layer.mlp.dense_4h_to_h.weight.grad, torch.rand(3))
+    for plain, recomputed in zip(got["none"], got["full"]):
+        torch.testing.assert_close(recomputed, plain, rtol=0, atol=0)
+
+
+def test_gradient_watching_modes_run_through_the_re_run():
+    """FlopCounterMode (MFU) and ModuleTracker register gradient hooks on module inputs; under full
+    recompute they failed in backward ("A leaf node was passed to _will_engine_execute_node but we are
+    currently running autograd.grad()"). The count is the forward's, twice, plus the backward's."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils.module_tracker import ModuleTracker
+
+    x = torch.randn(4, 1, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    flops = {}
+    for recompute in ("none", "full"):
+        layer = seqpar.TransformerLayer(seqpar.TransformerConfig(hidden_size=16, num_attention_heads=2,
+                                                                 recompute=recompute, backend="torch"))
+        with FlopCounterMode(display=False) as forward_only:
+            y = layer(x)
+        with FlopCounterMode(display=False) as backward, ModuleTracker():
+            y.sum().backward()
+        flops[recompute] = (forward_only.get_total_flops(), backward.get_total_flops())
+    (fwd, bwd), (fwd_full, bwd_full) = flops["none"], flops["full"]
+    assert fwd > 0 and fwd_full == fwd and bwd_full == bwd + fwd
+
+
 @pytest.mark.parametrize("backward_in_autocast", [False, True], ids=["backward-outside", "backward-inside"])
 def test_the_re_run_uses_the_forwards_autocast(backward_in_autocast):
     """The re-run ran under whatever autocast was active during backward: after a bf16 forward, a
