@@ -151,3 +151,24 @@ def test_containers_that_would_lose_gradients_are_refused(case):
     y = checkpoint(lambda x, y: (x * y, 3), a, b)[0]    # a flat tuple with a non-tensor is fine
     y.sum().backward()
     torch.testing.assert_close(a.grad, b.detach())
+
+
+def test_swapped_parameters_replaces_every_alias_and_puts_them_back():
+    """The one parameter swap (full recompute's re-run, autocast's cast parameters): a tied weight is
+    replaced under every name it has, and everything is restored on leaving, after an error too."""
+    from seqpar.recompute import swapped_parameters
+
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5, bias=False))
+    model[1].weight = model[0].weight                       # tied: one entry in named_parameters()
+    assert [n for n, _ in model.named_parameters()] == ["0.weight"]
+    original = model[0].weight
+    replacement = torch.full((5, 4), 2.0)
+    with pytest.raises(RuntimeError, match="inside"):
+        with swapped_parameters(model, {"0.weight": replacement}):
+            assert model[0].weight is replacement and model[1].weight is replacement
+            raise RuntimeError("inside")
+    assert model[0].weight is original and model[1].weight is original
+    assert isinstance(model[1]._parameters["weight"], torch.nn.Parameter)
+    with pytest.raises(ValueError, match=r"no parameters \['2.weight'\]"):
+        with swapped_parameters(model, {"2.weight": replacement}):
+            pass

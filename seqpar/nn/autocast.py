@@ -19,7 +19,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.nn.utils.stateless import _reparametrize_module
+
+from ..recompute import swapped_parameters
 
 _HANDED_DOWN = "_seqpar_autocast_dtype"   # the attribute run_in_dtype sets on its module for the call
 
@@ -28,6 +29,8 @@ def autocast_dtype(module: nn.Module) -> Optional[torch.dtype]:
     """The dtype ``module`` runs in for this call: that of the ``torch.autocast`` enabled for its
     parameters' device type, else None (also for meta parameters, which autocast knows nothing of: the
     input checks then name the device)."""
+    if not torch.compiler.is_compiling() and not torch._C._is_any_autocast_enabled():
+        return None   # the common case, without the walk to a parameter (5 calls per layer forward)
     device_type = next(module.parameters()).device.type
     if device_type == "meta" or not torch.is_autocast_enabled(device_type):
         return None
@@ -51,7 +54,7 @@ def run_in_dtype(module: nn.Module, dtype: torch.dtype, body: Callable, *args,
         args = tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
         setattr(module, _HANDED_DOWN, dtype)
         try:
-            with _reparametrize_module(module, params, tie_weights=True):
+            with swapped_parameters(module, params):
                 return body(*args)
         finally:
             setattr(module, _HANDED_DOWN, None)
