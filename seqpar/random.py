@@ -44,6 +44,7 @@ from __future__ import annotations
 from typing import Dict, Optional, Tuple
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ._custom_op import kernel_op, outside_compile
 
@@ -134,8 +135,11 @@ def stream_seed(seed: int, layer_number: int, site: int, call: int = 0) -> int:
 def _draw_bits() -> int:
     """63 random bits from torch's default CPU generator (the state torch's checkpoint restores). On the
     CPU whatever torch's default device is: under ``torch.set_default_device("cuda")`` the draw took the
-    CUDA generator (which :func:`seqpar.manual_seed` does not seed) and synced the host on every forward."""
-    return int(torch.empty((), dtype=torch.int64, device="cpu").random_(generator=None))
+    CUDA generator (which :func:`seqpar.manual_seed` does not seed) and synced the host on every forward.
+    0 under a FakeTensorMode (shape inference: a fake draw has no value, and the generator is left as it
+    was, so a later real run draws what it would have)."""
+    drawn = torch.empty((), dtype=torch.int64, device="cpu").random_(generator=None)
+    return 0 if is_fake(drawn) else int(drawn)
 
 
 # A Python int drawn from a tensor cannot be traced, so each draw runs outside torch.compile (a graph

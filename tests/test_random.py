@@ -233,6 +233,21 @@ def test_seeds_are_drawn_on_the_cpu_whatever_the_default_device():
         assert next_layer_seed(3) == expected
 
 
+def test_shape_inference_under_fake_tensors_with_dropout_on():
+    """A layer with dropout under FakeTensorMode (shape inference) failed at the seed draw
+    (DataDependentOutputException: a fake draw has no value); it leaves torch's generator as it was."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layer = seqpar.TransformerLayer(seqpar.TransformerConfig(hidden_size=16, num_attention_heads=2,
+                                                             hidden_dropout=0.1, attention_dropout=0.1,
+                                                             backend="torch"))
+    seqpar.manual_seed(5)
+    state = torch.get_rng_state()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        y = layer(torch.empty(4, 2, 16))
+    assert y.shape == (4, 2, 16) and torch.equal(torch.get_rng_state(), state)
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: dropout_scale(-1), "threshold is an int in \\[0, 256\\).*-1"),    # read the table from its end
     (lambda: dropout_scale(256), "got 256"),                                    # an IndexError
