@@ -22,6 +22,7 @@ get a gradient; unsharded state dicts hold the v real rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
@@ -391,22 +392,31 @@ class GPTModel(SharesProcessGroup, nn.Module):
         if self.output_layer is not None:
             self.output_layer.load_full(normal(self.vocab_size))
 
-    def _check_ids(self, name: str, ids: torch.Tensor, allow_ignore: bool) -> None:
-        """ValueError naming the first id outside [0, vocab_size) (-100 allowed when ``allow_ignore``)."""
-        bad = (ids < 0) | (ids >= self.vocab_size)
-        if allow_ignore:
-            bad &= ids != IGNORE_INDEX
-        if tracing():
-            # Branching on bad.any() breaks a compiled graph (and fails fullgraph=True): while tracing the
-            # check is an assertion inside the graph, which raises without naming the id.
-            allowed = f"[0, {self.vocab_size})" + (f" or {IGNORE_INDEX}" if allow_ignore else "")
-            torch._assert_async(~bad.any(), f"{name} ids outside {allowed}")
+    def _check_ids(self, tokens: torch.Tensor, labels: Optional[torch.Tensor]) -> None:
+        """ValueError naming the first token or label id outside [0, vocab_size) (-100 allowed in labels),
+        from one host read of both (a device sync on CUDA)."""
+        checks = [("token", tokens, False)] + ([("label", labels, True)] if labels is not None else [])
+        bad = []
+        for _, ids, allow_ignore in checks:
+            outside = (ids < 0) | (ids >= self.vocab_size)
+            bad.append(outside & (ids != IGNORE_INDEX) if allow_ignore else outside)
+
+        def allowed(allow_ignore: bool) -> str:
+            return f"[0, {self.vocab_size})" + (f" or {IGNORE_INDEX} (ignored)" if allow_ignore else "")
+
+        if tracing() or (tokens.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # No host read while a graph is captured (torch.compile: a graph break, fullgraph=True fails;
+            # a CUDA graph: not allowed): an assertion inside the graph, which raises without naming the id.
+            for (name, _, allow_ignore), outside in zip(checks, bad):
+                torch._assert_async(~outside.any(), f"{name} ids outside {allowed(allow_ignore)}")
             return
-        if bad.any():
-            i, j = (int(k) for k in bad.nonzero()[0])
-            allowed = f"[0, {self.vocab_size})" + (f" or {IGNORE_INDEX} (ignored)" if allow_ignore else "")
-            raise ValueError(f"{name} id {int(ids[i, j])} at [{i}, {j}] is outside the vocabulary: "
-                             f"expected {allowed}")
+        if not bool(functools.reduce(torch.logical_or, (outside.any() for outside in bad))):
+            return
+        for (name, ids, allow_ignore), outside in zip(checks, bad):
+            if outside.any():
+                i, j = (int(k) for k in outside.nonzero()[0])
+                raise ValueError(f"{name} id {int(ids[i, j])} at [{i}, {j}] is outside the vocabulary: "
+                                 f"expected {allowed(allow_ignore)}")
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         b = tokens.shape[0]
@@ -448,9 +458,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
                 raise ValueError(f"{name} are on {ids.device} but the model's parameters are on {device}" + (
                     " (build on meta, then to_empty(device=...) and reset_parameters() or load_full_state_dict)"
                     if device.type == "meta" else ""))
-        self._check_ids("token", tokens, allow_ignore=False)
-        if labels is not None:
-            self._check_ids("label", labels, allow_ignore=True)
+        self._check_ids(tokens, labels)
 
     def _check_ranks(self, tokens, labels, problem: Optional[str]) -> None:
         """Every rank's tokens shape, labels or not, mode and dropout RNG state agree and no rank rejected
