@@ -140,7 +140,9 @@ def dropout(x: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
     """Dropout of ``x`` [..., h] viewed as rows of h; the mask is regenerated in backward.
 
     ``x`` a floating tensor with at least one dimension; ``spec`` a :class:`DropoutSpec` (ValueError
-    otherwise, naming the argument). An inactive spec returns ``x`` itself.
+    otherwise, naming the argument). An inactive spec returns ``x`` itself. A dropped element is 0 even
+    where ``x`` is inf or NaN, in every backend and in the gradient (``F.dropout`` multiplies by the
+    mask, so there a dropped inf or NaN becomes NaN); a non-finite kept element passes through.
     """
     _check_dropout_args(x, spec)
     return _Dropout.apply(x, spec) if spec.active and x.numel() else x
@@ -156,7 +158,7 @@ def bias_dropout_add(x: torch.Tensor, bias, residual: torch.Tensor, spec: Dropou
     ============  ===============================================================
 
     Nothing is broadcast or promoted: a shape, dtype or device that differs is a ValueError naming the
-    argument.
+    argument. A dropped element of ``x + bias`` adds exactly 0, even an inf or NaN (see :func:`dropout`).
     """
     _check_dropout_args(x, spec)
     registry.check_dense(residual=residual, bias=bias)
