@@ -62,6 +62,7 @@ import triton.language as tl
 
 from ..random import dropout_scale
 from .philox import keep_mask
+from .rows import cast_rne
 
 __all__ = ["attention_fwd", "attention_bwd", "HEAD_DIMS", "unsupported_reason"]
 
@@ -178,7 +179,7 @@ def _fwd_inner(acc, l_i, m_i, q, K_base, V_base, k_offs, v_offs, start, end, off
             v = _load_2d(v_ptrs, (cols < S_K)[:, None], mask_d[None, :], EVEN_N, EVEN_D)
         else:
             v = _load_2d(v_ptrs, (cols < S_K)[:, None], mask_d[None, :], True, EVEN_D)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
+        acc = acc * alpha[:, None] + _dot(cast_rne(p, v.dtype, DOT == 2), v, DOT)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -242,7 +243,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
     o_ptrs = (O + tl.cast(batch, tl.int64) * stride_ob + tl.cast(head, tl.int64) * stride_oh
               + tl.cast(m0, tl.int64) * stride_om
               + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :] * stride_od)
-    _store_2d(o_ptrs, o.to(O.dtype.element_ty), (offs_m < S_Q)[:, None], mask_d[None, :], EVEN_M, EVEN_D)
+    _store_2d(o_ptrs, cast_rne(o, O.dtype.element_ty, DOT == 2), (offs_m < S_Q)[:, None], mask_d[None, :], EVEN_M, EVEN_D)
     lse_ptrs = LSE + tl.cast(batch * H + head, tl.int64) * S_Q + offs_m
     if EVEN_M:
         tl.store(lse_ptrs, lse)
@@ -279,7 +280,7 @@ def _bwd_dq_inner(dq, q, do, lse, delta, K_base, V_base, k_offs, v_offs, start, 
         if DROPOUT:
             dp = tl.where(keep_mask(seed, drop_rows, start_n, threshold, BLOCK_M, BLOCK_N), dp, 0.0)
         ds = p * (dp * dp_scale - delta[:, None])               # c dS (one FFMA), rounded below
-        dq += _dot(ds.to(kT.dtype), tl.trans(kT), DOT)
+        dq += _dot(cast_rne(ds, kT.dtype, DOT == 2), tl.trans(kT), DOT)
     return dq
 
 
@@ -353,7 +354,7 @@ def _attn_bwd_dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA,
                        True, CAUSAL, DROPOUT, BLOCK_M, BLOCK_N, EVEN_N, EVEN_D, DOT)
     _store_2d(DQ + tl.cast(batch, tl.int64) * stride_dqb + tl.cast(head, tl.int64) * stride_dqh
               + tl.cast(m0, tl.int64) * stride_dqm + rows * stride_dqm + offs_d[None, :] * stride_dqd,
-              dq.to(DQ.dtype.element_ty), mask_m, mask_d[None, :], EVEN_M, EVEN_D)
+              cast_rne(dq, DQ.dtype.element_ty, DOT == 2), mask_m, mask_d[None, :], EVEN_M, EVEN_D)
 
 
 # ----------------------------------------------------------------------------- backward: dk, dv
@@ -384,10 +385,10 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, q_offs, do_offs, LSE_base, DE
             dpT = dpT * z
         else:
             ppT = pT
-        dv += _dot(ppT.to(do.dtype), do, DOT)
+        dv += _dot(cast_rne(ppT, do.dtype, DOT == 2), do, DOT)
         delta = _load_1d(DELTA_base + rows, rows < S_Q, EVEN_M)
         dsT = pT * (dpT * sm_scale - delta[None, :])            # c dS^T (one FFMA; delta holds c delta)
-        dk += _dot(dsT.to(qT.dtype), tl.trans(qT), DOT)
+        dk += _dot(cast_rne(dsT, qT.dtype, DOT == 2), tl.trans(qT), DOT)
     return dk, dv
 
 
@@ -461,10 +462,10 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
                                      BLOCK_M, BLOCK_N, EVEN_M, EVEN_D, DOT)
     _store_2d(DK + tl.cast(batch, tl.int64) * stride_dkb + tl.cast(kv_head, tl.int64) * stride_dkh
               + tl.cast(n0, tl.int64) * stride_dkn + cols * stride_dkn + offs_d[None, :] * stride_dkd,
-              dk.to(DK.dtype.element_ty), mask_n, mask_d[None, :], EVEN_N, EVEN_D)
+              cast_rne(dk, DK.dtype.element_ty, DOT == 2), mask_n, mask_d[None, :], EVEN_N, EVEN_D)
     _store_2d(DV + tl.cast(batch, tl.int64) * stride_dvb + tl.cast(kv_head, tl.int64) * stride_dvh
               + tl.cast(n0, tl.int64) * stride_dvn + cols * stride_dvn + offs_d[None, :] * stride_dvd,
-              dv.to(DV.dtype.element_ty), mask_n, mask_d[None, :], EVEN_N, EVEN_D)
+              cast_rne(dv, DV.dtype.element_ty, DOT == 2), mask_n, mask_d[None, :], EVEN_N, EVEN_D)
 
 
 # ----------------------------------------------------------------------------- configurations

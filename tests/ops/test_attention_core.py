@@ -212,7 +212,9 @@ def test_triton_half_precision_strided_qkv_views(dtype):
     o_ref, grads_ref = reference_fp64(q, k, v, grad_o, True, p, SEED)
     assert o.dtype == dtype and all(g.dtype == dtype for g in grads)
     assert o.permute(2, 0, 1, 3).is_contiguous()            # [s, b, H, d] buffer: the layer's layout
-    floor = TOLERANCES[dtype][0]
+    # fp16's floor for bf16 too: the kernels' bf16 roundings are to nearest even, under the CPU
+    # interpreter as well (cast_rne); its truncating casts put dk at 3x torch's error, past this bound.
+    floor = TOLERANCES[torch.float16][0]
     assert_error_within(o, o_t, o_ref, floor=floor, name="o")
     for name, g, g_t, g_ref in zip(("dq", "dk", "dv"), grads, grads_t, grads_ref):
         assert_error_within(g, g_t, g_ref, floor=floor * g_ref.abs().max().item(), name=name)
