@@ -146,6 +146,7 @@ class ParallelAttention(SharesProcessGroup, nn.Module):
         s, b = qkv.shape[0], qkv.shape[1]
         heads, kv_heads, d = self.local_heads, self.local_kv_heads, cfg.head_dim
         q, k, v = qkv.view(s, b, heads + 2 * kv_heads, d).split([heads, kv_heads, kv_heads], dim=2)
+        del qkv    # with RoPE nothing else holds the QKV storage below: freed before the attention core
         if cfg.position_embedding == "rope":
             # qkv holds the whole sequence (under SP the column-parallel GEMM gathered it), so row i is
             # global position i. Out of place: qkv is the linear's output, which its forward hooks saw
