@@ -63,3 +63,25 @@ def test_a_hooked_output_is_not_changed_after_its_hook(name):
     layer(x)                                 # the penalty's own gradient, through the first norm only
     x_aux = torch.autograd.grad(kept[-1][0].float().pow(2).mean(), x)[0]
     torch.testing.assert_close(grad_with_aux, x.grad + x_aux)
+
+
+def test_with_rope_the_qkv_output_is_freed_before_the_attention_core(monkeypatch):
+    """RoPE rotates out of place and v is copied: nothing may hold the QKV output afterwards, or the
+    layer's forward peaks a QKV-sized buffer higher than the in-place rotation did."""
+    import weakref
+
+    import seqpar.nn.layer as layer_module
+
+    layer = seqpar.TransformerLayer(seqpar.TransformerConfig(backend="torch", **CONFIGS["llama"][0]))
+    qkv_out, alive_in_core = [], []
+    layer.self_attention.query_key_value.register_forward_hook(
+        lambda mod, args, out: qkv_out.append(weakref.ref(out)))
+    real_core = layer_module.attention_core
+
+    def core(*args, **kwargs):
+        alive_in_core.append(qkv_out[-1]() is not None)
+        return real_core(*args, **kwargs)
+
+    monkeypatch.setattr(layer_module, "attention_core", core)
+    layer(torch.randn(8, 2, 32, requires_grad=True)).sum().backward()
+    assert alive_in_core == [False]
