@@ -125,7 +125,8 @@ def _splitmix64(x: int) -> int:
 
 
 def stream_seed(seed: int, layer_number: int, site: int, call: int = 0) -> int:
-    """Hash ``(seed, layer_number, site, call)`` into a 62-bit Philox stream seed."""
+    """Hash ``(seed, layer_number, site, call)`` into a 62-bit Philox stream seed (each part an int, taken
+    modulo 2**64: pass values in [0, 2**64) to keep them distinct)."""
     h = _splitmix64(seed)
     for part in (layer_number, site, call):
         h = _splitmix64(h ^ (part & 0xFFFFFFFFFFFFFFFF))

@@ -22,6 +22,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+__all__ = ["checkpoint", "swapped_parameters"]
+
 
 class _Checkpoint(torch.autograd.Function):
     @staticmethod
@@ -107,17 +109,17 @@ def swapped_parameters(module: nn.Module, tensors: Dict[str, torch.Tensor]) -> I
             sub._parameters[leaf] = param
 
 
-AutocastState = Tuple[Tuple[str, bool, torch.dtype], ...]
+_AutocastState = Tuple[Tuple[str, bool, torch.dtype], ...]
 
 
-def _autocast_state(tensors) -> AutocastState:
+def _autocast_state(tensors) -> _AutocastState:
     """(device type, enabled, dtype) of autocast for the CPU and the device types of ``tensors``."""
     devices = ["cpu"] + sorted({t.device.type for t in tensors} - {"cpu"})
     return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices
                  if torch.amp.is_autocast_available(d))
 
 
-def _autocast(state: AutocastState):
+def _autocast(state: _AutocastState):
     """Re-enter the autocast state of the forward (and leave autocast off where it was off)."""
     stack = contextlib.ExitStack()
     for device, enabled, dtype in state:
@@ -125,10 +127,10 @@ def _autocast(state: AutocastState):
     return stack
 
 
-RngState = Tuple[torch.Tensor, Tuple[Tuple[int, torch.Tensor], ...]]
+_RngState = Tuple[torch.Tensor, Tuple[Tuple[int, torch.Tensor], ...]]
 
 
-def _rng_state(tensors) -> RngState:
+def _rng_state(tensors) -> _RngState:
     """torch's CPU generator state and that of the CUDA devices of ``tensors`` (not while a CUDA graph is
     captured, where reading a device generator's state is not allowed): what code inside the region
     that draws from torch's generators (a user's hook adding noise) draws from."""
@@ -139,7 +141,7 @@ def _rng_state(tensors) -> RngState:
 
 
 @contextlib.contextmanager
-def _replayed_rng(state: RngState) -> Iterator[None]:
+def _replayed_rng(state: _RngState) -> Iterator[None]:
     """The forward's generator states for the re-run, and the backward's own back after it (as
     torch.utils.checkpoint's preserve_rng_state does): the re-run draws what the forward drew."""
     cpu, cuda = state

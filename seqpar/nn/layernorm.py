@@ -84,7 +84,15 @@ class _ReplicatedNorm(SharesProcessGroup, nn.Module):
 
 
 class LayerNorm(_ReplicatedNorm):
-    """``LayerNorm(x) * weight + bias`` over the last dim h, standalone or fused after bias-dropout-add."""
+    """``LayerNorm(x) * weight + bias`` over the last dim h, standalone or fused after bias-dropout-add
+    (:func:`seqpar.ops.bias_dropout_add_layer_norm`); ``weight`` [h] (ones), ``bias`` [h] (zeros).
+
+    ``forward(x)``: x [..., h] -> [..., h]; a bf16 / fp16 x with fp32 parameters is normalised with fp32
+    statistics and returned in x's dtype, as ``torch.nn.LayerNorm`` does. Under ``sequence_parallel`` x
+    is this rank's sequence shard and the parameters' gradients are summed over ``tp_group``. ValueError
+    at construction for a hidden_size that is not a positive int, a non-positive eps, a non-floating
+    dtype or a tp_group without this rank; at the call for an x whose last dim is not h.
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, *, tp_group: ProcessGroup = None,
                  sequence_parallel: bool = False, backend: str = "auto", device=None, dtype=None):
