@@ -380,7 +380,8 @@ def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
 
     Explicit ``backend`` / ``SEQPAR_BACKEND`` as in :mod:`seqpar.ops.registry`; "auto" tries triton
     (flash-style, saves nothing s^2-sized), then cuda (saves the softmax output), then torch.
-    ``dropout``: whether dropout may be active (True: choose a backend that can run it).
+    ``dropout``: whether dropout may be active (True: choose a backend that can run it). ValueError with
+    the reason for an explicit backend that can't run these inputs here (auto falls back instead).
     """
     return registry.select(OP, backend, q.device, q=q, k=k, v=v, causal=bool(causal), dropout=bool(dropout))
 
