@@ -72,7 +72,7 @@ import contextvars
 import dataclasses
 import math
 import threading
-from typing import ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -723,24 +723,32 @@ def plan_recompute(seq_len: int, micro_batch: int, hidden: int, heads: int, num_
 
 
 # ---------------------------------------------------------------------------------------------- meter
-def saved_as(label: str) -> ContextManager[None]:
-    """Name the tensors saved for backward inside this block (for :meth:`ActivationMeter.report`).
+class saved_as(contextlib.ContextDecorator):
+    """Name the tensors saved for backward inside this block (for :meth:`ActivationMeter.report`); also
+    a decorator, deciding at each call.
 
     Nothing happens while no meter is active (a meter entered inside the block sees its tensors
     unlabelled): the label is a ContextVar, which torch.compile cannot trace, so an unconditional set
-    would break every compiled layer into pieces at each label. (A plain nullcontext then: 8 labels per
-    layer forward, each a generator context manager's few microseconds otherwise.)
+    would break every compiled layer into pieces at each label. (A small class, not a generator context
+    manager: 8 labels per layer forward, each a generator's few microseconds.)
     """
-    return _labelled(label) if _active_meters else contextlib.nullcontext()
 
+    __slots__ = ("label", "_token")
 
-@contextlib.contextmanager
-def _labelled(label: str) -> Iterator[None]:
-    token = _label.set(label)
-    try:
-        yield
-    finally:
-        _label.reset(token)
+    def __init__(self, label: str) -> None:
+        self.label, self._token = label, None
+
+    def _recreate_cm(self) -> "saved_as":
+        return saved_as(self.label)
+
+    def __enter__(self) -> None:
+        if _active_meters:
+            self._token = _label.set(self.label)
+
+    def __exit__(self, *exc) -> None:
+        if self._token is not None:
+            _label.reset(self._token)
+            self._token = None
 
 
 def _storage_id(t: torch.Tensor) -> Tuple[tuple, StorageWeakRef]:

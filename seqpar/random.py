@@ -45,6 +45,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from ._custom_op import kernel_op, outside_compile
 
@@ -138,9 +139,20 @@ def _draw_bits() -> int:
     CPU whatever torch's default device is: under ``torch.set_default_device("cuda")`` the draw took the
     CUDA generator (which :func:`seqpar.manual_seed` does not seed) and synced the host on every forward.
     0 under a FakeTensorMode (shape inference: a fake draw has no value, and the generator is left as it
-    was, so a later real run draws what it would have)."""
+    was, so a later real run draws what it would have). A RuntimeError while a graph is traced for
+    keeps (make_fx, torch.export): a seed baked into it would give every call the same masks."""
     drawn = torch.empty((), dtype=torch.int64, device="cpu").random_(generator=None)
-    return 0 if is_fake(drawn) else int(drawn)
+    if not is_fake(drawn):
+        return int(drawn)
+    if get_proxy_mode() is not None:
+        raise RuntimeError(DRAW_NOT_EXPORTABLE)
+    return 0
+
+
+DRAW_NOT_EXPORTABLE = (
+    "seqpar draws a dropout seed per training forward from torch's default CPU generator, which a traced "
+    "graph (torch.export, make_fx) cannot hold: it would bake one seed in and apply the same masks on "
+    "every call. Export in eval mode or with dropout 0, or call the functional ops with seed= inputs")
 
 
 # A Python int drawn from a tensor cannot be traced, so each draw runs outside torch.compile (a graph

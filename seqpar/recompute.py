@@ -89,14 +89,21 @@ def swapped_parameters(module: nn.Module, tensors: Dict[str, torch.Tensor]) -> I
     back on leaving. What ``torch.nn.utils.stateless._reparametrize_module(..., tie_weights=True)`` does
     for parameters, in one walk over the modules (a quarter of its host time: it runs once per layer
     forward under autocast and once per full-recompute backward). ValueError for a name ``module``
-    doesn't hold."""
+    doesn't hold, and for two names of one tied parameter given different tensors (as
+    ``_reparametrize_module``: one of them would silently win)."""
     slots = [(sub, leaf, param, f"{prefix}.{leaf}" if prefix else leaf)
              for prefix, sub in module.named_modules(remove_duplicate=False)
              for leaf, param in sub._parameters.items() if param is not None]
     unknown = set(tensors).difference(name for *_, name in slots)
     if unknown:
         raise ValueError(f"swapped_parameters: {type(module).__name__} has no parameters {sorted(unknown)}")
-    by_param = {id(param): tensors[name] for _, _, param, name in slots if name in tensors}
+    by_param, named = {}, {}
+    for _, _, param, name in slots:
+        if name in tensors:
+            if id(param) in by_param and by_param[id(param)] is not tensors[name]:
+                raise ValueError(f"swapped_parameters: {named[id(param)]!r} and {name!r} are one tied parameter "
+                                 "but were given different tensors")
+            by_param[id(param)], named[id(param)] = tensors[name], name
     swapped = []
     try:
         for sub, leaf, param, _ in slots:

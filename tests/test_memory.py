@@ -69,6 +69,24 @@ def test_meter_counts_storages_once_and_skips_parameters():
     torch.testing.assert_close(x.grad, x_ref.grad)  # the hooks do not change what backward computes
 
 
+def test_saved_as_labels_as_a_decorator_too_deciding_at_each_call():
+    """saved_as is a context manager and a decorator (as when it was a generator context manager); the
+    decorated function labels its saved tensors when a meter is active at the call, and nests."""
+    w = torch.nn.Parameter(torch.randn(4, 4))
+
+    @saved_as("outer")
+    def f(x):
+        with saved_as("inner"):
+            y = x @ w
+        return (y * y).sum()
+
+    x = torch.randn(2, 4, requires_grad=True)
+    f(x).backward()                           # no meter: nothing labelled, nothing fails
+    with ActivationMeter() as meter:
+        f(x)
+    assert meter.by_label() == {"inner": x.numel() * 4, "outer": x.numel() * 4}
+
+
 # ------------------------------------------------------------------------------- layer_activation_bytes input
 @pytest.mark.parametrize("kwargs, match", [
     (dict(seq_len=True), "seq_len.*True"), (dict(heads=False), "heads.*False"), (dict(tp=True), "tp.*True"),

@@ -248,6 +248,18 @@ def test_shape_inference_under_fake_tensors_with_dropout_on():
     assert y.shape == (4, 2, 16) and torch.equal(torch.get_rng_state(), state)
 
 
+def test_export_with_dropout_on_says_why_it_cannot():
+    """Under torch.export (non-strict: make_fx over fake tensors) a seed of 0 would be baked into the
+    program and every call would apply the same masks: a RuntimeError saying why; eval mode exports."""
+    layer = seqpar.TransformerLayer(seqpar.TransformerConfig(hidden_size=16, num_attention_heads=2,
+                                                             hidden_dropout=0.5, backend="torch"))
+    x = torch.randn(4, 2, 16)
+    with pytest.raises(RuntimeError, match="would bake one seed in"):
+        torch.export.export(layer, (x,), strict=False)
+    program = torch.export.export(layer.eval(), (x,), strict=False)
+    torch.testing.assert_close(program.module()(x), layer(x))
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: dropout_scale(-1), "threshold is an int in \\[0, 256\\).*-1"),    # read the table from its end
     (lambda: dropout_scale(256), "got 256"),                                    # an IndexError

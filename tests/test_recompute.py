@@ -172,3 +172,9 @@ def test_swapped_parameters_replaces_every_alias_and_puts_them_back():
     with pytest.raises(ValueError, match=r"no parameters \['2.weight'\]"):
         with swapped_parameters(model, {"2.weight": replacement}):
             pass
+    # functional_call(..., tie_weights=False) with two values for one tied weight, through a checkpoint:
+    # one value silently went into both aliases (the other alias's gradient lost)
+    with pytest.raises(ValueError, match=r"'0.weight' and '1.weight' are one tied parameter"):
+        with swapped_parameters(model, {"0.weight": replacement, "1.weight": torch.zeros(5, 4)}):
+            pass
+    assert model[0].weight is original and model[1].weight is original

@@ -260,9 +260,15 @@ def json_meta(args) -> Dict:
 
 
 def write_json(path: str, meta: Dict, rows: List[Dict]) -> None:
-    """``meta`` and the rows measured so far to ``path``; ``"complete"`` says whether all five are in."""
-    with open(path, "w") as f:
+    """``meta`` and the rows measured so far to ``path``; ``"complete"`` says whether all five are in.
+    A file is written beside it and renamed over it, so a run killed mid-write keeps the previous rows;
+    a device or pipe (``/dev/stdout``) is written in place."""
+    regular = os.path.isfile(path) or not os.path.exists(path)
+    target = f"{path}.partial" if regular else path
+    with open(target, "w") as f:
         json.dump(dict(meta, complete=len(rows) == len(EXPERIMENTS), rows=rows), f, indent=2)
+    if regular:
+        os.replace(target, path)
 
 
 def format_table(rows: List[Dict], header: str, formula: str = "Table 2") -> str:

@@ -23,13 +23,16 @@ from torch import nn
 from ..recompute import swapped_parameters
 
 _HANDED_DOWN = "_seqpar_autocast_dtype"   # the attribute run_in_dtype sets on its module for the call
+# Device types whose autocast torch._C._is_any_autocast_enabled() does not see (torch 2.13)
+_OUTSIDE_ANY_AUTOCAST = ("mps", "maia")
 
 
 def autocast_dtype(module: nn.Module) -> Optional[torch.dtype]:
     """The dtype ``module`` runs in for this call: that of the ``torch.autocast`` enabled for its
     parameters' device type, else None (also for meta parameters, which autocast knows nothing of: the
     input checks then name the device)."""
-    if not torch.compiler.is_compiling() and not torch._C._is_any_autocast_enabled():
+    if not torch.compiler.is_compiling() and not torch._C._is_any_autocast_enabled() \
+            and not any(torch.is_autocast_enabled(d) for d in _OUTSIDE_ANY_AUTOCAST):
         return None   # the common case, without the walk to a parameter (5 calls per layer forward)
     device_type = next(module.parameters()).device.type
     if device_type == "meta" or not torch.is_autocast_enabled(device_type):
