@@ -152,6 +152,8 @@ def _replayed_rng(state: _RngState) -> Iterator[None]:
     """The forward's generator states for the re-run, and the backward's own back after it (as
     torch.utils.checkpoint's preserve_rng_state does): the re-run draws what the forward drew."""
     cpu, cuda = state
+    if cuda and torch.cuda.is_current_stream_capturing():   # a backward captured alone: no device states
+        cuda = ()
     with torch.random.fork_rng(devices=[d for d, _ in cuda]):
         torch.set_rng_state(cpu)
         for device, device_state in cuda:
