@@ -206,9 +206,10 @@ __global__ void __launch_bounds__(fwd_threads_bound<KIND, VEC, VPT>()) fwd_kerne
   }
   row_allreduce<kWarpRow>(stat);
   const float inv_h = 1.0f / static_cast<float>(a.h);
-  const float mean = stat[0] * inv_h;
-  // Pass 2, chunks C-1 .. 0 (the last one is still in registers): the centred sum of squares.
-  stat[0] = 0.0f;
+  const float m0 = stat[0] * inv_h;
+  // Pass 2, chunks C-1 .. 0 (the last one is still in registers): the sums of d = r - m0 and of d * d, for
+  // the corrected two-pass statistics (seqpar/ops/bias_dropout_add_layer_norm.py: exact for a constant row).
+  float centred[2] = {0.0f, 0.0f};
   for (int64_t c = chunks - 1; c >= 0; --c) {
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
@@ -217,14 +218,19 @@ __global__ void __launch_bounds__(fwd_threads_bound<KIND, VEC, VPT>()) fwd_kerne
         if (kChunked && c != chunks - 1) r[k] = load_run<T, VEC>(res_out, j * VEC, a.h, kVector);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          const float d = to_float(r[k].v[i]) - mean;
-          if (kVector || j * VEC + i < a.h) stat[0] += d * d;
+          const float d = to_float(r[k].v[i]) - m0;
+          if (kVector || j * VEC + i < a.h) {
+            centred[0] += d;
+            centred[1] += d * d;
+          }
         }
       }
     }
   }
-  row_allreduce<kWarpRow>(stat);
-  const float rstd = rsqrtf(stat[0] * inv_h + a.eps);
+  row_allreduce<kWarpRow>(centred);
+  const float shift = centred[0] * inv_h;
+  const float mean = m0 + shift;
+  const float rstd = rsqrtf(fmaxf(centred[1] * inv_h - shift * shift, 0.0f) + a.eps);
   if (threadIdx.x == 0) {
     a.mean[row] = mean;
     a.rstd[row] = rstd;

@@ -5,6 +5,7 @@ Math on a ``[rows, h]`` view (statistics in fp32; see :mod:`seqpar.ops.bias_drop
     keep[r, c]      = mask_byte(seed, row_offset + r, c) >= P        # seqpar.random's mask, P = round(p * 256)
     residual_out    = residual + where(keep, (x + bias) * scale, 0)  # scale = float32(256 / (256 - P))
     x_hat           = (residual_out - mean) * rstd                    # of the *rounded* residual_out
+                                                                      # (corrected two-pass mean / var)
     y               = x_hat * ln_weight + ln_bias
 
 Backward, per row (g = grad_y * ln_weight)::
@@ -98,6 +99,15 @@ def _normalize_chunk(d, rstd, W, B, Y, rows64, cols, row_mask, h, MANUAL_BF16: t
     tl.store(Y + rows64[:, None] * h + cols[None, :], cast_rne(y, Y.dtype.element_ty, MANUAL_BF16), mask=mask)
 
 
+@triton.jit
+def _corrected_statistics(m0, sum_d, sum_dd, h, eps):
+    """(mean, rstd) of rows from their plain mean m0 and the sums of d = r - m0 and of d * d: the corrected
+    two-pass algorithm of seqpar.ops.bias_dropout_add_layer_norm (exact for a constant row)."""
+    shift = sum_d / h
+    var = tl.maximum(sum_dd / h - shift * shift, 0.0)
+    return m0 + shift, 1.0 / tl.sqrt(var + eps)
+
+
 @triton.jit(do_not_specialize=["threshold", "seed", "row_offset"])
 def _fwd_kernel(X, BIAS, RES, W, B, Y, RES_OUT, MEAN, RSTD,
                 n_rows, h, stride_x, stride_res,
@@ -116,11 +126,10 @@ def _fwd_kernel(X, BIAS, RES, W, B, Y, RES_OUT, MEAN, RSTD,
         mask = row_mask[:, None] & (cols < h)[None, :]
         r = _residual_chunk(X, BIAS, RES, RES_OUT, rows64, cols, row_mask, h, stride_x, stride_res, threshold,
                             scale, seed, row_offset, 0, HAS_BIAS, HAS_DROPOUT, MANUAL_BF16, BLOCK_M, BLOCK_N)
-        mean = tl.sum(r, axis=1) / h
-        d = tl.where(mask, r - mean[:, None], 0.0)
-        var = tl.sum(d * d, axis=1) / h
-        rstd = 1.0 / tl.sqrt(var + eps)
-        _normalize_chunk(d, rstd, W, B, Y, rows64, cols, row_mask, h, MANUAL_BF16)
+        m0 = tl.sum(r, axis=1) / h
+        d = tl.where(mask, r - m0[:, None], 0.0)
+        mean, rstd = _corrected_statistics(m0, tl.sum(d, axis=1), tl.sum(d * d, axis=1), h, eps)
+        _normalize_chunk(r - mean[:, None], rstd, W, B, Y, rows64, cols, row_mask, h, MANUAL_BF16)
     else:
         total = tl.zeros([BLOCK_M], dtype=tl.float32)
         for start in range(0, h, BLOCK_N):
@@ -129,16 +138,19 @@ def _fwd_kernel(X, BIAS, RES, W, B, Y, RES_OUT, MEAN, RSTD,
                                 threshold, scale, seed, row_offset, start, HAS_BIAS, HAS_DROPOUT, MANUAL_BF16,
                                 BLOCK_M, BLOCK_N)
             total += tl.sum(r, axis=1)
-        mean = total / h
+        m0 = total / h
         # Read back what this program stored (the same tile shape and addresses, so the same threads).
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        # Elementwise running sums, reduced once after the loop.
+        acc_d = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_dd = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for start in range(0, h, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols < h)[None, :]
             r = tl.load(RES_OUT + rows64[:, None] * h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            d = tl.where(mask, r - mean[:, None], 0.0)
-            squares += tl.sum(d * d, axis=1)
-        rstd = 1.0 / tl.sqrt(squares / h + eps)
+            d = tl.where(mask, r - m0[:, None], 0.0)
+            acc_d += d
+            acc_dd += d * d
+        mean, rstd = _corrected_statistics(m0, tl.sum(acc_d, axis=1), tl.sum(acc_dd, axis=1), h, eps)
         for start in range(0, h, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols < h)[None, :]

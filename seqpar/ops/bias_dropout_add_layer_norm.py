@@ -7,6 +7,18 @@ Math (rows of the last dimension h; statistics in fp32)::
     y            = (residual_out - mean) * rstd * ln_weight + ln_bias
     mean, rstd   = mean(residual_out), 1 / sqrt(var(residual_out) + eps)
 
+Every backend computes the statistics by the corrected two-pass algorithm (Chan, Golub and LeVeque)::
+
+    m0    = sum(r) / h,  d = r - m0                     # r: a row of residual_out in fp32
+    shift = sum(d) / h                                  # the rounding error of m0, to first order
+    mean  = m0 + shift,  var = max(sum(d * d) / h - shift**2, 0)
+
+The plain two-pass mean m0 is off by up to a few ulps of |mean|, and normalising multiplies that by rstd:
+a constant row (var 0) then came out as +-(ulps of its value) / sqrt(eps), up to 1.0 for a row of 1000s
+at eps = 1e-12 (0.1 at eps = 1e-5), where ``F.layer_norm`` gives exactly ln_bias. With the shift a
+constant row's mean is its value exactly, so y = ln_bias; the cost is one more row sum in the pass that
+already sums the squares.
+
 ==============  ===========  =========================================
 tensor          shape        dtype
 ==============  ===========  =========================================
@@ -32,7 +44,7 @@ backend   what runs (every backend takes any h)
 ========  ===================================================================================
 torch     fp32 reference (the test oracle, CPU fallback)
 triton    ``triton_kernels/bias_dropout_add_layer_norm.py``: one program per row (or a few rows)
-          forward, rows longer than 16384 in column chunks; backward with per-program fp32 partial
+          forward, rows longer than 8192 in column chunks; backward with per-program fp32 partial
           column sums + a second reduction kernel (no atomics), rows longer than 4096 in column
           chunks of at most 4096 after a pass that computes their row sums
 cuda      ``csrc/bias_dropout_add_layer_norm.cu``: 16-byte vectors, forward warp per row (h <= 1024
@@ -71,9 +83,14 @@ def _torch_forward(x, bias, residual, ln_weight, ln_bias, eps: float, spec: Drop
     residual_out = registry.cast(residual.float() + apply_keep_mask(h, spec), residual.dtype)
     # statistics of the stored (rounded) residual keep backward consistent. cast, not .float(): see registry.cast
     r = registry.cast(residual_out, torch.float32)
-    mean = r.mean(dim=1)
-    rstd = torch.rsqrt((r - mean[:, None]).square().mean(dim=1) + eps)
-    y = (r - mean[:, None]) * rstd[:, None] * ln_weight.float() + ln_bias.float()
+    m0 = r.mean(dim=1, keepdim=True)
+    d = r - m0
+    shift = d.mean(dim=1, keepdim=True)  # corrected two-pass statistics (module docstring)
+    mean = m0 + shift
+    var = (d.square().mean(dim=1, keepdim=True) - shift.square()).clamp_min(0.0)
+    rstd = torch.rsqrt(var + eps)
+    y = (r - mean) * rstd * ln_weight.float() + ln_bias.float()
+    mean, rstd = mean.squeeze(1), rstd.squeeze(1)
     return registry.cast(y, x.dtype), residual_out, mean, rstd
 
 

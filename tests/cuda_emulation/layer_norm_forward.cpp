@@ -3,8 +3,8 @@
 // chooses from (fwd_candidates): residual_out bitwise equal to the same float operations done here (the
 // backends' contract), mean / rstd and y against float64. Every kind of kernel: warp per row, block per row
 // (1, 2 and 4 runs a thread), column-chunked rows (h > 16384), with 16-byte and scalar runs, strided input
-// rows, dropout on and off. And the launch's choice among those plans (rows::resident_plan) on an occupancy
-// model.
+// rows, dropout on and off; rows of one repeated value, exact. And the launch's choice among those plans
+// (rows::resident_plan) on an occupancy model.
 #include "shim.h"
 #include "check.h"
 #include "bias_dropout_add_layer_norm.cu"
@@ -80,6 +80,38 @@ int check_plan(const Plan& plan, int64_t rows, int64_t h, int64_t stride, int th
   return tally.bad;
 }
 
+// Rows of one repeated fp32 value at eps = 1e-12 (x = 0, no dropout): the corrected two-pass statistics give
+// the value itself as the mean and y = b exactly, where the plain mean is a few ulps off and rstd = 1e6
+// multiplied that into y (up to 1.0 for a row of 1000s).
+template <int VEC>
+int check_constant_rows(int64_t h, int64_t stride) {
+  const float values[] = {1000.1f, -3.7f, 0.1f, 1e-3f, 777.77f, 12345.678f};
+  const int64_t rows = sizeof(values) / sizeof(values[0]);
+  std::vector<float> x(rows * stride, 0.0f), res(rows * stride), w(h), b(h), y(rows * h, NAN), ro(rows * h, NAN);
+  std::vector<float> mean(rows, NAN), rstd(rows, NAN);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < stride; ++c) res[r * stride + c] = values[r];
+  for (int64_t c = 0; c < h; ++c) {
+    w[c] = 1.0f + 0.01f * static_cast<float>(c % 7);
+    b[c] = 0.1f * static_cast<float>(c % 5) - 0.2f;
+  }
+  int bad = 0;
+  for (const Plan& plan : fwd_candidates(h, VEC, kVectorRun<float, VEC>)) {
+    const FwdArgs a{x.data(), nullptr, res.data(), w.data(), b.data(), y.data(), ro.data(), mean.data(),
+                    rstd.data(), kFloat32, rows, h, stride, stride, 1e-12f, 1.0f, 0u, 1ULL, 0};
+    const char* kind = launch_forward<float, VEC>(plan, a, rows);
+    int plan_bad = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      plan_bad += mean[r] != values[r];
+      for (int64_t c = 0; c < h; ++c) plan_bad += y[r * h + c] != b[c];
+    }
+    printf("fp32   %-5s VEC=%-2d VPT=%d h=%ld constant rows, eps 1e-12: %d values not exact\n", kind, VEC, plan.vpt,
+           long(h), plan_bad);
+    bad += plan_bad;
+  }
+  return bad;
+}
+
 // Every plan the launch chooses from (fwd_candidates: a block per row with 1, 2, 4 vectors a thread).
 template <typename T, int VEC>
 int check(int64_t rows, int64_t h, int64_t stride, int threshold, bool bias) {
@@ -125,6 +157,10 @@ int main() {
   bad += check<__half, 16>(3, 1001, 1003, 26, false);        // scalar runs, odd h
   bad += check<__nv_bfloat16, 8>(2, 20480, 20480, 26, true); // column-chunked (2 chunks)
   bad += check<float, 16>(2, 16385, 16387, 200, true);       // scalar runs, chunked
+  bad += check_constant_rows<4>(200, 200);                   // warp per row
+  bad += check_constant_rows<4>(1000, 1000);                 // block per row
+  bad += check_constant_rows<16>(1001, 1003);                // scalar runs
+  bad += check_constant_rows<16>(16385, 16387);              // column-chunked
   printf(bad ? "FAILED\n" : "ALL OK\n");
   return bad != 0;
 }

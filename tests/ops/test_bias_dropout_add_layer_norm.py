@@ -249,6 +249,46 @@ def test_triton_forward_column_chunks(h, monkeypatch, poisoned_triton):
     _check_fp32(got, ref, _reference_fp64(inp, 0.3, row_offset=2))
 
 
+def _offset_rows(h, device):
+    """fp32 residual rows: six of one repeated value each, then six of a large offset plus small noise
+    (standard deviation 1e-4 to 1e-1 of the offset: the rows where the plain two-pass mean's ulps show)."""
+    gen = torch.Generator().manual_seed(5)
+    values = torch.tensor([1000.1, -3.7, 0.1, 1e-3, 777.77, 12345.678])
+    offsets = torch.tensor([1000.0, -300.0, 50.0, 4096.0, 1e4, -7.5])
+    noise = torch.randn(6, h, generator=gen) * torch.logspace(-4, -1, 6)[:, None] * offsets.abs()[:, None]
+    residual = torch.cat([values[:, None].expand(6, h), offsets[:, None] + noise])
+    ln_w, ln_b = torch.randn(h, generator=gen), torch.randn(h, generator=gen)
+    return [t.to(device) for t in (residual, ln_w, ln_b)]
+
+
+def _check_offset_rows(backend, h, device="cpu"):
+    residual, ln_w, ln_b = _offset_rows(h, device)
+    y, ro = bias_dropout_add_layer_norm(torch.zeros_like(residual), None, residual, ln_w, ln_b, eps=1e-12,
+                                        backend=backend)
+    assert torch.equal(ro, residual)
+    # A constant row is exactly ln_bias, as F.layer_norm gives (the plain two-pass mean left up to 1.0 here).
+    assert torch.equal(y[:6], ln_b.expand(6, h))
+    ref64 = torch.nn.functional.layer_norm(ro.double(), (h,), ln_w.double(), ln_b.double(), 1e-12)
+    f_layer_norm = torch.nn.functional.layer_norm(ro, (h,), ln_w, ln_b, 1e-12)
+    # Near-constant rows: no worse than F.layer_norm in fp32 (the plain mean was 3-70x worse).
+    err, err_f = (y[6:].double() - ref64[6:]).abs().max(), (f_layer_norm[6:].double() - ref64[6:]).abs().max()
+    assert err <= 1.5 * err_f + 1e-6, (err.item(), err_f.item())
+
+
+@pytest.mark.parametrize("h", [7, 200, 1000])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_constant_rows_normalise_exactly(backend, h):
+    """Corrected two-pass statistics: a row of one repeated fp32 value at eps = 1e-12 gives y = ln_bias
+    exactly, and rows of a large offset plus small noise are as accurate as F.layer_norm."""
+    _check_offset_rows(backend, h)
+
+
+def test_triton_chunked_forward_normalises_constant_rows_exactly(monkeypatch, poisoned_triton):
+    monkeypatch.setattr(poisoned_triton, "MAX_FUSED_HIDDEN", 64)
+    monkeypatch.setattr(poisoned_triton, "CHUNK_COLUMNS", 32)
+    _check_offset_rows("triton", 100)
+
+
 def test_dropout_rate_and_seed_dependence():
     x, res = torch.randn(64, 256), torch.randn(64, 256)
     bias, w, b = torch.randn(256), torch.ones(256), torch.zeros(256)
@@ -586,6 +626,15 @@ def test_gpu_any_hidden_size(backend, h, dtype_name):
             _check_fp32(got, torch_same, _reference_fp64(inp, p, row_offset=5))
         elif rows == 3:
             _check_error_within(got, torch_same, _reference_fp64(inp, p, row_offset=5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [200, 1000, 4096, 12288, 20480], ids=lambda h: f"h{h}")
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_constant_rows_normalise_exactly(backend, h):
+    """Every kind of forward (warp / block per row, chunked rows): constant fp32 rows give y = ln_bias."""
+    skip_unless_backend_runs(backend)
+    _check_offset_rows(backend, h, device="cuda")
 
 
 @pytest.mark.parametrize("query", ["bias_dropout_add_layer_norm_fwd_plan", "add_rms_norm_fwd_plan"])
