@@ -24,7 +24,7 @@
 //
 // Forward: warp per row while a lane holds at most kFwdWarpVectors 16-byte runs (h <= 1024 for 2-byte
 // types, 512 for fp32; 4 rows per block), block per row beyond; three passes over a row (residual_out and
-// its sum; the centred sum of squares; y). A warp per row of h = 4096 (16 runs, 128 values per lane) took
+// its sum; the sums of d = r - mean and d * d; y). A warp per row of h = 4096 (16 runs, 128 values a lane) took
 // 174 registers and 12% occupancy on an H200 and ran 2.6x slower than the block per row of the Triton
 // forward (381 vs 146 us at 16384 x 4096 bf16); the RMSNorm forward keeps the same 4-run cap. A block per
 // row takes the most threads that still leave two blocks resident per SM (rows::resident_plan, up to

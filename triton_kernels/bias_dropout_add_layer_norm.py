@@ -15,8 +15,8 @@ Backward, per row (g = grad_y * ln_weight)::
     grad_ln_weight  = sum_rows(grad_y * x_hat),  grad_ln_bias = sum_rows(grad_y),  grad_bias = sum_rows(grad_x)
 
 Any h: a row of up to ``MAX_FUSED_HIDDEN`` columns is one register tile of the forward; a longer row is
-covered in chunks of ``CHUNK_COLUMNS`` with three passes (residual_out and its sum; the centred sum of
-squares; y), the later passes reading back the residual_out the program has just written (from L2). The
+covered in chunks of ``CHUNK_COLUMNS`` with three passes (residual_out and its sum; the sums of
+d = residual_out - mean and d * d; y), the later passes reading back the residual_out the program has just written (from L2). The
 backward always works on column chunks of at most ``BWD_BLOCK_N``: one program per (row range, chunk). A
 row of one chunk gives its row sums (mean(g), mean(g * x_hat)) by reductions inside that program; a longer
 row has them computed first by a row-sum pass (``_bwd_row_sums_kernel``, [2, rows] fp32), which reads

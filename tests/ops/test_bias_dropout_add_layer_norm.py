@@ -239,7 +239,7 @@ def test_triton_paper_hidden_sizes(h, dtype, poisoned_triton):
 @pytest.mark.parametrize("h", [100, 96], ids=["h100-ragged", "h96"])
 def test_triton_forward_column_chunks(h, monkeypatch, poisoned_triton):
     """The chunked forward on small rows (MAX_FUSED_HIDDEN and CHUNK_COLUMNS shrunk): a ragged last
-    chunk, every pass (sum, centred squares, y) over several chunks, several rows per program."""
+    chunk, every pass (sum, centred sums, y) over several chunks, several rows per program."""
     monkeypatch.setattr(poisoned_triton, "MAX_FUSED_HIDDEN", 64)
     monkeypatch.setattr(poisoned_triton, "CHUNK_COLUMNS", 32)
     inp = _make_inputs((11, h), torch.float32)
