@@ -140,17 +140,16 @@ def _fwd_kernel(X, BIAS, RES, W, B, Y, RES_OUT, MEAN, RSTD,
             total += tl.sum(r, axis=1)
         m0 = total / h
         # Read back what this program stored (the same tile shape and addresses, so the same threads).
-        # Elementwise running sums, reduced once after the loop.
-        acc_d = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_dd = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        sum_d = tl.zeros([BLOCK_M], dtype=tl.float32)
+        sum_dd = tl.zeros([BLOCK_M], dtype=tl.float32)
         for start in range(0, h, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols < h)[None, :]
             r = tl.load(RES_OUT + rows64[:, None] * h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             d = tl.where(mask, r - m0[:, None], 0.0)
-            acc_d += d
-            acc_dd += d * d
-        mean, rstd = _corrected_statistics(m0, tl.sum(acc_d, axis=1), tl.sum(acc_dd, axis=1), h, eps)
+            sum_d += tl.sum(d, axis=1)
+            sum_dd += tl.sum(d * d, axis=1)
+        mean, rstd = _corrected_statistics(m0, sum_d, sum_dd, h, eps)
         for start in range(0, h, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols < h)[None, :]
