@@ -13,11 +13,11 @@ Every backend computes the statistics by the corrected two-pass algorithm (Chan,
     shift = sum(d) / h                                  # the rounding error of m0, to first order
     mean  = m0 + shift,  var = max(sum(d * d) / h - shift**2, 0)
 
-The plain two-pass mean m0 is off by up to a few ulps of |mean|, and normalising multiplies that by rstd:
-a constant row (var 0) then came out as +-(ulps of its value) / sqrt(eps), up to 1.0 for a row of 1000s
-at eps = 1e-12 (0.1 at eps = 1e-5), where ``F.layer_norm`` gives exactly ln_bias. With the shift a
-constant row's mean is its value exactly, so y = ln_bias; the cost is one more row sum in the pass that
-already sums the squares.
+The plain two-pass mean m0 is off by a few ulps of |mean| (delta), so a constant row (var 0) had d = delta
+everywhere and x_hat = delta / sqrt(delta**2 + eps) where ``F.layer_norm`` gives 0: +-1 once delta**2 >> eps
+(at eps = 1e-12, rows of values above about 10), 0.1 at eps = 1e-5 for values near 1000. With the shift
+a constant row's mean is its value exactly, so y = ln_bias; and rows of a large offset plus a small spread
+lose no accuracy to the mean's rounding. The cost is one more row sum beside the sum of squares.
 
 ==============  ===========  =========================================
 tensor          shape        dtype

@@ -81,8 +81,8 @@ int check_plan(const Plan& plan, int64_t rows, int64_t h, int64_t stride, int th
 }
 
 // Rows of one repeated fp32 value at eps = 1e-12 (x = 0, no dropout): the corrected two-pass statistics give
-// the value itself as the mean and y = b exactly, where the plain mean is a few ulps off and rstd = 1e6
-// multiplied that into y (up to 1.0 for a row of 1000s).
+// the value itself as the mean and y = b exactly; the plain mean is a few ulps (delta) off, which made
+// x_hat = delta / sqrt(delta^2 + eps) = +-1.
 template <int VEC>
 int check_constant_rows(int64_t h, int64_t stride) {
   const float values[] = {1000.1f, -3.7f, 0.1f, 1e-3f, 777.77f, 12345.678f};
