@@ -263,9 +263,19 @@ def _offset_rows(h, device):
 
 def _check_offset_rows(backend, h, device="cpu"):
     residual, ln_w, ln_b = _offset_rows(h, device)
+    residual.requires_grad_(True)
     y, ro = bias_dropout_add_layer_norm(torch.zeros_like(residual), None, residual, ln_w, ln_b, eps=1e-12,
                                         backend=backend)
     assert torch.equal(ro, residual)
+    # The constant rows' gradient: rstd = 1 / sqrt(eps) times (g - mean(g)), as fp64 F.layer_norm's (the
+    # plain mean's x_hat = +-1 gave another rstd and another projection).
+    grad_y = torch.randn(y.shape, generator=torch.Generator().manual_seed(6)).to(device)
+    (grad_res,) = torch.autograd.grad(y, residual, grad_y)
+    res64 = residual.detach()[:6].double().requires_grad_(True)
+    y64 = torch.nn.functional.layer_norm(res64, (h,), ln_w.double(), ln_b.double(), 1e-12)
+    (grad64,) = torch.autograd.grad(y64, res64, grad_y[:6].double())
+    assert (grad_res[:6].double() - grad64).abs().max() <= 1e-5 * grad64.abs().max()
+    y, ro = y.detach(), ro.detach()
     # A constant row is exactly ln_bias, as F.layer_norm gives (the plain two-pass mean: x_hat = +-1, error 2.9).
     assert torch.equal(y[:6], ln_b.expand(6, h))
     ref64 = torch.nn.functional.layer_norm(ro.double(), (h,), ln_w.double(), ln_b.double(), 1e-12)
