@@ -16,7 +16,8 @@ Backward, per row (g = grad_y * ln_weight)::
 
 Any h: a row of up to ``MAX_FUSED_HIDDEN`` columns is one register tile of the forward; a longer row is
 covered in chunks of ``CHUNK_COLUMNS`` with three passes (residual_out and its sum; the sums of
-d = residual_out - mean and d * d; y), the later passes reading back the residual_out the program has just written (from L2). The
+d = residual_out - mean and d * d; y), the later passes reading back the residual_out the program has just
+written (from L2). Where h is a multiple of the tile width no column mask is built (``FULL_TILES``). The
 backward always works on column chunks of at most ``BWD_BLOCK_N``: one program per (row range, chunk). A
 row of one chunk gives its row sums (mean(g), mean(g * x_hat)) by reductions inside that program; a longer
 row has them computed first by a row-sum pass (``_bwd_row_sums_kernel``, [2, rows] fp32), which reads
@@ -68,12 +69,23 @@ CHUNK_COLUMNS = 4096
 
 # ----------------------------------------------------------------------------- kernels
 @triton.jit
+def _in_row(cols, h, FULL_TILES: tl.constexpr):
+    """cols < h; with FULL_TILES (h a multiple of the tile width) a constant-true mask, which the compiler
+    folds away: unpredicated loads and stores, no selects."""
+    if FULL_TILES:
+        return tl.full(cols.shape, 1, tl.int1)
+    else:
+        return cols < h
+
+
+@triton.jit
 def _residual_chunk(X, BIAS, RES, RES_OUT, rows64, cols, row_mask, h, stride_x, stride_res, threshold, scale,
                     seed, row_offset, col_start, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                    MANUAL_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    MANUAL_BF16: tl.constexpr, FULL_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
     """residual_out = residual + dropout(x + bias) of one [BLOCK_M, BLOCK_N] tile (columns ``cols``, which
     start at ``col_start``), stored rounded; returned as fp32 (zeros outside the tile's mask)."""
-    col_mask = cols < h
+    col_mask = _in_row(cols, h, FULL_TILES)
     mask = row_mask[:, None] & col_mask[None, :]
     a = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
@@ -89,9 +101,10 @@ def _residual_chunk(X, BIAS, RES, RES_OUT, rows64, cols, row_mask, h, stride_x, 
 
 
 @triton.jit
-def _normalize_chunk(d, rstd, W, B, Y, rows64, cols, row_mask, h, MANUAL_BF16: tl.constexpr):
+def _normalize_chunk(d, rstd, W, B, Y, rows64, cols, row_mask, h, MANUAL_BF16: tl.constexpr,
+                     FULL_TILES: tl.constexpr):
     """y = d * rstd * w + b of one tile (d = residual_out - mean), stored."""
-    col_mask = cols < h
+    col_mask = _in_row(cols, h, FULL_TILES)
     mask = row_mask[:, None] & col_mask[None, :]
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -113,33 +126,33 @@ def _fwd_kernel(X, BIAS, RES, W, B, Y, RES_OUT, MEAN, RSTD,
                 n_rows, h, stride_x, stride_res,
                 eps, threshold, scale, seed, row_offset,
                 HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, MANUAL_BF16: tl.constexpr,
-                CHUNKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                CHUNKED: tl.constexpr, FULL_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # One program normalises BLOCK_M rows (BLOCK_M = 1 for wide rows on a GPU): whole (BLOCK_N >= h) or in
     # chunks of BLOCK_N columns. The statistics are of the stored (rounded) residual_out, which is what
-    # backward sees.
+    # backward sees. FULL_TILES: h is a multiple of BLOCK_N, no column is masked.
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < n_rows
     rows64 = rows.to(tl.int64)  # rows * stride can pass 2**31 for large activations
     if not CHUNKED:
         cols = tl.arange(0, BLOCK_N)
-        mask = row_mask[:, None] & (cols < h)[None, :]
         r = _residual_chunk(X, BIAS, RES, RES_OUT, rows64, cols, row_mask, h, stride_x, stride_res, threshold,
-                            scale, seed, row_offset, 0, HAS_BIAS, HAS_DROPOUT, MANUAL_BF16, BLOCK_M, BLOCK_N)
+                            scale, seed, row_offset, 0, HAS_BIAS, HAS_DROPOUT, MANUAL_BF16, FULL_TILES, BLOCK_M,
+                            BLOCK_N)
         m0 = tl.sum(r, axis=1) / h
-        d = tl.where(mask, r - m0[:, None], 0.0)
+        d = tl.where(_in_row(cols, h, FULL_TILES)[None, :], r - m0[:, None], 0.0)  # columns past h: 0
         shift, rstd = _corrected_statistics(tl.sum(d, axis=1), tl.sum(d * d, axis=1), h, eps)
         mean = m0 + shift
         # d - shift (= r - mean; 0 for a constant row) keeps d, not r, live across the reductions: r - mean
         # held both, 40 registers where the plain two-pass forward took 32 (4 x 1024 tile, 16 warps).
-        _normalize_chunk(d - shift[:, None], rstd, W, B, Y, rows64, cols, row_mask, h, MANUAL_BF16)
+        _normalize_chunk(d - shift[:, None], rstd, W, B, Y, rows64, cols, row_mask, h, MANUAL_BF16, FULL_TILES)
     else:
         total = tl.zeros([BLOCK_M], dtype=tl.float32)
         for start in range(0, h, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             r = _residual_chunk(X, BIAS, RES, RES_OUT, rows64, cols, row_mask, h, stride_x, stride_res,
                                 threshold, scale, seed, row_offset, start, HAS_BIAS, HAS_DROPOUT, MANUAL_BF16,
-                                BLOCK_M, BLOCK_N)
+                                FULL_TILES, BLOCK_M, BLOCK_N)
             total += tl.sum(r, axis=1)
         m0 = total / h
         # Read back what this program stored (the same tile shape and addresses, so the same threads).
@@ -147,18 +160,19 @@ def _fwd_kernel(X, BIAS, RES, W, B, Y, RES_OUT, MEAN, RSTD,
         sum_dd = tl.zeros([BLOCK_M], dtype=tl.float32)
         for start in range(0, h, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
-            mask = row_mask[:, None] & (cols < h)[None, :]
-            r = tl.load(RES_OUT + rows64[:, None] * h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            d = tl.where(mask, r - m0[:, None], 0.0)
+            col_mask = _in_row(cols, h, FULL_TILES)
+            r = tl.load(RES_OUT + rows64[:, None] * h + cols[None, :], mask=row_mask[:, None] & col_mask[None, :],
+                        other=0.0).to(tl.float32)
+            d = tl.where(col_mask[None, :], r - m0[:, None], 0.0)
             sum_d += tl.sum(d, axis=1)
             sum_dd += tl.sum(d * d, axis=1)
         shift, rstd = _corrected_statistics(sum_d, sum_dd, h, eps)
         mean = m0 + shift
         for start in range(0, h, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
-            mask = row_mask[:, None] & (cols < h)[None, :]
+            mask = row_mask[:, None] & _in_row(cols, h, FULL_TILES)[None, :]
             r = tl.load(RES_OUT + rows64[:, None] * h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            _normalize_chunk(r - mean[:, None], rstd, W, B, Y, rows64, cols, row_mask, h, MANUAL_BF16)
+            _normalize_chunk(r - mean[:, None], rstd, W, B, Y, rows64, cols, row_mask, h, MANUAL_BF16, FULL_TILES)
     tl.store(MEAN + rows, mean, mask=row_mask)
     tl.store(RSTD + rows, rstd, mask=row_mask)
 
@@ -347,7 +361,7 @@ def forward(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tenso
         y, residual_out, mean, rstd,
         n_rows, h, x.stride(0), residual.stride(0), float(eps), *drop_args,
         HAS_BIAS=bias is not None, HAS_DROPOUT=has_dropout, MANUAL_BF16=R.interpreting(), CHUNKED=chunked,
-        BLOCK_M=block_m, BLOCK_N=block_n, **launch)
+        FULL_TILES=h % block_n == 0, BLOCK_M=block_m, BLOCK_N=block_n, **launch)
     return y, residual_out, mean, rstd
 
 
