@@ -280,16 +280,18 @@ def _check_offset_rows(backend, h, device="cpu"):
     assert torch.equal(y[:6], ln_b.expand(6, h))
     ref64 = torch.nn.functional.layer_norm(ro.double(), (h,), ln_w.double(), ln_b.double(), 1e-12)
     f_layer_norm = torch.nn.functional.layer_norm(ro, (h,), ln_w, ln_b, 1e-12)
-    # Near-constant rows: no worse than F.layer_norm in fp32 (the plain mean: up to 18x worse at h = 200).
+    # Near-constant rows: at most 2x F.layer_norm's fp32 error, the suite's rule for kernels against same-dtype
+    # torch (the plain mean: 18x at h = 200; the corrected statistics: 0.2-0.5x here, on CPU).
     err, err_f = (y[6:].double() - ref64[6:]).abs().max(), (f_layer_norm[6:].double() - ref64[6:]).abs().max()
-    assert err <= 1.5 * err_f + 1e-6, (err.item(), err_f.item())
+    assert err <= 2 * err_f + 1e-6, (err.item(), err_f.item())
 
 
 @pytest.mark.parametrize("h", [7, 200, 1000])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_constant_rows_normalise_exactly(backend, h):
     """Corrected two-pass statistics: a row of one repeated fp32 value at eps = 1e-12 gives y = ln_bias
-    exactly, and rows of a large offset plus small noise are as accurate as F.layer_norm."""
+    exactly and F.layer_norm's gradient, and rows of a large offset plus small noise are as accurate as
+    F.layer_norm."""
     _check_offset_rows(backend, h)
 
 
