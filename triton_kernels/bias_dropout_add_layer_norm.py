@@ -143,9 +143,12 @@ def _fwd_kernel(X, BIAS, RES, W, B, Y, RES_OUT, MEAN, RSTD,
         d = tl.where(_in_row(cols, h, FULL_TILES)[None, :], r - m0[:, None], 0.0)  # columns past h: 0
         shift, rstd = _corrected_statistics(tl.sum(d, axis=1), tl.sum(d * d, axis=1), h, eps)
         mean = m0 + shift
-        # d - shift (= r - mean; 0 for a constant row) keeps d, not r, live across the reductions: r - mean
-        # held both, 40 registers where the plain two-pass forward took 32 (4 x 1024 tile, 16 warps).
-        _normalize_chunk(d - shift[:, None], rstd, W, B, Y, rows64, cols, row_mask, h, MANUAL_BF16, FULL_TILES)
+        # d - (mean - m0) is r - mean with the same single rounding (both differences are exact where r, m0 and
+        # mean are close), but keeps d, not r, live across the reductions: r - mean held both, 40 registers
+        # where the plain two-pass forward took 32 (4 x 1024 tile, 16 warps). Not d - shift: a GPU's fp32
+        # division is approximate, so shift may be an ulp off delta, which mean = m0 + shift absorbs.
+        _normalize_chunk(d - (mean - m0)[:, None], rstd, W, B, Y, rows64, cols, row_mask, h, MANUAL_BF16,
+                         FULL_TILES)
     else:
         total = tl.zeros([BLOCK_M], dtype=tl.float32)
         for start in range(0, h, BLOCK_N):
