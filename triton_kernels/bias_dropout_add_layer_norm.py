@@ -141,7 +141,8 @@ def _fwd_kernel(X, BIAS, RES, W, B, Y, RES_OUT, MEAN, RSTD,
                             BLOCK_N)
         m0 = tl.sum(r, axis=1) / h
         d = tl.where(_in_row(cols, h, FULL_TILES)[None, :], r - m0[:, None], 0.0)  # columns past h: 0
-        shift, rstd = _corrected_statistics(tl.sum(d, axis=1), tl.sum(d * d, axis=1), h, eps)
+        sum_dd = tl.sum(d * d, axis=1)  # first: 32 registers, not 38 (Triton 3.6, fp16 4 x 1024 without dropout)
+        shift, rstd = _corrected_statistics(tl.sum(d, axis=1), sum_dd, h, eps)
         mean = m0 + shift
         # d - (mean - m0) is r - mean with the same single rounding (both differences are exact where r, m0 and
         # mean are close), but keeps d, not r, live across the reductions: r - mean held both, 40 registers
