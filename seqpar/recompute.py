@@ -190,8 +190,7 @@ def checkpoint(fn: Callable, *args, module: Optional[nn.Module] = None):
     (CPU, and the CUDA devices of the tensor ``args``; not under CUDA graph capture). Once
     differentiable: a double backward through it raises. A torch.utils.checkpoint inside ``fn`` must be
     non-reentrant (``use_reentrant=False``: the reentrant kind refuses the re-run's backward with
-    ``inputs``), and torch.func
-    transforms (grad, vmap) do not go through it.
+    ``inputs``), and torch.func transforms (grad, vmap) do not go through it.
     """
     if torch.compiler.is_compiling():
         # Dynamo cannot trace a backward that calls torch.autograd.grad (a graph break per region); torch's
