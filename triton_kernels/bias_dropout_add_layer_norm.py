@@ -147,7 +147,7 @@ def _fwd_kernel(X, BIAS, RES, W, B, Y, RES_OUT, MEAN, RSTD,
         # d - (mean - m0) is r - mean with the same single rounding (both differences are exact where r, m0 and
         # mean are close), but keeps d, not r, live across the reductions: r - mean held both, 40 registers
         # where the plain two-pass forward took 32 (4 x 1024 tile, 16 warps). Not d - shift: a GPU's fp32
-        # division is approximate, so shift may be an ulp off delta, which mean = m0 + shift absorbs.
+        # division is approximate, so shift may be an ulp off m0's error, which mean = m0 + shift absorbs.
         _normalize_chunk(d - (mean - m0)[:, None], rstd, W, B, Y, rows64, cols, row_mask, h, MANUAL_BF16,
                          FULL_TILES)
     else:
