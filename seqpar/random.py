@@ -41,6 +41,7 @@ masks are one opaque custom op (:func:`mask_bytes`): compiled code reads the sam
 """
 from __future__ import annotations
 
+import sys
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -222,16 +223,21 @@ def philox4x32(key: int, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c
     words. The key is ``(key & 0xffffffff, key >> 32)``; each round is the standard Philox round with
     the multipliers 0xD2511F53, 0xCD9E8D57 and the Weyl key increments 0x9E3779B9, 0xBB67AE85.
     """
-    c0, c1, c2, c3 = torch.broadcast_tensors(c0.to(torch.int64), c1.to(torch.int64), c2.to(torch.int64),
-                                             c3.to(torch.int64))
+    # Full-size int64 copies (never the caller's tensors), updated in place: on CPU a fresh tensor per
+    # operation (page faults on new memory) tripled the time of the rounds.
+    c0, c1, c2, c3 = (c.to(torch.int64).clone() for c in torch.broadcast_tensors(c0, c1, c2, c3))
+    prod_a, prod_b = torch.empty_like(c0), torch.empty_like(c0)
     k0, k1 = key & _MASK32, (key >> 32) & _MASK32
     for _ in range(rounds):
         # 32 x 32-bit products in int64 wrap modulo 2**64 (two's complement), so their high and low
-        # words are exactly the unsigned product's.
-        prod_a = c0 * _PHILOX_ROUND_A
-        prod_b = c2 * _PHILOX_ROUND_B
-        c0, c1, c2, c3 = (((prod_b >> 32) & _MASK32) ^ c1 ^ k0, prod_b & _MASK32,
-                          ((prod_a >> 32) & _MASK32) ^ c3 ^ k1, prod_a & _MASK32)
+        # words are exactly the unsigned product's. The round is
+        # (c0, c1, c2, c3) <- (hi(b) ^ c1 ^ k0, lo(b), hi(a) ^ c3 ^ k1, lo(a)), a = c0 * A, b = c2 * B.
+        torch.mul(c0, _PHILOX_ROUND_A, out=prod_a)
+        torch.mul(c2, _PHILOX_ROUND_B, out=prod_b)
+        torch.bitwise_right_shift(prod_b, 32, out=c0).bitwise_and_(_MASK32).bitwise_xor_(c1).bitwise_xor_(k0)
+        torch.bitwise_and(prod_b, _MASK32, out=c1)
+        torch.bitwise_right_shift(prod_a, 32, out=c2).bitwise_and_(_MASK32).bitwise_xor_(c3).bitwise_xor_(k1)
+        torch.bitwise_and(prod_a, _MASK32, out=c3)
         k0 = (k0 + _PHILOX_KEY_A) & _MASK32
         k1 = (k1 + _PHILOX_KEY_B) & _MASK32
     return c0, c1, c2, c3
@@ -268,9 +274,14 @@ def _mask_bytes_op(stream: int, rows: torch.Tensor, n_cols: int) -> torch.Tensor
     # its bits, not the sign-extended shift (the kernels read it as uint32)
     words = torch.stack(philox4x32(stream, groups, rows & _MASK32, (rows >> 32) & _MASK32, torch.zeros_like(groups)),
                         -1)
-    shifts = torch.arange(0, 32, 8, device=rows.device)                       # byte b of a word: >> 8b
-    group_bytes = (words.unsqueeze(-1) >> shifts) & 0xFF                      # [..., G, word, byte]
-    return group_bytes.flatten(-3)[..., :n_cols].to(torch.uint8)
+    # A word's 4 bytes, least significant first, are its int32 bit pattern's bytes on a little-endian
+    # device (every GPU, x86, Arm): one reinterpretation, not 4 shifts of an int64 per byte (3x faster on
+    # CPU). uint32 values >= 2**31 map to their two's-complement int32 first, so the cast never wraps.
+    words_int32 = (words - ((words >> 31) << 32)).to(torch.int32)             # [..., G, word]
+    group_bytes = words_int32.view(torch.uint8).unflatten(-1, (4, 4))         # [..., G, word, byte]
+    if words.device.type == "cpu" and sys.byteorder == "big":
+        group_bytes = group_bytes.flip(-1)
+    return group_bytes.flatten(-3)[..., :n_cols].contiguous()
 
 
 @_mask_bytes_op.register_fake

@@ -55,6 +55,16 @@ def test_philox_known_answers():
         assert tuple(w.item() for w in got) == expected
 
 
+def test_philox_leaves_its_counters_unchanged():
+    """The rounds run in place on copies: full-size int64 counters (returned as they are by .to(int64))
+    must not be the buffers the rounds overwrite."""
+    counters = [torch.arange(6, dtype=torch.int64) * (i + 3) for i in range(4)]
+    before = [c.clone() for c in counters]
+    words = philox4x32(0x1234_5678_9ABC, *counters)
+    assert all(torch.equal(c, b) for c, b in zip(counters, before))
+    assert not any(torch.equal(w, c) for w, c in zip(words, counters))
+
+
 @pytest.mark.parametrize("row_offset", ROW_OFFSETS, ids=ROW_IDS)
 def test_mask_bytes_match_the_elementwise_convention(row_offset):
     rows = torch.arange(5) + row_offset
