@@ -168,15 +168,15 @@ def _plan_parser() -> ArgumentParser:
                         "other options override it")
     p.add_argument("--arch", choices=tuple(ARCH_BLOCKS),
                    help="the block: gpt (the paper's, default) or llama (default with a llama3-* --model)")
-    p.add_argument("--kv-heads", type=int, help="llama: k/v groups g (default: one per head)")
+    p.add_argument("--kv-heads", type=int, help="llama: k/v groups g (default: one per head, or the model's)")
     p.add_argument("--flash-attention", action="store_true",
                    help="a flash-style attention core (seqpar's triton backend): no s^2 activations")
     p.add_argument("--hidden", type=int, help="hidden size h")
     p.add_argument("--heads", type=int, help="attention heads a")
     p.add_argument("--layers", type=int, help="layers L")
-    p.add_argument("--ffn-hidden", type=int, help="ffn size (default 4h)")
-    p.add_argument("--seq-len", type=int, help=f"sequence length s (default {SEQ_LEN})")
-    p.add_argument("--vocab", type=int, help=f"vocabulary v (default {VOCAB})")
+    p.add_argument("--ffn-hidden", type=int, help="ffn size (default 4h, or the model's)")
+    p.add_argument("--seq-len", type=int, help=f"sequence length s (default {SEQ_LEN}, or the model's)")
+    p.add_argument("--vocab", type=int, help=f"vocabulary v (default {VOCAB}, or the model's)")
     p.add_argument("--micro-batch", type=int, help="micro-batch b (default 1, or the model's)")
     p.add_argument("--tp", type=int, help="tensor-parallel size t (default 1, 8 with --model)")
     p.add_argument("--pp", type=int, help="pipeline-parallel size p (default 1, or the model's)")
@@ -347,8 +347,8 @@ def plan(argv: Sequence[str]) -> dict:
 
 # ---------------------------------------------------------------------------------------------- main
 def main(argv: Optional[List[str]] = None) -> None:
-    """``python -m seqpar``: run the ``info`` (default), ``bench`` or ``plan`` command of ``argv`` (default
-    ``sys.argv[1:]``); see the module docstring for exit statuses."""
+    """``python -m seqpar``: run the ``info``, ``bench`` or ``plan`` command of ``argv`` (default
+    ``sys.argv[1:]``; a command is required); see the module docstring for exit statuses."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = ArgumentParser(prog="python -m seqpar", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -81,7 +81,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["layer_activation_bytes", "layer_activation_terms", "architecture_kwargs", "model_activation_bytes", "plan_recompute", "evaluate_recompute",
            "RecomputePlan", "first_stage_parameters", "MODEL_STATE_BYTES_PER_PARAMETER", "ActivationMeter",
-           "SavedTensorRecord", "saved_as", "name_storage"]
+           "SavedTensorRecord", "saved_as", "name_storage", "count_as_saved"]
 
 #: What a layer keeps for backward: everything, all but the attention core, or only its input.
 RECOMPUTE_POLICIES = ("none", "selective", "full")
@@ -808,6 +808,15 @@ def _meter_stack() -> List["ActivationMeter"]:
     if not hasattr(_thread, "meters"):
         _thread.meters = []
     return _thread.meters
+
+
+def count_as_saved(*tensors: torch.Tensor) -> None:
+    """Count ``tensors`` in the active meters as saved for backward, where something other than autograd's
+    saved tensors keeps them alive until backward (a checkpoint region's inputs, which its re-run reads),
+    as the meters' hooks count saved tensors: each storage once, parameters excluded."""
+    if _active_meters:
+        for t in tensors:
+            ActivationMeter._pack(t)
 
 
 class ActivationMeter:

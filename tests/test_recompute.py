@@ -1,5 +1,5 @@
 """seqpar.recompute.checkpoint against plain autograd (and torch.utils.checkpoint): parameter hooks, the
-forward's autocast state, outputs without a gradient, and what it refuses (containers of tensors)."""
+forward's autocast state, outputs without a gradient, tensors in containers and tensors hooks bring in."""
 import pytest
 import torch
 
@@ -135,22 +135,58 @@ def test_module_defaults_to_fn_when_fn_is_a_module():
 
 
 @pytest.mark.parametrize("case", ["list_arg", "dict_arg", "list_out", "dict_out", "nested_out"])
-def test_containers_that_would_lose_gradients_are_refused(case):
-    """Tensors in a list or dict argument, or returned in a list, a dict or a nested tuple, got no
-    gradient without a word (torch.utils.checkpoint's non-reentrant mode tracks them; this one doesn't)."""
+def test_tensors_in_containers_get_their_gradients(case):
+    """Tensors in a list or dict argument, or returned in a list, a dict or a nested tuple: the
+    autograd.Function checkpoint before torch's non-reentrant one tracked only flat tensors (and refused
+    the rest with a ValueError); now they get the gradients plain autograd gives."""
     a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
     calls = {
         "list_arg": lambda: checkpoint(lambda ab: ab[0] * ab[1], [a, b]),
         "dict_arg": lambda: checkpoint(lambda ab: ab["a"] * ab["b"], {"a": a, "b": b}),
-        "list_out": lambda: checkpoint(lambda x, y: [x * y], a, b),
-        "dict_out": lambda: checkpoint(lambda x, y: {"p": x * y}, a, b),
-        "nested_out": lambda: checkpoint(lambda x, y: (x, (x * y,)), a, b),
+        "list_out": lambda: checkpoint(lambda x, y: [x * y], a, b)[0],
+        "dict_out": lambda: checkpoint(lambda x, y: {"p": x * y}, a, b)["p"],
+        "nested_out": lambda: checkpoint(lambda x, y: (x, (x * y,)), a, b)[1][0],
     }
-    with pytest.raises(ValueError, match="list|dict|tuple"):
-        calls[case]()
-    y = checkpoint(lambda x, y: (x * y, 3), a, b)[0]    # a flat tuple with a non-tensor is fine
-    y.sum().backward()
-    torch.testing.assert_close(a.grad, b.detach())
+    calls[case]().sum().backward()
+    torch.testing.assert_close(a.grad, b.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(b.grad, a.detach(), rtol=0, atol=0)
+
+
+def _adapted_layer(recompute, frozen):
+    """A layer with a LoRA-style adapter (A, B held outside the layer) added to its QKV output by a forward
+    hook, and the MLP output captured by another hook (for an auxiliary loss)."""
+    seqpar.manual_seed(0)
+    layer = seqpar.TransformerLayer(seqpar.TransformerConfig(hidden_size=16, num_attention_heads=2,
+                                                             recompute=recompute, backend="torch"))
+    layer.requires_grad_(not frozen)
+    gen = torch.Generator().manual_seed(3)
+    lora_a = torch.nn.Parameter(0.1 * torch.randn(2, 16, generator=gen))
+    lora_b = torch.nn.Parameter(0.1 * torch.randn(48, 2, generator=gen))
+    layer.self_attention.query_key_value.register_forward_hook(
+        lambda mod, args, out: out + args[0] @ lora_a.t() @ lora_b.t())
+    captured = []
+    layer.mlp.register_forward_hook(lambda mod, args, out: captured.append(out[0]))
+    return layer, (lora_a, lora_b), captured
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+def test_tensors_hooks_bring_into_a_full_recompute_layer_get_gradients(frozen):
+    """Full recompute ran the layer under no_grad and differentiated only its input and parameters: a
+    LoRA adapter added by a forward hook got no gradient without a word (its base layer trainable), or
+    backward raised (the base layer frozen), and an activation a hook captured for an auxiliary loss had
+    no graph. Now each gets what it gets without recompute."""
+    x = torch.randn(4, 1, 16, generator=torch.Generator().manual_seed(1))
+    got = {}
+    for recompute in ("none", "full"):
+        layer, adapter, captured = _adapted_layer(recompute, frozen)
+        y = layer(x)
+        (y.square().sum() + captured[0].abs().sum()).backward()
+        got[recompute] = [t.grad for t in adapter] + [None if frozen else layer.mlp.dense_h_to_4h.weight.grad]
+    for plain, recomputed in zip(got["none"], got["full"]):
+        if plain is None:
+            assert recomputed is None
+        else:
+            torch.testing.assert_close(recomputed, plain, rtol=0, atol=0)
 
 
 def test_swapped_parameters_replaces_every_alias_and_puts_them_back():

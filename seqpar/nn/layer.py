@@ -196,6 +196,9 @@ class ParallelMLP(nn.Module):
         self.dense_4h_to_h.check_rank_inputs = False   # its input comes from dense_h_to_4h's, which agreed on it
 
     def forward(self, a2: torch.Tensor):
+        """a2 [s, b, h] (the post-attention norm's output; [s / t, b, h] under sequence parallelism) ->
+        ``(out, bias)``: out [s, b, h] (its sequence shard under SP) without fc2's bias, which comes apart
+        for the fused bias-dropout-add (``RowParallelLinear(skip_bias_add=True)``; None without biases)."""
         with saved_as("fc1 input"):
             hidden = self.dense_h_to_4h(a2)
         if self.config.activation == "swiglu":

@@ -14,7 +14,7 @@ output layer) has ``padded_vocab_size`` = v rounded up to a multiple of ``t * 12
 over the t ranks, so every rank holds a [padded_vocab_size / t, h] shard whatever v is (v = 50257 for
 GPT-2). Rank r holds the rows of global ids ``r * padded_vocab_size / t`` onwards; the real ones among
 them are ``[vocab_start, vocab_end)`` with ``vocab_start = r * padded_vocab_size / t`` and
-``vocab_end = min(v, (r + 1) * padded_vocab_size / t)`` (an empty shard, ``vocab_end == vocab_start``,
+``vocab_end = max(vocab_start, min(v, (r + 1) * padded_vocab_size / t))`` (an empty shard, ``vocab_end == vocab_start``,
 on the last ranks when v is small). The padded rows are zeros that no op reads: the output head
 multiplies by the real rows only, so padded logits do not exist, never enter the softmax and never
 get a gradient; unsharded state dicts hold the v real rows.

@@ -284,7 +284,9 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
         ctx.dtypes = (x.dtype, None if bias is None else bias.dtype, residual.dtype,
                       ln_weight.dtype, ln_bias.dtype)
         if len(shape) != 2:
-            return _unflatten_rows(y, shape), _unflatten_rows(residual_out, shape)
+            y, residual_out = _unflatten_rows(y, shape), _unflatten_rows(residual_out, shape)
+        if not any(ctx.needs_input_grad[:3]):   # residual_out does not depend on the norm's parameters
+            ctx.mark_non_differentiable(residual_out)
         return y, residual_out
 
     @staticmethod

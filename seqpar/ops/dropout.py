@@ -94,37 +94,40 @@ def make_dropout_spec(p: float, training: bool, seed, row_offset: int = 0) -> Dr
     return DropoutSpec(float(p), resolve_seed(seed), row_offset)
 
 
-def apply_keep_mask(x2d: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
-    """``where(keep, x2d * scale, 0)`` (``x2d`` unchanged when the spec is inactive): a dropped inf or NaN
-    is 0, as in the kernels (``x2d * keep * scale`` made it NaN: inf * 0).
+def apply_keep_mask(x: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
+    """``where(keep, x * scale, 0)`` of ``x`` [..., h] viewed as rows of h (``x`` unchanged when the spec is
+    inactive): a dropped inf or NaN is 0, as in the kernels (``x * keep * scale`` made it NaN: inf * 0).
+    The result is a new tensor of ``x``'s shape, not a view of a [rows, h] one (autograd refuses in-place
+    ops on a view an autograd.Function returns).
 
     CUDA tensors use the kernel of csrc/dropout.cu when seqpar._C is built (the same mask, computed in
     registers, one Philox call per 16 columns); everything else uses the torch reference.
     """
     if not spec.active:
-        return x2d
-    if x2d.is_cuda and x2d.dtype in _ext.DTYPE_CODES and _ext.cuda_extension_error() is None:
-        x2d = x2d.contiguous()
-        out = torch.empty_like(x2d)
-        with _ext.on_device(x2d):
-            _ext.cuda_extension().dropout_rows(x2d.data_ptr(), out.data_ptr(), x2d.shape[0], x2d.shape[1],
-                                               _ext.DTYPE_CODES[x2d.dtype], spec.seed, spec.row_offset,
-                                               spec.threshold, _ext.cuda_stream(x2d.device))
+        return x
+    h = x.shape[-1]
+    rows = x.numel() // h if h else 0
+    if x.is_cuda and x.dtype in _ext.DTYPE_CODES and _ext.cuda_extension_error() is None:
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        with _ext.on_device(x):
+            _ext.cuda_extension().dropout_rows(x.data_ptr(), out.data_ptr(), rows, h, _ext.DTYPE_CODES[x.dtype],
+                                               spec.seed, spec.row_offset, spec.threshold, _ext.cuda_stream(x.device))
         return out
-    keep = spec.keep_mask_2d(x2d.shape[0], x2d.shape[1], x2d.device)
-    return torch.where(keep, x2d * spec.scale, 0.0)
+    keep = spec.keep_mask_2d(rows, h, x.device).view(x.shape)
+    return torch.where(keep, x * spec.scale, 0.0)
 
 
 class _Dropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, spec: DropoutSpec):
         ctx.spec = spec
-        return apply_keep_mask(x.reshape(-1, x.shape[-1]), spec).view(x.shape)
+        return apply_keep_mask(x, spec)
 
     @staticmethod
     @registry.once_differentiable
     def backward(ctx, grad):
-        return apply_keep_mask(grad.reshape(-1, grad.shape[-1]), ctx.spec).view(grad.shape), None
+        return apply_keep_mask(grad, ctx.spec), None
 
 
 def _check_dropout_args(x, spec) -> None:

@@ -260,7 +260,10 @@ class _AddRMSNorm(torch.autograd.Function):
         if len(shape) != 2:
             # no residual: residual_out is x itself. Not the [rows, h] view of x viewed back: export can't
             # prove that view's stride guard for a dynamic batch dim (b * min(h, h b) == h b)
-            return _unflatten_rows(y, shape), (x.detach() if residual is None else _unflatten_rows(residual_out, shape))
+            y = _unflatten_rows(y, shape)
+            residual_out = x.detach() if residual is None else _unflatten_rows(residual_out, shape)
+        if not any(ctx.needs_input_grad[:2]):   # residual_out does not depend on the weight
+            ctx.mark_non_differentiable(residual_out)
         return y, residual_out
 
     @staticmethod

@@ -232,7 +232,6 @@ def test_double_backward_raises():
         "dropout": (lambda x: dropout(x, spec), (x3,)),
         "all_gather_matmul": (lambda x, wt: all_gather_matmul(x, wt, group=None), (x3, torch.randn(5, H))),
         "matmul_reduce_scatter": (lambda x, wt: matmul_reduce_scatter(x, wt, group=None), (x3, torch.randn(5, H))),
-        "seqpar.recompute.checkpoint": (lambda x: seqpar.recompute.checkpoint(lambda t: t.sin() * t, x), (x3,)),
     }
     for name, (fn, inputs) in cases.items():
         with pytest.raises(RuntimeError, match="differentiate twice"):
@@ -241,6 +240,18 @@ def test_double_backward_raises():
     # GPTModel's loss (vocab-parallel cross-entropy) w.r.t. the tied word embedding
     with pytest.raises(RuntimeError, match="differentiate twice"):
         _double_backward(lambda t: gpt(t, t.roll(-1, 1)), tokens, leaves=list(gpt.parameters()))
+
+
+def test_checkpoint_itself_is_twice_differentiable():
+    """seqpar.recompute.checkpoint is torch's non-reentrant checkpoint: a double backward through a region
+    of plain torch ops gives plain autograd's second derivatives (only the fused ops above refuse)."""
+    x = torch.randn(6, 2, H, generator=torch.Generator().manual_seed(6))
+    got = []
+    for fn in (lambda t: t.sin() * t, lambda t: seqpar.recompute.checkpoint(lambda u: u.sin() * u, t)):
+        leaf = x.clone().requires_grad_()
+        _double_backward(fn, leaf, leaves=[leaf])
+        got.append(leaf.grad)
+    torch.testing.assert_close(got[1], got[0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("recompute", RECOMPUTE)

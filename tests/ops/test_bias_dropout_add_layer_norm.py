@@ -727,3 +727,19 @@ def test_cuda_backward_launcher_passes_residual_out_at_row_stride_h(monkeypatch)
     module._cuda_bwd_op(grad_y, torch.zeros_like(grad_y), residual_out, torch.ones(h, dtype=torch.float16),
                         stats, stats, 0, 0, 0, False)
     assert torch.equal(seen["rows"], residual_out)
+
+
+@pytest.mark.parametrize("needs_grad", ["norm_only", "residual"])
+def test_residual_out_requires_grad_only_when_its_inputs_do(needs_grad):
+    """residual_out = residual + dropout(x + bias) does not depend on the norm's weight and bias, yet it
+    came back requiring grad when only they did (autograd.grad through it gave zeros where plain torch
+    says "not used in the graph")."""
+    gen = torch.Generator().manual_seed(4)
+    x, residual = torch.randn(2, 3, 16, generator=gen), torch.randn(2, 3, 16, generator=gen)
+    w, b = torch.randn(16, generator=gen, requires_grad=True), torch.randn(16, generator=gen, requires_grad=True)
+    residual.requires_grad_(needs_grad == "residual")
+    y, residual_out = bias_dropout_add_layer_norm(x, None, residual, w, b, backend="torch")
+    assert y.requires_grad and residual_out.requires_grad == (needs_grad == "residual")
+    (y.sum() + residual_out.sum()).backward() if residual_out.requires_grad else y.sum().backward()
+    x_hat = torch.nn.functional.layer_norm(x + residual, (16,))
+    torch.testing.assert_close(w.grad, x_hat.sum(dim=(0, 1)), rtol=1e-5, atol=1e-5)

@@ -144,3 +144,20 @@ def test_a_dropped_inf_or_nan_is_zero_as_in_the_kernels(backend):
     grad = torch.randn(4, 32).masked_fill(~keep, float("nan"))   # through the mask again: dropped -> 0
     residual_out.backward(grad)
     assert torch.equal(x.grad, torch.where(keep, grad * spec.scale, 0.0))
+
+
+def test_the_output_takes_in_place_ops_like_f_dropout():
+    """``out = dropout(x, spec); out += residual`` raised "Output 0 of _Dropout is a view and is being
+    modified inplace" (the op returned a view of its [rows, h] result); F.dropout's output takes it. The
+    gradient of the in-place sum is the mask's, scaled."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(4, 3, 40, generator=gen, requires_grad=True)
+    residual = torch.randn(4, 3, 40, generator=gen)
+    spec = DropoutSpec(0.3, 17, 0)
+    out = dropout(x, spec)
+    out += residual
+    weights = torch.randn(4, 3, 40, generator=gen)
+    (out * weights).sum().backward()
+    keep = spec.keep_mask_2d(12, 40, x.device).view(4, 3, 40)
+    torch.testing.assert_close(out, torch.where(keep, x.detach() * spec.scale, 0.0) + residual, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, torch.where(keep, weights * spec.scale, 0.0), rtol=0, atol=0)

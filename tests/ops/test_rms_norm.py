@@ -371,3 +371,19 @@ def test_gpu_torch_compile_inductor(backend):
     outs_e = f(*args)
     assert torch.equal(outs_c[1], outs_e[1])
     torch.testing.assert_close(outs_c[0], outs_e[0], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("residual_given", [True, False], ids=["residual", "no-residual"])
+def test_residual_out_requires_grad_only_when_its_inputs_do(residual_given):
+    """residual_out = x + residual does not depend on the weight, yet it came back requiring grad when
+    only the weight did."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 3, 16, generator=gen)
+    residual = torch.randn(2, 3, 16, generator=gen) if residual_given else None
+    weight = torch.randn(16, generator=gen, requires_grad=True)
+    y, residual_out = add_rms_norm(x, residual, weight, backend="torch")
+    assert y.requires_grad and not residual_out.requires_grad
+    y.sum().backward()
+    r = x if residual is None else x + residual
+    torch.testing.assert_close(weight.grad, (r * torch.rsqrt(r.square().mean(-1, keepdim=True) + 1e-6)).sum(dim=(0, 1)),
+                               rtol=1e-5, atol=1e-5)
