@@ -88,20 +88,20 @@ def checkpoint(fn: Callable, *args, module: Optional[nn.Module] = None):
     if module is None and isinstance(getattr(fn, "__self__", fn), nn.Module):
         module = getattr(fn, "__self__", fn)
     count_as_saved(*(a for a in args if isinstance(a, torch.Tensor)))
-    named = list(module.named_parameters()) if module is not None else []
-    names, n_args = [name for name, _ in named], len(args)
+    # The forward's parameters, kept by the closure for the re-run (not passed as checkpoint arguments:
+    # torch's checkpoint reads a device generator's state once per tensor argument).
+    forward_parameters = dict(module.named_parameters()) if module is not None else {}
     forward_done = []
 
-    def run(*args_and_params):
-        # The forward reads the parameters the module holds; the re-run those the forward read, which the
-        # checkpoint hands back as the trailing arguments.
-        if module is None or not forward_done:
+    def run(*run_args):
+        # The forward reads the parameters the module holds; the re-run those the forward read.
+        if not forward_parameters or not forward_done:
             forward_done.append(True)
-            return fn(*args_and_params[:n_args])
-        with swapped_parameters(module, dict(zip(names, args_and_params[n_args:]))):
-            return fn(*args_and_params[:n_args])
+            return fn(*run_args)
+        with swapped_parameters(module, forward_parameters):
+            return fn(*run_args)
 
     # Reading a device generator's state is not allowed while a CUDA graph is captured.
     capturing = torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
-    return torch.utils.checkpoint.checkpoint(run, *args, *(p for _, p in named), use_reentrant=False,
-                                             early_stop=False, preserve_rng_state=not capturing)
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, early_stop=False,
+                                             preserve_rng_state=not capturing)
