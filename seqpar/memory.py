@@ -81,7 +81,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["layer_activation_bytes", "layer_activation_terms", "architecture_kwargs", "model_activation_bytes", "plan_recompute", "evaluate_recompute",
            "RecomputePlan", "first_stage_parameters", "MODEL_STATE_BYTES_PER_PARAMETER", "ActivationMeter",
-           "SavedTensorRecord", "saved_as", "name_storage", "count_as_saved"]
+           "SavedTensorRecord", "saved_as", "name_storage", "count_as_saved",
+           "not_counted"]
 
 #: What a layer keeps for backward: everything, all but the attention core, or only its input.
 RECOMPUTE_POLICIES = ("none", "selective", "full")
@@ -808,6 +809,23 @@ def _meter_stack() -> List["ActivationMeter"]:
     if not hasattr(_thread, "meters"):
         _thread.meters = []
     return _thread.meters
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()
+
+
+def _unchanged(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def not_counted():
+    """A block whose saved tensors the active meters do not count, for code that counts what it keeps
+    itself (:func:`count_as_saved`); outside any meter, nothing changes. Like a meter, it shadows
+    ``saved_tensors_hooks`` entered before it."""
+    if not _active_meters:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_detached, _unchanged)
 
 
 def count_as_saved(*tensors: torch.Tensor) -> None:

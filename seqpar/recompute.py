@@ -10,8 +10,9 @@ and the forward's autocast state. What it adds:
 
 - the parameters of ``module``, which the function reads, are those of the forward in the re-run too
   (swapped back in if the module holds others by backward, as after ``torch.func.functional_call``);
-- the region's tensor inputs, which the checkpoint keeps alive until backward, count in an
-  :class:`seqpar.memory.ActivationMeter` (they are the activations full recompute keeps).
+- what the re-run keeps alive until backward counts in an :class:`seqpar.memory.ActivationMeter`: the
+  region's tensor inputs (the activations full recompute keeps) and, under autocast, the casts of the
+  parameters.
 
 The forward runs with autograd on, as without checkpointing, and the re-run only refills the tensors
 autograd saved: gradients reach everything the region reads (its inputs, ``module``'s parameters, a
@@ -26,8 +27,9 @@ from typing import Callable, Dict, Iterator, Optional
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
-from .memory import count_as_saved
+from .memory import count_as_saved, not_counted
 
 __all__ = ["checkpoint", "swapped_parameters"]
 
@@ -72,12 +74,14 @@ def checkpoint(fn: Callable, *args, module: Optional[nn.Module] = None):
     ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)`` (the forward's generator and
     autocast states in the re-run, gradients to everything ``fn`` reads, any nesting of outputs), plus:
     the re-run reads the parameters of ``module`` the forward read (``module`` defaults to ``fn`` itself
-    when ``fn`` is an ``nn.Module`` or a bound method of one), and the tensor ``args``, which stay alive
-    until backward, count in active :class:`seqpar.memory.ActivationMeter` s. ``fn`` must compute the
-    same thing when re-run in backward: everything it draws or reads from a mode (dropout seeds,
-    ``training``) comes in through ``args``. The re-run is whole (``early_stop=False``): a region that
-    runs collectives stops at the same point on every rank, never with one in flight. Under
-    ``torch.no_grad`` nothing is saved for backward, and ``fn(*args)`` just runs.
+    when ``fn`` is an ``nn.Module`` or a bound method of one), and what the re-run keeps alive until
+    backward counts in active :class:`seqpar.memory.ActivationMeter` s when anything is kept (an output
+    requires grad): the tensors in ``args`` and the parameters read that are not ``nn.Parameter`` s
+    (autocast's casts of them). ``fn`` must compute the same thing when re-run in backward: everything it
+    draws or reads from a mode (dropout seeds, ``training``) comes in through ``args``. The re-run is
+    whole (``early_stop=False``): a region that runs collectives stops at the same point on every rank,
+    never with one in flight. Under ``torch.no_grad`` nothing is saved for backward, and ``fn(*args)``
+    just runs.
     """
     if not torch.is_grad_enabled():
         return fn(*args)
@@ -87,7 +91,6 @@ def checkpoint(fn: Callable, *args, module: Optional[nn.Module] = None):
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
     if module is None and isinstance(getattr(fn, "__self__", fn), nn.Module):
         module = getattr(fn, "__self__", fn)
-    count_as_saved(*(a for a in args if isinstance(a, torch.Tensor)))
     # The forward's parameters, kept by the closure for the re-run (not passed as checkpoint arguments:
     # torch's checkpoint reads a device generator's state once per tensor argument).
     forward_parameters = dict(module.named_parameters()) if module is not None else {}
@@ -103,5 +106,13 @@ def checkpoint(fn: Callable, *args, module: Optional[nn.Module] = None):
 
     # Reading a device generator's state is not allowed while a CUDA graph is captured.
     capturing = torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
-    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, early_stop=False,
-                                             preserve_rng_state=not capturing)
+    # torch's checkpoint saves the flat tensor args for its own bookkeeping whether or not anything will
+    # need them: a meter would count them even where nothing requires grad and they are freed at once.
+    with not_counted():
+        out = torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, early_stop=False,
+                                                preserve_rng_state=not capturing)
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(out)):
+        # The graph holds the re-run's closure: the tensors in args and the forward's parameters (under
+        # autocast their casts, which are activations; Parameters themselves are not counted).
+        count_as_saved(*(t for t in tree_leaves(args) if isinstance(t, torch.Tensor)), *forward_parameters.values())
+    return out

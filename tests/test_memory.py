@@ -362,3 +362,47 @@ def test_block_keywords_reject_bad_values_by_name(kwargs, match):
         layer_activation_bytes(**args)
     with pytest.raises(ValueError, match=match):
         model_activation_bytes(**args, num_layers=2, vocab=10)
+
+
+def _metered_layer_forward(recompute, *, autocast=False, trainable=True):
+    """(meter.bytes, the bytes of the bf16 parameter casts alive after the forward) of one h 32 layer."""
+    import seqpar
+    import seqpar.nn.autocast as layer_autocast
+
+    seqpar.manual_seed(0)
+    layer = seqpar.TransformerLayer(seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4,
+                                                             recompute=recompute, backend="torch"))
+    layer.requires_grad_(trainable)
+    x = torch.randn(16, 2, 32, requires_grad=trainable)
+    casts = []
+    swap = layer_autocast.swapped_parameters
+
+    def spy(module, tensors):   # weak references to the casts run_in_dtype swaps in
+        casts.extend(weakref.ref(t) for t in tensors.values())
+        return swap(module, tensors)
+
+    layer_autocast.swapped_parameters = spy
+    try:
+        with ActivationMeter() as meter, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = layer(x)
+    finally:
+        layer_autocast.swapped_parameters = swap
+    gc.collect()
+    alive = sum(t.untyped_storage().nbytes() for t in (r() for r in casts) if t is not None)
+    del y
+    return meter.bytes, alive
+
+
+def test_full_recompute_under_autocast_counts_the_parameter_casts_it_keeps():
+    """The re-run keeps the forward's bf16 parameter casts (activations: cast per call) until backward;
+    the meter counted only the layer input (2048 of 27456 bytes alive)."""
+    metered, casts_alive = _metered_layer_forward("full", autocast=True)
+    assert casts_alive == 2 * (3 * 32 * 32 + 3 * 32 + 32 * 32 + 32 + 2 * 32 * 128 + 128 + 32 + 4 * 32)
+    assert metered == casts_alive + 16 * 2 * 32 * 2   # plus the bf16 layer input
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_nothing_is_counted_when_nothing_needs_a_gradient(recompute):
+    """A frozen layer on an input without grad (grad mode on) keeps nothing for backward; the meter
+    counted full recompute's input (4096 bytes) and selective's Q, K, V (12288)."""
+    assert _metered_layer_forward(recompute, trainable=False) == (0, 0)
