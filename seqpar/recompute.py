@@ -68,6 +68,19 @@ def swapped_parameters(module: nn.Module, tensors: Dict[str, torch.Tensor]) -> I
             sub._parameters[leaf] = param
 
 
+def _check_unmodified(parameters: Dict[str, torch.Tensor], versions: Dict[str, int]) -> None:
+    """RuntimeError, as autograd's for a saved tensor, when a parameter the forward read was modified in
+    place before the re-run (an optimizer step between this forward and its backward): the re-run would
+    differentiate another forward without a word."""
+    for name, p in parameters.items():
+        if p._version != versions[name]:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: parameter {name!r} of a recomputed region is at version {p._version}; expected "
+                f"version {versions[name]} (the forward's). Was it updated (an optimizer step) between the "
+                f"forward and this backward?")
+
+
 def checkpoint(fn: Callable, *args, module: Optional[nn.Module] = None):
     """Run ``fn(*args)`` without keeping its intermediates; recompute them in backward.
 
@@ -94,6 +107,7 @@ def checkpoint(fn: Callable, *args, module: Optional[nn.Module] = None):
     # The forward's parameters, kept by the closure for the re-run (not passed as checkpoint arguments:
     # torch's checkpoint reads a device generator's state once per tensor argument).
     forward_parameters = dict(module.named_parameters()) if module is not None else {}
+    forward_versions = {name: p._version for name, p in forward_parameters.items()}
     forward_done = []
 
     def run(*run_args):
@@ -101,6 +115,7 @@ def checkpoint(fn: Callable, *args, module: Optional[nn.Module] = None):
         if not forward_parameters or not forward_done:
             forward_done.append(True)
             return fn(*run_args)
+        _check_unmodified(forward_parameters, forward_versions)
         with swapped_parameters(module, forward_parameters):
             return fn(*run_args)
 

@@ -214,3 +214,18 @@ def test_swapped_parameters_replaces_every_alias_and_puts_them_back():
         with swapped_parameters(model, {"0.weight": replacement, "1.weight": torch.zeros(5, 4)}):
             pass
     assert model[0].weight is original and model[1].weight is original
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_a_parameter_modified_before_backward_raises_as_without_recompute(recompute):
+    """An in-place update of a parameter between the forward and its backward (an optimizer step too
+    early): autograd raises for the tensors it saved; the full-recompute re-run read the updated weight and
+    differentiated another forward without a word."""
+    seqpar.manual_seed(0)
+    layer = seqpar.TransformerLayer(seqpar.TransformerConfig(hidden_size=16, num_attention_heads=2,
+                                                             recompute=recompute, backend="torch"))
+    y = layer(torch.randn(4, 1, 16, requires_grad=True))
+    with torch.no_grad():
+        layer.mlp.dense_h_to_4h.weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
