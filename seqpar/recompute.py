@@ -1,7 +1,7 @@
 """Activation recomputation (checkpointing) without RNG bookkeeping for seqpar's dropout.
 
 :func:`checkpoint` is ``torch.utils.checkpoint``'s non-reentrant mode (``use_reentrant=False``) with
-two additions. Dropout masks are pure functions of seeds drawn *before* the checkpointed region
+a few additions. Dropout masks are pure functions of seeds drawn *before* the checkpointed region
 (seqpar.random), so the recomputation replays the same masks from its arguments; mode flags
 (``training``) are likewise decided before the region and passed in as arguments, never read inside it
 (the re-run happens in backward, after any ``train()`` / ``eval()``). Torch's checkpoint already re-runs
@@ -9,7 +9,9 @@ with the forward's CPU and CUDA generator states (a user's hook that draws noise
 and the forward's autocast state. What it adds:
 
 - the parameters of ``module``, which the function reads, are those of the forward in the re-run too
-  (swapped back in if the module holds others by backward, as after ``torch.func.functional_call``);
+  (swapped back in if the module holds others by backward, as after ``torch.func.functional_call``),
+  and one modified in place since the forward (an optimizer step before this backward) raises, as
+  autograd does for the tensors it saves;
 - what the re-run keeps alive until backward counts in an :class:`seqpar.memory.ActivationMeter`: the
   region's tensor inputs (the activations full recompute keeps) and, under autocast, the casts of the
   parameters.
@@ -87,7 +89,8 @@ def checkpoint(fn: Callable, *args, module: Optional[nn.Module] = None):
     ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)`` (the forward's generator and
     autocast states in the re-run, gradients to everything ``fn`` reads, any nesting of outputs), plus:
     the re-run reads the parameters of ``module`` the forward read (``module`` defaults to ``fn`` itself
-    when ``fn`` is an ``nn.Module`` or a bound method of one), and what the re-run keeps alive until
+    when ``fn`` is an ``nn.Module`` or a bound method of one; one modified in place since the forward
+    raises RuntimeError in backward, as autograd's saved tensors do), and what the re-run keeps alive until
     backward counts in active :class:`seqpar.memory.ActivationMeter` s when anything is kept (an output
     requires grad): the tensors in ``args`` and the parameters read that are not ``nn.Parameter`` s
     (autocast's casts of them). ``fn`` must compute the same thing when re-run in backward: everything it
