@@ -43,10 +43,18 @@ class _CopyToTensorRegion(torch.autograd.Function):
         return (None,) + tuple(part.view_as(g) for part, g in zip(parts, grads))
 
 
+def _all_reduce_copy(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return all_reduce(x.clone(memory_format=torch.contiguous_format), group)
+
+
+def _own_shard(x_full: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return sequence_shard(x_full, group).clone()
+
+
 class _ReduceFromTensorRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return all_reduce(x.clone(memory_format=torch.contiguous_format), group)
+        return _all_reduce_copy(x, group)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -82,7 +90,7 @@ class _ScatterToSequenceRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_full, group):
         ctx.group = group
-        return sequence_shard(x_full, group).clone()
+        return _own_shard(x_full, group)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -90,9 +98,16 @@ class _ScatterToSequenceRegion(torch.autograd.Function):
         return all_gather_seq(grad_shard, ctx.group), None
 
 
+def _needs_backward(group: ProcessGroup) -> bool:
+    """Whether a mapping runs its autograd Function: more than one rank, and grad mode on. Under no_grad
+    (inference) only the forward collective runs, the same values without the Function, which Dynamo
+    could not trace there (it inlines the forward and fails storing the ProcessGroup on ctx)."""
+    return group_size(group) > 1 and torch.is_grad_enabled()
+
+
 def copy_to_tensor_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """f: identity forward, all-reduce of the gradient backward."""
-    return x if group_size(group) == 1 else _CopyToTensorRegion.apply(group, x)[0]
+    return _CopyToTensorRegion.apply(group, x)[0] if _needs_backward(group) else x
 
 
 def copy_to_tensor_region_coalesced(xs: Sequence[torch.Tensor], group: ProcessGroup) -> Tuple[torch.Tensor, ...]:
@@ -106,24 +121,33 @@ def copy_to_tensor_region_coalesced(xs: Sequence[torch.Tensor], group: ProcessGr
         raise ValueError(f"xs must be a non-empty sequence of tensors, got {[type(x).__name__ for x in xs]}")
     if len({(x.dtype, x.device) for x in xs}) > 1:
         raise ValueError(f"xs must share dtype and device, got {[(x.dtype, str(x.device)) for x in xs]}")
-    return xs if group_size(group) == 1 else _CopyToTensorRegion.apply(group, *xs)
+    return _CopyToTensorRegion.apply(group, *xs) if _needs_backward(group) else xs
 
 
 def reduce_from_tensor_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """f-bar: all-reduce forward, identity backward."""
-    return x if group_size(group) == 1 else _ReduceFromTensorRegion.apply(x, group)
+    if group_size(group) == 1:
+        return x
+    return _ReduceFromTensorRegion.apply(x, group) if _needs_backward(group) else _all_reduce_copy(x, group)
 
 
 def gather_from_sequence_region(x_shard: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """g: all-gather [s/t, ...] -> [s, ...] forward, reduce-scatter of the gradient backward."""
-    return x_shard if group_size(group) == 1 else _GatherFromSequenceRegion.apply(x_shard, group)
+    if group_size(group) == 1:
+        return x_shard
+    return _GatherFromSequenceRegion.apply(x_shard, group) if _needs_backward(group) else all_gather_seq(x_shard, group)
 
 
 def reduce_scatter_to_sequence_region(x_full: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """g-bar: reduce-scatter [s, ...] -> [s/t, ...] forward, all-gather of the gradient backward."""
-    return x_full if group_size(group) == 1 else _ReduceScatterToSequenceRegion.apply(x_full, group)
+    if group_size(group) == 1:
+        return x_full
+    return (_ReduceScatterToSequenceRegion.apply(x_full, group) if _needs_backward(group)
+            else reduce_scatter_seq(x_full, group))
 
 
 def scatter_to_sequence_region(x_full: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Enter the sequence-parallel region: keep this rank's shard forward, all-gather backward."""
-    return x_full if group_size(group) == 1 else _ScatterToSequenceRegion.apply(x_full, group)
+    if group_size(group) == 1:
+        return x_full
+    return _ScatterToSequenceRegion.apply(x_full, group) if _needs_backward(group) else _own_shard(x_full, group)

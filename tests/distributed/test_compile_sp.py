@@ -59,15 +59,31 @@ def _model_results():
     return counts, equal
 
 
+def _inference_results(rank):
+    """The compiled SP layer in eval mode under no_grad and inference_mode (Dynamo failed tracing the
+    LayerNorm parameters' f mapping there: "Attempted to access unregistered member on an OpaqueObject")."""
+    layer = _layer(0.1).eval()
+    x = torch.randn(4, 2, 32, generator=torch.Generator().manual_seed(rank))
+    compiled = torch.compile(layer, backend=lookup_backend("aot_eager"))
+    equal = []
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            equal.append(torch.equal(compiled(x), layer(x)))
+    torch._dynamo.reset()
+    return equal
+
+
 def _worker(rank, world_size):
-    return _layer_results(rank), _model_results()
+    return _layer_results(rank), _model_results(), _inference_results(rank)
 
 
 @pytest.mark.timeout(240)
 def test_compiled_sequence_parallel_layer_and_model_are_one_graph_and_match_eager():
     """The layer: one graph, and two compiled training steps with dropout equal eager bitwise. The model:
     GPTModel's per-forward rank check reads a collective's result (two graph breaks); without it one
-    graph, equal to eager. (One launch for both: each launch costs two Pythons importing torch.)"""
-    for rank, (layer, (counts, equal)) in enumerate(run_ranks(_worker, 2, timeout_s=200)):
+    graph, equal to eager. The layer compiled for inference (eval, no_grad / inference_mode) equals eager.
+    (One launch for all: each launch costs two Pythons importing torch.)"""
+    for rank, (layer, (counts, equal), inference) in enumerate(run_ranks(_worker, 2, timeout_s=200)):
         assert (layer["graphs"], layer["breaks"]) == (1, 0) and layer["steps equal"] == [True, True], (rank, layer)
         assert counts == [(3, 2), (1, 0)] and equal, (rank, counts, equal)
+        assert inference == [True, True], (rank, inference)
