@@ -10,7 +10,8 @@ reduce_scatter_to_sequence_region reduce-scatter        all-gather             g
 scatter_to_sequence_region        keep own shard        all-gather             (entry)
 ================================  ====================  =====================  ==========
 
-Every function is the identity (returns its input) when the group has one rank. The sequence functions
+Every function is the identity (returns its input) when the group has one rank, and under no_grad runs
+its forward alone, without an autograd Function (inference, compiled too). The sequence functions
 (g, g-bar, the entry) split dim 0 into t equal shards: a length t does not divide is a ValueError.
 ``copy_to_tensor_region`` is also how replicated parameters that only see a sequence shard (LayerNorm
 weights, the row-parallel output bias under SP) get their gradient summed over the group;
