@@ -99,16 +99,20 @@ class _ScatterToSequenceRegion(torch.autograd.Function):
         return all_gather_seq(grad_shard, ctx.group), None
 
 
-def _needs_backward(group: ProcessGroup) -> bool:
-    """Whether a mapping runs its autograd Function: more than one rank, and grad mode on. Under no_grad
-    (inference) only the forward collective runs, the same values without the Function, which Dynamo
-    could not trace there (it inlines the forward and fails storing the ProcessGroup on ctx)."""
-    return group_size(group) > 1 and torch.is_grad_enabled()
+def _mapped(function, forward, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """``x`` itself on one rank; else ``function.apply(x, group)``, or under no_grad (inference) its
+    ``forward(x, group)`` alone: the same values without the Function, which Dynamo could not trace there
+    (it inlines the forward and fails storing the ProcessGroup on ctx)."""
+    if group_size(group) == 1:
+        return x
+    return function.apply(x, group) if torch.is_grad_enabled() else forward(x, group)
 
 
 def copy_to_tensor_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """f: identity forward, all-reduce of the gradient backward."""
-    return _CopyToTensorRegion.apply(group, x)[0] if _needs_backward(group) else x
+    if group_size(group) == 1 or not torch.is_grad_enabled():   # the forward is the identity (see _mapped)
+        return x
+    return _CopyToTensorRegion.apply(group, x)[0]
 
 
 def copy_to_tensor_region_coalesced(xs: Sequence[torch.Tensor], group: ProcessGroup) -> Tuple[torch.Tensor, ...]:
@@ -122,33 +126,26 @@ def copy_to_tensor_region_coalesced(xs: Sequence[torch.Tensor], group: ProcessGr
         raise ValueError(f"xs must be a non-empty sequence of tensors, got {[type(x).__name__ for x in xs]}")
     if len({(x.dtype, x.device) for x in xs}) > 1:
         raise ValueError(f"xs must share dtype and device, got {[(x.dtype, str(x.device)) for x in xs]}")
-    return _CopyToTensorRegion.apply(group, *xs) if _needs_backward(group) else xs
+    if group_size(group) == 1 or not torch.is_grad_enabled():   # the forward is the identity (see _mapped)
+        return xs
+    return _CopyToTensorRegion.apply(group, *xs)
 
 
 def reduce_from_tensor_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """f-bar: all-reduce forward, identity backward."""
-    if group_size(group) == 1:
-        return x
-    return _ReduceFromTensorRegion.apply(x, group) if _needs_backward(group) else _all_reduce_copy(x, group)
+    return _mapped(_ReduceFromTensorRegion, _all_reduce_copy, x, group)
 
 
 def gather_from_sequence_region(x_shard: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """g: all-gather [s/t, ...] -> [s, ...] forward, reduce-scatter of the gradient backward."""
-    if group_size(group) == 1:
-        return x_shard
-    return _GatherFromSequenceRegion.apply(x_shard, group) if _needs_backward(group) else all_gather_seq(x_shard, group)
+    return _mapped(_GatherFromSequenceRegion, all_gather_seq, x_shard, group)
 
 
 def reduce_scatter_to_sequence_region(x_full: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """g-bar: reduce-scatter [s, ...] -> [s/t, ...] forward, all-gather of the gradient backward."""
-    if group_size(group) == 1:
-        return x_full
-    return (_ReduceScatterToSequenceRegion.apply(x_full, group) if _needs_backward(group)
-            else reduce_scatter_seq(x_full, group))
+    return _mapped(_ReduceScatterToSequenceRegion, reduce_scatter_seq, x_full, group)
 
 
 def scatter_to_sequence_region(x_full: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Enter the sequence-parallel region: keep this rank's shard forward, all-gather backward."""
-    if group_size(group) == 1:
-        return x_full
-    return _ScatterToSequenceRegion.apply(x_full, group) if _needs_backward(group) else _own_shard(x_full, group)
+    return _mapped(_ScatterToSequenceRegion, _own_shard, x_full, group)
