@@ -334,7 +334,10 @@ class _AttentionCore(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, *saved)
         ctx.args = (causal, scale, spec)
         ctx.impl = impl
-        return o
+        # Detached: the backends return a view ([b, Hq, s, d] of a grouped or sequence-major buffer), and a
+        # view made inside a custom Function can't be modified in place by the caller (SDPA's output can).
+        # It shares the buffer's version counter, so an in-place change of a saved output still raises.
+        return o.detach()
 
     @staticmethod
     @registry.once_differentiable

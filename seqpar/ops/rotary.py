@@ -60,6 +60,7 @@ from . import registry
 from .bias_dropout_add_layer_norm import _vectorized
 from .rms_norm import _DTYPES, acc_dtype, float64_torch_only
 from .. import _ext
+from .._custom_op import tracing
 
 OP = "rotary_embedding"
 MAX_TRITON_HEAD_DIM = 8192  # the Triton kernel holds half a head per program row
@@ -93,8 +94,9 @@ def _inv_freq_on(device: torch.device, d: int, theta: float) -> torch.Tensor:
 def _cos_sin(s: int, d: int, position_offset: int, theta: float, device: torch.device):
     """fp32 ``[s, d/2]`` cos and sin of the angles of rows position_offset .. position_offset + s - 1."""
     positions = torch.arange(position_offset, position_offset + s, device=device)
-    # Under torch.compile the frequencies are built in the graph (Dynamo would trace past the cache anyway).
-    inv_freq = rope_inv_freq(d, theta).to(device) if torch.compiler.is_compiling() else _inv_freq_on(device, d, theta)
+    # While tracing (torch.compile, a fake or proxy mode) the frequencies are built in the graph: Dynamo
+    # would trace past the cache, and a fake tensor cached there would be every later real call's.
+    inv_freq = rope_inv_freq(d, theta).to(device) if tracing() else _inv_freq_on(device, d, theta)
     angle = positions[:, None].float() * inv_freq[None, :]
     return angle.cos(), angle.sin()
 

@@ -418,6 +418,31 @@ def test_any_finite_scale_as_sdpa(backend, scale):
             attention_core(q, k, v, scale=bad, backend=backend)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_output_takes_in_place_ops_like_sdpa(backend):
+    """``o = attention_core(...); o.mul_(0.5)`` raised "Output 0 of _AttentionCore is a view and is being
+    modified inplace" (the backends return a view of a grouped or sequence-major buffer); SDPA's output
+    takes it. The torch backend keeps no output for backward: the gradients are those of SDPA(...) * 0.5.
+    The flash-style Triton backward reads the output, as SDPA's flash backends do: backward then raises
+    autograd's in-place error, as theirs does, instead of using the changed values."""
+    q, grad_o = randn(1, 4, 9, 16), randn(1, 4, 9, 16)
+    k, v = randn(1, 2, 9, 16), randn(1, 2, 9, 16)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    o = attention_core(q, k, v, is_causal=True, enable_gqa=True, backend=backend)
+    o.mul_(0.5)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    o_ref = F.scaled_dot_product_attention(q64, k64, v64, is_causal=True, enable_gqa=True) * 0.5
+    torch.testing.assert_close(o.detach().double(), o_ref, atol=2e-6, rtol=1e-5)
+    if backend == "triton":
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            o.backward(grad_o)
+        return
+    o.backward(grad_o)
+    grads_ref = torch.autograd.grad(o_ref, (q64, k64, v64), grad_o.double())
+    for got, want in zip((q.grad, k.grad, v.grad), grads_ref):
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4)
+
+
 def test_causal_alias():
     q, k, v = (randn(1, 2, 9, 16) for _ in range(3))
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)

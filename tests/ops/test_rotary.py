@@ -164,6 +164,33 @@ def test_gradcheck_fp64_torch_backend():
             (q, k))
 
 
+@pytest.mark.parametrize("order", ["fake-first", "real-first"])
+def test_fake_tensor_calls_leave_later_real_calls_alone(order):
+    """The torch backend caches the frequencies per (device, d, theta). A FakeTensorMode call (shape
+    inference, make_fx) cached a fake tensor that every later real call then used (an error, or a layer
+    returning a FakeTensor), and after a real call a fake one got the cached real tensor (an error)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from seqpar.ops.rotary import _inv_freq_on
+
+    _inv_freq_on.cache_clear()
+    q, k = _qk(4, 1, 2, 2, 8, torch.float32)
+
+    def fake_call():
+        with FakeTensorMode() as mode:
+            q_rot, _ = rotary_embedding(mode.from_tensor(q), mode.from_tensor(k), backend="torch")
+        assert isinstance(q_rot, FakeTensor) and q_rot.shape == q.shape
+
+    def real_call():
+        q_rot, k_rot = rotary_embedding(q, k, backend="torch")
+        assert not isinstance(q_rot, FakeTensor)
+        for got, want in zip((q_rot, k_rot), _hf_rope(q, k)):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+    calls = (fake_call, real_call, fake_call, real_call)
+    for call in calls if order == "fake-first" else calls[1:]:
+        call()
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_nothing_is_saved_for_backward(backend):
     q, k = _qk(4, 1, 2, 2, 8, torch.float32, requires_grad=True)
