@@ -123,6 +123,14 @@ def info() -> None:
     print(f"CUDA device: {torch.cuda.get_device_name(0) if cuda else 'none'}")
     reason = _ext.cuda_extension_error()
     print("CUDA extension seqpar._C: " + ("built" if reason is None else f"not available: {reason}"))
+    try:
+        forced = registry.requested_backend(None)
+    except ValueError as exc:
+        forced = "auto"
+        print(f"{exc}: every op called with backend=\"auto\" (the default) raises this")
+    if forced != "auto":
+        print(f"SEQPAR_BACKEND={forced}: every op called with backend=\"auto\" (the default) runs {forced}, "
+              "or raises where it can't; the auto choices below are what runs without it")
     for device in ["cpu"] + (["cuda"] if cuda else []):
         print(f'backends on {device}: what backend="auto" picks, why it skips the ones before it, what an '
               'explicit backend= can run, and the inputs a backend turns away (auto then falls back):')

@@ -69,8 +69,9 @@ class _ReplicatedNorm(SharesProcessGroup, nn.Module):
         return self.after_bias_dropout_add(x, bias, residual, DropoutSpec() if spec is None else spec)
 
     def _check_hidden(self, x: torch.Tensor) -> None:
-        if x.dim() >= 1 and x.shape[-1] != self.hidden_size:
-            raise ValueError(f"x last dimension {x.shape[-1]} != hidden_size {self.hidden_size}")
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != self.hidden_size:
+            got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must be a [..., hidden_size={self.hidden_size}] tensor, got {got}")
 
     def _replicated(self) -> Tuple[torch.Tensor, ...]:
         """The parameters as the computation uses them (through f under SP, one all-reduce for all)."""
@@ -92,6 +93,9 @@ class LayerNorm(_ReplicatedNorm):
     is this rank's sequence shard and the parameters' gradients are summed over ``tp_group``. ValueError
     at construction for a hidden_size that is not a positive int, a non-positive eps, a non-floating
     dtype or a tp_group without this rank; at the call for an x whose last dim is not h.
+
+    ``backend`` selects the kernels of the fused :meth:`after_bias_dropout_add`; the standalone
+    ``forward(x)`` is ``torch.nn.functional.layer_norm`` (already one kernel) on every backend.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, *, tp_group: ProcessGroup = None,

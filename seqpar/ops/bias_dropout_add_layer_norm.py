@@ -287,25 +287,33 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
             y, residual_out = _unflatten_rows(y, shape), _unflatten_rows(residual_out, shape)
         if not any(ctx.needs_input_grad[:3]):   # residual_out does not depend on the norm's parameters
             ctx.mark_non_differentiable(residual_out)
+        ctx.set_materialize_grads(False)  # an unused output is None in backward, not a zeros tensor
         return y, residual_out
 
     @staticmethod
     @registry.once_differentiable
     def backward(ctx, grad_y, grad_residual_out):
         residual_out, ln_weight, mean, rstd = ctx.saved_tensors
+        has_bias = ctx.dtypes[1] is not None
         if grad_y is None:
-            grad_y = torch.zeros_like(residual_out)
-        if grad_residual_out is None:
-            grad_residual_out = torch.zeros_like(residual_out)
-        if len(ctx.shape) != 2:
-            rows = residual_out.shape
-            grad_y, grad_residual_out = grad_y.reshape(rows), grad_residual_out.reshape(rows)
-        grad_x, grad_bias, grad_res, grad_w, grad_b = ctx.impl.backward(
-            grad_y.contiguous(), grad_residual_out.contiguous(), residual_out, ln_weight, mean, rstd, ctx.spec,
-            ctx.dtypes[1] is not None)
-        if len(ctx.shape) != 2:
-            grad_x, grad_res = grad_x.reshape(ctx.shape), grad_res.reshape(ctx.shape)
-        grads = (grad_x, grad_bias, grad_res, grad_w, grad_b)
+            # Only residual_out is used: no norm backward (on a row with an inf or NaN it gave NaN gradients
+            # from 0 * x_hat), and no gradient for the norm's parameters, as autograd gives an unused norm.
+            grad_res = grad_residual_out
+            grad_x = apply_keep_mask(grad_res, ctx.spec)
+            grad_bias = grad_x.reshape(-1, grad_x.shape[-1]).float().sum(dim=0) if has_bias else None
+            grads = (grad_x, grad_bias, grad_res, None, None)
+        else:
+            if grad_residual_out is None:
+                grad_residual_out = torch.zeros_like(residual_out)
+            if len(ctx.shape) != 2:
+                rows = residual_out.shape
+                grad_y, grad_residual_out = grad_y.reshape(rows), grad_residual_out.reshape(rows)
+            grad_x, grad_bias, grad_res, grad_w, grad_b = ctx.impl.backward(
+                grad_y.contiguous(), grad_residual_out.contiguous(), residual_out, ln_weight, mean, rstd,
+                ctx.spec, has_bias)
+            if len(ctx.shape) != 2:
+                grad_x, grad_res = grad_x.reshape(ctx.shape), grad_res.reshape(ctx.shape)
+            grads = (grad_x, grad_bias, grad_res, grad_w, grad_b)
         # a cast only where a backend returned another dtype (fp32 column sums of low-precision parameters)
         grads = tuple(None if g is None else registry.cast(g, dt) for g, dt in zip(grads, ctx.dtypes))
         return grads + (None, None, None)
@@ -341,6 +349,12 @@ def check_row_inputs(x, residual, weights: dict, eps, dtypes, *, residual_option
     return _explain_row_inputs(x, residual, weights, eps, dtypes, residual_optional, on_device)
 
 
+#: Why x, residual and bias must share a dtype, and what to do (a linear's output under torch.autocast has
+#: the autocast dtype, a residual stream kept in fp32 does not).
+NOT_PROMOTED = ("(the fused ops promote nothing: cast one to the other's dtype; under "
+                "torch.autocast a linear's output has the autocast dtype)")
+
+
 def _explain_row_inputs(x, residual, weights: dict, eps, dtypes, residual_optional: bool, on_device) -> int:
     """:func:`check_row_inputs`, one check at a time, each with its own ValueError."""
     named = {"x": x, **({} if residual is None and residual_optional else {"residual": residual}), **weights}
@@ -357,7 +371,7 @@ def _explain_row_inputs(x, residual, weights: dict, eps, dtypes, residual_option
         if residual.shape != x.shape:
             raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
         if residual.dtype != x.dtype:
-            raise ValueError(f"residual dtype {residual.dtype} != x dtype {x.dtype}")
+            raise ValueError(f"residual dtype {residual.dtype} != x dtype {x.dtype} {NOT_PROMOTED}")
     for name, t in weights.items():
         if t.shape != (h,) or not t.is_floating_point():
             raise ValueError(f"{name} must be a floating [{h}] tensor, got {tuple(t.shape)} {t.dtype}")
@@ -374,7 +388,7 @@ def _check_inputs(x, bias, residual, ln_weight, ln_bias, eps) -> int:
                          on_device=() if bias is None else (bias,))
     registry.check_dense(bias=bias)
     if bias is not None and (bias.shape != (h,) or bias.dtype != x.dtype):
-        raise ValueError(f"bias must be [{h}] of {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+        raise ValueError(f"bias must be [{h}] of {x.dtype}, got {tuple(bias.shape)} {bias.dtype} {NOT_PROMOTED}")
     return h
 
 

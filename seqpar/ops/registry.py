@@ -128,7 +128,8 @@ def select(op: str, backend: Optional[str], device: torch.device, **inputs) -> B
     if name != "auto":
         reason = unavailable_reason(op, name, device, **inputs)
         if reason:
-            raise ValueError(f"backend {name!r} can't run {op}: {reason}")
+            source = "" if backend not in (None, "auto") else " (from SEQPAR_BACKEND)"
+            raise ValueError(f"backend {name!r}{source} can't run {op}: {reason}")
         return _selected(op, name)
     for candidate in auto_order(op):
         if unavailable_reason(op, candidate, device, auto=True, **inputs) is None:

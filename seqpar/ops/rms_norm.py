@@ -270,13 +270,15 @@ class _AddRMSNorm(torch.autograd.Function):
     @registry.once_differentiable
     def backward(ctx, grad_y, grad_residual_out):
         residual_out, weight, rstd = ctx.saved_tensors
+        x_grad, res_grad = ctx.needs_input_grad[0], ctx.has_residual and ctx.needs_input_grad[1]
         if grad_y is None:
-            grad_y = torch.zeros(residual_out.shape, dtype=residual_out.dtype, device=residual_out.device)
-        elif len(ctx.shape) != 2:
+            # Only residual_out is used: no norm backward (on a row with an inf or NaN it gave NaN gradients
+            # from 0 * x_hat), and no gradient for the weight, as autograd gives an unused norm.
+            return (grad_residual_out if x_grad else None), (grad_residual_out if res_grad else None), None, None, None
+        if len(ctx.shape) != 2:
             grad_y = grad_y.reshape(residual_out.shape)
         if grad_residual_out is not None and len(ctx.shape) != 2:
             grad_residual_out = grad_residual_out.reshape(residual_out.shape)
-        x_grad, res_grad = ctx.needs_input_grad[0], ctx.has_residual and ctx.needs_input_grad[1]
         grad_x, grad_res, grad_weight = ctx.impl.backward(grad_y.contiguous(), grad_residual_out, residual_out,
                                                           weight, rstd, x_grad and res_grad)
         if not x_grad:  # the one tensor goes to whichever input needs it
@@ -294,8 +296,9 @@ def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
     Returns ``(y, residual_out)``; with ``residual=None``, residual_out is x's values (no copy). Gradients
     flow to x, residual and weight. Any layout of x / residual: rows that can't be viewed as ``[rows, h]``
     with unit column stride are copied first. ValueError (naming the value) for x or residual not a
-    floating [..., h] tensor, a residual of another shape, dtype or device than x, a weight not [h] of
-    x's dtype and device, an eps that is not positive and finite, or a backend that can't run it.
+    floating [..., h] tensor, a residual of another shape, dtype or device than x, a weight not a floating
+    [h] tensor on x's device (any floating dtype: read as fp32), an eps that is not positive and finite,
+    or a backend that can't run it.
 
     Args:
         eps: added to the mean square (positive, finite).

@@ -384,7 +384,7 @@ BAD_INPUTS = [
     ("ln_bias_shape", dict(ln_bias=torch.randn(7)), "ln_bias must be"),
     ("x_int", dict(x=torch.ones(3, 8, dtype=torch.int32)), "x must be"),
     ("x_fp64", dict(x=torch.randn(3, 8, dtype=torch.float64)), "x must be"),
-    ("residual_dtype", dict(residual=torch.randn(3, 8, dtype=torch.bfloat16)), "residual dtype"),
+    ("residual_dtype", dict(residual=torch.randn(3, 8, dtype=torch.bfloat16)), "residual dtype.*promote nothing"),
     ("bias_dtype", dict(bias=torch.randn(8, dtype=torch.float16)), "bias must be"),
     ("ln_weight_int", dict(ln_weight=torch.ones(8, dtype=torch.int64)), "ln_weight must be"),
     ("empty_hidden", dict(x=torch.randn(3, 0), residual=torch.randn(3, 0), bias=None,
@@ -743,3 +743,28 @@ def test_residual_out_requires_grad_only_when_its_inputs_do(needs_grad):
     (y.sum() + residual_out.sum()).backward() if residual_out.requires_grad else y.sum().backward()
     x_hat = torch.nn.functional.layer_norm(x + residual, (16,))
     torch.testing.assert_close(w.grad, x_hat.sum(dim=(0, 1)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_only_residual_out_used_runs_no_norm_backward(backend):
+    """With y unused, autograd runs no LayerNorm backward on plain torch: x gets the dropout mask's gradient,
+    the norm's weight and bias none. The op filled y's gradient with zeros and ran the norm backward
+    anyway: an inf in one row of x made that row's gradients NaN (0 * x_hat), and the norm's parameters
+    got zero (or NaN) gradients that an optimizer then decays."""
+    gen = torch.Generator().manual_seed(9)
+    x, residual = torch.randn(3, 2, 24, generator=gen), torch.randn(3, 2, 24, generator=gen)
+    x[0, 0, 5] = float("inf")
+    bias = torch.randn(24, generator=gen)
+    w, b = torch.randn(24, generator=gen), torch.randn(24, generator=gen)
+    leaves = [t.requires_grad_() for t in (x, bias, residual, w, b)]
+    spec = DropoutSpec(0.3, 77, 0)
+    _, residual_out = bias_dropout_add_layer_norm(x, bias, residual, w, b, p=spec.p, seed=spec.seed, backend=backend)
+    weights = torch.randn(3, 2, 24, generator=gen)
+    weights[0] = 0.0                                       # the loss reads only the finite rows
+    (residual_out * weights).sum().backward()
+    keep = spec.keep_mask_2d(6, 24, x.device).view(3, 2, 24)
+    grad_x = torch.where(keep, weights * spec.scale, 0.0)
+    torch.testing.assert_close(x.grad, grad_x, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(residual.grad, weights, rtol=0, atol=0)
+    torch.testing.assert_close(bias.grad, grad_x.sum(dim=(0, 1)), rtol=1e-5, atol=1e-5)
+    assert w.grad is None and b.grad is None, leaves

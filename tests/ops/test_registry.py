@@ -27,6 +27,26 @@ def test_auto_report_names_the_pick_the_skipped_and_the_limits(monkeypatch):
     assert gpu["bias_dropout_add_layer_norm"].picked == "cuda"
 
 
+def test_a_backend_forced_by_seqpar_backend_that_cant_run_names_the_variable(monkeypatch, capsys):
+    """SEQPAR_BACKEND=triton on CPU tensors (no interpreter): every op called with backend="auto" raises,
+    and the message said "backend 'triton' can't run ..." without naming the variable that chose it; an
+    explicit backend= keeps the plain message. ``seqpar info`` says the variable overrides its auto
+    choices, and names a bad value instead of failing."""
+    from seqpar import cli
+
+    monkeypatch.setattr(registry._ext, "triton_unavailable_reason", lambda device, auto=False: "no triton here")
+    monkeypatch.setenv("SEQPAR_BACKEND", "triton")
+    with pytest.raises(ValueError, match=r"^backend 'triton' \(from SEQPAR_BACKEND\) can't run swiglu: no triton"):
+        registry.select("swiglu", "auto", torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"^backend 'triton' can't run swiglu: no triton"):
+        registry.select("swiglu", "triton", torch.device("cpu"))
+    cli.info()
+    assert 'SEQPAR_BACKEND=triton: every op called with backend="auto"' in capsys.readouterr().out
+    monkeypatch.setenv("SEQPAR_BACKEND", "bogus")
+    cli.info()
+    assert "SEQPAR_BACKEND='bogus' is not one of" in capsys.readouterr().out
+
+
 def test_record_selections_collects_what_ran_nested():
     q = torch.randn(1, 2, 8, 16)
     x, w = torch.randn(3, 40), torch.ones(40)

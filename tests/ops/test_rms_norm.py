@@ -181,14 +181,19 @@ def test_unused_residual_out_and_strided_rows(backend):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("has_residual", [True, False], ids=["residual", "no_residual"])
 def test_only_residual_out_used(backend, has_residual):
-    """No gradient reaches y: x and residual get grad_residual_out, the weight zeros."""
+    """No gradient reaches y: x and residual get grad_residual_out, the weight none, as autograd gives an
+    unused plain-torch norm. The op ran the norm backward on a zeros gradient: an inf in one row of x made
+    that row's gradients NaN (0 * x_hat), and the weight got a zero (or NaN) gradient that an optimizer
+    then decays."""
     inp = _make_inputs((5, 24), torch.float32, has_residual=has_residual)
+    with torch.no_grad():
+        inp["x"][0, 3] = float("inf")
     _, ro = add_rms_norm(inp["x"], inp["residual"], inp["weight"], backend=backend)
     leaves = [t for t in (inp["x"], inp["residual"], inp["weight"]) if t is not None]
     grads = torch.autograd.grad((ro * inp["grad_residual_out"]).sum(), leaves, allow_unused=True)
     for g in grads[:-1]:
         torch.testing.assert_close(g, inp["grad_residual_out"], rtol=0, atol=0)
-    assert grads[-1] is None or not grads[-1].abs().sum()
+    assert grads[-1] is None
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -266,7 +271,7 @@ def _valid():
 
 BAD_INPUTS = [
     ("residual_shape", dict(residual=torch.randn(3, 9)), "residual shape"),
-    ("residual_dtype", dict(residual=torch.randn(3, 8, dtype=torch.bfloat16)), "residual dtype"),
+    ("residual_dtype", dict(residual=torch.randn(3, 8, dtype=torch.bfloat16)), "residual dtype.*promote nothing"),
     ("weight_shape", dict(weight=torch.randn(9)), "weight must be"),
     ("weight_int", dict(weight=torch.ones(8, dtype=torch.int64)), "weight must be"),
     ("x_int", dict(x=torch.ones(3, 8, dtype=torch.int32)), "x must be"),
@@ -387,3 +392,4 @@ def test_residual_out_requires_grad_only_when_its_inputs_do(residual_given):
     r = x if residual is None else x + residual
     torch.testing.assert_close(weight.grad, (r * torch.rsqrt(r.square().mean(-1, keepdim=True) + 1e-6)).sum(dim=(0, 1)),
                                rtol=1e-5, atol=1e-5)
+

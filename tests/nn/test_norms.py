@@ -1,0 +1,29 @@
+"""seqpar.nn.LayerNorm and RMSNorm as standalone modules: torch.nn.LayerNorm / torch.nn.RMSNorm's values,
+and a ValueError naming the shape for an input that is not [..., hidden_size]."""
+import pytest
+import torch
+
+import seqpar
+
+
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+def test_standalone_norm_matches_torch(kind):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 2, 24, generator=gen)
+    ours = getattr(seqpar.nn, kind)(24, eps=1e-5)
+    theirs = getattr(torch.nn, kind)(24, eps=1e-5)
+    with torch.no_grad():
+        for p_ours, p_theirs in zip(ours.parameters(), theirs.parameters()):
+            p_ours.copy_(torch.randn(p_ours.shape, generator=gen))
+            p_theirs.copy_(p_ours)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("x,got", [(torch.tensor(1.0), r"shape \(\)"), (torch.randn(3, 7), r"shape \(3, 7\)"),
+                                   ([1.0] * 8, "list")], ids=["0-d", "last-dim", "not-a-tensor"])
+def test_an_input_that_is_not_hidden_sized_is_a_value_error(kind, x, got):
+    """A 0-d x raised IndexError from LayerNorm (the check skipped 0-d, then x.shape[-1] failed)."""
+    norm = getattr(seqpar.nn, kind)(8)
+    with pytest.raises(ValueError, match=r"x must be a \[\.\.\., hidden_size=8\] tensor, got " + got):
+        norm(x)
