@@ -54,7 +54,7 @@ if __name__ == "__main__" and "--quick" in sys.argv[1:] and not torch.cuda.is_av
     # main() it is too late for the @triton.jit helpers the kernels call.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from seqpar.bench.options import comma_list, fill_defaults, probability  # noqa: E402
+from seqpar.bench.options import PROBABILITY_RANGE, comma_list, fill_defaults, probability  # noqa: E402
 from seqpar.bench.results import ResultRows  # noqa: E402
 
 PROVIDERS = ["seqpar-triton", "seqpar-cuda", "torch-eager", "torch-sdpa-flash", "torch-sdpa-efficient",
@@ -226,7 +226,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   dict(seqlens="32", head_dims="16", tokens=32, hidden=32 * args.gqa_group))
     seqlens, head_dims = (comma_list(ap, f"--{key.replace('_', '-')}", getattr(args, key))
                           for key in ("seqlens", "head_dims"))
-    dropouts = comma_list(ap, "--dropouts", args.dropouts, float, probability, "probabilities in [0, 1)")
+    dropouts = comma_list(ap, "--dropouts", args.dropouts, float, probability, f"probabilities in {PROBABILITY_RANGE}")
     for key in ("tokens", "hidden"):
         if getattr(args, key) <= 0:
             ap.error(f"--{key} must be positive, got {getattr(args, key)}")

@@ -86,7 +86,7 @@ if __name__ == "__main__" and "--quick" in sys.argv[1:]:
 
 import torch  # noqa: E402
 
-from seqpar.bench.options import comma_list, fill_defaults, probability  # noqa: E402
+from seqpar.bench.options import PROBABILITY_RANGE, comma_list, fill_defaults, probability  # noqa: E402
 from seqpar.bench.results import ResultRows  # noqa: E402
 from seqpar.bench.timing import DeviceTime, device_time, input_sets, l2_bytes, median_ms  # noqa: E402
 from seqpar.bench.timing import reuse_distance_l2  # noqa: E402
@@ -381,7 +381,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                              providers=",".join(p for p in PROVIDERS if p != "seqpar-torch")),
                   dict(hidden="64,200", tokens="48", providers="seqpar-triton,seqpar-torch,torch-eager,torch-compile"))
     hidden, tokens = comma_list(ap, "--hidden", args.hidden), comma_list(ap, "--tokens", args.tokens)
-    dropouts = comma_list(ap, "-p", args.p, float, probability, "probabilities in [0, 1)")
+    dropouts = comma_list(ap, "-p", args.p, float, probability, f"probabilities in {PROBABILITY_RANGE}")
     providers = [p for p in args.providers.split(",") if p]
     unknown = [p for p in providers if p not in PROVIDERS]
     if unknown:

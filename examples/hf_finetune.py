@@ -141,19 +141,20 @@ def batches(vocab_size, args, device, replica=0, step=0):
 def checkpoint_state(model, optimizer, step):
     """What a checkpoint holds, as torch.distributed.checkpoint saves and loads it (in place): the model's
     and the optimizer's sharded state dicts (keyed by the unsharded tensors, so any tensor-parallel size
-    loads them), the step, and torch's CPU generator state (the dropout seeds; the same on every rank)."""
+    loads them), the step, and seqpar's RNG state (the seqpar seed and torch's CPU generator state: what
+    decides the dropout seeds; the same on every rank)."""
     return {"model": sharded_state_dict(model), "optim": sharded_optimizer_state_dict(model, optimizer),
-            "step": torch.tensor(step), "cpu_rng": torch.get_rng_state()}
+            "step": torch.tensor(step), "rng": seqpar.random.get_rng_state()}
 
 
 def resume(path, model, optimizer):
-    """Load the checkpoint at ``path`` into the model, the optimizer and torch's CPU generator; its step."""
+    """Load the checkpoint at ``path`` into the model, the optimizer and seqpar's RNG state; its step."""
     state = checkpoint_state(model, optimizer, 0)
     with warnings.catch_warnings():   # DCP's own code reads a ShardedTensor's device, which it deprecated
         warnings.filterwarnings("ignore", "Please use DTensor instead", FutureWarning)
         dcp.load(state, checkpoint_id=path)
     load_sharded_optimizer_state_dict(model, optimizer, state["optim"])   # fresh parameters' state, lr, betas
-    torch.set_rng_state(state["cpu_rng"])
+    seqpar.random.set_rng_state(state["rng"])
     return int(state["step"])
 
 

@@ -51,8 +51,8 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from ._custom_op import kernel_op, outside_compile
 
 __all__ = [
-    "manual_seed", "initial_seed", "stream_seed", "next_layer_seed", "next_layer_streams", "next_op_seed",
-    "generator_fingerprint", "Site", "philox4x32", "mask_bytes", "dropout_keep_mask", "dropout_threshold",
+    "manual_seed", "initial_seed", "get_rng_state", "set_rng_state", "stream_seed", "next_layer_seed",
+    "next_layer_streams", "next_op_seed", "generator_fingerprint", "Site", "philox4x32", "mask_bytes", "dropout_keep_mask", "dropout_threshold",
     "dropout_scale", "effective_dropout_p", "MASK_GROUP",
 ]
 
@@ -108,6 +108,28 @@ def manual_seed(seed: int) -> None:
 def initial_seed() -> int:
     """The seed last passed to :func:`manual_seed` (0 by default)."""
     return _state.seed
+
+
+def get_rng_state() -> torch.Tensor:
+    """Everything that decides the dropout seeds of later forwards, for a checkpoint: a uint8 CPU tensor
+    of :func:`initial_seed` (8 bytes, little-endian) followed by torch's default CPU generator state
+    (``torch.get_rng_state()``). Saving torch's state alone is not enough: every seed mixes in the
+    seqpar seed, so a resume that does not repeat :func:`manual_seed` drew other masks."""
+    return torch.cat([torch.tensor(list(_state.seed.to_bytes(8, "little")), dtype=torch.uint8),
+                      torch.get_rng_state()])
+
+
+def set_rng_state(state: torch.Tensor) -> None:
+    """Restore :func:`get_rng_state`'s ``state``: the seqpar seed and torch's default CPU generator (the
+    same on every rank, as after :func:`manual_seed`). ValueError for anything but such a tensor."""
+    torch_state_bytes = torch.get_rng_state().numel()
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.shape != (8 + torch_state_bytes,):
+        got = f"{state.dtype} {tuple(state.shape)}" if isinstance(state, torch.Tensor) else type(state).__name__
+        raise ValueError(f"state must be seqpar.random.get_rng_state()'s uint8 [{8 + torch_state_bytes}] tensor, "
+                         f"got {got}")
+    state = state.cpu()
+    torch.set_rng_state(state[8:].clone())
+    _state.seed = int.from_bytes(bytes(state[:8].tolist()), "little")
 
 
 def generator_fingerprint(with_torch_state: bool = True) -> Dict[str, object]:

@@ -313,14 +313,14 @@ def test_quick_keeps_the_sweep_options_given(script, argv, want, tmp_path):
 
 
 @pytest.mark.parametrize("script, argv, match", [
-    ("bench_attention", ["--dropouts", "abc"], "--dropouts must be comma-separated probabilities in [0, 1), got 'abc'"),
+    ("bench_attention", ["--dropouts", "abc"], "--dropouts must be comma-separated probabilities in [0, 0.998046875), got 'abc'"),
     ("bench_attention", ["--dropouts", "1.5"], "got '1.5'"),     # skipped every provider, exit 0
     ("bench_attention", ["--dropouts", "nan"], "got 'nan'"),
     ("bench_attention", ["--seqlens", "0,64"], "--seqlens must be comma-separated positive integers, got '0,64'"),
     ("bench_llama_ops", ["--hidden", "4k"], "--hidden must be comma-separated positive integers, got '4k'"),
     ("bench_llama_ops", ["--heads", "0"], "--heads must be positive, got 0"),
     ("bench_layernorm_dropout", ["--tokens", ""], "--tokens must be comma-separated positive integers, got ''"),
-    ("bench_layernorm_dropout", ["-p", "0.1,1"], "-p must be comma-separated probabilities in [0, 1), got '0.1,1'"),
+    ("bench_layernorm_dropout", ["-p", "0.1,1"], "-p must be comma-separated probabilities in [0, 0.998046875), got '0.1,1'"),
 ])
 def test_bad_sweep_values_are_usage_errors(script, argv, match, capsys):
     """A value the sweep can't use was a traceback mid-run (int('4k')), or a sweep that skipped every

@@ -1,5 +1,6 @@
 """python -m seqpar info / bench / plan run and print what they promise; usage errors are one line."""
 import json
+import os
 import subprocess
 import sys
 
@@ -191,6 +192,8 @@ def _usage_error(argv, capsys):
     (["bench", "--tp", "0"], "--tp must be positive, got 0"),
     (["bench", "--heads", "3"], "heads=3"),
     (["bench", "--dropout", "1.5"], "--dropout must be in"),
+    # in [0, 1) but not a probability seqpar takes: the ranks were spawned and failed there, exit 1
+    (["bench", "--dropout", "0.999"], "--dropout must be in [0, 0.998046875), got 0.999"),
     (["plan"], "give --model or --hidden, --heads, --layers"),
     (["plan", "--model", "22B", "--tp", "5"], "tp 5 does not divide heads 64"),
     (["plan", "--model", "22B", "--pp", "7"], "pp * interleave = 7 does not divide num_layers 48"),
@@ -259,6 +262,18 @@ def test_bench_rank_failure_is_one_line_exit_1():
         pytest.skip("the triton backend needs TRITON_INTERPRET=1 on CPU")
     assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "rank" in out.stderr and "triton" in out.stderr and "Traceback" not in out.stderr + out.stdout
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device whose writes fail)")
+def test_bench_json_that_fails_to_write_is_one_line_exit_1():
+    """--json to a file whose writes fail after it opened (a full disk; /dev/full) dumped rank 0's
+    traceback; the run reports it in one line naming the path."""
+    out = subprocess.run([sys.executable, "-m", "seqpar", "bench", "--seq-len", "16", "--hidden", "16", "--heads", "2",
+                          "--batch", "1", "--iters", "1", "--warmup", "0", "--json", "/dev/full"],
+                         capture_output=True, text=True, timeout=170)
+    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "--json /dev/full: could not write it" in out.stderr and "Traceback" not in out.stderr + out.stdout
 
 
 @pytest.mark.timeout(150)

@@ -286,3 +286,29 @@ def test_export_with_dropout_on_says_why_it_cannot():
 def test_out_of_range_inputs_raise_value_error(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_rng_state_restores_the_dropout_seeds_without_manual_seed():
+    """A checkpoint of torch's CPU generator state alone resumed with other dropout masks unless the same
+    seqpar.manual_seed ran first (every seed mixes in the seqpar seed); get_rng_state holds both, and
+    set_rng_state restores both: a layer's dropout after the restore is the uninterrupted run's."""
+    cfg = seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4, hidden_dropout=0.3, attention_dropout=0.3)
+    x = torch.randn(6, 2, 32, generator=torch.Generator().manual_seed(0))
+    seqpar.manual_seed(7)
+    layer = seqpar.TransformerLayer(cfg, layer_number=1)
+    layer(x)
+    state = seqpar.random.get_rng_state()
+    uninterrupted = layer(x)
+    seqpar.manual_seed(99)                      # a new process would start from seed 0 and its own state
+    torch.rand(5)
+    seqpar.random.set_rng_state(state)
+    assert seqpar.random.initial_seed() == 7
+    assert torch.equal(layer(x), uninterrupted)
+    seqpar.manual_seed(2**64 - 1)               # the largest seed survives the round trip
+    largest = seqpar.random.get_rng_state()
+    seqpar.manual_seed(0)
+    seqpar.random.set_rng_state(largest)
+    assert seqpar.random.initial_seed() == 2**64 - 1
+    for bad in (torch.get_rng_state(), state.float(), state[:-1], state.tolist()):
+        with pytest.raises(ValueError, match="state must be seqpar.random.get_rng_state"):
+            seqpar.random.set_rng_state(bad)

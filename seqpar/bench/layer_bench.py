@@ -28,6 +28,7 @@ import statistics
 import time
 from typing import Callable, Dict, List, Optional
 
+from .options import PROBABILITY_RANGE, probability
 from .results import git_commit
 
 EXPERIMENTS = [  # (name, sequence_parallel, recompute)
@@ -92,8 +93,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
             p.error(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
     if args.warmup < 0:
         p.error(f"--warmup must be non-negative, got {args.warmup}")
-    if not 0.0 <= args.dropout < 1.0:
-        p.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    if not probability(args.dropout):
+        p.error(f"--dropout must be in {PROBABILITY_RANGE}, got {args.dropout}")
     if args.hidden % args.heads or args.heads % args.tp or args.seq_len % args.tp:
         p.error(f"need hidden % heads == 0, heads % tp == 0 and seq_len % tp == 0 "
                 f"(hidden={args.hidden}, heads={args.heads}, seq_len={args.seq_len}, tp={args.tp})")
@@ -247,7 +248,8 @@ def run_experiments(args, rank: int, world_size: int, group,
 def bench_device_name(args) -> str:
     import torch
 
-    return torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores, gloo)"
+    gloo = ", gloo" if args.tp > 1 else ""   # one rank runs the layer alone, without a process group
+    return torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores{gloo})"
 
 
 def json_meta(args) -> Dict:
@@ -262,13 +264,17 @@ def json_meta(args) -> Dict:
 def write_json(path: str, meta: Dict, rows: List[Dict]) -> None:
     """``meta`` and the rows measured so far to ``path``; ``"complete"`` says whether all five are in.
     A file is written beside it and renamed over it, so a run killed mid-write keeps the previous rows;
-    a device or pipe (``/dev/stdout``) is written in place."""
+    a device or pipe (``/dev/stdout``) is written in place. ValueError naming the path when the write
+    fails (a full disk, ``/dev/full``): the run reports it in one line, as a bad option, not a traceback."""
     regular = os.path.isfile(path) or not os.path.exists(path)
     target = f"{path}.partial" if regular else path
-    with open(target, "w") as f:
-        json.dump(dict(meta, complete=len(rows) == len(EXPERIMENTS), rows=rows), f, indent=2)
-    if regular:
-        os.replace(target, path)
+    try:
+        with open(target, "w") as f:
+            json.dump(dict(meta, complete=len(rows) == len(EXPERIMENTS), rows=rows), f, indent=2)
+        if regular:
+            os.replace(target, path)
+    except OSError as exc:
+        raise ValueError(f"--json {path}: could not write it ({exc.strerror or exc})") from exc
 
 
 def format_table(rows: List[Dict], header: str, formula: str = "Table 2") -> str:
@@ -369,7 +375,9 @@ def main(argv: Optional[List[str]] = None) -> List[Dict]:
             port = sock.getsockname()[1]
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
-        print(f"seqpar bench: spawning {args.tp} gloo ranks on CPU", flush=True)
+        cores = os.cpu_count() or 1
+        shared = f" ({cores} cores: ranks share them, so the times are slower)" if args.tp > cores else ""
+        print(f"seqpar bench: spawning {args.tp} gloo ranks on CPU{shared}", flush=True)
         procs = [ctx.Process(target=_spawned, args=(r, args.tp, args, port, queue)) for r in range(args.tp)]
         for proc in procs:
             proc.start()

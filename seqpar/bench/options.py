@@ -11,9 +11,20 @@ def positive(value: float) -> bool:
     return value > 0
 
 
+#: What :func:`probability` takes, for the option errors.
+PROBABILITY_RANGE = "[0, 0.998046875)"
+
+
 def probability(value: float) -> bool:
-    """A dropout probability: in [0, 1) (NaN is not)."""
-    return 0.0 <= value < 1.0
+    """A dropout probability seqpar takes: in [0, 1) with round(p * 256) < 256, i.e. p < 0.998046875
+    (:func:`seqpar.random.dropout_threshold`; NaN is not)."""
+    from ..random import dropout_threshold   # imports torch: only once an option is checked
+
+    try:
+        dropout_threshold(value)
+    except ValueError:
+        return False
+    return True
 
 
 def comma_list(parser: argparse.ArgumentParser, option: str, text: str, convert: Callable = int,

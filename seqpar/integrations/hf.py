@@ -72,7 +72,7 @@ from torch import nn
 
 from ..config import TransformerConfig
 from ..nn.model import IGNORE_INDEX, GPTModel
-from ..nn.state_dict import check_shapes
+from ..nn.state_dict import _unwrapped, check_shapes
 from ..parallel.state import ProcessGroup, run_agreed
 
 __all__ = ["from_gpt2", "to_gpt2_state_dict", "from_llama", "to_llama_state_dict", "shift_labels"]
@@ -238,17 +238,27 @@ def from_gpt2(source, *, config=None, tp_group: ProcessGroup = None, sequence_pa
     return model.train(training)
 
 
+def _gpt_model(model: nn.Module) -> GPTModel:
+    """``model`` without the DDP and torch.compile wrappers (as :func:`seqpar.nn.sharded_state_dict` takes
+    them); ValueError unless that is a GPTModel."""
+    inner = _unwrapped(model) if isinstance(model, nn.Module) else model
+    if not isinstance(inner, GPTModel):
+        raise ValueError(f"model must be a seqpar.GPTModel (or one wrapped by DDP / torch.compile), got "
+                         f"{type(inner).__name__}")
+    return inner
+
+
 def to_gpt2_state_dict(model: GPTModel) -> Dict[str, torch.Tensor]:
     """The unsharded ``GPT2LMHeadModel`` state dict of ``model`` (HF key names, Conv1D [in, out]
     layouts, the real vocabulary rows; ``lm_head.weight`` is the same tensor as ``transformer.wte.weight``,
     as in HF's own state dict), loadable with ``load_state_dict(strict=True)``.
 
-    A collective under tensor parallelism: call it on every rank; every rank gets the same dict.
-    ValueError naming the setting unless ``model`` is a GPT-2: LayerNorm, GeLU ("gelu" or "gelu_tanh"),
+    A collective under tensor parallelism: call it on every rank; every rank gets the same dict. A model
+    wrapped by DDP or torch.compile is read through the wrapper. ValueError naming the setting unless
+    ``model`` is a GPT-2: LayerNorm, GeLU ("gelu" or "gelu_tanh"),
     learned positions, linear biases, one k/v head per head and the output head tied to the word embedding.
     """
-    if not isinstance(model, GPTModel):
-        raise ValueError(f"model must be a seqpar.GPTModel, got {type(model).__name__}")
+    model = _gpt_model(model)
     cfg = model.config
     different = {k: getattr(cfg, k) for k, v in GPT2_BLOCK.items() if getattr(cfg, k) != v}
     if cfg.activation not in GPT2_ACTIVATIONS.values():
@@ -461,11 +471,11 @@ def to_llama_state_dict(model: GPTModel) -> Dict[str, torch.Tensor]:
     ``load_state_dict(strict=True)``. ``lm_head.weight`` is the untied output layer, or with a tied
     head the same tensor as ``model.embed_tokens.weight`` (HF's own state dict holds both keys).
 
-    A collective under tensor parallelism: call it on every rank; every rank gets the same dict.
-    ValueError unless ``model`` is a GPTModel with the Llama block (RMSNorm, SwiGLU, RoPE, no biases).
+    A collective under tensor parallelism: call it on every rank; every rank gets the same dict. A model
+    wrapped by DDP or torch.compile is read through the wrapper. ValueError unless ``model`` is a
+    GPTModel with the Llama block (RMSNorm, SwiGLU, RoPE, no biases).
     """
-    if not isinstance(model, GPTModel):
-        raise ValueError(f"model must be a seqpar.GPTModel, got {type(model).__name__}")
+    model = _gpt_model(model)
     cfg = model.config
     different = {k: getattr(cfg, k) for k, v in LLAMA_BLOCK.items() if getattr(cfg, k) != v}
     if different:

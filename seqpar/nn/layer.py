@@ -42,7 +42,8 @@ from ..ops.attention_core import attention_core, select_backend
 from ..ops.dropout import DropoutSpec, bias_dropout_add
 from ..ops.rotary import rotary_embedding
 from ..ops.swiglu import swiglu
-from ..parallel.state import ProcessGroup, SharesProcessGroup, check_ranks_agree, group_rank, group_size
+from ..parallel.state import (SAME_MODE_HINT, SEED_HINT, ProcessGroup, SharesProcessGroup, check_ranks_agree, group_rank,
+                              group_size)
 from ..recompute import checkpoint
 from .autocast import autocast_dtype, run_in_dtype
 from .layernorm import LayerNorm, RMSNorm
@@ -298,11 +299,12 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         return None
 
     def _check_ranks(self, x, problem: Optional[str], mode: ForwardMode) -> None:
-        """Every rank's input shape, dtype and dropout seed agree and no rank rejected its x, else ValueError
-        on every rank: uneven SP shards (s = 127 at t = 2: 64 and 63 rows) would otherwise abort the process
-        inside gloo, or hang / corrupt NCCL, in the first all-gather.
+        """Every rank's input shape, dtype, mode, grad mode and dropout seed agree and no rank rejected its
+        x, else ValueError on every rank: uneven SP shards (s = 127 at t = 2: 64 and 63 rows) would otherwise
+        abort the process inside gloo, or hang / corrupt NCCL, in the first all-gather, and a rank under
+        torch.no_grad would leave the others' backward waiting for it.
 
-        Cost, every forward: one all-gather of 9 int64 per rank and the host reading the result. On
+        Cost, every forward: one all-gather of 13 int64 per rank and the host reading the result. On
         NCCL that read synchronises the host with the stream once per layer: the collective's latency
         (~10-30 us) plus the host no longer queueing kernels ahead of the GPU at that point (a few tens
         of us before the queue refills), small against a layer forward of milliseconds but not free:
@@ -312,11 +314,11 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         sp = self.config.sequence_parallel
         hint = ("Under sequence parallelism every rank passes its s/t positions of the same [s, b, h] sequence "
                 "(s divisible by t)" if sp else "Without sequence parallelism every rank passes the same [s, b, h] "
-                "input") + ("; dropout seeds differ when torch's CPU generator diverged after "
-                            "seqpar.manual_seed (one rank drew random numbers the others did not)")
+                "input") + SAME_MODE_HINT + (SEED_HINT if mode.hidden_p or mode.attention_p else "")
         check_ranks_agree(self.tp_group, {"x.shape[0] (s_local)" if sp else "x.shape[0] (s)": shape[0],
                                           "x.shape[1] (b)": shape[1],
                                           "x dtype (under autocast its dtype)": getattr(x, "dtype", None),
+                                          "training": int(self.training), "grad mode": int(torch.is_grad_enabled()),
                                           "dropout seed of this forward": mode.seed},
                           what=f"TransformerLayer(layer_number={self.layer_number}) input", error=problem,
                           hint=hint, device=self.input_layernorm.weight.device)

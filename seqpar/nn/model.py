@@ -15,7 +15,9 @@ over the t ranks, so every rank holds a [padded_vocab_size / t, h] shard whateve
 GPT-2). Rank r holds the rows of global ids ``r * padded_vocab_size / t`` onwards; the real ones among
 them are ``[vocab_start, vocab_end)`` with ``vocab_start = r * padded_vocab_size / t`` and
 ``vocab_end = max(vocab_start, min(v, (r + 1) * padded_vocab_size / t))`` (an empty shard, ``vocab_end == vocab_start``,
-on the last ranks when v is small). The padded rows are zeros that no op reads: the output head
+on the last ranks when v is small). The padded rows are rows no op reads (zero after building,
+``reset_parameters`` or ``load_full_state_dict``; after ``to_empty`` and a DCP load, whatever memory
+``to_empty`` left, as DCP loads the real rows only): the output head
 multiplies by the real rows only, so padded logits do not exist, never enter the softmax and never
 get a gradient; unsharded state dicts hold the v real rows.
 """
@@ -37,8 +39,8 @@ from ..parallel.overlap import ChunkPlan
 from ..parallel.mappings import (copy_to_tensor_region, reduce_from_tensor_region,
                                  scatter_to_sequence_region)
 from .._custom_op import tracing
-from ..parallel.state import (ProcessGroup, SharesProcessGroup, agreement_checked, check_ranks_agree, group_rank,
-                              group_size)
+from ..parallel.state import (SAME_MODE_HINT, SEED_HINT, ProcessGroup, SharesProcessGroup, agreement_checked,
+                              check_ranks_agree, group_rank, group_size)
 from ..memory import recompute_policies, saved_as
 from .autocast import autocast_dtype, call_self_casting, run_in_dtype
 from .layer import AGREEMENT_HINT, TransformerLayer, agreement_values, make_norm
@@ -113,7 +115,8 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
 
 class _VocabShard(ShardedParameters, SharesProcessGroup, nn.Module):
     """A [v, h] table split along the padded vocabulary: ``weight`` [padded_vocab_size / t, h], this
-    rank's real rows ``[vocab_start, vocab_end)`` first, padded rows (zeros, never read) after them."""
+    rank's real rows ``[vocab_start, vocab_end)`` first, padded rows (never read; zero unless ``to_empty``
+    left them uninitialised) after them."""
 
     def __init__(self, vocab_size: int, hidden_size: int, *, tp_group: ProcessGroup = None, device=None,
                  dtype=None):
@@ -174,8 +177,8 @@ class VocabParallelEmbedding(_VocabShard):
 
     ``forward(tokens)``: int64 ids in [0, vocab_size) of shape [...] -> [..., h]; each rank looks up the
     ids of its shard ``[vocab_start, vocab_end)`` (zero elsewhere) and the group sums the results
-    (f-bar). The padded rows (local rows ``vocab_end - vocab_start`` onwards) stay zero and are never
-    read. ``padding_idx`` (a global id, or None) is ``nn.Embedding``'s: its row's lookups add nothing to
+    (f-bar). The padded rows (local rows ``vocab_end - vocab_start`` onwards) are never read (zero after
+    building, a reset or a full load). ``padding_idx`` (a global id, or None) is ``nn.Embedding``'s: its row's lookups add nothing to
     its gradient (HF Llama's ``pad_token_id``).
     """
 
@@ -267,9 +270,10 @@ class GPTModel(SharesProcessGroup, nn.Module):
     ``torch.utils.checkpoint`` around each layer (dropout seeds are drawn from torch's CPU generator,
     which those restore, so recomputed layers replay their masks). Building the model checks once, over
     ``tp_group``, that every rank passes the same arguments and RNG state (see TransformerLayer); every
-    forward under tensor parallelism checks that the ranks' tokens shapes, labels (given or not), mode
-    and dropout RNG state agree and that none rejected its inputs (one all-gather of a few int64), so a
-    rank's mistake is a ValueError on every rank instead of an abort or a hang in a collective. Set
+    forward under tensor parallelism checks that the ranks' tokens and labels (shapes, and values by a
+    checksum read with the id range check), mode, grad mode and dropout RNG state agree and that none
+    rejected its inputs (one all-gather of a few int64), so a rank's mistake is a ValueError on every
+    rank instead of an abort, a hang in a collective or a loss mixed from different batches. Set
     ``check_rank_inputs = False`` to skip that check where the inputs are known to agree: it reads a
     collective's result on the host, which under ``torch.compile`` breaks the graph twice (a compiled
     sequence-parallel model is then one graph instead of three). Each rank still checks its own inputs.
@@ -392,9 +396,10 @@ class GPTModel(SharesProcessGroup, nn.Module):
         if self.output_layer is not None:
             self.output_layer.load_full(normal(self.vocab_size))
 
-    def _check_ids(self, tokens: torch.Tensor, labels: Optional[torch.Tensor]) -> None:
+    def _check_ids(self, tokens: torch.Tensor, labels: Optional[torch.Tensor]) -> Optional[int]:
         """ValueError naming the first token or label id outside [0, vocab_size) (-100 allowed in labels),
-        from one host read of both (a device sync on CUDA)."""
+        from one host read of both (a device sync on CUDA). Returns, from the same read, a checksum of
+        the ids' values and positions for the ranks' check (None while a graph is captured: no host read)."""
         checks = [("token", tokens, False)] + ([("label", labels, True)] if labels is not None else [])
         bad = []
         for _, ids, allow_ignore in checks:
@@ -409,9 +414,15 @@ class GPTModel(SharesProcessGroup, nn.Module):
             # a CUDA graph: not allowed): an assertion inside the graph, which raises without naming the id.
             for (name, _, allow_ignore), outside in zip(checks, bad):
                 torch._assert_async(~outside.any(), f"{name} ids outside {allowed(allow_ignore)}")
-            return
-        if not bool(functools.reduce(torch.logical_or, (outside.any() for outside in bad))):
-            return
+            return None
+        any_bad = functools.reduce(torch.logical_or, (outside.any() for outside in bad))
+        # Each id times an odd weight of its position (int64, wrapping): ranks given different batches, or
+        # the same ids in another order, differ. Read with any_bad: one host read for both.
+        weights = torch.arange(1, 2 * tokens.numel(), 2, device=tokens.device).view(tokens.shape)
+        checksum = functools.reduce(torch.add, ((ids * (weights + i)).sum() for i, (_, ids, _) in enumerate(checks)))
+        any_bad, checksum = torch.stack([any_bad.long(), checksum]).tolist()
+        if not any_bad:
+            return checksum
         for (name, ids, allow_ignore), outside in zip(checks, bad):
             if outside.any():
                 i, j = (int(k) for k in outside.nonzero()[0])
@@ -437,8 +448,9 @@ class GPTModel(SharesProcessGroup, nn.Module):
         with saved_as("final norm input"):
             return self.final_layernorm(hidden)
 
-    def _check_inputs(self, tokens, labels) -> None:
-        """ValueError naming the first problem of this rank's ``tokens`` / ``labels``."""
+    def _check_inputs(self, tokens, labels) -> Optional[int]:
+        """ValueError naming the first problem of this rank's ``tokens`` / ``labels``; else their checksum
+        (:meth:`_check_ids`)."""
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64 \
                 or not tokens.numel():
             raise ValueError(f"tokens must be a non-empty int64 [b, s] tensor, got "
@@ -458,26 +470,28 @@ class GPTModel(SharesProcessGroup, nn.Module):
                 raise ValueError(f"{name} are on {ids.device} but the model's parameters are on {device}" + (
                     " (build on meta, then to_empty(device=...) and reset_parameters() or load_full_state_dict)"
                     if device.type == "meta" else ""))
-        self._check_ids(tokens, labels)
+        return self._check_ids(tokens, labels)
 
-    def _check_ranks(self, tokens, labels, problem: Optional[str]) -> None:
-        """Every rank's tokens shape, labels or not, mode and dropout RNG state agree and no rank rejected
-        its inputs, else ValueError on every rank. The layers skip their own per-forward check (the model
-        builds their inputs), so this one is what keeps a rank's mistake from aborting or hanging the
-        others in a collective, or from silently mixing dropout masks. Cost: one all-gather of 13 int64 per
-        rank and forward, and hashing torch's CPU generator state (5 KB) when dropout is on."""
+    def _check_ranks(self, tokens, labels, checksum: Optional[int], problem: Optional[str]) -> None:
+        """Every rank's tokens and labels (shapes, labels or not, the values' ``checksum``), mode, grad
+        mode and dropout RNG state agree and no rank rejected its inputs, else ValueError on every rank.
+        The layers skip their own per-forward check (the model builds their inputs), so this one is what
+        keeps a rank's mistake from aborting or hanging the others in a collective, or from silently
+        mixing dropout masks or batches (a data loader sharding over the whole world instead of the
+        data-parallel ranks). Cost: one all-gather of 17 int64 per rank and forward, and hashing torch's
+        CPU generator state (5 KB) when dropout is on."""
         cfg = self.config
         dropout_on = self.training and bool(self.embedding_dropout or cfg.hidden_dropout or cfg.attention_dropout)
         shape = tuple(tokens.shape) if problem is None else (-1, -1)
         check_ranks_agree(self.tp_group, {
             "tokens.shape[0] (b)": shape[0], "tokens.shape[1] (s)": shape[1], "labels given": int(labels is not None),
-            "training": int(self.training),
+            "token and label values (checksum)": checksum, "training": int(self.training),
+            "grad mode": int(torch.is_grad_enabled()),
             "compute dtype (under autocast its dtype)": self.final_layernorm.weight.dtype,
             "torch CPU generator state (dropout seeds)": torch.get_rng_state().numpy().tobytes() if dropout_on else b"",
         }, what="GPTModel input", error=problem, device=self.final_layernorm.weight.device,
-            hint="Every rank passes the same tokens (and labels, or none) in the same mode; dropout seeds differ "
-                 "when torch's CPU generator diverged after seqpar.manual_seed (one rank drew random numbers "
-                 "the others did not)")
+            hint="Every rank passes the same tokens (and labels, or none)" + SAME_MODE_HINT
+                 + (SEED_HINT if dropout_on else ""))
 
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens [b, s] int64 ids in [0, v) -> with ``labels`` [b, s] (already shifted; -100 ignored) the
@@ -491,13 +505,13 @@ class GPTModel(SharesProcessGroup, nn.Module):
 
     def _forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
         """:meth:`forward` in the parameters' dtype."""
-        problem = None
+        problem = checksum = None
         try:
-            self._check_inputs(tokens, labels)
+            checksum = self._check_inputs(tokens, labels)
         except ValueError as exc:
             problem = str(exc)
         if self.check_rank_inputs and group_size(self.tp_group) > 1:
-            self._check_ranks(tokens, labels, problem)
+            self._check_ranks(tokens, labels, checksum, problem)
         elif problem is not None:
             raise ValueError(problem)
         hidden = self._layers(self._embed(tokens))

@@ -694,7 +694,7 @@ def check_loadable(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[
         if device is not None and device.type == "meta":
             raise ValueError(f"{what}: the parameters are on the meta device, where loading copies nothing: "
                              "call module.to_empty(device=...) first")
-        return check_shapes(state_dict, shapes, strict=strict)
+        return check_shapes(state_dict, shapes, what=f"{what}: state dict", strict=strict)
 
     return run_agreed(check, (group, *data_parallel_groups), what=what)
 

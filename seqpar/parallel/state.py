@@ -173,6 +173,13 @@ def agreement_checked() -> Iterator[None]:
         _SKIP_AGREEMENT.reset(token)
 
 
+#: Hints of the layer's and model's rank checks. A rank in another grad mode than the others runs no
+#: backward (theirs waits for it until the timeout); one in eval mode draws no dropout seeds.
+SAME_MODE_HINT = " in the same mode (training or eval, under torch.no_grad or not)"
+SEED_HINT = ("; dropout seeds differ when torch's CPU generator diverged after seqpar.manual_seed (one rank drew "
+             "random numbers the others did not)")
+
+
 def _plain_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63
 
@@ -219,7 +226,9 @@ def check_ranks_agree(group: ProcessGroup, values: Mapping[str, object], *, what
     # every rank: a float 4.0 on one rank and 4 on another printed the float's hash as a value)
     local = ([_digest(values[name]) for name in names] + [int(_plain_int(values[name])) for name in names]
              + [int(error is not None)])
-    device = _control_device(group) if device is None else torch.device(device)
+    device = torch.device(device) if device is not None else None
+    if device is None or device.type == "meta":   # meta: parameters not materialised yet (a local error follows)
+        device = _control_device(group)
     mine = torch.tensor(local, dtype=torch.int64, device=device)
     gathered = torch.empty(group_size(group) * mine.numel(), dtype=torch.int64, device=device)
     _all_gather_control(gathered, mine, group=group)

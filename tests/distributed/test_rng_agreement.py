@@ -135,6 +135,7 @@ def _forward_cases(rank):
     seqpar.manual_seed(3)
     sp_layer = seqpar.TransformerLayer(_cfg(), tp_group=world)
     plain_layer = seqpar.TransformerLayer(_cfg(sequence_parallel=False), tp_group=world)
+    no_dropout_layer = seqpar.TransformerLayer(_cfg(hidden_dropout=0.0, attention_dropout=0.0), tp_group=world)
     gpt = seqpar.GPTModel(_cfg(), num_layers=1, vocab_size=64, max_seq_len=128, tp_group=world)
 
     def diverged_seed():
@@ -160,11 +161,30 @@ def _forward_cases(rank):
         full = plain_layer.full_state_dict()      # a collective: every rank gathers
         plain_layer.load_full_state_dict(full if rank == 0 else None)
 
+    def layer_modes():
+        sp_layer.train(rank == 0)
+        try:
+            return sp_layer(_randn(7, B, H))
+        finally:
+            sp_layer.train()
+
+    def no_grad_on_rank_1(module, x):
+        with torch.set_grad_enabled(rank == 0):
+            return module(x)
+
+    def on_meta(build, x):
+        with torch.device("meta"):
+            module = build()
+        return module(x)
+
     tokens = torch.zeros(2, 8, dtype=torch.int64)
+    other_tokens = torch.arange(16).view(2, 8)
     return {
         # s = 127 at t = 2: shards of 64 and 63 rows (gloo aborts the process in the all-gather)
         "uneven-sp-shards": lambda: sp_layer(_randn(64 if rank == 0 else 63, B, H)),
         "different-s-without-sp": lambda: plain_layer(_randn(8 if rank == 0 else 9, B, H)),
+        # without dropout the hint leaves out diverged generators (it always named them)
+        "different-s-no-dropout": lambda: no_dropout_layer(_randn(7 if rank == 0 else 8, B, H)),
         "different-batch": lambda: sp_layer(_randn(7, 2 if rank == 0 else 3, H)),
         "gpt-s127": lambda: gpt(torch.zeros(2, 127, dtype=torch.int64)),
         "rank0-bad-hidden": lambda: sp_layer(_randn(7, B, 33 if rank == 0 else H)),
@@ -175,6 +195,21 @@ def _forward_cases(rank):
         "gpt-labels-on-one-rank": lambda: gpt(tokens, tokens if rank == 0 else None),
         "gpt-rank1-bad-token": lambda: gpt(tokens if rank == 0 else tokens + 99),
         "gpt-train-and-eval": gpt_modes,
+        # a train / eval mix was reported as differing dropout seeds
+        "layer-train-and-eval": layer_modes,
+        # a rank under no_grad runs no backward: the others' backward waited for it until the timeout
+        "layer-no-grad-on-rank1": lambda: no_grad_on_rank_1(sp_layer, _randn(7, B, H)),
+        "gpt-no-grad-on-rank1": lambda: no_grad_on_rank_1(gpt, tokens),
+        # same shapes, other values (a sampler over the world instead of the data-parallel ranks): the
+        # loss silently mixed the two ranks' batches
+        "gpt-different-token-values": lambda: gpt(tokens if rank == 0 else other_tokens),
+        "gpt-different-label-values": lambda: gpt(tokens, tokens if rank == 0 else other_tokens),
+        "gpt-tokens-in-another-order": lambda: gpt(other_tokens if rank == 0 else other_tokens.flip(1)),
+        # parameters on meta (to_empty not called yet): torch's "Cannot copy out of meta tensor" from the
+        # rank check's control tensor, placed on the parameters' device
+        "layer-on-meta": lambda: on_meta(lambda: seqpar.TransformerLayer(_cfg(), tp_group=world), _randn(7, B, H)),
+        "gpt-on-meta": lambda: on_meta(lambda: seqpar.GPTModel(_cfg(), num_layers=1, vocab_size=64, max_seq_len=128,
+                                                               tp_group=world), tokens),
         "state-dict-rank1-misshapen": misshapen_state_dict,
         # the checkpoint read on rank 0 only: rank 1's TypeError escaped the agreement, rank 0 waited
         "state-dict-none-on-rank1": none_on_rank_1,
@@ -276,6 +311,7 @@ def test_ranks_that_disagree_raise_at_construction(case):
 FORWARD = {  # case -> (rank 0's message, rank 1's message)
     "uneven-sp-shards": (r"x.shape\[0\] \(s_local\) differs \(rank 0: 64, rank 1: 63\).*s/t positions",) * 2,
     "different-s-without-sp": (r"x.shape\[0\] \(s\) differs \(rank 0: 8, rank 1: 9\)",) * 2,
+    "different-s-no-dropout": (r"^(?!.*dropout seeds).*s_local\) differs \(rank 0: 7, rank 1: 8\)",) * 2,
     "different-batch": (r"x.shape\[1\] \(b\) differs \(rank 0: 2, rank 1: 3\)",) * 2,
     "gpt-s127": (r"sequence length 127 is not divisible by the tensor-parallel size 2",) * 2,
     "rank0-bad-hidden": (r"x must be a floating \[s_local, b, 32\] tensor, got torch.float32 \(7, 2, 33\)",
@@ -287,6 +323,14 @@ FORWARD = {  # case -> (rank 0's message, rank 1's message)
     "gpt-rank1-bad-token": (r"GPTModel input: tensor-parallel rank\(s\) \[1\] rejected",
                             r"token id 99 at \[0, 0\] is outside the vocabulary"),
     "gpt-train-and-eval": (r"training differs \(rank 0: 1, rank 1: 0\)",) * 2,
+    "layer-train-and-eval": (r"TransformerLayer\(layer_number=0\) input: .*training differs \(rank 0: 1, rank 1: 0\)",) * 2,
+    "layer-no-grad-on-rank1": (r"grad mode differs \(rank 0: 1, rank 1: 0\).*under torch.no_grad or not",) * 2,
+    "gpt-no-grad-on-rank1": (r"GPTModel input: .*grad mode differs \(rank 0: 1, rank 1: 0\)",) * 2,
+    "gpt-different-token-values": (r"token and label values \(checksum\) differs",) * 2,
+    "gpt-different-label-values": (r"token and label values \(checksum\) differs",) * 2,
+    "gpt-tokens-in-another-order": (r"token and label values \(checksum\) differs",) * 2,
+    "layer-on-meta": (r"x is on cpu but the layer's parameters are on meta",) * 2,
+    "gpt-on-meta": (r"tokens are on cpu but the model's parameters are on meta \(build on meta, then to_empty",) * 2,
     "state-dict-rank1-misshapen": (r"load_full_state_dict: tensor-parallel rank\(s\) \[1\] rejected",
                                    r"input_layernorm.weight must have shape \(32,\)"),
     "state-dict-none-on-rank1": (r"load_full_state_dict: tensor-parallel rank\(s\) \[1\] rejected",

@@ -185,6 +185,9 @@ def test_round_trip_is_bitwise(dtype, vocab):
     for key, value in expected.items():
         assert got[key].dtype == dtype and torch.equal(got[key], value), key
     assert got["lm_head.weight"] is got["transformer.wte.weight"]
+    # through torch.compile's wrapper, as sharded_state_dict takes it (it was a ValueError)
+    wrapped = hf.to_gpt2_state_dict(torch.compile(model))
+    assert all(torch.equal(wrapped[key], value) for key, value in expected.items())
     fresh = transformers.GPT2LMHeadModel(_gpt2_config(vocab)).to(dtype)
     fresh.load_state_dict(got, strict=True)
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected.items())
@@ -294,7 +297,7 @@ def test_other_models_and_configs_raise():
         hf.from_gpt2("gpt2")
     with pytest.raises(ValueError, match="dropout must be None or a float in \\[0, 1\\), got 1.0"):
         hf.from_gpt2(_random_gpt2(1000), dropout=1.0)
-    with pytest.raises(ValueError, match="model must be a seqpar.GPTModel, got GPT2LMHeadModel"):
+    with pytest.raises(ValueError, match=r"model must be a seqpar.GPTModel \(or one wrapped by DDP / torch.compile\), got GPT2LMHeadModel"):
         hf.to_gpt2_state_dict(_random_gpt2(1000))
 
 

@@ -241,6 +241,8 @@ def test_from_model_objects_tied_and_untied_and_back(tied):
     expected = llama.state_dict()
     got = hf.to_llama_state_dict(model)
     assert list(got) == list(expected) and all(torch.equal(got[k], v) for k, v in expected.items())
+    wrapped = hf.to_llama_state_dict(torch.compile(model))    # through the wrapper (it was a ValueError)
+    assert all(torch.equal(wrapped[k], v) for k, v in expected.items())
     if tied:
         assert got["lm_head.weight"] is got["model.embed_tokens.weight"]
         bare = llama.model                                    # a LlamaModel: no head, tied
@@ -358,7 +360,7 @@ def test_other_models_configs_and_layouts_raise():
     gpt = seqpar.GPTModel(seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4), 1, 50, 8)
     with pytest.raises(ValueError, match="model is not a Llama: its config has .*'normalization': 'layernorm'"):
         hf.to_llama_state_dict(gpt)
-    with pytest.raises(ValueError, match="model must be a seqpar.GPTModel, got LlamaForCausalLM"):
+    with pytest.raises(ValueError, match=r"model must be a seqpar.GPTModel \(or one wrapped by DDP / torch.compile\), got LlamaForCausalLM"):
         hf.to_llama_state_dict(_random_llama(2))
 
 
