@@ -313,13 +313,15 @@ def plan(argv: Sequence[str]) -> dict:
     uniform = [(label, sp, policy, evaluate_recompute(policy, **sizes, sequence_parallel=sp, **options))
                for label, sp, policy in UNIFORM if sp_possible or not sp]
     baseline = uniform[0][3].activation_bytes
-    print("\nuniform policies, most loaded stage per GPU (the paper's Figure 7: % of tensor parallelism alone):")
+    print("\nuniform policies, most loaded stage per GPU (the paper's Figure 7: % of tensor parallelism alone;"
+          "\n'fits': with what one recomputed layer rebuilds in its backward):")
     if not sp_possible:
         print(f"  (no sequence-parallel rows: t={args.tp} does not divide s={args.seq_len})")
-    print(f"  {'configuration':<40}{'activations':>13}{'% of TP':>9}{'extra FLOPs':>13}{'fits':>6}")
+    print(f"  {'configuration':<40}{'activations':>13}{'% of TP':>9}{'extra FLOPs':>13}{'rebuilt':>11}{'fits':>6}")
     for label, _, _, cost in uniform:
         print(f"  {label:<40}{_size(cost.activation_bytes):>13}{100 * cost.activation_bytes / baseline:>8.0f}%"
-              f"{100 * cost.extra_fraction:>12.2f}%{'yes' if cost.activation_bytes <= budget else 'no':>6}")
+              f"{100 * cost.extra_fraction:>12.2f}%{_size(cost.recompute_working_bytes) if cost.recompute_working_bytes else '-':>11}"
+              f"{'yes' if cost.peak_bytes <= budget else 'no':>6}")
     result = dict(args=args, sizes=sizes, options=options, budget=budget, state_bytes=state_bytes, uniform=uniform,
                   plan=None, error=None)
     sp_name = "with" if args.sp else "without"
@@ -329,18 +331,27 @@ def plan(argv: Sequence[str]) -> dict:
                            f"--other-gib {args.other_gib:g} GiB leaves no room for activations in {args.gpu_memory:g} "
                            f"GiB beside the model state ({_size(state_bytes)})")
     else:
-        try:
-            result["plan"] = plan_recompute(**sizes, budget_bytes=budget, sequence_parallel=args.sp, **options)
-        except ValueError as exc:
-            result["error"] = str(exc)
+        floor = evaluate_recompute("full", **sizes, sequence_parallel=args.sp, **options).peak_bytes
+        if floor > budget:
+            hint = ""
+            if not args.sp and sp_possible:
+                sp_floor = evaluate_recompute("full", **sizes, sequence_parallel=True, **options).peak_bytes
+                hint = f"; with --sp it needs {_size(sp_floor)}" + (", which fits" if sp_floor <= budget else "")
+            result["error"] = (f"even full recompute of every layer needs {_size(floor)} of activations at its peak, "
+                               f"over the {_size(budget)} budget{hint}")
+        else:
+            result["plan"] = plan_recompute(**sizes, budget_bytes=budget, sequence_parallel=args.sp,
+                                            include_working_set=True, **options)
     best = result["plan"]
     if best is None:
         print(f"\nno plan {sp_name} sequence parallelism: {result['error']}")
     else:
         counts = best.counts
         print(f"\nplanned mix {sp_name} sequence parallelism (least extra forward FLOPs that fits):")
+        rebuilt = (f" + {_size(best.recompute_working_bytes)} rebuilt in a recomputed backward = "
+                   f"{_size(best.peak_bytes)}" if best.recompute_working_bytes else "")
         print(f"  per stage: {counts['none']} x none, {counts['selective']} x selective, {counts['full']} x full "
-              f"-> {_size(best.activation_bytes)} of {_size(budget)}")
+              f"-> {_size(best.activation_bytes)}{rebuilt} of {_size(budget)}")
         print(f"  extra compute: {best.extra_flops:.4g} forward FLOPs per micro-batch per GPU, "
               f"{100 * best.extra_fraction:.2f}% of the stage's model FLOPs")
         print(f"  policies of {'each' if args.pp > 1 else 'the'} stage: {_layer_runs(best.policies)}")

@@ -289,6 +289,12 @@ class _Layer:
         """Activation bytes of one layer on one rank (Table 2, generalised)."""
         return sum(self.terms(recompute).values())
 
+    def rebuilt_bytes(self, recompute: str) -> float:
+        """What a layer under ``recompute`` rebuilds beyond what it keeps, held while its backward runs
+        (and while its forward makes it): selective the attention core's s^2 tensors, full the whole
+        layer's; 0 without recompute."""
+        return self.bytes("none") - self.bytes(recompute)
+
     def forward_flops_all_ranks(self) -> int:
         """Forward FLOPs of one layer summed over its t ranks: QKV 2bsh^2 (1 + 2g/a), QK^T 2bs^2h,
         attention over V 2bs^2h, projection 2bsh^2, MLP 4bshf (SwiGLU 6bshf); 8bsh^2 + 4bshf + 4bs^2h
@@ -356,9 +362,10 @@ def _check_policy(name: str, policy) -> None:
         raise ValueError(f"unknown {name} {policy!r}; expected one of {RECOMPUTE_POLICIES}")
 
 
-def recompute_policies(recompute, num_layers: int) -> Tuple[str, ...]:
+def recompute_policies(recompute, num_layers: int, layers: str = "layers") -> Tuple[str, ...]:
     """``recompute`` as one policy per layer: a policy name (every layer) or a sequence of
-    ``num_layers`` names. ValueError naming the offending value otherwise."""
+    ``num_layers`` names. ValueError naming the offending value otherwise (``layers`` names what the
+    list covers in it: "layers", or "layers per pipeline stage")."""
     if isinstance(num_layers, int) and num_layers > MAX_LAYERS:   # its type is checked with the model's sizes
         raise ValueError(f"num_layers must be at most {MAX_LAYERS} (policies are listed per layer), got {num_layers}")
     if isinstance(recompute, str):
@@ -368,7 +375,7 @@ def recompute_policies(recompute, num_layers: int) -> Tuple[str, ...]:
         raise ValueError(f"recompute must be one of {RECOMPUTE_POLICIES} or a list of them per layer, "
                          f"got {recompute!r}")
     if len(recompute) != num_layers:
-        raise ValueError(f"recompute has {len(recompute)} per-layer policies for {num_layers} layers")
+        raise ValueError(f"recompute has {len(recompute)} per-layer policies for {num_layers} {layers}")
     for i, policy in enumerate(recompute):
         _check_policy(f"recompute[{i}]", policy)
     return tuple(recompute)
@@ -436,7 +443,7 @@ class _Model:
             _check_positive_int(name, value)
         if interleave > 1 and pp == 1:
             raise ValueError(f"interleave {interleave} needs pipeline parallelism (pp > 1), got pp=1")
-        _check_divides("pp * interleave =", pp * interleave, "num_layers", num_layers)
+        _check_divides("pp" if interleave == 1 else "pp * interleave =", pp * interleave, "num_layers", num_layers)
         model = cls(layer, num_layers, vocab, pp, interleave, embedding_dropout)
         # a rank's peak is at most twice all layers' bytes plus the output side (interleaved: 1 + (p-1)/(pm))
         _check_finite_bytes("the model's activations", lambda: 2 * (layer.bytes("none") * num_layers
@@ -487,12 +494,17 @@ class _Model:
         """:meth:`activation_bytes` with every stage running ``stage_policies`` (1F1B)."""
         return self.activation_bytes([[_count(stage_policies)]] * self.pp)
 
+    def working_bytes(self, counts: Tuple[int, int, int]) -> float:
+        """The largest :meth:`_Layer.rebuilt_bytes` among the policies in use (one layer's backward runs
+        at a time on a rank)."""
+        return max([self.layer.rebuilt_bytes(p) for n, p in zip(counts, RECOMPUTE_POLICIES) if n], default=0.0)
+
     def plan(self, stage_policies: Tuple[str, ...]) -> "RecomputePlan":
         """The RecomputePlan of one stage's per-layer policies (the same on every stage; 1F1B)."""
         counts = _count(stage_policies)
         extra = self.extra_flops_all_ranks(counts)
         return RecomputePlan(tuple(stage_policies), self.stage_bytes(stage_policies),
-                             extra / self.layer.t, extra / self.stage_flops_all_ranks())
+                             extra / self.layer.t, extra / self.stage_flops_all_ranks(), self.working_bytes(counts))
 
     def extra_flops_all_ranks(self, counts: Tuple[int, int, int]) -> int:
         return sum(n * self.layer.extra_flops_all_ranks(p) for n, p in zip(counts, RECOMPUTE_POLICIES))
@@ -623,12 +635,22 @@ class RecomputePlan:
     on every stage (the most loaded stage's). ``extra_flops``: forward FLOPs the recompute adds
     per micro-batch and tensor-parallel rank on that stage. ``extra_fraction``: ``extra_flops`` over the
     stage's model FLOPs per micro-batch and rank (forward + backward; with pp = 1 including the logits).
+    ``recompute_working_bytes``: what one recomputed layer rebuilds while its backward runs (its forward
+    makes it too), on top of ``activation_bytes``: the attention core's s^2 tensors for selective
+    recompute, a whole layer's activations for full (the largest among the policies in use; 0 without
+    recompute). ``peak_bytes`` is the sum.
     """
 
     policies: Tuple[str, ...]
     activation_bytes: float
     extra_flops: float
     extra_fraction: float
+    recompute_working_bytes: float = 0.0
+
+    @property
+    def peak_bytes(self) -> float:
+        """``activation_bytes + recompute_working_bytes``: the stage's activations at their peak."""
+        return self.activation_bytes + self.recompute_working_bytes
 
     @property
     def counts(self) -> Dict[str, int]:
@@ -655,7 +677,8 @@ def evaluate_recompute(policies: Sequence[str], seq_len: int, micro_batch: int, 
                                   num_query_groups=num_query_groups, hidden_dropout=hidden_dropout,
                                   attention_dropout=attention_dropout, flash_attention=flash_attention,
                                   embedding_dropout=embedding_dropout))
-    return model.plan(recompute_policies(policies, model.chunk_layers))
+    return model.plan(recompute_policies(policies, model.chunk_layers,
+                                         "layers per pipeline stage (num_layers / pp; every stage runs the list)"))
 
 
 def plan_recompute(seq_len: int, micro_batch: int, hidden: int, heads: int, num_layers: int, vocab: int, *,
@@ -663,10 +686,16 @@ def plan_recompute(seq_len: int, micro_batch: int, hidden: int, heads: int, num_
                    ffn_hidden: Optional[int] = None, bytes_per_element: float = 2,
                    bytes_per_mask: float = 1, normalization: str = "layernorm", activation: str = "gelu",
                    num_query_groups: Optional[int] = None, hidden_dropout=True, attention_dropout=True,
-                   flash_attention: bool = False, embedding_dropout=None) -> RecomputePlan:
+                   flash_attention: bool = False, embedding_dropout=None,
+                   include_working_set: bool = False) -> RecomputePlan:
     """The per-layer recompute mix, the same on every stage, with the least extra forward FLOPs whose
     activation bytes (:func:`model_activation_bytes`, 1F1B: the most loaded stage) fit ``budget_bytes``.
     ``sequence_parallel`` defaults to True here (unlike :func:`model_activation_bytes`).
+
+    ``include_working_set``: fit ``peak_bytes`` instead, the activation bytes plus what one recomputed
+    layer rebuilds during its backward (:attr:`RecomputePlan.recompute_working_bytes`). Without it, a plan
+    that needs selective layers is typically within one layer's s^2 bytes of the budget and goes over it
+    in the first recomputed backward (``python -m seqpar plan`` plans with it).
 
     Extra forward FLOPs per layer and rank: selective recompute 4bs^2h/t (the attention core's QK^T and
     attention over V), full recompute the whole layer forward (24bsh^2 + 4bs^2h)/t. Under 1F1B every
@@ -691,14 +720,21 @@ def plan_recompute(seq_len: int, micro_batch: int, hidden: int, heads: int, num_
                                   attention_dropout=attention_dropout, flash_attention=flash_attention,
                                   embedding_dropout=embedding_dropout))
     _check_bytes("budget_bytes", budget_bytes, allow_zero=False)
+    if not isinstance(include_working_set, bool):
+        raise ValueError(f"include_working_set must be a bool, got {include_working_set!r}")
     n = model.chunk_layers
 
     def memory(n_selective: int, n_full: int) -> float:
-        return model.activation_bytes([[(n - n_selective - n_full, n_selective, n_full)]] * model.pp)
+        # Non-increasing in n_selective at fixed n_full (the binary search below relies on it): each
+        # selective layer saves rebuilt_bytes("selective"), the working set a selective layer adds once.
+        counts = (n - n_selective - n_full, n_selective, n_full)
+        working = model.working_bytes(counts) if include_working_set else 0.0
+        return model.activation_bytes([[counts]] * model.pp) + working
 
     floor = memory(0, n)
     if floor > budget_bytes:
-        raise ValueError(f"budget_bytes {budget_bytes:.6g} is below {floor:.6g}, the activation bytes of the most "
+        what = "peak activation bytes" if include_working_set else "activation bytes"
+        raise ValueError(f"budget_bytes {budget_bytes:.6g} is below {floor:.6g}, the {what} of the most "
                          f"loaded stage even with full recompute of every layer")
     best = None  # (extra flops, bytes, n_selective, n_full)
     for n_full in range(n + 1):

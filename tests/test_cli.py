@@ -1,6 +1,7 @@
 """python -m seqpar info / bench / plan run and print what they promise; usage errors are one line."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -147,7 +148,8 @@ def test_plan_llama_block(argv, capsys):
 
 def test_plan_without_sp_takes_a_sequence_length_t_does_not_divide(capsys):
     """Only sequence parallelism needs t | s: without --sp the command planned nothing and failed on the
-    table's sequence-parallel rows. Now it leaves those rows out and plans as the API does."""
+    table's sequence-parallel rows. Now it leaves those rows out and plans as the API does (fitting the
+    peak: include_working_set=True)."""
     from seqpar.memory import plan_recompute
 
     result = cli.plan(["--model", "22B", "--seq-len", "2047"])
@@ -156,7 +158,7 @@ def test_plan_without_sp_takes_a_sequence_length_t_does_not_divide(capsys):
     assert [label for label, sp, _, _ in result["uniform"]] == [
         "tensor parallel (baseline)", "tensor parallel + selective", "full recompute"]
     expected = plan_recompute(**result["sizes"], budget_bytes=result["budget"], sequence_parallel=False,
-                              **result["options"])
+                              include_working_set=True, **result["options"])
     assert result["sizes"]["seq_len"] == 2047 and result["plan"] == expected and expected.counts["selective"] > 0
 
 
@@ -165,6 +167,13 @@ def test_plan_reports_when_nothing_fits(capsys):
         cli.plan(["--model", "1T", "--gpu-memory", "38"])      # the model state alone needs 36.6 GiB
     assert exit_info.value.code == 1
     assert "no plan without sequence parallelism" in capsys.readouterr().out
+    # the full-recompute floor over the budget: it said "budget_bytes 1.64625e+09 is below 5.29321e+09 ...",
+    # raw bytes and an API argument, where sequence parallelism would have fitted
+    with pytest.raises(SystemExit):
+        cli.plan(["--model", "22B", "--gpu-memory", "50"])
+    out = capsys.readouterr().out
+    assert re.search(r"no plan without sequence parallelism: even full recompute of every layer needs 6\.\d GiB of "
+                     r"activations at its peak, over the 3\.5 GiB budget; with --sp it needs 1\.6 GiB, which fits", out), out
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -196,7 +205,7 @@ def _usage_error(argv, capsys):
     (["bench", "--dropout", "0.999"], "--dropout must be in [0, 0.998046875), got 0.999"),
     (["plan"], "give --model or --hidden, --heads, --layers"),
     (["plan", "--model", "22B", "--tp", "5"], "tp 5 does not divide heads 64"),
-    (["plan", "--model", "22B", "--pp", "7"], "pp * interleave = 7 does not divide num_layers 48"),
+    (["plan", "--model", "22B", "--pp", "7"], "pp 7 does not divide num_layers 48"),
     (["plan", "--hidden", "64", "--heads", "4", "--layers", "-2"], "--layers must be positive, got -2"),
     (["plan", "--model", "42B"], "invalid choice: '42B'"),
     (["plan", "--model", "llama3-70B", "--arch", "gpt"], "--model llama3-70B is a llama model, not --arch gpt"),

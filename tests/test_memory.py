@@ -4,6 +4,7 @@ import weakref
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from seqpar.memory import (ActivationMeter, architecture_kwargs, layer_activation_bytes, layer_activation_terms,
                            model_activation_bytes, saved_as)
@@ -365,7 +366,8 @@ def test_block_keywords_reject_bad_values_by_name(kwargs, match):
 
 
 def _metered_layer_forward(recompute, *, autocast=False, trainable=True):
-    """(meter.bytes, the bytes of the bf16 parameter casts alive after the forward) of one h 32 layer."""
+    """(the ActivationMeter, the bytes of the bf16 parameter casts alive after the forward) of one h 32 layer's
+    forward."""
     import seqpar
     import seqpar.nn.autocast as layer_autocast
 
@@ -377,8 +379,9 @@ def _metered_layer_forward(recompute, *, autocast=False, trainable=True):
     casts = []
     swap = layer_autocast.swapped_parameters
 
-    def spy(module, tensors):   # weak references to the casts run_in_dtype swaps in
-        casts.extend(weakref.ref(t) for t in tensors.values())
+    def spy(module, tensors):   # weak references to the storages of the casts run_in_dtype swaps in (the
+        # storages: autograd keeps a saved tensor's storage alive after its Python object is gone)
+        casts.extend((StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()) for t in tensors.values())
         return swap(module, tensors)
 
     layer_autocast.swapped_parameters = spy
@@ -388,21 +391,32 @@ def _metered_layer_forward(recompute, *, autocast=False, trainable=True):
     finally:
         layer_autocast.swapped_parameters = swap
     gc.collect()
-    alive = sum(t.untyped_storage().nbytes() for t in (r() for r in casts) if t is not None)
+    alive = sum(nbytes for ref, nbytes in casts if not ref.expired())
     del y
-    return meter.bytes, alive
+    return meter, alive
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_parameter_casts_under_autocast_have_their_own_label(recompute):
+    """The bf16 copies autocast-style casting keeps for backward were counted under the paper's terms
+    ("QKV input" held the [96, 32] QKV weight's copy): they now have their own label, and it holds
+    exactly the casts alive after the forward."""
+    meter, casts_alive = _metered_layer_forward(recompute, autocast=True)
+    by_label = meter.by_label()
+    assert casts_alive > 0 and by_label["parameter cast (autocast)"] == casts_alive, by_label
 
 
 def test_full_recompute_under_autocast_counts_the_parameter_casts_it_keeps():
     """The re-run keeps the forward's bf16 parameter casts (activations: cast per call) until backward;
     the meter counted only the layer input (2048 of 27456 bytes alive)."""
-    metered, casts_alive = _metered_layer_forward("full", autocast=True)
+    meter, casts_alive = _metered_layer_forward("full", autocast=True)
     assert casts_alive == 2 * (3 * 32 * 32 + 3 * 32 + 32 * 32 + 32 + 2 * 32 * 128 + 128 + 32 + 4 * 32)
-    assert metered == casts_alive + 16 * 2 * 32 * 2   # plus the bf16 layer input
+    assert meter.bytes == casts_alive + 16 * 2 * 32 * 2   # plus the bf16 layer input
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_nothing_is_counted_when_nothing_needs_a_gradient(recompute):
     """A frozen layer on an input without grad (grad mode on) keeps nothing for backward; the meter
     counted full recompute's input (4096 bytes) and selective's Q, K, V (12288)."""
-    assert _metered_layer_forward(recompute, trainable=False) == (0, 0)
+    meter, casts_alive = _metered_layer_forward(recompute, trainable=False)
+    assert (meter.bytes, casts_alive) == (0, 0)

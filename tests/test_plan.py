@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from seqpar.memory import RecomputePlan, evaluate_recompute, model_activation_bytes, plan_recompute
+from seqpar.memory import (RecomputePlan, evaluate_recompute, layer_activation_bytes, model_activation_bytes,
+                           plan_recompute)
 
 CASES = {  # id: (s, b, h, a, L, v, t, pp, sp)
     "L6-t1": (64, 2, 32, 4, 6, 100, 1, 1, False),
@@ -51,6 +52,25 @@ def test_planner_matches_brute_force(case):
         assert plan.extra_flops == pytest.approx(_extra_flops(s, b, h, t, counts), rel=1e-12, abs=0)
         planned_mixes.add(counts)
     assert len(planned_mixes) >= 4, planned_mixes  # the budgets exercise real trade-offs
+    # fitting the peak: activations plus one recomputed layer's rebuild (selective: the s^2 terms it does
+    # not keep; full: everything but its input), against brute force over the same peak
+    layer = {p: layer_activation_bytes(s, b, h, a, tp=t, sequence_parallel=sp, recompute=p)
+             for p in ("none", "selective", "full")}
+    rebuilt = {p: layer["none"] - x for p, x in layer.items()}
+    peak_of = {mix: bytes_of[mix] + max(rebuilt[p] for k, p in zip(mix, ("none", "selective", "full")) if k)
+               for mix in mixes}
+    for budget in sorted(set(peak_of.values())) + [lo + (hi - lo) * k / 17 for k in range(19)]:
+        fitting = [mix for mix in mixes if peak_of[mix] <= budget]
+        if not fitting:
+            with pytest.raises(ValueError, match="peak activation bytes"):
+                plan_recompute(s, b, h, a, L, v, budget_bytes=budget, include_working_set=True, **kw)
+            continue
+        plan = plan_recompute(s, b, h, a, L, v, budget_bytes=budget, include_working_set=True, **kw)
+        counts = (plan.counts["none"], plan.counts["selective"], plan.counts["full"])
+        assert plan.peak_bytes == pytest.approx(peak_of[counts], rel=1e-12) and plan.peak_bytes <= budget
+        assert plan.recompute_working_bytes == pytest.approx(peak_of[counts] - bytes_of[counts], rel=1e-12, abs=0)
+        best = min(_extra_flops(s, b, h, t, mix) for mix in fitting)
+        assert plan.extra_flops == pytest.approx(best, rel=1e-12, abs=0), (budget, plan)
     # which layer takes which policy does not matter under 1F1B
     shuffled = _policies((1, 2, n - 3))
     random.Random(0).shuffle(shuffled)
@@ -186,3 +206,10 @@ def test_first_stage_parameters_rejects():
                       (dict(add_bias_linear=1), "add_bias_linear must be a bool")):
         with pytest.raises(ValueError, match=match):
             first_stage_parameters(32, 2, 100, 16, **kw)
+
+
+def test_evaluate_recompute_names_the_stage_its_list_covers():
+    """evaluate_recompute takes one stage's L/p policies: a whole model's list read "8 per-layer policies
+    for 4 layers", which looked wrong for an 8-layer model."""
+    with pytest.raises(ValueError, match=r"8 per-layer policies for 4 layers per pipeline stage \(num_layers / pp"):
+        evaluate_recompute(["none"] * 8, 64, 1, 32, 4, 8, 100, pp=2)

@@ -17,7 +17,8 @@ def _figure(width: float, height: float):
 def plot_plan(result: Dict, path: str) -> None:
     """Left: the first stage's memory per GPU for every uniform policy (model state + activations, the
     paper's Figure 7 with the GPU's capacity); right: extra forward FLOPs vs activation memory of every
-    (n_none, n_selective, n_full) mix, the cheapest fit per budget, and the planned mix."""
+    (n_none, n_selective, n_full) mix at its peak (``RecomputePlan.peak_bytes``, what the planner fits),
+    the cheapest fit per budget, and the planned mix."""
     from seqpar.memory import evaluate_recompute
 
     args, budget, state = result["args"], result["budget"], result["state_bytes"]
@@ -45,7 +46,7 @@ def plot_plan(result: Dict, path: str) -> None:
     mixes = [(n - n_sel - n_full, n_sel, n_full) for n_full in range(n + 1) for n_sel in range(n - n_full + 1)]
     costs = [evaluate_recompute(("full",) * f + ("selective",) * k + ("none",) * z, **sizes,
                                 sequence_parallel=args.sp, **options) for z, k, f in mixes]
-    points = sorted((c.activation_bytes / GIB, 100 * c.extra_fraction) for c in costs)
+    points = sorted((c.peak_bytes / GIB, 100 * c.extra_fraction) for c in costs)   # what the planner fits
     right.scatter([x for x, _ in points], [y for _, y in points], s=8, color="0.6", label="every per-layer mix")
     frontier, cheapest = [], float("inf")   # the cheapest mix that fits, as the budget grows
     for x, y in points:
@@ -59,10 +60,10 @@ def plot_plan(result: Dict, path: str) -> None:
     best = result["plan"]
     if best is not None:
         c = best.counts
-        right.scatter([best.activation_bytes / GIB], [100 * best.extra_fraction], marker="*", s=200,
+        right.scatter([best.peak_bytes / GIB], [100 * best.extra_fraction], marker="*", s=200,
                       color="tab:orange", zorder=5,
                       label=f"plan: {c['none']} none / {c['selective']} selective / {c['full']} full")
-    right.set_xlabel("activation GiB per GPU, first stage")
+    right.set_xlabel("peak activation GiB per GPU (with one recomputed layer's rebuild), first stage")
     right.set_ylabel("extra forward FLOPs, % of model FLOPs")
     right.set_title(f"recompute mixes of the {n} layers per stage ({'with' if args.sp else 'without'} SP)")
     right.legend(fontsize=8)

@@ -20,6 +20,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from ..memory import name_storage
 from ..recompute import swapped_parameters
 
 _HANDED_DOWN = "_seqpar_autocast_dtype"   # the attribute run_in_dtype sets on its module for the call
@@ -53,7 +54,7 @@ def run_in_dtype(module: nn.Module, dtype: torch.dtype, body: Callable, *args,
     device_type = next(module.parameters()).device.type
     skipped = {id(p) for child in self_casting for p in child.parameters()}
     with torch.autocast(device_type, enabled=False):
-        params = {name: p.to(dtype) for name, p in module.named_parameters() if id(p) not in skipped}
+        params = {name: _cast(p, dtype) for name, p in module.named_parameters() if id(p) not in skipped}
         args = tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
         setattr(module, _HANDED_DOWN, dtype)
         try:
@@ -61,6 +62,17 @@ def run_in_dtype(module: nn.Module, dtype: torch.dtype, body: Callable, *args,
                 return body(*args)
         finally:
             setattr(module, _HANDED_DOWN, None)
+
+
+#: The meter's label of a parameter's autocast copy (kept for backward like autocast's own casts, but not
+#: an activation of the paper's terms: Table 2 has no such row).
+PARAMETER_CAST_LABEL = "parameter cast (autocast)"
+
+
+def _cast(param: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
+    """``param`` in ``dtype``; a new copy is named for the meters (:data:`PARAMETER_CAST_LABEL`)."""
+    cast = param.to(dtype)
+    return cast if cast is param else name_storage(cast, PARAMETER_CAST_LABEL)
 
 
 def call_self_casting(parent: nn.Module, child: Callable, *args):
