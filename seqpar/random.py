@@ -52,8 +52,8 @@ from ._custom_op import kernel_op, outside_compile
 
 __all__ = [
     "manual_seed", "initial_seed", "get_rng_state", "set_rng_state", "stream_seed", "next_layer_seed",
-    "next_layer_streams", "next_op_seed", "generator_fingerprint", "Site", "philox4x32", "mask_bytes", "dropout_keep_mask", "dropout_threshold",
-    "dropout_scale", "effective_dropout_p", "MASK_GROUP",
+    "next_layer_streams", "next_op_seed", "generator_fingerprint", "Site", "philox4x32", "mask_bytes",
+    "dropout_keep_mask", "dropout_threshold", "dropout_scale", "effective_dropout_p", "MASK_GROUP",
 ]
 
 _MASK32 = 0xFFFFFFFF

@@ -15,6 +15,7 @@ unshard) have run once already, and must not run again.
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -53,15 +54,35 @@ def run_in_dtype(module: nn.Module, dtype: torch.dtype, body: Callable, *args,
     """
     device_type = next(module.parameters()).device.type
     skipped = {id(p) for child in self_casting for p in child.parameters()}
-    with torch.autocast(device_type, enabled=False):
-        params = {name: _cast(p, dtype) for name, p in module.named_parameters() if id(p) not in skipped}
-        args = tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-        setattr(module, _HANDED_DOWN, dtype)
-        try:
+    _enter(module, dtype)
+    try:
+        with torch.autocast(device_type, enabled=False):
+            params = {name: _cast(p, dtype) for name, p in module.named_parameters() if id(p) not in skipped}
+            args = tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
             with swapped_parameters(module, params):
                 return body(*args)
-        finally:
-            setattr(module, _HANDED_DOWN, None)
+    finally:
+        setattr(module, _HANDED_DOWN, None)
+
+
+_ENTERING = threading.Lock()
+
+
+def _enter(module: nn.Module, dtype: torch.dtype) -> None:
+    """Mark ``module`` as running in ``dtype``; RuntimeError if it already is (another thread's call). The
+    call swaps the module's parameters for their casts (as ``torch.func.functional_call`` swaps them): a
+    second thread entering meanwhile took the first one's casts for the parameters and put them back
+    for good when it left (the module then held bf16 tensors, not Parameters, and trained nothing)."""
+    if torch.compiler.is_compiling():   # no lock in a traced graph
+        setattr(module, _HANDED_DOWN, dtype)
+        return
+    with _ENTERING:
+        if getattr(module, _HANDED_DOWN, None) is not None:
+            raise RuntimeError(f"{type(module).__name__} is already running under torch.autocast in another thread: "
+                               "for the call its parameters are swapped for their casts (as torch.func.functional_call "
+                               "swaps them), so one module can't run in two threads at once under autocast; give each "
+                               "thread its own copy (copy.deepcopy), or convert the module with .to(dtype)")
+        setattr(module, _HANDED_DOWN, dtype)
 
 
 #: The meter's label of a parameter's autocast copy (kept for backward like autocast's own casts, but not

@@ -298,30 +298,34 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
             return f"x is on {x.device} but the layer's parameters are on {device}"
         return None
 
-    def _check_ranks(self, x, problem: Optional[str], mode: ForwardMode) -> None:
-        """Every rank's input shape, dtype, mode, grad mode and dropout seed agree and no rank rejected its
-        x, else ValueError on every rank: uneven SP shards (s = 127 at t = 2: 64 and 63 rows) would otherwise
-        abort the process inside gloo, or hang / corrupt NCCL, in the first all-gather, and a rank under
-        torch.no_grad would leave the others' backward waiting for it.
+    def _check_ranks(self, x, problem: Optional[str]) -> None:
+        """Every rank's input shape, dtype, mode, grad mode and the RNG state its dropout seeds will be drawn
+        from agree and no rank rejected its x, else ValueError on every rank: uneven SP shards (s = 127 at
+        t = 2: 64 and 63 rows) would otherwise abort the process inside gloo, or hang / corrupt NCCL, in the
+        first all-gather, and a rank under torch.no_grad would leave the others' backward waiting for it.
+        Nothing is drawn before it: a rejected input leaves the generator as at t = 1 (the same later
+        masks whatever t is).
 
-        Cost, every forward: one all-gather of 13 int64 per rank and the host reading the result. On
+        Cost, every forward: one all-gather of 15 int64 per rank (and, with dropout on, hashing torch's CPU
+        generator state, 5 KB) and the host reading the result. On
         NCCL that read synchronises the host with the stream once per layer: the collective's latency
         (~10-30 us) plus the host no longer queueing kernels ahead of the GPU at that point (a few tens
         of us before the queue refills), small against a layer forward of milliseconds but not free:
         set ``check_rank_inputs = False`` when the inputs are known to agree (GPTModel does, it builds
         them from the same tokens on every rank)."""
         shape = tuple(x.shape) if problem is None else (-1, -1)
-        sp = self.config.sequence_parallel
+        cfg = self.config
+        dropout_on = self.training and bool(cfg.hidden_dropout or cfg.attention_dropout)
         hint = ("Under sequence parallelism every rank passes its s/t positions of the same [s, b, h] sequence "
-                "(s divisible by t)" if sp else "Without sequence parallelism every rank passes the same [s, b, h] "
-                "input") + SAME_MODE_HINT + (SEED_HINT if mode.hidden_p or mode.attention_p else "")
-        check_ranks_agree(self.tp_group, {"x.shape[0] (s_local)" if sp else "x.shape[0] (s)": shape[0],
-                                          "x.shape[1] (b)": shape[1],
-                                          "x dtype (under autocast its dtype)": getattr(x, "dtype", None),
-                                          "training": int(self.training), "grad mode": int(torch.is_grad_enabled()),
-                                          "dropout seed of this forward": mode.seed},
-                          what=f"TransformerLayer(layer_number={self.layer_number}) input", error=problem,
-                          hint=hint, device=self.input_layernorm.weight.device)
+                "(s divisible by t)" if cfg.sequence_parallel else "Without sequence parallelism every rank passes "
+                "the same [s, b, h] input") + SAME_MODE_HINT + (SEED_HINT if dropout_on else "")
+        check_ranks_agree(self.tp_group, {
+            "x.shape[0] (s_local)" if cfg.sequence_parallel else "x.shape[0] (s)": shape[0], "x.shape[1] (b)": shape[1],
+            "x dtype (under autocast its dtype)": getattr(x, "dtype", None), "training": int(self.training),
+            "grad mode": int(torch.is_grad_enabled()),
+            **sp_random.generator_fingerprint(with_torch_state=dropout_on)},   # what the dropout seeds come from
+            what=f"TransformerLayer(layer_number={self.layer_number}) input", error=problem, hint=hint,
+            device=self.input_layernorm.weight.device)
 
     def _forward_mode(self) -> ForwardMode:
         """This call's mode: dropout in effect (training) and, if any, seeds drawn now from torch's
@@ -366,12 +370,13 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` in the parameters' dtype."""
         problem = self._input_problem(x)
-        agree = self.check_rank_inputs and group_size(self.tp_group) > 1
-        if problem is not None and not agree:   # before the draw: a rejected input leaves the generator as it was
+        if self.check_rank_inputs and group_size(self.tp_group) > 1:
+            self._check_ranks(x, problem)   # raises this rank's problem too, once every rank has checked
+        elif problem is not None:
             raise ValueError(problem)
-        mode = self._forward_mode()  # drawn once, outside any region seqpar recomputes
-        if agree:   # the ranks compare their draws too, so every rank draws before any raises
-            self._check_ranks(x, problem, mode)
+        # drawn once, after the checks (a rejected input leaves the generator as it was), outside any region
+        # seqpar recomputes
+        mode = self._forward_mode()
         # x is read by several ops (the first norm, the residual add, under SP the all-gather): one copy of an
         # unusual layout (a transposed [b, s, h]) here, not one in each; a no-op for the usual [s, b, h]
         x = x.contiguous()

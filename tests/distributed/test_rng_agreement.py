@@ -249,6 +249,16 @@ def _agreement_worker(rank, world_size):
     results = {"checkpoint": _checkpoint_cases(group)}
     results["construction"] = {name: _raises(build) for name, build in _construction_cases(rank).items()}
     results["forward"] = {name: _raises(run) for name, run in _forward_cases(rank).items()}
+    # a rejected input, caught, leaves torch's generator as it was (as at t = 1): the seeds were drawn before
+    # the ranks' check, so the next forward's masks differed from a t = 1 run's
+    seqpar.manual_seed(6)
+    layer = seqpar.TransformerLayer(_cfg(), tp_group=group)
+    state = torch.get_rng_state()
+    try:
+        layer(_randn(7, B, H, dtype=torch.float64))
+        results["rejected-keeps-rng"] = False
+    except ValueError:
+        results["rejected-keeps-rng"] = torch.equal(torch.get_rng_state(), state)
     # a group without this rank: ValueError on rank 1 for every module; rank 0 (its only member) builds
     solo = dist.new_group([0])
     results["non-member"] = {
@@ -317,7 +327,7 @@ FORWARD = {  # case -> (rank 0's message, rank 1's message)
     "rank0-bad-hidden": (r"x must be a floating \[s_local, b, 32\] tensor, got torch.float32 \(7, 2, 33\)",
                          r"rank\(s\) \[0\] rejected their arguments"),
     "rank1-bad-dtype": (r"rank\(s\) \[1\] rejected their arguments", r"x dtype torch.float64 != params_dtype"),
-    "diverged-torch-rng": (r"dropout seed of this forward differs",) * 2,
+    "diverged-torch-rng": (r"torch default CPU generator state differs",) * 2,
     "gpt-different-batch": (r"GPTModel input: .*tokens.shape\[0\] \(b\) differs \(rank 0: 2, rank 1: 3\)",) * 2,
     "gpt-labels-on-one-rank": (r"labels given differs \(rank 0: 1, rank 1: 0\)",) * 2,
     "gpt-rank1-bad-token": (r"GPTModel input: tensor-parallel rank\(s\) \[1\] rejected",
@@ -345,6 +355,11 @@ def test_bad_forward_inputs_raise_on_every_rank(case):
         message = results["forward"][case]
         assert message is not None, f"rank {rank}: {case} ran without error"
         assert re.search(FORWARD[case][rank], message), f"rank {rank}: {message}"
+
+
+@pytest.mark.timeout(240)
+def test_a_rejected_input_leaves_the_generator_as_it_was():
+    assert all(results["rejected-keeps-rng"] for results in agreement())
 
 
 @pytest.mark.timeout(240)

@@ -304,6 +304,40 @@ def test_autocast_runs_as_the_model_in_that_dtype(dtype, recompute):
             assert p.grad.dtype == torch.float32 and torch.equal(p.grad, q.grad.float()), name
 
 
+def test_a_second_thread_under_autocast_is_refused_and_the_parameters_survive():
+    """Under autocast a call swaps the module's parameters for their casts. A second thread calling the same
+    module meanwhile took the casts for the parameters and put them back for good when it left: the layer
+    then held bf16 tensors instead of its Parameters (training reached none of them). The second thread
+    now gets a RuntimeError; the first call and the parameters are unaffected."""
+    import threading
+
+    layer = seqpar.TransformerLayer(_cfg(hidden_size=32, backend="torch"))
+    params = dict(layer.named_parameters())
+    x = torch.randn(8, 2, 32)
+    errors = []
+
+    def other_thread():
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                layer(x)
+        except RuntimeError as error:
+            errors.append(str(error))
+
+    def during_the_call(module, args):   # the MLP runs inside the layer's autocast call
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+
+    handle = layer.mlp.register_forward_pre_hook(during_the_call)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    handle.remove()
+    assert len(errors) == 1 and "already running under torch.autocast in another thread" in errors[0], errors
+    assert all(p is params[name] and isinstance(p, torch.nn.Parameter) for name, p in layer.named_parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(layer(x), y)
+
+
 def test_autocast_runs_each_hook_once_and_the_parallel_linears_as_converted():
     """Under autocast a layer or model re-entered its own __call__ (torch.func.functional_call): its hooks
     ran twice, the second time on the cast input. ColumnParallelLinear / RowParallelLinear with
