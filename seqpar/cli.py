@@ -319,9 +319,9 @@ def plan(argv: Sequence[str]) -> dict:
         print(f"  (no sequence-parallel rows: t={args.tp} does not divide s={args.seq_len})")
     print(f"  {'configuration':<40}{'activations':>13}{'% of TP':>9}{'extra FLOPs':>13}{'rebuilt':>11}{'fits':>6}")
     for label, _, _, cost in uniform:
+        rebuilt = _size(cost.recompute_working_bytes) if cost.recompute_working_bytes else "-"
         print(f"  {label:<40}{_size(cost.activation_bytes):>13}{100 * cost.activation_bytes / baseline:>8.0f}%"
-              f"{100 * cost.extra_fraction:>12.2f}%{_size(cost.recompute_working_bytes) if cost.recompute_working_bytes else '-':>11}"
-              f"{'yes' if cost.peak_bytes <= budget else 'no':>6}")
+              f"{100 * cost.extra_fraction:>12.2f}%{rebuilt:>11}{'yes' if cost.peak_bytes <= budget else 'no':>6}")
     result = dict(args=args, sizes=sizes, options=options, budget=budget, state_bytes=state_bytes, uniform=uniform,
                   plan=None, error=None)
     sp_name = "with" if args.sp else "without"

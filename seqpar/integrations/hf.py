@@ -255,8 +255,8 @@ def to_gpt2_state_dict(model: GPTModel) -> Dict[str, torch.Tensor]:
 
     A collective under tensor parallelism: call it on every rank; every rank gets the same dict. A model
     wrapped by DDP or torch.compile is read through the wrapper. ValueError naming the setting unless
-    ``model`` is a GPT-2: LayerNorm, GeLU ("gelu" or "gelu_tanh"),
-    learned positions, linear biases, one k/v head per head and the output head tied to the word embedding.
+    ``model`` is a GPT-2: LayerNorm, GeLU ("gelu" or "gelu_tanh"), learned positions, linear biases, one
+    k/v head per head and the output head tied to the word embedding.
     """
     model = _gpt_model(model)
     cfg = model.config

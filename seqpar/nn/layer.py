@@ -42,8 +42,8 @@ from ..ops.attention_core import attention_core, select_backend
 from ..ops.dropout import DropoutSpec, bias_dropout_add
 from ..ops.rotary import rotary_embedding
 from ..ops.swiglu import swiglu
-from ..parallel.state import (SAME_MODE_HINT, SEED_HINT, ProcessGroup, SharesProcessGroup, check_ranks_agree, group_rank,
-                              group_size)
+from ..parallel.state import (SAME_MODE_HINT, SEED_HINT, ProcessGroup, SharesProcessGroup, check_ranks_agree,
+                              group_rank, group_size)
 from ..recompute import checkpoint
 from .autocast import autocast_dtype, run_in_dtype
 from .layernorm import LayerNorm, RMSNorm
@@ -307,12 +307,11 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         masks whatever t is).
 
         Cost, every forward: one all-gather of 15 int64 per rank (and, with dropout on, hashing torch's CPU
-        generator state, 5 KB) and the host reading the result. On
-        NCCL that read synchronises the host with the stream once per layer: the collective's latency
-        (~10-30 us) plus the host no longer queueing kernels ahead of the GPU at that point (a few tens
-        of us before the queue refills), small against a layer forward of milliseconds but not free:
-        set ``check_rank_inputs = False`` when the inputs are known to agree (GPTModel does, it builds
-        them from the same tokens on every rank)."""
+        generator state, 5 KB) and the host reading the result. On NCCL that read synchronises the host
+        with the stream once per layer: the collective's latency (~10-30 us) plus the host no longer
+        queueing kernels ahead of the GPU at that point (a few tens of us before the queue refills), small
+        against a layer forward of milliseconds but not free: set ``check_rank_inputs = False`` when the
+        inputs are known to agree (GPTModel does, it builds them from the same tokens on every rank)."""
         shape = tuple(x.shape) if problem is None else (-1, -1)
         cfg = self.config
         dropout_on = self.training and bool(cfg.hidden_dropout or cfg.attention_dropout)

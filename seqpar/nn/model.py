@@ -178,8 +178,8 @@ class VocabParallelEmbedding(_VocabShard):
     ``forward(tokens)``: int64 ids in [0, vocab_size) of shape [...] -> [..., h]; each rank looks up the
     ids of its shard ``[vocab_start, vocab_end)`` (zero elsewhere) and the group sums the results
     (f-bar). The padded rows (local rows ``vocab_end - vocab_start`` onwards) are never read (zero after
-    building, a reset or a full load). ``padding_idx`` (a global id, or None) is ``nn.Embedding``'s: its row's lookups add nothing to
-    its gradient (HF Llama's ``pad_token_id``).
+    building, a reset or a full load). ``padding_idx`` (a global id, or None) is ``nn.Embedding``'s: its
+    row's lookups add nothing to its gradient (HF Llama's ``pad_token_id``).
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, *, tp_group: ProcessGroup = None, device=None,
