@@ -56,10 +56,13 @@ __device__ __forceinline__ RowInfo row_info(int64_t row, int64_t batch, int64_t 
 // A score as the softmax reads it: +-inf -> +-FLT_MAX (see the top of the file).
 __device__ __forceinline__ float finite_score(float x) { return isinf(x) ? copysignf(FLT_MAX, x) : x; }
 
-// (max, sum of exp(x - max)) pairs: the online-softmax combine; an empty side has max = -inf.
+// (max, sum of exp(x - max)) pairs: the online-softmax combine. An empty side (no valid column) has l = 0;
+// a side that read a NaN score has l = NaN and is never empty, whatever its max (-inf when it read only
+// NaNs: they never pass x > m), so the NaN reaches the row's sum and every probability of the row is NaN,
+// as in torch. (Testing m == -inf for empty dropped such a side: the row normalised without its NaN.)
 __device__ __forceinline__ void combine(float& m, float& l, float m_other, float l_other) {
-  if (m_other == -INFINITY) return;
-  if (m == -INFINITY) {
+  if (l_other == 0.0f) return;
+  if (l == 0.0f) {
     m = m_other;
     l = l_other;
     return;

@@ -94,8 +94,41 @@ int check(int64_t batch, int64_t heads, int64_t s_q, int64_t s_k, bool causal, i
   return tally.bad;
 }
 
+// One row with a NaN score at column 1: every probability is NaN, as torch's softmax gives, whichever thread
+// holds the NaN. The block reduction dropped a thread whose only valid columns were NaN (its max stayed
+// -inf, which the combine read as an empty thread): at s_k = 4 the row came out [1/3, NaN, 1/3, 1/3].
+template <typename T>
+int check_nan_row(int64_t s_k, bool causal) {
+  std::vector<T> scores(s_k, from_float<T>(0.5f)), probs(s_k, from_float<T>(-1.0f));
+  scores[1] = from_float<T>(NAN);
+  dispatch_threads(s_k, [&](auto threads) {
+    constexpr int kThreads = decltype(threads)::value;
+    launch({1, 1, 1}, {kThreads, 1, 1}, [&] {
+      softmax_dropout_fwd_kernel<T, kThreads>(scores.data(), probs.data(), 1, 1, causal ? s_k : 1, s_k, causal,
+                                              5, 0, 0, 1.0f, false);
+    });
+  });
+  // causal with s_q = s_k: the launch covers row 0 only, whose one valid column (0) holds no NaN
+  int bad = 0;
+  for (int64_t j = 0; j < s_k; ++j) {
+    const float p = to_float(probs[j]);
+    const bool want_nan = !causal;
+    const bool ok = want_nan ? std::isnan(p) : (j == 0 ? p == 1.0f : p == 0.0f);
+    if (!ok) {
+      printf("  NaN row s_k=%ld causal=%d col %ld: P %g (want %s)\n", long(s_k), causal, long(j), p,
+             want_nan ? "NaN" : (j == 0 ? "1" : "0"));
+      ++bad;
+    }
+  }
+  printf("NaN score at column 1, s_k=%ld causal=%d: %d bad\n", long(s_k), causal, bad);
+  return bad;
+}
+
 int main() {
   int bad = 0;
+  for (int64_t s_k : {4, 40, 300}) bad += check_nan_row<float>(s_k, false);
+  bad += check_nan_row<__nv_bfloat16>(33, false);
+  bad += check_nan_row<float>(4, true);
   bad += check<__half>(2, 3, 5, 40, true, 26);          // 32 threads, a ragged group, head-major drop rows
   bad += check<float>(1, 2, 3, 300, false, 128);        // 128 threads; rows of -inf
   bad += check<__nv_bfloat16>(1, 1, 4, 37, true, 0);    // dropout off, scalar accesses (rows not 16-byte aligned)
