@@ -18,6 +18,7 @@ namespace seqpar {
 // ---- dropout.cu
 void dropout_rows(uintptr_t x, uintptr_t y, int64_t rows, int64_t cols, int dtype, uint64_t seed,
                   int64_t row_offset, int threshold, uintptr_t stream);
+std::string kernel_image_error();
 // ---- bias_dropout_add_layer_norm.cu
 void bias_dropout_add_layer_norm_fwd(uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t ln_weight,
                                      uintptr_t ln_bias, uintptr_t y, uintptr_t residual_out, uintptr_t mean,
@@ -104,6 +105,8 @@ PYBIND11_MODULE(_C, m) {
   // ---- dropout.cu
   m.def("dropout_rows", &seqpar::dropout_rows, py::arg("x"), py::arg("y"), py::arg("rows"), py::arg("cols"),
         py::arg("dtype"), py::arg("seed"), py::arg("row_offset"), py::arg("threshold"), py::arg("stream"));
+  m.def("kernel_image_error", &seqpar::kernel_image_error,
+        "Why the kernels can't run on the current device (no image for its architecture); \"\" when they can.");
 
   // ---- bias_dropout_add_layer_norm.cu
   m.def("bias_dropout_add_layer_norm_fwd", &seqpar::bias_dropout_add_layer_norm_fwd, py::arg("x"), py::arg("bias"),

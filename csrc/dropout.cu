@@ -75,6 +75,17 @@ void dropout_rows(uintptr_t x, uintptr_t y, int64_t rows, int64_t cols, int dtyp
   check_cuda(cudaGetLastError(), "dropout_rows launch");
 }
 
+// Why this build's kernels can't run on the current device ("" when they can): the CUDA runtime finds no
+// image of them for its architecture (a GPU older than the architectures built, SEQPAR_CUDA_ARCHS). Any
+// kernel answers for all: they are built for the same architectures.
+std::string kernel_image_error() {
+  cudaFuncAttributes attributes;
+  const cudaError_t error = cudaFuncGetAttributes(&attributes, dropout_rows_kernel<float>);
+  if (error == cudaSuccess) return "";
+  cudaGetLastError();  // clear it: the next launch must not report it
+  return cudaGetErrorString(error);
+}
+
 #endif  // !SEQPAR_HOST_EMULATION
 
 }  // namespace seqpar

@@ -94,7 +94,21 @@ def cuda_unavailable_reason(device: torch.device) -> Optional[str]:
         return reason
     if device.type != "cuda":
         return f"the cuda backend needs CUDA tensors (got {device.type})"
-    return None
+    return _kernel_image_error(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_image_error(device_index: int) -> Optional[str]:
+    """Why seqpar._C's kernels can't run on GPU ``device_index`` (None when they can): it was built for newer
+    architectures than the GPU's (the default build is sm_80 and sm_90: A100, H100/H200), so its first launch
+    would fail ("no kernel image"); "auto" then takes the next backend. Asked once per device."""
+    with torch.cuda.device(device_index):
+        error = cuda_extension().kernel_image_error()
+    if not error:
+        return None
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return (f"seqpar._C has no kernels for this GPU (sm_{major}{minor}: {error}); rebuild it for the GPU with "
+            f"SEQPAR_CUDA_ARCHS={major}{minor} pip install -e .")
 
 
 def cuda_stream(device: torch.device) -> int:

@@ -64,7 +64,7 @@ from ..random import dropout_scale
 from .philox import keep_mask
 from .rows import cast_rne
 
-__all__ = ["attention_fwd", "attention_bwd", "HEAD_DIMS", "unsupported_reason"]
+__all__ = ["attention_fwd", "attention_bwd", "HEAD_DIMS", "MAX_SEQ_STRIDE", "unsupported_reason"]
 
 # Head dims the kernels are built for: multiples of 8 up to 128 (d is padded to a power of two).
 HEAD_DIMS = tuple(range(16, 129, 8))
@@ -73,8 +73,16 @@ _LOG2E = 1.4426950408889634
 _MAX_GRID_Y = 65535
 
 
-def unsupported_reason(head_dim: int, dtype: torch.dtype, batch_heads: int = 1) -> Optional[str]:
-    """Why these kernels can't run this problem (None when they can)."""
+# A tile's row offsets are row index x sequence stride in int32 (Triton passes strides below 2**31 as i32):
+# the tallest tile's (128 rows) last row must stay below 2**31. Only views reach it: q, k, v of a fused QKV
+# [s, b, 3h] have stride 3bh (b h >= 5.6M); fresh buffers stay under b Hq d <= 65535 x 128.
+MAX_SEQ_STRIDE = (2**31 - 1) // 128
+
+
+def unsupported_reason(head_dim: int, dtype: torch.dtype, batch_heads: int = 1, seq_strides: Tuple[int, ...] = (),
+                       dropout: bool = False) -> Optional[str]:
+    """Why these kernels can't run this problem (None when they can). ``seq_strides``: q's, k's and v's
+    strides along the sequence; ``dropout``: whether dropout may be active (its mask needs ``tl.gather``)."""
     if head_dim not in HEAD_DIMS:
         return (f"head dim d={head_dim} is not supported by the triton attention kernel "
                 "(need a multiple of 8 in [16, 128])")
@@ -82,6 +90,11 @@ def unsupported_reason(head_dim: int, dtype: torch.dtype, batch_heads: int = 1) 
         return f"dtype {dtype} is not supported by the triton attention kernel (need one of {_DTYPES})"
     if batch_heads > _MAX_GRID_Y:
         return f"b * heads = {batch_heads} exceeds the kernel grid limit {_MAX_GRID_Y}"
+    if seq_strides and max(seq_strides) > MAX_SEQ_STRIDE:
+        return (f"a sequence stride of {max(seq_strides)} elements in q, k or v (a view of a fused QKV with a "
+                f"large b * h) exceeds the kernel's int32 tile offsets (at most {MAX_SEQ_STRIDE})")
+    if dropout and not hasattr(tl, "gather"):
+        return f"attention dropout in the triton kernel needs triton >= 3.3 (tl.gather), got {triton.__version__}"
     return None
 
 
@@ -564,7 +577,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
                          "[b, Hq, s_q, d], [b, Hk, s_k, d], [b, Hk, s_k, d] with Hk dividing Hq")
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    reason = unsupported_reason(q.shape[3], q.dtype, q.shape[0] * q.shape[1])
+    reason = unsupported_reason(q.shape[3], q.dtype, q.shape[0] * q.shape[1], (q.stride(2), k.stride(2), v.stride(2)))
     if reason:
         raise ValueError(reason)
     return q.shape[1] // k.shape[1]

@@ -197,18 +197,20 @@ def _triton_backward(grad_o, q, k, v, saved, causal: bool, scale: float, spec: D
     return _triton_bwd_op(grad_o, q, k, v, o, lse, causal, scale, spec.threshold, spec.seed, spec.row_offset)
 
 
-def _triton_check(q=None, k=None, v=None, causal=True, **_) -> Optional[str]:
+def _triton_check(q=None, k=None, v=None, causal=True, dropout=True, **_) -> Optional[str]:
     if q is None:
         return None
     # Only reached once triton imports (the registry checks that first).
     from ..triton_kernels.attention import unsupported_reason
 
-    return unsupported_reason(q.shape[-1], q.dtype, q.shape[0] * q.shape[1])
+    return unsupported_reason(q.shape[-1], q.dtype, q.shape[0] * q.shape[1], (q.stride(2), k.stride(2), v.stride(2)),
+                              dropout)
 
 
 registry.register(registry.Backend(
     OP, "triton", _triton_forward, _triton_backward, _triton_check, recompute_free=True,
-    limits="head dim d a multiple of 8 in [16, 128]; b * Hq <= 65535"))
+    limits="head dim d a multiple of 8 in [16, 128]; b * Hq <= 65535; sequence strides of q, k, v < 2**31 / 128; "
+           "dropout needs triton >= 3.3"))
 
 
 # ----------------------------------------------------------------------------- cuda backend

@@ -105,17 +105,31 @@ def apply_keep_mask(x: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
     """
     if not spec.active:
         return x
+    if x.is_cuda and x.dtype in _ext.DTYPE_CODES and _ext.cuda_extension_error() is None:
+        return _cuda_dropout(x.contiguous(), spec.seed, spec.row_offset, spec.threshold)
     h = x.shape[-1]
     rows = x.numel() // h if h else 0
-    if x.is_cuda and x.dtype in _ext.DTYPE_CODES and _ext.cuda_extension_error() is None:
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        with _ext.on_device(x):
-            _ext.cuda_extension().dropout_rows(x.data_ptr(), out.data_ptr(), rows, h, _ext.DTYPE_CODES[x.dtype],
-                                               spec.seed, spec.row_offset, spec.threshold, _ext.cuda_stream(x.device))
-        return out
     keep = spec.keep_mask_2d(rows, h, x.device).view(x.shape)
     return torch.where(keep, x * spec.scale, 0.0)
+
+
+@registry.kernel_op("seqpar::dropout_cuda")
+def _cuda_dropout(x: torch.Tensor, seed: int, row_offset: int, threshold: int) -> torch.Tensor:
+    """csrc/dropout.cu on a contiguous CUDA ``x`` [..., h] (rows of h): ``where(keep, x * scale, 0)``. A custom
+    op (:func:`seqpar.ops.registry.kernel_op`), so torch.compile traces it as one node: the bare extension
+    call on ``data_ptr()`` was a graph break in every layer with dropout (and an error under fullgraph=True)."""
+    out = torch.empty_like(x)
+    h = x.shape[-1]
+    rows = x.numel() // h if h else 0
+    with _ext.on_device(x):
+        _ext.cuda_extension().dropout_rows(x.data_ptr(), out.data_ptr(), rows, h, _ext.DTYPE_CODES[x.dtype], seed,
+                                           row_offset, threshold, _ext.cuda_stream(x.device))
+    return out
+
+
+@_cuda_dropout.register_fake
+def _(x, seed, row_offset, threshold):
+    return torch.empty_like(x)
 
 
 class _Dropout(torch.autograd.Function):

@@ -443,6 +443,27 @@ def test_the_output_takes_in_place_ops_like_sdpa(backend):
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4)
 
 
+def test_triton_refuses_what_its_int32_offsets_or_its_triton_cannot_run(monkeypatch):
+    """A tile's row offsets are row x sequence stride in int32: a view of a fused QKV with b h >= 5.6M
+    (stride 3bh) wrapped around on the GPU (row 127 read another row's q; the interpreter's 32-row tiles
+    hide it). Such strides are refused by name, like the dropout mask on a triton without tl.gather (< 3.3,
+    which pyproject's triton >= 3.0 allows): auto then takes the next backend."""
+    import triton.language as tl
+
+    from seqpar.triton_kernels.attention import MAX_SEQ_STRIDE
+
+    storage = torch.empty(MAX_SEQ_STRIDE + 64, dtype=torch.bfloat16)
+    wide = storage.as_strided((1, 1, 2, 16), (16, 16, MAX_SEQ_STRIDE + 1, 1))   # two rows, far apart
+    narrow = storage[:64].view(1, 1, 4, 16)
+    with pytest.raises(ValueError, match=rf"sequence stride of {MAX_SEQ_STRIDE + 1} elements .* int32 tile offsets"):
+        select_backend(wide, narrow[:, :, :2], narrow[:, :, :2], backend="triton")
+    assert select_backend(narrow, narrow, narrow, backend="triton", dropout=True).name == "triton"
+    monkeypatch.delattr(tl, "gather")
+    with pytest.raises(ValueError, match=r"attention dropout in the triton kernel needs triton >= 3.3 \(tl.gather\)"):
+        select_backend(narrow, narrow, narrow, backend="triton", dropout=True)
+    assert select_backend(narrow, narrow, narrow, backend="triton", dropout=False).name == "triton"
+
+
 def test_causal_alias():
     q, k, v = (randn(1, 2, 9, 16) for _ in range(3))
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)

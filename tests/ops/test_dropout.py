@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from seqpar import _ext
 from seqpar.ops import bias_dropout_add_layer_norm
 from seqpar.ops.dropout import DropoutSpec, apply_keep_mask, bias_dropout_add, dropout, make_dropout_spec
 from seqpar.random import dropout_threshold, philox4x32
@@ -161,3 +162,18 @@ def test_the_output_takes_in_place_ops_like_f_dropout():
     keep = spec.keep_mask_2d(12, 40, x.device).view(4, 3, 40)
     torch.testing.assert_close(out, torch.where(keep, x.detach() * spec.scale, 0.0) + residual, rtol=0, atol=0)
     torch.testing.assert_close(x.grad, torch.where(keep, weights * spec.scale, 0.0), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(_ext.cuda_extension_error() is not None, reason="needs the built CUDA extension seqpar._C")
+def test_the_cuda_mask_kernel_is_a_custom_op_that_traces():
+    """CUDA tensors take csrc/dropout.cu. It was called on ``data_ptr()`` straight from the autograd
+    Function: torch.compile broke the graph there in every layer with dropout (fullgraph=True failed), and
+    a fake tensor has no data. As a custom op it traces to one node with a fake implementation (fake CUDA
+    tensors here: no GPU needed; without autograd, which a CPU-only torch can't build for them)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    spec = DropoutSpec(0.25, 9, 2**40)
+    with FakeTensorMode():
+        x = torch.empty(6, 3, 40, device="cuda", dtype=torch.bfloat16)
+        out = apply_keep_mask(x, spec)
+    assert isinstance(out, FakeTensor) and out.shape == x.shape and out.dtype == x.dtype and out.is_cuda

@@ -47,6 +47,35 @@ def test_a_backend_forced_by_seqpar_backend_that_cant_run_names_the_variable(mon
     assert "SEQPAR_BACKEND='bogus' is not one of" in capsys.readouterr().out
 
 
+def test_a_gpu_the_cuda_extension_has_no_kernels_for_is_skipped_by_auto(monkeypatch):
+    """The default build has sm_80 / sm_90 kernels only; on an older GPU (a T4, sm_75) the cuda backend was
+    offered anyway and its first launch failed ("no kernel image"). The extension now says whether its
+    kernels run on the device (asked once per device): auto takes the next backend, an explicit
+    backend="cuda" names the GPU and the rebuild (simulated GPU and extension here)."""
+    import contextlib
+
+    import seqpar._ext as ext
+
+    class OldGpuExtension:
+        def kernel_image_error(self):
+            return "no kernel image is available for execution on the device"
+
+    monkeypatch.setattr(ext, "cuda_extension_error", lambda: None)
+    monkeypatch.setattr(ext, "cuda_extension", OldGpuExtension)
+    monkeypatch.setattr(ext, "triton_unavailable_reason", lambda device, auto=False: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (7, 5))
+    ext._kernel_image_error.cache_clear()
+    try:
+        gpu = torch.device("cuda", 0)
+        assert "sm_75" in ext.cuda_unavailable_reason(gpu) and "SEQPAR_CUDA_ARCHS=75" in ext.cuda_unavailable_reason(gpu)
+        assert registry.select("swiglu", "auto", gpu) is registry.get("swiglu", "triton")
+        with pytest.raises(ValueError, match=r"backend 'cuda' can't run swiglu: seqpar._C has no kernels for this GPU"):
+            registry.select("swiglu", "cuda", gpu)
+    finally:
+        ext._kernel_image_error.cache_clear()
+
+
 def test_record_selections_collects_what_ran_nested():
     q = torch.randn(1, 2, 8, 16)
     x, w = torch.randn(3, 40), torch.ones(40)
