@@ -62,11 +62,6 @@ class ForwardMode:
     attention_p: float = 0.0
     seeds: Tuple[int, int, int, int] = (0, 0, 0, 0)
 
-    @property
-    def seed(self) -> int:
-        """The layer seed of this forward."""
-        return self.seeds[0]
-
     def stream(self, site: int) -> int:
         """The stream seed of dropout site ``site`` (a :class:`seqpar.random.Site`)."""
         return self.seeds[site]

@@ -478,7 +478,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
         The layers skip their own per-forward check (the model builds their inputs), so this one is what
         keeps a rank's mistake from aborting or hanging the others in a collective, or from silently
         mixing dropout masks or batches (a data loader sharding over the whole world instead of the
-        data-parallel ranks). Cost: one all-gather of 17 int64 per rank and forward, and hashing torch's
+        data-parallel ranks). Cost: one all-gather of 19 int64 per rank and forward, and hashing torch's
         CPU generator state (5 KB) when dropout is on."""
         cfg = self.config
         dropout_on = self.training and bool(self.embedding_dropout or cfg.hidden_dropout or cfg.attention_dropout)
@@ -488,7 +488,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
             "token and label values (checksum)": checksum, "training": int(self.training),
             "grad mode": int(torch.is_grad_enabled()),
             "compute dtype (under autocast its dtype)": self.final_layernorm.weight.dtype,
-            "torch CPU generator state (dropout seeds)": torch.get_rng_state().numpy().tobytes() if dropout_on else b"",
+            **sp_random.generator_fingerprint(with_torch_state=dropout_on),   # what the dropout seeds come from
         }, what="GPTModel input", error=problem, device=self.final_layernorm.weight.device,
             hint="Every rank passes the same tokens (and labels, or none)" + SAME_MODE_HINT
                  + (SEED_HINT if dropout_on else ""))
