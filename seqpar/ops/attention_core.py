@@ -47,7 +47,8 @@ How each does GQA: torch and cuda fold a kv head's group of q heads into the row
 and the dk / dv GEMMs sum over it; the Triton kernels read kv head ``head // G`` in the forward and dq
 programs, and a dk / dv program loops over the G q heads of its kv head (no atomics).
 
-"auto" prefers triton, then cuda, then torch (:func:`select_backend`).
+"auto" prefers triton, then cuda, then torch (:func:`select_backend`), but passes over triton for fp32
+inputs: the kernels run fp32 with IEEE FMA dots (a testing mode), far slower than cuBLAS.
 The triton backend supports head dims ``d`` in 16..128 (multiples of 8; 32, 64, 80, 96, 128 are the
 common ones) and returns ``o`` (and the gradients) as [b, heads, s, d] views of contiguous
 [s, b, heads, d] buffers, so a layer can reshape ``o`` to [s, b, heads * d] without a copy. Both
@@ -207,10 +208,19 @@ def _triton_check(q=None, k=None, v=None, causal=True, dropout=True, **_) -> Opt
                               dropout)
 
 
+def _triton_auto_skip(q=None, **_) -> Optional[str]:
+    # fp32 runs the kernels with IEEE dots, i.e. FMA loops without tensor cores, and tiles that spill (a
+    # testing mode): the cuda backend's cuBLAS GEMMs or torch are far faster on a GPU.
+    if q is not None and q.dtype == torch.float32:
+        return "auto skips fp32 in the triton attention kernel (IEEE FMA dots, for testing; pass backend='triton')"
+    return None
+
+
 registry.register(registry.Backend(
     OP, "triton", _triton_forward, _triton_backward, _triton_check, recompute_free=True,
     limits="head dim d a multiple of 8 in [16, 128]; b * Hq <= 65535; sequence strides of q, k, v < 2**31 / 128; "
-           "dropout needs triton >= 3.3"))
+           "dropout needs triton >= 3.3; auto skips fp32",
+    auto_skip=_triton_auto_skip))
 
 
 # ----------------------------------------------------------------------------- cuda backend

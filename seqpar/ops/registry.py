@@ -41,7 +41,9 @@ class Backend:
     own signature (documented in the op's module). ``recompute_free`` marks a backend that already
     saves nothing that selective recomputation would avoid (e.g. a flash-style attention core keeping
     no s^2-sized tensor), so the layer does not wrap it in a checkpoint. ``limits`` says in words which
-    inputs ``check`` turns away (shown by ``python -m seqpar info``; empty: none).
+    inputs ``check`` turns away (shown by ``python -m seqpar info``; empty: none). ``auto_skip(**inputs)``
+    returns why "auto" passes over inputs this backend can run but runs far slower than the next backend
+    (None: it doesn't); an explicit ``backend=`` still runs them.
     """
 
     op: str
@@ -51,6 +53,7 @@ class Backend:
     check: Callable[..., Optional[str]] = _TAKES_EVERYTHING
     recompute_free: bool = False
     limits: str = ""
+    auto_skip: Callable[..., Optional[str]] = _TAKES_EVERYTHING
 
 
 _REGISTRY: Dict[str, Dict[str, Backend]] = {}
@@ -98,11 +101,13 @@ def requested_backend(backend: Optional[str]) -> str:
 
 def unavailable_reason(op: str, name: str, device: torch.device, auto: bool = False,
                        **inputs) -> Optional[str]:
-    """Why backend ``name`` of ``op`` can't run on ``device`` with ``inputs`` (None when it can)."""
+    """Why backend ``name`` of ``op`` can't run on ``device`` with ``inputs`` (None when it can); with
+    ``auto``, also why auto passes over it (``Backend.auto_skip``)."""
     impl = _REGISTRY.get(op, {}).get(name)
     if impl is None:
         return f"op {op!r} has no {name} backend yet"
-    return environment_reason(name, device, auto) or impl.check(**inputs)
+    return (environment_reason(name, device, auto) or impl.check(**inputs)
+            or (impl.auto_skip(**inputs) if auto else None))
 
 
 @torch.compiler.assume_constant_result

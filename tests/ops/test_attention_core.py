@@ -609,16 +609,23 @@ def test_triton_rejects_unsupported_head_dim(d):
 
 def test_auto_prefers_triton_then_falls_back(monkeypatch):
     """With every backend usable (simulated: no GPU here), auto picks the recompute-free triton
-    backend; for a head dim triton can't run it falls back to cuda, then torch."""
+    backend; for a head dim triton can't run it falls back to cuda, then torch. fp32 runs the triton
+    kernels' IEEE FMA testing mode, so auto takes cuda for it; an explicit triton still runs it."""
     import seqpar._ext as ext
 
-    q64, q12 = torch.empty(1, 2, 8, 64), torch.empty(1, 2, 8, 12)
+    q64, q12 = torch.empty(1, 2, 8, 64, dtype=torch.bfloat16), torch.empty(1, 2, 8, 12, dtype=torch.bfloat16)
+    q64_fp32 = q64.float()
     assert select_backend(q64, q64, q64).name == "torch"          # CPU: auto never uses the interpreter
     monkeypatch.setattr(ext, "triton_unavailable_reason", lambda device, auto=False: None)
     monkeypatch.setattr(ext, "cuda_unavailable_reason", lambda device: None)
     assert select_backend(q64, q64, q64).name == "triton"
     assert select_backend(q12, q12, q12).name == "cuda"
     assert select_backend(q64, q64, q64, backend="cuda").name == "cuda"
+    assert select_backend(q64_fp32, q64_fp32, q64_fp32).name == "cuda"
+    assert select_backend(q64_fp32, q64_fp32, q64_fp32, backend="triton").name == "triton"
+    reason = registry.unavailable_reason(OP, "triton", q64.device, auto=True, q=q64_fp32, k=q64_fp32, v=q64_fp32)
+    assert "fp32" in reason and "backend='triton'" in reason
+    assert registry.unavailable_reason(OP, "triton", q64.device, q=q64_fp32, k=q64_fp32, v=q64_fp32) is None
     monkeypatch.setenv("SEQPAR_BACKEND", "torch")
     assert select_backend(q64, q64, q64).name == "torch"
 
