@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional
 
 import torch
 
 from .memory import RECOMPUTE_POLICIES
-from .ops.registry import validate_backend
+from .ops.registry import check_eps, validate_backend
 from .ops.rotary import check_theta
 from .random import dropout_threshold, is_int
 
@@ -105,9 +104,7 @@ class TransformerConfig:
             raise ValueError(f"ffn_hidden_size must be a positive int, got {self.ffn_hidden_size!r}")
         _check_prob("hidden_dropout", self.hidden_dropout)
         _check_prob("attention_dropout", self.attention_dropout)
-        eps = self.layernorm_epsilon
-        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (math.isfinite(eps) and eps > 0):
-            raise ValueError(f"layernorm_epsilon must be a finite positive float, got {eps!r}")
+        check_eps(self.layernorm_epsilon, "layernorm_epsilon")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {self.activation!r}; expected one of {ACTIVATIONS}")
         if self.recompute not in RECOMPUTE_POLICIES:
@@ -139,6 +136,10 @@ class TransformerConfig:
         if self.position_embedding == "learned" and theta != DEFAULT_ROPE_THETA:
             raise ValueError(f"rope_theta={theta!r} with position_embedding='learned': rope_theta is only used with "
                              f"position_embedding='rope'")
+        # Held as plain floats: 0 and 0.0 (or np.float64(0.1) and 0.1) give one config, one repr, and the
+        # same value to the ranks' agreement check.
+        for name in ("hidden_dropout", "attention_dropout", "layernorm_epsilon", "rope_theta"):
+            object.__setattr__(self, name, float(getattr(self, name)))
 
     @property
     def head_dim(self) -> int:

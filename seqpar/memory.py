@@ -441,6 +441,8 @@ class _Model:
                              else _has_dropout("embedding_dropout", embedding_dropout))
         for name, value in (("num_layers", num_layers), ("vocab", vocab), ("pp", pp), ("interleave", interleave)):
             _check_positive_int(name, value)
+        if num_layers > MAX_LAYERS:   # the planner loops over the layer counts: a typo would run for hours
+            raise ValueError(f"num_layers must be at most {MAX_LAYERS}, got {num_layers}")
         if interleave > 1 and pp == 1:
             raise ValueError(f"interleave {interleave} needs pipeline parallelism (pp > 1), got pp=1")
         _check_divides("pp" if interleave == 1 else "pp * interleave =", pp * interleave, "num_layers", num_layers)
@@ -582,7 +584,7 @@ def first_stage_parameters(hidden: int, num_layers: int, vocab: int, max_seq_len
     padded to a multiple of 128 t as GPTModel does, split t ways) and with learned positions the position
     table (max_seq_len x h); with pp = 1 also the final norm and, untied
     (``share_embeddings_and_output_weights=False``), the output layer (another padded v/t x h).
-    ``heads`` is needed only with ``num_query_groups``. ValueError for sizes that are not positive ints,
+    ``heads`` is needed only with ``num_query_groups`` (checked whenever given). ValueError for sizes that are not positive ints,
     t not dividing h / ffn / the heads or groups, pp not dividing num_layers, ``num_query_groups``
     without ``heads``, and unknown normalization / activation / position-embedding names.
     """
@@ -606,12 +608,14 @@ def first_stage_parameters(hidden: int, num_layers: int, vocab: int, max_seq_len
     _check_divides("pp", pp, "num_layers", num_layers)
     _check_divides("tp", t, "hidden", h)
     qkv_rows = 3 * h
+    if heads is not None:
+        _check_positive_int("heads", heads)
+        _check_divides("heads", heads, "hidden", h)
+        _check_divides("tp", t, "heads", heads)
     if num_query_groups is not None:
         if heads is None:
             raise ValueError("num_query_groups needs heads (the query heads a) to size the QKV rows")
-        for name, value in (("heads", heads), ("num_query_groups", num_query_groups)):
-            _check_positive_int(name, value)
-        _check_divides("heads", heads, "hidden", h)
+        _check_positive_int("num_query_groups", num_query_groups)
         _check_divides("num_query_groups", num_query_groups, "heads", heads)
         _check_divides("tp", t, "num_query_groups", num_query_groups)
         qkv_rows = h + 2 * num_query_groups * (h // heads)

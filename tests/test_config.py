@@ -3,6 +3,7 @@ seqpar.manual_seed (bounded to 64 bits, one per process, seeds torch's CPU gener
 import dataclasses
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +17,8 @@ BASE = dict(hidden_size=48, num_attention_heads=4)
     (dict(layernorm_epsilon=float("nan")), "layernorm_epsilon"),
     (dict(layernorm_epsilon=True), "layernorm_epsilon"),
     (dict(layernorm_epsilon=0.0), "layernorm_epsilon"),
+    (dict(layernorm_epsilon=1e-320), "layernorm_epsilon must be a finite float >= 1.175e-38"),
+    (dict(layernorm_epsilon=2**2000), "layernorm_epsilon must be a finite float"),
     (dict(hidden_size=True, num_attention_heads=1), "hidden_size"),
     (dict(num_attention_heads=True), "num_attention_heads"),
     (dict(ffn_hidden_size=True), "ffn_hidden_size"),
@@ -26,7 +29,7 @@ BASE = dict(hidden_size=48, num_attention_heads=4)
     (dict(sequence_parallel=1), "sequence_parallel"),
     (dict(params_dtype=torch.float64), r"params_dtype must be one of torch.float32, torch.float16, torch.bfloat16"),
     (dict(params_dtype="bf16"), "params_dtype"),
-], ids=["eps-inf", "eps-nan", "eps-bool", "eps-zero", "hidden-bool", "heads-bool", "ffn-bool", "ffn-float",
+], ids=["eps-inf", "eps-nan", "eps-bool", "eps-zero", "eps-0-in-fp32", "eps-huge-int", "hidden-bool", "heads-bool", "ffn-bool", "ffn-float",
         "hidden-dropout-bool", "attention-dropout-bool", "dropout-nan", "sp-int", "fp64", "dtype-str"])
 def test_config_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -49,6 +52,28 @@ def test_config_is_frozen_and_replace_revalidates():
     assert dataclasses.replace(cfg, hidden_dropout=0.25).hidden_dropout == 0.25
     with pytest.raises(ValueError, match="hidden_dropout"):
         dataclasses.replace(cfg, hidden_dropout=1.5)
+
+
+def test_equal_configs_give_the_ranks_the_same_values_to_agree_on():
+    """The ranks' agreement check hashes each field's repr: 10000 vs 10000.0 as rope_theta, 0 vs 0.0 or
+    np.float64(0.1) vs 0.1 as a dropout, num_query_groups None vs num_attention_heads (the same layer)
+    were refused as a disagreement. Floats are held as floats, and the check compares the k/v heads."""
+    from seqpar.nn.layer import agreement_values
+    from seqpar.parallel.state import _digest
+
+    base = dict(hidden_size=32, num_attention_heads=4, position_embedding="rope")
+    pairs = [(dict(rope_theta=10000), dict(rope_theta=10000.0)),
+             (dict(hidden_dropout=0, layernorm_epsilon=1), dict(hidden_dropout=0.0, layernorm_epsilon=1.0)),
+             (dict(attention_dropout=np.float64(0.1)), dict(attention_dropout=0.1)),
+             (dict(num_query_groups=None), dict(num_query_groups=4))]
+    for one, other in pairs:
+        a, b = seqpar.TransformerConfig(**base, **one), seqpar.TransformerConfig(**base, **other)
+        values_a, values_b = agreement_values(a), agreement_values(b)
+        assert {k: _digest(v) for k, v in values_a.items()} == {k: _digest(v) for k, v in values_b.items()}, one
+    cfg = seqpar.TransformerConfig(**base, hidden_dropout=0, attention_dropout=np.float64(0.1))
+    assert [type(getattr(cfg, name)) for name in ("hidden_dropout", "attention_dropout", "layernorm_epsilon",
+                                                   "rope_theta")] == [float] * 4
+    assert seqpar.TransformerConfig(**base, num_query_groups=2).num_query_groups == 2   # kept as given
 
 
 @pytest.mark.parametrize("bad", [-1, 2**64, 2**70, 1.5, "3", True, None], ids=repr)

@@ -101,6 +101,13 @@ def test_plan_raises_when_even_full_recompute_does_not_fit():
         plan_recompute(s, b, h, a, L, v, budget_bytes=floor * (1 - 1e-9))
 
 
+def test_plan_caps_num_layers_before_searching():
+    """plan_recompute looped over every layer count before the per-layer policies met their 2**16 cap: a
+    num_layers of 1e9 ran on for hours instead of raising as its sibling functions do."""
+    with pytest.raises(ValueError, match="num_layers must be at most 65536, got 1000000000"):
+        plan_recompute(64, 2, 32, 4, 10**9, 100, budget_bytes=1e12)
+
+
 @pytest.mark.parametrize("budget", [0, -5, True, float("inf"), "1e9"], ids=repr)
 def test_plan_rejects_bad_budget(budget):
     with pytest.raises(ValueError, match="budget_bytes"):
@@ -203,7 +210,10 @@ def test_first_stage_parameters_rejects():
     from seqpar.memory import first_stage_parameters
     for kw, match in ((dict(num_query_groups=2), "needs heads"), (dict(activation="relu"), "unknown activation"),
                       (dict(heads=4, num_query_groups=3), "num_query_groups 3 does not divide heads 4"),
-                      (dict(add_bias_linear=1), "add_bias_linear must be a bool")):
+                      (dict(add_bias_linear=1), "add_bias_linear must be a bool"),
+                      # heads given alone was never checked (0, 2.5, nan and t not dividing it all counted)
+                      (dict(heads=0), "heads must be a positive int, got 0"), (dict(heads=2.5), "heads"),
+                      (dict(heads=4, tp=8), "tp 8 does not divide heads 4")):
         with pytest.raises(ValueError, match=match):
             first_stage_parameters(32, 2, 100, 16, **kw)
 

@@ -78,7 +78,12 @@ from ..parallel.state import ProcessGroup, run_agreed
 __all__ = ["from_gpt2", "to_gpt2_state_dict", "from_llama", "to_llama_state_dict", "shift_labels"]
 
 #: GPT-2 activation_function -> TransformerConfig.activation (the same function, not an approximation of it).
-GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+#: (HF's gelu_fast writes sqrt(2 / pi) as 0.7978845608: 1e-12 off in fp64, nothing in fp32.)
+GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
+                    "gelu_accurate": "gelu_tanh", "gelu_python_tanh": "gelu_tanh", "gelu": "gelu",
+                    "gelu_python": "gelu"}
+#: Llama hidden_act names of SiLU (HF's ACT2FN maps both to nn.SiLU).
+LLAMA_ACTIVATIONS = ("silu", "swish")
 #: The seqpar config a GPT-2 maps to, beyond its sizes, dropout and activation ("gelu" or "gelu_tanh").
 GPT2_BLOCK = dict(normalization="layernorm", position_embedding="learned", add_bias_linear=True)
 
@@ -328,11 +333,11 @@ def _llama_settings(config) -> dict:
         raise ValueError(f"config must be a transformers LlamaConfig, got {type(config).__name__}")
     hidden, heads = get("hidden_size"), get("num_attention_heads")
     kv_heads = get("num_key_value_heads") or heads
-    for name, supported in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
-        value = get(name, supported)
-        if value != supported:
+    for name, supported in (("attention_bias", (False,)), ("mlp_bias", (False,)), ("hidden_act", LLAMA_ACTIVATIONS)):
+        value = get(name, supported[0])
+        if value not in supported:
             raise ValueError(f"Llama config {name}={value!r} is not supported by seqpar (it implements "
-                             f"{name}={supported!r})")
+                             f"{name}={' or '.join(map(repr, supported))})")
     head_dim = get("head_dim")
     if head_dim is not None and head_dim * heads != hidden:
         raise ValueError(f"Llama config head_dim={head_dim!r} is not supported by seqpar: it needs head_dim = "

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..ops.bias_dropout_add_layer_norm import bias_dropout_add_layer_norm
 from ..ops.dropout import DropoutSpec, bias_dropout_add
+from ..ops import registry
 from ..ops.registry import validate_backend
 from ..ops.rms_norm import add_rms_norm
 from ..parallel.mappings import copy_to_tensor_region_coalesced
@@ -32,18 +33,17 @@ class _ReplicatedNorm(SharesProcessGroup, nn.Module):
 
     ``forward(x)``: x [..., h] -> [..., h]. As their torch counterparts, a bf16 / fp16 x with fp32
     parameters is normalised with fp32 statistics and returned in x's dtype. ValueError at construction
-    for a hidden_size that is not a positive int, a non-positive eps, a non-floating dtype or a tp_group
-    without this rank; at the call for an x whose last dim is not h."""
+    for a hidden_size that is not a positive int, an eps :func:`seqpar.ops.registry.check_eps` refuses
+    (non-finite or below fp32's smallest normal number), a flag that is not a bool, a non-floating dtype
+    or a tp_group without this rank; at the call for an x whose last dim is not h."""
 
     def __init__(self, hidden_size: int, eps: float, *, bias: bool, tp_group: ProcessGroup,
                  sequence_parallel: bool, backend: str, device, dtype):
         super().__init__()
-        if not isinstance(hidden_size, int) or isinstance(hidden_size, bool) or hidden_size <= 0:
-            raise ValueError(f"hidden_size must be a positive int, got {hidden_size!r}")
-        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps <= 0:
-            raise ValueError(f"eps must be a positive float, got {eps!r}")
-        if dtype is not None and not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+        registry.check_sizes(hidden_size=hidden_size)
+        registry.check_eps(eps)
+        registry.check_flags(bias=bias, sequence_parallel=sequence_parallel)
+        registry.check_param_dtype(dtype)
         group_size(tp_group)  # ValueError now, not at the first backward, if this rank is not in tp_group
         self.hidden_size, self.eps = hidden_size, float(eps)
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel

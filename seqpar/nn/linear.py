@@ -51,6 +51,14 @@ def block_sizes(out_features: int, partition_blocks: Union[int, Sequence[int]]) 
     return sizes
 
 
+def _check_arguments(in_features, out_features, dtype, **flags) -> None:
+    """The parallel linears' constructor checks: ValueError naming a size that is not a positive int, a
+    flag that is not a bool or a dtype that is not floating."""
+    registry.check_sizes(in_features=in_features, out_features=out_features)
+    registry.check_flags(**flags)
+    registry.check_param_dtype(dtype)
+
+
 def init_normal(weight: torch.Tensor) -> None:
     """The default ``init_method``: N(0, 0.02) in place (Megatron's init_method_normal(0.02)), drawn from
     torch's default CPU generator."""
@@ -160,8 +168,9 @@ class ColumnParallelLinear(_TensorParallelLinear):
     ``reset_parameters()``.
 
     ``forward(x)``: x [s, b, in_features] ([s/t, b, in_features] under SP) of the weight's dtype ->
-    [s, b, out_features / t]. ValueError at construction for out_features (or a block) not divisible by
-    t, or bad ``partition_blocks``; at the call for an x that is not a floating [..., in_features] tensor
+    [s, b, out_features / t]. ValueError at construction for sizes that are not positive ints, flags
+    that are not bools, a non-floating dtype, out_features (or a block) not divisible by t, or bad
+    ``partition_blocks``; at the call for an x that is not a floating [..., in_features] tensor
     of the weight's dtype and, with ``check_rank_inputs`` (default True), on every rank when the ranks'
     x differ in leading dims or dtype (uneven sequence shards) or one rank rejects its x.
     """
@@ -171,6 +180,8 @@ class ColumnParallelLinear(_TensorParallelLinear):
                  overlap_comm: bool = True, device=None, dtype=None,
                  init_method: Optional[Callable[[torch.Tensor], None]] = init_normal):
         super().__init__()
+        _check_arguments(in_features, out_features, dtype, sequence_parallel=sequence_parallel, bias=bias,
+                         overlap_comm=overlap_comm)
         t = group_size(tp_group)
         blocks = block_sizes(out_features, partition_blocks)
         uneven = [size for size in blocks if size % t]
@@ -212,7 +223,8 @@ class RowParallelLinear(_TensorParallelLinear):
 
     ``forward(x)``: x [s, b, in_features / t] of the weight's dtype -> [s, b, out_features] ([s/t, b,
     out_features] under SP), or ``(output, bias)`` with ``skip_bias_add=True``. ValueError at
-    construction for in_features not divisible by t; at the call for an x that is not a floating
+    construction for bad sizes, flags or dtype (as :class:`ColumnParallelLinear`) and in_features not
+    divisible by t; at the call for an x that is not a floating
     [..., in_features / t] tensor of the weight's dtype, under SP for s not divisible by t and, with
     ``check_rank_inputs``, on every rank as for :class:`ColumnParallelLinear`.
     """
@@ -222,6 +234,8 @@ class RowParallelLinear(_TensorParallelLinear):
                  overlap_comm: bool = True, device=None, dtype=None,
                  init_method: Optional[Callable[[torch.Tensor], None]] = init_normal):
         super().__init__()
+        _check_arguments(in_features, out_features, dtype, sequence_parallel=sequence_parallel, bias=bias,
+                         skip_bias_add=skip_bias_add, overlap_comm=overlap_comm)
         t = group_size(tp_group)
         if in_features % t:
             raise ValueError(f"in_features {in_features} is not divisible by tensor-parallel size {t}")

@@ -33,6 +33,7 @@ from torch import nn
 
 from .. import random as sp_random
 from ..config import TransformerConfig
+from ..ops import registry
 from ..ops.comm_matmul import _all_gather_matmul
 from ..ops.dropout import DropoutSpec, dropout
 from ..parallel.overlap import ChunkPlan
@@ -121,6 +122,8 @@ class _VocabShard(ShardedParameters, SharesProcessGroup, nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, *, tp_group: ProcessGroup = None, device=None,
                  dtype=None):
         super().__init__()
+        registry.check_sizes(vocab_size=vocab_size, hidden_size=hidden_size)
+        registry.check_param_dtype(dtype)
         t, r = group_size(tp_group), group_rank(tp_group)
         self.vocab_size, self.tp_group = vocab_size, tp_group
         self.padded_vocab_size = padded_vocab_size(vocab_size, t)

@@ -325,7 +325,7 @@ def check_row_inputs(x, residual, weights: dict, eps, dtypes, *, residual_option
 
     ``x`` a floating [..., h] tensor of ``dtypes`` with h > 0; ``residual`` (may be None when
     ``residual_optional``) of x's shape and dtype; each of ``weights`` ({name: tensor}) a floating [h]
-    tensor; all of them and ``on_device`` on one device; ``eps`` a positive finite number. A ValueError
+    tensor; all of them and ``on_device`` on one device; ``eps`` as :func:`registry.check_eps` takes. A ValueError
     names the argument.
     """
     # Fast path (called on every op call): the common valid case in one pass. Whatever it doesn't accept
@@ -333,7 +333,7 @@ def check_row_inputs(x, residual, weights: dict, eps, dtypes, *, residual_option
     # accept it after all: e.g. eps a float subclass).
     dense = torch.strided
     if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.dtype in dtypes and x.layout == dense and \
-            type(eps) is float and 0 < eps < math.inf:
+            type(eps) is float and registry.EPS_MIN <= eps < math.inf:
         shape, device = x.shape, x.device
         h = shape[-1]
         ok = h != 0 and ((residual is None and residual_optional) or (
@@ -378,8 +378,7 @@ def _explain_row_inputs(x, residual, weights: dict, eps, dtypes, residual_option
     devices = {t.device for t in (*named.values(), *on_device)}
     if len(devices) > 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    if not registry.is_positive_finite(eps):
-        raise ValueError(f"eps must be a positive finite float, got {eps!r}")
+    registry.check_eps(eps)
     return h
 
 

@@ -262,3 +262,39 @@ def is_finite(value) -> bool:
 def is_positive_finite(value) -> bool:
     """:func:`is_finite` and > 0."""
     return is_finite(value) and value > 0
+
+
+#: The smallest eps the norms take: fp32's smallest normal number. They add eps to fp32 statistics, where a
+#: smaller eps is 0 or a subnormal that GPUs flush to 0, and a constant row then divides by 0.
+EPS_MIN = torch.finfo(torch.float32).tiny
+
+
+def check_eps(eps, name: str = "eps") -> None:
+    """ValueError naming ``name`` unless ``eps`` is a finite number (int or float, not a bool) of at least
+    :data:`EPS_MIN`."""
+    if not is_positive_finite(eps) or eps < EPS_MIN:
+        raise ValueError(f"{name} must be a finite float >= {EPS_MIN:.4g} (fp32's smallest normal number: the "
+                         f"norms add it to fp32 statistics), got {eps!r}")
+
+
+def check_flags(**flags) -> None:
+    """ValueError naming the first of ``flags`` ({name: value}) that is not a bool (a string "False" is
+    truthy: taken as a flag it would silently switch the behaviour on)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+def check_sizes(**sizes) -> None:
+    """ValueError naming the first of ``sizes`` ({name: value}) that is not a positive int (bools, floats
+    such as 2.0, strings and None are refused: a module's parameter shapes come from them)."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_param_dtype(dtype) -> None:
+    """ValueError unless ``dtype`` is None or a floating ``torch.dtype`` (a module's parameters train)."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be None or a floating torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+

@@ -278,12 +278,25 @@ def test_loss_mapping_matches_hf_labels():
 
 @pytest.mark.parametrize("setting, value", [
     ("scale_attn_by_inverse_layer_idx", True), ("add_cross_attention", True), ("scale_attn_weights", False),
-    ("activation_function", "relu"), ("activation_function", "gelu_fast"), ("tie_word_embeddings", False)],
+    ("activation_function", "relu"), ("activation_function", "quick_gelu"), ("tie_word_embeddings", False)],
     ids=lambda v: str(v))
 def test_unsupported_gpt2_variants_raise(setting, value):
     state_dict = _random_gpt2(1000).state_dict()
     with pytest.raises(ValueError, match=f"{setting}={value!r}"):
         hf.from_gpt2(state_dict, config=_gpt2_config(1000, **{setting: value}))
+
+
+def test_every_accepted_activation_name_is_hf_s_function():
+    """Each GPT-2 activation_function / Llama hidden_act name the loaders take computes, in HF's ACT2FN,
+    what the seqpar activation it maps to computes (fp64, |x| <= 8)."""
+    from transformers.activations import ACT2FN
+
+    x = torch.linspace(-8, 8, 4001, dtype=torch.float64)
+    seqpar_gelu = {"gelu": torch.nn.functional.gelu(x), "gelu_tanh": torch.nn.functional.gelu(x, approximate="tanh")}
+    for name, ours in hf.GPT2_ACTIVATIONS.items():
+        torch.testing.assert_close(ACT2FN[name](x), seqpar_gelu[ours], atol=1e-11, rtol=0, msg=name)
+    for name in hf.LLAMA_ACTIVATIONS:
+        torch.testing.assert_close(ACT2FN[name](x), torch.nn.functional.silu(x), atol=0, rtol=0, msg=name)
 
 
 def test_other_models_and_configs_raise():

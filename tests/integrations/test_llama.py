@@ -322,6 +322,14 @@ def test_unsupported_llama_variants_raise(kwargs, match):
         hf.from_llama(state_dict, config=_llama_config(2, **kwargs))
 
 
+def test_hidden_act_swish_is_silu():
+    """HF maps hidden_act "swish" to the same nn.SiLU as "silu": from_llama takes it, logits match HF."""
+    llama = _random_llama(2, hidden_act="swish").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf.from_llama(llama)(_tokens()), llama(_tokens()).logits.transpose(0, 1),
+                                   atol=2e-5, rtol=0)
+
+
 def _drop(key):
     return lambda sd: sd.pop(key)
 

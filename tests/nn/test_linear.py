@@ -60,3 +60,20 @@ def test_all_gather_matmul_output_takes_in_place_ops():
     y.sum().backward()
     torch.testing.assert_close(y.detach(), expected)
     torch.testing.assert_close(x.grad, 2 * w.detach().sum(0).expand(3, 2, 4))
+
+
+@pytest.mark.parametrize("layer_cls", LAYERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("args, kwargs, match", [
+    ((8, -1), {}, "out_features must be a positive int, got -1"),
+    ((8, 2.0), {}, "out_features must be a positive int, got 2.0"),
+    ((True, 8), {}, "in_features must be a positive int, got True"),
+    ((8, "4"), {}, "out_features must be a positive int, got '4'"),
+    ((8, 8), dict(sequence_parallel="False"), "sequence_parallel must be a bool, got 'False'"),
+    ((8, 8), dict(bias="no"), "bias must be a bool, got 'no'"),
+    ((8, 8), dict(dtype=torch.int64), "dtype must be None or a floating torch.dtype"),
+], ids=["negative", "float", "bool", "string", "sp-string", "bias-string", "int-dtype"])
+def test_constructor_arguments_are_checked(layer_cls, args, kwargs, match):
+    """Sizes failed in torch.empty (RuntimeError / TypeError), blamed partition_blocks, or (a bool) built a
+    [8, 1] weight; a flag "False" was truthy: SP on, the output [8, 2, 4] instead of [4, 2, 4] at t = 2."""
+    with pytest.raises(ValueError, match=match):
+        layer_cls(*args, **kwargs)

@@ -27,3 +27,21 @@ def test_an_input_that_is_not_hidden_sized_is_a_value_error(kind, x, got):
     norm = getattr(seqpar.nn, kind)(8)
     with pytest.raises(ValueError, match=r"x must be a \[\.\.\., hidden_size=8\] tensor, got " + got):
         norm(x)
+
+
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(eps=float("nan")), "eps must be a finite float >= 1.175e-38"),
+    (dict(eps=float("inf")), "eps must be a finite float"),
+    (dict(eps=1e-320), "eps must be a finite float"),          # 0 in fp32: a constant row would give NaN
+    (dict(eps=2**2000), "eps must be a finite float"),         # past float's range (was an OverflowError)
+    (dict(sequence_parallel="False"), "sequence_parallel must be a bool, got 'False'"),
+    (dict(dtype="bfloat16"), "dtype must be None or a floating torch.dtype"),
+    (dict(dtype=torch.int64), "dtype must be None or a floating torch.dtype"),
+], ids=["eps-nan", "eps-inf", "eps-0-in-fp32", "eps-huge-int", "sp-string", "dtype-string", "dtype-int"])
+def test_constructor_arguments_are_checked(kind, kwargs, match):
+    """LayerNorm took eps nan (every output NaN) and inf (every output 0); a string flag "False" was
+    truthy (under SP the weight gradient came out t times too large); a string dtype raised
+    AttributeError."""
+    with pytest.raises(ValueError, match=match):
+        getattr(seqpar.nn, kind)(8, **kwargs)
