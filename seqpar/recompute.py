@@ -109,14 +109,23 @@ def checkpoint(fn: Callable, *args, module: Optional[nn.Module] = None):
         module = getattr(fn, "__self__", fn)
     # The forward's parameters, kept by the closure for the re-run (not passed as checkpoint arguments:
     # torch's checkpoint reads a device generator's state once per tensor argument).
-    forward_parameters = dict(module.named_parameters()) if module is not None else {}
-    forward_versions = {name: p._version for name, p in forward_parameters.items()}
+    forward_parameters: Dict[str, torch.Tensor] = {}
+    forward_versions: Dict[str, int] = {}
     forward_done = []
 
     def run(*run_args):
         # The forward reads the parameters the module holds; the re-run those the forward read.
-        if not forward_parameters or not forward_done:
+        if not forward_done:
             forward_done.append(True)
+            out = fn(*run_args)
+            if module is not None:
+                # Read after fn, not before: a submodule that is its own FSDP2 unit registers its unsharded
+                # parameters in its pre-forward hook, inside fn (and with reshard_after_forward=False keeps
+                # them registered: its hook then does not run again in the re-run).
+                forward_parameters.update(module.named_parameters())
+                forward_versions.update((name, p._version) for name, p in forward_parameters.items())
+            return out
+        if not forward_parameters:
             return fn(*run_args)
         _check_unmodified(forward_parameters, forward_versions)
         with swapped_parameters(module, forward_parameters):

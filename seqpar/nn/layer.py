@@ -48,7 +48,7 @@ from ..recompute import checkpoint
 from .autocast import autocast_dtype, run_in_dtype
 from .layernorm import LayerNorm, RMSNorm
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .state_dict import IncompatibleKeys, check_loadable, full_parameters, load_full_parameters, prepare_parameters
+from .state_dict import FSDP_UNIT, IncompatibleKeys, check_loadable, full_parameters, load_full_parameters, prepare_parameters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,6 +292,12 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         device = weight.device
         if x.device != device:
             return f"x is on {x.device} but the layer's parameters are on {device}"
+        if self.config.add_bias_linear and FSDP_UNIT:
+            for name in ("self_attention", "mlp", "self_attention.dense", "mlp.dense_4h_to_h"):
+                if isinstance(self.get_submodule(name), FSDP_UNIT):
+                    return (f"{name} is its own FSDP2 unit (fully_shard): it returns its output bias, a parameter, "
+                            "to the layer's fused bias-dropout-add, and FSDP2 frees that parameter when the unit "
+                            "reshards after its forward. fully_shard each whole layer, then the model")
         return None
 
     def _check_ranks(self, x, problem: Optional[str]) -> None:

@@ -310,17 +310,21 @@ PeerShardRanks = Dict[object, Dict[Tuple[int, ...], List[Tuple[int, ...]]]]
 _CHECKED_LAYOUTS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
+try:
+    from torch.distributed.fsdp import FSDPModule
+    #: The classes of FSDP2 units (``fully_shard`` makes a module an instance), for isinstance: () without them.
+    FSDP_UNIT: tuple = (FSDPModule,)
+except ImportError:   # torch built without distributed, or before FSDP2's public API (2.6)
+    FSDP_UNIT = ()
+
+
 def _reshard_fsdp(module: nn.Module) -> None:
     """Reshard every FSDP2 module in ``module``: a forward without a backward leaves the root's parameters
     unsharded, plain tensors that are FSDP2's temporary copies (not the optimizer's parameters); torch's
     own state_dict() reshards first through a hook, and so does every seqpar entry that reads or writes
     parameters. A no-op where nothing is unsharded."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:   # torch built without distributed
-        return
     for sub in module.modules():
-        if isinstance(sub, FSDPModule):
+        if isinstance(sub, FSDP_UNIT):
             sub.reshard()
 
 

@@ -233,3 +233,48 @@ def test_fsdp2_on_meta_loads_in_place_and_fsdp2_laid_over_tp_ranks_wrongly_is_a_
                                                                                                              messages)
         assert refused[:2] == (True, True), (rank, refused)
         assert refused[2] is not None and "is a DTensor (a sharded tensor)" in refused[2], (rank, refused)
+
+
+def _nested_units(rank, world_size):
+    """FSDP2 units inside a layer (dp = 2, t = 1, the same x on both ranks): (the error of a layer whose
+    mlp is its own unit, max |grad - reference| of a full-recompute layer whose fc1 is its own unit kept
+    unsharded after its forward)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (world_size,))
+    cfg = seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4, recompute="full", backend="torch")
+    x = torch.randn(S, B, 32, generator=torch.Generator().manual_seed(1))
+
+    def layer():
+        seqpar.manual_seed(0)
+        return seqpar.TransformerLayer(cfg, layer_number=0)
+
+    bias_unit = layer()
+    fully_shard(bias_unit.mlp, mesh=mesh)
+    fully_shard(bias_unit, mesh=mesh)
+    try:
+        bias_unit(x)
+        message = None
+    except ValueError as exc:
+        message = str(exc)
+    nested, reference = layer(), layer()
+    fully_shard(nested.mlp.dense_h_to_4h, mesh=mesh, reshard_after_forward=False)
+    fully_shard(nested, mesh=mesh)
+    nested(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    expected = dict(reference.named_parameters())
+    worst = max(float((p.grad.full_tensor() - expected[name].grad).abs().max())
+                for name, p in nested.named_parameters())
+    return message, worst
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_units_inside_a_layer():
+    """mlp as its own unit segfaulted: it returns its output bias, a parameter FSDP2 frees when the unit
+    reshards, to the layer's bias-dropout-add. Now a ValueError naming it. fc1 as its own unit kept
+    unsharded (reshard_after_forward=False) under full recompute failed with "mixed torch.Tensor and
+    DTensor": the re-run swapped in the parameters read before the forward, when fc1 still held its
+    sharded ones."""
+    for rank, (message, worst) in enumerate(run_ranks(_nested_units, 2, timeout_s=100)):
+        assert message is not None and message.startswith("mlp is its own FSDP2 unit"), (rank, message)
+        assert worst < 1e-5, (rank, worst)
