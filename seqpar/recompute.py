@@ -101,6 +101,11 @@ def checkpoint(fn: Callable, *args, module: Optional[nn.Module] = None):
     """
     if not torch.is_grad_enabled():
         return fn(*args)
+    if torch.compiler.is_exporting():
+        # torch.export captures the forward's ops: nothing there is kept for a backward, and torch's
+        # checkpoint leaves grad-mode regions whose nodes the exported program's verifier refuses when
+        # torch.export.load reads it back.
+        return fn(*args)
     if torch.compiler.is_compiling():
         # Dynamo compiles torch's non-reentrant checkpoint as a higher-order op (the re-run inside the
         # compiled backward); the parameter swap below is module mutation it would break the graph on.
