@@ -39,7 +39,7 @@ from .._custom_op import outside_compile
 from ..config import PARAMS_DTYPES, TransformerConfig
 from ..memory import name_storage, saved_as
 from ..ops.attention_core import attention_core, select_backend
-from ..ops.dropout import DropoutSpec, bias_dropout_add
+from ..ops.dropout import NO_DROPOUT, DropoutSpec, bias_dropout_add
 from ..ops.rotary import rotary_embedding
 from ..ops.swiglu import swiglu
 from ..parallel.state import (SAME_MODE_HINT, SEED_HINT, ProcessGroup, SharesProcessGroup, check_ranks_agree,
@@ -340,7 +340,7 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
 
     def _hidden_spec(self, mode: ForwardMode, site: int, x: torch.Tensor) -> DropoutSpec:
         if not mode.hidden_p:
-            return DropoutSpec()
+            return NO_DROPOUT
         s_local, b = x.shape[0], x.shape[1]
         # Global token rows: this rank's shard starts at sequence position rank * s_local under SP.
         first_row = group_rank(self.tp_group) * s_local * b if self.config.sequence_parallel else 0

@@ -399,10 +399,11 @@ class GPTModel(SharesProcessGroup, nn.Module):
         if self.output_layer is not None:
             self.output_layer.load_full(normal(self.vocab_size))
 
-    def _check_ids(self, tokens: torch.Tensor, labels: Optional[torch.Tensor]) -> Optional[int]:
+    def _check_ids(self, tokens: torch.Tensor, labels: Optional[torch.Tensor], with_checksum: bool) -> Optional[int]:
         """ValueError naming the first token or label id outside [0, vocab_size) (-100 allowed in labels),
-        from one host read of both (a device sync on CUDA). Returns, from the same read, a checksum of
-        the ids' values and positions for the ranks' check (None while a graph is captured: no host read)."""
+        from one host read of both (a device sync on CUDA). With ``with_checksum`` returns, from the same
+        read, a checksum of the ids' values and positions for the ranks' check (None without it, and while
+        a graph is captured: no host read)."""
         checks = [("token", tokens, False)] + ([("label", labels, True)] if labels is not None else [])
         bad = []
         for _, ids, allow_ignore in checks:
@@ -419,11 +420,15 @@ class GPTModel(SharesProcessGroup, nn.Module):
                 torch._assert_async(~outside.any(), f"{name} ids outside {allowed(allow_ignore)}")
             return None
         any_bad = functools.reduce(torch.logical_or, (outside.any() for outside in bad))
-        # Each id times an odd weight of its position (int64, wrapping): ranks given different batches, or
-        # the same ids in another order, differ. Read with any_bad: one host read for both.
-        weights = torch.arange(1, 2 * tokens.numel(), 2, device=tokens.device).view(tokens.shape)
-        checksum = functools.reduce(torch.add, ((ids * (weights + i)).sum() for i, (_, ids, _) in enumerate(checks)))
-        any_bad, checksum = torch.stack([any_bad.long(), checksum]).tolist()
+        checksum = None
+        if with_checksum:   # only the ranks' check reads it (a dozen small ops: none at t = 1)
+            # Each id times an odd weight of its position (int64, wrapping): ranks given different batches,
+            # or the same ids in another order, differ. Read with any_bad: one host read for both.
+            weights = torch.arange(1, 2 * tokens.numel(), 2, device=tokens.device).view(tokens.shape)
+            checksum = functools.reduce(torch.add, ((ids * (weights + i)).sum() for i, (_, ids, _) in enumerate(checks)))
+            any_bad, checksum = torch.stack([any_bad.long(), checksum]).tolist()
+        else:
+            any_bad = bool(any_bad)
         if not any_bad:
             return checksum
         for (name, ids, allow_ignore), outside in zip(checks, bad):
@@ -451,9 +456,9 @@ class GPTModel(SharesProcessGroup, nn.Module):
         with saved_as("final norm input"):
             return self.final_layernorm(hidden)
 
-    def _check_inputs(self, tokens, labels) -> Optional[int]:
+    def _check_inputs(self, tokens, labels, with_checksum: bool) -> Optional[int]:
         """ValueError naming the first problem of this rank's ``tokens`` / ``labels``; else their checksum
-        (:meth:`_check_ids`)."""
+        when ``with_checksum`` (:meth:`_check_ids`)."""
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64 \
                 or not tokens.numel():
             raise ValueError(f"tokens must be a non-empty int64 [b, s] tensor, got "
@@ -473,7 +478,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
                 raise ValueError(f"{name} are on {ids.device} but the model's parameters are on {device}" + (
                     " (build on meta, then to_empty(device=...) and reset_parameters() or load_full_state_dict)"
                     if device.type == "meta" else ""))
-        return self._check_ids(tokens, labels)
+        return self._check_ids(tokens, labels, with_checksum)
 
     def _check_ranks(self, tokens, labels, checksum: Optional[int], problem: Optional[str]) -> None:
         """Every rank's tokens and labels (shapes, labels or not, the values' ``checksum``), mode, grad
@@ -509,11 +514,12 @@ class GPTModel(SharesProcessGroup, nn.Module):
     def _forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
         """:meth:`forward` in the parameters' dtype."""
         problem = checksum = None
+        check_ranks = self.check_rank_inputs and group_size(self.tp_group) > 1
         try:
-            checksum = self._check_inputs(tokens, labels)
+            checksum = self._check_inputs(tokens, labels, with_checksum=check_ranks)
         except ValueError as exc:
             problem = str(exc)
-        if self.check_rank_inputs and group_size(self.tp_group) > 1:
+        if check_ranks:
             self._check_ranks(tokens, labels, checksum, problem)
         elif problem is not None:
             raise ValueError(problem)

@@ -76,7 +76,7 @@ def _check_row_offset(row_offset) -> None:
         raise ValueError(f"row_offset must be an int in [0, 2**62), got {row_offset!r} ({type(row_offset).__name__})")
 
 
-_NO_DROPOUT = DropoutSpec()  # immutable: shared by every call without active dropout
+NO_DROPOUT = DropoutSpec()  # immutable: shared by every call without active dropout
 
 
 def make_dropout_spec(p: float, training: bool, seed, row_offset: int = 0) -> DropoutSpec:
@@ -90,7 +90,7 @@ def make_dropout_spec(p: float, training: bool, seed, row_offset: int = 0) -> Dr
     if not training or threshold == 0:
         if seed is not None:
             check_stream_seed(seed)
-        return _NO_DROPOUT
+        return NO_DROPOUT
     return DropoutSpec(float(p), resolve_seed(seed), row_offset)
 
 
@@ -100,12 +100,15 @@ def apply_keep_mask(x: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
     The result is a new tensor of ``x``'s shape, not a view of a [rows, h] one (autograd refuses in-place
     ops on a view an autograd.Function returns).
 
-    CUDA tensors use the kernel of csrc/dropout.cu when seqpar._C is built (the same mask, computed in
-    registers, one Philox call per 16 columns); everything else uses the torch reference.
+    CUDA tensors use the kernel of csrc/dropout.cu when seqpar._C is built with kernels for the GPU (the
+    same mask, computed in registers, one Philox call per 16 columns); everything else uses the torch
+    reference (about a hundred small ops per mask on a GPU: build the extension).
     """
     if not spec.active:
         return x
-    if x.is_cuda and x.dtype in _ext.DTYPE_CODES and _ext.cuda_extension_error() is None:
+    # cuda_unavailable_reason, not only whether the extension imports: a GPU the build has no kernels for
+    # (pre-sm_80 by default) fails at the launch.
+    if x.is_cuda and x.dtype in _ext.DTYPE_CODES and _ext.cuda_unavailable_reason(x.device) is None:
         return _cuda_dropout(x.contiguous(), spec.seed, spec.row_offset, spec.threshold)
     h = x.shape[-1]
     rows = x.numel() // h if h else 0

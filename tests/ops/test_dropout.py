@@ -1,4 +1,6 @@
 """Regenerated-mask dropout: torch reference semantics and the CUDA kernel of csrc/dropout.cu."""
+import importlib
+
 import pytest
 import torch
 
@@ -165,15 +167,26 @@ def test_the_output_takes_in_place_ops_like_f_dropout():
 
 
 @pytest.mark.skipif(_ext.cuda_extension_error() is not None, reason="needs the built CUDA extension seqpar._C")
-def test_the_cuda_mask_kernel_is_a_custom_op_that_traces():
+def test_the_cuda_mask_kernel_is_a_custom_op_that_traces(monkeypatch):
     """CUDA tensors take csrc/dropout.cu. It was called on ``data_ptr()`` straight from the autograd
     Function: torch.compile broke the graph there in every layer with dropout (fullgraph=True failed), and
     a fake tensor has no data. As a custom op it traces to one node with a fake implementation (fake CUDA
-    tensors here: no GPU needed; without autograd, which a CPU-only torch can't build for them)."""
+    tensors here: no GPU needed; without autograd, which a CPU-only torch can't build for them).
+    On a GPU the build has no kernels for (simulated) the mask comes from the torch reference instead:
+    the kernel was launched whenever the extension imported, and failed there ("no kernel image")."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+    dropout_module = importlib.import_module("seqpar.ops.dropout")   # seqpar.ops.dropout is also a function
+
+    launched = []
+    kernel = dropout_module._cuda_dropout
+    monkeypatch.setattr(dropout_module, "_cuda_dropout", lambda *args: launched.append(True) or kernel(*args))
     spec = DropoutSpec(0.25, 9, 2**40)
-    with FakeTensorMode():
-        x = torch.empty(6, 3, 40, device="cuda", dtype=torch.bfloat16)
-        out = apply_keep_mask(x, spec)
-    assert isinstance(out, FakeTensor) and out.shape == x.shape and out.dtype == x.dtype and out.is_cuda
+    for gpu_reason in (None, "seqpar._C has no kernels for this GPU (sm_75: no kernel image)"):
+        monkeypatch.setattr(_ext, "cuda_unavailable_reason", lambda device, reason=gpu_reason: reason)
+        launched.clear()
+        with FakeTensorMode():
+            x = torch.empty(6, 3, 40, device="cuda", dtype=torch.bfloat16)
+            out = apply_keep_mask(x, spec)
+        assert isinstance(out, FakeTensor) and out.shape == x.shape and out.dtype == x.dtype and out.is_cuda
+        assert launched == ([True] if gpu_reason is None else []), gpu_reason
