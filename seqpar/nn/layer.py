@@ -48,7 +48,8 @@ from ..recompute import checkpoint
 from .autocast import autocast_dtype, run_in_dtype
 from .layernorm import LayerNorm, RMSNorm
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .state_dict import FSDP_UNIT, IncompatibleKeys, check_loadable, full_parameters, load_full_parameters, prepare_parameters
+from .state_dict import (FSDP_UNIT, IncompatibleKeys, check_loadable, check_own_parameters, full_parameters,
+                         load_full_parameters, prepare_parameters)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +275,11 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
             self.reset_parameters()
 
     # ------------------------------------------------------------------ forward
+    def extra_repr(self) -> str:
+        cfg = self.config
+        return (f"layer_number={self.layer_number}, recompute={cfg.recompute!r}, tp={group_size(self.tp_group)}, "
+                f"sequence_parallel={cfg.sequence_parallel}")
+
     def _input_problem(self, x) -> Optional[str]:
         """Why ``x`` can't be this rank's input (None if it can)."""
         h = self.config.hidden_size
@@ -420,6 +426,7 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         are checked first (ValueError); ``strict=False`` loads the keys the dict holds and returns the
         missing and unexpected ones (shapes are still checked), as ``nn.Module.load_state_dict``."""
         what = f"TransformerLayer(layer_number={self.layer_number}).load_full_state_dict"
+        check_own_parameters(self._parts(), self.full_shapes(), what)
         prepared = prepare_parameters(self, what)
         device = self.input_layernorm.weight.device
         keys = check_loadable(state_dict, self.full_shapes(), self.tp_group, device=device, strict=strict, what=what,
@@ -432,7 +439,9 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
     @torch.no_grad()
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The unsharded weights (a collective under tensor parallelism: call it on every rank)."""
-        prepare_parameters(self, f"TransformerLayer(layer_number={self.layer_number}).full_state_dict")
+        what = f"TransformerLayer(layer_number={self.layer_number}).full_state_dict"
+        check_own_parameters(self._parts(), self.full_shapes(), what)
+        prepare_parameters(self, what)
         return {f"{name}.{p}": value for name, part in self._parts().items()
                 for p, value in full_parameters(part).items()}
 

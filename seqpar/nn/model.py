@@ -45,8 +45,8 @@ from ..parallel.state import (SAME_MODE_HINT, SEED_HINT, ProcessGroup, SharesPro
 from ..memory import recompute_policies, saved_as
 from .autocast import autocast_dtype, call_self_casting, run_in_dtype
 from .layer import AGREEMENT_HINT, TransformerLayer, agreement_values, make_norm
-from .state_dict import (IncompatibleKeys, ShardedParameters, ShardLayout, check_loadable, full_parameters,
-                         load_full_parameters, prepare_parameters, scatter_full)
+from .state_dict import (IncompatibleKeys, ShardedParameters, ShardLayout, check_loadable, check_own_parameters,
+                         full_parameters, load_full_parameters, prepare_parameters, scatter_full)
 
 EMBEDDING_RNG_LAYER = 2**31 - 1  # the embedding dropout's "layer number" in the RNG
 VOCAB_PAD_MULTIPLE = 128         # the padded vocabulary is a multiple of this times t
@@ -131,6 +131,11 @@ class _VocabShard(ShardedParameters, SharesProcessGroup, nn.Module):
         self.vocab_start = r * rows
         self.vocab_end = max(self.vocab_start, min(vocab_size, self.vocab_start + rows))
         self.weight = nn.Parameter(torch.zeros(rows, hidden_size, device=device, dtype=dtype))
+
+    def extra_repr(self) -> str:
+        return (f"vocab_size={self.vocab_size}, padded_vocab_size={self.padded_vocab_size}, "
+                f"hidden_size={self.weight.shape[1]}, tp={group_size(self.tp_group)}, "
+                f"rows=[{self.vocab_start}, {self.vocab_end})")
 
     @property
     def real_weight(self) -> torch.Tensor:
@@ -465,7 +470,10 @@ class GPTModel(SharesProcessGroup, nn.Module):
                              f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}")
         s, t = tokens.shape[1], group_size(self.tp_group)
         if s > self.max_seq_len:
-            raise ValueError(f"sequence length {s} exceeds max_seq_len {self.max_seq_len}")
+            raise ValueError(f"sequence length {s} exceeds max_seq_len {self.max_seq_len}" + (
+                " (with RoPE no table is sized by it: it is the declared context length, from_llama's "
+                "max_position_embeddings; build the model with a larger max_seq_len to run longer sequences)"
+                if self.config.position_embedding == "rope" else ""))
         if self.config.sequence_parallel and s % t:
             raise ValueError(f"sequence length {s} is not divisible by the tensor-parallel size {t}")
         if labels is not None and (not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64
@@ -561,6 +569,12 @@ class GPTModel(SharesProcessGroup, nn.Module):
         after = {"final_layernorm": self.final_layernorm, "output_layer": self.output_layer}
         return tuple({prefix: part for prefix, part in parts.items() if part is not None} for parts in (before, after))
 
+    def _all_parts(self) -> Dict[str, nn.Module]:
+        """{key prefix: module} of every module the unsharded state dict reads, the layers' parts included."""
+        before, after = self._outer_parts()
+        return {**before, **after, **{f"layers.{i}.{name}": part for i, layer in enumerate(self.layers)
+                                      for name, part in layer._parts().items()}}
+
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True) -> IncompatibleKeys:
         """Load UNSHARDED weights (the same dict on every rank, v real vocabulary rows); each rank keeps
@@ -568,11 +582,12 @@ class GPTModel(SharesProcessGroup, nn.Module):
         loaded (ValueError naming it); other floating dtypes are cast to the parameters'. ``strict=False``
         loads the keys the dict holds and returns the missing and unexpected ones (shapes are still
         checked), as ``nn.Module.load_state_dict`` does."""
+        before, after = self._outer_parts()
+        check_own_parameters(self._all_parts(), self.full_shapes(), "GPTModel.load_full_state_dict")   # before any load
         prepared = prepare_parameters(self, "GPTModel.load_full_state_dict")
         keys = check_loadable(state_dict, self.full_shapes(), self.tp_group, what="GPTModel.load_full_state_dict",
                               device=self.final_layernorm.weight.device, strict=strict,
                               data_parallel_groups=prepared.data_parallel_groups())
-        before, after = self._outer_parts()
         for prefix, part in {**before, **after}.items():
             load_full_parameters(part, {p: state_dict[f"{prefix}.{p}"] for p in ("weight", "bias")
                                         if f"{prefix}.{p}" in state_dict})
@@ -589,8 +604,9 @@ class GPTModel(SharesProcessGroup, nn.Module):
             return {f"{prefix}.{p}": value for prefix, part in parts.items()
                     for p, value in full_parameters(part).items()}
 
-        prepare_parameters(self, "GPTModel.full_state_dict")
         before, after = self._outer_parts()
+        check_own_parameters(self._all_parts(), self.full_shapes(), "GPTModel.full_state_dict")
+        prepare_parameters(self, "GPTModel.full_state_dict")
         out = of(before)
         for i, layer in enumerate(self.layers):
             out.update({f"layers.{i}.{k}": v for k, v in layer.full_state_dict().items()})

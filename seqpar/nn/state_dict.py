@@ -198,6 +198,22 @@ def load_full_parameters(module: nn.Module, full: Mapping[str, torch.Tensor]) ->
         scatter_full(value, getattr(module, name), layouts.get(name))
 
 
+def check_own_parameters(parts: Mapping[str, nn.Module], shapes: Mapping[str, tuple], what: str) -> None:
+    """ValueError naming the first unsharded key of ``shapes`` ("prefix.name") that ``parts[prefix]`` doesn't
+    hold as a parameter of its own. The unsharded reads and writes go through each part's own parameters:
+    a part wrapped after seqpar built it (an adapter library such as PEFT) or reparametrized
+    (``torch.nn.utils.parametrize``, ``weight_norm``) holds them elsewhere, and its key was silently left
+    out of ``full_state_dict`` and its load silently dropped."""
+    for key in shapes:
+        prefix, _, name = key.rpartition(".")
+        part = parts.get(prefix)
+        if part is not None and name not in dict(part.named_parameters(recurse=False)):
+            raise ValueError(f"{what}: {key} is not a parameter of {prefix} ({type(part).__name__}) itself: the "
+                             "module was wrapped or reparametrized after seqpar built it (an adapter library such "
+                             "as PEFT, torch.nn.utils.parametrize / weight_norm). Merge or remove that first (PEFT: "
+                             "merge_and_unload(); parametrize.remove_parametrizations), or save with state_dict()")
+
+
 @torch.no_grad()
 def full_parameters(module: nn.Module) -> Dict[str, torch.Tensor]:
     """{name: the unsharded value, a new tensor} of each parameter of ``module`` itself (not its

@@ -296,3 +296,12 @@ def test_load_full_state_dict_names_bad_keys_and_shapes():
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     model.load_full_state_dict({k: v.double() for k, v in sd.items()})   # other floating dtypes are cast
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_sequence_past_max_seq_len_says_what_the_limit_is_with_rope():
+    """HF Llama runs past max_position_embeddings; from_llama makes it max_seq_len, which refused with a
+    bare "exceeds max_seq_len": with RoPE nothing is sized by it, and the message now says so."""
+    cfg = seqpar.TransformerConfig(hidden_size=16, num_attention_heads=2, position_embedding="rope")
+    model = seqpar.GPTModel(cfg, 1, 20, 4)
+    with pytest.raises(ValueError, match=r"sequence length 6 exceeds max_seq_len 4 \(with RoPE no table"):
+        model(torch.zeros(1, 6, dtype=torch.int64))

@@ -79,3 +79,46 @@ def test_loading_the_models_own_tensors_changes_nothing(tied):
     model.load_full_state_dict(model.state_dict())
     assert model.embedding.word_embeddings.weight.abs().sum() > 0
     torch.testing.assert_close(model(tokens), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("change", ["weight_norm", "wrapper"])
+def test_unsharded_state_dicts_refuse_a_wrapped_or_reparametrized_part(change):
+    """weight_norm (or any parametrization) moves a linear's weight under ``parametrizations``, and an
+    adapter library (PEFT) wraps the linear: full_state_dict silently left the weight out, and
+    load_full_state_dict copied into a computed tensor (the load was lost) or blamed the shape."""
+    seqpar.manual_seed(0)
+    model = seqpar.GPTModel(seqpar.TransformerConfig(hidden_size=16, num_attention_heads=2), 1, 20, 8)
+    full = model.full_state_dict()
+    layer = model.layers[0]
+    if change == "weight_norm":
+        torch.nn.utils.parametrizations.weight_norm(layer.mlp.dense_h_to_4h)
+    else:
+        class Wrapper(torch.nn.Module):
+            def __init__(self, base):
+                super().__init__()
+                self.base_layer = base
+
+            def forward(self, x):
+                return self.base_layer(x)
+        layer.mlp.dense_h_to_4h = Wrapper(layer.mlp.dense_h_to_4h)
+    match = r"layers.0.mlp.dense_h_to_4h.weight is not a parameter of layers.0.mlp.dense_h_to_4h \(.*\) itself"
+    with pytest.raises(ValueError, match=r"GPTModel.full_state_dict: " + match):
+        model.full_state_dict()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    zeros = {k: torch.zeros_like(v) for k, v in full.items()}
+    with pytest.raises(ValueError, match=r"GPTModel.load_full_state_dict: " + match):
+        model.load_full_state_dict(zeros)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())      # nothing loaded
+    with pytest.raises(ValueError, match=r"TransformerLayer\(layer_number=0\).full_state_dict: mlp.dense_h_to_4h.weight "
+                                         r"is not a parameter of mlp.dense_h_to_4h"):
+        layer.full_state_dict()
+
+
+def test_repr_shows_each_layer_s_policy_and_the_vocabulary_shard():
+    """Layers with different recompute policies printed identically; the vocabulary shard printed nothing."""
+    model = seqpar.GPTModel(seqpar.TransformerConfig(hidden_size=16, num_attention_heads=2), 2, 20, 8,
+                            recompute=["none", "full"])
+    text = repr(model)
+    assert "layer_number=0, recompute='none', tp=1, sequence_parallel=False" in text
+    assert "layer_number=1, recompute='full', tp=1" in text
+    assert "VocabParallelEmbedding(vocab_size=20, padded_vocab_size=128, hidden_size=16, tp=1, rows=[0, 20))" in text
