@@ -96,3 +96,21 @@ def _setup_env_environ():
         env["SEQPAR_BUILD_CUDA"] = "1"
     env["PATH"] = f"{ROOT / '.venv' / 'bin'}:{env['PATH']}"
     return env
+
+
+def test_the_sdist_manifest_carries_the_cuda_sources_and_the_tests():
+    """Without MANIFEST.in the sdist lacked csrc/ and CMakeLists.txt (a wheel built from it never had
+    seqpar._C; with SEQPAR_BUILD_CUDA=1 the build failed) and 40 of the 57 test files, conftest.py among
+    them. setuptools' own template reader over the tracked files, as `setup.py sdist` applies it."""
+    from setuptools._distutils.filelist import FileList
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    files = FileList()
+    files.allfiles = tracked
+    for line in (ROOT / "MANIFEST.in").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            files.process_template_line(line)
+    needed = [f for f in tracked if f.startswith(("csrc/", "tests/", "tools/", "examples/")) or f == "CMakeLists.txt"]
+    assert needed and sorted(set(needed) - set(files.files)) == []
