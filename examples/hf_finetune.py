@@ -65,7 +65,10 @@ def parse_args(family=None):
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, help="llama: k/v heads (default: --heads)")
+    if family != "gpt2":
+        parser.add_argument("--kv-heads", type=int, help="llama: k/v heads (default: --heads)")
+    else:
+        parser.set_defaults(kv_heads=None)
     parser.add_argument("--seq-len", type=int, default=64, help="divisible by the number of ranks (SP)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per replica")
     parser.add_argument("--data-parallel", type=int, default=1,
@@ -92,8 +95,8 @@ def parse_args(family=None):
         parser.error(f"--resume {args.resume} is not a directory (a --checkpoint directory of an earlier run)")
     if not args.clip_grad >= 0:
         parser.error(f"--clip-grad must be >= 0 (0: no clipping), got {args.clip_grad}")
-    for name in ("layers", "hidden", "heads", "seq_len", "batch", "steps", "data_parallel"):
-        if getattr(args, name) < 1:
+    for name in ("layers", "hidden", "heads", "seq_len", "batch", "steps", "data_parallel", "kv_heads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world % args.data_parallel:

@@ -25,6 +25,16 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
     args = parser.parse_args()
+    for name in ("seq_len", "batch", "hidden", "heads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.hidden % args.heads:
+        parser.error(f"--hidden {args.hidden} must be divisible by --heads {args.heads}")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.seq_len % world or args.heads % world:
+        parser.error(f"--seq-len {args.seq_len} and --heads {args.heads} must be divisible by the {world} ranks")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
 
     # torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.
     if args.device == "cuda":

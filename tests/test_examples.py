@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -129,7 +130,8 @@ def test_finetune_example_with_fsdp2_replicas_trains_as_one_rank_on_the_whole_ba
     (["--resume", "no/such/dir"], "--resume no/such/dir is not a directory"),
     (["--clip-grad", "-1"], "--clip-grad must be >= 0"),
     (["--data-parallel", "3"], "--data-parallel 3 must divide the 2 ranks"),
-], ids=["seq-len", "heads", "kv-heads", "steps", "resume", "clip-grad", "data-parallel"])
+    (["--family", "llama", "--kv-heads", "0"], "--kv-heads must be positive, got 0"),   # was taken as "unset"
+], ids=["seq-len", "heads", "kv-heads", "steps", "resume", "clip-grad", "data-parallel", "kv-heads-0"])
 def test_finetune_example_refuses_sizes_the_ranks_cannot_split(args, match, finetune_script, monkeypatch, capsys):
     """Sizes that don't split over the ranks are a usage error of parse_args (main's first call, before
     any rank starts), not a traceback per rank from deep inside the model build. (In this process: the
@@ -139,3 +141,34 @@ def test_finetune_example_refuses_sizes_the_ranks_cannot_split(args, match, fine
     with pytest.raises(SystemExit) as exit_info:
         finetune_script.parse_args()
     assert exit_info.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_gpt2_script_has_no_kv_heads_option(finetune_script, monkeypatch, capsys):
+    """hf_gpt2_finetune.py listed --kv-heads ("llama: k/v heads") and then refused it, naming a --family
+    option the script doesn't have."""
+    monkeypatch.setattr(sys, "argv", ["hf_gpt2_finetune.py", "--kv-heads", "2"])
+    with pytest.raises(SystemExit):
+        finetune_script.parse_args(family="gpt2")
+    assert "unrecognized arguments: --kv-heads 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--heads", "7"], "--hidden 256 must be divisible by --heads 7"),
+    (["--seq-len", "255"], "--seq-len 255 and --heads 8 must be divisible by the 2 ranks"),
+    (["--batch", "0"], "--batch must be positive, got 0"),
+    (["--device", "cuda"], "--device cuda: no CUDA device is available"),
+], ids=["heads", "seq-len", "batch", "cuda"])
+def test_layer_example_refuses_bad_options_in_one_line(args, match, monkeypatch, capsys):
+    """They surfaced as a ValueError traceback on every rank, --device cuda on a CPU machine as an
+    AttributeError inside torch.cuda.set_device."""
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("a CUDA device is available")
+    spec = importlib.util.spec_from_file_location("layer_example", ROOT / "examples" / "layer_example.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(sys, "argv", ["layer_example.py", *args])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    assert exit_info.value.code == 2 and match in capsys.readouterr().err
+
