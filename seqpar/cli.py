@@ -10,6 +10,7 @@ import argparse
 import math
 import os
 import platform
+import re
 import sys
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -232,8 +233,21 @@ def _plan_args(argv: Sequence[str]) -> argparse.Namespace:
     try:  # the sizes themselves (tp dividing heads, pp dividing layers, ...): usage errors too
         _sizes(args)
     except ValueError as exc:
-        p.error(str(exc))
+        p.error(_as_options(str(exc)))
     return args
+
+
+#: seqpar.memory's argument names -> the plan options that set them (its messages name the arguments).
+_PLAN_OPTIONS = {"num_layers": "--layers", "num_query_groups": "--kv-heads", "ffn_hidden": "--ffn-hidden",
+                 "seq_len": "--seq-len", "micro_batch": "--micro-batch", "hidden": "--hidden", "heads": "--heads",
+                 "vocab": "--vocab", "tp": "--tp", "pp": "--pp"}
+
+
+def _as_options(message: str) -> str:
+    """``message`` with each argument name followed by its value ("num_layers 3") named as its option
+    ("--layers 3")."""
+    pattern = r"\b(" + "|".join(_PLAN_OPTIONS) + r") (?=-?\d)"
+    return re.sub(pattern, lambda m: _PLAN_OPTIONS[m.group(1)] + " ", message)
 
 
 def _sizes(args: argparse.Namespace) -> Tuple[dict, dict]:

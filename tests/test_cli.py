@@ -204,14 +204,15 @@ def _usage_error(argv, capsys):
     # in [0, 1) but not a probability seqpar takes: the ranks were spawned and failed there, exit 1
     (["bench", "--dropout", "0.999"], "--dropout must be in [0, 0.998046875), got 0.999"),
     (["plan"], "give --model or --hidden, --heads, --layers"),
-    (["plan", "--model", "22B", "--tp", "5"], "tp 5 does not divide heads 64"),
-    (["plan", "--model", "22B", "--pp", "7"], "pp 7 does not divide num_layers 48"),
+    (["plan", "--model", "22B", "--tp", "5"], "--tp 5 does not divide --heads 64"),
+    # the messages name the options, not seqpar.memory's arguments (num_layers, num_query_groups)
+    (["plan", "--model", "22B", "--pp", "7"], "--pp 7 does not divide --layers 48"),
     (["plan", "--hidden", "64", "--heads", "4", "--layers", "-2"], "--layers must be positive, got -2"),
     (["plan", "--model", "42B"], "invalid choice: '42B'"),
     (["plan", "--model", "llama3-70B", "--arch", "gpt"], "--model llama3-70B is a llama model, not --arch gpt"),
     (["plan", "--model", "22B", "--kv-heads", "8"], "--kv-heads is for --arch llama"),
     (["plan", "--arch", "llama", "--hidden", "1024", "--heads", "16", "--layers", "8", "--kv-heads", "3"],
-     "num_query_groups 3 does not divide heads 16"),
+     "--kv-heads 3 does not divide --heads 16"),
     (["plan", "--model", "22B", "--gpu-memory", "inf"], "--gpu-memory must be finite and positive, got inf"),
     (["plan", "--model", "22B", "--gpu-memory", "nan"], "--gpu-memory must be finite and positive, got nan"),
     (["plan", "--model", "22B", "--other-gib", "inf"], "--other-gib must be finite and non-negative, got inf"),
@@ -219,7 +220,7 @@ def _usage_error(argv, capsys):
     (["plan", "--model", "22B", "--gpu-memory", "1e300"], "--gpu-memory must be finite and positive, got 1e+300"),
     # a byte count that overflows: a ZeroDivisionError traceback (the overflowed baseline was NaN, then 0)
     (["plan", "--model", "22B", "--bytes-per-mask", "1e308"], "one layer's activations overflows a float byte count"),
-    (["plan", "--model", "22B", "--layers", "10000000000"], "num_layers must be at most 65536"),
+    (["plan", "--model", "22B", "--layers", "10000000000"], "must be at most 65536"),
     (["plan", "--model", "22B", "--plot", "/nonexistent/dir/x.png"],
      "--plot /nonexistent/dir/x.png: its folder /nonexistent/dir does not exist"),
     (["bench", "--json", "/nonexistent/dir/x.json"], "--json /nonexistent/dir/x.json: its folder /nonexistent/dir"),
