@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from .memory import RECOMPUTE_POLICIES
-from .ops.registry import check_eps, validate_backend
+from .ops.registry import check_eps, check_flags, validate_backend
 from .ops.rotary import check_theta
 from .random import dropout_threshold, is_int
 
@@ -113,9 +113,8 @@ class TransformerConfig:
         if self.params_dtype not in PARAMS_DTYPES:
             raise ValueError(f"params_dtype must be one of {', '.join(map(str, PARAMS_DTYPES))}, "
                              f"got {self.params_dtype!r}")
-        for name in ("sequence_parallel", "overlap_comm", "add_bias_linear"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        check_flags(sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm,
+                    add_bias_linear=self.add_bias_linear)
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"unknown normalization {self.normalization!r}; expected one of {NORMALIZATIONS}")
         groups = self.num_query_groups
