@@ -39,8 +39,10 @@
 # brings back (gpu_summary.py draws the plots here). If installing seqpar fails, the call stops there:
 # every step after it would measure nothing.
 # At its limit a step gets SIGINT (the log then says exit status 124), and a benchmark writes the rows it
-# measured so far instead of losing them; SIGKILL follows 20 s later. Back on the development machine,
-# copy the rows into bench/results/ and run `python bench/gpu_summary.py` over them.
+# measured so far instead of losing them; SIGKILL follows 20 s later. Every step runs whatever the ones
+# before it did; the call ends with a summary line (the steps that failed, a cut one included, and those
+# skipped) and exits 1 when a step failed. Back on the development machine, copy the rows into
+# bench/results/ and run `python bench/gpu_summary.py` over them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: bash bench/gpu_suite.sh PART [PART...]; the parts are tests, norms, llama, attention, layer, profile"
@@ -51,31 +53,47 @@ for part in "$@"; do
     *) echo "gpu_suite.sh: unknown part '$part'; $usage" >&2; exit 2 ;;
   esac
 done
-SUITE_SECONDS="${SUITE_SECONDS:-570}"
-SUITE_SECONDS="${SUITE_SECONDS%%.*}"   # whole seconds: bash arithmetic has no fractions
-if ! [[ "$SUITE_SECONDS" =~ ^[0-9]+$ ]]; then
-  echo "gpu_suite.sh: SUITE_SECONDS must be a number of seconds, got '$SUITE_SECONDS'" >&2
+if ! [[ "${SUITE_SECONDS:-570}" =~ ^([0-9]+)(\.[0-9]*)?$ ]]; then
+  echo "gpu_suite.sh: SUITE_SECONDS must be a number of seconds, got '${SUITE_SECONDS:-}'" >&2
   exit 2
 fi
+SUITE_SECONDS="${BASH_REMATCH[1]}"   # whole seconds: bash arithmetic has no fractions
 OUT="${OUT:-bench/results/run-$(date +%Y%m%d-%H%M%S)}"
 mkdir -p "$OUT"
 LOG="$OUT/suite.log"
 export PYTHONUNBUFFERED=1 SEQPAR_BUILD_CUDA=1 SEQPAR_CUDA_ARCHS="${SEQPAR_CUDA_ARCHS:-90}"
 export TRITON_CACHE_DIR="$PWD/.triton_cache"
-# A step: its limit cut to the budget left; SIGINT at the limit, SIGKILL 20 s later; output to the log.
-# Returns the command's exit status (1 when skipped).
+# The steps that failed ("name (exit N)") and were skipped, for the summary line that ends the call.
+FAILED=() SKIPPED=() STEPS=0
+# step NAME SECONDS COMMAND...: the limit cut to the budget left; SIGINT at the limit, SIGKILL 20 s later;
+# output to the log. Returns the command's exit status (1 when skipped).
 step() {
-  local seconds="$1" left=$((SUITE_SECONDS - SECONDS)) status; shift
+  local name="$1" seconds="$2" left=$((SUITE_SECONDS - SECONDS)) status; shift 2
+  STEPS=$((STEPS + 1))
   [ "$seconds" -gt "$left" ] && seconds=$left
   if [ "$seconds" -lt 10 ]; then
-    echo "=== $(date +%T) skipped (${left}s of SUITE_SECONDS left): $*" | tee -a "$LOG"
+    echo "=== $(date +%T) [$name] skipped (${left}s of SUITE_SECONDS left): $*" | tee -a "$LOG"
+    SKIPPED+=("$name")
     return 1
   fi
-  echo "=== $(date +%T) $* (limit ${seconds}s)" | tee -a "$LOG"
+  echo "=== $(date +%T) [$name] $* (limit ${seconds}s)" | tee -a "$LOG"
   timeout --kill-after=20 --signal=INT "$seconds" "$@" 2>&1 | tee -a "$LOG" | tail -40
   status=${PIPESTATUS[0]}
-  echo "=== $(date +%T) exit status $status" | tee -a "$LOG"
+  echo "=== $(date +%T) [$name] exit status $status" | tee -a "$LOG"
+  # 124: cut at its limit (its rows so far are kept, but it did not finish)
+  [ "$status" -eq 0 ] || FAILED+=("$name (exit $status$([ "$status" -eq 124 ] && echo ': cut at its limit'))")
   return "$status"
+}
+
+# The call's last line: how many steps ran, which failed and which were skipped. Exit status 1 when one
+# failed, or when $1 says so (the install did not happen); a skipped step alone (out of budget) is named
+# but is no failure.
+finish() {
+  local status="${1:-0}" failed="none" skipped="none"
+  [ ${#FAILED[@]} -eq 0 ] || { failed=$(printf '%s, ' "${FAILED[@]}"); failed=${failed%, }; status=1; }
+  [ ${#SKIPPED[@]} -eq 0 ] || { skipped=$(printf '%s, ' "${SKIPPED[@]}"); skipped=${skipped%, }; }
+  echo "=== $(date +%T) summary: $STEPS steps; failed: $failed; skipped: $skipped" | tee -a "$LOG"
+  exit "$status"
 }
 
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
@@ -87,41 +105,44 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     echo "=== the wheels did not install (see above): the peers will be 'not importable'" | tee -a "$LOG"
   fi
 fi
-if ! step 240 python3 -m pip install --no-build-isolation --no-deps -e .; then
+if ! step install 240 python3 -m pip install --no-build-isolation --no-deps -e .; then
   echo "=== seqpar is not installed (that step failed or was skipped): nothing after it could run; stopping" \
     | tee -a "$LOG"
   ls -la "$OUT"
-  exit 1
+  finish 1   # skipped for want of time, it is a failure too: nothing else ran
 fi
-step 30 python3 -m seqpar info
+step info 30 python3 -m seqpar info
 
 for part in "$@"; do
   case "$part" in
     tests)
       workers=()
       python3 -c "import xdist" 2>/dev/null && workers=(-n 12)   # else one process: compiles in series
-      OMP_NUM_THREADS=1 step 300 python3 -m pytest -q -m gpu -ra --durations=15 "${workers[@]}" tests ;;
+      OMP_NUM_THREADS=1 step tests 300 python3 -m pytest -q -m gpu -ra --durations=15 "${workers[@]}" tests ;;
     norms)
       # 16384 tokens first: a sweep cut off at its limit keeps the full-size rows (the bandwidth targets)
-      step 280 python3 bench/bench_layernorm_dropout.py --out "$OUT" --tokens 16384,1024,256 --hidden 1024,4096,12288 \
+      step norms 280 python3 bench/bench_layernorm_dropout.py --out "$OUT" --tokens 16384,1024,256 \
+        --hidden 1024,4096,12288 \
         --providers seqpar-triton,seqpar-cuda,torch-compile,apex-ln,te-ln,liger-ln,variant-triton-bwd-pipelined ;;
     llama)
-      step 180 python3 bench/bench_llama_ops.py --out "$OUT" ;;
+      step llama 180 python3 bench/bench_llama_ops.py --out "$OUT" ;;
     attention)
       # A cold bench_attention spends minutes compiling its ~50 autotune configurations one after another:
       # compile them first in four processes at once (one per head dim and dropout, each with its own
       # limit), untimed; the timed run then finds them in Triton's cache.
-      step 100 bash -c 'for d in 64 128; do for p in 0 0.1; do timeout -k 10 90 python3 bench/bench_attention.py \
-        --compile-only --providers seqpar-triton --seqlens 1024 --head-dims $d --dropouts $p & done; done; wait'
-      step 150 python3 bench/bench_attention.py --out "$OUT" --seqlens 1024,2048,4096 --head-dims 64,128 \
+      step attention-compile 100 bash -c 'for d in 64 128; do for p in 0 0.1; do \
+        timeout -k 10 90 python3 bench/bench_attention.py --compile-only --providers seqpar-triton --seqlens 1024 \
+        --head-dims $d --dropouts $p & done; done; wait'
+      step attention 150 python3 bench/bench_attention.py --out "$OUT" --seqlens 1024,2048,4096 --head-dims 64,128 \
         --providers seqpar-triton,torch-sdpa-flash,seqpar-cuda ;;
     layer)
-      step 150 python3 -m seqpar bench --device cuda --json "$OUT/layer_bench_gpu.json"
-      step 120 python3 bench/bench_megatron_layer.py --out "$OUT"
-      step 150 python3 bench/bench_overlap.py --part gemm,project --out "$OUT" --iters 5 ;;
+      step layer 150 python3 -m seqpar bench --device cuda --json "$OUT/layer_bench_gpu.json"
+      step megatron 120 python3 bench/bench_megatron_layer.py --out "$OUT"
+      step overlap 150 python3 bench/bench_overlap.py --part gemm,project --out "$OUT" --iters 5 ;;
     profile)
-      step 100 python3 bench/profile_kernels.py --tool torch --out "$OUT"
-      step 300 python3 bench/profile_kernels.py --tool ncu --out "$OUT" ;;
+      step profile-torch 100 python3 bench/profile_kernels.py --tool torch --out "$OUT"
+      step profile-ncu 300 python3 bench/profile_kernels.py --tool ncu --out "$OUT" ;;
   esac
 done
 ls -la "$OUT"
+finish

@@ -17,8 +17,11 @@ Reads the rows that ``bash bench/gpu_suite.sh PART`` wrote on the GPU machine, c
                                   the targets they explain
 
 Only rows measured on a GPU count (a device name that isn't "cpu..."), and of those the latest run of
-each file (one run = one device, date and commit). A file that is missing gives its targets
-``value: null, met: null`` with the reason in ``detail``: every target is listed, measured or not.
+each file, or of each part of a file with a ``part`` column (bench_overlap.csv: a later ``--part project``
+run keeps the earlier gemm rows); one run = one device, date and commit. A NaN among a sweep's values
+makes its target unknown (``met`` null), ``detail`` naming the configuration. A file that is missing
+gives its targets ``value: null, met: null`` with the reason in ``detail``: every target is listed,
+measured or not.
 
 Each target is {"name", "value", "goal", "unit", "met", "compare", "detail"}: ``met`` is
 ``value >= goal`` or ``value <= goal`` as ``compare`` says; ``detail`` names the worst configuration
@@ -102,7 +105,12 @@ def read_rows(path: str) -> List[Dict]:
 
 
 def read_csv(path: str) -> List[Dict]:
-    return latest_run(read_rows(path))
+    """The rows of :func:`latest_run`, taken per part of the file (bench_overlap's ``part`` column: a later
+    run of one part, e.g. ``--part project``, does not hide an earlier run's other parts)."""
+    parts = defaultdict(list)
+    for r in read_rows(path):
+        parts[r.get("part")].append(r)
+    return [r for rows in parts.values() for r in latest_run(rows)]
 
 
 def read_layer_json(folder: str) -> Optional[Dict]:
@@ -145,7 +153,9 @@ def experiment_of(config: str, experiments: Iterable[str]) -> Optional[str]:
 
 
 def run_meta(rows: List[Dict]) -> Optional[Dict]:
-    return {k: rows[0][k] for k in ("device", "date", "commit")} if rows else None
+    """Device, date and commit of the latest run among ``rows`` (a file's parts can come from several)."""
+    latest = max(rows, key=lambda r: r["date"], default=None)
+    return {k: latest[k] for k in ("device", "date", "commit")} if latest else None
 
 
 # ----------------------------------------------------------------------------- targets
@@ -170,9 +180,15 @@ def target(name: str, value: Optional[float], goal: float, unit: str, compare: s
 
 
 def worst(cases: List[Tuple[float, str]], lowest: bool = True) -> Tuple[Optional[float], str]:
-    """The worst (value, label) of a sweep: the lowest, or with ``lowest=False`` the highest."""
+    """The worst (value, label) of a sweep: the lowest, or with ``lowest=False`` the highest. A value that
+    is not a number (NaN, inf) makes it unknown (None), the detail naming it: min() / max() would drop a
+    NaN or return it depending on where it stands."""
     if not cases:
         return None, "not measured"
+    broken = [label for value, label in cases if not math.isfinite(value)]
+    if broken:
+        return None, (f"not a number in {len(broken)} of {len(cases)} configurations (a broken measurement?), "
+                      f"e.g. {broken[0]}")
     value, label = (min if lowest else max)(cases, key=lambda c: c[0])
     return value, f"worst: {label} (over {len(cases)} configurations)"
 
@@ -181,7 +197,8 @@ def best_seqpar(table, config: str, metric: str) -> Optional[Tuple[float, str]]:
     """(ms, provider) of the fastest seqpar backend of ``config`` for a *_ms ``metric``."""
     found = [(v, p) for (c, p, m), v in table.items() if c == config and m == metric and p.startswith("seqpar-")
              and p != "seqpar-torch"]
-    return min(found) if found else None
+    # a NaN is "the fastest": it reaches the target as unknown (worst()), not hidden by another backend
+    return min(found, key=lambda vp: (not math.isnan(vp[0]), vp)) if found else None
 
 
 # The two clocks of bench_layernorm_dropout.py and bench_llama_ops.py (seqpar.bench.timing): metric infix,
@@ -333,11 +350,13 @@ def attention_targets(rows: List[Dict]) -> List[Dict]:
             groups[(f["d"], f["p"])][int(f["s"])] = peak
     for (d, p), by_s in sorted(groups.items()):
         lo, hi = min(by_s), max(by_s)
-        if hi > lo and by_s[lo] > 0:
+        if hi > lo and not by_s[lo] <= 0:       # (a NaN peak passes: worst() names it)
             growth.append((by_s[hi] / by_s[lo] / (hi / lo), f"d={d} p={p}: {by_s[lo] / 2**20:.1f} MiB at s={lo}, "
                            f"{by_s[hi] / 2**20:.1f} MiB at s={hi}"))
     value, detail = worst(growth, lowest=False)
-    out.append(target("attention core peak memory growth per unit of s at fixed b*s (s^2 term: 1, none: ~0)",
+    flat = min(ATTN_SEQLENS) / max(ATTN_SEQLENS)
+    out.append(target("attention core peak memory growth vs s at fixed b*s ((peak at the largest s / at the "
+                      f"smallest) / (largest s / smallest s): an s^2 term gives 1, flat memory {flat:g})",
                       value, 0.5, "ratio", "<=", missing or detail))
     return require_sweep(out, len(configs), len(ATTN_SEQLENS) * len(ATTN_HEAD_DIMS) * len(DROPOUTS),
                          "(s, d, p) configurations")
@@ -572,7 +591,8 @@ def plot_gemm(rows: List[Dict], path: str) -> bool:
     ax.set_xticks(range(len(points)), [c.split(" [")[0] for c, _ in points], rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("chunked throughput / unchunked")
     ax.legend(fontsize=7)
-    fig.suptitle(f"GEMMs in t = 8 row chunks: {rows[0]['device']}, {rows[0]['commit']}", fontsize=9)
+    gemm = run_meta([r for r in rows if r.get("part") == "gemm"])
+    fig.suptitle(f"GEMMs in t = 8 row chunks: {gemm['device']}, {gemm['commit']}", fontsize=9)
     fig.savefig(path, dpi=110)
     return True
 
@@ -632,11 +652,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not os.path.isdir(args.rows):
         ap.error(f"--rows {args.rows!r} is not a folder")
     out = args.out or args.rows
-    os.makedirs(out, exist_ok=True)
     summary = summarize(args.rows)
     path = os.path.join(out, "gpu_summary.json")
-    with open(path, "w") as f:
-        json.dump(summary, f, indent=2)
+    try:
+        os.makedirs(out, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(summary, f, indent=2)
+    except OSError as exc:   # a folder that can't be made or written: one line, not a traceback
+        print(f"{os.path.basename(__file__)}: error: --out {out}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     print(format_targets(summary))
     print(f"wrote {path}")
     if not args.no_plots:

@@ -246,15 +246,21 @@ done
 """
 
 
-def test_gpu_suite_parts_fit_what_the_device_tool_brings_back(tmp_path):
-    """bench/gpu_suite.sh with every part in one call (python3 faked): every step runs, and $OUT holds at
-    most 8 files, the most the device tool brings back; an unknown part is refused before anything runs."""
+def _fake_python3_env(tmp_path):
+    """The environment that runs bench/gpu_suite.sh with STUB_PYTHON as python3, $OUT tmp_path/out."""
     stub = tmp_path / "bin" / "python3"
     stub.parent.mkdir()
     stub.write_text(STUB_PYTHON)
     stub.chmod(0o755)
+    return dict(os.environ, PATH=f"{stub.parent}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+                STUB_CALLS=str(tmp_path / "calls.txt"))
+
+
+def test_gpu_suite_parts_fit_what_the_device_tool_brings_back(tmp_path):
+    """bench/gpu_suite.sh with every part in one call (python3 faked): every step runs, and $OUT holds at
+    most 8 files, the most the device tool brings back; an unknown part is refused before anything runs."""
+    env = _fake_python3_env(tmp_path)
     out, calls = tmp_path / "out", tmp_path / "calls.txt"
-    env = dict(os.environ, PATH=f"{stub.parent}:{os.environ['PATH']}", OUT=str(out), STUB_CALLS=str(calls))
     script = os.path.join(ROOT, "bench", "gpu_suite.sh")
     parts = ["tests", "norms", "llama", "attention", "layer", "profile"]
     done = subprocess.run(["bash", script, *parts], capture_output=True, text=True, timeout=120, env=env)
@@ -267,6 +273,7 @@ def test_gpu_suite_parts_fit_what_the_device_tool_brings_back(tmp_path):
     ran = calls.read_text()
     assert "-m pytest -q -m gpu -ra --durations=15 -n 12 tests" in ran and ran.count("--compile-only") == 4
     assert "layer_bench_gpu.json" in ran and "torch-eager" not in ran       # the name gpu_summary reads first
+    assert log.splitlines()[-1].endswith(f"summary: {steps} steps; failed: none; skipped: none"), log
     # the call's budget: with 5 s of SUITE_SECONDS the install is skipped, said so, and the call stops there
     starved = subprocess.run(["bash", script, "layer"], capture_output=True, text=True, timeout=60,
                              env=dict(env, OUT=str(tmp_path / "starved"), SUITE_SECONDS="5"))
@@ -284,10 +291,32 @@ def test_gpu_suite_parts_fit_what_the_device_tool_brings_back(tmp_path):
     bad = subprocess.run(["bash", script, "layer"], capture_output=True, text=True, timeout=60,
                          env=dict(env, OUT=str(tmp_path / "bad"), SUITE_SECONDS="soon"))
     assert bad.returncode == 2 and "SUITE_SECONDS must be a number of seconds, got 'soon'" in bad.stderr
+    # a fraction without whole seconds is refused, naming what was given
+    bad = subprocess.run(["bash", script, "layer"], capture_output=True, text=True, timeout=60,
+                         env=dict(env, OUT=str(tmp_path / "bad"), SUITE_SECONDS=".5"))
+    assert bad.returncode == 2 and "got '.5'" in bad.stderr, bad.stderr
     refused = subprocess.run(["bash", script, "tests", "bogus"], capture_output=True, text=True, timeout=60,
                              env=dict(env, OUT=str(tmp_path / "refused")))
     assert refused.returncode == 2 and "unknown part 'bogus'" in refused.stderr
     assert not (tmp_path / "refused").exists()
+
+
+def test_gpu_suite_runs_every_step_and_exits_1_when_one_failed(tmp_path):
+    """gpu_suite.sh exited 0 (its last command, ls) with failed gpu tests or a crashed benchmark: it now
+    runs every step still, ends with a summary line naming the failed ones, and exits 1."""
+    env = dict(_fake_python3_env(tmp_path), STUB_FAIL="bench_llama_ops.py")
+    done = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_suite.sh"), "llama", "layer"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    log = (tmp_path / "out" / "suite.log").read_text()
+    assert done.returncode == 1, (done.stdout, log)
+    assert "bench_overlap.py" in (tmp_path / "calls.txt").read_text()    # the steps after it ran
+    assert log.splitlines()[-1].endswith("summary: 6 steps; failed: llama (exit 1); skipped: none"), log
+    assert "layer_bench_gpu.json" in done.stdout                         # $OUT is still listed
+    # out of budget: the install is skipped, the call stops there, and the summary says so
+    starved = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_suite.sh"), "tests"], capture_output=True,
+                             text=True, timeout=60, env=dict(env, OUT=str(tmp_path / "starved"), SUITE_SECONDS="5"))
+    assert starved.returncode == 1
+    assert "summary: 1 steps; failed: none; skipped: install" in (tmp_path / "starved" / "suite.log").read_text()
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="--quick runs Triton in its CPU interpreter")
@@ -401,3 +430,21 @@ def test_the_layernorm_pipelined_variant_runs_seqpar_triton_with_two_row_stages(
     x, res, bias = torch.randn(5, 64), torch.randn(5, 64), torch.randn(64)
     for a, b in zip(f(x, bias, res), g(x, bias, res)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_rows_name_seqpar_s_commit_not_the_project_around_an_installed_copy(tmp_path, monkeypatch):
+    """Installed in a venv inside the user's own repository, rows carried the user's HEAD as seqpar's
+    commit (git rev-parse from site-packages finds the enclosing checkout)."""
+    from seqpar.bench import results
+
+    monkeypatch.delenv("SEQPAR_COMMIT", raising=False)
+    git = ["git", "-c", "user.email=a@b", "-c", "user.name=a", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "user project"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], check=True, capture_output=True, text=True).stdout
+    site_packages = tmp_path / ".venv" / "lib" / "site-packages"
+    site_packages.mkdir(parents=True)
+    monkeypatch.setattr(results, "_REPO", str(site_packages))
+    assert results.git_commit() == "unknown"
+    monkeypatch.setattr(results, "_REPO", str(tmp_path))             # a checkout of seqpar itself
+    assert results.git_commit() == head.strip()

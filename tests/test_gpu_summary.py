@@ -393,3 +393,60 @@ def test_rows_from_another_run_or_cut_short_are_not_read(tmp_path):
     assert {r["commit"] for r in rows} == {"abc1234"} and len(rows) == 1
     (tmp_path / "layer_bench_gpu.json").write_text(json.dumps(layer)[:40])
     assert S.read_layer_json(str(tmp_path)) is None
+
+
+@pytest.mark.parametrize("broken", [1024, 2048, 4096], ids=["first", "middle", "last"])
+def test_a_nan_in_a_sweep_makes_its_target_unknown_wherever_it_stands(broken, tmp_path):
+    """min() skips a NaN unless it comes first, where it is returned: one NaN row either vanished (the
+    target "met") or blanked it without a word, depending on the configurations' order."""
+    rows = []
+    for s in (1024, 2048, 4096):
+        cfg = f"b={16384 // s} H=16 s={s} d=128 causal=1 p=0.1 bf16"
+        rows += [(cfg, "seqpar-triton", "fwdbwd_ms", math.nan if s == broken else 1.0),
+                 (cfg, "torch-sdpa-flash", "fwdbwd_ms", 1.0)]
+    write_rows(tmp_path, "bench_attention", rows)
+    speed = by_name(S.summarize(str(tmp_path)), "vs SDPA flash")
+    assert speed["value"] is None and speed["met"] is None, speed
+    assert f"not a number in 1 of 3 configurations (a broken measurement?), e.g. b={16384 // broken} H=16 s={broken}" \
+        in speed["detail"], speed["detail"]
+
+
+def test_a_later_run_of_one_overlap_part_keeps_the_other_parts(tmp_path):
+    """The latest run of bench_overlap.csv hid an older run's gemm rows when the later run measured
+    only --part project: the GEMM targets read "not measured"."""
+    columns = ("part", "config", "provider", "metric", "value")
+    write_rows(tmp_path, "bench_overlap", [
+        ("gemm", "22B qkv fwd [8192x6144]@[6144x2304]", "chunked x8", "throughput_vs_plain", 0.97),
+        ("gemm", "175B qkv fwd [2048x12288]@[12288x4608]", "chunked x8", "throughput_vs_plain", 0.99),
+        ("project", "22B t=8", "overlapped", "exposed_ms", 1.0)],
+        date="2026-12-01T10:00:00", commit="first", columns=columns)
+    write_rows(tmp_path, "bench_overlap", [("project", "22B t=8", "overlapped", "exposed_ms", 2.0)],
+               date="2026-12-02T10:00:00", commit="later", columns=columns)
+    rows = S.read_csv(str(tmp_path / "bench_overlap.csv"))
+    assert sorted((r["part"], r["commit"]) for r in rows) == [("gemm", "first"), ("gemm", "first"),
+                                                              ("project", "later")]
+    summary = S.summarize(str(tmp_path))
+    assert by_name(summary, "22B shapes")["value"] == pytest.approx(0.97)
+    assert by_name(summary, "175B shapes")["met"] is True
+    assert summary["runs"]["bench_overlap"]["commit"] == "later"          # the latest run of the file
+
+
+def test_an_out_folder_that_cannot_be_made_is_one_line_exit_1(tmp_path, capsys):
+    """--out under a file (or /proc): makedirs' traceback."""
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / "a_file" / "summary"
+    assert S.main(["--rows", str(tmp_path), "--out", str(out), "--no-plots"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == f"gpu_summary.py: error: --out {out}: Not a directory", err
+
+
+def test_the_peak_memory_targets_name_says_what_flat_memory_gives(tmp_path):
+    """The name said "s^2 term: 1, none: ~0", but a peak flat in s gives (1 / 1) / (4096 / 1024) = 0.25."""
+    rows = []
+    for s in S.ATTN_SEQLENS:
+        cfg = f"b={16384 // s} H=16 s={s} d=128 causal=1 p=0.1 bf16"
+        rows += [(cfg, "seqpar-triton", "fwdbwd_ms", 1.0), (cfg, "seqpar-triton", "fwdbwd_peak_bytes", 2**26)]
+    write_rows(tmp_path, "bench_attention", rows)
+    growth = by_name(S.summarize(str(tmp_path)), "peak memory growth")
+    assert growth["value"] == pytest.approx(0.25)
+    assert "an s^2 term gives 1, flat memory 0.25" in growth["name"] and "~0" not in growth["name"]

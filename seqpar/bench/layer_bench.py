@@ -13,18 +13,24 @@ attention backend is, e.g. triton on a GPU). Default sizes: a Llama 3 8B layer o
 heads, 8 k/v groups, ffn 14336, RoPE base 500000), a small one on cpu.
 
 Without torchrun the command spawns ``--tp`` gloo ranks on CPU itself (default 2); under torchrun it
-uses the launched ranks (NCCL with ``--device cuda``).
+uses the launched ranks (NCCL with ``--device cuda``). ``--json`` is rewritten after every experiment
+(``"complete": false`` until all five are in). Ctrl-C or SIGTERM stops a run (its spawned ranks too)
+with exit status 130 / 143, the JSON keeping the experiments measured.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import functools
 import os
 import queue as queue_module
+import signal
 import socket
 import statistics
+import sys
+import threading
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -40,6 +46,12 @@ EXPERIMENTS = [  # (name, sequence_parallel, recompute)
 ]
 
 
+def program_name() -> str:
+    """How the bench was started: ``seqpar-bench`` (the console script) or ``python -m seqpar bench``."""
+    script = os.path.basename(sys.argv[0]) if sys.argv else ""
+    return "seqpar-bench" if os.path.splitext(script)[0] == "seqpar-bench" else "python -m seqpar bench"
+
+
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     """The bench's options; a usage error (bad value, unknown or unusable backend, no CUDA device for
     ``--device cuda``, no matplotlib for ``--plot``, a ``--json`` / ``--plot`` path that can't be
@@ -47,7 +59,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     from ..cli import ArgumentParser, check_output_paths
     from ..ops.registry import BACKEND_CHOICES
 
-    p = ArgumentParser(prog="python -m seqpar bench", description=__doc__,
+    p = ArgumentParser(prog=program_name(), description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--arch", choices=tuple(ARCHS), default="gpt",
@@ -208,6 +220,12 @@ def run_experiments(args, rank: int, world_size: int, group,
         x_full = torch.randn(s, b, h, generator=gen).to(device=device, dtype=dtype)
         x = (sequence_shard(x_full, group) if sp else x_full).clone().requires_grad_()
         grad_y = torch.randn_like(x)
+        # The ranks' agreement on x (TransformerLayer.check_rank_inputs: a hash, an all-gather and a host
+        # read per forward at t > 1) is checked once here, untimed: a model step does not pay it (GPTModel
+        # turns it off for its layers), so the timed forwards run without it.
+        with torch.no_grad():
+            layer(x)
+        layer.check_rank_inputs = False
         fwd, bwd = [], []
         with registry.record_selections() as ran:      # the backends that actually ran (auto fallbacks too)
             for it in range(args.warmup + args.iters):
@@ -221,12 +239,13 @@ def run_experiments(args, rank: int, world_size: int, group,
         with ActivationMeter() as meter:
             y = layer(x)
         del y
-        # gpt: the paper's Table 2; llama: the same formula for its block (flash-style when the core is)
-        block = dict(ffn_hidden=cfg.ffn_hidden_size)
+        # gpt: the paper's Table 2; llama: the same formula for its block (flash-style when the core is).
+        # Both with the layer's own block keywords: with --dropout 0 the layer keeps no dropout outputs.
+        block = architecture_kwargs(cfg)
         if args.arch != "gpt":
             q = torch.empty(b, a // t, s, h // a, device=device, dtype=dtype)
-            flash = select_attention_backend(q, q, q, causal=True, backend=args.backend).recompute_free
-            block = dict(architecture_kwargs(cfg), flash_attention=flash)
+            block["flash_attention"] = select_attention_backend(q, q, q, causal=True,
+                                                                backend=args.backend).recompute_free
         table2 = functools.partial(layer_activation_bytes, s, b, h, a, tp=t, sequence_parallel=sp,
                                    recompute=recompute, bytes_per_element=element, **block)
         row = dict(experiment=name, sequence_parallel=sp, recompute=recompute,
@@ -297,7 +316,8 @@ def format_table(rows: List[Dict], header: str, formula: str = "Table 2") -> str
     return "\n".join(lines)
 
 
-def _rank_main(rank: int, world_size: int, args, port: Optional[int]) -> Optional[List[Dict]]:
+def _rank_main(rank: int, world_size: int, args, port: Optional[int],
+               on_row: Optional[Callable[[List[Dict]], None]] = None) -> Optional[List[Dict]]:
     import torch
     import torch.distributed as dist
 
@@ -307,9 +327,6 @@ def _rank_main(rank: int, world_size: int, args, port: Optional[int]) -> Optiona
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=600))
     group = dist.group.WORLD if dist.is_initialized() and world_size > 1 else None
-    # rank 0 rewrites --json after every experiment: a run killed part way (a device call's time limit)
-    # keeps the rows it measured, with "complete": false
-    on_row = functools.partial(write_json, args.json, json_meta(args)) if rank == 0 and args.json else None
     try:
         rows = run_experiments(args, rank, world_size, group, on_row)
     finally:
@@ -318,11 +335,33 @@ def _rank_main(rank: int, world_size: int, args, port: Optional[int]) -> Optiona
     return rows if rank == 0 else None
 
 
+def _json_writer(args) -> Optional[Callable[[List[Dict]], None]]:
+    """What rewrites --json after every experiment (None without --json): a run stopped part way (a
+    device call's time limit, Ctrl-C, SIGTERM) keeps the rows it measured, with "complete": false."""
+    return functools.partial(write_json, args.json, json_meta(args)) if args.json else None
+
+
+def _stop_if_orphaned() -> None:
+    """End a spawned rank whose parent is gone (killed with SIGKILL, say): nobody reads its rows, and
+    it would only keep the cores busy."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    if parent is not None and not parent.is_alive():
+        os._exit(1)
+
+
 def _spawned(rank, world_size, args, port, queue):
-    """A spawned rank: its rows, or its error, go to the parent through ``queue`` (which reports it once;
-    re-raising here would print every rank's traceback as well)."""
+    """A spawned rank: rank 0's rows after each experiment (the parent writes --json: a rank outliving
+    its parent can't rewrite it), then its rows or its error, go to the parent through ``queue`` (which
+    reports an error once; re-raising here would print every rank's traceback as well)."""
+    def on_row(rows):
+        _stop_if_orphaned()
+        if rank == 0:   # a copy: the queue pickles it later, in its own thread, while rows grows
+            queue.put(("rows", list(rows)))
+
     try:
-        queue.put(("ok", _rank_main(rank, world_size, args, port)))
+        queue.put(("ok", _rank_main(rank, world_size, args, port, on_row)))
     except BrokenPipeError:  # the reader of stdout went away (bench | head -1): the parent stops quietly
         from ..cli import stdout_to_devnull
 
@@ -331,6 +370,7 @@ def _spawned(rank, world_size, args, port, queue):
         raise SystemExit(1)
     except BaseException as exc:  # noqa: BLE001 - everything goes to the parent
         import traceback
+        _stop_if_orphaned()   # (a peer of an orphaned rank fails in its next collective: nobody to tell)
         queue.put(("error", (rank, isinstance(exc, ValueError), f"{type(exc).__name__}: {exc}",
                              traceback.format_exc())))
         raise SystemExit(1)
@@ -354,68 +394,108 @@ def _deaths_behind_a_failure(procs, grace_s: float = 5.0) -> List[tuple]:
         time.sleep(0.05)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run is, as Ctrl-C raises KeyboardInterrupt: both stop it alike."""
+
+
+@contextlib.contextmanager
+def _stopped_by_signals():
+    """Ctrl-C (SIGINT) and SIGTERM stop the run alike, whatever --tp is: the spawned ranks are killed
+    (:func:`_run_spawned`), --json keeps the experiments measured ("complete": false), and the command
+    exits 128 + the signal's number (130, 143) after one line, without a traceback."""
+    def on_sigterm(signum, frame):
+        raise _Terminated()
+
+    # signal handlers can only be set from the main thread (a caller in another thread keeps its own)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        signum = signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT
+        print(f"{program_name()}: stopped by {signum.name}", file=sys.stderr)
+        raise SystemExit(128 + signum) from None
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def _run_spawned(args) -> List[Dict]:
+    """Rank 0's rows from ``args.tp`` gloo ranks spawned on CPU; this process writes --json from the rows
+    rank 0 sends after each experiment. The ranks are killed when one fails or dies, the reader of
+    stdout goes away, or this process is stopped (Ctrl-C, SIGTERM)."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    cores = os.cpu_count() or 1
+    shared = f" ({cores} cores: ranks share them, so the times are slower)" if args.tp > cores else ""
+    print(f"seqpar bench: spawning {args.tp} gloo ranks on CPU{shared}", flush=True)
+    write = _json_writer(args)
+    procs = [ctx.Process(target=_spawned, args=(r, args.tp, args, port, queue)) for r in range(args.tp)]
+    rows, failures, dead, received, reader_gone, finished = None, [], [], 0, False, False
+    try:
+        for proc in procs:
+            proc.start()
+        while received < len(procs) and not failures and not dead and not reader_gone:
+            try:
+                status, payload = queue.get(timeout=1.0)
+            except queue_module.Empty:   # a rank killed (out of memory, a signal) never reports: look
+                dead = _unreported_deaths(procs)
+                continue
+            if status == "rows":     # rank 0 finished an experiment
+                if write is not None:
+                    write(payload)
+                continue
+            received += 1
+            reader_gone = status == "reader_gone"
+            if status == "error":
+                failures.append(payload)
+                dead = _deaths_behind_a_failure(procs)
+            rows = payload if status == "ok" and payload is not None else rows
+        finished = not (failures or dead or reader_gone)
+    finally:   # anything else (a failure, Ctrl-C, SIGTERM, --json unwritable): no rank outlives this process
+        for proc in procs:
+            if proc.pid is not None:
+                if not finished:
+                    proc.kill()
+                proc.join()
+    prog = program_name()
+    if reader_gone:
+        raise BrokenPipeError   # python -m seqpar's handler ends quietly
+    if dead:
+        rank, code = dead[0]
+        how = f"signal {-code}" if code < 0 else f"exit code {code}"
+        raise SystemExit(f"{prog}: rank {rank} died ({how}) without a report "
+                         "(killed: out of memory?); the other ranks were stopped")
+    if failures:
+        rank, bad_input, message, trace = failures[0]
+        if bad_input:  # seqpar rejected an input: the message names it
+            raise ValueError(f"rank {rank}: {message}")
+        raise SystemExit(f"{prog}: rank {rank} failed:\n{trace}")
+    return rows
+
+
 def main(argv: Optional[List[str]] = None) -> List[Dict]:
     args = parse_args(argv)
     import torch
     import torch.distributed as dist
-    import torch.multiprocessing as mp
 
-    if _under_torchrun():  # use the launched ranks
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if args.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-        rows = _rank_main(rank, world_size, args, None)
-        dist.destroy_process_group()
-    elif args.tp == 1:
-        rank, rows = 0, _rank_main(0, 1, args, None)
-    else:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        cores = os.cpu_count() or 1
-        shared = f" ({cores} cores: ranks share them, so the times are slower)" if args.tp > cores else ""
-        print(f"seqpar bench: spawning {args.tp} gloo ranks on CPU{shared}", flush=True)
-        procs = [ctx.Process(target=_spawned, args=(r, args.tp, args, port, queue)) for r in range(args.tp)]
-        for proc in procs:
-            proc.start()
-        rows, failures, dead, received, interrupted, reader_gone = None, [], [], 0, False, False
-        try:
-            while received < len(procs) and not failures and not dead and not reader_gone:
-                try:
-                    status, payload = queue.get(timeout=1.0)
-                except queue_module.Empty:   # a rank killed (out of memory, a signal) never reports: look
-                    dead = _unreported_deaths(procs)
-                    continue
-                received += 1
-                reader_gone = status == "reader_gone"
-                if status == "error":
-                    failures.append(payload)
-                    dead = _deaths_behind_a_failure(procs)
-                rows = payload if status == "ok" and payload is not None else rows
-        except KeyboardInterrupt:   # Ctrl-C: stop the ranks, no traceback
-            interrupted = True
-            raise SystemExit(130)
-        finally:
-            for proc in procs:
-                if failures or dead or interrupted or reader_gone:
-                    proc.kill()
-                proc.join()
-        if reader_gone:
-            raise BrokenPipeError   # python -m seqpar's handler ends quietly
-        if dead:
-            rank, code = dead[0]
-            how = f"signal {-code}" if code < 0 else f"exit code {code}"
-            raise SystemExit(f"python -m seqpar bench: rank {rank} died ({how}) without a report "
-                             "(killed: out of memory?); the other ranks were stopped")
-        if failures:
-            rank, bad_input, message, trace = failures[0]
-            if bad_input:  # seqpar rejected an input: the message names it
-                raise ValueError(f"rank {rank}: {message}")
-            raise SystemExit(f"python -m seqpar bench: rank {rank} failed:\n{trace}")
-        rank = 0
+    with _stopped_by_signals():
+        if _under_torchrun():  # use the launched ranks; rank 0 writes --json
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            if args.device == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+            rows = _rank_main(rank, world_size, args, None, _json_writer(args) if rank == 0 else None)
+            dist.destroy_process_group()
+        elif args.tp == 1:
+            rank, rows = 0, _rank_main(0, 1, args, None, _json_writer(args))
+        else:
+            rank, rows = 0, _run_spawned(args)
     if rank != 0:
         return []
     device_name = bench_device_name(args)
@@ -424,7 +504,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict]:
               f"t={args.tp} {args.dtype} dropout={args.dropout} backend={args.backend} on {device_name}")
     formula = "Table 2" if args.arch == "gpt" else "formula"   # llama: Table 2's terms for its block
     print(format_table(rows, header, formula))
-    if args.json:   # written by rank 0 after each experiment
+    if args.json:   # written after each experiment
         print(f"wrote {args.json}")
     if args.plot:
         from .plots import plot_bench

@@ -92,7 +92,8 @@ def plot_bench(rows: List[Dict], title: str, path: str, formula: str = "Table 2"
                   else f"{100 * r['overhead']:+.0f}%", ha="center", va="bottom", fontsize=8)
     left.set_ylabel("ms per layer (median)")
     left.set_title("time: forward + backward (overhead vs no recompute)")
-    left.legend(fontsize=8)
+    # below the axes: inside, it covered the tallest bar (full recompute) and its overhead label
+    left.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)
     width, xs = 0.27, range(len(rows))
     right.bar([x - width for x in xs], [r["activation_bytes"] / MIB for r in rows], width, color="tab:blue",
               label="measured (ActivationMeter)")
@@ -102,7 +103,7 @@ def plot_bench(rows: List[Dict], title: str, path: str, formula: str = "Table 2"
     right.set_xticks(list(xs), names)
     right.set_ylabel("MiB per rank")
     right.set_title("activation memory of one layer")
-    right.legend(fontsize=8)
+    right.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)   # as the left one
     for ax in (left, right):
         ax.tick_params(axis="x", labelsize=7)
     fig.suptitle(title, fontsize=9)

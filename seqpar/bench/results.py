@@ -17,14 +17,17 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 
 def git_commit() -> str:
-    """Short commit of the checkout (``SEQPAR_COMMIT`` overrides; "unknown" outside a checkout)."""
+    """Short commit of the seqpar checkout this module runs from (``SEQPAR_COMMIT`` overrides; "unknown"
+    for an installed copy: its site-packages may sit inside another project's checkout, a venv in the
+    user's repository, whose commit is not seqpar's)."""
     if os.environ.get("SEQPAR_COMMIT"):
         return os.environ["SEQPAR_COMMIT"]
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=_REPO,
-                                       stderr=subprocess.DEVNULL, text=True).strip()
+        top, commit = subprocess.check_output(["git", "rev-parse", "--show-toplevel", "--short", "HEAD"], cwd=_REPO,
+                                              stderr=subprocess.DEVNULL, text=True).split()
     except Exception:  # noqa: BLE001 - not a checkout
         return "unknown"
+    return commit if os.path.samefile(top, _REPO) else "unknown"
 
 
 class ResultRows:
