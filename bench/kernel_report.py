@@ -28,7 +28,9 @@ What is compiled
       25600} (20480 and 25600: the paper's 530B and 1T models, column-chunked rows) with 8192 rows (the
       backward's program count assumes 132 SMs), bf16 and fp16, dropout off and on;
     - residual add + RMSNorm forward and backward, h in {1024, 4096, 8192, 16384}, and SwiGLU forward
-      and backward, n in {11008, 14336}: the launch configuration on 8192 rows, bf16 and fp16.
+      and backward, n in {11008, 14336}: the launch configuration on 8192 rows, bf16 and fp16;
+    - dropout (triton_kernels/dropout.py; its backward is the same kernel on the gradient), h in {1024,
+      4096, 12288}: the launch configuration on 8192 rows, bf16 and fp16 (dropout is always on).
 
     CUDA: each csrc/*.cu with ``nvcc -cubin -arch=sm_90a -O3 -lineinfo -Xptxas -v`` (the flags of the
     CMake build); every kernel instantiation for fp16 and bf16 (and the dtype-free ones) is reported:
@@ -49,7 +51,8 @@ How the main loop is found and counted
       the q heads of a kv head encloses it). Where the line info records no inline call sites (Triton
       3.6, the GPU image's), the innermost loop that runs the inner function's code and none of its
       ``if MASK:`` branches, the same loop;
-    - kernels without a loop (the LayerNorm forwards: a row is one unrolled pass): the whole kernel;
+    - kernels without a loop (the LayerNorm forwards: a row is one unrolled pass; the Triton dropout
+      kernel: one tile): the whole kernel;
     - the other kernels: the largest top-level loop (the row loop of the LayerNorm backward, the
       column loop of dropout and softmax-dropout; for the softmax-dropout kernels, the loop that
       holds the mask code).
@@ -111,6 +114,7 @@ LN_HIDDEN = (1024, 4096, 6144, 8192, 12288, 16384, 20480, 25600)
 LN_ROWS = 8192
 RMS_HIDDEN = (1024, 4096, 8192, 16384)   # Llama hidden sizes; 8192 and 16384 take the chunked backward
 SWIGLU_N = (11008, 14336)                # Llama-2 7B and Llama-3 8B intermediate sizes
+DROPOUT_HIDDEN = (1024, 4096, 12288)     # the Triton dropout kernel's column blocks: whole rows, then 1024
 SEQ, BATCH, HEADS_X_D = 2048, 2, 2048
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DROPOUT_THRESHOLD = 26  # P = round(0.1 * 256): the launchers take the byte threshold
@@ -510,6 +514,16 @@ def llama_launches(op: str, dim: int, dtype: torch.dtype) -> Dict[str, Launch]:
     return {ROW_KERNELS[launch.fn.__name__]: launch for launch in sink}
 
 
+def dropout_launches(h: int, dtype: torch.dtype) -> Dict[str, Launch]:
+    """The launch of the Triton dropout kernel on [LN_ROWS, h] rows (forward and backward alike)."""
+    from seqpar.triton_kernels import dropout as D
+
+    sink: List[Launch] = []
+    with _patched(D, _dropout_kernel=_Recorder(D._dropout_kernel, sink)):
+        D.dropout_rows(torch.empty(LN_ROWS, h, dtype=dtype), 12345, 0, DROPOUT_THRESHOLD)
+    return {"fwd": sink[0]}
+
+
 def _triton_row(job) -> dict:
     """Compile and measure one Triton configuration (runs in a worker process)."""
     family, which, dim, dtype_name, dropout, index, *rest = job   # (..., index[, group]): attention's G
@@ -518,6 +532,8 @@ def _triton_row(job) -> dict:
         launch = attention_launches(dim, DTYPES[dtype_name], dropout, group)[which]
     elif family == "ln":
         launch = ln_launches(dim, DTYPES[dtype_name], dropout)[which]
+    elif family == "dropout":
+        launch = dropout_launches(dim, DTYPES[dtype_name])[which]
     else:
         launch = llama_launches(family, dim, DTYPES[dtype_name])[which]
     kw = launch.configs[index]
@@ -566,6 +582,8 @@ def triton_jobs(quick: bool) -> List[tuple]:
         for dim in dims[1:2] if quick else dims:
             jobs += [(family, which, dim, dt, False, 0)
                      for dt in dtypes for which in llama_launches(family, dim, DTYPES[dt])]
+    for h in DROPOUT_HIDDEN[1:2] if quick else DROPOUT_HIDDEN:
+        jobs += [("dropout", "fwd", h, dt, True, 0) for dt in dtypes]
     return jobs
 
 
@@ -733,6 +751,15 @@ def format_report(meta: dict, rows: List[dict]) -> str:
             out.append(f"{r['family']:8} {r['kernel']:6} {r['dim']:>6} {r['dtype']:5} {r['config']:14} "
                        f"{r['registers']:>5} {r['spill_bytes']:>8} {r['instructions']:>6}")
         out.append("")
+    drop = [r for r in rows if r["backend"] == "triton" and r["family"] == "dropout"]
+    if drop:
+        out += [f"Triton dropout ({LN_ROWS} rows; the backward is the same kernel): whole kernel",
+                f"{'h':>6} {'dtype':5} {'config':14} {'regs':>5} {'spill B':>8} {'instr':>6} {'mask int/elem':>14}"]
+        for r in sorted(drop, key=lambda r: (r["dim"], r["dtype"])):
+            pe = _per_elem(r)
+            out.append(f"{r['dim']:>6} {r['dtype']:5} {r['config']:14} {r['registers']:>5} {r['spill_bytes']:>8} "
+                       f"{r['instructions']:>6} {'' if pe is None else f'{pe:.2f}':>14}")
+        out.append("")
     cu = [r for r in rows if r["backend"] == "cuda"]
     if cu:
         out += ["CUDA kernels (one binary per instantiation; dropout is a runtime flag): main loop or whole kernel",
@@ -768,6 +795,7 @@ def summarize(rows: List[dict]) -> Dict[str, object]:
                                f"{r['spill_bytes']} B"
                                for r in rows if r["spill_bytes"]]
     for name, pick in (("triton_ln", lambda r: r["backend"] == "triton" and r["family"] == "ln"),
+                       ("triton_dropout", lambda r: r["backend"] == "triton" and r["family"] == "dropout"),
                        ("cuda", lambda r: r["backend"] == "cuda")):
         costs = [_per_elem(r) for r in rows if pick(r) and _per_elem(r) is not None]
         if costs:

@@ -3,6 +3,10 @@
 A 2-D view ``[rows, cols]`` of the input is dropped with ``keep = mask_byte(seed, row_offset + row, col) >= P``,
 ``P = round(p * 256)``, and kept values are scaled by ``float32(256 / (256 - P))`` (see :mod:`seqpar.random`);
 nothing mask-sized is saved for backward.
+
+Kernels (CUDA tensors, fp32 / fp16 / bf16; :func:`apply_keep_mask` picks): csrc/dropout.cu when seqpar._C
+has kernels for the GPU, else triton_kernels/dropout.py when Triton is available; everything else takes the
+torch reference. All three give the same mask and values, bit for bit.
 """
 from __future__ import annotations
 
@@ -100,16 +104,22 @@ def apply_keep_mask(x: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
     The result is a new tensor of ``x``'s shape, not a view of a [rows, h] one (autograd refuses in-place
     ops on a view an autograd.Function returns).
 
-    CUDA tensors use the kernel of csrc/dropout.cu when seqpar._C is built with kernels for the GPU (the
-    same mask, computed in registers, one Philox call per 16 columns); everything else uses the torch
-    reference (about a hundred small ops per mask on a GPU: build the extension).
+    fp32 / fp16 / bf16 CUDA tensors use a kernel that computes the same mask in registers (one Philox
+    call per 16 columns): csrc/dropout.cu when seqpar._C is built with kernels for the GPU, else the Triton
+    kernel of triton_kernels/dropout.py when Triton is available. Everything else (CPU tensors, float64,
+    a GPU with neither) uses the torch reference: about a hundred small ops per mask, which on a GPU are
+    as many launches.
     """
     if not spec.active:
         return x
-    # cuda_unavailable_reason, not only whether the extension imports: a GPU the build has no kernels for
-    # (pre-sm_80 by default) fails at the launch.
-    if x.is_cuda and x.dtype in _ext.DTYPE_CODES and _ext.cuda_unavailable_reason(x.device) is None:
-        return _cuda_dropout(x.contiguous(), spec.seed, spec.row_offset, spec.threshold)
+    if x.is_cuda and x.dtype in _ext.DTYPE_CODES:   # the kernels' dtypes (fp32 / fp16 / bf16)
+        # The device-level checks of the registry (constants to torch.compile). The CUDA one asks whether the
+        # build has kernels for this GPU, not only whether the extension imports: a GPU it has none for
+        # (pre-sm_80 by default) fails at the launch. "auto": never the Triton CPU interpreter.
+        if registry.environment_reason("cuda", x.device) is None:
+            return _cuda_dropout(x.contiguous(), spec.seed, spec.row_offset, spec.threshold)
+        if registry.environment_reason("triton", x.device, True) is None:
+            return _triton_dropout(x.contiguous(), spec.seed, spec.row_offset, spec.threshold)
     h = x.shape[-1]
     rows = x.numel() // h if h else 0
     keep = spec.keep_mask_2d(rows, h, x.device).view(x.shape)
@@ -131,6 +141,22 @@ def _cuda_dropout(x: torch.Tensor, seed: int, row_offset: int, threshold: int) -
 
 
 @_cuda_dropout.register_fake
+def _(x, seed, row_offset, threshold):
+    return torch.empty_like(x)
+
+
+@registry.kernel_op("seqpar::dropout_triton")
+def _triton_dropout(x: torch.Tensor, seed: int, row_offset: int, threshold: int) -> torch.Tensor:
+    """triton_kernels/dropout.py on a contiguous fp32 / fp16 / bf16 ``x`` [..., h] (rows of h):
+    ``where(keep, x * scale, 0)``, the mask and values of the CUDA kernel and the torch reference. A custom
+    op like :func:`_cuda_dropout`."""
+    from ..triton_kernels.dropout import dropout_rows
+
+    with _ext.on_device(x):
+        return dropout_rows(x, seed, row_offset, threshold)
+
+
+@_triton_dropout.register_fake
 def _(x, seed, row_offset, threshold):
     return torch.empty_like(x)
 

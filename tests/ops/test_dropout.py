@@ -172,8 +172,9 @@ def test_the_cuda_mask_kernel_is_a_custom_op_that_traces(monkeypatch):
     Function: torch.compile broke the graph there in every layer with dropout (fullgraph=True failed), and
     a fake tensor has no data. As a custom op it traces to one node with a fake implementation (fake CUDA
     tensors here: no GPU needed; without autograd, which a CPU-only torch can't build for them).
-    On a GPU the build has no kernels for (simulated) the mask comes from the torch reference instead:
-    the kernel was launched whenever the extension imported, and failed there ("no kernel image")."""
+    On a GPU the build has no kernels for (simulated, and Triton set aside) the mask comes from the torch
+    reference instead: the kernel was launched whenever the extension imported, and failed there ("no
+    kernel image")."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     dropout_module = importlib.import_module("seqpar.ops.dropout")   # seqpar.ops.dropout is also a function
@@ -181,6 +182,7 @@ def test_the_cuda_mask_kernel_is_a_custom_op_that_traces(monkeypatch):
     launched = []
     kernel = dropout_module._cuda_dropout
     monkeypatch.setattr(dropout_module, "_cuda_dropout", lambda *args: launched.append(True) or kernel(*args))
+    monkeypatch.setattr(_ext, "triton_unavailable_reason", lambda device, auto=False: "no triton here")
     spec = DropoutSpec(0.25, 9, 2**40)
     for gpu_reason in (None, "seqpar._C has no kernels for this GPU (sm_75: no kernel image)"):
         monkeypatch.setattr(_ext, "cuda_unavailable_reason", lambda device, reason=gpu_reason: reason)
@@ -190,3 +192,133 @@ def test_the_cuda_mask_kernel_is_a_custom_op_that_traces(monkeypatch):
             out = apply_keep_mask(x, spec)
         assert isinstance(out, FakeTensor) and out.shape == x.shape and out.dtype == x.dtype and out.is_cuda
         assert launched == ([True] if gpu_reason is None else []), gpu_reason
+
+
+# ----------------------------------------------------------------------------- the Triton kernel
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+@pytest.fixture
+def triton_dropout(monkeypatch):
+    """triton_kernels/dropout.py's launcher, with every buffer it allocates poisoned with NaN first."""
+    from seqpar.triton_kernels import dropout as kernels, rows
+
+    real = rows.empty
+    monkeypatch.setattr(rows, "empty", lambda shape, dtype, device: real(shape, dtype, device).fill_(float("nan")))
+    return kernels.dropout_rows
+
+
+def _reference(x, spec):
+    h = x.shape[-1]
+    keep = spec.keep_mask_2d(x.numel() // h, h, x.device).view(x.shape)
+    return torch.where(keep, x * spec.scale, 0.0)
+
+
+def _assert_bitwise(got, want):
+    """The same bits, except that a NaN matches any NaN: torch's own NaN bits vary (its vectorised CPU
+    fp32 -> bf16 conversion writes 0xFFFF, the scalar tail 0x7FC0)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(BITS[got.dtype])[~nan], want.view(BITS[want.dtype])[~nan])
+
+
+@pytest.mark.parametrize("h", [1, 15, 16, 40, 300], ids=lambda h: f"h{h}")
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_triton_kernel_matches_reference_bitwise(dtype, h, triton_dropout):
+    """The launcher on CPU tensors (interpreter): the torch reference's bits for every rows x row_offset x p,
+    row_offset near 2**62 included (the int64 row's high word in the Philox counter)."""
+    gen = torch.Generator().manual_seed(h)
+    for rows in (1, 7, 33):
+        for row_offset in (0, 2**62 - 20):
+            for p in (0.1, 0.5, 0.99):
+                spec = DropoutSpec(p, 2**40 + 77, row_offset)
+                x = torch.randn(rows, h, generator=gen).to(dtype)
+                got = triton_dropout(x, spec.seed, spec.row_offset, spec.threshold)
+                _assert_bitwise(got, _reference(x, spec))
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_triton_kernel_non_finite_dropped_is_zero_kept_passes(dtype, triton_dropout):
+    """inf, -inf and NaN in dropped positions give 0; kept ones pass through (inf * scale, NaN); [..., h]
+    inputs keep their shape (rows of h across the leading dims)."""
+    spec = DropoutSpec(0.5, 31, 2**33 + 5)
+    keep = spec.keep_mask_2d(6, 40, "cpu")
+    x = torch.randn(6, 40).to(dtype)
+    specials = torch.tensor([float("inf"), float("-inf"), float("nan")]).to(dtype)
+    x[::2, 1::3] = specials[0]
+    x[1::2, ::4] = specials[1]
+    x[:, 2::5] = specials[2]
+    assert (~x.isfinite() & keep).any() and (~x.isfinite() & ~keep).any()
+    got = triton_dropout(x.view(2, 3, 40), spec.seed, spec.row_offset, spec.threshold)
+    assert got.shape == (2, 3, 40)
+    _assert_bitwise(got.view(6, 40), _reference(x, spec))
+    assert (got.view(6, 40)[~keep] == 0).all()
+
+
+def test_triton_launcher_validates_inputs(triton_dropout):
+    x = torch.randn(3, 8)
+    for args, match in (((x.t(), 1, 0, 26), "x must be a contiguous"), ((x.double(), 1, 0, 26), "float64"),
+                        ((x, 1, 0, 0), r"threshold P must be an int in \[1, 256\), got 0"),
+                        ((x, 1, 0, 256), "got 256"), ((x, -1, 0, 26), "seed must be"),
+                        ((x, 1, 2**62, 26), r"row_offset must be an int in \[0, 2\*\*62\)")):
+        with pytest.raises(ValueError, match=match):
+            triton_dropout(*args)
+    assert triton_dropout(torch.randn(0, 8), 1, 0, 26).shape == (0, 8)
+
+
+def test_apply_keep_mask_takes_the_triton_kernel_without_the_cuda_extension(monkeypatch):
+    """A CUDA tensor on a machine where seqpar._C is not built (or has no kernels for the GPU) but Triton
+    runs: the Triton kernel, not the torch reference's hundred small ops per mask. Simulated with fake CUDA
+    tensors (no GPU needed); the launchers are custom ops with fake implementations. float64 and a GPU
+    with neither kernel take the reference."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    dropout_module = importlib.import_module("seqpar.ops.dropout")   # seqpar.ops.dropout is also a function
+
+    launched = []
+    for name in ("_cuda_dropout", "_triton_dropout"):
+        kernel = getattr(dropout_module, name)
+        monkeypatch.setattr(dropout_module, name,
+                            lambda *args, name=name, kernel=kernel: launched.append(name) or kernel(*args))
+    no_cuda = "seqpar._C is not built (no nvcc at install)"
+    spec = DropoutSpec(0.25, 9, 2**40)
+    cases = {  # (cuda reason, triton reason, dtype) -> the launcher that runs (None: the torch reference)
+        (None, None, torch.bfloat16): "_cuda_dropout",
+        (no_cuda, None, torch.bfloat16): "_triton_dropout",
+        (no_cuda, None, torch.float16): "_triton_dropout",
+        (no_cuda, None, torch.float32): "_triton_dropout",
+        (no_cuda, None, torch.float64): None,
+        (no_cuda, "triton is not importable", torch.bfloat16): None,
+    }
+    for (cuda_reason, triton_reason, dtype), want in cases.items():
+        monkeypatch.setattr(_ext, "cuda_unavailable_reason", lambda device, r=cuda_reason: r)
+        monkeypatch.setattr(_ext, "triton_unavailable_reason", lambda device, auto=False, r=triton_reason: r)
+        launched.clear()
+        with FakeTensorMode():
+            x = torch.empty(6, 3, 40, device="cuda", dtype=dtype)
+            out = dropout(x, spec)
+        assert isinstance(out, FakeTensor) and out.shape == x.shape and out.dtype == x.dtype and out.is_cuda
+        assert launched == ([want] if want else []), (cuda_reason, triton_reason, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cols", [1000, 1003, 4099], ids=["aligned", "ragged", "chunked"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_triton_kernel_on_gpu_matches_reference(dtype, cols, monkeypatch):
+    """On a GPU, with the CUDA extension set aside: apply_keep_mask runs the Triton kernel (column blocks
+    of 1024 on the device), bit for bit the torch reference's values computed on the CPU."""
+    from tests.gpu import skip_unless_backend_runs
+
+    skip_unless_backend_runs("triton")
+    dropout_module = importlib.import_module("seqpar.ops.dropout")
+    launched = []
+    kernel = dropout_module._triton_dropout
+    monkeypatch.setattr(dropout_module, "_triton_dropout", lambda *args: launched.append(True) or kernel(*args))
+    monkeypatch.setattr(_ext, "cuda_unavailable_reason", lambda device: "set aside by the test")
+    spec = DropoutSpec(0.1, 2**40 + 3, 2**32 - 77)
+    x = torch.randn(300, cols, device="cuda").to(dtype)
+    got = apply_keep_mask(x, spec)
+    assert launched == [True]
+    _assert_bitwise(got.cpu(), _reference(x.cpu(), spec))

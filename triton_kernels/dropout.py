@@ -1,0 +1,97 @@
+"""Triton kernel for rows-dropout with a regenerated mask (no autograd here): the Triton twin of
+csrc/dropout.cu and of the torch reference in :func:`seqpar.ops.dropout.apply_keep_mask`.
+
+On ``x`` viewed as ``[rows, h]`` (P = round(p * 256) in [1, 256); see :mod:`seqpar.random`)::
+
+    keep[r, c] = mask_byte(seed, row_offset + r, c) >= P     # triton_kernels/philox.py's keep_mask
+    out[r, c]  = where(keep, x * scale, 0)                   # scale = float32(256 / (256 - P)); in fp32,
+                                                             # rounded once to x's dtype
+
+A dropped inf or NaN is 0 (a select, not a multiply by the mask). Bit for bit the mask and values of
+the torch reference and of the CUDA kernel. The backward of dropout is the same kernel on the gradient.
+
+==============  ===============  ==============================================
+tensor          shape            dtype
+==============  ===============  ==============================================
+x               [..., h]         fp32 / fp16 / bf16; contiguous (rows of h)
+out             like x           like x (contiguous)
+==============  ===============  ==============================================
+
+Program (i, j) covers rows ``i * BLOCK_M ..`` and columns ``j * BLOCK_N ..`` (BLOCK_N >= 16, a power of
+two: whole 16-column groups, one Philox call each, drawn in the tile's own layout).
+Only core ``tl`` ops are used, so everything runs under ``TRITON_INTERPRET=1`` on CPU tensors.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..random import dropout_scale
+from . import rows as R
+from .philox import keep_mask
+from .rows import cast_rne
+
+__all__ = ["dropout_rows", "DTYPES", "BLOCK_COLUMNS", "TILE_ELEMENTS"]
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Widest column block, and the elements of one tile on a GPU: a memory-bound elementwise pass, 16 values
+# per thread at 8 warps (two or four 16-byte accesses each), as the SwiGLU kernels.
+BLOCK_COLUMNS = 1024
+TILE_ELEMENTS = 4096
+NUM_WARPS = 8
+MAX_SEED = 2**62   # the bound of seed and row_offset, as seqpar.ops.dropout.DropoutSpec checks them
+
+
+@triton.jit(do_not_specialize=["threshold", "seed", "row_offset"])
+def _dropout_kernel(X, OUT, n_rows, h, threshold, scale, seed, row_offset, MANUAL_BF16: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)   # rows * h can pass 2**31
+    col_start = tl.program_id(1) * BLOCK_N
+    cols = col_start + tl.arange(0, BLOCK_N)
+    mask = (rows < n_rows)[:, None] & (cols < h)[None, :]
+    offs = rows[:, None] * h + cols[None, :]
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    # Global rows, whole 16-column groups from col_start (a multiple of 16): seqpar.random's mask, drawn in
+    # the tile's layout, where a group's 16-byte vectors sit with 2 (fp16 / bf16) or 4 (fp32) threads that
+    # each draw it. SHARED_GROUPS (one draw per group, its word moved through shared memory) cut the mask's
+    # integer instructions from 10 to 7.75 per element on sm_90a (bf16), but with three barriers and only 5%
+    # fewer instructions in all: not taken.
+    keep = keep_mask(seed, rows + row_offset, col_start, threshold, BLOCK_M, BLOCK_N, False, False)
+    out = tl.where(keep, x * scale, 0.0)
+    tl.store(OUT + offs, cast_rne(out, OUT.dtype.element_ty, MANUAL_BF16), mask=mask)
+
+
+def _config(n_rows: int, h: int):
+    """(BLOCK_M, BLOCK_N, launch options)."""
+    block_n = max(16, triton.next_power_of_2(h))          # the mask comes in whole 16-column groups
+    if R.interpreting():  # few, fat programs: the interpreter's cost is per program
+        return R.rows_per_block(n_rows, block_n, 1 << 15), block_n, {}
+    block_n = min(block_n, BLOCK_COLUMNS)
+    return R.rows_per_block(n_rows, block_n, TILE_ELEMENTS), block_n, {"num_warps": NUM_WARPS}
+
+
+def dropout_rows(x: torch.Tensor, seed: int, row_offset: int, threshold: int) -> torch.Tensor:
+    """``where(keep, x * scale, 0)`` of a contiguous ``x`` [..., h] viewed as rows of h, with the mask of
+    global rows ``row_offset ..`` of stream ``seed`` at byte threshold ``threshold`` (P in [1, 256)).
+    Returns a new contiguous tensor of x's shape and dtype; ValueError for anything else."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in DTYPES or x.dim() < 1 or not x.is_contiguous():
+        got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be a contiguous fp32 / fp16 / bf16 [..., h] tensor, got {got}")
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or not 1 <= threshold < 256:
+        raise ValueError(f"dropout threshold P must be an int in [1, 256), got {threshold!r}")
+    for name, value in (("seed", seed), ("row_offset", row_offset)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_SEED:
+            raise ValueError(f"{name} must be an int in [0, 2**62), got {value!r}")
+    out = R.empty(x.shape, x.dtype, x.device)
+    h = x.shape[-1]
+    n_rows = x.numel() // h if h else 0
+    if n_rows == 0:
+        return out
+    block_m, block_n, launch = _config(n_rows, h)
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(h, block_n))
+    if grid[1] > 65535:   # CUDA's grid y limit
+        raise ValueError(f"h = {h} is too wide: at most {65535 * block_n} columns")
+    _dropout_kernel[grid](x, out, n_rows, h, threshold, dropout_scale(threshold), seed, row_offset,
+                          MANUAL_BF16=R.interpreting(), BLOCK_M=block_m, BLOCK_N=block_n, **launch)
+    return out
