@@ -30,7 +30,7 @@ class FusedBiasDropoutAddLayerNorm(LayerNorm):
 
     Args:
         hidden_size: h, the normalised (last) dimension.
-        eps: LayerNorm epsilon (> 0).
+        eps: LayerNorm epsilon (finite, at least fp32's smallest normal number 1.18e-38).
         p: dropout probability in [0, 1), applied in training mode; the effective probability is
             ``round(p * 256) / 256`` (:func:`seqpar.random.effective_dropout_p`), and
             ``round(p * 256) >= 256`` is a ValueError.

@@ -91,8 +91,9 @@ class LayerNorm(_ReplicatedNorm):
     ``forward(x)``: x [..., h] -> [..., h]; a bf16 / fp16 x with fp32 parameters is normalised with fp32
     statistics and returned in x's dtype, as ``torch.nn.LayerNorm`` does. Under ``sequence_parallel`` x
     is this rank's sequence shard and the parameters' gradients are summed over ``tp_group``. ValueError
-    at construction for a hidden_size that is not a positive int, a non-positive eps, a non-floating
-    dtype or a tp_group without this rank; at the call for an x whose last dim is not h.
+    at construction for a hidden_size that is not a positive int, an eps that is not finite or below fp32's
+    smallest normal number (:func:`seqpar.ops.registry.check_eps`), a non-floating dtype or a tp_group
+    without this rank; at the call for an x whose last dim is not h.
 
     ``backend`` selects the kernels of the fused :meth:`after_bias_dropout_add`; the standalone
     ``forward(x)`` is ``torch.nn.functional.layer_norm`` (already one kernel) on every backend.
@@ -130,6 +131,9 @@ class RMSNorm(_ReplicatedNorm):
     saves only the sum and the fp32 rstd). With a bias or active dropout the sum is first formed by
     :func:`seqpar.ops.bias_dropout_add` (its mask regenerated, nothing saved), then normalised: the
     same numbers and memory, one more pass over the activations (Llama has neither).
+
+    ``eps`` defaults to 1e-6, HF LlamaRMSNorm's and Liger's, not ``torch.nn.RMSNorm``'s (None: fp32's
+    machine epsilon, 1.19e-7): a drop-in for the latter passes ``eps=torch.finfo(torch.float32).eps``.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, tp_group: ProcessGroup = None,

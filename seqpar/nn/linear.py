@@ -264,6 +264,10 @@ class RowParallelLinear(_TensorParallelLinear):
             return reduce_scatter_plan(x, self.weight, self.tp_group, self.overlap_comm)
 
         plan = self._check_input(x, self.in_features // t, plan)
+        if t == 1 and not self.skip_bias_add:
+            # nn.Linear's math: the bias inside the GEMM, one rounding (g-bar / f-bar are the identity at t = 1;
+            # on more ranks the bias must follow the reduction, as in Megatron: two roundings in bf16)
+            return nn.functional.linear(x, self.weight, self.bias)
         if self.sequence_parallel:
             y = _matmul_reduce_scatter(x, self.weight, None, self.tp_group, plan)
         else:

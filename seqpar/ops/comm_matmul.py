@@ -294,7 +294,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
 def _check(x, weight, bias, x_name):
     registry.check_dense(**{x_name: x, "weight": weight, "bias": bias})
     if not isinstance(x, torch.Tensor) or x.dim() < 2 or not x.is_floating_point():
-        raise ValueError(f"{x_name} must be a floating [s, b, k] tensor, got "
+        raise ValueError(f"{x_name} must be a floating [..., k] tensor of at least 2 dims ([s, b, k] in a layer), got "
                          f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"weight must be a [n, {x.shape[-1]}] tensor ({x_name}'s inner dim), got "

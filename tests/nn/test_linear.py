@@ -77,3 +77,17 @@ def test_constructor_arguments_are_checked(layer_cls, args, kwargs, match):
     [8, 1] weight; a flag "False" was truthy: SP on, the output [8, 2, 4] instead of [4, 2, 4] at t = 2."""
     with pytest.raises(ValueError, match=match):
         layer_cls(*args, **kwargs)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["plain", "sp"])
+def test_row_parallel_at_t1_is_nn_linear_bit_for_bit_in_bf16(sp):
+    """The module docstring says t = 1 is plain nn.Linear math; RowParallelLinear matmul'ed, rounded to bf16,
+    then added the bias (a second rounding): 268 of 1024 bf16 outputs differed from nn.Linear's."""
+    gen = torch.Generator().manual_seed(0)
+    layer = RowParallelLinear(64, 32, sequence_parallel=sp, dtype=torch.bfloat16)
+    reference = torch.nn.Linear(64, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.bias.copy_(torch.randn(32, generator=gen))
+        reference.load_state_dict(layer.state_dict())
+    x = torch.randn(8, 4, 64, generator=gen).bfloat16()
+    assert torch.equal(layer(x), reference(x))
