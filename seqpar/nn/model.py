@@ -238,8 +238,10 @@ class GPTEmbedding(nn.Module):
         super().__init__()
         self.word_embeddings = VocabParallelEmbedding(vocab_size, hidden_size, tp_group=tp_group,
                                                       device=device, dtype=dtype, padding_idx=padding_idx)
-        self.position_embeddings = (nn.Embedding(max_seq_len, hidden_size, device=device, dtype=dtype)
-                                    if learned_positions else None)
+        # Zeros, filled by GPTModel from its own generator: nn.Embedding's default init drew from torch's CPU
+        # generator, shifting every later dropout seed (with max_seq_len, or another model built after it).
+        self.position_embeddings = (nn.Embedding(max_seq_len, hidden_size, _weight=torch.zeros(
+            max_seq_len, hidden_size, device=device, dtype=dtype)) if learned_positions else None)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         word = self.word_embeddings(tokens)                                                  # [b, s, h]

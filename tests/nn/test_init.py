@@ -122,3 +122,24 @@ def test_repr_shows_each_layer_s_policy_and_the_vocabulary_shard():
     assert "layer_number=0, recompute='none', tp=1, sequence_parallel=False" in text
     assert "layer_number=1, recompute='full', tp=1" in text
     assert "VocabParallelEmbedding(vocab_size=20, padded_vocab_size=128, hidden_size=16, tp=1, rows=[0, 20))" in text
+
+
+def test_building_a_model_draws_nothing_from_torch_s_generator():
+    """The learned position table was a default nn.Embedding, whose init drew from torch's CPU generator
+    (then overwritten): every later dropout seed moved with max_seq_len or with another model built after
+    the first, and a model built on meta (to_empty + reset_parameters) trained with other masks than one
+    built directly (losses 5.4174 vs 5.4284, the same weights)."""
+    cfg = seqpar.TransformerConfig(hidden_size=16, num_attention_heads=2, hidden_dropout=0.1, attention_dropout=0.1)
+    tokens = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(1))
+
+    def loss(build_on_meta: bool) -> torch.Tensor:
+        seqpar.manual_seed(0)
+        state = torch.get_rng_state()
+        model = seqpar.GPTModel(cfg, 1, 20, 16, device="meta" if build_on_meta else None)
+        assert torch.equal(torch.get_rng_state(), state)
+        if build_on_meta:
+            model.to_empty(device="cpu")
+            model.reset_parameters()
+        return model(tokens[:, :-1], tokens[:, 1:]).mean()
+
+    assert torch.equal(loss(build_on_meta=False), loss(build_on_meta=True))
