@@ -236,9 +236,15 @@ def test_usage_errors_are_one_line_exit_2(argv, match, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
-def test_bench_cuda_backend_on_cpu_is_a_usage_error(capsys):
+def test_bench_cuda_backend_on_cpu_is_a_usage_error(capsys, monkeypatch):
     err = _usage_error(["bench", "--backend", "cuda"], capsys)
-    assert "--backend cuda can't run" in err and "CUDA tensors" in err
+    assert "--backend cuda can't run on cpu" in err and "CUDA tensors" in err
+    # from the environment: named as such, not as "--backend triton can't run add_rms_norm" (an op the gpt
+    # layer never calls, the first in the registry's order)
+    monkeypatch.setenv("SEQPAR_BACKEND", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    err = _usage_error(["bench"], capsys)
+    assert "SEQPAR_BACKEND=triton can't run on cpu" in err
     err = _usage_error(["bench", "--device", "cuda"], capsys)
     assert "no CUDA device" in err
 

@@ -161,10 +161,14 @@ def _backend_unusable(backend: str, device) -> Optional[str]:
         return str(exc)
     if name == "auto":
         return None
+    source = f"--backend {name}" if backend == name else f"SEQPAR_BACKEND={name}"
+    reason = registry.environment_reason(name, device)   # the device or the install: whatever the op
+    if reason:
+        return f"{source} can't run on {device.type}: {reason}"
     for op in registry.registered_ops():
         reason = registry.unavailable_reason(op, name, device)
         if reason:
-            return f"--backend {name} can't run {op} on {device.type}: {reason}"
+            return f"{source} can't run {op} on {device.type}: {reason}"
     return None
 
 
