@@ -77,6 +77,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 __all__ = ["layer_activation_bytes", "layer_activation_terms", "architecture_kwargs", "model_activation_bytes", "plan_recompute", "evaluate_recompute",
@@ -367,7 +368,8 @@ def recompute_policies(recompute, num_layers: int, layers: str = "layers") -> Tu
     ``num_layers`` names. ValueError naming the offending value otherwise (``layers`` names what the
     list covers in it: "layers", or "layers per pipeline stage")."""
     if isinstance(num_layers, int) and num_layers > MAX_LAYERS:   # its type is checked with the model's sizes
-        raise ValueError(f"num_layers must be at most {MAX_LAYERS} (policies are listed per layer), got {num_layers}")
+        raise ValueError(f"num_layers {num_layers} is more than {MAX_LAYERS}, the most seqpar.memory takes (policies are "
+                         f"listed per layer)")
     if isinstance(recompute, str):
         _check_policy("recompute", recompute)
         return (recompute,) * num_layers
@@ -442,7 +444,7 @@ class _Model:
         for name, value in (("num_layers", num_layers), ("vocab", vocab), ("pp", pp), ("interleave", interleave)):
             _check_positive_int(name, value)
         if num_layers > MAX_LAYERS:   # the planner loops over the layer counts: a typo would run for hours
-            raise ValueError(f"num_layers must be at most {MAX_LAYERS}, got {num_layers}")
+            raise ValueError(f"num_layers {num_layers} is more than {MAX_LAYERS}, the most seqpar.memory takes")
         if interleave > 1 and pp == 1:
             raise ValueError(f"interleave {interleave} needs pipeline parallelism (pp > 1), got pp=1")
         _check_divides("pp" if interleave == 1 else "pp * interleave =", pp * interleave, "num_layers", num_layers)
@@ -774,39 +776,53 @@ class saved_as(contextlib.ContextDecorator):
     manager: 8 labels per layer forward, each a generator's few microseconds.)
     """
 
-    __slots__ = ("label", "_token")
+    __slots__ = ("label", "_tokens")
 
     def __init__(self, label: str) -> None:
-        self.label, self._token = label, None
+        self.label, self._tokens = label, None
 
     def _recreate_cm(self) -> "saved_as":
         return saved_as(self.label)
 
     def __enter__(self) -> None:
         if _active_meters:
-            self._token = _label.set(self.label)
+            # One instance may be entered again inside itself, or by several threads (a module-level
+            # label): a stack of the ContextVar's tokens per thread, each reset where it was set.
+            if self._tokens is None:
+                self._tokens = {}
+            self._tokens.setdefault(threading.get_ident(), []).append(_label.set(self.label))
+        elif self._tokens is not None:
+            self._tokens.setdefault(threading.get_ident(), []).append(None)
 
     def __exit__(self, *exc) -> None:
-        if self._token is not None:
-            _label.reset(self._token)
-            self._token = None
+        if self._tokens is not None:
+            stack = self._tokens.get(threading.get_ident())
+            token = stack.pop() if stack else None
+            if token is not None:
+                _label.reset(token)
 
 
-def _storage_id(t: torch.Tensor) -> Tuple[tuple, StorageWeakRef]:
-    """(key, weak reference) of ``t``'s storage. The key (device, address) is unique among live storages
-    only: once a storage is freed the allocator hands its address to the next one. So whatever is kept
-    per key also keeps a weak reference to the storage itself (``untyped_storage()`` is a new Python
-    object each call, but StorageWeakRef refers to the C++ storage): while it has not ``expired()``,
-    the storage at that address is still the one recorded. It keeps no memory alive."""
-    storage = t.untyped_storage()
-    return (t.device, storage.data_ptr()), StorageWeakRef(storage)
+def _storage_id(t: torch.Tensor) -> Optional[Tuple[tuple, StorageWeakRef]]:
+    """(key, weak reference) of ``t``'s storage; None for a tensor without one (sparse, nested, a wrapper
+    subclass such as DTensor). The key is the C++ storage object's address (``untyped_storage()`` is a
+    new Python object each call; the storage it wraps is not), not its data's: every meta or fake storage
+    has data address 0. It is unique among live storages only: a freed storage's address is handed to
+    the next one. So whatever is kept per key also keeps a weak reference to the storage itself: while
+    it has not ``expired()``, the storage at that address is still the one recorded. It keeps no memory
+    alive."""
+    try:
+        ref = StorageWeakRef(t.untyped_storage())
+    except (NotImplementedError, RuntimeError):   # no storage of its own ("Cannot access storage of ...")
+        return None
+    return (t.device, ref.cdata), ref
 
 
 def name_storage(tensor: torch.Tensor, label: str) -> torch.Tensor:
     """Name ``tensor``'s storage for active meters (it wins over :func:`saved_as`); returns ``tensor``."""
     if _active_meters:
-        key, ref = _storage_id(tensor)
-        _storage_names[key] = (label, ref)
+        ident = _storage_id(tensor)
+        if ident is not None:
+            _storage_names[ident[0]] = (label, ident[1])
     return tensor
 
 
@@ -851,21 +867,55 @@ def _meter_stack() -> List["ActivationMeter"]:
     return _thread.meters
 
 
-def _detached(t: torch.Tensor) -> torch.Tensor:
-    return t.detach()
+def _pack_checked(t: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    # detach: a packed value referring to the tensor itself would form a reference cycle (the saved
+    # output -> its grad_fn -> the saved output) and keep activations alive until gc runs. The version:
+    # with saved-tensor hooks set autograd skips its own check that a saved tensor was not modified in
+    # place, so the hooks check it (a measuring tool must not turn that error into a wrong gradient).
+    return t.detach(), t._version
 
 
-def _unchanged(t: torch.Tensor) -> torch.Tensor:
+def _unpack_checked(packed: Tuple[torch.Tensor, int]) -> torch.Tensor:
+    t, version = packed
+    if t._version != version:
+        raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an "
+                           f"inplace operation: [{t.dtype} {list(t.shape)}] is at version {t._version}; expected "
+                           f"version {version} instead (checked by seqpar.memory's saved-tensor hooks, as autograd "
+                           f"checks it without them)")
     return t
+
+
+def _dense_bytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor without a storage to measure: its values, as if dense (sparse: nnz values and indices)."""
+    if t.layout in (torch.sparse_coo,):
+        return t._values().numel() * t.element_size() + t._indices().numel() * t._indices().element_size()
+    try:
+        return t.numel() * t.element_size()
+    except RuntimeError:
+        return 0
+
+
+_top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _meter_hooks_on_top() -> bool:
+    """Whether the innermost saved-tensor hooks of this thread are a meter's (without torch's query, older
+    torch: whether any meter is active)."""
+    if _top_saved_tensors_hooks is None:
+        return bool(_active_meters)
+    top = _top_saved_tensors_hooks(False)
+    return top is not None and top[0] is ActivationMeter._pack
 
 
 def not_counted():
     """A block whose saved tensors the active meters do not count, for code that counts what it keeps
-    itself (:func:`count_as_saved`); outside any meter, nothing changes. Like a meter, it shadows
-    ``saved_tensors_hooks`` entered before it."""
-    if not _active_meters:
+    itself (:func:`count_as_saved`); nothing changes where a meter's hooks are not the innermost of this
+    thread. Such a block inside another tool's hooks (torch's checkpoint around a recomputed layer) must
+    leave them alone: that tool's re-run in backward, with no meter, would otherwise see saves its
+    forward did not (torch's CheckpointError), and a meter under them sees nothing anyway."""
+    if not _active_meters or not _meter_hooks_on_top():
         return contextlib.nullcontext()
-    return torch.autograd.graph.saved_tensors_hooks(_detached, _unchanged)
+    return torch.autograd.graph.saved_tensors_hooks(_pack_checked, _unpack_checked)
 
 
 def count_as_saved(*tensors: torch.Tensor) -> None:
@@ -935,7 +985,20 @@ class ActivationMeter:
         return "\n".join(lines)
 
     def _record(self, t: torch.Tensor) -> None:
-        key, ref = _storage_id(t)
+        if is_traceable_wrapper_subclass(t):   # DTensor, ...: the tensors it holds
+            for name in t.__tensor_flatten__()[0]:
+                inner = getattr(t, name)
+                if isinstance(inner, torch.Tensor):
+                    self._record(inner)
+            return
+        if t._is_zerotensor():   # forward AD's efficient zero tangent: no memory
+            return
+        ident = _storage_id(t)
+        if ident is None:        # sparse, nested: its bytes, this once (no storage to dedup by)
+            self.records.append(SavedTensorRecord(_label.get(), tuple(t.shape), t.dtype, _dense_bytes(t),
+                                                  _dense_bytes(t)))
+            return
+        key, ref = ident
         seen = self._by_storage.get(key)
         if seen is None or seen[0].expired():  # never seen, or a freed storage's address reused: new
             label = _storage_name(key) or _label.get()
@@ -949,17 +1012,13 @@ class ActivationMeter:
             record.view_bytes = min(record.bytes, record.view_bytes + t.numel() * t.element_size())
 
     @staticmethod
-    def _pack(t: torch.Tensor) -> torch.Tensor:
+    def _pack(t: torch.Tensor) -> Tuple[torch.Tensor, int]:
         if not _is_parameter(t):
             for meter in _meter_stack():
                 meter._record(t)
-        # detach: a packed value referring to the tensor itself would form a reference cycle (the
-        # saved output -> its grad_fn -> the saved output) and keep activations alive until gc runs.
-        return t.detach()
+        return _pack_checked(t)
 
-    @staticmethod
-    def _unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
+    _unpack = staticmethod(_unpack_checked)
 
     def __enter__(self) -> "ActivationMeter":
         global _active_meters

@@ -438,6 +438,8 @@ def test_rows_name_seqpar_s_commit_not_the_project_around_an_installed_copy(tmp_
     from seqpar.bench import results
 
     monkeypatch.delenv("SEQPAR_COMMIT", raising=False)
+    tmp_path = tmp_path / "a checkout"          # a space in the path (split() read three words)
+    tmp_path.mkdir()
     git = ["git", "-c", "user.email=a@b", "-c", "user.name=a", "-C", str(tmp_path)]
     subprocess.run([*git, "init", "-q"], check=True)
     subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "user project"], check=True)

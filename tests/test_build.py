@@ -104,9 +104,13 @@ def test_the_sdist_manifest_carries_the_cuda_sources_and_the_tests():
     them. setuptools' own template reader over the tracked files, as `setup.py sdist` applies it."""
     from setuptools._distutils.filelist import FileList
 
-    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    try:
+        listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    except FileNotFoundError:
+        pytest.skip("no git")
+    tracked = listed.stdout.split() if listed.returncode == 0 else []
     if not tracked:
-        pytest.skip("not a git checkout")
+        pytest.skip("not a git checkout (an unpacked sdist)")
     files = FileList()
     files.allfiles = tracked
     for line in (ROOT / "MANIFEST.in").read_text().splitlines():

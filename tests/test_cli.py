@@ -220,7 +220,7 @@ def _usage_error(argv, capsys):
     (["plan", "--model", "22B", "--gpu-memory", "1e300"], "--gpu-memory must be finite and positive, got 1e+300"),
     # a byte count that overflows: a ZeroDivisionError traceback (the overflowed baseline was NaN, then 0)
     (["plan", "--model", "22B", "--bytes-per-mask", "1e308"], "one layer's activations overflows a float byte count"),
-    (["plan", "--model", "22B", "--layers", "10000000000"], "must be at most 65536"),
+    (["plan", "--model", "22B", "--layers", "10000000000"], "--layers 10000000000 is more than 65536"),
     (["plan", "--model", "22B", "--plot", "/nonexistent/dir/x.png"],
      "--plot /nonexistent/dir/x.png: its folder /nonexistent/dir does not exist"),
     (["bench", "--json", "/nonexistent/dir/x.json"], "--json /nonexistent/dir/x.json: its folder /nonexistent/dir"),

@@ -1,4 +1,5 @@
 """seqpar.memory: the paper's Table 2 and whole-model formulas and the ActivationMeter's accounting."""
+import contextlib
 import gc
 import weakref
 
@@ -205,7 +206,7 @@ def test_interleaved_schedule_holds_paper_factor(p, m):
     (dict(recompute=["none"] * 7 + ["some"]), r"recompute\[7\].*some"), (dict(recompute=None), "None"),
     (dict(tp=3), "tp 3 does not divide heads 4"), (dict(bytes_per_mask=-1), "-1"),
     (dict(bytes_per_element=1e304), "the model's activations overflows a float byte count"),  # was 0.0
-    pytest.param(dict(num_layers=10**25), "num_layers must be at most 65536",   # an OverflowError building the list
+    pytest.param(dict(num_layers=10**25), "num_layers 10000000000000000000000000 is more than 65536",   # an OverflowError building the list
                  id="num_layers=10**25"),
 ])
 def test_model_formula_rejects_bad_values_by_name(kwargs, match):
@@ -420,3 +421,90 @@ def test_nothing_is_counted_when_nothing_needs_a_gradient(recompute):
     counted full recompute's input (4096 bytes) and selective's Q, K, V (12288)."""
     meter, casts_alive = _metered_layer_forward(recompute, trainable=False)
     assert (meter.bytes, casts_alive) == (0, 0)
+
+
+def test_the_meter_keeps_autograd_s_in_place_check():
+    """Saved-tensor hooks turn off autograd's version check: under the meter an in-place change of a saved
+    tensor gave a silently wrong gradient (norm 9.63 for 6.47) instead of autograd's error."""
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+    with ActivationMeter():
+        y = torch.sigmoid(lin(x))      # sigmoid saves its output
+    y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_the_meter_leaves_an_outer_torch_checkpoint_alone():
+    """A selective-recompute layer inside torch's non-reentrant checkpoint (checkpoint_wrapper): with a
+    meter open, seqpar's own checkpoint shadowed the outer one's hooks in the forward only, and its
+    re-run saw one tensor more (CheckpointError "Recomputed values ... have different metadata")."""
+    import seqpar
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    seqpar.manual_seed(0)
+    cfg = seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4, recompute="selective", backend="torch")
+    layer = checkpoint_wrapper(seqpar.TransformerLayer(cfg))
+    x = torch.randn(8, 2, 32, requires_grad=True)
+    grads = []
+    for metered in (False, True):
+        with ActivationMeter() if metered else contextlib.nullcontext():
+            y = layer(x)
+        grads.append(torch.autograd.grad(y.square().sum(), x)[0])
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+def test_the_meter_counts_sparse_meta_and_fake_tensors():
+    """A saved sparse tensor crashed the meter ("Cannot access storage"); on meta or fake tensors every
+    storage has data address 0, and all of them collapsed into one record (4096 bytes for 36864)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def saved_bytes(device, mode=contextlib.nullcontext()):
+        with mode:
+            w = torch.randn(64, 32, device=device, requires_grad=True)
+            x = torch.randn(16, 64, device=device)
+            with ActivationMeter() as meter:
+                h = torch.tanh(x @ w)                  # saves x (4 KiB) and tanh's output (2 KiB)
+                torch.sigmoid(h * 2)                   # saves the sigmoid's output (2 KiB)
+        return meter.bytes, len(meter.records)
+
+    assert saved_bytes("cpu") == saved_bytes("meta") == saved_bytes("cpu", FakeTensorMode()) == (8192, 3)
+    sparse = torch.randn(8, 8).relu().to_sparse().requires_grad_()
+    with ActivationMeter() as meter:
+        torch.sparse.mm(sparse, torch.randn(8, 4, requires_grad=True))
+    assert meter.bytes > 0
+
+
+def test_one_label_instance_entered_twice_or_in_two_threads():
+    """saved_as kept one token: entered inside itself it left its label set after the block (a later,
+    unrelated meter still used it); shared by two threads it raised "created in a different Context"."""
+    import threading
+
+    import seqpar.memory as memory
+
+    label = saved_as("blk")
+    x = torch.randn(4, 8, requires_grad=True)
+    with ActivationMeter() as meter:
+        with label:
+            with label:
+                pass
+            x.exp()
+        (x * 3).sin()
+    assert meter.by_label() == {"blk": 128, "unlabelled": 128} and memory._label.get() == "unlabelled"
+    errors = []
+
+    def work():
+        try:
+            with ActivationMeter():
+                for _ in range(200):
+                    with label:
+                        x.exp()
+        except Exception as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []

@@ -24,7 +24,7 @@ def git_commit() -> str:
         return os.environ["SEQPAR_COMMIT"]
     try:
         top, commit = subprocess.check_output(["git", "rev-parse", "--show-toplevel", "--short", "HEAD"], cwd=_REPO,
-                                              stderr=subprocess.DEVNULL, text=True).split()
+                                              stderr=subprocess.DEVNULL, text=True).splitlines()
     except Exception:  # noqa: BLE001 - not a checkout
         return "unknown"
     return commit if os.path.samefile(top, _REPO) else "unknown"

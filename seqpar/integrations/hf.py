@@ -24,8 +24,8 @@ Weight mapping (GPT-2's ``Conv1D`` stores [in, out]; seqpar, like ``nn.Linear``,
 
 Config mapping: ``n_embd``, ``n_head``, ``n_inner`` (None -> 4h), ``n_layer``, ``n_positions``
 (max_seq_len), ``vocab_size`` (padded inside GPTModel, see :mod:`seqpar.nn.model`),
-``layer_norm_epsilon``, ``activation_function`` ("gelu_new" and "gelu_pytorch_tanh" -> "gelu_tanh",
-"gelu" -> "gelu"), ``resid_pdrop`` / ``attn_pdrop`` / ``embd_pdrop`` -> hidden / attention / embedding
+``layer_norm_epsilon``, ``activation_function`` (:data:`GPT2_ACTIVATIONS`: "gelu_new", "gelu_pytorch_tanh",
+"gelu_fast", "gelu_accurate", "gelu_python_tanh" -> "gelu_tanh"; "gelu", "gelu_python" -> "gelu"), ``resid_pdrop`` / ``attn_pdrop`` / ``embd_pdrop`` -> hidden / attention / embedding
 dropout (seqpar's counter-based masks, not torch's: with dropout on, runs differ from HF's).
 ``reorder_and_upcast_attn`` is accepted: seqpar always computes attention scores and softmax in fp32.
 GPT-2 variants seqpar does not implement raise ValueError naming the setting.
@@ -58,7 +58,8 @@ Config: ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads`` (None:
 ``vocab_size`` (any; padded inside GPTModel), ``rms_norm_eps``, the RoPE base (``rope_parameters``,
 or ``rope_theta`` in older transformers). Unsupported settings raise ValueError naming them: a RoPE type
 other than "default" (linear, dynamic, yarn, llama3 ... scaling), ``attention_bias`` or ``mlp_bias``,
-a ``head_dim`` other than hidden_size / num_attention_heads, a ``hidden_act`` other than "silu".
+a ``head_dim`` other than hidden_size / num_attention_heads, a ``hidden_act`` other than "silu" (or
+"swish", HF's other name for it).
 
 This module never imports ``transformers``: it reads the config's attributes and the state dict.
 """

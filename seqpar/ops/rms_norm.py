@@ -297,11 +297,11 @@ def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
     flow to x, residual and weight. Any layout of x / residual: rows that can't be viewed as ``[rows, h]``
     with unit column stride are copied first. ValueError (naming the value) for x or residual not a
     floating [..., h] tensor, a residual of another shape, dtype or device than x, a weight not a floating
-    [h] tensor on x's device (any floating dtype: read as fp32), an eps that is not positive and finite,
-    or a backend that can't run it.
+    [h] tensor on x's device (any floating dtype: read as fp32), an eps that is not finite or below fp32's
+    smallest normal number (:func:`seqpar.ops.registry.check_eps`), or a backend that can't run it.
 
     Args:
-        eps: added to the mean square (positive, finite).
+        eps: added to the mean square (finite, at least 1.18e-38).
         backend: "auto" | "torch" | "triton" | "cuda" (see :mod:`seqpar.ops.registry`).
     """
     check_row_inputs(x, residual, {"weight": weight}, eps, _DTYPES, residual_optional=True)
