@@ -299,8 +299,10 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         if x.device != device:
             return f"x is on {x.device} but the layer's parameters are on {device}"
         if self.config.add_bias_linear and FSDP_UNIT:
-            for name in ("self_attention", "mlp", "self_attention.dense", "mlp.dense_4h_to_h"):
-                if isinstance(self.get_submodule(name), FSDP_UNIT):
+            attention, mlp = self.self_attention, self.mlp
+            for name, block in (("self_attention", attention), ("mlp", mlp), ("self_attention.dense", attention.dense),
+                                ("mlp.dense_4h_to_h", mlp.dense_4h_to_h)):
+                if isinstance(block, FSDP_UNIT):
                     return (f"{name} is its own FSDP2 unit (fully_shard): it returns its output bias, a parameter, "
                             "to the layer's fused bias-dropout-add, and FSDP2 frees that parameter when the unit "
                             "reshards after its forward. fully_shard each whole layer, then the model")

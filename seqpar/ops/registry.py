@@ -296,5 +296,5 @@ def check_sizes(**sizes) -> None:
 def check_param_dtype(dtype) -> None:
     """ValueError unless ``dtype`` is None or a floating ``torch.dtype`` (a module's parameters train)."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"dtype must be None or a floating torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+        raise ValueError(f"dtype must be None or a floating dtype (a torch.dtype, e.g. torch.bfloat16), got {dtype!r}")
 

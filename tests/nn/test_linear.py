@@ -70,7 +70,7 @@ def test_all_gather_matmul_output_takes_in_place_ops():
     ((8, "4"), {}, "out_features must be a positive int, got '4'"),
     ((8, 8), dict(sequence_parallel="False"), "sequence_parallel must be a bool, got 'False'"),
     ((8, 8), dict(bias="no"), "bias must be a bool, got 'no'"),
-    ((8, 8), dict(dtype=torch.int64), "dtype must be None or a floating torch.dtype"),
+    ((8, 8), dict(dtype=torch.int64), "dtype must be None or a floating dtype"),
 ], ids=["negative", "float", "bool", "string", "sp-string", "bias-string", "int-dtype"])
 def test_constructor_arguments_are_checked(layer_cls, args, kwargs, match):
     """Sizes failed in torch.empty (RuntimeError / TypeError), blamed partition_blocks, or (a bool) built a

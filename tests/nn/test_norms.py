@@ -36,8 +36,8 @@ def test_an_input_that_is_not_hidden_sized_is_a_value_error(kind, x, got):
     (dict(eps=1e-320), "eps must be a finite float"),          # 0 in fp32: a constant row would give NaN
     (dict(eps=2**2000), "eps must be a finite float"),         # past float's range (was an OverflowError)
     (dict(sequence_parallel="False"), "sequence_parallel must be a bool, got 'False'"),
-    (dict(dtype="bfloat16"), "dtype must be None or a floating torch.dtype"),
-    (dict(dtype=torch.int64), "dtype must be None or a floating torch.dtype"),
+    (dict(dtype="bfloat16"), "dtype must be None or a floating dtype"),
+    (dict(dtype=torch.int64), "dtype must be None or a floating dtype"),
 ], ids=["eps-nan", "eps-inf", "eps-0-in-fp32", "eps-huge-int", "sp-string", "dtype-string", "dtype-int"])
 def test_constructor_arguments_are_checked(kind, kwargs, match):
     """LayerNorm took eps nan (every output NaN) and inf (every output 0); a string flag "False" was
