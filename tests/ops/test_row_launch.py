@@ -193,7 +193,14 @@ def test_gpu_pipelined_row_loop_computes_the_same_bits(monkeypatch, op, h):
         return torch.autograd.grad((y, ro), [x, res, w] + ([b, bias] if op == "layer_norm" else []),
                                    (grads, 0.5 * grads))
 
+    # The same grid for both loops: the pipelined loop's shared memory can fit fewer programs per SM, and
+    # another row split sums the weight gradient's column partials in another order (rms_norm h 4096 on an
+    # H200: equal but for the last bits of dw). The bits of one split are what this test compares.
+    from seqpar.triton_kernels import rows as R
+    wave_programs, waves = R.wave_programs, []
+    monkeypatch.setattr(R, "wave_programs", lambda *args: waves.append(wave_programs(*args)) or waves[-1])
     shipped = run()
+    monkeypatch.setattr(R, "wave_programs", lambda *args: waves.pop(0))
     monkeypatch.setattr(L if op == "layer_norm" else M, "BWD_ROW_STAGES", 2)
     for got, want in zip(run(), shipped):
         assert torch.equal(got, want)
