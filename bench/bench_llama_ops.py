@@ -1,19 +1,21 @@
 #!/usr/bin/env python3
-"""Benchmark: the Llama-block ops (issue 14), fwd / bwd / fwd+bwd: residual add + RMSNorm, SwiGLU, RoPE.
+"""Benchmark: the Llama-block ops (issue 14), fwd / bwd / fwd+bwd: residual add + RMSNorm, SwiGLU, RoPE;
+and the standalone dropout (GPT's MLP output and embeddings, outside the fused LayerNorm).
 
     rmsnorm  y, residual_out = add_rms_norm(x, residual, w)            x, residual [tokens, h]
     swiglu   y = silu(gate) * up                                        gate_up [tokens, 2n]
     rope     q_rot, k_rot = rotary_embedding(q, k)                      q [s, b, Hq, d], k [s, b, Hk, d]
+    dropout  y = dropout(x, p = 0.1), the mask regenerated in backward  x [tokens, h]
 
 Default sweep (bf16): rmsnorm tokens 16384 x h {4096, 8192}; swiglu tokens 16384 x n {11008, 14336};
-rope s 4096 x b 4, Hq 32, Hk 8, d 128 (``--ops``, ``--tokens``, ``--hidden``, ``--ffn``, ``--seq``,
+rope s 4096 x b 4, Hq 32, Hk 8, d 128; dropout tokens 16384 x h {4096, 8192} (``--ops``, ``--tokens``, ``--hidden``, ``--ffn``, ``--seq``,
 ``--batch``, ``--heads``, ``--kv-heads``, ``--head-dim``, ``--dtype`` change it).
 
 Providers (a provider that can't run is reported and skipped):
-    seqpar-cuda       the op with backend="cuda"
-    seqpar-triton     the op with backend="triton"
+    seqpar-cuda       the op with backend="cuda" (dropout: its kernel, seqpar::dropout_cuda)
+    seqpar-triton     the op with backend="triton" (dropout: seqpar::dropout_triton)
     torch-eager       HF Llama's formulas: residual + hidden then LlamaRMSNorm; F.silu(gate) * up;
-                      apply_rotary_pos_emb on HF's [b, H, s, d] layout
+                      apply_rotary_pos_emb on HF's [b, H, s, d] layout; F.dropout (a stored bool mask)
     torch-compile     torch.compile of the torch-eager functions (Inductor, default mode), compiled
                       afresh for each configuration with static shapes
     liger             Liger-Kernel, if importable: torch add + LigerRMSNorm; LigerSiLUMulFunction;
@@ -36,6 +38,7 @@ element, N tokens; weights and per-row statistics ignored):
              bwd  reads grad_y, gate_up, writes grad_gate_up                     5 N n E
     rope     fwd  reads and writes q and k                                       2 s b (Hq + Hk) d E
              bwd  the same on the gradients                                      2 s b (Hq + Hk) d E
+    dropout  fwd  reads x, writes y; bwd reads grad_y, writes grad_x             2 N h E each
 and is reported as GB/s and as a fraction of the device's copy bandwidth, measured by the script (a
 device-to-device copy of a 1 GiB buffer). Issue target (GPU): rmsnorm and swiglu >= 0.85 of copy bandwidth,
 read from the GPU time.
@@ -62,6 +65,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -83,7 +87,8 @@ from seqpar.bench.options import comma_list, fill_defaults  # noqa: E402
 from seqpar.bench.results import ResultRows  # noqa: E402
 from seqpar.bench.variants import DesignVariant, applied, print_bwd_ratios  # noqa: E402
 
-OPS = ("rmsnorm", "swiglu", "rope")
+OPS = ("rmsnorm", "swiglu", "rope", "dropout")
+DROPOUT_P = 0.1
 PROVIDERS = ["seqpar-cuda", "seqpar-triton", "torch-eager", "torch-compile", "liger", "variant-triton-bwd-w16",
              "variant-triton-bwd-pipelined", "seqpar-torch"]
 
@@ -172,6 +177,35 @@ def _rnd(g: torch.Generator, *shape, dtype, device, scale=1.0, grad=False):
     return (scale * torch.randn(*shape, generator=g)).to(device=device, dtype=dtype).requires_grad_(grad)
 
 
+def _pinned_dropout(x: torch.Tensor, backend: str, device: torch.device) -> Callable[[], Sequence[torch.Tensor]]:
+    """seqpar's dropout on one backend: seqpar.ops.dropout picks its kernel itself (CUDA, else Triton, else the
+    torch reference), so each provider calls its kernel through the same regenerate-in-backward Function."""
+    from seqpar.ops import registry
+
+    D = importlib.import_module("seqpar.ops.dropout")   # the module (seqpar.ops.dropout is also the function)
+    reason = registry.environment_reason(backend, device) if backend != "torch" else None
+    if reason:
+        raise RuntimeError(reason)
+    spec = D.make_dropout_spec(DROPOUT_P, True, 1234)
+    if backend == "torch":
+        def kernel(t):
+            return torch.where(spec.keep_mask_2d(t.numel() // t.shape[-1], t.shape[-1], t.device), t * spec.scale, 0.0)
+    else:
+        op = D._cuda_dropout if backend == "cuda" else D._triton_dropout
+        kernel = lambda t: op(t, spec.seed, spec.row_offset, spec.threshold)  # noqa: E731
+
+    class Pinned(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return kernel(t)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return kernel(grad.contiguous())
+
+    return lambda: (Pinned.apply(x),)
+
+
 def make_problem(op: str, provider: str, size: Dict[str, int], dtype, device: torch.device) -> Problem:
     """Inputs and the timed function of ``provider`` on ``op``; RuntimeError when it can't run here."""
     from seqpar import ops
@@ -220,6 +254,21 @@ def make_problem(op: str, provider: str, size: Dict[str, int], dtype, device: to
         nbytes = {"fwd": 4 * n * h * elem, "bwd": 5 * n * h * elem}
         return Problem(op, f"tokens={n},h={h}", [x, res, w], grads, nbytes | {"fwdbwd": 9 * n * h * elem},
                        {provider: fn})
+    if op == "dropout":
+        n, h = size["tokens"], size["hidden"]
+        x = _rnd(g, n, h, dtype=dtype, device=device, grad=True)
+        if backend:
+            fn = _pinned_dropout(x, backend, device)
+        elif provider == "torch-eager":
+            fn = lambda: (F.dropout(x, DROPOUT_P),)  # noqa: E731
+        elif provider == "torch-compile":
+            compiled = compiled_for_one_shape(lambda t: F.dropout(t, DROPOUT_P), device)
+            fn = lambda: (compiled(x),)  # noqa: E731
+        else:
+            raise RuntimeError("Liger-Kernel has no dropout")
+        moved = 2 * n * h * elem
+        return Problem(op, f"tokens={n},h={h}", [x], [_rnd(g, n, h, dtype=dtype, device=device)],
+                       {"fwd": moved, "bwd": moved, "fwdbwd": 2 * moved}, {provider: fn})
     if op == "swiglu":
         n, f = size["tokens"], size["ffn"]
         check("swiglu")
@@ -296,6 +345,8 @@ def bench_config(op: str, provider: str, size: Dict[str, int], dtype, device: to
 def _sizes(op: str, args) -> List[Dict[str, int]]:
     if op == "rmsnorm":
         return [dict(tokens=n, hidden=h) for n in args.tokens for h in args.hidden]
+    if op == "dropout":
+        return [dict(tokens=n, hidden=h) for n in args.tokens for h in args.hidden]
     if op == "swiglu":
         return [dict(tokens=n, ffn=f) for n in args.tokens for f in args.ffn]
     return [dict(seq=s, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
@@ -319,8 +370,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.split("\n")[1:]))
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {OPS}")
-    ap.add_argument("--tokens", help="rmsnorm / swiglu rows (comma-separated; default 16384)")
-    ap.add_argument("--hidden", help="rmsnorm hidden sizes h (comma-separated; default 4096,8192)")
+    ap.add_argument("--tokens", help="rmsnorm / swiglu / dropout rows (comma-separated; default 16384)")
+    ap.add_argument("--hidden", help="rmsnorm / dropout hidden sizes h (comma-separated; default 4096,8192)")
     ap.add_argument("--ffn", help="swiglu widths n (gate_up has 2n; comma-separated; default 11008,14336)")
     ap.add_argument("--seq", help="rope sequence lengths s (comma-separated; default 4096)")
     ap.add_argument("--batch", type=int, help="rope batch b (default 4)")

@@ -13,7 +13,8 @@
 #              backward, on the 12 configurations of >= 1024 tokens; torch-eager is left out: no target
 #              reads it)
 #   llama      bench_llama_ops (180 s; took 126 s in the second run, before its two design variants joined:
-#              4 more RMSNorm configurations)
+#              4 more RMSNorm configurations; and before the standalone dropout joined: 2 configurations
+#              of 4 fast providers, one torch.compile each)
 #   attention  bench_attention, its Triton compiles first, in parallel (100 + 150 s; took 25 + 90 s)
 #   layer      python -m seqpar bench --device cuda (the paper's five experiments, 22B layer),
 #              Megatron-Core's layer at the same shape, bench_overlap's chunked-GEMM cost

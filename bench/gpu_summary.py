@@ -10,7 +10,7 @@ Reads the rows that ``bash bench/gpu_suite.sh PART`` wrote on the GPU machine, c
                                   gpu_suite.sh writes this name; an older layer_bench.json is read too)
     bench_megatron_layer.csv      Megatron-Core's layer, the same five experiments and shape
     bench_overlap.csv             the "gemm" part: chunked vs unchunked GEMMs of the comm-overlapped linears
-    bench_llama_ops.csv           residual add + RMSNorm, SwiGLU, RoPE (seqpar backends, torch.compile, Liger)
+    bench_llama_ops.csv           residual add + RMSNorm, SwiGLU, RoPE, dropout (seqpar backends, torch.compile, Liger)
     profile_kernels.csv           bench/profile_kernels.py: one fwd+bwd step per kernel case under Nsight
                                   Compute and torch.profiler; not a target: ``profiles`` in the summary
                                   (and its printout) puts the kernels' times and roofline shares beside

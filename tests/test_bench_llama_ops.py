@@ -20,7 +20,7 @@ def test_quick_run_writes_rows(tmp_path):
     with open(tmp_path / "bench_llama_ops.csv") as f:
         rows = list(csv.DictReader(f))
     got = {(r["config"].split(",")[0], r["provider"], r["metric"]) for r in rows}
-    for op in ("op=rmsnorm", "op=swiglu", "op=rope"):
+    for op in ("op=rmsnorm", "op=swiglu", "op=rope", "op=dropout"):
         for provider in ("seqpar-triton", "seqpar-torch", "torch-eager"):
             for metric in ("fwd_ms", "bwd_gbps", "fwdbwd_frac_copy", "fwd_gpu_ms", "bwd_gpu_frac_copy",
                            "fwdbwd_host_ms"):
@@ -55,3 +55,26 @@ def test_the_rmsnorm_backward_variants_change_their_setting_only_inside_their_co
                                                                            head_dim=8))):
             with pytest.raises(RuntimeError, match="only for rmsnorm"):
                 bench_llama_ops.make_problem(op, name, size, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernel runs in its CPU interpreter")
+def test_the_pinned_dropout_providers_compute_seqpar_dropout():
+    """The dropout providers call one kernel each (seqpar.ops.dropout picks its own): seqpar-triton and
+    seqpar-torch give seqpar.ops.dropout's values and input gradient for the same spec, bit for bit."""
+    import importlib
+
+    import torch
+
+    from seqpar import ops
+
+    D = importlib.import_module("seqpar.ops.dropout")
+    size, cpu = dict(tokens=6, hidden=40), torch.device("cpu")
+    spec = D.make_dropout_spec(bench_llama_ops.DROPOUT_P, True, 1234)
+    for provider in ("seqpar-triton", "seqpar-torch"):
+        problem = bench_llama_ops.make_problem("dropout", provider, size, torch.float32, cpu)
+        (x,), (grad,) = problem.leaves, problem.grads
+        (y,) = problem.fns[provider]()
+        (gx,) = torch.autograd.grad(y, x, grad)
+        want = ops.dropout(x.detach(), spec)
+        assert torch.equal(y, want) and (want == 0).any() and (want != 0).any(), provider
+        assert torch.equal(gx, ops.dropout(grad, spec)), provider
