@@ -167,10 +167,12 @@ def _checked_tensors(state_dict: Mapping[str, torch.Tensor], family: str, prefix
     sd = dict(state_dict)
     head = sd.pop(_HEAD, None)
     if any(k.startswith(prefix) for k in sd):
-        bare = sorted(k for k in sd if not k.startswith(prefix))
-        if bare:
-            raise ValueError(f"state dict mixes '{prefix}'-prefixed keys with unprefixed ones: {bare[:5]}")
-        sd = {k[len(prefix):]: v for k, v in sd.items()}
+        # An unprefixed body key beside prefixed ones is a mix; any other unprefixed key (a classification
+        # head's score.weight) is left for check_shapes to name as unexpected.
+        mixed = sorted(k for k in sd if not k.startswith(prefix) and (k in shapes or buffers.match(k)))
+        if mixed:
+            raise ValueError(f"state dict mixes '{prefix}'-prefixed keys with unprefixed ones: {mixed[:5]}")
+        sd = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in sd.items()}
     sd = {k: v for k, v in sd.items() if not buffers.match(k)}
     check_shapes(sd, shapes, what=f"{family} state dict", config=layers)
     return sd, head
@@ -517,4 +519,5 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     if not isinstance(labels, torch.Tensor) or labels.dim() != 2 or labels.dtype != torch.int64:
         raise ValueError(f"labels must be an int64 [b, s] tensor, got "
                          f"{getattr(labels, 'dtype', type(labels).__name__)} {tuple(getattr(labels, 'shape', ()))}")
-    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+    b, s = labels.shape
+    return torch.cat([labels[:, 1:], labels.new_full((b, min(s, 1)), IGNORE_INDEX)], dim=1)

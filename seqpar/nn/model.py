@@ -107,6 +107,29 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return (grad * grad_loss.unsqueeze(-1)).to(ctx.dtype), None, None, None, None
 
 
+class _GatherVocabColumns(torch.autograd.Function):
+    """Every rank's real logit columns side by side: this rank's [..., v_local] -> [..., vocab_size], the same
+    on every rank. Each rank's block is padded to ``rows`` (= padded_vocab_size / t) columns for one
+    all-gather; the blocks in rank order are the padded vocabulary, whose first ``vocab_size`` columns are
+    the real ids in order. The backward keeps this rank's columns of the gradient: every rank computes the
+    same loss from the gathered logits and runs its own backward, so summing the ranks' gradients
+    (all_gather's usual backward) would count the loss t times."""
+
+    @staticmethod
+    def forward(ctx, logits_local, rows, vocab_size, vocab_start, group):
+        ctx.columns = (vocab_start, logits_local.shape[-1])
+        block = torch.nn.functional.pad(logits_local, (0, rows - logits_local.shape[-1])).contiguous()
+        blocks = [torch.empty_like(block) for _ in range(group_size(group))]
+        dist.all_gather(blocks, block, group=group)
+        return torch.cat(blocks, dim=-1)[..., :vocab_size]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_full):
+        start, v_local = ctx.columns
+        return grad_full[..., start:start + v_local].contiguous(), None, None, None, None
+
+
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     """``vocab_size`` rounded up to a multiple of ``tp_size * 128`` (Megatron's
     make-vocab-size-divisible-by 128, times t): every rank's shard has the same number of rows."""
@@ -385,6 +408,27 @@ class GPTModel(SharesProcessGroup, nn.Module):
         """One past the last real token id of this rank's shard (``vocab_start`` when it holds none)."""
         return self.embedding.word_embeddings.vocab_end
 
+    def gather_logits(self, logits_local: torch.Tensor) -> torch.Tensor:
+        """The full logits [s, b, vocab_size], the same on every rank, from this rank's
+        ``logits_local`` [s, b, vocab_end - vocab_start] (``model(tokens)`` without labels), for a loss of
+        your own (label smoothing, a z-loss, distillation). Compute that loss the same way on every rank and
+        call backward on each: the gradient keeps this rank's columns. (``torch.distributed.nn``'s
+        all_gather sums the ranks' gradients instead, which makes them t times too large here.) At t = 1
+        the logits themselves. Gathering holds s * b * vocab_size logits on every rank; the labels path of
+        :meth:`forward` never gathers them. ValueError unless ``logits_local`` is [..., vocab_end -
+        vocab_start] floating point."""
+        v_local = self.vocab_end - self.vocab_start
+        if not isinstance(logits_local, torch.Tensor) or logits_local.dim() < 1 \
+                or logits_local.shape[-1] != v_local or not logits_local.is_floating_point():
+            got = (f"{logits_local.dtype} {tuple(logits_local.shape)}" if isinstance(logits_local, torch.Tensor)
+                   else type(logits_local).__name__)
+            raise ValueError(f"logits_local must be this rank's floating [..., {v_local}] logits "
+                             f"(vocab_end - vocab_start), got {got}")
+        if group_size(self.tp_group) == 1:
+            return logits_local
+        return _GatherVocabColumns.apply(logits_local, self.padded_vocab_size // group_size(self.tp_group),
+                                         self.vocab_size, self.vocab_start, self.tp_group)
+
     @torch.no_grad()
     def _reset_embeddings(self) -> None:
         """Deterministic init of the unsharded embeddings from the seqpar seed: normal(0, 0.02) over the
@@ -544,8 +588,10 @@ class GPTModel(SharesProcessGroup, nn.Module):
         if labels is None:
             return logits_local
         with saved_as("cross-entropy (fp32 softmax, label ids)"):
-            return _VocabParallelCrossEntropy.apply(logits_local, labels.t(), self.vocab_start, IGNORE_INDEX,
-                                                    self.tp_group)
+            # labels [s, b] contiguous: the loss takes its layout (a transposed view was a loss that
+            # .view(-1) refuses)
+            return _VocabParallelCrossEntropy.apply(logits_local, labels.t().contiguous(), self.vocab_start,
+                                                    IGNORE_INDEX, self.tp_group)
 
     # ------------------------------------------------------------------ unsharded weights
     def full_shapes(self) -> Dict[str, tuple]:

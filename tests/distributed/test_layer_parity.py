@@ -182,3 +182,34 @@ def test_gpt_training_t2_sp_selective_matches_t1():
             assert abs(ref - tp) <= 1e-4, f"step {step}: t=1 loss {ref:.6f} vs t=2+SP+selective {tp:.6f}"
     first, last = losses[0][0][0], losses[0][-1][0]
     assert last < first, "the loss should fall over a few SGD steps"
+
+
+def _gather_logits_worker(rank, world_size, vocab):
+    """A loss of the user's own (label smoothing) on gather_logits at t = world_size with sequence
+    parallelism vs the same loss on the t = 1 model's logits: loss, and every weight after one SGD step."""
+    base = dict(hidden_size=32, num_attention_heads=4)
+    seqpar.manual_seed(8)
+    reference = seqpar.GPTModel(seqpar.TransformerConfig(**base), num_layers=1, vocab_size=vocab, max_seq_len=8)
+    seqpar.manual_seed(8)
+    model = seqpar.GPTModel(seqpar.TransformerConfig(**base, sequence_parallel=True), num_layers=1,
+                            vocab_size=vocab, max_seq_len=8, tp_group=dist.group.WORLD)
+    tokens = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(3))
+    labels = tokens.roll(-1, dims=1).t().reshape(-1)           # [s * b], the logits' [s, b] order
+    losses = []
+    for m, gather in ((reference, lambda z: z), (model, model.gather_logits)):
+        logits = gather(m(tokens))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), labels, label_smoothing=0.1)
+        loss.backward()
+        _sgd(m)
+        losses.append(loss.item())
+    ref_sd, sd = reference.full_state_dict(), model.full_state_dict()
+    return losses, max((ref_sd[k] - sd[k]).abs().max().item() for k in ref_sd), tuple(logits.shape)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("vocab", [130, 100], ids=["uneven_shards", "empty_shard"])
+def test_gather_logits_custom_loss_t2_matches_t1(vocab):
+    """At t = 2 the padded vocabulary has 128 rows a rank: 130 real ids split 128 / 2, and 100 leave rank 1
+    none. The gathered logits' gradient keeps each rank's columns (all_gather's summed backward doubled it)."""
+    for (ref, tp), weight_diff, shape in run_ranks(_gather_logits_worker, 2, vocab, timeout_s=100):
+        assert abs(ref - tp) <= 1e-6 and weight_diff <= 1e-6 and shape == (8, 2, vocab), (ref, tp, weight_diff)

@@ -270,10 +270,11 @@ def test_loss_mapping_matches_hf_labels():
     with torch.no_grad():
         expected = gpt2(tokens, labels=hf_labels).loss
         loss = model(tokens, labels)
-    assert loss.shape == (SEQ, BATCH)
+    assert loss.shape == (SEQ, BATCH) and loss.is_contiguous()   # HF-style code flattens it with .view(-1)
     torch.testing.assert_close(loss.sum() / (labels != -100).sum(), expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="labels must be an int64 \\[b, s\\] tensor"):
         hf.shift_labels(tokens[0])
+    assert hf.shift_labels(tokens[:, :0]).shape == (BATCH, 0)     # [b, s] -> [b, s] at s = 0 too
 
 
 @pytest.mark.parametrize("setting, value", [
@@ -341,7 +342,9 @@ def _drop(key):
                            "lm_head.weight": torch.zeros(999, HIDDEN)}), "wte.weight must have shape \\(1000, 128\\)"),
     (lambda sd: sd.update({"lm_head.weight": sd["lm_head.weight"] + 1}), "lm_head.weight is not tied"),
     (lambda sd: sd.update({"wpe.weight": sd["transformer.wpe.weight"]}), "mixes 'transformer.'-prefixed keys"),
-], ids=["missing", "unexpected", "conv1d_layout", "vocab", "untied_head", "mixed_prefix"])
+    # GPT2ForSequenceClassification's head: an unexpected key, not a prefix mix
+    (lambda sd: sd.update({"score.weight": torch.zeros(2, HIDDEN)}), "missing \\[\\], unexpected \\['score.weight'\\]"),
+], ids=["missing", "unexpected", "conv1d_layout", "vocab", "untied_head", "mixed_prefix", "classification_head"])
 def test_bad_state_dicts_raise_naming_the_key(change, match):
     state_dict = dict(_random_gpt2(1000).state_dict())
     change(state_dict)

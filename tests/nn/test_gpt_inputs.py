@@ -305,3 +305,12 @@ def test_a_sequence_past_max_seq_len_says_what_the_limit_is_with_rope():
     model = seqpar.GPTModel(cfg, 1, 20, 4)
     with pytest.raises(ValueError, match=r"sequence length 6 exceeds max_seq_len 4 \(with RoPE no table"):
         model(torch.zeros(1, 6, dtype=torch.int64))
+
+
+def test_gather_logits_at_t1_is_the_logits_and_checks_its_input():
+    model = _model()
+    logits = model(_tokens())
+    assert model.gather_logits(logits) is logits
+    for bad in (logits[..., :-1], logits.long(), "logits"):
+        with pytest.raises(ValueError, match=r"logits_local must be this rank's floating \[\.\.\., 50\] logits"):
+            model.gather_logits(bad)
