@@ -39,7 +39,7 @@ from ..ops.dropout import DropoutSpec, dropout
 from ..parallel.overlap import ChunkPlan
 from ..parallel.mappings import (copy_to_tensor_region, reduce_from_tensor_region,
                                  scatter_to_sequence_region)
-from .._custom_op import tracing
+from .._custom_op import once_differentiable, tracing
 from ..parallel.state import (SAME_MODE_HINT, SEED_HINT, ProcessGroup, SharesProcessGroup, agreement_checked,
                               check_ranks_agree, group_rank, group_size)
 from ..memory import recompute_policies, saved_as
@@ -97,7 +97,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return torch.where(valid, sum_exp.log() - target, 0.0)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, grad_loss):
         softmax, safe, in_shard, valid = ctx.saved_tensors
         grad = softmax.clone()
@@ -124,7 +124,7 @@ class _GatherVocabColumns(torch.autograd.Function):
         return torch.cat(blocks, dim=-1)[..., :vocab_size]
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, grad_full):
         start, v_local = ctx.columns
         return grad_full[..., start:start + v_local].contiguous(), None, None, None, None

@@ -221,7 +221,7 @@ class _AllGatherMatmul(torch.autograd.Function):
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @registry.once_differentiable
     def backward(ctx, grad_y):
         x_shard, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -274,7 +274,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         return y_shard
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @registry.once_differentiable
     def backward(ctx, grad_y_shard):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import os
 from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
@@ -213,20 +212,7 @@ def describe_limits(backend: Backend) -> str:
 # them as registry.kernel_op / registry.tracing.
 kernel_op = _custom_op.kernel_op
 tracing = _custom_op.tracing
-
-
-def once_differentiable(backward: Callable) -> Callable:
-    """``torch.autograd.function.once_differentiable`` for an autograd.Function's backward, minus its cost
-    in the common case: when grad mode is off (a backward without ``create_graph``) its ``no_grad`` block
-    and output wrapping do nothing, so the backward runs as is; otherwise torch's wrapper runs (double
-    backward through the op raises)."""
-    wrapped = torch.autograd.function.once_differentiable(backward)
-
-    @functools.wraps(backward)
-    def call(ctx, *grads):
-        return wrapped(ctx, *grads) if torch.is_grad_enabled() else backward(ctx, *grads)
-
-    return call
+once_differentiable = _custom_op.once_differentiable
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

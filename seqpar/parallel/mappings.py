@@ -23,6 +23,7 @@ from typing import Sequence, Tuple
 
 import torch
 
+from .._custom_op import once_differentiable
 from .state import ProcessGroup, all_gather_seq, all_reduce, group_size, reduce_scatter_seq, sequence_shard
 
 
@@ -36,7 +37,7 @@ class _CopyToTensorRegion(torch.autograd.Function):
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, *grads):
         # the concatenation is a fresh contiguous buffer, so the in-place all-reduce touches no grad
         flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), ctx.group)
@@ -58,7 +59,7 @@ class _ReduceFromTensorRegion(torch.autograd.Function):
         return _all_reduce_copy(x, group)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, grad):
         return grad, None
 
@@ -70,7 +71,7 @@ class _GatherFromSequenceRegion(torch.autograd.Function):
         return all_gather_seq(x_shard, group)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, grad_full):
         return reduce_scatter_seq(grad_full, ctx.group), None
 
@@ -82,7 +83,7 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
         return reduce_scatter_seq(x_full, group)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, grad_shard):
         return all_gather_seq(grad_shard, ctx.group), None
 
@@ -94,7 +95,7 @@ class _ScatterToSequenceRegion(torch.autograd.Function):
         return _own_shard(x_full, group)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, grad_shard):
         return all_gather_seq(grad_shard, ctx.group), None
 

@@ -242,6 +242,30 @@ def test_double_backward_raises():
         _double_backward(lambda t: gpt(t, t.roll(-1, 1)), tokens, leaves=list(gpt.parameters()))
 
 
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_double_backward_by_autograd_grad_or_constant_upstream_raises(recompute):
+    """A gradient penalty by ``torch.autograd.grad(penalty, params)`` (torch's once_differentiable hung its
+    error node off detached results, so the call pruned it and returned the first-order terms alone: 0.99
+    relative error for the LayerNorm weight) and a constant upstream gradient (``y.sum()``: no error node at
+    all, zero second derivatives) raise too. First order with create_graph stays right."""
+    layer = seqpar.TransformerLayer(seqpar.TransformerConfig(hidden_size=H, num_attention_heads=4,
+                                                             recompute=recompute))
+    x = torch.randn(6, 2, H, generator=torch.Generator().manual_seed(7), requires_grad=True)
+    params = list(layer.parameters())
+    (gx,) = torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
+    (ref,) = torch.autograd.grad(layer(x).square().sum(), x)
+    assert torch.equal(gx.detach(), ref)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        torch.autograd.grad(gx.square().sum(), params, allow_unused=True)
+    (gx,) = torch.autograd.grad(layer(x).sum(), x, create_graph=True)      # constant upstream gradient
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gx.square().sum().backward()
+    q = torch.randn(1, 2, 6, 8, generator=torch.Generator().manual_seed(8), requires_grad=True)
+    (gq,) = torch.autograd.grad(attention_core(q, q, q, causal=True, backend="torch").sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        torch.autograd.grad(gq.square().sum(), q)
+
+
 def test_checkpoint_itself_is_twice_differentiable():
     """seqpar.recompute.checkpoint is torch's non-reentrant checkpoint: a double backward through a region
     of plain torch ops gives plain autograd's second derivatives (only the fused ops above refuse)."""
