@@ -48,7 +48,8 @@ lse, delta      [b, Hq, s_q]         fp32, contiguous (lse base 2; delta times c
 ==============  ===================  ===============================================================
 
 ``d`` is padded to the next power of two inside the kernels (masked loads/stores), so d = 80, 96 work.
-On a GPU each kernel is autotuned (block sizes, warps, stages keyed on s and d); under
+On a GPU each kernel is autotuned (block sizes, warps, stages keyed on s and d) at the first lengths of each
+power-of-two bucket of (s_q, s_k), whose choice the other lengths of the bucket reuse; under
 ``TRITON_INTERPRET=1`` a small fixed configuration is used instead.
 """
 from __future__ import annotations
@@ -552,13 +553,32 @@ _dkdv_tuned = triton.autotune(configs=_configs(_DKDV_TILES), key=_TUNE_KEY,
                               prune_configs_by={"early_config_prune": _pruner(_DKDV_TILES)})(_dkdv_even)
 
 
-def _launch(which: str, even_kernel, tuned_kernel, grid_rows: int, bh: int, args, meta, config):
-    """Run a fixed config (interpreter, or ``config`` given) or the autotuned kernel."""
+# The autotuner keys on the exact s_q and s_k (_TUNE_KEY), so every new length benchmarked the configs
+# again (about a second a kernel): a generation loop without a KV cache (s = 1, 2, 3, ...) or batches of
+# varying length paid it at each new length. Here the first lengths of a power-of-two bucket of (s_q, s_k)
+# tune, and the others launch that config as a fixed one: (kernel, buckets, GROUP, dtype, meta) -> config.
+_BUCKET_CONFIGS: Dict[tuple, Dict[str, int]] = {}
+
+
+def _bucket(which: str, s_q: int, s_k: int, group: int, dtype: torch.dtype, meta) -> tuple:
+    """The key of :data:`_BUCKET_CONFIGS` (lengths below 16 share the bucket 16)."""
+    return (which, triton.next_power_of_2(max(s_q, 16)), triton.next_power_of_2(max(s_k, 16)), group, str(dtype),
+            *sorted(meta.items()))
+
+
+def _launch(which: str, even_kernel, tuned_kernel, grid_rows: int, bh: int, args, meta, config,
+            bucket: tuple = ()):
+    """Run a fixed config (interpreter, or ``config`` given), the config tuned for this length ``bucket``
+    (see :data:`_BUCKET_CONFIGS`), or the autotuned kernel, remembering its choice for the bucket."""
     if config is None and _interpret():
         config = INTERPRET_CONFIG[which]
     if config is None:
+        config = _BUCKET_CONFIGS.get(bucket)
+    if config is None:
         grid = lambda m: (triton.cdiv(grid_rows, m["BLOCK_M" if which != "dkdv" else "BLOCK_N"]), bh)
         tuned_kernel[grid](*args, **meta)
+        best = tuned_kernel.best_config
+        _BUCKET_CONFIGS[bucket] = dict(best.kwargs, num_warps=best.num_warps, num_stages=best.num_stages)
         return
     config = dict(config)
     num_warps = config.pop("num_warps", 4)
@@ -624,7 +644,8 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
             b, heads, group, s_q, s_k, scale * _LOG2E, seed, row_offset, threshold, drop_scale)
     meta = dict(HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), CAUSAL=bool(causal), DROPOUT=active,
                 DOT=_dot_mode(q.dtype))
-    _launch("fwd", _fwd_even, _fwd_tuned, s_q, b * heads, args, meta, config)
+    _launch("fwd", _fwd_even, _fwd_tuned, s_q, b * heads, args, meta, config,
+            _bucket("fwd", s_q, s_k, group, q.dtype, meta))
     return o, lse
 
 
@@ -655,8 +676,10 @@ def attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     common = (b, heads, group, s_q, s_k, scale * _LOG2E, scale, seed, row_offset, threshold, drop_scale)
     _launch("dq", _dq_even, _dq_tuned, s_q, b * heads,
             (q, k, v, o, grad_o, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-             *grad_o.stride(), *dq.stride(), *common), meta, config.get("dq"))
+             *grad_o.stride(), *dq.stride(), *common), meta, config.get("dq"),
+            _bucket("dq", s_q, s_k, group, q.dtype, meta))
     _launch("dkdv", _dkdv_even, _dkdv_tuned, s_k, b * kv_heads,
             (q, k, v, grad_o, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(),
-             *dk.stride(), *dv.stride(), *common), meta, config.get("dkdv"))
+             *dk.stride(), *dv.stride(), *common), meta, config.get("dkdv"),
+            _bucket("dkdv", s_q, s_k, group, q.dtype, meta))
     return dq, dk, dv

@@ -846,3 +846,34 @@ def test_gpu_fp16_large_logits_stay_finite(backend):
     low = torch.cummin(v_rep, dim=2).values                                    # over keys j <= i (causal)
     high = torch.cummax(v_rep, dim=2).values
     assert (o.float() >= low - 1e-2).all() and (o.float() <= high + 1e-2).all()
+
+
+def test_triton_autotunes_once_per_length_bucket(monkeypatch):
+    """On a GPU the autotuner keys on the exact s_q / s_k: a generation loop benchmarked the tiles again
+    at every new length. The launcher tunes at the first length of a power-of-two bucket of (s_q, s_k)
+    and launches the tuned tile as a fixed config at the bucket's other lengths. (Fake kernels record the
+    launches; the interpreter always takes its fixed tile.)"""
+    import triton
+
+    from seqpar.triton_kernels import attention as A
+
+    launches, s_q_index = [], A._attn_fwd_kernel.arg_names.index("S_Q")
+
+    class Kernel:
+        def __init__(self, name, best=None):
+            self.name, self.best_config = name, best
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append((self.name, args[s_q_index], meta.get("BLOCK_M"),
+                                                          meta.get("num_warps")))
+
+    tuned = triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=3)
+    monkeypatch.setattr(A, "_interpret", lambda: False)
+    monkeypatch.setattr(A, "_BUCKET_CONFIGS", {})
+    monkeypatch.setattr(A, "_fwd_tuned", Kernel("tuned", tuned))
+    monkeypatch.setattr(A, "_fwd_even", Kernel("fixed"))
+    for s in (100, 120, 128, 129, 5, 16):
+        q = torch.randn(1, 2, s, 16, dtype=torch.bfloat16)
+        A.attention_fwd(q, q, q, True, 0.25)
+    assert launches == [("tuned", 100, None, None), ("fixed", 120, 64, 4), ("fixed", 128, 64, 4),
+                        ("tuned", 129, None, None), ("tuned", 5, None, None), ("fixed", 16, 64, 4)]
