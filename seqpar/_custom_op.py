@@ -36,71 +36,29 @@ def capturing_graph() -> bool:
     return detect_fake_mode() is not None or get_proxy_mode() is not None
 
 
-class _SecondDerivative(torch.autograd.Function):
-    """The identity on the gradients a once-differentiable backward returned, made a function of what they
-    were computed from (the incoming gradients and the saved tensors that require grad): a derivative of
-    them, by ``.backward()`` or by ``torch.autograd.grad(..., inputs=...)``, reaches this node and raises."""
-
-    @staticmethod
-    def forward(ctx, name, n, *tensors):
-        ctx.name = name
-        return tuple(t.clone() for t in tensors[:n])   # clones: the engine may accumulate into its outputs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(f"trying to differentiate twice a function that was marked with @once_differentiable "
-                           f"({ctx.name}): seqpar's fused ops, parallel mappings and vocab-parallel loss have "
-                           "first derivatives only (README, 'Gradients: first order')")
-
-
-class _RecordingContext:
-    """A backward's ``ctx`` that records the saved tensors the backward unpacks (unpacking them a second
-    time fails under torch's checkpoint); everything else goes to the real ctx."""
-
-    def __init__(self, ctx):
-        object.__setattr__(self, "_ctx", ctx)
-        object.__setattr__(self, "unpacked", ())
-
-    @property
-    def saved_tensors(self):
-        tensors = self._ctx.saved_tensors
-        object.__setattr__(self, "unpacked", tensors)
-        return tensors
-
-    def __getattr__(self, name):
-        return getattr(self._ctx, name)
-
-    def __setattr__(self, name, value):
-        setattr(self._ctx, name, value)
-
-
 def once_differentiable(backward: Callable) -> Callable:
-    """For every seqpar autograd.Function's backward: first derivatives only, and a derivative of them
-    raises RuntimeError ("trying to differentiate twice ...") instead of coming out wrong.
+    """For every seqpar autograd.Function's backward: first derivatives only. A backward with
+    ``create_graph=True`` (grad mode on inside it) through the Function raises RuntimeError ("trying to
+    differentiate twice ...", naming the Function) instead of returning gradients without their second
+    derivatives. Without ``create_graph`` (the common case) the backward runs as is.
 
-    Without ``create_graph`` (grad mode off in the backward: the common case) the backward runs as is.
-    With it, the backward runs under ``no_grad`` and its gradients are tied to the incoming gradients and
-    to the saved tensors it unpacked that require grad, through a node whose backward raises. torch's
-    ``once_differentiable`` ties its error node to nothing and adds it only when an incoming gradient
-    requires grad: ``torch.autograd.grad(penalty, params)`` pruned it and returned the first-order terms
-    alone, and a constant upstream gradient (``y.sum()``) gave zero second derivatives."""
+    Why refuse the first-order backward too: torch's ``once_differentiable`` hangs its error node off
+    detached results and only where an incoming gradient requires grad, so ``torch.autograd.grad(penalty,
+    params)`` pruned it (the first-order terms came back alone), and a constant upstream gradient
+    (``loss.sum()``) gave zero second derivatives. Tying the results to the Function's inputs instead
+    would need them saved, and most of seqpar's Functions save tensors computed in their forward (the
+    memory they exist to save), not their inputs."""
 
     @functools.wraps(backward)
     def call(ctx, *grads):
-        if not torch.is_grad_enabled():
-            return backward(ctx, *grads)
-        recording = _RecordingContext(ctx)
-        with torch.no_grad():
-            results = backward(recording, *grads)
-        single = not isinstance(results, tuple)
-        results = [results] if single else list(results)
-        anchors = [t for t in (*grads, *recording.unpacked) if isinstance(t, torch.Tensor) and t.requires_grad]
-        where = [i for i, r in enumerate(results) if isinstance(r, torch.Tensor)]
-        if anchors and where:
-            tied = _SecondDerivative.apply(backward.__qualname__, len(where), *(results[i] for i in where), *anchors)
-            for i, t in zip(where, tied):
-                results[i] = t
-        return results[0] if single else tuple(results)
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"trying to differentiate twice a function that was marked with @once_differentiable "
+                f"({backward.__qualname__}): seqpar's fused ops, parallel mappings and vocab-parallel loss have "
+                "first derivatives only, so a backward with create_graph=True through them is refused (a "
+                "gradient penalty or a Hessian-vector product would come out without their second-order "
+                "terms; README, 'Gradients: first order')")
+        return backward(ctx, *grads)
 
     return call
 

@@ -238,8 +238,10 @@ def check_ranks_agree(group: ProcessGroup, values: Mapping[str, object], *, what
         raise ValueError(error)
     failed = [r for r, row in enumerate(rows) if row[-1]]
     if failed:
-        raise ValueError(f"{what}: tensor-parallel rank(s) {failed} rejected their arguments (see their "
-                         f"ValueError); rank {rank} raises too instead of waiting for them")
+        global_ranks = [dist.get_global_rank(group, r) for r in failed]
+        also = f" (global rank(s) {global_ranks})" if global_ranks != failed else ""
+        raise ValueError(f"{what}: tensor-parallel rank(s) {failed}{also} rejected their arguments (see their "
+                         f"ValueError); {_rank_named(group, rank)} raises too instead of waiting for them")
     problems = []
     for i, name in enumerate(names):
         column = [row[i] for row in rows]
@@ -247,18 +249,24 @@ def check_ranks_agree(group: ProcessGroup, values: Mapping[str, object], *, what
             continue
         value = values[name]
         if all(row[len(names) + i] for row in rows):   # ints on every rank, compared as themselves
-            held = ", ".join(f"rank {r}: {v}" for r, v in enumerate(column))
+            held = ", ".join(f"{_rank_named(group, r)}: {v}" for r, v in enumerate(column))
         else:
             by_value = {}
             for r, v in enumerate(column):
                 by_value.setdefault(v, []).append(r)
             held = " vs ".join(f"ranks {rs}" for rs in by_value.values())
             if not isinstance(value, bytes):
-                held += f"; rank {rank} has {value!r}"
+                held += f"; {_rank_named(group, rank)} has {value!r}"
         problems.append(f"{name} differs ({held})")
     if problems:
         raise ValueError(f"{what}: the tensor-parallel ranks disagree: " + "; ".join(problems)
                          + (f". {hint}" if hint else ""))
+
+
+def _rank_named(group: ProcessGroup, rank: int) -> str:
+    """"rank r" of ``group``, with its global rank where the two differ (a subgroup such as {0, 2})."""
+    global_rank = dist.get_global_rank(group, rank)
+    return f"rank {rank}" if global_rank == rank else f"rank {rank} (global rank {global_rank})"
 
 
 _Result = TypeVar("_Result")

@@ -235,8 +235,8 @@ def _double_backward_mappings(rank, group):
     for name, op in ops.items():
         x = torch.randn(4, 3, generator=torch.Generator().manual_seed(rank)).requires_grad_()
         y = op(x, group)
-        (grad,) = torch.autograd.grad((y ** 2).sum(), x, create_graph=True)
         try:
+            (grad,) = torch.autograd.grad((y ** 2).sum(), x, create_graph=True)
             grad.sum().backward()
             out[name] = None
         except RuntimeError as error:
@@ -376,3 +376,24 @@ def test_double_backward_through_mappings_raises():
     for rank, results in enumerate(agreement()):
         for name, message in results["double-backward"].items():
             assert message is not None and "differentiate twice" in message, f"rank {rank} {name}: {message}"
+
+
+def _strided_group_worker(rank, world_size):
+    """tp groups {0, 2} and {1, 3}; global rank 2 passes a shorter shard."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    cfg = seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4, sequence_parallel=True)
+    layer = seqpar.TransformerLayer(cfg, tp_group=groups[rank % 2])
+    try:
+        layer(torch.randn(3 if rank == 2 else 4, 1, 32))
+        return None
+    except ValueError as exc:
+        return str(exc)
+
+
+@pytest.mark.timeout(120)
+def test_disagreement_in_a_strided_group_names_the_global_ranks():
+    """In the group {0, 2} its rank 1 is global rank 2: the message says so (it named group ranks only)."""
+    messages = run_ranks(_strided_group_worker, 4, timeout_s=100)
+    for rank in (0, 2):
+        assert "s_local) differs (rank 0: 4, rank 1 (global rank 2): 3)" in messages[rank], messages[rank]
+    assert messages[1] is None and messages[3] is None

@@ -125,17 +125,17 @@ def test_attention_core_eager_skips_the_custom_ops(custom_op_calls):
     torch.testing.assert_close(out[0], o, rtol=0, atol=0)
 
 
-def test_once_differentiable_double_backward_still_raises():
-    """registry.once_differentiable skips torch's wrapper only when grad mode is off: a backward with
-    create_graph still gets torch's wrapper, and differentiating its result raises."""
+def test_once_differentiable_refuses_a_create_graph_backward():
+    """registry.once_differentiable runs the backward as is when grad mode is off; a backward with
+    create_graph raises at once, naming the Function, whether or not the incoming gradient requires grad
+    (torch's wrapper returned gradients whose second derivatives were silently missing)."""
     x = torch.randn(4, 2 * 8, requires_grad=True)
     y = swiglu(x, backend="torch")
     (g,) = torch.autograd.grad(y, x, torch.randn_like(y), retain_graph=True)
     assert not g.requires_grad
-    gy = torch.randn_like(y).requires_grad_()
-    (g,) = torch.autograd.grad(y, x, gy, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable"):
-        g.sum().backward()
+    for gy in (torch.randn_like(y).requires_grad_(), torch.ones_like(y)):
+        with pytest.raises(RuntimeError, match=r"differentiate twice .*\(_SwiGLU.backward\)"):
+            torch.autograd.grad(y, x, gy, create_graph=True, retain_graph=True)
 
 
 def _r(*shape):
