@@ -7,11 +7,13 @@ residual stream::
     residual_out = residual + dropout_p(x + bias)        # bias may be None
     y            = LayerNorm(residual_out) * weight + ln_bias
 
-Dropout is active only in training mode. Under sequence parallelism pass the global index of the shard's
-first row (flattened leading dims, sequence-major: ``seq_global * b + batch``) as ``row_offset`` so the
-shard draws the same mask as the unsharded tensor (:mod:`seqpar.random`), and ``tp_group`` +
-``sequence_parallel=True`` so the replicated LayerNorm parameters get their gradients summed over the
-group (:class:`seqpar.nn.LayerNorm`, which this module extends).
+Dropout is active only in training mode. Under sequence parallelism (``tp_group`` +
+``sequence_parallel=True``, which also sum the replicated LayerNorm parameters' gradients over the group,
+:class:`seqpar.nn.LayerNorm`, which this module extends) each rank's input is its contiguous sequence shard
+of the [s, ...] tensor, so by default the shard's first row is ``rank * rows`` (rows: the shard's
+flattened leading dims), and the shard draws the same mask as the unsharded tensor (:mod:`seqpar.random`).
+Pass ``row_offset`` (the global index of the shard's first row, sequence-major: ``seq_global * b +
+batch``) for another layout; without sequence parallelism it is 0.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..ops.dropout import make_dropout_spec
+from ..parallel.state import group_rank, group_size
 from .layernorm import LayerNorm
 
 __all__ = ["FusedBiasDropoutAddLayerNorm"]
@@ -55,9 +58,15 @@ class FusedBiasDropoutAddLayerNorm(LayerNorm):
         self.p = float(p)
 
     def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, *,
-                seed: Optional[int] = None, row_offset: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+                seed: Optional[int] = None, row_offset: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(y, residual_out)``. ``seed`` None draws one from torch's default CPU generator mixed
-        with :func:`seqpar.manual_seed`'s seed, so ``torch.utils.checkpoint`` around the call replays it."""
+        with :func:`seqpar.manual_seed`'s seed, so ``torch.utils.checkpoint`` around the call replays it.
+        ``row_offset`` None: this rank's sequence shard's first row under sequence parallelism (``rank *
+        rows`` of ``x``), else 0 (the module docstring). (0 under sequence parallelism gave every rank's
+        shard the same mask.)"""
+        if row_offset is None:
+            sharded = self.sequence_parallel and group_size(self.tp_group) > 1 and isinstance(x, torch.Tensor)
+            row_offset = group_rank(self.tp_group) * (x.numel() // max(x.shape[-1], 1)) if sharded else 0
         spec = make_dropout_spec(self.p, self.training, seed, row_offset)
         return self.after_bias_dropout_add(x, bias, residual, spec)
 

@@ -29,12 +29,12 @@ from .state_dict import local_rows, prepare_parameters
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
     """Scale the gradients of ``module``'s parameters in place so that the norm of the unsharded
-    gradients is at most ``max_norm``; returns that norm before clipping (an fp32 0-d tensor, the same on
-    every rank). A drop-in for ``torch.nn.utils.clip_grad_norm_(module.parameters(), ...)`` under
+    gradients is at most ``max_norm``; returns that norm before clipping (an fp32 0-d tensor, fp64 when a
+    gradient is fp64; the same on every rank). A drop-in for ``torch.nn.utils.clip_grad_norm_(module.parameters(), ...)`` under
     tensor parallelism (see the module docstring); at t = 1 it computes what torch's does.
 
     The ``norm_type``-norm (a positive float, or ``inf`` / ``"inf"``) of every gradient together, in
-    fp32: split parameters' shares summed (max for inf) over their tensor-parallel group (one all-reduce
+    fp32 (fp64 with fp64 gradients): split parameters' shares summed (max for inf) over their tensor-parallel group (one all-reduce
     per group; call it on every rank), replicated parameters once; the factor ``max_norm / (norm +
     1e-6)``, at most 1, is applied without a host sync. Parameters without a gradient are skipped. With
     data parallelism call it after the data-parallel gradient reduction (DDP's or FSDP2's backward), as
@@ -70,17 +70,26 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     if not grads:
         return torch.zeros(())
     device = grads[0].device
+    # fp32 sums (bf16 / fp16 gradients' norms would round), fp64 where a gradient is fp64
+    acc = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
 
     def share(tensors: List[torch.Tensor]) -> torch.Tensor:
-        """Their norm's share: sum of |g|^p, or max |g| for inf (0 for none), from fp32 norms of each.
-        (An empty FSDP2 chunk adds nothing; torch has no inf norm of an empty tensor.)"""
+        """Their norm's share: sum of |g|^p, or max |g| for inf (0 for none), from each one's norm in
+        ``acc`` (fp64 gradients' in fp64: _foreach_norm can't narrow them). (An empty FSDP2 chunk adds
+        nothing; torch has no inf norm of an empty tensor.)"""
         tensors = [g for g in tensors if g.numel()]
         if not tensors:
-            return torch.zeros((), device=device)
-        norms = torch.stack([n.to(device) for n in torch._foreach_norm(tensors, norm_type, dtype=torch.float32)])
+            return torch.zeros((), device=device, dtype=acc)
+        norms = []
+        for wide in (False, True):
+            part = [g for g in tensors if (g.dtype == torch.float64) == wide]
+            if part:
+                dtype = torch.float64 if wide else torch.float32
+                norms += [n.to(device, acc) for n in torch._foreach_norm(part, norm_type, dtype=dtype)]
+        norms = torch.stack(norms)
         return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
 
-    total = torch.zeros((), device=device)
+    total = torch.zeros((), device=device, dtype=acc)
     for groups, tensors in shares.items():
         part = share(tensors)
         for group in groups:

@@ -29,7 +29,7 @@ without dropout.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -47,7 +47,7 @@ from ..parallel.state import (SAME_MODE_HINT, SEED_HINT, ProcessGroup, SharesPro
 from ..recompute import checkpoint
 from .autocast import autocast_dtype, run_in_dtype
 from .layernorm import LayerNorm, RMSNorm
-from .linear import ColumnParallelLinear, RowParallelLinear
+from .linear import ColumnParallelLinear, RowParallelLinear, init_normal
 from .state_dict import (FSDP_UNIT, IncompatibleKeys, check_loadable, check_own_parameters, full_parameters,
                          load_full_parameters, prepare_parameters)
 
@@ -116,17 +116,20 @@ class ParallelAttention(SharesProcessGroup, nn.Module):
     The fused QKV weight [(a + 2g) d, h] holds all Q heads, then the g K groups, then the g V groups
     (head i: rows i*d .. (i+1)*d of its block); rank r keeps heads r*a/t .. and groups r*g/t .. of each
     block, so its output is [its Q | its K | its V] and its query heads use exactly its k/v groups.
+
+    ``init_method`` initialises both linears as :class:`ColumnParallelLinear` does (default N(0, 0.02),
+    zero biases, from torch's CPU generator); TransformerLayer passes None and draws its own.
     """
 
-    def __init__(self, config: TransformerConfig, tp_group: ProcessGroup, device=None):
+    def __init__(self, config: TransformerConfig, tp_group: ProcessGroup, device=None,
+                 init_method: Optional[Callable[[torch.Tensor], None]] = init_normal):
         super().__init__()
         h, d, dtype = config.hidden_size, config.head_dim, config.params_dtype
         a, g, t = config.num_attention_heads, config.kv_heads, group_size(tp_group)
         self.config, self.tp_group = config, tp_group
         self.local_heads, self.local_kv_heads = a // t, g // t
-        # init_method=None: TransformerLayer.reset_parameters draws every weight of the layer
         common = dict(tp_group=tp_group, sequence_parallel=config.sequence_parallel, overlap_comm=config.overlap_comm,
-                      device=device, dtype=dtype, bias=config.add_bias_linear, init_method=None)
+                      device=device, dtype=dtype, bias=config.add_bias_linear, init_method=init_method)
         self.query_key_value = ColumnParallelLinear(h, (a + 2 * g) * d, partition_blocks=(a * d, g * d, g * d),
                                                     **common)
         self.dense = RowParallelLinear(a * d, h, skip_bias_add=True, **common)
@@ -178,13 +181,17 @@ class ParallelMLP(nn.Module):
 
     SwiGLU: dense_h_to_4h is [2f, h], rows gate (f) then up (f), split as two blocks so each rank's output
     is [its gate | its up] and :func:`seqpar.ops.swiglu` pairs them locally.
+
+    ``init_method`` as in :class:`ParallelAttention`.
     """
 
-    def __init__(self, config: TransformerConfig, tp_group: ProcessGroup, device=None):
+    def __init__(self, config: TransformerConfig, tp_group: ProcessGroup, device=None,
+                 init_method: Optional[Callable[[torch.Tensor], None]] = init_normal):
         super().__init__()
         h, f = config.hidden_size, config.ffn_hidden_size
         common = dict(tp_group=tp_group, sequence_parallel=config.sequence_parallel, bias=config.add_bias_linear,
-                      overlap_comm=config.overlap_comm, device=device, dtype=config.params_dtype, init_method=None)
+                      overlap_comm=config.overlap_comm, device=device, dtype=config.params_dtype,
+                      init_method=init_method)
         self.config = config
         if config.activation == "swiglu":
             self.dense_h_to_4h = ColumnParallelLinear(h, 2 * f, partition_blocks=(f, f), **common)
@@ -265,9 +272,10 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         self.config, self.tp_group, self.layer_number = config, tp_group, layer_number
         self.check_rank_inputs = True
         self.input_layernorm = make_norm(config, tp_group, device)
-        self.self_attention = ParallelAttention(config, tp_group, device)
+        # init_method=None: reset_parameters below draws every weight of the layer from (seed, layer_number)
+        self.self_attention = ParallelAttention(config, tp_group, device, init_method=None)
         self.post_attention_layernorm = make_norm(config, tp_group, device)
-        self.mlp = ParallelMLP(config, tp_group, device)
+        self.mlp = ParallelMLP(config, tp_group, device, init_method=None)
         for module in self.modules():   # the layer's own input check (or its opt-out) covers its linears'
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.check_rank_inputs = False

@@ -51,6 +51,17 @@ class _ReplicatedNorm(SharesProcessGroup, nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype)) if bias else None
 
+    @property
+    def normalized_shape(self) -> Tuple[int]:
+        """``(hidden_size,)``, as ``torch.nn.LayerNorm`` / ``RMSNorm`` name it (they take a shape; these
+        modules normalise the last dimension only)."""
+        return (self.hidden_size,)
+
+    @property
+    def elementwise_affine(self) -> bool:
+        """Always True: the modules own a ``weight`` (torch's attribute, for code that reads it)."""
+        return True
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Unit weight, zero bias (the deferred-init recipe: meta device, ``to_empty``, then this)."""

@@ -186,14 +186,15 @@ def load_full_parameters(module: nn.Module, full: Mapping[str, torch.Tensor]) ->
     """Keep this rank's part of each unsharded tensor in ``full`` (parameter name of ``module`` -> value):
     its shard of a split parameter (:class:`ShardedParameters`), all of a replicated one; plain or
     FSDP2 parameters alike (:func:`scatter_full`). ValueError, before anything is copied, for a value
-    that is not a tensor of the parameter's unsharded shape (a larger one was cut to fit)."""
+    that is not a real floating tensor of the parameter's unsharded shape (a larger one was cut to fit; an
+    integer or bool one was cast silently, as check_shapes refuses for whole state dicts)."""
     layouts = module.shard_layouts(group_rank(module.tp_group)) if isinstance(module, ShardedParameters) else {}
     for name, value in full.items():
         expected = tuple(layouts[name].full_shape) if name in layouts else tuple(getattr(module, name).shape)
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected:
-            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"{type(module).__name__}.{name} must be an unsharded tensor of shape {expected}, "
-                             f"got {got}")
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected or not value.is_floating_point():
+            got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{type(module).__name__}.{name} must be an unsharded floating tensor of shape "
+                             f"{expected}, got {got}")
     for name, value in full.items():
         scatter_full(value, getattr(module, name), layouts.get(name))
 

@@ -7,6 +7,11 @@ all_gather_matmul           x_shard [s/t, b, k] [n_local, k]     y [s, b, n_loca
 matmul_reduce_scatter       x [s, b, k_local]   [n, k_local]     y_shard [s/t, b, n]
 ==========================  ==================  ===============  ======================
 
+``group``: the tensor-parallel process group, the same group object on every rank of it (made by one
+``dist.new_group`` call or one DeviceMesh dimension; ranks passing different groups wait in the first
+collective until the process group's timeout). ``None`` means one rank (no parallelism), not
+torch.distributed's default WORLD: pass ``dist.group.WORLD`` for that.
+
 ``all_gather_matmul``: ``y = all_gather_seq(x_shard) @ weight^T + bias``. Only ``x_shard`` is saved;
 backward re-gathers it while computing the input gradient, then reduce-scatters the input gradient
 while computing the weight gradient (Megatron-LM's order; the paper's Section 4.2.2).

@@ -8,11 +8,21 @@ reduce_from_tensor_region         all-reduce            identity               f
 gather_from_sequence_region       all-gather (dim 0)    reduce-scatter         g
 reduce_scatter_to_sequence_region reduce-scatter        all-gather             g-bar
 scatter_to_sequence_region        keep own shard        all-gather             (entry)
+gather_to_replicated_region       all-gather (dim 0)    keep own shard         (exit)
 ================================  ====================  =====================  ==========
 
-Every function is the identity (returns its input) when the group has one rank, and under no_grad runs
+The exit leaves the sequence-parallel region for a tail every rank computes alike (a replicated head or
+loss): each rank's backward then starts from the same full gradient, of which it keeps its shard. g's
+reduce-scatter there would sum t equal gradients (every gradient before it t times too large); g is for
+a tensor-parallel consumer whose ranks compute different partial results (a column-parallel linear).
+
+``group`` is the tensor-parallel process group, the same group object on every rank of it (ranks passing
+different groups wait in the collective until the process group's timeout); ``None`` means one rank (no
+parallelism), not torch.distributed's default WORLD. Every function is the identity (returns its input)
+when the group has one rank, and under no_grad runs
 its forward alone, without an autograd Function (inference, compiled too). The sequence functions
-(g, g-bar, the entry) split dim 0 into t equal shards: a length t does not divide is a ValueError.
+(g, g-bar, the entry and the exit) split dim 0 into t equal shards: a length t does not divide, or a
+tensor without dimensions, is a ValueError; so is an argument that is not a tensor.
 ``copy_to_tensor_region`` is also how replicated parameters that only see a sequence shard (LayerNorm
 weights, the row-parallel output bias under SP) get their gradient summed over the group;
 ``copy_to_tensor_region_coalesced`` does it for several tensors with one all-reduce.
@@ -88,6 +98,18 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
         return all_gather_seq(grad_shard, ctx.group), None
 
 
+class _GatherToReplicatedRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_shard, group):
+        ctx.group = group
+        return all_gather_seq(x_shard, group)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_full):
+        return _own_shard(grad_full, ctx.group), None
+
+
 class _ScatterToSequenceRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_full, group):
@@ -100,10 +122,19 @@ class _ScatterToSequenceRegion(torch.autograd.Function):
         return all_gather_seq(grad_shard, ctx.group), None
 
 
-def _mapped(function, forward, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def _check_tensor(x, name: str, sequence: bool) -> None:
+    if not isinstance(x, torch.Tensor) or (sequence and x.dim() == 0):
+        got = "a 0-d tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a tensor{' [s, ...] (sequence first)' if sequence else ''}, got {got}")
+
+
+def _mapped(function, forward, x: torch.Tensor, group: ProcessGroup, name: str = "x_full",
+            sequence: bool = True) -> torch.Tensor:
     """``x`` itself on one rank; else ``function.apply(x, group)``, or under no_grad (inference) its
     ``forward(x, group)`` alone: the same values without the Function, which Dynamo could not trace there
-    (it inlines the forward and fails storing the ProcessGroup on ctx)."""
+    (it inlines the forward and fails storing the ProcessGroup on ctx). ``name`` / ``sequence``: the
+    argument's name and whether it is split along dim 0, for the input check."""
+    _check_tensor(x, name, sequence)
     if group_size(group) == 1:
         return x
     return function.apply(x, group) if torch.is_grad_enabled() else forward(x, group)
@@ -111,6 +142,7 @@ def _mapped(function, forward, x: torch.Tensor, group: ProcessGroup) -> torch.Te
 
 def copy_to_tensor_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """f: identity forward, all-reduce of the gradient backward."""
+    _check_tensor(x, "x", sequence=False)
     if group_size(group) == 1 or not torch.is_grad_enabled():   # the forward is the identity (see _mapped)
         return x
     return _CopyToTensorRegion.apply(group, x)[0]
@@ -134,12 +166,14 @@ def copy_to_tensor_region_coalesced(xs: Sequence[torch.Tensor], group: ProcessGr
 
 def reduce_from_tensor_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """f-bar: all-reduce forward, identity backward."""
-    return _mapped(_ReduceFromTensorRegion, _all_reduce_copy, x, group)
+    return _mapped(_ReduceFromTensorRegion, _all_reduce_copy, x, group, "x", sequence=False)
 
 
 def gather_from_sequence_region(x_shard: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """g: all-gather [s/t, ...] -> [s, ...] forward, reduce-scatter of the gradient backward."""
-    return _mapped(_GatherFromSequenceRegion, all_gather_seq, x_shard, group)
+    """g: all-gather [s/t, ...] -> [s, ...] forward, reduce-scatter of the gradient backward: before a
+    tensor-parallel consumer (a column-parallel linear). Before a tail every rank computes alike (a loss,
+    a replicated head) use :func:`gather_to_replicated_region` (the module docstring says why)."""
+    return _mapped(_GatherFromSequenceRegion, all_gather_seq, x_shard, group, "x_shard")
 
 
 def reduce_scatter_to_sequence_region(x_full: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -150,3 +184,11 @@ def reduce_scatter_to_sequence_region(x_full: torch.Tensor, group: ProcessGroup)
 def scatter_to_sequence_region(x_full: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Enter the sequence-parallel region: keep this rank's shard forward, all-gather backward."""
     return _mapped(_ScatterToSequenceRegion, _own_shard, x_full, group)
+
+
+def gather_to_replicated_region(x_shard: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Leave the sequence-parallel region: all-gather [s/t, ...] -> [s, ...] forward, keep this rank's
+    shard of the gradient backward (Megatron's gather with ``tensor_parallel_output_grad=False``). For a
+    tail every rank computes alike from the full tensor (a loss, a replicated head): each rank's backward
+    then holds the same full gradient, and summing them (g's reduce-scatter) would count it t times."""
+    return _mapped(_GatherToReplicatedRegion, all_gather_seq, x_shard, group, "x_shard")

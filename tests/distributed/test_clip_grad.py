@@ -3,6 +3,7 @@ a single-device model built from the same weights and batch: the same norm on ev
 clipped gradients (compared through one SGD step and full_state_dict()). Torch's own clipping on a
 rank's shards gets another norm on each rank (the trap it replaces). seqpar.nn.TensorParallelGradScaler:
 an overflow on one rank skips the step on every rank, where torch's GradScaler lets the ranks part."""
+import copy
 import math
 
 import pytest
@@ -91,6 +92,24 @@ def test_one_rank_is_torchs_clip_and_bad_arguments_are_value_errors():
     next(ours.parameters()).grad[0, 0] = float("inf")
     with pytest.raises(RuntimeError, match="non-finite"):
         clip_grad_norm_(ours, 1.0, error_if_nonfinite=True)
+
+
+def test_fp64_gradients_clip_as_torchs():
+    """fp64 gradients: the norm in fp64, as torch's (_foreach_norm refused to narrow them to fp32: a
+    RuntimeError), alone and beside fp32 ones."""
+    torch.manual_seed(0)
+    ours = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3)).double()
+    theirs = copy.deepcopy(ours)
+    for m in (ours, theirs):
+        m(torch.ones(2, 5, dtype=torch.float64)).square().sum().backward()
+    norm = clip_grad_norm_(ours, 0.1)
+    want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.1)
+    assert norm.dtype == torch.float64 and torch.allclose(norm, want, rtol=1e-12, atol=0)
+    assert all(torch.allclose(a.grad, b.grad, rtol=1e-12, atol=0) for a, b in zip(ours.parameters(), theirs.parameters()))
+    mixed = torch.nn.Sequential(torch.nn.Linear(3, 2).double(), torch.nn.Linear(2, 1))
+    for p in mixed.parameters():
+        p.grad = torch.ones_like(p)
+    assert torch.allclose(clip_grad_norm_(mixed, 1e9), torch.tensor(11.0, dtype=torch.float64).sqrt())
 
 
 def _scaler_worker(rank, world_size, tensor_parallel):

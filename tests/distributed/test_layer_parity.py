@@ -213,3 +213,23 @@ def test_gather_logits_custom_loss_t2_matches_t1(vocab):
     none. The gathered logits' gradient keeps each rank's columns (all_gather's summed backward doubled it)."""
     for (ref, tp), weight_diff, shape in run_ranks(_gather_logits_worker, 2, vocab, timeout_s=100):
         assert abs(ref - tp) <= 1e-6 and weight_diff <= 1e-6 and shape == (8, 2, vocab), (ref, tp, weight_diff)
+
+
+def _fused_ln_shard_worker(rank, world_size):
+    """FusedBiasDropoutAddLayerNorm under sequence parallelism with the default row_offset: each rank's
+    shard draws the unsharded tensor's mask (row_offset 0 gave every shard the same one)."""
+    from seqpar.nn import FusedBiasDropoutAddLayerNorm
+
+    gen = torch.Generator().manual_seed(4)
+    x, res = torch.randn(8, 3, 16, generator=gen), torch.randn(8, 3, 16, generator=gen)
+    whole = FusedBiasDropoutAddLayerNorm(16, p=0.5)
+    sharded = FusedBiasDropoutAddLayerNorm(16, p=0.5, tp_group=dist.group.WORLD, sequence_parallel=True)
+    _, ro_whole = whole(x, None, res, seed=11)
+    mine = sequence_shard(x, dist.group.WORLD), sequence_shard(res, dist.group.WORLD)
+    _, ro_shard = sharded(mine[0], None, mine[1], seed=11)
+    return torch.equal(ro_shard, sequence_shard(ro_whole, dist.group.WORLD))
+
+
+@pytest.mark.timeout(60)
+def test_fused_layer_norm_module_shards_draw_the_unsharded_mask():
+    assert run_ranks(_fused_ln_shard_worker, 2, timeout_s=50) == [True, True]

@@ -1,12 +1,12 @@
-"""The conjugate operators f, f-bar, g, g-bar (and the SP entry scatter) against their definitions,
-forward and backward, on gloo ranks."""
+"""The conjugate operators f, f-bar, g, g-bar (and the SP entry scatter and exit gather) against their
+definitions, forward and backward, on gloo ranks."""
 import pytest
 import torch
 import torch.distributed as dist
 
 from seqpar.parallel import (copy_to_tensor_region, copy_to_tensor_region_coalesced, gather_from_sequence_region,
-                             reduce_from_tensor_region, reduce_scatter_to_sequence_region,
-                             scatter_to_sequence_region, sequence_shard)
+                             gather_to_replicated_region, reduce_from_tensor_region,
+                             reduce_scatter_to_sequence_region, scatter_to_sequence_region, sequence_shard)
 
 from launcher import run_ranks
 
@@ -43,6 +43,10 @@ def _mappings_worker(rank, world_size):
     same = [xs[0]] * world_size
     check("scatter", scatter_to_sequence_region, same, sequence_shard(xs[0], group), grad_shards,
           torch.cat(grad_shards))
+    # exit from the SP region to a tail every rank computes alike: all-gather forward, own shard of the
+    # (same on every rank) gradient backward; g would return the sum, t times this
+    check("exit", gather_to_replicated_region, shards, torch.cat(shards), [gs[0]] * world_size,
+          sequence_shard(gs[0], group))
     # f over several tensors (one all-reduce): each gradient summed over the ranks, shapes kept; a
     # tensor whose output is unused gets zeros (t > 1: the all-reduce needs every slot) or no gradient
     ws, bs, hs = per_rank(5, (h,)), per_rank(6, (h, 2)), per_rank(7, (2, 3))
@@ -68,7 +72,7 @@ def test_mappings_match_definitions(world_size):
 def test_single_rank_is_identity():
     x = torch.randn(4, 3)
     for fn in (copy_to_tensor_region, reduce_from_tensor_region, gather_from_sequence_region,
-               reduce_scatter_to_sequence_region, scatter_to_sequence_region):
+               reduce_scatter_to_sequence_region, scatter_to_sequence_region, gather_to_replicated_region):
         assert fn(x, None) is x
     y = torch.randn(2)
     assert all(a is b for a, b in zip(copy_to_tensor_region_coalesced([x, y], None), (x, y)))
@@ -79,3 +83,19 @@ def test_single_rank_is_identity():
 def test_coalesced_rejects_bad_input(xs):
     with pytest.raises(ValueError, match="xs must"):
         copy_to_tensor_region_coalesced(xs, None)
+
+
+@pytest.mark.parametrize("fn", [copy_to_tensor_region, reduce_from_tensor_region, gather_from_sequence_region,
+                                reduce_scatter_to_sequence_region, scatter_to_sequence_region,
+                                gather_to_replicated_region], ids=lambda f: f.__name__)
+def test_mappings_reject_what_is_not_a_tensor_of_their_layout(fn):
+    """A list or a 0-d tensor is a ValueError naming the argument (an AttributeError / IndexError from
+    inside the collectives before), on one rank as on many."""
+    sequence = fn not in (copy_to_tensor_region, reduce_from_tensor_region)
+    with pytest.raises(ValueError, match=r"x\w* must be a tensor"):
+        fn([torch.randn(2)], None)
+    if sequence:
+        with pytest.raises(ValueError, match=r"must be a tensor \[s, \.\.\.\] \(sequence first\), got a 0-d tensor"):
+            fn(torch.tensor(1.0), None)
+    else:
+        assert fn(torch.tensor(1.0), None).shape == ()

@@ -143,3 +143,21 @@ def test_building_a_model_draws_nothing_from_torch_s_generator():
         return model(tokens[:, :-1], tokens[:, 1:]).mean()
 
     assert torch.equal(loss(build_on_meta=False), loss(build_on_meta=True))
+
+
+@pytest.mark.parametrize("block", ["ParallelAttention", "ParallelMLP"])
+def test_blocks_built_on_their_own_are_initialised_like_the_linears(block):
+    """seqpar.nn.ParallelAttention / ParallelMLP on their own: N(0, 0.02) weights and zero biases from
+    torch's CPU generator, as the linears (their weights were torch.empty: NaN outputs). Inside a
+    TransformerLayer they still draw nothing from it (the layer's own init from the seqpar seed)."""
+    cfg = seqpar.TransformerConfig(hidden_size=64, num_attention_heads=4)
+    torch.manual_seed(0)
+    module = getattr(seqpar.nn, block)(cfg, None)
+    for name, p in module.named_parameters():
+        if name.endswith("bias"):
+            assert torch.equal(p, torch.zeros_like(p)), name
+        else:
+            assert torch.isfinite(p).all() and abs(p.std().item() - 0.02) < 0.002, (name, p.std().item())
+    state = torch.get_rng_state()
+    seqpar.TransformerLayer(cfg)
+    assert torch.equal(torch.get_rng_state(), state)

@@ -39,14 +39,16 @@ def test_sequence_parallel_at_t1_changes_nothing(x_shape, y_shape):
 
 
 @pytest.mark.parametrize("layer_cls", LAYERS, ids=lambda c: c.__name__)
-@pytest.mark.parametrize("shape", [(7, 5), (6, 3)], ids=["larger", "smaller"])
-def test_load_full_refuses_another_shape(layer_cls, shape):
-    """A larger weight was cut to fit without a word; a smaller one failed in torch's narrow."""
+@pytest.mark.parametrize("shape, dtype", [((7, 5), torch.float32), ((6, 3), torch.float32), ((6, 4), torch.int64)],
+                         ids=["larger", "smaller", "integer"])
+def test_load_full_refuses_another_shape_or_a_non_floating_tensor(layer_cls, shape, dtype):
+    """A larger weight was cut to fit without a word; a smaller one failed in torch's narrow; an integer one
+    was cast (load_full_state_dict refuses it)."""
     layer = layer_cls(4, 6)
     before = layer.weight.detach().clone()
-    with pytest.raises(ValueError, match=rf"{layer_cls.__name__}.weight must be an unsharded tensor of shape "
-                                         rf"\(6, 4\), got \({shape[0]}, {shape[1]}\)"):
-        layer.load_full(torch.randn(shape), torch.zeros(6))
+    with pytest.raises(ValueError, match=rf"{layer_cls.__name__}.weight must be an unsharded floating tensor of "
+                                         rf"shape \(6, 4\), got {dtype} \({shape[0]}, {shape[1]}\)"):
+        layer.load_full(torch.ones(shape, dtype=dtype), torch.zeros(6))
     assert torch.equal(layer.weight, before)
 
 

@@ -45,3 +45,10 @@ def test_constructor_arguments_are_checked(kind, kwargs, match):
     AttributeError."""
     with pytest.raises(ValueError, match=match):
         getattr(seqpar.nn, kind)(8, **kwargs)
+
+
+def test_norms_have_torchs_shape_attributes():
+    """normalized_shape / elementwise_affine, which code written for torch.nn.LayerNorm / RMSNorm reads."""
+    for norm, ref in ((seqpar.nn.LayerNorm(16), torch.nn.LayerNorm(16)), (seqpar.nn.RMSNorm(16), torch.nn.RMSNorm(16))):
+        assert norm.normalized_shape == ref.normalized_shape == (16,)
+        assert norm.elementwise_affine is ref.elementwise_affine is True
