@@ -153,9 +153,20 @@ def experiment_of(config: str, experiments: Iterable[str]) -> Optional[str]:
 
 
 def run_meta(rows: List[Dict]) -> Optional[Dict]:
-    """Device, date and commit of the latest run among ``rows`` (a file's parts can come from several)."""
+    """Device, date and commit of the latest run among ``rows``; where a file's parts (bench_overlap's
+    ``part``) come from different runs, ``"parts"`` gives each part's too."""
+    keys = ("device", "date", "commit")
     latest = max(rows, key=lambda r: r["date"], default=None)
-    return {k: latest[k] for k in ("device", "date", "commit")} if latest else None
+    if latest is None:
+        return None
+    by_part: Dict[str, Dict] = {}
+    for r in rows:
+        if r.get("part") and (r["part"] not in by_part or r["date"] > by_part[r["part"]]["date"]):
+            by_part[r["part"]] = r
+    meta = {k: latest[k] for k in keys}
+    if len({tuple(r[k] for k in keys) for r in by_part.values()}) > 1:
+        meta["parts"] = {part: {k: r[k] for k in keys} for part, r in sorted(by_part.items())}
+    return meta
 
 
 # ----------------------------------------------------------------------------- targets

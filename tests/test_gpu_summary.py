@@ -429,6 +429,10 @@ def test_a_later_run_of_one_overlap_part_keeps_the_other_parts(tmp_path):
     assert by_name(summary, "22B shapes")["value"] == pytest.approx(0.97)
     assert by_name(summary, "175B shapes")["met"] is True
     assert summary["runs"]["bench_overlap"]["commit"] == "later"          # the latest run of the file
+    assert summary["runs"]["bench_overlap"]["parts"] == {                   # and each part's own run
+        "gemm": dict(device=summary["runs"]["bench_overlap"]["device"], date="2026-12-01T10:00:00", commit="first"),
+        "project": dict(device=summary["runs"]["bench_overlap"]["device"], date="2026-12-02T10:00:00",
+                        commit="later")}
 
 
 def test_an_out_folder_that_cannot_be_made_is_one_line_exit_1(tmp_path, capsys):
