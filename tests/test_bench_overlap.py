@@ -59,7 +59,8 @@ def test_quick_run_writes_rows(tmp_path):
     assert parts == {"gemm", "gloo", "project"}, parts
     metrics = {(r["part"], r["metric"]) for r in rows}
     for needed in [("gloo", "speedup_vs_plain_ci_low"), ("gloo", "exposed_comm_ms"), ("gloo", "comm_hidden"),
-                   ("project", "comm_hidden"), ("project", "chunked_bwd_us"), ("gemm", "throughput_vs_plain")]:
+                   ("project", "comm_hidden"), ("project", "chunked_bwd_us"), ("gemm", "throughput_vs_plain"),
+                   ("gemm", "call_ms")]:
         assert needed in metrics, needed
     for r in rows:
         if r["metric"].endswith("_ms") or r["metric"].endswith("_us"):

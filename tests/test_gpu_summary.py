@@ -454,3 +454,15 @@ def test_the_peak_memory_targets_name_says_what_flat_memory_gives(tmp_path):
     growth = by_name(S.summarize(str(tmp_path)), "peak memory growth")
     assert growth["value"] == pytest.approx(0.25)
     assert "an s^2 term gives 1, flat memory 0.25" in growth["name"] and "~0" not in growth["name"]
+
+
+def test_the_gemm_targets_say_which_clock_timed_them(tmp_path):
+    """bench_overlap's gemm part times with the device time since it writes call_ms beside it; older rows
+    were eager calls one at a time, host launches included (0.72 in one run and 0.56 in another)."""
+    columns = ("part", "config", "provider", "metric", "value")
+    row = ("gemm", "22B proj dgrad [8192x6144]@[6144x768]", "chunked x8", "throughput_vs_plain", 0.9)
+    write_rows(tmp_path, "bench_overlap", [row], date="2026-12-01T10:00:00", commit="old", columns=columns)
+    assert by_name(S.summarize(str(tmp_path)), "22B shapes")["detail"].startswith("eager call time, one call")
+    write_rows(tmp_path, "bench_overlap", [row, row[:3] + ("call_ms", 0.2)], date="2026-12-02T10:00:00",
+               commit="new", columns=columns)
+    assert by_name(S.summarize(str(tmp_path)), "22B shapes")["detail"].startswith("GPU time (back-to-back")
