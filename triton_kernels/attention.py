@@ -55,6 +55,7 @@ power-of-two bucket of (s_q, s_k), whose choice the other lengths of the bucket 
 from __future__ import annotations
 
 import os
+import threading
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -556,14 +557,17 @@ _dkdv_tuned = triton.autotune(configs=_configs(_DKDV_TILES), key=_TUNE_KEY,
 # The autotuner keys on the exact s_q and s_k (_TUNE_KEY), so every new length benchmarked the configs
 # again (about a second a kernel): a generation loop without a KV cache (s = 1, 2, 3, ...) or batches of
 # varying length paid it at each new length. Here the first lengths of a power-of-two bucket of (s_q, s_k)
-# tune, and the others launch that config as a fixed one: (kernel, buckets, GROUP, dtype, meta) -> config.
+# tune, and the others launch that config as a fixed one: (kernel, buckets, GROUP, dtype, device, meta) ->
+# config. Tuning holds _TUNE_LOCK: the autotuner keeps its choice in one attribute per kernel (best_config),
+# which another thread tuning the same kernel would overwrite before it is read.
 _BUCKET_CONFIGS: Dict[tuple, Dict[str, int]] = {}
+_TUNE_LOCK = threading.Lock()
 
 
-def _bucket(which: str, s_q: int, s_k: int, group: int, dtype: torch.dtype, meta) -> tuple:
+def _bucket(which: str, s_q: int, s_k: int, group: int, like: torch.Tensor, meta) -> tuple:
     """The key of :data:`_BUCKET_CONFIGS` (lengths below 16 share the bucket 16)."""
-    return (which, triton.next_power_of_2(max(s_q, 16)), triton.next_power_of_2(max(s_k, 16)), group, str(dtype),
-            *sorted(meta.items()))
+    return (which, triton.next_power_of_2(max(s_q, 16)), triton.next_power_of_2(max(s_k, 16)), group,
+            str(like.dtype), str(like.device), *sorted(meta.items()))
 
 
 def _launch(which: str, even_kernel, tuned_kernel, grid_rows: int, bh: int, args, meta, config,
@@ -576,9 +580,10 @@ def _launch(which: str, even_kernel, tuned_kernel, grid_rows: int, bh: int, args
         config = _BUCKET_CONFIGS.get(bucket)
     if config is None:
         grid = lambda m: (triton.cdiv(grid_rows, m["BLOCK_M" if which != "dkdv" else "BLOCK_N"]), bh)
-        tuned_kernel[grid](*args, **meta)
-        best = tuned_kernel.best_config
-        _BUCKET_CONFIGS[bucket] = dict(best.kwargs, num_warps=best.num_warps, num_stages=best.num_stages)
+        with _TUNE_LOCK:
+            tuned_kernel[grid](*args, **meta)
+            best = tuned_kernel.best_config
+            _BUCKET_CONFIGS[bucket] = dict(best.kwargs, num_warps=best.num_warps, num_stages=best.num_stages)
         return
     config = dict(config)
     num_warps = config.pop("num_warps", 4)
@@ -645,7 +650,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     meta = dict(HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), CAUSAL=bool(causal), DROPOUT=active,
                 DOT=_dot_mode(q.dtype))
     _launch("fwd", _fwd_even, _fwd_tuned, s_q, b * heads, args, meta, config,
-            _bucket("fwd", s_q, s_k, group, q.dtype, meta))
+            _bucket("fwd", s_q, s_k, group, q, meta))
     return o, lse
 
 
@@ -677,9 +682,9 @@ def attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     _launch("dq", _dq_even, _dq_tuned, s_q, b * heads,
             (q, k, v, o, grad_o, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
              *grad_o.stride(), *dq.stride(), *common), meta, config.get("dq"),
-            _bucket("dq", s_q, s_k, group, q.dtype, meta))
+            _bucket("dq", s_q, s_k, group, q, meta))
     _launch("dkdv", _dkdv_even, _dkdv_tuned, s_k, b * kv_heads,
             (q, k, v, grad_o, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(),
              *dk.stride(), *dv.stride(), *common), meta, config.get("dkdv"),
-            _bucket("dkdv", s_q, s_k, group, q.dtype, meta))
+            _bucket("dkdv", s_q, s_k, group, q, meta))
     return dq, dk, dv

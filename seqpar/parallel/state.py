@@ -238,10 +238,9 @@ def check_ranks_agree(group: ProcessGroup, values: Mapping[str, object], *, what
         raise ValueError(error)
     failed = [r for r, row in enumerate(rows) if row[-1]]
     if failed:
-        global_ranks = [dist.get_global_rank(group, r) for r in failed]
-        also = f" (global rank(s) {global_ranks})" if global_ranks != failed else ""
-        raise ValueError(f"{what}: tensor-parallel rank(s) {failed}{also} rejected their arguments (see their "
-                         f"ValueError); {_rank_named(group, rank)} raises too instead of waiting for them")
+        raise ValueError(f"{what}: tensor-parallel {_ranks_named(group, failed, 'rank(s)')} rejected their "
+                         f"arguments (see their ValueError); {_rank_named(group, rank)} raises too instead of "
+                         "waiting for them")
     problems = []
     for i, name in enumerate(names):
         column = [row[i] for row in rows]
@@ -254,13 +253,19 @@ def check_ranks_agree(group: ProcessGroup, values: Mapping[str, object], *, what
             by_value = {}
             for r, v in enumerate(column):
                 by_value.setdefault(v, []).append(r)
-            held = " vs ".join(f"ranks {rs}" for rs in by_value.values())
+            held = " vs ".join(_ranks_named(group, rs) for rs in by_value.values())
             if not isinstance(value, bytes):
                 held += f"; {_rank_named(group, rank)} has {value!r}"
         problems.append(f"{name} differs ({held})")
     if problems:
         raise ValueError(f"{what}: the tensor-parallel ranks disagree: " + "; ".join(problems)
                          + (f". {hint}" if hint else ""))
+
+
+def _ranks_named(group: ProcessGroup, ranks: Sequence[int], word: str = "ranks") -> str:
+    """"ranks [1, 3]" of ``group``, with their global ranks where they differ (a subgroup such as {0, 2})."""
+    global_ranks = [dist.get_global_rank(group, r) for r in ranks]
+    return f"{word} {list(ranks)}" + (f" (global {global_ranks})" if global_ranks != list(ranks) else "")
 
 
 def _rank_named(group: ProcessGroup, rank: int) -> str:

@@ -383,17 +383,23 @@ def _strided_group_worker(rank, world_size):
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     cfg = seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4, sequence_parallel=True)
     layer = seqpar.TransformerLayer(cfg, tp_group=groups[rank % 2])
-    try:
-        layer(torch.randn(3 if rank == 2 else 4, 1, 32))
-        return None
-    except ValueError as exc:
-        return str(exc)
+    linear = seqpar.nn.ColumnParallelLinear(32, 8, tp_group=groups[rank % 2])
+    messages = []
+    for run in (lambda: layer(torch.randn(3 if rank == 2 else 4, 1, 32)),          # an int value differs
+                lambda: linear(torch.randn(4, 2 if rank == 2 else 1, 32))):       # a hashed value differs
+        try:
+            run()
+            messages.append(None)
+        except ValueError as exc:
+            messages.append(str(exc))
+    return messages
 
 
 @pytest.mark.timeout(120)
 def test_disagreement_in_a_strided_group_names_the_global_ranks():
-    """In the group {0, 2} its rank 1 is global rank 2: the message says so (it named group ranks only)."""
+    """In the group {0, 2} its rank 1 is global rank 2: the messages say so (they named group ranks only)."""
     messages = run_ranks(_strided_group_worker, 4, timeout_s=100)
     for rank in (0, 2):
-        assert "s_local) differs (rank 0: 4, rank 1 (global rank 2): 3)" in messages[rank], messages[rank]
-    assert messages[1] is None and messages[3] is None
+        assert "s_local) differs (rank 0: 4, rank 1 (global rank 2): 3)" in messages[rank][0], messages[rank]
+        assert "differs (ranks [0] vs ranks [1] (global [2])" in messages[rank][1], messages[rank]
+    assert messages[1] == messages[3] == [None, None]

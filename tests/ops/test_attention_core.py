@@ -864,6 +864,8 @@ def test_triton_autotunes_once_per_length_bucket(monkeypatch):
             self.name, self.best_config = name, best
 
         def __getitem__(self, grid):
+            # tuning holds the lock: best_config is one attribute per kernel, which another thread could set
+            assert self.name == "fixed" or A._TUNE_LOCK.locked()
             return lambda *args, **meta: launches.append((self.name, args[s_q_index], meta.get("BLOCK_M"),
                                                           meta.get("num_warps")))
 
