@@ -29,7 +29,7 @@ weights, the row-parallel output bias under SP) get their gradient summed over t
 """
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Callable, Sequence, Tuple
 
 import torch
 
@@ -63,63 +63,31 @@ def _own_shard(x_full: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return sequence_shard(x_full, group).clone()
 
 
-class _ReduceFromTensorRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce_copy(x, group)
+def _mapping(name: str, forward: Callable, backward: Callable) -> type:
+    """An autograd Function over ``(x, group)``: ``forward(x, group)``, and ``backward(grad, group)`` for
+    the gradient (the group kept on ctx)."""
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _GatherFromSequenceRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_shard, group):
+    def fwd(ctx, x, group):
         ctx.group = group
-        return all_gather_seq(x_shard, group)
+        return forward(x, group)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_full):
-        return reduce_scatter_seq(grad_full, ctx.group), None
+    def bwd(ctx, grad):
+        return backward(grad, ctx.group), None
 
-
-class _ReduceScatterToSequenceRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_full, group):
-        ctx.group = group
-        return reduce_scatter_seq(x_full, group)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_shard):
-        return all_gather_seq(grad_shard, ctx.group), None
+    fwd.__qualname__, bwd.__qualname__ = f"{name}.forward", f"{name}.backward"   # as errors name them
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd),
+                                                   "backward": staticmethod(once_differentiable(bwd))})
 
 
-class _GatherToReplicatedRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_shard, group):
-        ctx.group = group
-        return all_gather_seq(x_shard, group)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_full):
-        return _own_shard(grad_full, ctx.group), None
+def _identity(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return x
 
 
-class _ScatterToSequenceRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_full, group):
-        ctx.group = group
-        return _own_shard(x_full, group)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_shard):
-        return all_gather_seq(grad_shard, ctx.group), None
+_ReduceFromTensorRegion = _mapping("_ReduceFromTensorRegion", _all_reduce_copy, _identity)
+_GatherFromSequenceRegion = _mapping("_GatherFromSequenceRegion", all_gather_seq, reduce_scatter_seq)
+_ReduceScatterToSequenceRegion = _mapping("_ReduceScatterToSequenceRegion", reduce_scatter_seq, all_gather_seq)
+_GatherToReplicatedRegion = _mapping("_GatherToReplicatedRegion", all_gather_seq, _own_shard)
+_ScatterToSequenceRegion = _mapping("_ScatterToSequenceRegion", _own_shard, all_gather_seq)
 
 
 def _check_tensor(x, name: str, sequence: bool) -> None:
