@@ -149,13 +149,15 @@ class TensorParallelGradScaler(torch.amp.GradScaler):
         self.tp_group = tp_group
 
     def _agree(self, found_inf_per_device: Dict[torch.device, torch.Tensor]) -> None:
-        """Any rank's overflow in every rank's per-device flags (in place)."""
+        """Any rank's overflow in every rank's per-device flags (in place), as 1.0 (or 0.0): torch's fused
+        optimizers skip their step only for a flag of exactly 1.0 (a sum over the ranks, 2.0 when both
+        overflowed, stepped them into NaN weights)."""
         if group_size(self.tp_group) == 1:
             return
         found = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         for flag in found_inf_per_device.values():
-            found += flag.to(found.device)
-        dist.all_reduce(found, group=self.tp_group)
+            found = torch.maximum(found, (flag.to(found.device) != 0).to(found.dtype))
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.tp_group)
         for flag in found_inf_per_device.values():
             flag.copy_(found)
 

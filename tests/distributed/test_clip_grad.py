@@ -112,17 +112,22 @@ def test_fp64_gradients_clip_as_torchs():
     assert torch.allclose(clip_grad_norm_(mixed, 1e9), torch.tensor(11.0, dtype=torch.float64).sqrt())
 
 
-def _scaler_worker(rank, world_size, tensor_parallel):
+def _scaler_worker(rank, world_size, tensor_parallel, fused=False):
     model = _model(dist.group.WORLD)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    # fused: the optimizer unscales in its own step (GradScaler's _check_inf_per_device path) and skips it
+    # only for a flag of exactly 1.0
+    optimizer = (torch.optim.AdamW(model.parameters(), lr=0.1, fused=True) if fused
+                 else torch.optim.SGD(model.parameters(), lr=0.1))
     make = seqpar.nn.TensorParallelGradScaler if tensor_parallel else torch.amp.GradScaler
     scaler = make("cpu", init_scale=256.0, **({"tp_group": dist.group.WORLD} if tensor_parallel else {}))
     tokens = torch.randint(0, VOCAB, (B, S + 1), generator=torch.Generator().manual_seed(3))
     scaler.scale(model(tokens[:, :-1], tokens[:, 1:]).mean()).backward()
     if rank == 1:   # an overflow in one rank's shard of a split weight only
         model.layers[0].mlp.dense_h_to_4h.weight.grad[0, 0] = float("inf")
+    if fused:       # and in a replicated gradient on every rank (an overflow there shows on all of them)
+        model.final_layernorm.weight.grad[0] = float("inf")
     layer_norm, norm = model.final_layernorm.weight.detach().clone(), None   # replicated on both ranks
-    if tensor_parallel:
+    if tensor_parallel and not fused:
         scaler.unscale_(optimizer)                   # the usual place for clipping
         norm = float(clip_grad_norm_(model, 1.0))
     scaler.step(optimizer)
@@ -138,3 +143,5 @@ def test_grad_scaler_skips_the_step_on_every_rank_when_one_rank_overflows():
     assert all(math.isinf(r["norm"]) for r in ours), ours         # the clip saw rank 1's inf on both ranks
     theirs = run_ranks(_scaler_worker, 2, False, timeout_s=150)    # torch's: the ranks part
     assert [r["stepped"] for r in theirs] == [True, False] and [r["scale"] for r in theirs] == [256.0, 128.0], theirs
+    fused = run_ranks(_scaler_worker, 2, True, True, timeout_s=150)  # the flag summed to 2.0 stepped into NaN
+    assert [r["stepped"] for r in fused] == [False, False] and [r["scale"] for r in fused] == [128.0, 128.0], fused
