@@ -64,10 +64,11 @@ class FusedBiasDropoutAddLayerNorm(LayerNorm):
         ``row_offset`` None: this rank's sequence shard's first row under sequence parallelism (``rank *
         rows`` of ``x``), else 0 (the module docstring). (0 under sequence parallelism gave every rank's
         shard the same mask.)"""
-        self._check_hidden(x)
         if row_offset is None:
-            sharded = self.sequence_parallel and group_size(self.tp_group) > 1
-            row_offset = group_rank(self.tp_group) * (x.numel() // x.shape[-1]) if sharded else 0
+            row_offset = 0
+            if self.sequence_parallel and group_size(self.tp_group) > 1:
+                self._check_hidden(x)   # before x.shape is read (a 0-d x)
+                row_offset = group_rank(self.tp_group) * (x.numel() // x.shape[-1])
         spec = make_dropout_spec(self.p, self.training, seed, row_offset)
         return self.after_bias_dropout_add(x, bias, residual, spec)
 

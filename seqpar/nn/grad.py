@@ -30,13 +30,14 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
     """Scale the gradients of ``module``'s parameters in place so that the norm of the unsharded
     gradients is at most ``max_norm``; returns that norm before clipping (an fp32 0-d tensor, fp64 when a
-    gradient is fp64; the same on every rank). A drop-in for ``torch.nn.utils.clip_grad_norm_(module.parameters(), ...)`` under
-    tensor parallelism (see the module docstring); at t = 1 it computes what torch's does.
+    gradient is fp64; the same on every rank). A drop-in for ``torch.nn.utils.clip_grad_norm_(
+    module.parameters(), ...)`` under tensor parallelism (see the module docstring); at t = 1 it computes
+    what torch's does.
 
     The ``norm_type``-norm (a positive float, or ``inf`` / ``"inf"``) of every gradient together, in
-    fp32 (fp64 with fp64 gradients): split parameters' shares summed (max for inf) over their tensor-parallel group (one all-reduce
-    per group; call it on every rank), replicated parameters once; the factor ``max_norm / (norm +
-    1e-6)``, at most 1, is applied without a host sync. Parameters without a gradient are skipped. With
+    fp32 (fp64 with fp64 gradients): split parameters' shares summed (max for inf) over their
+    tensor-parallel group (one all-reduce per group; call it on every rank), replicated parameters once;
+    the factor ``max_norm / (norm + 1e-6)``, at most 1, is applied without a host sync. Parameters without a gradient are skipped. With
     data parallelism call it after the data-parallel gradient reduction (DDP's or FSDP2's backward), as
     torch's. Under FSDP2 (``fully_shard``, HSDP too) each gradient's share is also summed over its
     FSDP2 shard group, so the norm is still the unsharded model's. A NaN gradient makes the norm NaN on
@@ -80,13 +81,11 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
         tensors = [g for g in tensors if g.numel()]
         if not tensors:
             return torch.zeros((), device=device, dtype=acc)
-        norms = []
-        for wide in (False, True):
-            part = [g for g in tensors if (g.dtype == torch.float64) == wide]
-            if part:
-                dtype = torch.float64 if wide else torch.float32
-                norms += [n.to(device, acc) for n in torch._foreach_norm(part, norm_type, dtype=dtype)]
-        norms = torch.stack(norms)
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for g in tensors:
+            by_dtype.setdefault(torch.float64 if g.dtype == torch.float64 else torch.float32, []).append(g)
+        norms = torch.stack([n.to(device, acc) for dtype, part in by_dtype.items()
+                             for n in torch._foreach_norm(part, norm_type, dtype=dtype)])
         return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
 
     total = torch.zeros((), device=device, dtype=acc)

@@ -19,8 +19,8 @@ a tensor-parallel consumer whose ranks compute different partial results (a colu
 ``group`` is the tensor-parallel process group, the same group object on every rank of it (ranks passing
 different groups wait in the collective until the process group's timeout); ``None`` means one rank (no
 parallelism), not torch.distributed's default WORLD. Every function is the identity (returns its input)
-when the group has one rank, and under no_grad runs
-its forward alone, without an autograd Function (inference, compiled too). The sequence functions
+when the group has one rank, and under no_grad runs its forward alone, without an autograd Function
+(inference, compiled too). The sequence functions
 (g, g-bar, the entry and the exit) split dim 0 into t equal shards: a length t does not divide, or a
 tensor without dimensions, is a ValueError; so is an argument that is not a tensor.
 ``copy_to_tensor_region`` is also how replicated parameters that only see a sequence shard (LayerNorm
@@ -65,7 +65,8 @@ def _own_shard(x_full: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 def _mapping(name: str, forward: Callable, backward: Callable) -> type:
     """An autograd Function over ``(x, group)``: ``forward(x, group)``, and ``backward(grad, group)`` for
-    the gradient (the group kept on ctx)."""
+    the gradient (the group kept on ctx); ``forward`` alone is its ``values`` (what :func:`_mapped` runs
+    under no_grad)."""
 
     def fwd(ctx, x, group):
         ctx.group = group
@@ -75,7 +76,7 @@ def _mapping(name: str, forward: Callable, backward: Callable) -> type:
         return backward(grad, ctx.group), None
 
     fwd.__qualname__, bwd.__qualname__ = f"{name}.forward", f"{name}.backward"   # as errors name them
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd),
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "values": staticmethod(forward),
                                                    "backward": staticmethod(once_differentiable(bwd))})
 
 
@@ -96,16 +97,16 @@ def _check_tensor(x, name: str, sequence: bool) -> None:
         raise ValueError(f"{name} must be a tensor{' [s, ...] (sequence first)' if sequence else ''}, got {got}")
 
 
-def _mapped(function, forward, x: torch.Tensor, group: ProcessGroup, name: str = "x_full",
+def _mapped(function, x: torch.Tensor, group: ProcessGroup, name: str = "x_full",
             sequence: bool = True) -> torch.Tensor:
-    """``x`` itself on one rank; else ``function.apply(x, group)``, or under no_grad (inference) its
-    ``forward(x, group)`` alone: the same values without the Function, which Dynamo could not trace there
-    (it inlines the forward and fails storing the ProcessGroup on ctx). ``name`` / ``sequence``: the
+    """``x`` itself on one rank; else ``function.apply(x, group)``, or under no_grad (inference)
+    ``function.values(x, group)``: the same values without the Function, which Dynamo could not trace
+    there (it inlines the forward and fails storing the ProcessGroup on ctx). ``name`` / ``sequence``: the
     argument's name and whether it is split along dim 0, for the input check."""
     _check_tensor(x, name, sequence)
     if group_size(group) == 1:
         return x
-    return function.apply(x, group) if torch.is_grad_enabled() else forward(x, group)
+    return function.apply(x, group) if torch.is_grad_enabled() else function.values(x, group)
 
 
 def copy_to_tensor_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -134,24 +135,24 @@ def copy_to_tensor_region_coalesced(xs: Sequence[torch.Tensor], group: ProcessGr
 
 def reduce_from_tensor_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """f-bar: all-reduce forward, identity backward."""
-    return _mapped(_ReduceFromTensorRegion, _all_reduce_copy, x, group, "x", sequence=False)
+    return _mapped(_ReduceFromTensorRegion, x, group, "x", sequence=False)
 
 
 def gather_from_sequence_region(x_shard: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """g: all-gather [s/t, ...] -> [s, ...] forward, reduce-scatter of the gradient backward: before a
     tensor-parallel consumer (a column-parallel linear). Before a tail every rank computes alike (a loss,
     a replicated head) use :func:`gather_to_replicated_region` (the module docstring says why)."""
-    return _mapped(_GatherFromSequenceRegion, all_gather_seq, x_shard, group, "x_shard")
+    return _mapped(_GatherFromSequenceRegion, x_shard, group, "x_shard")
 
 
 def reduce_scatter_to_sequence_region(x_full: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """g-bar: reduce-scatter [s, ...] -> [s/t, ...] forward, all-gather of the gradient backward."""
-    return _mapped(_ReduceScatterToSequenceRegion, reduce_scatter_seq, x_full, group)
+    return _mapped(_ReduceScatterToSequenceRegion, x_full, group)
 
 
 def scatter_to_sequence_region(x_full: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Enter the sequence-parallel region: keep this rank's shard forward, all-gather backward."""
-    return _mapped(_ScatterToSequenceRegion, _own_shard, x_full, group)
+    return _mapped(_ScatterToSequenceRegion, x_full, group)
 
 
 def gather_to_replicated_region(x_shard: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -159,4 +160,4 @@ def gather_to_replicated_region(x_shard: torch.Tensor, group: ProcessGroup) -> t
     shard of the gradient backward (Megatron's gather with ``tensor_parallel_output_grad=False``). For a
     tail every rank computes alike from the full tensor (a loss, a replicated head): each rank's backward
     then holds the same full gradient, and summing them (g's reduce-scatter) would count it t times."""
-    return _mapped(_GatherToReplicatedRegion, all_gather_seq, x_shard, group, "x_shard")
+    return _mapped(_GatherToReplicatedRegion, x_shard, group, "x_shard")
