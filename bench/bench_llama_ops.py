@@ -8,8 +8,9 @@ and the standalone dropout (GPT's MLP output and embeddings, outside the fused L
     dropout  y = dropout(x, p = 0.1), the mask regenerated in backward  x [tokens, h]
 
 Default sweep (bf16): rmsnorm tokens 16384 x h {4096, 8192}; swiglu tokens 16384 x n {11008, 14336};
-rope s 4096 x b 4, Hq 32, Hk 8, d 128; dropout tokens 16384 x h {4096, 8192} (``--ops``, ``--tokens``, ``--hidden``, ``--ffn``, ``--seq``,
-``--batch``, ``--heads``, ``--kv-heads``, ``--head-dim``, ``--dtype`` change it).
+rope s 4096 x b 4, Hq 32, Hk 8, d 128; dropout tokens 16384 x h {4096, 8192} (``--ops``, ``--tokens``,
+``--hidden``, ``--ffn``, ``--seq``, ``--batch``, ``--heads``, ``--kv-heads``, ``--head-dim``, ``--dtype``
+change it).
 
 Providers (a provider that can't run is reported and skipped):
     seqpar-cuda       the op with backend="cuda" (dropout: its kernel, seqpar::dropout_cuda)
@@ -188,8 +189,9 @@ def _pinned_dropout(x: torch.Tensor, backend: str, device: torch.device) -> Call
         raise RuntimeError(reason)
     spec = D.make_dropout_spec(DROPOUT_P, True, 1234)
     if backend == "torch":
-        def kernel(t):
-            return torch.where(spec.keep_mask_2d(t.numel() // t.shape[-1], t.shape[-1], t.device), t * spec.scale, 0.0)
+        def kernel(t):   # the torch reference's formula (apply_keep_mask would pick a kernel on a GPU)
+            keep = spec.keep_mask_2d(t.numel() // t.shape[-1], t.shape[-1], t.device).view(t.shape)
+            return torch.where(keep, t * spec.scale, 0.0)
     else:
         op = D._cuda_dropout if backend == "cuda" else D._triton_dropout
         kernel = lambda t: op(t, spec.seed, spec.row_offset, spec.threshold)  # noqa: E731
