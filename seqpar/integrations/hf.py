@@ -66,7 +66,7 @@ This module never imports ``transformers``: it reads the config's attributes and
 from __future__ import annotations
 
 import re
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -199,8 +199,19 @@ def _to_seqpar_keys(sd: Dict[str, torch.Tensor], num_layers: int) -> Dict[str, t
     return out
 
 
+def _every_layer(recompute) -> object:
+    """The config's policy: ``recompute`` itself when it is one policy (TransformerConfig checks it), else
+    "none" (a per-layer list goes to GPTModel: :func:`_per_layer`)."""
+    return "none" if isinstance(recompute, (list, tuple)) else recompute
+
+
+def _per_layer(recompute) -> Optional[Sequence[str]]:
+    """GPTModel's per-layer ``recompute``: a list or tuple (GPTModel checks its length and names), else None."""
+    return recompute if isinstance(recompute, (list, tuple)) else None
+
+
 def from_gpt2(source, *, config=None, tp_group: ProcessGroup = None, sequence_parallel: bool = False,
-              recompute: str = "none", backend: str = "auto", device=None,
+              recompute: Union[str, Sequence[str]] = "none", backend: str = "auto", device=None,
               params_dtype: Optional[torch.dtype] = None, dropout: Optional[float] = None) -> GPTModel:
     """A :class:`seqpar.GPTModel` holding this rank's shards of a HuggingFace GPT-2.
 
@@ -211,8 +222,9 @@ def from_gpt2(source, *, config=None, tp_group: ProcessGroup = None, sequence_pa
         config: the ``GPT2Config`` of a state-dict ``source`` (a model brings its own: leave None).
         tp_group: tensor-parallel process group (None: no tensor parallelism). Every rank passes the
             same source.
-        sequence_parallel, recompute, backend: as in :class:`seqpar.TransformerConfig` (``recompute``
-            is one policy, "none" | "selective" | "full", for every layer).
+        sequence_parallel, backend: as in :class:`seqpar.TransformerConfig`.
+        recompute: one policy, "none" | "selective" | "full", for every layer, or one per layer as
+            :class:`seqpar.GPTModel` takes them (``plan_recompute(...).policies``).
         device: where the parameters go; None keeps the source's device.
         params_dtype: the parameters' dtype; None keeps the source's.
         dropout: one probability for the residual, attention and embedding dropout; None keeps the
@@ -238,10 +250,11 @@ def from_gpt2(source, *, config=None, tp_group: ProcessGroup = None, sequence_pa
     cfg = TransformerConfig(
         hidden_size=settings["hidden"], num_attention_heads=settings["heads"], ffn_hidden_size=settings["ffn"],
         hidden_dropout=hidden_p, attention_dropout=attention_p, layernorm_epsilon=settings["eps"],
-        activation=settings["activation"], sequence_parallel=sequence_parallel, recompute=recompute,
+        activation=settings["activation"], sequence_parallel=sequence_parallel, recompute=_every_layer(recompute),
         backend=backend, params_dtype=wte.dtype if params_dtype is None else params_dtype)
     model = GPTModel(cfg, settings["layers"], settings["vocab"], settings["positions"], tp_group=tp_group,
-                     device=wte.device if device is None else device, embedding_dropout=embedding_p)
+                     device=wte.device if device is None else device, embedding_dropout=embedding_p,
+                     recompute=_per_layer(recompute))
     model.load_full_state_dict(_to_seqpar_keys(sd, settings["layers"]))
     return model.train(training)
 
@@ -426,7 +439,7 @@ def _source_state_dict(source, config, kind: str):
 
 
 def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_parallel: bool = False,
-               recompute: str = "none", backend: str = "auto", device=None,
+               recompute: Union[str, Sequence[str]] = "none", backend: str = "auto", device=None,
                params_dtype: Optional[torch.dtype] = None) -> GPTModel:
     """A :class:`seqpar.GPTModel` with the Llama block holding this rank's shards of a HuggingFace Llama.
 
@@ -437,8 +450,8 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
         config: the ``LlamaConfig`` of a state-dict ``source`` (a model brings its own: leave None).
         tp_group: tensor-parallel process group (None: no tensor parallelism). Every rank passes the
             same source; t must divide num_attention_heads, num_key_value_heads and intermediate_size.
-        sequence_parallel, recompute, backend: as in :class:`seqpar.TransformerConfig` (``recompute``
-            is one policy, "none" | "selective" | "full", for every layer).
+        sequence_parallel, backend: as in :class:`seqpar.TransformerConfig`.
+        recompute: as in :func:`from_gpt2` (one policy, or one per layer).
         device: where the parameters go; None keeps the source's device.
         params_dtype: the parameters' dtype; None keeps the source's.
 
@@ -464,11 +477,13 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
     cfg = TransformerConfig(
         hidden_size=settings["hidden"], num_attention_heads=settings["heads"], ffn_hidden_size=settings["ffn"],
         num_query_groups=groups, attention_dropout=settings["attention_dropout"], layernorm_epsilon=settings["eps"],
-        rope_theta=settings["theta"], sequence_parallel=sequence_parallel, recompute=recompute, backend=backend,
+        rope_theta=settings["theta"], sequence_parallel=sequence_parallel, recompute=_every_layer(recompute),
+        backend=backend,
         params_dtype=embed.dtype if params_dtype is None else params_dtype, **LLAMA_BLOCK)
     model = GPTModel(cfg, settings["layers"], settings["vocab"], settings["positions"], tp_group=tp_group,
                      device=embed.device if device is None else device, embedding_dropout=0.0,
-                     share_embeddings_and_output_weights=settings["tied"], padding_idx=settings["pad"])
+                     share_embeddings_and_output_weights=settings["tied"], padding_idx=settings["pad"],
+                     recompute=_per_layer(recompute))
     model.load_full_state_dict(_llama_to_seqpar_keys(sd, head, settings["layers"]))
     return model.train(training)
 

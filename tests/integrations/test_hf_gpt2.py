@@ -397,3 +397,13 @@ def test_bf16_logits_on_gpu(backend, recompute):
     error = (logits.float() - reference).abs().max().item()
     hf_error = (hf_bf16.float() - reference).abs().max().item()
     assert error <= 2 * hf_error + 1e-3, f"seqpar bf16 error {error:.3e} vs HF bf16 error {hf_error:.3e}"
+
+
+def test_one_recompute_policy_per_layer():
+    """from_gpt2 takes GPTModel's per-layer recompute list too (it was "unknown recompute")."""
+    gpt2 = _random_gpt2(1000).eval()
+    policies = (["full", "selective"] * LAYERS)[:LAYERS]
+    model = hf.from_gpt2(gpt2, recompute=policies)
+    assert [layer.config.recompute for layer in model.layers] == policies
+    with torch.no_grad():
+        torch.testing.assert_close(model(_tokens(1000)), gpt2(_tokens(1000)).logits.transpose(0, 1), atol=2e-5, rtol=0)

@@ -309,6 +309,20 @@ def test_settings_follow_the_config_and_arguments():
                                    atol=2e-5, rtol=0)
 
 
+def test_one_recompute_policy_per_layer():
+    """recompute as GPTModel takes it, one policy per layer (a list was "unknown recompute"); the model
+    computes what HF's does, and a list of the wrong length is GPTModel's ValueError."""
+    llama = _random_llama(2).eval()
+    layers = llama.config.num_hidden_layers
+    policies = ["selective", "full", "none"][:layers]
+    model = hf.from_llama(llama, recompute=policies)
+    assert [layer.config.recompute for layer in model.layers] == policies
+    with torch.no_grad():
+        torch.testing.assert_close(model(_tokens()), llama(_tokens()).logits.transpose(0, 1), atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="recompute"):
+        hf.from_llama(llama, recompute=policies + ["full"])
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope type 'linear'"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
