@@ -609,14 +609,20 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
     return out
 
 
+# Optimizer flags that choose how the step runs, not which state it keeps: they may differ on resume.
+_IMPLEMENTATION_FLAGS = frozenset({"foreach", "fused", "capturable", "differentiable"})
+
+
 def load_sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer,
                                       state_dict: Mapping[str, object]) -> None:
     """After ``dcp.load`` into the dict :func:`sharded_optimizer_state_dict` returned for this optimizer
     (DCP loaded its state tensors in place): give each parameter the state the checkpoint had for it
     (the loaded placeholders where the optimizer had none; none where the checkpoint had none) and set
     each param group's hyperparameters (``lr``, ``betas``, ...) to the loaded ones. ValueError, before
-    anything is set, if the loaded groups do not hold the optimizer's parameters in its order or the
-    dict is not one :func:`sharded_optimizer_state_dict` made."""
+    anything is set, if the loaded groups do not hold the optimizer's parameters in its order, an
+    algorithm flag differs (``amsgrad``, ``centered``, ``nesterov``, ``maximize``, ...; not the
+    implementation's ``foreach`` / ``fused`` / ``capturable`` / ``differentiable``), or the dict is not
+    one :func:`sharded_optimizer_state_dict` made."""
     what = "load_sharded_optimizer_state_dict"
     info = _optimizer_keys(prepare_parameters(module, what), optimizer, what)
     loaded = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
@@ -637,6 +643,16 @@ def load_sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.
     if created is None or not isinstance(has_state, Mapping):
         raise ValueError(f"{what}: state_dict must be the dict sharded_optimizer_state_dict(module, optimizer) "
                          f"returned (after dcp.load into it), got a {type(state_dict).__name__}")
+    # An algorithm flag that differs: DCP loaded only the state this optimizer has, so taking the
+    # checkpoint's amsgrad left the groups asking for a max_exp_avg_sq nobody loaded (a KeyError at the
+    # next step), and keeping this one would drop the checkpoint's. How the step runs may differ.
+    for i, (group, saved) in enumerate(zip(optimizer.param_groups, loaded)):
+        differ = sorted(k for k, v in saved.items() if isinstance(v, bool) and k not in _IMPLEMENTATION_FLAGS
+                        and k in group and group[k] != v)
+        if differ:
+            raise ValueError(f"{what}: param group {i} has {', '.join(f'{k}={group[k]}' for k in differ)} where the "
+                             f"checkpoint's had {', '.join(f'{k}={saved[k]}' for k in differ)}: build the "
+                             "optimizer as the checkpoint's was")
     for param in (p for group in optimizer.param_groups for p in group["params"]):
         if int(has_state[info[id(param)][0]]):
             if not optimizer.state.get(param) and param in created:   # (a frozen parameter has none made)

@@ -222,6 +222,18 @@ def test_misuse_is_a_value_error_naming_it():
     state["param_groups"][0]["params"] = state["param_groups"][0]["params"][::-1]
     with pytest.raises(ValueError, match="param_groups"):
         load_sharded_optimizer_state_dict(model, optimizer, state)
+    # an algorithm flag of the checkpoint's (amsgrad: its max_exp_avg_sq was not loaded: a KeyError at the
+    # next step) is refused before anything is set; an implementation flag (foreach) may differ
+    state = sharded_optimizer_state_dict(model, optimizer)
+    state["param_groups"][0]["amsgrad"] = True
+    lr = optimizer.param_groups[0]["lr"]
+    state["param_groups"][0]["lr"] = 2 * lr
+    with pytest.raises(ValueError, match="param group 0 has amsgrad=False where the checkpoint's had amsgrad=True"):
+        load_sharded_optimizer_state_dict(model, optimizer, state)
+    assert optimizer.param_groups[0]["lr"] == lr and not optimizer.param_groups[0]["amsgrad"]
+    state["param_groups"][0]["amsgrad"], state["param_groups"][0]["foreach"] = False, True
+    load_sharded_optimizer_state_dict(model, optimizer, state)
+    assert optimizer.param_groups[0]["lr"] == 2 * lr
     param = next(model.parameters())
     optimizer.state[param]["exp_avg"] = torch.zeros(3)
     with pytest.raises(ValueError, match="'exp_avg' of embedding.word_embeddings.weight"):
