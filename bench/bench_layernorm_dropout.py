@@ -17,10 +17,6 @@ Providers (a provider that can't run is reported and skipped):
     te-ln             torch bias-dropout-add + transformer_engine.pytorch.LayerNorm   (if importable)
     liger-ln          torch bias-dropout-add + liger_kernel LigerLayerNorm             (if importable)
     seqpar-torch      the op's torch reference backend (only with --quick: it is an oracle, not a contender)
-    variant-triton-bwd-pipelined   a design experiment, not a contender (seqpar.bench.variants; gpu_summary's
-                      targets read only seqpar-* rows): seqpar-triton with the backward's row loop
-                      software-pipelined over 2 stages (the next rows' tiles copied to shared memory with
-                      cp.async while the current row reduces); tokens >= 1024 only
 
 Bandwidth counts the minimal bytes, each input read once and each output written once (E = bytes per
 element, N = tokens; the per-row fp32 mean/rstd are ignored):
@@ -67,6 +63,7 @@ Usage:
     python bench/bench_layernorm_dropout.py --hidden 4096 --tokens 16384 --providers seqpar-cuda,torch-eager
     python bench/bench_layernorm_dropout.py -p 0.1                # dropout on only
     python bench/bench_layernorm_dropout.py --quick               # CPU smoke test (tiny, Triton interpreter)
+    python bench/bench_layernorm_dropout.py --compile-only --hidden 4096 -p 0.1 &   # warm the on-disk caches
 """
 from __future__ import annotations
 
@@ -74,6 +71,7 @@ import argparse
 import os
 import platform
 import sys
+import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,19 +88,10 @@ from seqpar.bench.options import PROBABILITY_RANGE, comma_list, fill_defaults, p
 from seqpar.bench.results import ResultRows  # noqa: E402
 from seqpar.bench.timing import DeviceTime, device_time, input_sets, l2_bytes, median_ms  # noqa: E402
 from seqpar.bench.timing import reuse_distance_l2  # noqa: E402
-from seqpar.bench.variants import DesignVariant, applied, print_bwd_ratios  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 PROVIDERS = ["seqpar-triton", "seqpar-cuda", "torch-eager", "torch-compile", "apex-ln", "te-ln", "liger-ln",
-             "variant-triton-bwd-pipelined", "seqpar-torch"]
-# One 1024-thread backward program per SM (59-64 registers at h = 4096) leaves the next row's loads waiting
-# on the current row's two block reductions; pipelined, the same registers, no spills (sm_90a, bf16).
-# Shards under 1024 rows give a program 2 rows or fewer: nothing to pipeline.
-VARIANTS = {
-    "variant-triton-bwd-pipelined": DesignVariant(
-        "bias_dropout_add_layer_norm", "BWD_ROW_STAGES", 2, takes="the backward's row loop pipelined over 2 "
-        "stages (cp.async)", where="tokens >= 1024", runs_on=lambda tokens, **_: tokens >= 1024),
-}
+             "seqpar-torch"]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 EPS = 1e-5
 SEED = 1234
@@ -272,8 +261,6 @@ def make_provider(name: str, h: int, p: float, dtype, device: torch.device
     if name == "torch-compile":
         compiled = compiled_for_one_shape(_torch_bda_ln, device)
         return (lambda x, bias, res: compiled(x, bias, res, w, b, p)), [w, b]
-    if name in VARIANTS:  # (its setting is applied around its calls by bench_config)
-        return make_provider("seqpar-triton", h, p, dtype, device)
     if name in ("apex-ln", "te-ln", "liger-ln"):
         if device.type != "cuda":
             raise RuntimeError(f"{name} needs CUDA")
@@ -291,12 +278,25 @@ def _peer_forward(ln, x, bias, residual, p: float):
 
 
 # ----------------------------------------------------------------------------- one configuration
+def inductor_cache_counts() -> str:
+    """This process's hits and misses so far in Inductor's on-disk caches (the compiled graphs, then
+    AOTAutograd's fwd+bwd pairs), for the log: after a ``--compile-only`` run the timed run's compiles
+    should be hits."""
+    from torch._dynamo.utils import counters
+
+    return ", ".join(f"{label} {counters[group][f'{key}_hit']} hits / {counters[group][f'{key}_miss']} misses"
+                     for label, group, key in (("graphs", "inductor", "fxgraph_cache"),
+                                               ("autograd", "aot_autograd", "autograd_cache")))
+
+
 def bench_config(provider: str, tokens: int, h: int, p: float, dtype, device: torch.device, timer: Timer,
-                 copy_gbps: float, rows: ResultRows) -> Optional[Dict[str, float]]:
+                 copy_gbps: float, rows: ResultRows, compile_only: bool = False) -> Optional[Dict[str, float]]:
+    """Times one provider on one configuration, adds its rows and returns its times (None when it was
+    skipped or failed). ``compile_only``: one untimed fwd+bwd instead (the provider's kernels compiled into
+    Triton's and Inductor's on-disk caches), no rows."""
     config = f"tokens={tokens},h={h},p={p},dtype={str(dtype).replace('torch.', '')}"
+    started = time.perf_counter()
     try:
-        if provider in VARIANTS:
-            VARIANTS[provider].check(tokens=tokens, h=h, p=p)
         f, params = make_provider(provider, h, p, dtype, device)
     except RuntimeError as exc:
         print(f"  {provider:14s} {config}: skipped ({exc})")
@@ -309,6 +309,16 @@ def bench_config(provider: str, tokens: int, h: int, p: float, dtype, device: to
     x, residual = rnd(tokens, h).requires_grad_(), rnd(tokens, h, scale=2.0).requires_grad_()
     bias = rnd(h, scale=0.5).requires_grad_()
     grad_y, grad_ro = rnd(tokens, h), rnd(tokens, h)
+    if compile_only:
+        try:
+            torch.autograd.grad(f(x, bias, residual), [x, bias, residual] + params, (grad_y, grad_ro))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        except Exception as exc:  # a provider failing on one configuration must not stop the sweep
+            print(f"  {provider:14s} {config}: failed ({type(exc).__name__}: {exc})")
+            return None
+        print(f"  {provider:14s} {config}: compiled ({time.perf_counter() - started:.1f} s)", flush=True)
+        return None
     nbytes = minimal_bytes(tokens, h, torch.empty((), dtype=dtype).element_size())
     # The GPU time's calls take turns over copies of the [tokens, h] tensors when one call moves less than
     # twice the L2 (bias and the LayerNorm parameters are shared: h elements each).
@@ -328,20 +338,21 @@ def bench_config(provider: str, tokens: int, h: int, p: float, dtype, device: to
         return lambda: torch.autograd.grad(outs, leaves, (s[2], s[3]), retain_graph=True)
 
     try:
-        with applied(VARIANTS, provider):
-            fwds = [fwd_of(s) for s in sets]
-            ms, gpu = {"fwd": timer(fwds[0])}, {"fwd": timer.gpu(fwds)}
-            bwds = [bwd_of(s, fn()) for s, fn in zip(sets, fwds)]          # one retained graph per input set
-            ms["bwd"], gpu["bwd"] = timer(bwds[0]), timer.gpu(bwds)
-            del bwds
-            fwdbwds = [fwdbwd_of(s) for s in sets]
-            ms["fwdbwd"], gpu["fwdbwd"] = timer(fwdbwds[0]), timer.gpu(fwdbwds)
+        fwds = [fwd_of(s) for s in sets]
+        ms, gpu = {"fwd": timer(fwds[0])}, {"fwd": timer.gpu(fwds)}
+        bwds = [bwd_of(s, fn()) for s, fn in zip(sets, fwds)]          # one retained graph per input set
+        ms["bwd"], gpu["bwd"] = timer(bwds[0]), timer.gpu(bwds)
+        del bwds
+        fwdbwds = [fwdbwd_of(s) for s in sets]
+        ms["fwdbwd"], gpu["fwdbwd"] = timer(fwdbwds[0]), timer.gpu(fwdbwds)
     except Exception as exc:  # a provider failing on one configuration must not stop the sweep
         print(f"  {provider:14s} {config}: failed ({type(exc).__name__}: {exc})")
         return None
     parts = [record(rows, config, provider, d, ms[d], gpu[d], nbytes[d], copy_gbps, timer.l2, len(sets))
              for d in DIRECTIONS]
-    print(f"  {provider:14s} {config}: " + "  ".join(parts), flush=True)
+    took = f"took {time.perf_counter() - started:.1f} s" + (
+        f"; Inductor's caches: {inductor_cache_counts()}" if provider == "torch-compile" else "")
+    print(f"  {provider:14s} {config}: " + "  ".join(parts) + f"  ({took})", flush=True)
     return {**ms, **{f"{d}_gpu": gpu[d].ms for d in DIRECTIONS}}
 
 
@@ -358,7 +369,7 @@ def _summary(results: Dict[Tuple[int, int, float], Dict[str, Dict[str, float]]])
                      for base in ("torch-eager", "torch-compile", "apex-ln", "te-ln", "liger-ln")
                      if base in by_provider]
             print(f"  tokens={tokens:6d} h={h:6d} p={p:<4} {ours:14s} " + ", ".join(parts))
-    print_bwd_ratios(VARIANTS, results, lambda key: f"tokens={key[0]:6d} h={key[1]:6d} p={key[2]:<4}")
+
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -376,6 +387,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="CPU smoke test: few runs, Triton in its interpreter, tiny shapes for the size options "
                     "not given (h = 64,200, 48 rows)")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="one untimed fwd+bwd per provider and configuration, no rows: fills Triton's and "
+                    "Inductor's on-disk caches (several such runs at once compile on several cores; "
+                    "bench/gpu_suite.sh does so before the timed run)")
     args = ap.parse_args(argv)
     fill_defaults(args, dict(hidden="1024,4096,12288,20480", tokens="256,1024,16384",
                              providers=",".join(p for p in PROVIDERS if p != "seqpar-torch")),
@@ -406,6 +421,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     timer = Timer(device, warmup, reps, gpu_reps, gpu_min_calls)
     rows = ResultRows(_device_name(device), "bench_layernorm_dropout")
+    if args.compile_only:
+        for n in tokens:
+            for h in hidden:
+                for p in dropouts:
+                    for provider in providers:
+                        bench_config(provider, n, h, p, dtype, device, timer, 0.0, rows, compile_only=True)
+        return 0
     copy_gbps = measure_copy_gbps(device, timer, copy_bytes)
     rows.add(f"bytes={copy_bytes}", "device-copy", "copy_gbps", copy_gbps)
     print(f"device: {rows.meta['device']}   commit: {rows.meta['commit']}   copy bandwidth: {copy_gbps:.1f} GB/s")

@@ -62,6 +62,7 @@ Usage:
     python bench/bench_llama_ops.py                          # GPU: the default sweep, rows to bench/results/
     python bench/bench_llama_ops.py --ops rmsnorm --hidden 4096 --providers seqpar-cuda,liger
     python bench/bench_llama_ops.py --quick                  # CPU smoke test (tiny, Triton interpreter)
+    python bench/bench_llama_ops.py --compile-only --ops rope &   # warm Triton's and Inductor's caches
 """
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ import argparse
 import importlib
 import os
 import sys
+import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,7 +85,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.bench_layernorm_dropout import (  # noqa: E402
-    CLOCKS, Timer, _device_name, compiled_for_one_shape, cuda_forward_plan, measure_copy_gbps, record)
+    CLOCKS, Timer, _device_name, compiled_for_one_shape, cuda_forward_plan, inductor_cache_counts, measure_copy_gbps,
+    record)
 from seqpar.bench.options import comma_list, fill_defaults  # noqa: E402
 from seqpar.bench.results import ResultRows  # noqa: E402
 from seqpar.bench.variants import DesignVariant, applied, print_bwd_ratios  # noqa: E402
@@ -312,8 +315,12 @@ def make_problem(op: str, provider: str, size: Dict[str, int], dtype, device: to
 
 # ----------------------------------------------------------------------------- one configuration
 def bench_config(op: str, provider: str, size: Dict[str, int], dtype, device: torch.device, timer: Timer,
-                 copy_gbps: float, rows: ResultRows) -> Optional[Dict[str, float]]:
+                 copy_gbps: float, rows: ResultRows, compile_only: bool = False) -> Optional[Dict[str, float]]:
+    """Times one provider on one configuration of ``op``, adds its rows and returns its times (None when
+    it was skipped or failed). ``compile_only``: one untimed fwd+bwd instead (the provider's kernels
+    compiled into Triton's and Inductor's on-disk caches), no rows."""
     label = ",".join(f"{k}={v}" for k, v in size.items())
+    started = time.perf_counter()
     try:
         problem = make_problem(op, provider, size, dtype, device)
     except RuntimeError as exc:
@@ -330,6 +337,13 @@ def bench_config(op: str, provider: str, size: Dict[str, int], dtype, device: to
 
     try:
         with applied(VARIANTS, provider):
+            if compile_only:
+                fwdbwd()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                print(f"  {op:8s} {provider:14s} {problem.config}: compiled ({time.perf_counter() - started:.1f} s)",
+                      flush=True)
+                return None
             ms, gpu = {"fwd": timer(fn)}, {"fwd": timer.gpu(fn)}
             bwd = bwd_of(fn())
             ms["bwd"], gpu["bwd"] = timer(bwd), timer.gpu(bwd)
@@ -340,7 +354,9 @@ def bench_config(op: str, provider: str, size: Dict[str, int], dtype, device: to
         return None
     parts = [record(rows, config, provider, dr, ms[dr], gpu[dr], problem.nbytes[dr], copy_gbps, timer.l2, 1)
              for dr in DIRECTIONS]
-    print(f"  {op:8s} {provider:14s} {problem.config}: " + "  ".join(parts), flush=True)
+    took = f"took {time.perf_counter() - started:.1f} s" + (
+        f"; Inductor's caches: {inductor_cache_counts()}" if provider == "torch-compile" else "")
+    print(f"  {op:8s} {provider:14s} {problem.config}: " + "  ".join(parts) + f"  ({took})", flush=True)
     return {**ms, **{f"{dr}_gpu": gpu[dr].ms for dr in DIRECTIONS}}
 
 
@@ -367,6 +383,7 @@ def _summary(results: Dict[Tuple[str, str], Dict[str, Dict[str, float]]]) -> Non
                 print(f"  {op:8s} {label:40s} {ours:14s} " + ", ".join(parts))
     print_bwd_ratios(VARIANTS, results, lambda key: f"{key[0]:8s} {key[1]:40s}")
 
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -390,6 +407,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                     "(--quick writes nothing unless --out is given)")
     ap.add_argument("--quick", action="store_true", help="CPU smoke test: few runs, Triton in its interpreter, "
                     "tiny shapes for the size options not given")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="one untimed fwd+bwd per provider and configuration, no rows: fills Triton's and "
+                    "Inductor's on-disk caches (several such runs at once compile on several cores; "
+                    "bench/gpu_suite.sh does so before the timed run)")
     args = ap.parse_args(argv)
     ops_list = args.ops.split(",")
     bad = [o for o in ops_list if o not in OPS]
@@ -428,6 +449,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     timer = Timer(device, warmup, reps, gpu_reps, gpu_min_calls)
     rows = ResultRows(_device_name(device), "bench_llama_ops")
+    if args.compile_only:
+        for op in ops_list:
+            for size in _sizes(op, args):
+                for provider in providers:
+                    bench_config(op, provider, size, dtype, device, timer, 0.0, rows, compile_only=True)
+        return 0
     copy_gbps = measure_copy_gbps(device, timer, copy_bytes)
     rows.add(f"bytes={copy_bytes}", "device-copy", "copy_gbps", copy_gbps)
     print(f"device: {rows.meta['device']}   commit: {rows.meta['commit']}   copy bandwidth: {copy_gbps:.1f} GB/s")

@@ -6,15 +6,19 @@
 #
 #   tests      every gpu-marked test, 12 pytest-xdist workers (the image has pytest-xdist): Triton's
 #              compiles, which dominate, run on 12 of the 16 cores (limit 300 s; 377 tests took 164 s)
-#   norms      bench_layernorm_dropout (280 s; took 136 s with 4 providers before the device-time
-#              measurement joined the call time; in the second run, with the device time, a copy of the
-#              same bytes per (tokens, h) and two design experiments (decided by it, since removed), it
-#              passed 161 s before the 256-row configurations; now one design experiment, the pipelined
-#              backward, on the 12 configurations of >= 1024 tokens; torch-eager is left out: no target
-#              reads it)
-#   llama      bench_llama_ops (180 s; took 126 s in the second run, before its two design variants joined:
-#              4 more RMSNorm configurations; and before the standalone dropout joined: 2 configurations
-#              of 4 fast providers, one torch.compile each)
+#   norms      bench_layernorm_dropout, its compiles first, in parallel (120 + 280 s). Both GPU runs so far
+#              were cut at their limits, compiling in series (a torch.compile afresh per configuration,
+#              Triton's kernels per row count; the log did not say how much of the time): at 0200fea (two design experiments, since decided and
+#              removed) 161 s before the 256-row configurations; at 9466f0b (one, the LayerNorm's pipelined
+#              backward, since decided and removed) 157 s for the five 16384-row configurations of h 1024 /
+#              4096 / 12288 (30 s each). Now six processes (one per h and p) first run each compiling
+#              provider once per configuration, untimed (--compile-only), into Triton's and Inductor's
+#              on-disk caches; the timed run's log gives each provider's seconds and Inductor's cache hits.
+#              torch-eager is left out: no target reads it
+#   llama      bench_llama_ops, its compiles first, in parallel as for norms (100 + 180 s; took 126 s in
+#              the second run, before its two design variants joined: 4 more RMSNorm configurations; and
+#              before the standalone dropout joined: 2 configurations of 4 fast providers, one
+#              torch.compile each)
 #   attention  bench_attention, its Triton compiles first, in parallel (100 + 150 s; took 25 + 90 s)
 #   layer      python -m seqpar bench --device cuda (the paper's five experiments, 22B layer),
 #              Megatron-Core's layer at the same shape, bench_overlap's chunked-GEMM cost
@@ -121,11 +125,23 @@ for part in "$@"; do
       python3 -c "import xdist" 2>/dev/null && workers=(-n 12)   # else one process: compiles in series
       OMP_NUM_THREADS=1 step tests 300 python3 -m pytest -q -m gpu -ra --durations=15 "${workers[@]}" tests ;;
     norms)
+      # Compile first, six processes at once (each with its own limit; one Inductor compile thread each: the
+      # processes are the parallelism), untimed; the timed run then finds the kernels in the caches. A
+      # warm-up process that fails says so in the log, not in the step's status: the timed run compiles
+      # what it left out.
+      step norms-compile 120 bash -c 'for h in 1024 4096 12288; do for p in 0 0.1; do \
+        TORCHINDUCTOR_COMPILE_THREADS=1 timeout -k 10 110 python3 bench/bench_layernorm_dropout.py --compile-only \
+        --tokens 16384,1024,256 --hidden $h -p $p --providers seqpar-triton,torch-compile,liger-ln & done; done; wait'
       # 16384 tokens first: a sweep cut off at its limit keeps the full-size rows (the bandwidth targets)
       step norms 280 python3 bench/bench_layernorm_dropout.py --out "$OUT" --tokens 16384,1024,256 \
-        --hidden 1024,4096,12288 \
-        --providers seqpar-triton,seqpar-cuda,torch-compile,apex-ln,te-ln,liger-ln,variant-triton-bwd-pipelined ;;
+        --hidden 1024,4096,12288 --providers seqpar-triton,seqpar-cuda,torch-compile,apex-ln,te-ln,liger-ln ;;
     llama)
+      # As norms: compile first, six processes at once, untimed (the hidden sizes apply to rmsnorm / dropout)
+      step llama-compile 100 bash -c 'for op in rmsnorm dropout swiglu rope; do for h in 4096 8192; do \
+        [ $op = swiglu -o $op = rope ] && [ $h = 8192 ] && continue; \
+        TORCHINDUCTOR_COMPILE_THREADS=1 timeout -k 10 90 python3 bench/bench_llama_ops.py --compile-only --ops $op \
+        --hidden $h --providers seqpar-triton,torch-compile,liger,variant-triton-bwd-w16,variant-triton-bwd-pipelined & \
+        done; done; wait'
       step llama 180 python3 bench/bench_llama_ops.py --out "$OUT" ;;
     attention)
       # A cold bench_attention spends minutes compiling its ~50 autotune configurations one after another:

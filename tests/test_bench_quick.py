@@ -1,6 +1,7 @@
 """bench/bench_layernorm_dropout.py and bench/bench_attention.py --quick, run as a user runs them (a script,
 TRITON_INTERPRET unset): the seqpar-triton rows are measured (LayerNorm with dropout off and on, both
 clocks: eager call time and GPU time, the latter's CPU fallback; attention with grouped-query k/v)."""
+import collections
 import csv
 import os
 import subprocess
@@ -268,10 +269,10 @@ def test_gpu_suite_parts_fit_what_the_device_tool_brings_back(tmp_path):
     files = sorted(p.name for p in out.iterdir())
     assert len(files) <= 8 and "suite.log" in files, files
     log = (out / "suite.log").read_text()
-    steps = 2 + 1 + 1 + 1 + 2 + 3 + 2   # set-up, then each part in the order of `parts`
+    steps = 2 + 1 + 2 + 2 + 2 + 3 + 2   # set-up, then each part in the order of `parts`
     assert log.count("exit status 0") == log.count("s)\n") == steps, log   # "=== ... (limit Ns)" per step
     ran = calls.read_text()
-    assert "-m pytest -q -m gpu -ra --durations=15 -n 12 tests" in ran and ran.count("--compile-only") == 4
+    assert "-m pytest -q -m gpu -ra --durations=15 -n 12 tests" in ran and ran.count("--compile-only") == 4 + 6 + 6
     assert "layer_bench_gpu.json" in ran and "torch-eager" not in ran       # the name gpu_summary reads first
     assert log.splitlines()[-1].endswith(f"summary: {steps} steps; failed: none; skipped: none"), log
     # the call's budget: with 5 s of SUITE_SECONDS the install is skipped, said so, and the call stops there
@@ -310,7 +311,7 @@ def test_gpu_suite_runs_every_step_and_exits_1_when_one_failed(tmp_path):
     log = (tmp_path / "out" / "suite.log").read_text()
     assert done.returncode == 1, (done.stdout, log)
     assert "bench_overlap.py" in (tmp_path / "calls.txt").read_text()    # the steps after it ran
-    assert log.splitlines()[-1].endswith("summary: 6 steps; failed: llama (exit 1); skipped: none"), log
+    assert log.splitlines()[-1].endswith("summary: 7 steps; failed: llama (exit 1); skipped: none"), log
     assert "layer_bench_gpu.json" in done.stdout                         # $OUT is still listed
     # out of budget: the install is skipped, the call stops there, and the summary says so
     starved = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_suite.sh"), "tests"], capture_output=True,
@@ -364,14 +365,16 @@ def test_bad_sweep_values_are_usage_errors(script, argv, match, capsys):
 
 def _suite_commands(script):
     """The argv of every ``python3 bench/<script>.py ...`` command in bench/gpu_suite.sh (continuation
-    lines joined; shell variables as the suite would expand them for one head dim and dropout)."""
+    lines joined; shell variables as the suite would expand them for one head dim, hidden size, dropout
+    and op)."""
     import re
     import shlex
 
     with open(os.path.join(ROOT, "bench", "gpu_suite.sh")) as f:
         text = f.read().replace("\\\n", " ")
     found = re.findall(rf"python3 bench/{script}\.py ([^;&'\n]*)", text)
-    return [shlex.split(args.replace('"$OUT"', "/tmp/out").replace("$d", "64").replace("$p", "0.1")) for args in found]
+    return [shlex.split(args.replace('"$OUT"', "/tmp/out").replace("$d", "64").replace("$h", "4096")
+                         .replace("$p", "0.1").replace("$op", "rmsnorm")) for args in found]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU answer after parsing")
@@ -406,30 +409,24 @@ def test_the_attention_log_names_the_tiles_the_autotuner_picked(monkeypatch):
     assert tuned_configs() == "fwd 128x32 w8 s3, dq -, dkdv 32x128 w8 s2"
 
 
-def test_the_layernorm_pipelined_variant_runs_seqpar_triton_with_two_row_stages(tmp_path):
-    """variant-triton-bwd-pipelined: seqpar-triton's values with BWD_ROW_STAGES = 2 inside its calls (1
-    after), skipped below 1024 tokens (a shard whose programs loop over 2 rows or fewer)."""
+def test_layernorm_compile_only_runs_each_configuration_and_writes_no_rows(tmp_path, capsys, monkeypatch):
+    """--compile-only (gpu_suite.sh's parallel warm-up of the caches): one untimed fwd+bwd per provider and
+    configuration, a provider that can't run skipped, no rows; the timed run's log line reads Inductor's
+    cache counters."""
     from bench import bench_layernorm_dropout as bench
-    from seqpar.bench.results import ResultRows
-    from seqpar.bench.variants import applied
-    from seqpar.triton_kernels import bias_dropout_add_layer_norm as kernels
+    from torch._dynamo.utils import counters
 
-    name = "variant-triton-bwd-pipelined"
-    with applied(bench.VARIANTS, name):
-        assert kernels.BWD_ROW_STAGES == 2
-    with applied(bench.VARIANTS, "seqpar-triton"):
-        assert kernels.BWD_ROW_STAGES == 1
-    assert kernels.BWD_ROW_STAGES == 1
-    rows = ResultRows("cpu", "t")
-    assert bench.bench_config(name, 256, 64, 0.1, torch.float32, torch.device("cpu"), None, 1.0, rows) is None
-    assert rows.rows == []                                       # skipped: "only for tokens >= 1024"
-    with pytest.raises(RuntimeError, match=r"only for tokens >= 1024"):
-        bench.VARIANTS[name].check(tokens=256, h=64, p=0.1)
-    f, params = bench.make_provider(name, 64, 0.1, torch.float32, torch.device("cpu"))
-    g, _ = bench.make_provider("seqpar-triton", 64, 0.1, torch.float32, torch.device("cpu"))
-    x, res, bias = torch.randn(5, 64), torch.randn(5, 64), torch.randn(64)
-    for a, b in zip(f(x, bias, res), g(x, bias, res)):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert bench.main(["--quick", "--compile-only", "--hidden", "64", "--tokens", "8,5", "-p", "0,0.1",
+                       "--providers", "seqpar-triton,torch-compile", "--out", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    compiled = [line.split()[1] for line in lines if ": compiled (" in line]
+    assert compiled == [f"tokens={n},h=64,p={p},dtype=bfloat16:" for n in (8, 5) for p in (0.0, 0.1)], lines
+    assert sum("torch-compile" in line and "skipped (torch.compile is benchmarked on CUDA only" in line
+               for line in lines) == 4, lines
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setitem(counters, "inductor", collections.Counter(fxgraph_cache_hit=3, fxgraph_cache_miss=1))
+    monkeypatch.setitem(counters, "aot_autograd", collections.Counter(autograd_cache_miss=2))
+    assert bench.inductor_cache_counts() == "graphs 3 hits / 1 misses, autograd 0 hits / 2 misses"
 
 
 def test_rows_name_seqpar_s_commit_not_the_project_around_an_installed_copy(tmp_path, monkeypatch):

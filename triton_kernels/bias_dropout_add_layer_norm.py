@@ -54,7 +54,7 @@ from . import rows as R
 from .philox import keep_mask
 from .rows import cast_rne
 
-__all__ = ["forward", "backward", "MAX_FUSED_HIDDEN", "CHUNK_COLUMNS", "BWD_BLOCK_N", "BWD_ROW_STAGES"]
+__all__ = ["forward", "backward", "MAX_FUSED_HIDDEN", "CHUNK_COLUMNS", "BWD_BLOCK_N"]
 
 # Longest row the forward holds in one register tile; longer rows are covered in chunks of CHUNK_COLUMNS
 # (three passes, the later two reading residual_out back from L2). Measured on an H200 (commit 0200fea,
@@ -219,8 +219,7 @@ def _bwd_row_sums_kernel(GY, RO, W, MEAN, RSTD, ROW_SUMS, n_rows, h,
 def _bwd_kernel(GY, GRO, RO, W, MEAN, RSTD, ROW_SUMS, GX, GRES, PARTS,
                 n_rows, h, rows_per_program, threshold, scale, seed, row_offset,
                 HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, MANUAL_BF16: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_CHUNKS: tl.constexpr,
-                ROW_STAGES: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_CHUNKS: tl.constexpr):
     # Program (pid, chunk) owns rows [pid * rows_per_program, ...) and columns [chunk * BLOCK_N, ...) of
     # them, and writes those columns of row `pid` of the partial buffers PARTS [2 or 3, programs, h]
     # (grad_ln_weight, grad_ln_bias, grad_bias). Its registers hold BLOCK_N columns (three fp32 running
@@ -238,7 +237,11 @@ def _bwd_kernel(GY, GRO, RO, W, MEAN, RSTD, ROW_SUMS, GX, GRES, PARTS,
     acc_w = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_bias = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for start in tl.range(row_start, row_end, BLOCK_M, num_stages=ROW_STAGES):
+    # One stage: the loop not software-pipelined. Pipelined over 2 stages (the next rows' tiles copied to
+    # shared memory with cp.async while the current row reduces; the same registers, no spills) the backward
+    # took 1.00-1.20x the GPU time at 16384 rows, h 1024 / 4096 / 12288 (H200, 9466f0b; its shared memory
+    # fits fewer programs per SM, so fewer rows are in flight).
+    for start in tl.range(row_start, row_end, BLOCK_M, num_stages=1):
         rows = start + tl.arange(0, BLOCK_M)
         row_mask = rows < row_end
         mask = row_mask[:, None] & col_mask[None, :]
@@ -315,11 +318,6 @@ def _fwd_config(n_rows: int, h: int):
 # 16384 rows, 0.033 / 0.038 at 1024, 0.018 / 0.023 at 256; so rows up to 4096 columns stay whole.
 BWD_BLOCK_N = 4096
 BWD_TILE = 4096
-# Software-pipelining stages of the backward's row loop (tl.range num_stages; 1: none). At 2, Triton copies
-# the next rows' tiles to shared memory (cp.async) while the current row reduces: sm_90a, bf16, h = 4096,
-# the same registers (LayerNorm 58, RMSNorm 32 instead of 37), no spills, +5-15% loop instructions. Read
-# at launch time: a design experiment (variant-triton-bwd-pipelined in the bench scripts) until measured.
-BWD_ROW_STAGES = 1
 
 
 def _bwd_config(n_rows: int, h: int):
@@ -391,7 +389,7 @@ def backward(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual_out
     block_m, block_n, n_chunks, launch = _bwd_config(n_rows, h)
     drop_args, has_dropout = _drop_args(drop_threshold, seed, row_offset)
     launch.update(HAS_BIAS=has_bias, HAS_DROPOUT=has_dropout, MANUAL_BF16=R.interpreting(),
-                  BLOCK_M=block_m, BLOCK_N=block_n, N_CHUNKS=n_chunks, ROW_STAGES=BWD_ROW_STAGES)
+                  BLOCK_M=block_m, BLOCK_N=block_n, N_CHUNKS=n_chunks)
     ln_weight = ln_weight.contiguous()
 
     row_sums = mean                                        # (unused with whole rows)
