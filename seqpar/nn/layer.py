@@ -47,7 +47,7 @@ from ..parallel.state import (SAME_MODE_HINT, SEED_HINT, ProcessGroup, SharesPro
 from ..recompute import checkpoint
 from .autocast import autocast_dtype, run_in_dtype
 from .layernorm import LayerNorm, RMSNorm
-from .linear import ColumnParallelLinear, RowParallelLinear, init_normal
+from .linear import ColumnParallelLinear, RowParallelLinear, SeededNormal, init_normal
 from .state_dict import (FSDP_UNIT, IncompatibleKeys, check_loadable, check_own_parameters, full_parameters,
                          load_full_parameters, prepare_parameters)
 
@@ -272,10 +272,14 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         self.config, self.tp_group, self.layer_number = config, tp_group, layer_number
         self.check_rank_inputs = True
         self.input_layernorm = make_norm(config, tp_group, device)
-        # init_method=None: reset_parameters below draws every weight of the layer from (seed, layer_number)
+        # Built without drawing (init_method=None), then each linear gets its own seeded init (SeededNormal:
+        # matrix i of the layer from (seed, layer_number, i)), which reset_parameters below draws once; the
+        # linear's own reset_parameters (FSDP1's deferred init calls it module by module) draws the same.
         self.self_attention = ParallelAttention(config, tp_group, device, init_method=None)
         self.post_attention_layernorm = make_norm(config, tp_group, device)
         self.mlp = ParallelMLP(config, tp_group, device, init_method=None)
+        for part, name in enumerate(self._linear_names()):
+            self._parts()[name].init_method = SeededNormal(layer_number, part)
         for module in self.modules():   # the layer's own input check (or its opt-out) covers its linears'
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.check_rank_inputs = False
@@ -403,6 +407,10 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         return self._forward_impl(x, mode)
 
     # ------------------------------------------------------------------ unsharded weights
+    @staticmethod
+    def _linear_names() -> Tuple[str, ...]:
+        return ("self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
+
     def _parts(self):
         return {"input_layernorm": self.input_layernorm, "post_attention_layernorm": self.post_attention_layernorm,
                 "self_attention.query_key_value": self.self_attention.query_key_value,
@@ -457,17 +465,21 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Deterministic init of the unsharded weights from (seqpar seed, layer_number): normal(0, 0.02)
-        matrices, zero biases, unit norm weights; then keep this rank's shard. Drawn on the CPU whatever
-        the default device (``with torch.device("meta")`` included)."""
-        gen = torch.Generator().manual_seed(
-            sp_random.stream_seed(sp_random.initial_seed(), self.layer_number, 1000) & (2**63 - 1))
+        """Deterministic init of the unsharded weights: each linear's ``init_method`` (built with
+        :class:`~seqpar.nn.linear.SeededNormal`, N(0, 0.02) from (seqpar seed, layer_number, which
+        matrix); a linear whose ``init_method`` you set to None keeps its weights), zero biases, unit norm
+        weights; then each rank keeps its shard, in the parameters' dtype. Drawn on the CPU whatever the
+        default device (``with torch.device("meta")`` included). Each part's own ``reset_parameters``
+        draws the same values."""
+        parts = self._parts()
         full = {}
         for key, shape in self.full_shapes().items():
+            prefix, _, name = key.rpartition(".")
             if key.endswith("layernorm.weight"):
                 full[key] = torch.ones(shape, device="cpu")
-            elif len(shape) == 2:
-                full[key] = torch.randn(shape, generator=gen, device="cpu") * 0.02
-            else:
+            elif name == "bias":
                 full[key] = torch.zeros(shape, device="cpu")
-        self.load_full_state_dict({k: v.to(self.config.params_dtype) for k, v in full.items()})
+            elif parts[prefix].init_method is not None:
+                full[key] = torch.empty(shape, device="cpu")
+                parts[prefix].init_method(full[key])
+        self.load_full_state_dict(full, strict=False)

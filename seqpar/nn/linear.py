@@ -20,11 +20,13 @@ With ``tp_group=None`` (or a one-rank group, t = 1) both layers are plain ``nn.L
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
+from .. import random as sp_random
 from ..ops import registry
 from ..ops.comm_matmul import (SHARD_HINT, _all_gather_matmul, _matmul_reduce_scatter, agreed_shape_and_dtype,
                                 all_gather_plan, reduce_scatter_plan)
@@ -32,7 +34,7 @@ from ..parallel.mappings import copy_to_tensor_region, reduce_from_tensor_region
 from ..parallel.overlap import ChunkPlan
 from ..parallel.state import ProcessGroup, SharesProcessGroup, agree_on_inputs, group_size
 from .autocast import autocast_dtype, run_in_dtype
-from .state_dict import ShardedParameters, ShardLayout, full_parameters
+from .state_dict import ShardedParameters, ShardLayout, full_parameters, require_own_parameters
 
 
 def block_sizes(out_features: int, partition_blocks: Union[int, Sequence[int]]) -> Tuple[int, ...]:
@@ -65,6 +67,22 @@ def init_normal(weight: torch.Tensor) -> None:
     weight.normal_(0.0, 0.02)
 
 
+@dataclasses.dataclass(frozen=True)
+class SeededNormal:
+    """The ``init_method`` of the models' own tensors: N(0, ``std``) drawn from a generator of its own,
+    seeded by :func:`seqpar.manual_seed`'s seed and ``(owner, part)`` when called (``owner``: a layer
+    number, -1 for GPTModel's embeddings; ``part``: which tensor of it). Every call draws the same values,
+    whatever t and whatever torch's generator holds, so a module re-initialised on its own (FSDP1's
+    deferred init calls each module's ``reset_parameters``) gets what the whole model's init gives it."""
+    owner: int
+    part: int
+    std: float = 0.02
+
+    def __call__(self, full: torch.Tensor) -> None:
+        seed = sp_random.stream_seed(sp_random.initial_seed(), self.owner, 1000 + self.part) & (2**63 - 1)
+        full.copy_(torch.randn(full.shape, generator=torch.Generator().manual_seed(seed)) * self.std)
+
+
 class _TensorParallelLinear(ShardedParameters, SharesProcessGroup, nn.Module):
     """What both splits share: initialisation, loading and gathering of the unsharded weights (by
     ``shard_layouts``) and the repr."""
@@ -87,9 +105,11 @@ class _TensorParallelLinear(ShardedParameters, SharesProcessGroup, nn.Module):
     def _forward(self, x: torch.Tensor):
         raise NotImplementedError
 
-    def _check_input(self, x: torch.Tensor, width: int, plan: Callable[[], Optional[ChunkPlan]]) -> Optional[ChunkPlan]:
-        """ValueError naming the layer for an x that is not a floating [..., width] tensor of the weight's
-        dtype and device ([s, ..., width] under SP: at least 2-D), before any collective: torch's matmul
+    def _check_input(self, x: torch.Tensor, weight: torch.Tensor, width: int,
+                     plan: Callable[[], Optional[ChunkPlan]]) -> Optional[ChunkPlan]:
+        """ValueError naming the layer for an x that is not a floating [..., width] tensor of ``weight``'s
+        dtype and device (the forward reads ``self.weight`` once and passes it: a parametrized weight,
+        ``weight_norm`` or ``spectral_norm``, is computed at every read) ([s, ..., width] under SP: at least 2-D), before any collective: torch's matmul
         error otherwise, or under SP a message blaming the weight. Returns ``plan()``: the SP GEMM's
         overlap plan (None without SP). With ``check_rank_inputs``, on every rank when any rank rejects
         its x or the ranks' x differ in leading dims or dtype, or their plans differ (uneven sequence
@@ -105,11 +125,11 @@ class _TensorParallelLinear(ShardedParameters, SharesProcessGroup, nn.Module):
                 got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
                 sp = " (sequence parallel: [s, b, ...])" if self.sequence_parallel else ""
                 raise ValueError(f"{name}: x must be a floating [..., {width}] tensor{sp}, got {got}")
-            if x.dtype != self.weight.dtype:
-                raise ValueError(f"{name}: x dtype {x.dtype} != weight dtype {self.weight.dtype} "
+            if x.dtype != weight.dtype:
+                raise ValueError(f"{name}: x dtype {x.dtype} != weight dtype {weight.dtype} "
                                  "(convert the layer, or run it under torch.autocast)")
-            if x.device != self.weight.device:
-                raise ValueError(f"{name}: x is on {x.device} but the weight on {self.weight.device}")
+            if x.device != weight.device:
+                raise ValueError(f"{name}: x is on {x.device} but the weight on {weight.device}")
             registry.check_dense(x=x)
             return plan()
 
@@ -127,14 +147,14 @@ class _TensorParallelLinear(ShardedParameters, SharesProcessGroup, nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """``init_method`` on the unsharded weight [n, k] (fp32, on the CPU: ranks whose CPU generators
-        agree draw the same matrix whatever t is), then this rank's shard of it and a zero bias. Nothing
-        with ``init_method=None`` (the caller loads the weights: TransformerLayer does)."""
+        """``init_method`` on the unsharded weight [n, k] (fp32, on the CPU whatever the default device: ranks
+        whose CPU generators agree draw the same matrix whatever t is), then this rank's shard of it and a
+        zero bias. Nothing with ``init_method=None`` (the caller loads the weights)."""
         if self.init_method is None:
             return
-        full = torch.empty(self.out_features, self.in_features)
+        full = torch.empty(self.out_features, self.in_features, device="cpu")
         self.init_method(full)
-        bias = None if self.bias is None else torch.zeros(self.out_features)
+        bias = None if self.bias is None else torch.zeros(self.out_features, device="cpu")
         self.load_full(full.to(self.weight.dtype), None if bias is None else bias.to(self.bias.dtype))
 
     def load_full(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
@@ -144,6 +164,8 @@ class _TensorParallelLinear(ShardedParameters, SharesProcessGroup, nn.Module):
 
     def full(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The unsharded (weight [n, k], bias [n] or None), new tensors (a collective under TP)."""
+        require_own_parameters(self, [name for name in ("weight", "bias") if getattr(self, name) is not None],
+                               f"{type(self).__name__}.full")
         full = full_parameters(self)
         return full["weight"], full.get("bias")
 
@@ -196,11 +218,12 @@ class ColumnParallelLinear(_TensorParallelLinear):
         self._init_weights(init_method)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        plan = self._check_input(x, self.in_features, lambda: all_gather_plan(
-            x, self.weight, self.tp_group, self.overlap_comm) if self.sequence_parallel else None)
+        weight = self.weight
+        plan = self._check_input(x, weight, self.in_features, lambda: all_gather_plan(
+            x, weight, self.tp_group, self.overlap_comm) if self.sequence_parallel else None)
         if self.sequence_parallel:
-            return _all_gather_matmul(x, self.weight, self.bias, self.tp_group, plan)
-        return nn.functional.linear(copy_to_tensor_region(x, self.tp_group), self.weight, self.bias)
+            return _all_gather_matmul(x, weight, self.bias, self.tp_group, plan)
+        return nn.functional.linear(copy_to_tensor_region(x, self.tp_group), weight, self.bias)
 
     def shard_layouts(self, rank: int) -> Dict[str, ShardLayout]:
         """Rank ``rank``'s rows of the weight [n, k] (and bias [n]): of each block, its t-th part, stacked
@@ -254,6 +277,7 @@ class RowParallelLinear(_TensorParallelLinear):
 
     def _forward(self, x: torch.Tensor):
         t = group_size(self.tp_group)
+        weight = self.weight
 
         def plan() -> Optional[ChunkPlan]:
             if not self.sequence_parallel:
@@ -261,17 +285,17 @@ class RowParallelLinear(_TensorParallelLinear):
             if x.shape[0] % t:
                 raise ValueError(f"{type(self).__name__}: sequence length {x.shape[0]} is not divisible by the "
                                  f"tensor-parallel size {t} (sequence parallelism reduce-scatters it)")
-            return reduce_scatter_plan(x, self.weight, self.tp_group, self.overlap_comm)
+            return reduce_scatter_plan(x, weight, self.tp_group, self.overlap_comm)
 
-        plan = self._check_input(x, self.in_features // t, plan)
+        plan = self._check_input(x, weight, self.in_features // t, plan)
         if t == 1 and not self.skip_bias_add:
             # nn.Linear's math: the bias inside the GEMM, one rounding (g-bar / f-bar are the identity at t = 1;
             # on more ranks the bias must follow the reduction, as in Megatron: two roundings in bf16)
-            return nn.functional.linear(x, self.weight, self.bias)
+            return nn.functional.linear(x, weight, self.bias)
         if self.sequence_parallel:
-            y = _matmul_reduce_scatter(x, self.weight, None, self.tp_group, plan)
+            y = _matmul_reduce_scatter(x, weight, None, self.tp_group, plan)
         else:
-            y = reduce_from_tensor_region(torch.matmul(x, self.weight.t()), self.tp_group)
+            y = reduce_from_tensor_region(torch.matmul(x, weight.t()), self.tp_group)
         bias = self.output_bias()
         if self.skip_bias_add:
             return y, bias

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,7 @@ from ..parallel.state import (SAME_MODE_HINT, SEED_HINT, ProcessGroup, SharesPro
 from ..memory import recompute_policies, saved_as
 from .autocast import autocast_dtype, call_self_casting, run_in_dtype
 from .layer import AGREEMENT_HINT, TransformerLayer, agreement_values, make_norm
+from .linear import SeededNormal
 from .state_dict import (IncompatibleKeys, ShardedParameters, ShardLayout, check_loadable, check_own_parameters,
                          full_parameters, load_full_parameters, prepare_parameters, scatter_full)
 
@@ -155,6 +156,23 @@ class _VocabShard(ShardedParameters, SharesProcessGroup, nn.Module):
         self.vocab_end = max(self.vocab_start, min(vocab_size, self.vocab_start + rows))
         self.weight = nn.Parameter(torch.zeros(rows, hidden_size, device=device, dtype=dtype))
 
+    #: Called on the unsharded fp32 [vocab_size, h] table by :meth:`reset_parameters` (None: zeros);
+    #: GPTModel sets a :class:`~seqpar.nn.linear.SeededNormal`.
+    init_method: Optional[Callable[[torch.Tensor], None]] = None
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """``init_method`` on the unsharded [vocab_size, h] table (fp32, on the CPU), the ``padding_idx``
+        row (if any) then zero, as nn.Embedding and HF start it (its lookups never update it); then this
+        rank's shard of it, padded rows zero."""
+        full = torch.zeros(self.vocab_size, self.weight.shape[1], device="cpu")
+        if self.init_method is not None:
+            self.init_method(full)
+        padding_idx = getattr(self, "padding_idx", None)
+        if padding_idx is not None:
+            full[padding_idx] = 0.0
+        self.load_full(full)
+
     def extra_repr(self) -> str:
         return (f"vocab_size={self.vocab_size}, padded_vocab_size={self.padded_vocab_size}, "
                 f"hidden_size={self.weight.shape[1]}, tp={group_size(self.tp_group)}, "
@@ -249,6 +267,25 @@ class VocabParallelOutputLayer(_VocabShard):
         return self.logits(hidden, sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm)
 
 
+class _PositionEmbedding(nn.Embedding):
+    """``nn.Embedding`` [max_seq_len, h], replicated on every rank, built as zeros and filled by
+    :meth:`reset_parameters` from ``init_method`` (GPTModel sets a seeded one): nn.Embedding's own init
+    drew N(0, 1) from torch's CPU generator, shifting every later dropout seed."""
+
+    def __init__(self, max_seq_len: int, hidden_size: int, *, device=None, dtype=None):
+        super().__init__(max_seq_len, hidden_size, _weight=torch.zeros(max_seq_len, hidden_size, device=device,
+                                                                       dtype=dtype))
+        self.init_method: Optional[Callable[[torch.Tensor], None]] = None
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """``init_method`` on the fp32 [max_seq_len, h] table on the CPU (None: zeros), copied in."""
+        full = torch.zeros(self.num_embeddings, self.embedding_dim, device="cpu")
+        if getattr(self, "init_method", None) is not None:
+            self.init_method(full)
+        scatter_full(full, self.weight)
+
+
 class GPTEmbedding(nn.Module):
     """Word (vocab-parallel) + learned position embeddings: tokens [b, s] -> [s, b, h], the full sequence.
 
@@ -261,10 +298,8 @@ class GPTEmbedding(nn.Module):
         super().__init__()
         self.word_embeddings = VocabParallelEmbedding(vocab_size, hidden_size, tp_group=tp_group,
                                                       device=device, dtype=dtype, padding_idx=padding_idx)
-        # Zeros, filled by GPTModel from its own generator: nn.Embedding's default init drew from torch's CPU
-        # generator, shifting every later dropout seed (with max_seq_len, or another model built after it).
-        self.position_embeddings = (nn.Embedding(max_seq_len, hidden_size, _weight=torch.zeros(
-            max_seq_len, hidden_size, device=device, dtype=dtype)) if learned_positions else None)
+        self.position_embeddings = (_PositionEmbedding(max_seq_len, hidden_size, device=device, dtype=dtype)
+                                    if learned_positions else None)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         word = self.word_embeddings(tokens)                                                  # [b, s, h]
@@ -379,6 +414,10 @@ class GPTModel(SharesProcessGroup, nn.Module):
                              VocabParallelOutputLayer(vocab_size, h, tp_group=tp_group, device=device, dtype=dtype,
                                                       sequence_parallel=config.sequence_parallel,
                                                       overlap_comm=config.overlap_comm))
+        for part, table in enumerate((self.embedding.word_embeddings, self.embedding.position_embeddings,
+                                      self.output_layer)):
+            if table is not None:
+                table.init_method = SeededNormal(-1, part)
         if self.final_layernorm.weight.device.type != "meta":  # on meta: to_empty, then reset_parameters()
             self._reset_embeddings()
 
@@ -431,24 +470,15 @@ class GPTModel(SharesProcessGroup, nn.Module):
 
     @torch.no_grad()
     def _reset_embeddings(self) -> None:
-        """Deterministic init of the unsharded embeddings from the seqpar seed: normal(0, 0.02) over the
-        v real word rows (the ``padding_idx`` row then zero, as nn.Embedding and HF start it: its lookups
-        never update it), then the positions, then an untied output layer's v rows; so any t starts
-        from the same model."""
-        h = self.config.hidden_size
-        gen = torch.Generator().manual_seed(sp_random.stream_seed(sp_random.initial_seed(), -1, 1000) & (2**63 - 1))
-
-        def normal(rows: int) -> torch.Tensor:
-            return torch.randn(rows, h, generator=gen, device="cpu") * 0.02
-
-        words = normal(self.vocab_size)
-        if self.embedding.word_embeddings.padding_idx is not None:
-            words[self.embedding.word_embeddings.padding_idx] = 0.0
-        self.embedding.word_embeddings.load_full(words)
+        """Deterministic init of the unsharded embeddings from the seqpar seed: each table's own
+        ``reset_parameters`` with its :class:`~seqpar.nn.linear.SeededNormal` (N(0, 0.02); the word table
+        over its v real rows, the ``padding_idx`` row then zero), so any t starts from the same model and
+        a table reset on its own (FSDP1's deferred init) gets the same values."""
+        self.embedding.word_embeddings.reset_parameters()
         if self.embedding.position_embeddings is not None:
-            scatter_full(normal(self.max_seq_len), self.embedding.position_embeddings.weight)
+            self.embedding.position_embeddings.reset_parameters()
         if self.output_layer is not None:
-            self.output_layer.load_full(normal(self.vocab_size))
+            self.output_layer.reset_parameters()
 
     def _check_ids(self, tokens: torch.Tensor, labels: Optional[torch.Tensor], with_checksum: bool) -> Optional[int]:
         """ValueError naming the first token or label id outside [0, vocab_size) (-100 allowed in labels),

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -188,6 +188,7 @@ def load_full_parameters(module: nn.Module, full: Mapping[str, torch.Tensor]) ->
     FSDP2 parameters alike (:func:`scatter_full`). ValueError, before anything is copied, for a value
     that is not a real floating tensor of the parameter's unsharded shape (a larger one was cut to fit; an
     integer or bool one was cast silently, as check_shapes refuses for whole state dicts)."""
+    require_own_parameters(module, full, f"{type(module).__name__}: loading unsharded parameters")
     layouts = module.shard_layouts(group_rank(module.tp_group)) if isinstance(module, ShardedParameters) else {}
     for name, value in full.items():
         expected = tuple(layouts[name].full_shape) if name in layouts else tuple(getattr(module, name).shape)
@@ -201,18 +202,29 @@ def load_full_parameters(module: nn.Module, full: Mapping[str, torch.Tensor]) ->
 
 def check_own_parameters(parts: Mapping[str, nn.Module], shapes: Mapping[str, tuple], what: str) -> None:
     """ValueError naming the first unsharded key of ``shapes`` ("prefix.name") that ``parts[prefix]`` doesn't
-    hold as a parameter of its own. The unsharded reads and writes go through each part's own parameters:
-    a part wrapped after seqpar built it (an adapter library such as PEFT) or reparametrized
-    (``torch.nn.utils.parametrize``, ``weight_norm``) holds them elsewhere, and its key was silently left
-    out of ``full_state_dict`` and its load silently dropped."""
+    hold as a parameter of its own (:func:`require_own_parameters`)."""
     for key in shapes:
         prefix, _, name = key.rpartition(".")
-        part = parts.get(prefix)
-        if part is not None and name not in dict(part.named_parameters(recurse=False)):
-            raise ValueError(f"{what}: {key} is not a parameter of {prefix} ({type(part).__name__}) itself: the "
-                             "module was wrapped or reparametrized after seqpar built it (an adapter library such "
-                             "as PEFT, torch.nn.utils.parametrize / weight_norm). Merge or remove that first (PEFT: "
-                             "merge_and_unload(); parametrize.remove_parametrizations), or save with state_dict()")
+        if prefix in parts:
+            require_own_parameters(parts[prefix], [name], what, prefix)
+
+
+def require_own_parameters(module: nn.Module, names: Iterable[str], what: str, prefix: str = "") -> None:
+    """ValueError (``what``: the operation) unless each of ``names`` is a parameter of ``module`` itself
+    (``prefix``: the module's name in the message). The unsharded reads and writes go through a module's
+    own parameters: a module wrapped after seqpar built it (an adapter library such as PEFT) or
+    reparametrized (``torch.nn.utils.parametrize``, ``weight_norm``, ``prune``) holds them elsewhere,
+    where a load copied into a computed tensor (silently dropped) and a read missed the key."""
+    own = dict(module.named_parameters(recurse=False))
+    for name in names:
+        if name not in own:
+            key, where = (f"{prefix}.{name}", f"{prefix} ({type(module).__name__})") if prefix else \
+                (name, type(module).__name__)
+            raise ValueError(f"{what}: {key} is not a parameter of {where} itself: the module was wrapped or "
+                             "reparametrized after seqpar built it (an adapter library such as PEFT, "
+                             "torch.nn.utils.parametrize / weight_norm / prune). Merge or remove that first (PEFT: "
+                             "merge_and_unload(); parametrize.remove_parametrizations; prune.remove), or save "
+                             "with state_dict()")
 
 
 @torch.no_grad()

@@ -161,3 +161,113 @@ def test_blocks_built_on_their_own_are_initialised_like_the_linears(block):
     state = torch.get_rng_state()
     seqpar.TransformerLayer(cfg)
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def _owners_of_parameters(model: torch.nn.Module):
+    """The modules holding parameters of their own: those FSDP1's deferred init calls reset_parameters on."""
+    return [m for m in model.modules() if list(m.parameters(recurse=False))]
+
+
+@pytest.mark.parametrize("order", ["top-down", "bottom-up"])
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_each_module_s_own_reset_parameters_gives_the_model_s_init(arch, order):
+    """FSDP1's deferred init (module on meta, ``to_empty``, then ``reset_parameters()`` on every module
+    owning parameters, not on the layer or the model): the layers' linears had ``init_method=None`` and
+    kept to_empty's garbage (std 6e33 through real FSDP1), the vocabulary tables had no
+    reset_parameters (AttributeError), and the position table, an nn.Embedding, drew N(0, 1) from torch's
+    generator. Each module now draws its own part of the model's seeded init."""
+    kw = dict(hidden_size=32, num_attention_heads=4, backend="torch")
+    if arch == "llama":
+        kw.update(normalization="rmsnorm", activation="swiglu", position_embedding="rope", add_bias_linear=False,
+                  num_query_groups=2)
+    cfg = seqpar.TransformerConfig(**kw)
+    seqpar.manual_seed(5)
+    eager = seqpar.GPTModel(cfg, 2, 50, 16, share_embeddings_and_output_weights=arch == "gpt")
+    seqpar.manual_seed(5)
+    deferred = seqpar.GPTModel(cfg, 2, 50, 16, share_embeddings_and_output_weights=arch == "gpt",
+                               device="meta").to_empty(device="cpu")
+    owners = _owners_of_parameters(deferred)
+    assert {type(m).__name__ for m in owners} >= {"ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"}
+    state = torch.get_rng_state()
+    for module in owners if order == "top-down" else owners[::-1]:
+        module.reset_parameters()
+    assert torch.equal(torch.get_rng_state(), state)                    # torch's generator untouched
+    want = dict(eager.named_parameters())
+    for name, p in deferred.named_parameters():
+        assert torch.equal(p, want[name]), name
+    # and the layer's own reset draws what its linears' draw
+    layer = deferred.layers[1]
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    layer.mlp.dense_h_to_4h.weight.data.fill_(float("nan"))
+    layer.reset_parameters()
+    assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
+
+
+def test_reset_parameters_rounds_into_the_parameters_dtype_not_params_dtype():
+    """A layer built in bf16 and converted with .float() re-initialised with bf16-rounded values (its reset
+    cast to config.params_dtype); it now draws in fp32 as a layer built in fp32 does."""
+    seqpar.manual_seed(2)
+    fp32 = seqpar.TransformerLayer(seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4))
+    seqpar.manual_seed(2)
+    converted = seqpar.TransformerLayer(seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4,
+                                                                 params_dtype=torch.bfloat16)).float()
+    converted.reset_parameters()
+    for name, p in converted.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, dict(fp32.named_parameters())[name]), name
+
+
+@pytest.mark.parametrize("cls", [ColumnParallelLinear, RowParallelLinear], ids=lambda c: c.__name__)
+def test_parallel_linear_draws_on_the_cpu_under_a_default_device(cls):
+    """reset_parameters made its unsharded weight and bias on torch's default device: under
+    ``with torch.device("meta")`` the init method got a meta tensor and the load raised "Cannot copy out
+    of meta tensor"; the docstring says the CPU."""
+    devices = []
+
+    def init(full):
+        devices.append(full.device)
+        full.fill_(0.5)
+
+    with torch.device("meta"):
+        linear = cls(16, 24, device="cpu", init_method=init)
+        linear.reset_parameters()
+    assert devices == [torch.device("cpu")] * 2
+    assert torch.equal(linear.weight, torch.full_like(linear.weight, 0.5))
+    assert torch.equal(linear.bias, torch.zeros(24))
+
+
+class _CountingScale(torch.nn.Module):
+    """A parametrization counting its evaluations (weight_norm and spectral_norm compute at each read)."""
+    calls = 0
+
+    def forward(self, weight):
+        type(self).calls += 1
+        return 2.0 * weight
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("cls", [ColumnParallelLinear, RowParallelLinear], ids=lambda c: c.__name__)
+def test_parametrized_parallel_linear_computes_its_weight_once_and_refuses_unsharded_io(cls, sequence_parallel):
+    """A parametrized weight was computed 3-4 times per forward (the input checks and the SP plan read
+    ``self.weight`` too; spectral_norm ran as many power iterations), and ``load_full`` copied into the
+    computed tensor (the load silently lost) while ``full()`` raised a bare KeyError."""
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    linear = cls(16, 8, sequence_parallel=sequence_parallel)
+    plain = torch.nn.Linear(16, 8)
+    with torch.no_grad():
+        plain.weight.copy_(2.0 * linear.weight)
+        plain.bias.copy_(linear.bias)
+    parametrize.register_parametrization(linear, "weight", _CountingScale())
+    x = torch.randn(4, 2, 16)
+    _CountingScale.calls = 0
+    y = linear(x)
+    assert _CountingScale.calls == 1
+    torch.testing.assert_close(y, plain(x))
+    before = linear.parametrizations.weight.original.clone()
+    with pytest.raises(ValueError, match=rf"{cls.__name__}: loading unsharded parameters: weight is not a "
+                                         r"parameter of .* itself.*remove_parametrizations"):
+        linear.load_full(torch.ones(8, 16), torch.zeros(8))
+    assert torch.equal(linear.parametrizations.weight.original, before)
+    with pytest.raises(ValueError, match=rf"{cls.__name__}.full: weight is not a parameter"):
+        linear.full()
