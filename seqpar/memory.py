@@ -921,8 +921,10 @@ def not_counted():
 def count_as_saved(*tensors: torch.Tensor) -> None:
     """Count ``tensors`` in the active meters as saved for backward, where something other than autograd's
     saved tensors keeps them alive until backward (a checkpoint region's inputs, which its re-run reads),
-    as the meters' hooks count saved tensors: each storage once, parameters excluded."""
-    if _active_meters:
+    as the meters' hooks count saved tensors: each storage once, parameters excluded. Nothing where a
+    meter's hooks are not the innermost of this thread: other hooks entered inside the meter
+    (``save_on_cpu``) take those tensors, and the meter counts none of what they take."""
+    if _meter_hooks_on_top():
         for t in tensors:
             ActivationMeter._pack(t)
 
@@ -935,9 +937,11 @@ class ActivationMeter:
     later graphs saving it again while it lives); a new storage counts even where a freed one's address
     is reused (a loop of forward / backward inside one meter counts every micro-batch's storages). The
     meter keeps only weak references: it keeps nothing alive. Meters nest: an inner meter's tensors
-    count in every enclosing meter too. Like any ``saved_tensors_hooks``, a meter shadows hooks
-    entered before it (e.g. ``torch.utils.checkpoint``'s non-reentrant mode): enter meters outside
-    such regions.
+    count in every enclosing meter too. Like any ``saved_tensors_hooks``, the innermost hooks take the
+    saved tensors: a meter shadows hooks entered before it (e.g. ``torch.utils.checkpoint``'s
+    non-reentrant mode: enter meters outside such regions; ``save_on_cpu``: that forward offloads
+    nothing), and hooks entered inside a meter (``save_on_cpu`` again) take the tensors from it: the
+    meter counts none of them.
 
     Example::
 

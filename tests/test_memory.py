@@ -508,3 +508,25 @@ def test_one_label_instance_entered_twice_or_in_two_threads():
     for thread in threads:
         thread.join()
     assert errors == []
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_hooks_entered_inside_the_meter_take_what_it_would_count(recompute):
+    """save_on_cpu inside a meter packs every saved tensor itself, so the meter sees none; but the
+    recompute regions' inputs (which the layer counts itself) still counted: selective reported 12 KiB of
+    Q, K, V and recompute "none" 0 bytes, more for the policy that saves less."""
+    import seqpar
+
+    seqpar.manual_seed(0)
+    cfg = seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4, recompute=recompute, backend="torch")
+    layer = seqpar.TransformerLayer(cfg)
+    x = torch.randn(16, 2, 32, requires_grad=True)
+    packed = []
+    with ActivationMeter() as meter:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+            y = layer(x)
+    assert packed and meter.bytes == 0 and meter.records == []
+    y.sum().backward()
+    with ActivationMeter() as alone:                       # the same forward, the meter innermost
+        layer(x)
+    assert alone.bytes > 0

@@ -169,7 +169,9 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     @registry.once_differentiable
     def backward(ctx, grad_y):
-        (rows,) = ctx.saved_tensors
+        # A saved-tensor hook may unpack another layout of the same values (save_on_cpu and the like do
+        # not, a hook of yours may): the kernels read unit column strides.
+        rows = _rows(ctx.saved_tensors[0], ctx.shape[-1])
         if len(ctx.shape) != 2:
             grad_y = grad_y.reshape(-1, ctx.shape[-1] // 2)
         grad = ctx.impl.backward(grad_y.contiguous(), rows)

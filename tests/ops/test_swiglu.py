@@ -98,6 +98,23 @@ def test_strided_rows_and_non_contiguous_layouts(backend):
     assert torch.equal(swiglu(b, backend=backend), swiglu(b.contiguous(), backend=backend))
 
 
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    """The same values in a column-major layout: what a saved-tensor hook may unpack (autograd asks for the
+    values only)."""
+    return t.detach().transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_backward_reads_gate_up_unpacked_in_another_layout(backend):
+    """A saved-tensor hook that packs gate_up column-major: the Triton backward read it at unit column
+    stride (gradient error 7.5 against the fp64 reference's 4e-7)."""
+    x, gy = _gate_up((16, 2 * 32), torch.float32)
+    with torch.autograd.graph.saved_tensors_hooks(_column_major, lambda t: t):
+        y, grad = _run(x, gy, backend)
+    y64, grad64 = _reference_fp64(x, gy)
+    assert_close(grad, grad64, dtype=torch.float32)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_saves_only_gate_up(backend):
     """Only gate_up (the input itself) is saved: silu is recomputed in backward."""
@@ -196,3 +213,9 @@ def test_gpu_strided_and_unaligned(backend):
         gy = torch.randn(300, x.shape[1] // 2, device="cuda", dtype=torch.bfloat16)
         for a, t, e in zip(_run(x, gy, backend), _run(x, gy, "torch"), _reference_fp64(x, gy)):
             assert_error_within(a.cpu(), t.cpu(), e)
+    x = wide[:, 8:8 + 2 * 2048].detach().requires_grad_()       # gate_up unpacked column-major in backward
+    gy = torch.randn(300, 2048, device="cuda", dtype=torch.bfloat16)
+    with torch.autograd.graph.saved_tensors_hooks(_column_major, lambda t: t):
+        hooked = _run(x, gy, backend)
+    for a, t, e in zip(hooked, _run(x, gy, "torch"), _reference_fp64(x, gy)):
+        assert_error_within(a.cpu(), t.cpu(), e)
