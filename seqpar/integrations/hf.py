@@ -210,6 +210,15 @@ def _per_layer(recompute) -> Optional[Sequence[str]]:
     return recompute if isinstance(recompute, (list, tuple)) else None
 
 
+def _check_device(device, what: str) -> None:
+    """ValueError for ``device="meta"``: a converter copies the HF weights into the model it builds, and
+    meta tensors hold no values (the load was refused with advice for a module the caller never held)."""
+    if device is not None and torch.device(device).type == "meta":
+        raise ValueError(f"seqpar.integrations.hf.{what}: device='meta' holds no values, and converting copies the "
+                         "HF weights into the model: pass a real device (for a deferred init, build seqpar.GPTModel "
+                         "on meta yourself, then to_empty() and reset_parameters() or load_full_state_dict())")
+
+
 def from_gpt2(source, *, config=None, tp_group: ProcessGroup = None, sequence_parallel: bool = False,
               recompute: Union[str, Sequence[str]] = "none", backend: str = "auto", device=None,
               params_dtype: Optional[torch.dtype] = None, dropout: Optional[float] = None) -> GPTModel:
@@ -234,6 +243,8 @@ def from_gpt2(source, *, config=None, tp_group: ProcessGroup = None, sequence_pa
     when it is a model. Raises ValueError naming a GPT-2 setting seqpar does not implement, or a
     missing, unexpected or misshapen weight.
     """
+    _check_device(device, "from_gpt2")
+
     def read():
         state_dict, settings_config, training = _source_state_dict(source, config, "GPT2")
         settings = _gpt2_settings(settings_config)
@@ -471,6 +482,7 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
             settings["pad"] = source.get_input_embeddings().padding_idx
         return settings, *_llama_state_dict(state_dict, settings), training
 
+    _check_device(device, "from_llama")
     settings, sd, head, training = _read_on_every_rank(read, tp_group, "seqpar.integrations.hf.from_llama")
     embed = sd["embed_tokens.weight"]
     groups = settings["kv_heads"]

@@ -110,7 +110,8 @@ def all_gather_seq(x_shard: torch.Tensor, group: ProcessGroup, async_op: bool = 
     if t == 1:  # nothing to gather: the shard is the whole tensor (returned as is, not copied)
         return (x_shard, None) if async_op else x_shard
     if tracing():  # a functional collective: one node of the compiled graph, not a graph break
-        out = _functional().all_gather_tensor(x_shard, 0, group)
+        funcol = _functional()   # all_gather_tensor is all_gather_single under its pre-2.13 name (deprecated)
+        out = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)(x_shard, 0, group)
         return (out, None) if async_op else out
     out = torch.empty((x_shard.shape[0] * t,) + tuple(x_shard.shape[1:]),
                       dtype=x_shard.dtype, device=x_shard.device)
@@ -130,7 +131,8 @@ def reduce_scatter_seq(x_full: torch.Tensor, group: ProcessGroup, async_op: bool
     if t == 1:  # nothing to reduce: returned as is, not copied
         return (x_full, None) if async_op else x_full
     if tracing():
-        out = _functional().reduce_scatter_tensor(x_full, "sum", 0, group)
+        funcol = _functional()
+        out = getattr(funcol, "reduce_scatter_single", funcol.reduce_scatter_tensor)(x_full, "sum", 0, group)
         return (out, None) if async_op else out
     out = torch.empty((x_full.shape[0] // t,) + tuple(x_full.shape[1:]),
                       dtype=x_full.dtype, device=x_full.device)

@@ -99,3 +99,29 @@ def test_mappings_reject_what_is_not_a_tensor_of_their_layout(fn):
             fn(torch.tensor(1.0), None)
     else:
         assert fn(torch.tensor(1.0), None).shape == ()
+
+
+def test_captured_collectives_take_the_functional_names_torch_keeps(monkeypatch):
+    """While a graph is captured (or a dispatch mode runs, as allow_mutation_on_saved_tensors does in
+    eager) the sequence collectives are functional ones: all_gather_tensor / reduce_scatter_tensor warned
+    "deprecated" on every eager call under torch 2.13, which calls them all_gather_single /
+    reduce_scatter_single; older torch has the old names only."""
+    import types
+
+    from seqpar.parallel import state
+
+    calls = []
+
+    def fake(name):
+        return lambda x, *args: calls.append((name, args)) or x
+
+    monkeypatch.setattr(state, "tracing", lambda: True)
+    monkeypatch.setattr(state, "group_size", lambda group: 2)
+    x = torch.zeros(4, 3)
+    for names in (("all_gather_single", "reduce_scatter_single", "all_gather_tensor", "reduce_scatter_tensor"),
+                  ("all_gather_tensor", "reduce_scatter_tensor")):
+        monkeypatch.setattr(state, "_functional", lambda: types.SimpleNamespace(**{n: fake(n) for n in names}))
+        calls.clear()
+        state.all_gather_seq(x, "group")
+        state.reduce_scatter_seq(x, "group")
+        assert calls == [(names[0], (0, "group")), (names[1], ("sum", 0, "group"))]

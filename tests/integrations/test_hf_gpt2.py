@@ -239,6 +239,19 @@ def test_from_state_dicts_with_and_without_prefix():
         assert all(torch.equal(got[k], v) for k, v in expected.items()), name
 
 
+@pytest.mark.parametrize("convert", ["from_gpt2", "from_llama"])
+def test_converting_onto_the_meta_device_is_refused_up_front(convert):
+    """device="meta" built the model and then refused the load with "call module.to_empty(device=...)
+    first", advice for a module the caller never held."""
+    source = _random_gpt2(1000) if convert == "from_gpt2" else transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16))
+    with pytest.raises(ValueError, match=rf"hf.{convert}: device='meta' holds no values.*pass a real device"):
+        getattr(hf, convert)(source, device="meta")
+    with pytest.raises(ValueError, match="device='meta'"):
+        getattr(hf, convert)(source, device=torch.device("meta"))
+
+
 def test_settings_follow_the_config_and_arguments():
     gpt2 = _random_gpt2(1000, resid_pdrop=0.1, attn_pdrop=0.2, embd_pdrop=0.3, n_inner=200,
                         layer_norm_epsilon=1e-6, activation_function="gelu").train()
