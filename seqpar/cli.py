@@ -327,8 +327,10 @@ def plan(argv: Sequence[str]) -> dict:
     uniform = [(label, sp, policy, evaluate_recompute(policy, **sizes, sequence_parallel=sp, **options))
                for label, sp, policy in UNIFORM if sp_possible or not sp]
     baseline = uniform[0][3].activation_bytes
+    loss_working = uniform[0][3].loss_working_bytes
     print("\nuniform policies, most loaded stage per GPU (the paper's Figure 7: % of tensor parallelism alone;"
-          "\n'fits': with what one recomputed layer rebuilds in its backward):")
+          "\n'fits': with what one recomputed layer rebuilds in its backward, or what the loss's backward builds"
+          f"\non the last stage beside its saved softmax, {_size(loss_working)}, whichever is larger):")
     if not sp_possible:
         print(f"  (no sequence-parallel rows: t={args.tp} does not divide s={args.seq_len})")
     print(f"  {'configuration':<40}{'activations':>13}{'% of TP':>9}{'extra FLOPs':>13}{'rebuilt':>11}{'fits':>6}")
@@ -362,8 +364,8 @@ def plan(argv: Sequence[str]) -> dict:
     else:
         counts = best.counts
         print(f"\nplanned mix {sp_name} sequence parallelism (least extra forward FLOPs that fits):")
-        rebuilt = (f" + {_size(best.recompute_working_bytes)} rebuilt in a recomputed backward = "
-                   f"{_size(best.peak_bytes)}" if best.recompute_working_bytes else "")
+        rebuilt = (f" ({_size(best.peak_bytes)} at the peak: + {_size(best.recompute_working_bytes)} rebuilt in a "
+                   f"recomputed backward, or + {_size(best.loss_working_bytes)} in the loss's backward)")
         print(f"  per stage: {counts['none']} x none, {counts['selective']} x selective, {counts['full']} x full "
               f"-> {_size(best.activation_bytes)}{rebuilt} of {_size(budget)}")
         print(f"  extra compute: {best.extra_flops:.4g} forward FLOPs per micro-batch per GPU, "

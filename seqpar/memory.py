@@ -469,18 +469,46 @@ class _Model:
         """What the last stage keeps per micro-batch beyond its layers: the final norm's input, the
         output layer's input (sbh E each, / t with SP) and the fp32 logits of the busiest rank's
         vocabulary shard (GPTModel pads v to a multiple of 128 t: min(v, padded v / t) columns)."""
-        from .nn.model import padded_vocab_size  # nn.model imports this module
-
         lay = self.layer
         final_layernorm_input = lay.norm_input() / lay.replicated_split
         output_layer_input = lay.sbh * lay.e / lay.replicated_split
-        vocab_shard = min(self.vocab, padded_vocab_size(self.vocab, lay.t) // lay.t)
-        return final_layernorm_input + output_layer_input + LOGITS_BYTES * lay.s * lay.b * vocab_shard
+        return final_layernorm_input + output_layer_input + LOGITS_BYTES * lay.s * lay.b * self.vocab_shard()
+
+    def vocab_shard(self) -> int:
+        """Logit columns of the busiest rank: GPTModel pads v to a multiple of 128 t, min(v, padded v / t)."""
+        from .nn.model import padded_vocab_size  # nn.model imports this module
+
+        return min(self.vocab, padded_vocab_size(self.vocab, self.layer.t) // self.layer.t)
+
+    def loss_working_bytes(self) -> float:
+        """What the vocabulary loss's backward builds beside the fp32 softmax it saved, on the last stage:
+        the fp32 gradient of the logits shard and its cast to the compute dtype (none in fp32). It runs
+        before any layer's backward, every layer's activations held. (Its forward's transient, the logits
+        in the compute dtype beside the fp32 buffer that becomes the softmax, is smaller.)"""
+        lay = self.layer
+        cast = 0 if lay.e == LOGITS_BYTES else lay.e
+        return (LOGITS_BYTES + cast) * lay.s * lay.b * self.vocab_shard()
 
     def activation_bytes(self, counts_by_rank: Sequence[Sequence[Tuple[int, int, int]]]) -> float:
         """Bytes of the most loaded pipeline rank, from each rank's chunks' (n_none, n_selective, n_full)
         (``counts_by_rank[r][k]``: rank r's chunk k). Rank 0 holds the most micro-batches and the embedding
         dropout's mask with its first chunk; the last rank holds the output side with its last chunk."""
+        return max(self.rank_activation_bytes(counts_by_rank))
+
+    def peak_bytes(self, counts_by_rank: Sequence[Sequence[Tuple[int, int, int]]]) -> float:
+        """The most loaded rank's :meth:`activation_bytes` plus what it builds on top of them at once: one
+        recomputed layer's rebuild (:meth:`working_bytes`) and, on the last rank, the loss backward's
+        (:meth:`loss_working_bytes`), whichever is larger (the loss backward runs before any layer's)."""
+        peaks = []
+        for rank, (held, chunk_counts) in enumerate(zip(self.rank_activation_bytes(counts_by_rank), counts_by_rank)):
+            working = self.working_bytes(tuple(map(sum, zip(*chunk_counts))))
+            if rank == self.pp - 1:
+                working = max(working, self.loss_working_bytes())
+            peaks.append(held + working)
+        return max(peaks)
+
+    def rank_activation_bytes(self, counts_by_rank: Sequence[Sequence[Tuple[int, int, int]]]) -> List[float]:
+        """:meth:`activation_bytes` of every pipeline rank, in rank order."""
         lay = self.layer
         per_layer = [lay.bytes(p) for p in RECOMPUTE_POLICIES]
         embedding_dropout = lay.sbh * lay.m / lay.replicated_split if self.embedding_dropout else 0
@@ -492,7 +520,7 @@ class _Model:
             if rank == self.pp - 1:
                 chunk_bytes[-1] += self.output_side_bytes()
             peaks.append(_rank_peak(self.pp, self.interleave, rank, chunk_bytes))
-        return max(peaks)
+        return peaks
 
     def stage_bytes(self, stage_policies: Sequence[str]) -> float:
         """:meth:`activation_bytes` with every stage running ``stage_policies`` (1F1B)."""
@@ -507,8 +535,10 @@ class _Model:
         """The RecomputePlan of one stage's per-layer policies (the same on every stage; 1F1B)."""
         counts = _count(stage_policies)
         extra = self.extra_flops_all_ranks(counts)
-        return RecomputePlan(tuple(stage_policies), self.stage_bytes(stage_policies),
-                             extra / self.layer.t, extra / self.stage_flops_all_ranks(), self.working_bytes(counts))
+        by_rank = [[counts]] * self.pp
+        return RecomputePlan(tuple(stage_policies), self.activation_bytes(by_rank), extra / self.layer.t,
+                             extra / self.stage_flops_all_ranks(), self.working_bytes(counts),
+                             self.loss_working_bytes(), self.peak_bytes(by_rank))
 
     def extra_flops_all_ranks(self, counts: Tuple[int, int, int]) -> int:
         return sum(n * self.layer.extra_flops_all_ranks(p) for n, p in zip(counts, RECOMPUTE_POLICIES))
@@ -644,7 +674,12 @@ class RecomputePlan:
     ``recompute_working_bytes``: what one recomputed layer rebuilds while its backward runs (its forward
     makes it too), on top of ``activation_bytes``: the attention core's s^2 tensors for selective
     recompute, a whole layer's activations for full (the largest among the policies in use; 0 without
-    recompute). ``peak_bytes`` is the sum.
+    recompute). ``loss_working_bytes``: what the vocabulary loss's backward builds on the last stage
+    beside the softmax it saved (the fp32 gradient of the busiest rank's logits shard and its cast to the
+    compute dtype), every layer's activations still held. ``peak_bytes``: the stages' activations at
+    their peak, each stage's activation bytes plus the larger of the working sets it runs (the loss's on
+    the last stage only; the two never overlap), the most loaded stage's; given None, the most loaded
+    stage's activations plus the larger working set.
     """
 
     policies: Tuple[str, ...]
@@ -652,11 +687,13 @@ class RecomputePlan:
     extra_flops: float
     extra_fraction: float
     recompute_working_bytes: float = 0.0
+    loss_working_bytes: float = 0.0
+    peak_bytes: Optional[float] = None
 
-    @property
-    def peak_bytes(self) -> float:
-        """``activation_bytes + recompute_working_bytes``: the stage's activations at their peak."""
-        return self.activation_bytes + self.recompute_working_bytes
+    def __post_init__(self) -> None:
+        if self.peak_bytes is None:
+            object.__setattr__(self, "peak_bytes", self.activation_bytes + max(self.recompute_working_bytes,
+                                                                               self.loss_working_bytes))
 
     @property
     def counts(self) -> Dict[str, int]:
@@ -699,9 +736,11 @@ def plan_recompute(seq_len: int, micro_batch: int, hidden: int, heads: int, num_
     ``sequence_parallel`` defaults to True here (unlike :func:`model_activation_bytes`).
 
     ``include_working_set``: fit ``peak_bytes`` instead, the activation bytes plus what one recomputed
-    layer rebuilds during its backward (:attr:`RecomputePlan.recompute_working_bytes`). Without it, a plan
-    that needs selective layers is typically within one layer's s^2 bytes of the budget and goes over it
-    in the first recomputed backward (``python -m seqpar plan`` plans with it).
+    layer rebuilds during its backward (:attr:`RecomputePlan.recompute_working_bytes`) or, on the last
+    stage, what the loss's backward builds (:attr:`RecomputePlan.loss_working_bytes`), whichever is
+    larger. Without it, a plan that needs selective layers is typically within one layer's s^2 bytes of
+    the budget and goes over it in the first recomputed backward (``python -m seqpar plan`` plans with
+    it).
 
     Extra forward FLOPs per layer and rank: selective recompute 4bs^2h/t (the attention core's QK^T and
     attention over V), full recompute the whole layer forward (24bsh^2 + 4bs^2h)/t. Under 1F1B every
@@ -733,9 +772,8 @@ def plan_recompute(seq_len: int, micro_batch: int, hidden: int, heads: int, num_
     def memory(n_selective: int, n_full: int) -> float:
         # Non-increasing in n_selective at fixed n_full (the binary search below relies on it): each
         # selective layer saves rebuilt_bytes("selective"), the working set a selective layer adds once.
-        counts = (n - n_selective - n_full, n_selective, n_full)
-        working = model.working_bytes(counts) if include_working_set else 0.0
-        return model.activation_bytes([[counts]] * model.pp) + working
+        by_rank = [[(n - n_selective - n_full, n_selective, n_full)]] * model.pp
+        return model.peak_bytes(by_rank) if include_working_set else model.activation_bytes(by_rank)
 
     floor = memory(0, n)
     if floor > budget_bytes:

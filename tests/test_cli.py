@@ -119,7 +119,7 @@ def test_plan_prints_uniform_policies_and_a_plan_that_fits(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv", [["--model", "llama3-8B"], ["--model", "llama3-70B", "--flash-attention"],
                                   ["--arch", "llama", "--hidden", "1024", "--heads", "16", "--kv-heads", "4",
-                                   "--ffn-hidden", "2816", "--layers", "8", "--tp", "4", "--gpu-memory", "1"]],
+                                   "--ffn-hidden", "2816", "--layers", "8", "--tp", "4", "--gpu-memory", "1.2"]],
                          ids=["llama3-8B", "llama3-70B-flash", "custom-llama"])
 def test_plan_llama_block(argv, capsys):
     """The Llama block's activations (its terms, no dropout) and parameters (SwiGLU, GQA, no biases, no

@@ -74,28 +74,34 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     # fp32 sums (bf16 / fp16 gradients' norms would round), fp64 where a gradient is fp64
     acc = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
 
-    def share(tensors: List[torch.Tensor]) -> torch.Tensor:
-        """Their norm's share: sum of |g|^p, or max |g| for inf (0 for none), from each one's norm in
-        ``acc`` (fp64 gradients' in fp64: _foreach_norm can't narrow them). (An empty FSDP2 chunk adds
-        nothing; torch has no inf norm of an empty tensor.)"""
+    def tensor_norms(tensors: List[torch.Tensor]) -> torch.Tensor:
+        """Each one's norm in ``acc`` (fp64 gradients' in fp64: _foreach_norm can't narrow them), a 1-D
+        tensor (empty for none: an empty FSDP2 chunk adds nothing; torch has no inf norm of an empty
+        tensor)."""
         tensors = [g for g in tensors if g.numel()]
         if not tensors:
-            return torch.zeros((), device=device, dtype=acc)
+            return torch.zeros((0,), device=device, dtype=acc)
         by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
         for g in tensors:
             by_dtype.setdefault(torch.float64 if g.dtype == torch.float64 else torch.float32, []).append(g)
-        norms = torch.stack([n.to(device, acc) for dtype, part in by_dtype.items()
-                             for n in torch._foreach_norm(part, norm_type, dtype=dtype)])
-        return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+        return torch.stack([n.to(device, acc) for dtype, part in by_dtype.items()
+                            for n in torch._foreach_norm(part, norm_type, dtype=dtype)])
 
-    total = torch.zeros((), device=device, dtype=acc)
-    for groups, tensors in shares.items():
-        part = share(tensors)
-        for group in groups:
-            if group is not None:
-                part = _all_reduce_max(part, group) if math.isinf(norm_type) else _all_reduce_sum(part, group)
-        total = torch.maximum(total, part) if math.isinf(norm_type) else total + part
-    norm = total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
+    if list(shares) == [(None, None)]:
+        # Nothing split or sharded (t = 1, no FSDP2): torch's own reduction of the norms, the same bits
+        norm = torch.linalg.vector_norm(tensor_norms(grads), norm_type)
+    else:
+        total = torch.zeros((), device=device, dtype=acc)
+        for groups, tensors in shares.items():
+            norms = tensor_norms(tensors)
+            # the share: sum of |g|^p, or max |g| for inf (0 for none)
+            part = (norms.max() if norms.numel() else total.new_zeros(())) if math.isinf(norm_type) \
+                else norms.pow(norm_type).sum()
+            for group in groups:
+                if group is not None:
+                    part = _all_reduce_max(part, group) if math.isinf(norm_type) else _all_reduce_sum(part, group)
+            total = torch.maximum(total, part) if math.isinf(norm_type) else total + part
+        norm = total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(norm):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {norm.item()}: "
                            "non-finite, so they can't be clipped (error_if_nonfinite=False clips anyway)")

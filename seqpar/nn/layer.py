@@ -39,6 +39,7 @@ from .._custom_op import outside_compile
 from ..config import PARAMS_DTYPES, TransformerConfig
 from ..memory import name_storage, saved_as
 from ..ops.attention_core import attention_core, select_backend
+from ..ops.registry import dtensor_problem, is_dtensor
 from ..ops.dropout import NO_DROPOUT, DropoutSpec, bias_dropout_add
 from ..ops.rotary import rotary_embedding
 from ..ops.swiglu import swiglu
@@ -295,6 +296,8 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
     def _input_problem(self, x) -> Optional[str]:
         """Why ``x`` can't be this rank's input (None if it can)."""
         h = self.config.hidden_size
+        if is_dtensor(x):
+            return dtensor_problem("x", x)
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[2] != h or not x.is_floating_point():
             got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
             return f"x must be a floating [s_local, b, {h}] tensor, got {got}"
@@ -374,8 +377,16 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
             a1 = self.input_layernorm(x)
         projection, projection_bias = self.self_attention(a1, mode.attention_p, mode.stream(sp_random.Site.ATTENTION))
         with saved_as(norm2):
-            a2, x2 = self.post_attention_layernorm(  # its __call__ (hooks fire): the fused bias-dropout-add-norm
+            fused = self.post_attention_layernorm(  # its __call__ (hooks fire): the fused bias-dropout-add-norm
                 projection, projection_bias, x, self._hidden_spec(mode, sp_random.Site.ATTENTION_OUT, x))
+        if not (isinstance(fused, tuple) and len(fused) == 2):
+            # a pre-hook that keeps only the first argument (torch's SequenceParallel style) makes the norm
+            # return norm(x) alone, which unpacked along s gave a wrong shape or a bare unpacking error
+            raise ValueError("post_attention_layernorm returned one tensor, not (norm(residual_out), residual_out): "
+                             "a hook or parallel style (torch.distributed.tensor.parallel) on it dropped the "
+                             "arguments of the fused bias-dropout-add; seqpar's layers shard their norms themselves "
+                             "(sequence_parallel)")
+        a2, x2 = fused
         mlp_out, mlp_bias = self.mlp(a2)
         return bias_dropout_add(mlp_out, mlp_bias, x2, self._hidden_spec(mode, sp_random.Site.MLP_OUT, x))
 
@@ -467,19 +478,21 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
     def reset_parameters(self) -> None:
         """Deterministic init of the unsharded weights: each linear's ``init_method`` (built with
         :class:`~seqpar.nn.linear.SeededNormal`, N(0, 0.02) from (seqpar seed, layer_number, which
-        matrix); a linear whose ``init_method`` you set to None keeps its weights), zero biases, unit norm
-        weights; then each rank keeps its shard, in the parameters' dtype. Drawn on the CPU whatever the
-        default device (``with torch.device("meta")`` included). Each part's own ``reset_parameters``
-        draws the same values."""
+        matrix)) and a zero bias, unit norm weights and zero norm biases; then each rank keeps its shard,
+        in the parameters' dtype. Drawn on the CPU whatever the default device (``with
+        torch.device("meta")`` included). Each part's own ``reset_parameters`` draws the same values; a
+        linear whose ``init_method`` you set to None keeps its weight and bias in both."""
         parts = self._parts()
         full = {}
         for key, shape in self.full_shapes().items():
             prefix, _, name = key.rpartition(".")
-            if key.endswith("layernorm.weight"):
-                full[key] = torch.ones(shape, device="cpu")
-            elif name == "bias":
+            part = parts[prefix]
+            if isinstance(part, (ColumnParallelLinear, RowParallelLinear)):
+                if part.init_method is None:
+                    continue
                 full[key] = torch.zeros(shape, device="cpu")
-            elif parts[prefix].init_method is not None:
-                full[key] = torch.empty(shape, device="cpu")
-                parts[prefix].init_method(full[key])
+                if name == "weight":
+                    part.init_method(full[key])
+            else:
+                full[key] = (torch.ones if name == "weight" else torch.zeros)(shape, device="cpu")
         self.load_full_state_dict(full, strict=False)

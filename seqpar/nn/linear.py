@@ -80,7 +80,9 @@ class SeededNormal:
 
     def __call__(self, full: torch.Tensor) -> None:
         seed = sp_random.stream_seed(sp_random.initial_seed(), self.owner, 1000 + self.part) & (2**63 - 1)
-        full.copy_(torch.randn(full.shape, generator=torch.Generator().manual_seed(seed)) * self.std)
+        # On the CPU whatever the default device: the generator is a CPU one, and the values must not
+        # depend on where the model lives.
+        full.copy_(torch.randn(full.shape, generator=torch.Generator().manual_seed(seed), device="cpu") * self.std)
 
 
 class _TensorParallelLinear(ShardedParameters, SharesProcessGroup, nn.Module):

@@ -66,15 +66,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits_local, labels, vocab_start, ignore_index, group):
-        logits = logits_local.float()
-        v_local = logits.shape[-1]
+        # One fp32 [s, b, v_local] buffer of our own (a copy even of fp32 logits: the caller's stay as they
+        # are), shifted, exponentiated and normalised in place into the softmax backward keeps: with a new
+        # tensor per step the loss held four fp32 copies of the logits at once (4.5x the fp32 logits' bytes
+        # with bf16 logits, the step's peak at large vocabularies: it comes after every layer's forward).
+        probs = logits_local.to(torch.float32, copy=True)
+        v_local = probs.shape[-1]
         if v_local:
-            logits_max = logits.amax(dim=-1)
+            logits_max = probs.amax(dim=-1)
         else:  # this rank's shard holds only padded rows: it adds nothing to the sums
-            logits_max = logits.new_full(labels.shape, float("-inf"))
+            logits_max = probs.new_full(labels.shape, float("-inf"))
         if group_size(group) > 1:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - logits_max.unsqueeze(-1)
+        probs.sub_(logits_max.unsqueeze(-1))                                  # the shifted logits
         valid = labels != ignore_index
         local_labels = labels - vocab_start
         in_shard = valid & (local_labels >= 0) & (local_labels < v_local)
@@ -84,16 +88,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             # hold -inf (an fp16 logit that overflowed), and -inf * 0 is NaN, which the sum spreads. (Not
             # torch.where either: its output takes the layout of labels, which may be a transposed view,
             # and the all-reduce below needs a contiguous tensor: gloo summed the wrong elements.)
-            target = torch.gather(shifted, -1, safe.unsqueeze(-1)).squeeze(-1).masked_fill(~in_shard, 0.0)
+            target = torch.gather(probs, -1, safe.unsqueeze(-1)).squeeze(-1).masked_fill(~in_shard, 0.0)
         else:
             target = torch.zeros_like(logits_max)
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
+        sum_exp = probs.exp_().sum(dim=-1)
         if group_size(group) > 1:
             dist.all_reduce(target, group=group)
             dist.all_reduce(sum_exp, group=group)
-        softmax = exp / sum_exp.unsqueeze(-1)
-        ctx.save_for_backward(softmax, safe, in_shard, valid)
+        probs.div_(sum_exp.unsqueeze(-1))                                     # the softmax
+        ctx.save_for_backward(probs, safe, in_shard, valid)
         ctx.dtype = logits_local.dtype
         return torch.where(valid, sum_exp.log() - target, 0.0)
 
@@ -101,11 +104,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_loss):
         softmax, safe, in_shard, valid = ctx.saved_tensors
-        grad = softmax.clone()
+        grad = softmax.clone()   # (the saved softmax stays as it is: a backward with retain_graph reads it again)
         if grad.shape[-1]:
             grad.scatter_add_(-1, safe.unsqueeze(-1), -in_shard.unsqueeze(-1).to(grad.dtype))
         grad_loss = torch.where(valid, grad_loss, 0.0)   # ignored positions get no gradient
-        return (grad * grad_loss.unsqueeze(-1)).to(ctx.dtype), None, None, None, None
+        return grad.mul_(grad_loss.unsqueeze(-1)).to(ctx.dtype), None, None, None, None
 
 
 class _GatherVocabColumns(torch.autograd.Function):
@@ -540,6 +543,9 @@ class GPTModel(SharesProcessGroup, nn.Module):
     def _check_inputs(self, tokens, labels, with_checksum: bool) -> Optional[int]:
         """ValueError naming the first problem of this rank's ``tokens`` / ``labels``; else their checksum
         when ``with_checksum`` (:meth:`_check_ids`)."""
+        for name, ids in (("tokens", tokens), ("labels", labels)):
+            if registry.is_dtensor(ids):
+                raise ValueError(registry.dtensor_problem(name, ids))
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64 \
                 or not tokens.numel():
             raise ValueError(f"tokens must be a non-empty int64 [b, s] tensor, got "

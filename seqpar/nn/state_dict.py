@@ -107,11 +107,11 @@ class RowChunks:
     group: Optional[ProcessGroup]
 
 
-def local_rows(tensor: torch.Tensor) -> Tuple[torch.Tensor, RowChunks]:
+def local_rows(tensor: torch.Tensor, name: Optional[str] = None) -> Tuple[torch.Tensor, RowChunks]:
     """(this rank's local data of ``tensor``, :class:`RowChunks`). A plain tensor is all local; a DTensor
     (FSDP2's parameters, their gradients and optimizer state) must be ``Shard(0)`` over one mesh dim and
     ``Replicate()`` over any others (FSDP2, HSDP): its local data are its ``torch.chunk`` rows on that
-    dim. ValueError for other placements."""
+    dim. ValueError for other placements (naming ``name``, the tensor's key, when given)."""
     if not _is_dtensor(tensor):
         whole = tensor.shape[0] if tensor.dim() else 1
         return tensor, RowChunks(((dist.get_rank() if dist.is_initialized() else 0, 0, whole),), 0, None)
@@ -121,8 +121,10 @@ def local_rows(tensor: torch.Tensor) -> Tuple[torch.Tensor, RowChunks]:
         local = tensor.to_local()
     if len(sharded) != 1 or not placements[sharded[0]].is_shard(0) or not all(
             p.is_replicate() for i, p in enumerate(placements) if i != sharded[0]):
-        raise ValueError(f"a DTensor with placements {placements}: seqpar takes FSDP2's (Shard(0) on one mesh dim, "
-                         "Replicate() on the others, as fully_shard makes them)")
+        raise ValueError(f"{name + ': ' if name else ''}a DTensor with placements {placements}: seqpar takes FSDP2's "
+                         "(Shard(0) on one mesh dim, Replicate() on the others, as fully_shard makes them); torch's "
+                         "tensor-parallel styles (parallelize_module) make others, and their parameters are not "
+                         "seqpar's to gather, save or clip")
     mesh_dim = sharded[0]
     group = tensor.device_mesh.get_group(mesh_dim)
     ranks, index = dist.get_process_group_ranks(group), tensor.device_mesh.get_local_rank(mesh_dim)
@@ -382,8 +384,8 @@ def prepare_parameters(module: nn.Module, what: str) -> PreparedParameters:
     entries = list(_parameters_with_layouts(module))
     mine: Dict[object, List[Tuple[str, Tuple[int, ...]]]] = {}
     for key, param, split in entries:
+        _, chunks = local_rows(param, key)          # (a ValueError naming a parameter of another placement)
         if split.layout is not None and group_size(split.group) > 1:
-            _, chunks = local_rows(param)
             mine.setdefault(split.group, []).append(
                 (key, tuple(rank for rank, _, _ in chunks.rows) if chunks.group is not None else ()))
     signature = tuple((id(group), tuple(ranks for _, ranks in split_keys)) for group, split_keys in mine.items())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
@@ -227,11 +228,38 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # ----------------------------------------------------------------------------- argument checks every op shares
 def check_dense(**tensors) -> None:
     """ValueError naming the first of ``tensors`` ({name: tensor or anything}) that is a tensor of another
-    layout than strided (sparse, ...): the kernels and the torch references read dense rows, and a sparse
-    argument failed deep inside (or came back sparse). Non-tensors are the callers' own checks."""
+    layout than strided (sparse, ...), or a DTensor (:func:`dtensor_problem`): the kernels and the torch
+    references read dense rows, and a sparse argument failed deep inside (or came back sparse).
+    Non-tensors are the callers' own checks."""
     for name, t in tensors.items():
         if isinstance(t, torch.Tensor) and t.layout != torch.strided:
             raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+        if is_dtensor(t):
+            raise ValueError(dtensor_problem(name, t))
+
+
+@functools.lru_cache(maxsize=None)
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:   # a torch without distributed
+        return None
+    return DTensor
+
+
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor``."""
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(t, dtensor)
+
+
+def dtensor_problem(name: str, t) -> str:
+    """Why a DTensor can't be a seqpar module's or op's input: they take this rank's plain local tensor
+    and shard by their own ``tp_group`` (a DTensor ran with its global shape into the checks and failed
+    inside, or under ``implicit_replication`` came back labelled with the wrong placements)."""
+    return (f"{name} is a DTensor (placements {tuple(t.placements)}, global shape {tuple(t.shape)}): seqpar's modules "
+            f"and ops take this rank's plain tensor and shard by their own tp_group; pass {name}.to_local() "
+            "(under sequence parallelism: this rank's sequence shard)")
 
 
 def is_finite(value) -> bool:

@@ -6,6 +6,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._python_dispatch
 
 import seqpar
 
@@ -106,6 +107,56 @@ def test_a_neg_inf_logit_outside_the_shard_does_not_make_the_loss_nan():
     # this shard's part, no target term: log sum exp(z - max) (the max and the sums are the group's)
     expected = torch.logsumexp(logits.float(), -1) - logits.float().amax(-1)
     torch.testing.assert_close(loss, expected)
+
+
+class _NewFullSizeStorages(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the new storages of ``shape`` the ops inside it create, by dtype (in-place ops and views
+    create none)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.seen, self.counts = tuple(shape), set(), {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and tuple(t.shape) == self.shape:
+                key = t.untyped_storage().data_ptr()
+                if key not in self.seen and not any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr()
+                                                    == key for a in args):
+                    self.seen.add(key)
+                    self.counts[t.dtype] = self.counts.get(t.dtype, 0) + 1
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_vocab_loss_makes_one_fp32_copy_of_the_logits(dtype):
+    """The loss's forward made four fp32 [s, b, v] tensors (the cast, the shifted logits, their exp, the
+    softmax), all alive together at the step's peak (4.5x the fp32 logits' bytes beside bf16 logits,
+    more than F.cross_entropy on gathered fp32 logits); backward made three. Now one buffer in forward
+    (the softmax it saves) and in backward the gradient and its cast. Values: F.cross_entropy's."""
+    from seqpar.nn.model import _VocabParallelCrossEntropy
+
+    logits = (3 * torch.randn(5, 2, 40)).to(dtype).requires_grad_()
+    labels = torch.randint(0, 40, (5, 2))
+    labels[0, 1] = -100
+    before = logits.detach().clone()
+    with _NewFullSizeStorages(logits.shape) as forward:
+        loss = _VocabParallelCrossEntropy.apply(logits, labels, 0, -100, None)
+    assert forward.counts == {torch.float32: 1}, forward.counts
+    assert torch.equal(logits.detach(), before)                           # the caller's logits untouched
+    grad_loss = torch.randn(5, 2)
+    with _NewFullSizeStorages(logits.shape) as backward:
+        (grad,) = torch.autograd.grad(loss, logits, grad_loss, retain_graph=True)
+    assert backward.counts == ({torch.float32: 1, dtype: 1} if dtype != torch.float32 else {torch.float32: 1})
+    reference = logits.detach().double().requires_grad_()
+    want = F.cross_entropy(reference.flatten(0, 1), labels.flatten(), reduction="none").view(5, 2)
+    torch.testing.assert_close(loss, want.float(), rtol=1e-5, atol=1e-5)
+    (want_grad,) = torch.autograd.grad(want, reference, grad_loss.double())
+    torch.testing.assert_close(grad.double(), want_grad, **({} if dtype == torch.float32 else
+                                                           dict(rtol=1e-2, atol=1e-2)))
+    (again,) = torch.autograd.grad(loss, logits, grad_loss)               # retain_graph: the same again
+    assert torch.equal(again, grad)
 
 
 def test_labels_must_be_int64_of_the_tokens_shape():

@@ -203,6 +203,40 @@ def test_each_module_s_own_reset_parameters_gives_the_model_s_init(arch, order):
     assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
 
 
+def test_a_linear_without_init_method_keeps_its_weights_through_the_layer_s_reset():
+    """A linear whose init_method is set to None keeps its weight and bias in its own reset and in the
+    layer's (the layer's zeroed its bias)."""
+    seqpar.manual_seed(1)
+    layer = seqpar.TransformerLayer(seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4))
+    fc1 = layer.mlp.dense_h_to_4h
+    fc1.init_method = None
+    with torch.no_grad():
+        fc1.weight.fill_(0.5)
+        fc1.bias.fill_(0.25)
+        layer.self_attention.dense.bias.fill_(3.0)
+    layer.reset_parameters()
+    assert (fc1.weight == 0.5).all() and (fc1.bias == 0.25).all()
+    assert (layer.self_attention.dense.bias == 0).all()                  # the others reset as ever
+
+
+def test_models_build_and_reset_under_a_default_device():
+    """SeededNormal drew on torch's default device: building a layer or model with device="cpu" under
+    ``with torch.device("meta")`` (as under a default CUDA device), resetting one there, or converting an
+    HF model there raised "Cannot copy out of meta tensor"."""
+    cfg = seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4, backend="torch")
+    seqpar.manual_seed(6)
+    want = seqpar.GPTModel(cfg, 1, 50, 16).state_dict()
+    seqpar.manual_seed(6)
+    with torch.device("meta"):
+        model = seqpar.GPTModel(cfg, 1, 50, 16, device="cpu")
+        got = {k: v.clone() for k, v in model.state_dict().items()}
+        model.reset_parameters()
+        model.layers[0].reset_parameters()
+        model.layers[0].mlp.dense_h_to_4h.reset_parameters()
+    for key, value in want.items():
+        assert torch.equal(got[key], value) and torch.equal(model.state_dict()[key], value), key
+
+
 def test_reset_parameters_rounds_into_the_parameters_dtype_not_params_dtype():
     """A layer built in bf16 and converted with .float() re-initialised with bf16-rounded values (its reset
     cast to config.params_dtype); it now draws in fp32 as a layer built in fp32 does."""
