@@ -44,7 +44,9 @@
 # brings back (gpu_summary.py draws the plots here). If installing seqpar fails, the call stops there:
 # every step after it would measure nothing.
 # At its limit a step gets SIGINT (the log then says exit status 124), and a benchmark writes the rows it
-# measured so far instead of losing them; SIGKILL follows 20 s later. Every step runs whatever the ones
+# measured so far instead of losing them; SIGKILL follows 20 s later. The parallel compile steps' own
+# per-process timeouts run with --foreground: a timeout in its own process group would keep the step's
+# SIGINT from its process, and the step would outlive its limit (cut by SUITE_SECONDS below theirs). Every step runs whatever the ones
 # before it did; the call ends with a summary line (the steps that failed, a cut one included, and those
 # skipped) and exits 1 when a step failed. Back on the development machine, copy the rows into
 # bench/results/ and run `python bench/gpu_summary.py` over them.
@@ -130,7 +132,7 @@ for part in "$@"; do
       # warm-up process that fails says so in the log, not in the step's status: the timed run compiles
       # what it left out.
       step norms-compile 120 bash -c 'for h in 1024 4096 12288; do for p in 0 0.1; do \
-        TORCHINDUCTOR_COMPILE_THREADS=1 timeout -k 10 110 python3 bench/bench_layernorm_dropout.py --compile-only \
+        TORCHINDUCTOR_COMPILE_THREADS=1 timeout --foreground -k 10 110 python3 bench/bench_layernorm_dropout.py --compile-only \
         --tokens 16384,1024,256 --hidden $h -p $p --providers seqpar-triton,torch-compile,liger-ln & done; done; wait'
       # 16384 tokens first: a sweep cut off at its limit keeps the full-size rows (the bandwidth targets)
       step norms 280 python3 bench/bench_layernorm_dropout.py --out "$OUT" --tokens 16384,1024,256 \
@@ -139,7 +141,7 @@ for part in "$@"; do
       # As norms: compile first, six processes at once, untimed (the hidden sizes apply to rmsnorm / dropout)
       step llama-compile 100 bash -c 'for op in rmsnorm dropout swiglu rope; do for h in 4096 8192; do \
         [ $op = swiglu -o $op = rope ] && [ $h = 8192 ] && continue; \
-        TORCHINDUCTOR_COMPILE_THREADS=1 timeout -k 10 90 python3 bench/bench_llama_ops.py --compile-only --ops $op \
+        TORCHINDUCTOR_COMPILE_THREADS=1 timeout --foreground -k 10 90 python3 bench/bench_llama_ops.py --compile-only --ops $op \
         --hidden $h --providers seqpar-triton,torch-compile,liger,variant-triton-bwd-w16,variant-triton-bwd-pipelined & \
         done; done; wait'
       step llama 180 python3 bench/bench_llama_ops.py --out "$OUT" ;;
@@ -148,7 +150,7 @@ for part in "$@"; do
       # compile them first in four processes at once (one per head dim and dropout, each with its own
       # limit), untimed; the timed run then finds them in Triton's cache.
       step attention-compile 100 bash -c 'for d in 64 128; do for p in 0 0.1; do \
-        timeout -k 10 90 python3 bench/bench_attention.py --compile-only --providers seqpar-triton --seqlens 1024 \
+        timeout --foreground -k 10 90 python3 bench/bench_attention.py --compile-only --providers seqpar-triton --seqlens 1024 \
         --head-dims $d --dropouts $p & done; done; wait'
       step attention 150 python3 bench/bench_attention.py --out "$OUT" --seqlens 1024,2048,4096 --head-dims 64,128 \
         --providers seqpar-triton,torch-sdpa-flash,seqpar-cuda ;;

@@ -6,6 +6,7 @@ import csv
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -237,6 +238,7 @@ STUB_PYTHON = """#!/usr/bin/env bash
 # python3 as bench/gpu_suite.sh calls it, faked: records the call and creates the files a run would write
 echo "$*" >> "$STUB_CALLS"
 [[ -n "${STUB_FAIL:-}" && "$*" == *"$STUB_FAIL"* ]] && exit 1
+[[ -n "${STUB_SLEEP:-}" && "$*" == *"$STUB_SLEEP"* ]] && sleep 60
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
   case "${args[$i]}" in
@@ -300,6 +302,21 @@ def test_gpu_suite_parts_fit_what_the_device_tool_brings_back(tmp_path):
                              env=dict(env, OUT=str(tmp_path / "refused")))
     assert refused.returncode == 2 and "unknown part 'bogus'" in refused.stderr
     assert not (tmp_path / "refused").exists()
+
+
+def test_a_parallel_compile_step_ends_at_its_limit(tmp_path):
+    """The compile steps' processes each ran under their own timeout, in its own process group: the step's
+    SIGINT at its limit (cut by SUITE_SECONDS below theirs) never reached them, and the step waited for
+    them (up to 110 s past its limit). Their timeouts now run in the step's group (--foreground)."""
+    env = dict(_fake_python3_env(tmp_path), STUB_SLEEP="--compile-only", SUITE_SECONDS="12")
+    started = time.monotonic()
+    done = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_suite.sh"), "norms"], capture_output=True,
+                          text=True, timeout=120, env=env)
+    took = time.monotonic() - started
+    log = (tmp_path / "out" / "suite.log").read_text()
+    assert "[norms-compile] exit status 124" in log and "[norms] skipped" in log, log
+    assert took < 40, (took, log)       # the limit (12 s) and SIGINT's effect, not the processes' 60 s
+    assert done.returncode == 1
 
 
 def test_gpu_suite_runs_every_step_and_exits_1_when_one_failed(tmp_path):
