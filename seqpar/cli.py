@@ -364,8 +364,12 @@ def plan(argv: Sequence[str]) -> dict:
     else:
         counts = best.counts
         print(f"\nplanned mix {sp_name} sequence parallelism (least extra forward FLOPs that fits):")
-        rebuilt = (f" ({_size(best.peak_bytes)} at the peak: + {_size(best.recompute_working_bytes)} rebuilt in a "
-                   f"recomputed backward, or + {_size(best.loss_working_bytes)} in the loss's backward)")
+        on_top = ([f"+ {_size(best.recompute_working_bytes)} rebuilt in a recomputed backward"]
+                  if best.recompute_working_bytes else [])
+        last = best.last_stage_activation_bytes
+        on_top.append(f"+ {_size(best.loss_working_bytes)} in the loss's backward" + (
+            "" if last is None or last == best.activation_bytes else f" on the last stage's {_size(last)}"))
+        rebuilt = f" ({_size(best.peak_bytes)} at the peak: {', or '.join(on_top)})"
         print(f"  per stage: {counts['none']} x none, {counts['selective']} x selective, {counts['full']} x full "
               f"-> {_size(best.activation_bytes)}{rebuilt} of {_size(budget)}")
         print(f"  extra compute: {best.extra_flops:.4g} forward FLOPs per micro-batch per GPU, "

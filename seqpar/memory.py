@@ -495,18 +495,6 @@ class _Model:
         dropout's mask with its first chunk; the last rank holds the output side with its last chunk."""
         return max(self.rank_activation_bytes(counts_by_rank))
 
-    def peak_bytes(self, counts_by_rank: Sequence[Sequence[Tuple[int, int, int]]]) -> float:
-        """The most loaded rank's :meth:`activation_bytes` plus what it builds on top of them at once: one
-        recomputed layer's rebuild (:meth:`working_bytes`) and, on the last rank, the loss backward's
-        (:meth:`loss_working_bytes`), whichever is larger (the loss backward runs before any layer's)."""
-        peaks = []
-        for rank, (held, chunk_counts) in enumerate(zip(self.rank_activation_bytes(counts_by_rank), counts_by_rank)):
-            working = self.working_bytes(tuple(map(sum, zip(*chunk_counts))))
-            if rank == self.pp - 1:
-                working = max(working, self.loss_working_bytes())
-            peaks.append(held + working)
-        return max(peaks)
-
     def rank_activation_bytes(self, counts_by_rank: Sequence[Sequence[Tuple[int, int, int]]]) -> List[float]:
         """:meth:`activation_bytes` of every pipeline rank, in rank order."""
         lay = self.layer
@@ -522,10 +510,6 @@ class _Model:
             peaks.append(_rank_peak(self.pp, self.interleave, rank, chunk_bytes))
         return peaks
 
-    def stage_bytes(self, stage_policies: Sequence[str]) -> float:
-        """:meth:`activation_bytes` with every stage running ``stage_policies`` (1F1B)."""
-        return self.activation_bytes([[_count(stage_policies)]] * self.pp)
-
     def working_bytes(self, counts: Tuple[int, int, int]) -> float:
         """The largest :meth:`_Layer.rebuilt_bytes` among the policies in use (one layer's backward runs
         at a time on a rank)."""
@@ -535,10 +519,10 @@ class _Model:
         """The RecomputePlan of one stage's per-layer policies (the same on every stage; 1F1B)."""
         counts = _count(stage_policies)
         extra = self.extra_flops_all_ranks(counts)
-        by_rank = [[counts]] * self.pp
-        return RecomputePlan(tuple(stage_policies), self.activation_bytes(by_rank), extra / self.layer.t,
+        ranks = self.rank_activation_bytes([[counts]] * self.pp)
+        return RecomputePlan(tuple(stage_policies), max(ranks), extra / self.layer.t,
                              extra / self.stage_flops_all_ranks(), self.working_bytes(counts),
-                             self.loss_working_bytes(), self.peak_bytes(by_rank))
+                             self.loss_working_bytes(), ranks[-1])
 
     def extra_flops_all_ranks(self, counts: Tuple[int, int, int]) -> int:
         return sum(n * self.layer.extra_flops_all_ranks(p) for n, p in zip(counts, RECOMPUTE_POLICIES))
@@ -676,10 +660,8 @@ class RecomputePlan:
     recompute, a whole layer's activations for full (the largest among the policies in use; 0 without
     recompute). ``loss_working_bytes``: what the vocabulary loss's backward builds on the last stage
     beside the softmax it saved (the fp32 gradient of the busiest rank's logits shard and its cast to the
-    compute dtype), every layer's activations still held. ``peak_bytes``: the stages' activations at
-    their peak, each stage's activation bytes plus the larger of the working sets it runs (the loss's on
-    the last stage only; the two never overlap), the most loaded stage's; given None, the most loaded
-    stage's activations plus the larger working set.
+    compute dtype), every layer's activations still held. ``last_stage_activation_bytes``: the last
+    stage's activation bytes (None: ``activation_bytes``, as with one stage).
     """
 
     policies: Tuple[str, ...]
@@ -688,12 +670,15 @@ class RecomputePlan:
     extra_fraction: float
     recompute_working_bytes: float = 0.0
     loss_working_bytes: float = 0.0
-    peak_bytes: Optional[float] = None
+    last_stage_activation_bytes: Optional[float] = None
 
-    def __post_init__(self) -> None:
-        if self.peak_bytes is None:
-            object.__setattr__(self, "peak_bytes", self.activation_bytes + max(self.recompute_working_bytes,
-                                                                               self.loss_working_bytes))
+    @property
+    def peak_bytes(self) -> float:
+        """The stages' activations at their peak: each stage's activation bytes plus the larger of the
+        working sets it runs (the loss's on the last stage only; the two never overlap), the largest."""
+        last = self.activation_bytes if self.last_stage_activation_bytes is None else self.last_stage_activation_bytes
+        return max(self.activation_bytes + self.recompute_working_bytes,
+                   last + max(self.recompute_working_bytes, self.loss_working_bytes))
 
     @property
     def counts(self) -> Dict[str, int]:
@@ -772,8 +757,8 @@ def plan_recompute(seq_len: int, micro_batch: int, hidden: int, heads: int, num_
     def memory(n_selective: int, n_full: int) -> float:
         # Non-increasing in n_selective at fixed n_full (the binary search below relies on it): each
         # selective layer saves rebuilt_bytes("selective"), the working set a selective layer adds once.
-        by_rank = [[(n - n_selective - n_full, n_selective, n_full)]] * model.pp
-        return model.peak_bytes(by_rank) if include_working_set else model.activation_bytes(by_rank)
+        plan = model.plan(("full",) * n_full + ("selective",) * n_selective + ("none",) * (n - n_selective - n_full))
+        return plan.peak_bytes if include_working_set else plan.activation_bytes
 
     floor = memory(0, n)
     if floor > budget_bytes:

@@ -228,3 +228,19 @@ def test_evaluate_recompute_names_the_stage_its_list_covers():
     for 4 layers", which looked wrong for an 8-layer model."""
     with pytest.raises(ValueError, match=r"8 per-layer policies for 4 layers per pipeline stage \(num_layers / pp"):
         evaluate_recompute(["none"] * 8, 64, 1, 32, 4, 8, 100, pp=2)
+
+
+def test_peak_bytes_follows_the_plan_s_fields():
+    """peak_bytes is computed from the fields (dataclasses.replace kept a stale stored value): the most
+    loaded stage plus a recomputed layer's rebuild, or the last stage plus the loss backward's working set
+    (the fp32 logits gradient and its bf16 cast, 6 s b v / t bytes), whichever is larger."""
+    s, b, h, a, L, v, t = 512, 1, 256, 8, 8, 32000, 2
+    for pp in (1, 4):
+        plan = evaluate_recompute("selective", s, b, h, a, L, v, tp=t, pp=pp)
+        last = plan.last_stage_activation_bytes
+        assert plan.loss_working_bytes == 6 * s * b * v / t
+        assert last <= plan.activation_bytes and (pp > 1 or last == plan.activation_bytes)
+        assert plan.peak_bytes == max(plan.activation_bytes + plan.recompute_working_bytes,
+                                      last + max(plan.recompute_working_bytes, plan.loss_working_bytes))
+        bare = dataclasses.replace(plan, recompute_working_bytes=0.0, loss_working_bytes=0.0)
+        assert bare.peak_bytes == plan.activation_bytes

@@ -63,7 +63,7 @@ def plot_plan(result: Dict, path: str) -> None:
         right.scatter([best.peak_bytes / GIB], [100 * best.extra_fraction], marker="*", s=200,
                       color="tab:orange", zorder=5,
                       label=f"plan: {c['none']} none / {c['selective']} selective / {c['full']} full")
-    right.set_xlabel("peak activation GiB per GPU (with one recomputed layer's rebuild), first stage")
+    right.set_xlabel("peak activation GiB per GPU (with a recomputed layer's rebuild or the loss backward's)")
     right.set_ylabel("extra forward FLOPs, % of model FLOPs")
     right.set_title(f"recompute mixes of the {n} layers per stage ({'with' if args.sp else 'without'} SP)")
     right.legend(fontsize=8)

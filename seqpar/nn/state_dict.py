@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..ops.registry import is_dtensor
 from ..parallel.state import ProcessGroup, group_rank, group_size, run_agreed
 
 # (local_start, full_start, length) along a layout's dim: the shard's indices local_start .. +length are
@@ -107,25 +108,31 @@ class RowChunks:
     group: Optional[ProcessGroup]
 
 
-def local_rows(tensor: torch.Tensor, name: Optional[str] = None) -> Tuple[torch.Tensor, RowChunks]:
-    """(this rank's local data of ``tensor``, :class:`RowChunks`). A plain tensor is all local; a DTensor
-    (FSDP2's parameters, their gradients and optimizer state) must be ``Shard(0)`` over one mesh dim and
-    ``Replicate()`` over any others (FSDP2, HSDP): its local data are its ``torch.chunk`` rows on that
-    dim. ValueError for other placements (naming ``name``, the tensor's key, when given)."""
-    if not _is_dtensor(tensor):
-        whole = tensor.shape[0] if tensor.dim() else 1
-        return tensor, RowChunks(((dist.get_rank() if dist.is_initialized() else 0, 0, whole),), 0, None)
+def fsdp_mesh_dim(tensor: torch.Tensor, name: Optional[str] = None) -> int:
+    """The mesh dim a DTensor is ``Shard(0)`` on, ``Replicate()`` on any others (FSDP2's, HSDP's
+    placements); ValueError for other placements (naming ``name``, the tensor's key, when given)."""
     placements = tuple(tensor.placements)
     sharded = [i for i, p in enumerate(placements) if p.is_shard()]
-    with torch.no_grad():    # the local tensor itself (in-place writes reach the DTensor), not a graph node
-        local = tensor.to_local()
     if len(sharded) != 1 or not placements[sharded[0]].is_shard(0) or not all(
             p.is_replicate() for i, p in enumerate(placements) if i != sharded[0]):
         raise ValueError(f"{name + ': ' if name else ''}a DTensor with placements {placements}: seqpar takes FSDP2's "
                          "(Shard(0) on one mesh dim, Replicate() on the others, as fully_shard makes them); torch's "
                          "tensor-parallel styles (parallelize_module) make others, and their parameters are not "
                          "seqpar's to gather, save or clip")
-    mesh_dim = sharded[0]
+    return sharded[0]
+
+
+def local_rows(tensor: torch.Tensor, name: Optional[str] = None) -> Tuple[torch.Tensor, RowChunks]:
+    """(this rank's local data of ``tensor``, :class:`RowChunks`). A plain tensor is all local; a DTensor
+    (FSDP2's parameters, their gradients and optimizer state) must be ``Shard(0)`` over one mesh dim and
+    ``Replicate()`` over any others (FSDP2, HSDP): its local data are its ``torch.chunk`` rows on that
+    dim. ValueError for other placements (naming ``name``, the tensor's key, when given)."""
+    if not is_dtensor(tensor):
+        whole = tensor.shape[0] if tensor.dim() else 1
+        return tensor, RowChunks(((dist.get_rank() if dist.is_initialized() else 0, 0, whole),), 0, None)
+    mesh_dim = fsdp_mesh_dim(tensor, name)
+    with torch.no_grad():    # the local tensor itself (in-place writes reach the DTensor), not a graph node
+        local = tensor.to_local()
     group = tensor.device_mesh.get_group(mesh_dim)
     ranks, index = dist.get_process_group_ranks(group), tensor.device_mesh.get_local_rank(mesh_dim)
     total = tensor.shape[0]
@@ -165,7 +172,7 @@ def gather_full(shard: torch.Tensor, layout_of_rank: Optional[Callable[[int], Sh
     """The unsharded tensor, a new one, from every rank's ``shard`` (equal shapes on every rank; a
     collective under TP and under FSDP2: call it on every rank), each placed by ``layout_of_rank(r)``
     (None: a replicated tensor). An FSDP2 DTensor is first gathered over its data-parallel ranks."""
-    if _is_dtensor(shard):
+    if is_dtensor(shard):
         local_rows(shard)                  # ValueError for placements other than FSDP2's
         shard = shard.full_tensor()
     if layout_of_rank is None:
@@ -289,12 +296,6 @@ def _unwrapped(module: nn.Module) -> nn.Module:
         module = inner
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:   # torch built without distributed
-        return False
-    return isinstance(tensor, DTensor)
 
 
 # Wrappers that add a name to the path but no parameters: activation checkpointing's checkpoint_wrapper
@@ -384,8 +385,10 @@ def prepare_parameters(module: nn.Module, what: str) -> PreparedParameters:
     entries = list(_parameters_with_layouts(module))
     mine: Dict[object, List[Tuple[str, Tuple[int, ...]]]] = {}
     for key, param, split in entries:
-        _, chunks = local_rows(param, key)          # (a ValueError naming a parameter of another placement)
+        if is_dtensor(param):
+            fsdp_mesh_dim(param, key)               # a ValueError naming a parameter of other placements
         if split.layout is not None and group_size(split.group) > 1:
+            _, chunks = local_rows(param)
             mine.setdefault(split.group, []).append(
                 (key, tuple(rank for rank, _, _ in chunks.rows) if chunks.group is not None else ()))
     signature = tuple((id(group), tuple(ranks for _, ranks in split_keys)) for group, split_keys in mine.items())

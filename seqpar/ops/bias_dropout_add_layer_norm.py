@@ -344,6 +344,8 @@ def check_row_inputs(x, residual, weights: dict, eps, dtypes, *, residual_option
                 t.is_floating_point() and t.device == device and t.layout == dense
         for t in on_device:
             ok = ok and isinstance(t, torch.Tensor) and t.device == device
+        # (a DTensor is strided too: the full checks name it)
+        ok = ok and not any(registry.is_dtensor(t) for t in (x, residual, *weights.values()))
         if ok:
             return h
     return _explain_row_inputs(x, residual, weights, eps, dtypes, residual_optional, on_device)

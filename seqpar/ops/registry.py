@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import os
 from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
+
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:   # a torch built without distributed
+    _DTensor = None
 
 from .. import _custom_op, _ext
 
@@ -238,19 +242,9 @@ def check_dense(**tensors) -> None:
             raise ValueError(dtensor_problem(name, t))
 
 
-@functools.lru_cache(maxsize=None)
-def _dtensor_type():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:   # a torch without distributed
-        return None
-    return DTensor
-
-
 def is_dtensor(t) -> bool:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor``."""
-    dtensor = _dtensor_type()
-    return dtensor is not None and isinstance(t, dtensor)
+    return _DTensor is not None and isinstance(t, _DTensor)
 
 
 def dtensor_problem(name: str, t) -> str:

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import seqpar
 from seqpar.nn import ColumnParallelLinear, RowParallelLinear
-from seqpar.ops import swiglu
+from seqpar.ops import add_rms_norm, bias_dropout_add_layer_norm, swiglu
 
 
 @pytest.fixture
@@ -39,6 +39,15 @@ def test_dtensor_inputs_are_refused_by_name(mesh):
             module(x)
     with pytest.raises(ValueError, match=r"gate_up is a DTensor.*gate_up.to_local\(\)"):
         swiglu(dtensor(torch.randn(4, 8)))
+    rows, w = torch.randn(4, 8), torch.ones(8)
+    for name, call in (("x", lambda d: add_rms_norm(d, None, w)), ("weight", lambda d: add_rms_norm(rows, rows, d)),
+                       ("residual", lambda d: bias_dropout_add_layer_norm(rows, None, d, w, w)),
+                       ("ln_weight", lambda d: bias_dropout_add_layer_norm(rows, None, rows, d, w))):
+        value = dtensor(w if "weight" in name else rows)
+        with pytest.raises(ValueError, match=rf"{name} is a DTensor"):   # (all-DTensor rows ran, Shard-labelled)
+            call(value)
+    with pytest.raises(ValueError, match=r"x is a DTensor"):
+        add_rms_norm(dtensor(rows), dtensor(rows), dtensor(w))
     model = seqpar.GPTModel(seqpar.TransformerConfig(hidden_size=16, num_attention_heads=2), 1, 20, 8)
     tokens = torch.randint(0, 20, (2, 8))
     with pytest.raises(ValueError, match=r"tokens is a DTensor.*tokens.to_local\(\)"):
