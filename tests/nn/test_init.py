@@ -26,13 +26,17 @@ def test_parallel_linear_on_its_own_is_initialised(cls):
     assert torch.equal(meta.weight, second.weight)
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama"])
-def test_meta_then_to_empty_then_reset_parameters_is_the_eager_build(arch):
+def _config(arch: str) -> seqpar.TransformerConfig:
     kw = dict(hidden_size=32, num_attention_heads=4, backend="torch")
     if arch == "llama":
         kw.update(normalization="rmsnorm", activation="swiglu", position_embedding="rope", add_bias_linear=False,
                   num_query_groups=2)
-    cfg = seqpar.TransformerConfig(**kw)
+    return seqpar.TransformerConfig(**kw)
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_meta_then_to_empty_then_reset_parameters_is_the_eager_build(arch):
+    cfg = _config(arch)
     seqpar.manual_seed(4)
     eager = seqpar.GPTModel(cfg, 2, 50, 16, share_embeddings_and_output_weights=arch == "gpt")
     seqpar.manual_seed(4)
@@ -176,11 +180,7 @@ def test_each_module_s_own_reset_parameters_gives_the_model_s_init(arch, order):
     kept to_empty's garbage (std 6e33 through real FSDP1), the vocabulary tables had no
     reset_parameters (AttributeError), and the position table, an nn.Embedding, drew N(0, 1) from torch's
     generator. Each module now draws its own part of the model's seeded init."""
-    kw = dict(hidden_size=32, num_attention_heads=4, backend="torch")
-    if arch == "llama":
-        kw.update(normalization="rmsnorm", activation="swiglu", position_embedding="rope", add_bias_linear=False,
-                  num_query_groups=2)
-    cfg = seqpar.TransformerConfig(**kw)
+    cfg = _config(arch)
     seqpar.manual_seed(5)
     eager = seqpar.GPTModel(cfg, 2, 50, 16, share_embeddings_and_output_weights=arch == "gpt")
     seqpar.manual_seed(5)
