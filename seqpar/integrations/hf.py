@@ -178,6 +178,13 @@ def _checked_tensors(state_dict: Mapping[str, torch.Tensor], family: str, prefix
     return sd, head
 
 
+def _shapes_differ(head, table: torch.Tensor) -> str:
+    """" (shape A, the table's B)" where a tied head's shape differs from its table's (a head not resized
+    with the vocabulary), else ""."""
+    shape = tuple(head.shape) if isinstance(head, torch.Tensor) else type(head).__name__
+    return "" if shape == tuple(table.shape) else f" (shape {shape}, the table's {tuple(table.shape)})"
+
+
 def _transformer_state_dict(state_dict: Mapping[str, torch.Tensor], settings: dict) -> Dict[str, torch.Tensor]:
     """A GPT2LMHeadModel / GPT2Model state dict -> the transformer's tensors without the prefix, with
     keys, shapes and the tied head checked (ValueError naming the offending key)."""
@@ -185,7 +192,8 @@ def _transformer_state_dict(state_dict: Mapping[str, torch.Tensor], settings: di
                                 f"n_layer={settings['layers']}")
     if head is not None and (not isinstance(head, torch.Tensor) or head.shape != sd["wte.weight"].shape
                              or not torch.equal(head, sd["wte.weight"])):
-        raise ValueError(f"{_HEAD} is not tied to {_PREFIX}wte.weight: seqpar's output head is the word embedding")
+        raise ValueError(f"{_HEAD} is not tied to {_PREFIX}wte.weight{_shapes_differ(head, sd['wte.weight'])}: "
+                         "seqpar's output head is the word embedding")
     return sd
 
 
@@ -401,8 +409,8 @@ def _llama_state_dict(state_dict: Mapping[str, torch.Tensor], settings: dict):
     if settings["tied"]:
         if head is not None and (not isinstance(head, torch.Tensor) or head.shape != embed.shape
                                  or not torch.equal(head, embed)):
-            raise ValueError(f"{_HEAD} differs from {_LLAMA_PREFIX}embed_tokens.weight but the config has "
-                             f"tie_word_embeddings=True")
+            raise ValueError(f"{_HEAD} differs from {_LLAMA_PREFIX}embed_tokens.weight{_shapes_differ(head, embed)} "
+                             f"but the config has tie_word_embeddings=True")
         return sd, None
     if head is None:
         raise ValueError(f"the state dict has no {_HEAD} but the config has tie_word_embeddings=False (a LlamaModel "

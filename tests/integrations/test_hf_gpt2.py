@@ -290,6 +290,23 @@ def test_loss_mapping_matches_hf_labels():
     assert hf.shift_labels(tokens[:, :0]).shape == (BATCH, 0)     # [b, s] -> [b, s] at s = 0 too
 
 
+def test_a_head_not_resized_with_the_vocabulary_names_both_shapes():
+    """After resize_token_embeddings with a head left at the old size, the tied-head errors said only
+    "not tied" (every other vocabulary mismatch names the two shapes)."""
+    gpt2 = _random_gpt2(260)
+    state_dict = dict(gpt2.state_dict(), **{"lm_head.weight": gpt2.state_dict()["lm_head.weight"][:250]})
+    with pytest.raises(ValueError, match=r"lm_head.weight is not tied to transformer.wte.weight \(shape \(250, "
+                                         r"\d+\), the table's \(260, \d+\)\)"):
+        hf.from_gpt2(state_dict, config=gpt2.config)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=260, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=True))
+    state_dict = dict(llama.state_dict(), **{"lm_head.weight": llama.state_dict()["lm_head.weight"][:250]})
+    with pytest.raises(ValueError, match=r"differs from model.embed_tokens.weight \(shape \(250, 32\), the table's "
+                                         r"\(260, 32\)\) but the config has tie_word_embeddings=True"):
+        hf.from_llama(state_dict, config=llama.config)
+
+
 @pytest.mark.parametrize("setting, value", [
     ("scale_attn_by_inverse_layer_idx", True), ("add_cross_attention", True), ("scale_attn_weights", False),
     ("activation_function", "relu"), ("activation_function", "quick_gelu"), ("tie_word_embeddings", False)],
