@@ -8,13 +8,14 @@
 #              compiles, which dominate, run on 12 of the 16 cores (limit 300 s; 377 tests took 164 s)
 #   norms      bench_layernorm_dropout, its compiles first, in parallel (120 + 280 s). Both GPU runs so far
 #              were cut at their limits, compiling in series (a torch.compile afresh per configuration,
-#              Triton's kernels per row count; the log did not say how much of the time): at 0200fea (two design experiments, since decided and
-#              removed) 161 s before the 256-row configurations; at 9466f0b (one, the LayerNorm's pipelined
-#              backward, since decided and removed) 157 s for the five 16384-row configurations of h 1024 /
-#              4096 / 12288 (30 s each). Now six processes (one per h and p) first run each compiling
-#              provider once per configuration, untimed (--compile-only), into Triton's and Inductor's
-#              on-disk caches; the timed run's log gives each provider's seconds and Inductor's cache hits.
-#              torch-eager is left out: no target reads it
+#              Triton's kernels per row count; the log did not say how much of the time): at 0200fea
+#              (two design experiments, since decided and removed) 161 s before the 256-row
+#              configurations; at 9466f0b (one, the LayerNorm's pipelined backward, since decided and
+#              removed) 157 s for the five 16384-row configurations of h 1024 / 4096 / 12288 (30 s each).
+#              Now six processes (one per h and p) first run each compiling provider once per
+#              configuration, untimed (--compile-only), into Triton's and Inductor's on-disk caches; the
+#              timed run's log gives each provider's seconds and Inductor's cache hits. torch-eager is
+#              left out: no target reads it
 #   llama      bench_llama_ops, its compiles first, in parallel as for norms (100 + 180 s; took 126 s in
 #              the second run, before its two design variants joined: 4 more RMSNorm configurations; and
 #              before the standalone dropout joined: 2 configurations of 4 fast providers, one
@@ -30,11 +31,12 @@
 # ("took": the first GPU run, an H200, 2026-11-25; the install took 40 s cold.) The second run (H200,
 # 2026-11-26, 0200fea): the install 30 s cold, tests 219 s (416 tests), attention 38 + 109 s, norms past
 # 161 s with the 256-row configurations still to go, layer 47 + 23 + 14 s, llama 126 s.
-# With 15 device minutes (the first start took 35 s of them) and a machine that stays warm 30 s after a
-# call: `tests norms` in one call, then at once `llama layer profile` on the warm machine with
-# SUITE_SECONDS the budget left less 40 s (the first run did `tests attention norms` in 444 s and `layer
-# profile` in 77 + 187 s). `attention` when time is left: the second run measured its kernels as they are
-# now (target met, worst 0.97x). SUITE_SECONDS is whole seconds (a fraction is dropped).
+# The third run (H200, 2026-11-27, 0f39ed5 / 9466f0b): tests 220 s (448 tests) and layer 143 s in one
+# call (363 s with the install), norms 157 s cut. With 15 device minutes (a start takes 35-60 s of them)
+# and a machine that stays warm 30 s after a call: `norms layer` in one call (SUITE_SECONDS=560), then at
+# once `tests llama` on the warm machine with SUITE_SECONDS the budget left less 40 s. `attention` and
+# `profile` when time is left: the second run measured the attention as it is now (target met, worst
+# 0.97x). SUITE_SECONDS is whole seconds (a fraction is dropped).
 #
 # The call installs seqpar first (CMake rebuilds only what changed: build/ is kept on a warm machine),
 # keeps Triton's cache in .triton_cache/ (also kept on a warm machine), and installs the peers' wheels
@@ -46,9 +48,9 @@
 # At its limit a step gets SIGINT (the log then says exit status 124), and a benchmark writes the rows it
 # measured so far instead of losing them; SIGKILL follows 20 s later. The parallel compile steps' own
 # per-process timeouts run with --foreground: a timeout in its own process group would keep the step's
-# SIGINT from its process, and the step would outlive its limit (cut by SUITE_SECONDS below theirs). Every step runs whatever the ones
-# before it did; the call ends with a summary line (the steps that failed, a cut one included, and those
-# skipped) and exits 1 when a step failed. Back on the development machine, copy the rows into
+# SIGINT from its process, and the step would outlive its limit (cut by SUITE_SECONDS below theirs).
+# Every step runs whatever the ones before it did; the call ends with a summary line (the steps that
+# failed, a cut one included, and those skipped) and exits 1 when a step failed. Back on the development machine, copy the rows into
 # bench/results/ and run `python bench/gpu_summary.py` over them.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -39,8 +39,8 @@ from .._custom_op import outside_compile
 from ..config import PARAMS_DTYPES, TransformerConfig
 from ..memory import name_storage, saved_as
 from ..ops.attention_core import attention_core, select_backend
-from ..ops.registry import dtensor_problem, is_dtensor
 from ..ops.dropout import NO_DROPOUT, DropoutSpec, bias_dropout_add
+from ..ops.registry import dtensor_problem, is_dtensor
 from ..ops.rotary import rotary_embedding
 from ..ops.swiglu import swiglu
 from ..parallel.state import (SAME_MODE_HINT, SEED_HINT, ProcessGroup, SharesProcessGroup, check_ranks_agree,

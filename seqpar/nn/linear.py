@@ -110,10 +110,11 @@ class _TensorParallelLinear(ShardedParameters, SharesProcessGroup, nn.Module):
     def _check_input(self, x: torch.Tensor, weight: torch.Tensor, width: int,
                      plan: Callable[[], Optional[ChunkPlan]]) -> Optional[ChunkPlan]:
         """ValueError naming the layer for an x that is not a floating [..., width] tensor of ``weight``'s
-        dtype and device (the forward reads ``self.weight`` once and passes it: a parametrized weight,
-        ``weight_norm`` or ``spectral_norm``, is computed at every read) ([s, ..., width] under SP: at least 2-D), before any collective: torch's matmul
-        error otherwise, or under SP a message blaming the weight. Returns ``plan()``: the SP GEMM's
-        overlap plan (None without SP). With ``check_rank_inputs``, on every rank when any rank rejects
+        dtype and device ([s, ..., width] under SP: at least 2-D; the forward reads ``self.weight`` once
+        and passes it here: a parametrized weight, weight_norm or spectral_norm, is computed at every
+        read), before any collective: torch's matmul error otherwise, or under SP a message blaming the
+        weight. Returns ``plan()``: the SP GEMM's overlap plan (None without SP). With
+        ``check_rank_inputs``, on every rank when any rank rejects
         its x or the ranks' x differ in leading dims or dtype, or their plans differ (uneven sequence
         shards: gloo aborts the process in the first collective, NCCL hangs or reads past the shard):
         one all-gather of a few int64 per call and, on NCCL, a host sync
