@@ -26,10 +26,11 @@ import json
 import functools
 import os
 import queue as queue_module
+import shutil
 import signal
-import socket
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from typing import Callable, Dict, List, Optional
@@ -320,21 +321,22 @@ def format_table(rows: List[Dict], header: str, formula: str = "Table 2") -> str
     return "\n".join(lines)
 
 
-def _rank_main(rank: int, world_size: int, args, port: Optional[int],
+def _rank_main(rank: int, world_size: int, args, store_path: Optional[str],
                on_row: Optional[Callable[[List[Dict]], None]] = None) -> Optional[List[Dict]]:
     import torch
     import torch.distributed as dist
 
-    if port is not None:  # spawned by us: CPU gloo ranks
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if store_path is not None:  # spawned by us: CPU gloo ranks
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=600))
+        # A file store, not a TCP one on a port picked free in the parent: another process could take that
+        # port before rank 0 listened (EADDRINUSE)
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=600))
     group = dist.group.WORLD if dist.is_initialized() and world_size > 1 else None
     try:
         rows = run_experiments(args, rank, world_size, group, on_row)
     finally:
-        if port is not None:
+        if store_path is not None:
             dist.destroy_process_group()
     return rows if rank == 0 else None
 
@@ -355,7 +357,7 @@ def _stop_if_orphaned() -> None:
         os._exit(1)
 
 
-def _spawned(rank, world_size, args, port, queue):
+def _spawned(rank, world_size, args, store_path, queue):
     """A spawned rank: rank 0's rows after each experiment (the parent writes --json: a rank outliving
     its parent can't rewrite it), then its rows or its error, go to the parent through ``queue`` (which
     reports an error once; re-raising here would print every rank's traceback as well)."""
@@ -365,7 +367,7 @@ def _spawned(rank, world_size, args, port, queue):
             queue.put(("rows", list(rows)))
 
     try:
-        queue.put(("ok", _rank_main(rank, world_size, args, port, on_row)))
+        queue.put(("ok", _rank_main(rank, world_size, args, store_path, on_row)))
     except BrokenPipeError:  # the reader of stdout went away (bench | head -1): the parent stops quietly
         from ..cli import stdout_to_devnull
 
@@ -430,16 +432,15 @@ def _run_spawned(args) -> List[Dict]:
     stdout goes away, or this process is stopped (Ctrl-C, SIGTERM)."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    store_dir = tempfile.mkdtemp(prefix="seqpar-bench-")
+    store_path = os.path.join(store_dir, "gloo-store")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     cores = os.cpu_count() or 1
     shared = f" ({cores} cores: ranks share them, so the times are slower)" if args.tp > cores else ""
     print(f"seqpar bench: spawning {args.tp} gloo ranks on CPU{shared}", flush=True)
     write = _json_writer(args)
-    procs = [ctx.Process(target=_spawned, args=(r, args.tp, args, port, queue)) for r in range(args.tp)]
+    procs = [ctx.Process(target=_spawned, args=(r, args.tp, args, store_path, queue)) for r in range(args.tp)]
     rows, failures, dead, received, reader_gone, finished = None, [], [], 0, False, False
     try:
         for proc in procs:
@@ -467,6 +468,7 @@ def _run_spawned(args) -> List[Dict]:
                 if not finished:
                     proc.kill()
                 proc.join()
+        shutil.rmtree(store_dir, ignore_errors=True)
     prog = program_name()
     if reader_gone:
         raise BrokenPipeError   # python -m seqpar's handler ends quietly

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
+import shutil
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -17,22 +18,16 @@ from datetime import timedelta
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(fn, rank, world_size, port, args, results, timeout_s):
+def _worker(fn, rank, world_size, store_path, args, results, timeout_s):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        # A file store, not a TCP one on a port picked free in the parent: the other xdist worker's ranks
+        # could take that port before rank 0 listened (EADDRINUSE, a CI failure)
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
         out = fn(rank, world_size, *args)
         results.put((rank, "ok", out))
         dist.barrier()
@@ -44,9 +39,10 @@ def _worker(fn, rank, world_size, port, args, results, timeout_s):
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 180.0):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results, timeout_s), daemon=True)
-             for r in range(world_size)]
+    store_dir = tempfile.mkdtemp(prefix="seqpar-test-ranks-")
+    store_path = os.path.join(store_dir, "gloo-store")
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, store_path, args, results, timeout_s),
+                         daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
     outputs, errors = {}, {}
@@ -80,3 +76,4 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 180.0):
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        shutil.rmtree(store_dir, ignore_errors=True)
