@@ -364,12 +364,15 @@ def plan(argv: Sequence[str]) -> dict:
     else:
         counts = best.counts
         print(f"\nplanned mix {sp_name} sequence parallelism (least extra forward FLOPs that fits):")
+        # What sets the peak: the most loaded stage with a recomputed layer's rebuild, or the last stage
+        # with the loss backward's working set (named only where it reaches the peak)
+        last = best.activation_bytes if best.last_stage_activation_bytes is None else best.last_stage_activation_bytes
         on_top = ([f"+ {_size(best.recompute_working_bytes)} rebuilt in a recomputed backward"]
                   if best.recompute_working_bytes else [])
-        last = best.last_stage_activation_bytes
-        on_top.append(f"+ {_size(best.loss_working_bytes)} in the loss's backward" + (
-            "" if last is None or last == best.activation_bytes else f" on the last stage's {_size(last)}"))
-        rebuilt = f" ({_size(best.peak_bytes)} at the peak: {', or '.join(on_top)})"
+        if last + best.loss_working_bytes >= best.peak_bytes:
+            on_top.append(f"+ {_size(best.loss_working_bytes)} in the loss's backward" +
+                          ("" if last == best.activation_bytes else f" on the last stage's {_size(last)}"))
+        rebuilt = f" ({_size(best.peak_bytes)} at the peak: {', or '.join(on_top)})" if on_top else ""
         print(f"  per stage: {counts['none']} x none, {counts['selective']} x selective, {counts['full']} x full "
               f"-> {_size(best.activation_bytes)}{rebuilt} of {_size(budget)}")
         print(f"  extra compute: {best.extra_flops:.4g} forward FLOPs per micro-batch per GPU, "

@@ -484,7 +484,7 @@ class _Model:
         """What the vocabulary loss's backward builds beside the fp32 softmax it saved, on the last stage:
         the fp32 gradient of the logits shard and its cast to the compute dtype (none in fp32). It runs
         before any layer's backward, every layer's activations held. (Its forward's transient, the logits
-        in the compute dtype beside the fp32 buffer that becomes the softmax, is smaller.)"""
+        in the compute dtype beside the fp32 buffer that becomes the softmax, is no larger.)"""
         lay = self.layer
         cast = 0 if lay.e == LOGITS_BYTES else lay.e
         return (LOGITS_BYTES + cast) * lay.s * lay.b * self.vocab_shard()
@@ -675,7 +675,9 @@ class RecomputePlan:
     @property
     def peak_bytes(self) -> float:
         """The stages' activations at their peak: each stage's activation bytes plus the larger of the
-        working sets it runs (the loss's on the last stage only; the two never overlap), the largest."""
+        working sets it runs (the loss's on the last stage only; the two never overlap), the largest.
+        Not counted: the backward kernels' own transient buffers (the attention core's s^2 ones in a
+        non-flash backward; see the README's planning section)."""
         last = self.activation_bytes if self.last_stage_activation_bytes is None else self.last_stage_activation_bytes
         return max(self.activation_bytes + self.recompute_working_bytes,
                    last + max(self.recompute_working_bytes, self.loss_working_bytes))

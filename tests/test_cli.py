@@ -57,8 +57,11 @@ def test_bench_prints_five_experiments(tmp_path):
     path = tmp_path / "rows.json"
     cmd = [sys.executable, "-m", "seqpar", "bench", "--tp", "2", "--seq-len", "32", "--hidden", "32", "--heads", "4",
            "--batch", "2", "--iters", "1", "--warmup", "0", "--json", str(path), "--plot", str(tmp_path / "fig8.png")]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
+    scratch = tmp_path / "tmp"      # where the spawned ranks' file store goes (removed after the run)
+    scratch.mkdir()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env=dict(os.environ, TMPDIR=str(scratch)))
     assert out.returncode == 0, out.stderr[-3000:]
+    assert not list(scratch.iterdir())
     for name in ("no recompute", "sequence parallel", "full recompute", "selective recompute",
                  "selective + sequence parallel"):
         assert name in out.stdout
@@ -334,3 +337,19 @@ def test_bench_names_a_rank_killed_without_a_report(tmp_path):
                           "--batch", "1", "--iters", "1", "--warmup", "0"], capture_output=True, text=True, timeout=140)
     assert out.returncode == 1 and "rank 1 died (signal 9) without a report" in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, peak_part", [
+    (["--model", "175B"], None),                                   # the first stage sets the peak, nothing on top
+    (["--model", "22B"], "rebuilt in a recomputed backward"),
+    (["--model", "llama3-8B", "--tp", "8", "--pp", "1", "--seq-len", "2048"], "in the loss's backward")])
+def test_plan_names_what_sets_the_peak(argv, peak_part, capsys):
+    """The planned-mix line named the loss backward's working set for a pipeline whose last stage stays
+    below the peak (175B: "+ 75 MiB in the loss's backward on the last stage's 4.1 GiB" beside 32.1 GiB)."""
+    result = cli.plan(argv + ["--sp"])
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.strip().startswith("per stage:"))
+    plan = result["plan"]
+    if peak_part is None:
+        assert plan.peak_bytes == plan.activation_bytes and "at the peak" not in line, line
+    else:
+        assert "at the peak" in line and peak_part in line, line

@@ -330,8 +330,10 @@ def _rank_main(rank: int, world_size: int, args, store_path: Optional[str],
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         # A file store, not a TCP one on a port picked free in the parent: another process could take that
         # port before rank 0 listened (EADDRINUSE)
-        dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=600))
+        timeout = datetime.timedelta(seconds=600)
+        store = dist.FileStore(store_path, world_size)
+        store.set_timeout(timeout)   # (init_process_group sets it only on a store it makes itself)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     group = dist.group.WORLD if dist.is_initialized() and world_size > 1 else None
     try:
         rows = run_experiments(args, rank, world_size, group, on_row)
@@ -432,16 +434,17 @@ def _run_spawned(args) -> List[Dict]:
     stdout goes away, or this process is stopped (Ctrl-C, SIGTERM)."""
     import torch.multiprocessing as mp
 
-    store_dir = tempfile.mkdtemp(prefix="seqpar-bench-")
-    store_path = os.path.join(store_dir, "gloo-store")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     cores = os.cpu_count() or 1
     shared = f" ({cores} cores: ranks share them, so the times are slower)" if args.tp > cores else ""
     print(f"seqpar bench: spawning {args.tp} gloo ranks on CPU{shared}", flush=True)
     write = _json_writer(args)
-    procs = [ctx.Process(target=_spawned, args=(r, args.tp, args, store_path, queue)) for r in range(args.tp)]
     rows, failures, dead, received, reader_gone, finished = None, [], [], 0, False, False
+    # the ranks meet in a file store there (see _rank_main); made last before the try that removes it
+    store_dir = tempfile.mkdtemp(prefix="seqpar-bench-")
+    store_path = os.path.join(store_dir, "gloo-store")
+    procs = [ctx.Process(target=_spawned, args=(r, args.tp, args, store_path, queue)) for r in range(args.tp)]
     try:
         for proc in procs:
             proc.start()

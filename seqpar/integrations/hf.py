@@ -181,7 +181,9 @@ def _checked_tensors(state_dict: Mapping[str, torch.Tensor], family: str, prefix
 def _shapes_differ(head, table: torch.Tensor) -> str:
     """" (shape A, the table's B)" where a tied head's shape differs from its table's (a head not resized
     with the vocabulary), else ""."""
-    shape = tuple(head.shape) if isinstance(head, torch.Tensor) else type(head).__name__
+    if not isinstance(head, torch.Tensor):
+        return f" (a {type(head).__name__}, not a tensor)"
+    shape = tuple(head.shape)
     return "" if shape == tuple(table.shape) else f" (shape {shape}, the table's {tuple(table.shape)})"
 
 

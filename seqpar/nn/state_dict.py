@@ -284,7 +284,6 @@ class ShardedParameters:
         load_full_parameters(self, {name: value for name, value in full.items() if value is not None})
 
 
-
 def _unwrapped(module: nn.Module) -> nn.Module:
     """``module`` without the outer wrappers whose parameters are their inner module's: DDP (``.module``)
     and torch.compile's OptimizedModule (``._orig_mod``), in any order (compile(DDP(model)) included)."""
@@ -294,8 +293,6 @@ def _unwrapped(module: nn.Module) -> nn.Module:
         if not isinstance(inner, nn.Module):
             return module
         module = inner
-
-
 
 
 # Wrappers that add a name to the path but no parameters: activation checkpointing's checkpoint_wrapper

@@ -26,8 +26,10 @@ def _worker(fn, rank, world_size, store_path, args, results, timeout_s):
     try:
         # A file store, not a TCP one on a port picked free in the parent: the other xdist worker's ranks
         # could take that port before rank 0 listened (EADDRINUSE, a CI failure)
-        dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        store = dist.FileStore(store_path, world_size)
+        store.set_timeout(timedelta(seconds=timeout_s))   # (init_process_group sets it only on its own stores)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
         out = fn(rank, world_size, *args)
         results.put((rank, "ok", out))
         dist.barrier()
@@ -43,11 +45,11 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 180.0):
     store_path = os.path.join(store_dir, "gloo-store")
     procs = [ctx.Process(target=_worker, args=(fn, r, world_size, store_path, args, results, timeout_s),
                          daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
     outputs, errors = {}, {}
     deadline = time.monotonic() + timeout_s
     try:
+        for p in procs:
+            p.start()
         while len(outputs) + len(errors) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
