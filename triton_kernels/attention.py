@@ -672,6 +672,9 @@ def attention_bwd(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     if s_q == 0 or s_k == 0 or b * heads == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     grad_o = grad_o.to(q.dtype)
+    if grad_o.stride(2) > MAX_SEQ_STRIDE:
+        # grad_o comes from autograd in any layout; q, k, v were checked in forward, this one only here.
+        grad_o = grad_o.contiguous()
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
     (seed, row_offset, threshold, drop_scale), active = _drop_args(drop_threshold, seed, row_offset)

@@ -464,6 +464,31 @@ def test_triton_refuses_what_its_int32_offsets_or_its_triton_cannot_run(monkeypa
     assert select_backend(narrow, narrow, narrow, backend="triton", dropout=False).name == "triton"
 
 
+def test_triton_backward_copies_a_grad_o_too_wide_for_its_int32_offsets(monkeypatch):
+    """grad_o reaches the backward in whatever layout autograd hands it; one whose sequence stride is past
+    the int32 tile offsets' limit is copied to a contiguous tensor first (q, k, v are refused in forward)."""
+    from seqpar.triton_kernels import attention as kernels
+
+    q, k, v = (randn(1, 1, 2, 16) for _ in range(3))
+    o, lse = kernels.attention_fwd(q, k, v, True, 0.25)
+    storage = torch.zeros(kernels.MAX_SEQ_STRIDE + 64)
+    wide = storage.as_strided((1, 1, 2, 16), (16, 16, kernels.MAX_SEQ_STRIDE + 1, 1))
+    wide.copy_(randn(1, 1, 2, 16))
+    seen = []   # the grad_o each kernel is launched with
+    real_launch = kernels._launch
+
+    def launch(which, even_kernel, tuned_kernel, grid_rows, bh, args, *rest):
+        seen.append(args[4 if which == "dq" else 3])
+        return real_launch(which, even_kernel, tuned_kernel, grid_rows, bh, args, *rest)
+
+    monkeypatch.setattr(kernels, "_launch", launch)
+    grads = kernels.attention_bwd(wide, q, k, v, o, lse, True, 0.25)
+    assert [g.stride(2) for g in seen] == [16, 16]
+    want = kernels.attention_bwd(wide.contiguous(), q, k, v, o, lse, True, 0.25)
+    for got, ref in zip(grads, want):
+        torch.testing.assert_close(got, ref, atol=0, rtol=0)
+
+
 def test_causal_alias():
     q, k, v = (randn(1, 2, 9, 16) for _ in range(3))
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
