@@ -521,12 +521,6 @@ def _pruner(tiles):
         limits[(bm, bn, w, s)] = ((no_drop, drop), tuple(gqa) or (no_drop, drop))
 
     def prune(configs, named_args, **meta):
-        if meta.get("DOT") == 1:
-            # fp32 inputs (testing only) use ieee dots, i.e. FMA loops without tensor cores: a 128 x 128
-            # tile unrolls into ~8k FMAs per thread per dot, so compiling all configs for every new shape
-            # key (each gpu test is one) takes minutes and big fp32 tiles can overflow shared memory.
-            # One modest 8-warp tile, no autotuning sweep.
-            return [min(configs, key=lambda c: (-c.num_warps, c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]))]
         d_pad, dropout = meta.get("D_PAD", 0), meta.get("DROPOUT", False)
         gqa = named_args.get("GROUP", 1) != 1
         kept = [c for c in configs if d_pad <= limits[(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps,
@@ -542,6 +536,19 @@ INTERPRET_CONFIG: Dict[str, Dict[str, int]] = {
     "dq": {"BLOCK_M": 32, "BLOCK_N": 16},
     "dkdv": {"BLOCK_M": 16, "BLOCK_N": 32},
 }
+
+
+def _fp32_config(tiles) -> Dict[str, int]:
+    bm, bn, warps, stages, *_ = min((tile for tile in tiles if tile[2] == 8), key=lambda tile: tile[0] * tile[1])
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+
+
+# fp32 inputs (testing only) use ieee dots, i.e. FMA loops without tensor cores: a 128 x 128 tile unrolls
+# into ~8k FMAs per thread per dot, so compiling every config for each new shape (each gpu test is one)
+# took minutes, and big fp32 tiles can overflow shared memory. One modest 8-warp tile each, launched as a
+# fixed config: no autotuner, which (triton 3.6, say) benchmarks even a single config.
+FP32_CONFIG: Dict[str, Dict[str, int]] = {
+    "fwd": _fp32_config(_FWD_TILES), "dq": _fp32_config(_DQ_TILES), "dkdv": _fp32_config(_DKDV_TILES)}
 
 _fwd_even = triton.heuristics(_EVEN)(_attn_fwd_kernel)
 _dq_even = triton.heuristics(_EVEN)(_attn_bwd_dq_kernel)
@@ -572,10 +579,12 @@ def _bucket(which: str, s_q: int, s_k: int, group: int, like: torch.Tensor, meta
 
 def _launch(which: str, even_kernel, tuned_kernel, grid_rows: int, bh: int, args, meta, config,
             bucket: tuple = ()):
-    """Run a fixed config (interpreter, or ``config`` given), the config tuned for this length ``bucket``
+    """Run a fixed config (interpreter, fp32, or ``config`` given), the config tuned for this length ``bucket``
     (see :data:`_BUCKET_CONFIGS`), or the autotuned kernel, remembering its choice for the bucket."""
     if config is None and _interpret():
         config = INTERPRET_CONFIG[which]
+    if config is None and meta["DOT"] == 1:
+        config = FP32_CONFIG[which]
     if config is None:
         config = _BUCKET_CONFIGS.get(bucket)
     if config is None:

@@ -904,3 +904,32 @@ def test_triton_autotunes_once_per_length_bucket(monkeypatch):
         A.attention_fwd(q, q, q, True, 0.25)
     assert launches == [("tuned", 100, None, None), ("fixed", 120, 64, 4), ("fixed", 128, 64, 4),
                         ("tuned", 129, None, None), ("tuned", 5, None, None), ("fixed", 16, 64, 4)]
+
+
+def test_triton_fp32_launches_one_fixed_tile_without_the_autotuner(monkeypatch):
+    """fp32 (a testing mode: IEEE FMA dots) takes one modest 8-warp tile per kernel as a fixed config; the
+    autotuner is never called (triton 3.6's benchmarks even the one config a prune leaves, at every new
+    shape of the gpu tests)."""
+    from seqpar.triton_kernels import attention as A
+
+    launches = []
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append((self.name, {key: meta.get(key) for key in
+                                                                      ("BLOCK_M", "BLOCK_N", "num_warps")}))
+
+    monkeypatch.setattr(A, "_interpret", lambda: False)
+    for which in ("fwd", "dq", "dkdv"):
+        monkeypatch.setattr(A, f"_{which}_tuned", Kernel(f"{which} tuned"))
+        monkeypatch.setattr(A, f"_{which}_even", Kernel(which))
+    q = torch.randn(1, 2, 40, 16)
+    o, lse = A.attention_fwd(q, q, q, True, 0.25)
+    A.attention_bwd(o, q, q, q, o, lse, True, 0.25)
+    assert [name for name, _ in launches] == ["fwd", "dq", "dkdv"]
+    for name, meta in launches:
+        assert meta == {key: A.FP32_CONFIG[name][key] for key in meta}
+        assert meta["num_warps"] == 8
