@@ -38,7 +38,8 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     The ``norm_type``-norm (a positive float, or ``inf`` / ``"inf"``) of every gradient together, in
     fp32 (fp64 with fp64 gradients): split parameters' shares summed (max for inf) over their
     tensor-parallel group (one all-reduce per group; call it on every rank), replicated parameters once;
-    the factor ``max_norm / (norm + 1e-6)``, at most 1, is applied without a host sync. Parameters without a gradient are skipped. With
+    the factor ``max_norm / (norm + 1e-6)``, at most 1, is applied without a host sync. Parameters
+    without a gradient add nothing (the ranks may differ in which ones have one). With
     data parallelism call it after the data-parallel gradient reduction (DDP's or FSDP2's backward), as
     torch's. Under FSDP2 (``fully_shard``, HSDP too) each gradient's share is also summed over its
     FSDP2 shard group, so the norm is still the unsharded model's. A NaN gradient makes the norm NaN on
@@ -60,20 +61,25 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
         raise ValueError(f"norm_type must be a positive number or inf, got {given[1]!r}")
     # A gradient's share of the norm is summed (max for inf) over the ranks that hold other parts of it:
     # its tensor-parallel group if split, its FSDP2 shard group if a DTensor. One share per pair of them.
+    # A parameter without a gradient adds nothing, but its groups are reduced all the same: the ranks run
+    # the same collectives whichever gradients each one holds (one that skipped them left the others'
+    # all-reduce waiting, or matched with its next collective).
     shares: Dict[Tuple[object, object], List[torch.Tensor]] = {}
     grads: List[torch.Tensor] = []
-    for _, param, split in prepare_parameters(module, "clip_grad_norm_").entries:
-        if param.grad is None:
-            continue
-        local, chunks = local_rows(param.grad)
+    device, wide = None, False
+    for name, param, split in prepare_parameters(module, "clip_grad_norm_").entries:
         tp_group = split.group if split.layout is not None and group_size(split.group) > 1 else None
-        shares.setdefault((tp_group, chunks.group), []).append(local)
-        grads.append(local)
-    if not grads:
+        local, chunks = local_rows(param if param.grad is None else param.grad, name)
+        device, wide = device or local.device, wide or local.dtype == torch.float64
+        share = shares.setdefault((tp_group, chunks.group), [])
+        if param.grad is not None:
+            share.append(local)
+            grads.append(local)
+    if list(shares) in ([], [(None, None)]) and not grads:
         return torch.zeros(())
-    device = grads[0].device
-    # fp32 sums (bf16 / fp16 gradients' norms would round), fp64 where a gradient is fp64
-    acc = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    # fp32 sums (bf16 / fp16 gradients' norms would round), fp64 where a gradient (or a parameter without
+    # one: the reductions' dtype must not depend on which gradients a rank holds) is fp64
+    acc = torch.float64 if wide else torch.float32
 
     def tensor_norms(tensors: List[torch.Tensor]) -> torch.Tensor:
         """Each one's norm in ``acc`` (fp64 gradients' in fp64: _foreach_norm can't narrow them), a 1-D

@@ -68,6 +68,32 @@ def test_clipping_uses_the_unsharded_norm_on_every_rank(norm_type):
         assert results[0][3] != results[1][3]   # torch's clip on each rank's shards: a norm per rank
 
 
+def _missing_grads_worker(rank, world_size):
+    from seqpar.nn.state_dict import prepare_parameters
+
+    model = _model(dist.group.WORLD)
+    _backward(model)
+    split = [param for _, param, placement in prepare_parameters(model, "test").entries if placement.layout]
+    if rank == 1:   # e.g. frozen or unused there: no gradient for any split parameter on one rank
+        for param in split:
+            param.grad = None
+    missing = float(clip_grad_norm_(model, math.inf))
+    if rank == 1:
+        for param in split:
+            param.grad = torch.zeros_like(param)
+    return missing, float(clip_grad_norm_(model, math.inf))
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_without_split_gradients_still_joins_the_reduction():
+    """The ranks run the same all-reduces whichever gradients each holds: a rank without any split
+    parameter's gradient skipped its group's reduction, and the other rank waited in it for good. A
+    missing gradient counts as a zero one."""
+    results = run_ranks(_missing_grads_worker, 2, timeout_s=90)
+    (missing_0, zeros_0), (missing_1, zeros_1) = results
+    assert missing_0 == zeros_0 == missing_1 == zeros_1 > 0, results
+
+
 def test_one_rank_is_torchs_clip_and_bad_arguments_are_value_errors():
     ours, theirs = _model(None), _model(None)
     _backward(ours)
