@@ -41,6 +41,7 @@ masks are one opaque custom op (:func:`mask_bytes`): compiled code reads the sam
 """
 from __future__ import annotations
 
+import numbers
 import sys
 from typing import Dict, Optional, Tuple
 
@@ -163,7 +164,10 @@ def _draw_bits() -> int:
     CUDA generator (which :func:`seqpar.manual_seed` does not seed) and synced the host on every forward.
     0 under a FakeTensorMode (shape inference: a fake draw has no value, and the generator is left as it
     was, so a later real run draws what it would have). A RuntimeError while a graph is traced for
-    keeps (make_fx, torch.export): a seed baked into it would give every call the same masks."""
+    keeps (make_fx, torch.export) or a CUDA graph is captured: a seed baked into it would give every call
+    (every replay) the same masks."""
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(DRAW_NOT_CAPTURABLE)
     drawn = torch.empty((), dtype=torch.int64, device="cpu").random_(generator=None)
     if not is_fake(drawn):
         return int(drawn)
@@ -176,6 +180,12 @@ DRAW_NOT_EXPORTABLE = (
     "seqpar draws a dropout seed per training forward from torch's default CPU generator, which a traced "
     "graph (torch.export, make_fx) cannot hold: it would bake one seed in and apply the same masks on "
     "every call. Export in eval mode or with dropout 0, or call the functional ops with seed= inputs")
+
+
+DRAW_NOT_CAPTURABLE = (
+    "seqpar draws a dropout seed per training forward on the host, and a CUDA graph captured now would "
+    "replay that one seed, so the same masks, on every replay. Capture in eval mode or with dropout 0, or "
+    "call the functional ops with seed= (new seeds need a new capture)")
 
 
 # A Python int drawn from a tensor cannot be traced, so each draw runs outside torch.compile (a graph
@@ -326,12 +336,20 @@ def _check_threshold(threshold) -> None:
 def dropout_threshold(p, name: str = "dropout probability p") -> int:
     """``P = round(p * 256)``, the byte threshold of dropout probability ``p`` (kept iff byte >= P).
 
-    Raises ValueError, naming ``name``, unless p is a number in [0, 1) with ``P < 256`` (p < 255.5 / 256).
+    Raises ValueError, naming ``name``, unless p is a real number (Python or numpy, not a bool) in [0, 1)
+    with ``P < 256`` (p < 255.5 / 256), and ``P > 0`` unless p is 0: a p in (0, 1/512] would round to
+    P = 0 and drop nothing.
     """
-    if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 <= float(p) < 1.0 \
-            or round(float(p) * 256) >= 256:
+    if not isinstance(p, numbers.Real) or isinstance(p, bool):
+        raise ValueError(f"{name} must be a real number in [0, 1), got {type(p).__name__} {p!r}")
+    value = float(p)
+    if not 0.0 <= value < 1.0 or round(value * 256) >= 256:
         raise ValueError(f"{name} must be in [0, 1) with round(p * 256) < 256 (p < 0.998046875), got {p!r}")
-    return round(float(p) * 256)
+    threshold = round(value * 256)
+    if threshold == 0 and value > 0:
+        raise ValueError(f"{name} = {p!r} would drop nothing: the masks drop in steps of 1/256 (p is rounded to "
+                         f"round(p * 256) / 256), and it rounds to 0; pass 0, or a p above 1/512")
+    return threshold
 
 
 # float32(256 / (256 - P)) for every byte threshold P: quotients in double, rounded to fp32 once. A table

@@ -5,6 +5,7 @@ import os
 import random
 import shutil
 
+import numpy as np
 import pytest
 import torch
 import triton
@@ -169,11 +170,18 @@ def test_mask_statistics(p):
 def test_effective_dropout_p_and_threshold():
     assert dropout_threshold(0.1) == 26 and effective_dropout_p(0.1) == 26 / 256
     assert effective_dropout_p(0.5) == 0.5 and effective_dropout_p(0) == 0.0
-    assert effective_dropout_p(1 / 512) == 0.0            # round half to even: P = 0, no dropout
+    assert dropout_threshold(np.float32(0.1)) == 26 and dropout_threshold(np.float64(0.5)) == 128
+    for tiny in (1e-4, 1 / 512):   # round half to even: P = 0, which would drop nothing
+        with pytest.raises(ValueError, match=r"would drop nothing: .* pass 0, or a p above 1/512"):
+            effective_dropout_p(tiny)
+    assert dropout_threshold(1 / 512 + 1e-9) == 1
     assert effective_dropout_p(0.998) == 255 / 256
     assert dropout_scale(26) == float(torch.tensor(256 / 230, dtype=torch.float32))
-    for bad in (0.999, 1.0, -0.1, 1.5, "0.1", True, None):
+    for bad in (0.999, 1.0, -0.1, 1.5, np.float32(1.0)):
         with pytest.raises(ValueError, match="round"):
+            dropout_threshold(bad)
+    for bad in ("0.1", True, None, torch.tensor(0.1)):
+        with pytest.raises(ValueError, match="must be a real number in"):
             dropout_threshold(bad)
     with pytest.raises(ValueError, match="0.999"):
         effective_dropout_p(0.999)

@@ -75,6 +75,38 @@ def test_gpu_the_model_forward_is_captured_in_a_cuda_graph():
         torch.testing.assert_close(static_logits, model(fresh))
 
 
+def test_a_training_forward_with_dropout_refuses_a_cuda_graph_capture(monkeypatch):
+    """Each training forward draws its dropout seeds on the host: a captured graph would replay one draw's
+    masks on every replay, silently. The draw raises while a capture is under way (faked here: no GPU) and
+    leaves torch's generator as it was; eval mode draws nothing and is unaffected."""
+    model = _model(hidden_dropout=0.1, attention_dropout=0.1)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    state = torch.get_rng_state()
+    with pytest.raises(RuntimeError, match="a CUDA graph captured now would replay that one seed"):
+        model(_tokens())
+    assert torch.equal(torch.get_rng_state(), state)
+    model.eval()
+    model(_tokens())
+
+
+@pytest.mark.gpu
+def test_gpu_capturing_a_training_forward_with_dropout_raises():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model = _model(hidden_dropout=0.1).cuda()
+    model.check_rank_inputs = False
+    tokens = _tokens().cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        model(tokens)   # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    with pytest.raises(RuntimeError, match="replay that one seed"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            model(tokens)
+
+
 @pytest.mark.parametrize("shape", [(2, 0), (0, 4)], ids=["s0", "b0"])
 def test_empty_tokens_are_named(shape):
     """The first layer refused them, naming x and an internal [s, b, h] shape."""

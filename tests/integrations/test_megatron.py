@@ -1,0 +1,87 @@
+"""seqpar.integrations.megatron: Megatron's grouped QKV row order against rows built head by head, and a
+Megatron-Core-named GPT state dict (TransformerEngine's fused norm keys included) loaded into a fresh
+GPTModel computing what the model it came from computes."""
+import pytest
+import torch
+
+import seqpar
+from seqpar.integrations.megatron import from_megatron_state_dict, qkv_from_megatron, qkv_to_megatron
+
+
+def _tagged_qkv(heads, groups, d, h):
+    """seqpar's rows [Q_0..Q_{a-1}, K_0..K_{g-1}, V_0..V_{g-1}], each row tagged by its block, and the
+    same rows in Megatron's order, built block by block: per group its a/g Q heads, its K, its V."""
+    block = {}
+    for kind, count in (("q", heads), ("k", groups), ("v", groups)):
+        for i in range(count):
+            block[kind, i] = torch.randn(d, h) if h else torch.randn(d)
+    ours = torch.cat([block["q", i] for i in range(heads)] + [block["k", i] for i in range(groups)]
+                     + [block["v", i] for i in range(groups)])
+    per = heads // groups
+    theirs = torch.cat([part for grp in range(groups) for part in
+                        [block["q", grp * per + j] for j in range(per)] + [block["k", grp], block["v", grp]]])
+    return ours, theirs
+
+
+@pytest.mark.parametrize("heads,groups", [(4, None), (8, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("h", [12, 0], ids=["weight", "bias"])
+def test_qkv_rows_follow_megatrons_groups(heads, groups, h):
+    ours, theirs = _tagged_qkv(heads, groups or heads, 3, h)
+    assert torch.equal(qkv_to_megatron(ours, heads, groups), theirs)
+    assert torch.equal(qkv_from_megatron(theirs, heads, groups), ours)
+    assert torch.equal(ours, theirs) == (groups == 1)   # one k/v group: the two orders coincide
+
+
+def test_bad_qkv_arguments_are_named():
+    with pytest.raises(ValueError, match="not \\(a \\+ 2g\\) d rows for a = 4, g = 4"):
+        qkv_from_megatron(torch.zeros(25, 8), 4)
+    with pytest.raises(ValueError, match="num_query_groups 3 does not divide num_attention_heads 4"):
+        qkv_from_megatron(torch.zeros(24, 8), 4, 3)
+    with pytest.raises(ValueError, match="num_attention_heads must be a positive int"):
+        qkv_to_megatron(torch.zeros(24, 8), 0)
+    with pytest.raises(ValueError, match="QKV weight"):
+        qkv_to_megatron(torch.zeros(2, 3, 4), 1)
+
+
+def _core_names(state, heads, groups):
+    """seqpar's GPTModel keys -> Megatron-Core's (TransformerEngine spec: the norms fused into the next
+    linear), written out name by name."""
+    core = {}
+    for key, value in state.items():
+        name = key.replace("layers.", "decoder.layers.").replace("final_layernorm", "decoder.final_layernorm")
+        name = (name.replace("input_layernorm.", "self_attention.linear_qkv.layer_norm_")
+                .replace("post_attention_layernorm.", "mlp.linear_fc1.layer_norm_")
+                .replace("query_key_value", "linear_qkv").replace("self_attention.dense", "self_attention.linear_proj")
+                .replace("dense_h_to_4h", "linear_fc1").replace("dense_4h_to_h", "linear_fc2"))
+        core[name] = qkv_to_megatron(value, heads, groups) if "linear_qkv.weight" in name or \
+            "linear_qkv.bias" in name else value
+    core["decoder.layers.0.self_attention.linear_qkv._extra_state"] = None
+    return core
+
+
+@pytest.mark.parametrize("groups", [None, 2], ids=["mha", "gqa"])
+def test_a_megatron_core_state_dict_loads_into_the_same_model(groups):
+    heads = 4
+    cfg = seqpar.TransformerConfig(hidden_size=32, num_attention_heads=heads, num_query_groups=groups,
+                                   backend="torch")
+    seqpar.manual_seed(0)
+    source = seqpar.GPTModel(cfg, 2, 40, 8)
+    core = _core_names(source.full_state_dict(), heads, groups)
+    assert "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight" in core
+    seqpar.manual_seed(1)
+    target = seqpar.GPTModel(cfg, 2, 40, 8)
+    target.load_full_state_dict(from_megatron_state_dict(core, heads, groups))
+    tokens = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(target(tokens), source(tokens))
+    unordered = dict(from_megatron_state_dict(core, heads, groups))
+    for key in [k for k in unordered if "query_key_value" in k]:
+        unordered[key] = core[key.replace("layers.", "decoder.layers.").replace("query_key_value", "linear_qkv")]
+    target.load_full_state_dict(unordered)   # loads without an error, as a Megatron checkpoint did ...
+    assert not torch.allclose(target(tokens), source(tokens))   # ... and computes another model
+
+
+def test_two_keys_for_one_name_are_refused():
+    state = {"layers.0.input_layernorm.weight": torch.ones(4),
+             "layers.0.self_attention.linear_qkv.layer_norm_weight": torch.ones(4)}
+    with pytest.raises(ValueError, match="both map to 'layers.0.input_layernorm.weight'"):
+        from_megatron_state_dict(state, 1)
