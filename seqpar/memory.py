@@ -1053,10 +1053,13 @@ class ActivationMeter:
         global _active_meters
         if self._hooks is not None:
             raise RuntimeError("this ActivationMeter is already active")
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        # First, before any global changes: entering raises where saved-tensor hooks are disabled
+        # (torch.func transforms), and a meter counted active then recorded every later meter's tensors.
+        hooks.__enter__()
+        self._hooks = hooks
         _active_meters += 1
         _meter_stack().append(self)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:

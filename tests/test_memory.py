@@ -530,3 +530,22 @@ def test_hooks_entered_inside_the_meter_take_what_it_would_count(recompute):
     with ActivationMeter() as alone:                       # the same forward, the meter innermost
         layer(x)
     assert alone.bytes > 0
+
+
+def test_a_meter_that_fails_to_enter_leaves_no_state_behind():
+    """Entering raises where saved-tensor hooks are disabled (torch.func transforms); the meter was
+    already counted active and on the stack, and recorded every later meter's tensors for good."""
+    from seqpar import memory
+
+    failed = memory.ActivationMeter()
+    with pytest.raises(RuntimeError):
+        with torch.autograd.graph.disable_saved_tensors_hooks("disabled here"):
+            with failed:
+                pass
+    assert memory._active_meters == 0 and memory._meter_stack() == []
+    x = torch.randn(4, 8, requires_grad=True)
+    with memory.ActivationMeter() as later:
+        x.exp().sum()
+    with failed:   # and it can still be entered
+        x.exp().sum()
+    assert later.bytes == failed.bytes == x.numel() * 4

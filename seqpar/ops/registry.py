@@ -161,7 +161,8 @@ def record_selections() -> Iterator[Dict[str, Set[str]]]:
     try:
         yield seen
     finally:
-        _RECORDERS.remove(seen)
+        # by identity: list.remove compares by ==, and an equal outer recorder (both empty, say) went first
+        del _RECORDERS[next(i for i, recorder in enumerate(_RECORDERS) if recorder is seen)]
 
 
 def registered_ops() -> List[str]:

@@ -155,3 +155,24 @@ def test_layer_norm_takes_one_column_of_any_stride(backend):
     got = bias_dropout_add_layer_norm(x, None, res, w, b, backend=backend)
     want = bias_dropout_add_layer_norm(x.contiguous(), None, res.contiguous(), w, b, backend="torch")
     assert all(torch.equal(g, e) for g, e in zip(got, want))
+
+
+def test_nested_selection_records_leave_by_identity():
+    """The inner block's exit removed the first recorder equal to it (list.remove compares by ==): the
+    outer one, when both held the same backends, so the outer missed later selections and its own exit
+    raised, hiding the exception under way."""
+    x = torch.randn(1, 2, 4, 16)
+    with registry.record_selections() as outer:
+        attention_core(x, x, x, backend="torch")
+        with registry.record_selections() as inner:
+            attention_core(x, x, x, backend="torch")
+        assert inner == outer
+        bias_dropout_add_layer_norm(torch.randn(3, 16), None, torch.randn(3, 16), torch.ones(16), torch.zeros(16),
+                                    backend="torch")
+    assert set(outer) == {"attention_core", "bias_dropout_add_layer_norm"} and set(inner) == {"attention_core"}
+    assert registry._RECORDERS == []
+    with pytest.raises(KeyError):
+        with registry.record_selections():
+            with registry.record_selections():
+                raise KeyError("the user's")
+    assert registry._RECORDERS == []
