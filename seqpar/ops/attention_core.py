@@ -65,7 +65,7 @@ import torch
 
 from . import registry
 from .. import _ext
-from .dropout import DropoutSpec, make_dropout_spec
+from .dropout import DropoutSpec, dropout_active, make_dropout_spec
 from ..memory import name_storage
 from ..random import dropout_keep_mask
 
@@ -437,7 +437,8 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_ma
             both with different values is a ValueError.
         dropout_p: attention-probability dropout in [0, 1) (ignored when ``training`` is False). The
             effective probability is ``round(dropout_p * 256) / 256``
-            (:func:`seqpar.random.effective_dropout_p`); ``round(dropout_p * 256) >= 256`` is a ValueError.
+            (:func:`seqpar.random.effective_dropout_p`); ``round(dropout_p * 256)`` of 0 for a p > 0, or
+            >= 256, is a ValueError.
         scale: softmax scale, default ``1/sqrt(d)``; any finite float, as SDPA's.
         enable_gqa: allow k, v with Hk heads dividing q's Hq (q head i uses kv head i // (Hq / Hk)).
             Without it, differing head counts are a ValueError.
@@ -459,6 +460,6 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_ma
     # Any finite scale, as SDPA's (0: uniform weights over the allowed keys; < 0: the scores' sign flips)
     if not registry.is_finite(scale):
         raise ValueError(f"scale must be a finite float, got {scale!r}")
-    spec = make_dropout_spec(dropout_p, training, seed, row_offset)
-    impl = select_backend(q, k, v, causal=causal, backend=backend, dropout=spec.active)
+    impl = select_backend(q, k, v, causal=causal, backend=backend, dropout=dropout_active(dropout_p, training))
+    spec = make_dropout_spec(dropout_p, training, seed, row_offset)   # draws a seed only for an accepted call
     return _AttentionCore.apply(q, k, v, causal, float(scale), spec, impl)

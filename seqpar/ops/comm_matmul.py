@@ -88,24 +88,46 @@ def _by_rank(t: torch.Tensor, ranks: int) -> torch.Tensor:
 
 # ---- chunked passes: no autograd; [rows, features] 2-D views and [t, rows, features] per-rank slots ----
 
+def _wait_all(pending) -> None:
+    """Wait for every transfer in ``pending`` still in flight (None: already waited)."""
+    for transfer in pending:
+        if transfer is not None:
+            transfer.wait()
+
+
+def _drained(pending: List[Optional[object]], run) -> None:
+    """``run()``, and should it raise (a GEMM's OOM, a KeyboardInterrupt) the transfers it issued into
+    ``pending`` are waited before the exception goes on: left pending, they made gloo's next collective
+    on the group hang on every rank."""
+    try:
+        run()
+    except BaseException:
+        _wait_all(pending)
+        raise
+
+
 def _gather_chunks(ex: PeerExchange, shard2, slots3, plan: ChunkPlan, name: str, gemm):
     """Pairwise all-gather of ``shard2`` [rows, m] into ``slots3`` [t, rows, m] (slot i: rank i's shard;
     this rank's slot is left untouched), calling ``gemm(src, chunk)`` for every rank's chunk as it
     arrives (own shard first), with up to ``plan.prefetch`` transfers in flight ahead of it."""
     t = ex.t
     pending: List[Optional[object]] = [None] * (t - 1)
-    issued = 0
-    for j in range(t):
-        while issued < min(j + plan.prefetch, t - 1):   # transfer i brings the chunk of step i + 1
-            pending[issued] = ex.exchange(shard2, slots3[ex.source(issued + 1)], step=issued, name=name,
-                                          tag=_TAG_GATHER)
-            issued += 1
-        if j > 0:
-            pending[j - 1].wait()
-            pending[j - 1] = None
-        src = ex.source(j)
-        gemm(src, shard2 if j == 0 else slots3[src])
-        note("gemm", name, j)
+
+    def run():
+        issued = 0
+        for j in range(t):
+            while issued < min(j + plan.prefetch, t - 1):   # transfer i brings the chunk of step i + 1
+                pending[issued] = ex.exchange(shard2, slots3[ex.source(issued + 1)], step=issued, name=name,
+                                              tag=_TAG_GATHER)
+                issued += 1
+            if j > 0:
+                pending[j - 1].wait()
+                pending[j - 1] = None
+            src = ex.source(j)
+            gemm(src, shard2 if j == 0 else slots3[src])
+            note("gemm", name, j)
+
+    _drained(pending, run)
 
 
 def _reduce_scatter_chunks(ex: PeerExchange, a3, b, plan: ChunkPlan, name: str, beside=None, out=None):
@@ -118,22 +140,24 @@ def _reduce_scatter_chunks(ex: PeerExchange, a3, b, plan: ChunkPlan, name: str, 
     nbuf = min(plan.prefetch + 1, t - 1)     # a buffer is rewritten only after its transfer was waited
     sendbufs = torch.empty((nbuf, rows, n), dtype=a3.dtype, device=a3.device)
     pending: List[Optional[object]] = [None] * (t - 1)
-    for j in range(t):
-        last = j == t - 1
-        target = partials[r] if last else sendbufs[j % nbuf]
-        torch.mm(a3[ex.dest(j)], b, out=target)   # beside the partials still in flight
-        note("gemm", name, j)
-        if last:
-            break
-        if j >= plan.prefetch:
-            pending[j - plan.prefetch].wait()
-            pending[j - plan.prefetch] = None
-        pending[j] = ex.exchange(target, partials[ex.source(j + 1)], step=j, name=name, tag=_TAG_SCATTER)
-    if beside is not None:
-        beside()
-    for p in pending:
-        if p is not None:
-            p.wait()
+
+    def run():
+        for j in range(t):
+            last = j == t - 1
+            target = partials[r] if last else sendbufs[j % nbuf]
+            torch.mm(a3[ex.dest(j)], b, out=target)   # beside the partials still in flight
+            note("gemm", name, j)
+            if last:
+                break
+            if j >= plan.prefetch:
+                pending[j - plan.prefetch].wait()
+                pending[j - plan.prefetch] = None
+            pending[j] = ex.exchange(target, partials[ex.source(j + 1)], step=j, name=name, tag=_TAG_SCATTER)
+        if beside is not None:
+            beside()
+
+    _drained(pending, run)
+    _wait_all(pending)
     return torch.sum(partials, 0, out=out)
 
 
@@ -177,7 +201,8 @@ def _chunked_all_gather_matmul_bwd(x_shard2, grad_y3, weight, group, plan: Chunk
     computed (the pairwise reduce-scatter); the weight-gradient GEMM runs beside the last partials.
     """
     ex = PeerExchange(group)
-    grad_weight = None
+    grad_weight, grad_x_shard = None, None
+    regather: List[Optional[object]] = []
     if need_w:
         x3 = torch.empty((ex.t,) + tuple(x_shard2.shape), dtype=x_shard2.dtype, device=x_shard2.device)
         x3[ex.rank].copy_(x_shard2)
@@ -186,17 +211,21 @@ def _chunked_all_gather_matmul_bwd(x_shard2, grad_y3, weight, group, plan: Chunk
 
     def weight_gradient():
         nonlocal grad_weight
-        for pending in regather:
-            pending.wait()
+        for j, transfer in enumerate(regather):
+            transfer.wait()
+            regather[j] = None
         grad_weight = _flat(grad_y3).t().matmul(_flat(x3))
         note("gemm", "wgrad", 0)
 
-    grad_x_shard = None
-    if need_x:
-        grad_x_shard = _reduce_scatter_chunks(ex, grad_y3, weight, plan, "ag_bwd_dgrad",
-                                              beside=weight_gradient if need_w else None)
-    elif need_w:
-        weight_gradient()
+    def run():
+        nonlocal grad_x_shard
+        if need_x:
+            grad_x_shard = _reduce_scatter_chunks(ex, grad_y3, weight, plan, "ag_bwd_dgrad",
+                                                  beside=weight_gradient if need_w else None)
+        elif need_w:
+            weight_gradient()
+
+    _drained(regather, run)
     return grad_x_shard, grad_weight
 
 

@@ -83,15 +83,23 @@ def _check_row_offset(row_offset) -> None:
 NO_DROPOUT = DropoutSpec()  # immutable: shared by every call without active dropout
 
 
-def make_dropout_spec(p: float, training: bool, seed, row_offset: int = 0) -> DropoutSpec:
-    """Validate ``p`` (ValueError outside [0, 1) or when ``round(p * 256) >= 256``), ``training`` (a bool:
-    a string such as "False" would be truthy) and ``row_offset``, and resolve the seed when dropout is
-    active (``round(p * 256) > 0`` and training). A given seed is validated even when dropout is off."""
+def dropout_active(p: float, training: bool) -> bool:
+    """Whether dropout ``p`` drops anything in this call (training and ``round(p * 256) > 0``), with ``p``
+    (:func:`seqpar.random.dropout_threshold`) and ``training`` (a bool: a string such as "False" would be
+    truthy) validated. Draws nothing: ops pick their backend by it before a seed is drawn, so a call
+    that is refused leaves torch's generator as it was."""
     threshold = dropout_threshold(p)
-    _check_row_offset(row_offset)
     if not isinstance(training, bool):
         raise ValueError(f"training must be a bool, got {training!r}")
-    if not training or threshold == 0:
+    return training and threshold > 0
+
+
+def make_dropout_spec(p: float, training: bool, seed, row_offset: int = 0) -> DropoutSpec:
+    """Validate ``p``, ``training`` (:func:`dropout_active`) and ``row_offset``, and resolve the seed when
+    dropout is active (None draws one). A given seed is validated even when dropout is off."""
+    active = dropout_active(p, training)
+    _check_row_offset(row_offset)
+    if not active:
         if seed is not None:
             check_stream_seed(seed)
         return NO_DROPOUT

@@ -583,3 +583,43 @@ def _check_input_agreement(per_rank):
         assert res["counts"] == {"op": 1, "op_rs": 1, "op_in_agreement_checked": 0, "column": 1,
                                  "column_unchecked": 0, "mlp_block": 1, "layer": 1, "layer_unchecked": 0}, \
             (rank, res["counts"])
+
+
+def _interrupted_chunk_loops(rank, world_size):
+    """Raise inside each chunked loop after a transfer was issued and before it was waited (as an OOM in
+    a GEMM or a KeyboardInterrupt would), on every rank; then the same call again, uninterrupted."""
+    import seqpar.ops.comm_matmul as comm
+
+    torch.manual_seed(0)
+    x_shard, x_full = torch.randn(4, 2, 16), torch.randn(8, 2, 16)
+    w_col, w_row = torch.randn(12, 16, requires_grad=True), torch.randn(12, 16)
+    plan, real_note, caught = ChunkPlan(world_size, prefetch=1), comm.note, []
+    calls = {"ag_fwd": lambda: all_gather_matmul(x_shard, w_col, group=dist.group.WORLD, overlap=plan),
+             "rs_fwd": lambda: matmul_reduce_scatter(x_full, w_row, group=dist.group.WORLD, overlap=plan),
+             "ag_bwd_dgrad": lambda: all_gather_matmul(x_shard.requires_grad_(), w_col, group=dist.group.WORLD,
+                                                       overlap=plan).sum().backward()}
+    for where, call in calls.items():
+        def failing(*event, where=where):
+            if event[:3] == ("gemm", where, 0):
+                raise RuntimeError(f"interrupted at {where}")
+            real_note(*event)
+
+        comm.note = failing
+        try:
+            call()
+        except RuntimeError as error:
+            caught.append(str(error))
+        finally:
+            comm.note = real_note
+        call()   # the next collectives on the group: they hung on every rank
+    return caught, torch.equal(all_gather_matmul(x_shard, w_col, group=dist.group.WORLD, overlap=plan),
+                               all_gather_matmul(x_shard, w_col, group=dist.group.WORLD, overlap=False))
+
+
+@pytest.mark.timeout(120)
+def test_an_exception_inside_a_chunk_loop_leaves_no_transfer_in_flight():
+    """A transfer issued and never waited (the loop left by an exception) made gloo's next collective on
+    the group hang on every rank; the chunked passes wait for theirs before the exception goes on."""
+    for caught, equal in run_ranks(_interrupted_chunk_loops, 2, timeout_s=90):
+        assert caught == ["interrupted at ag_fwd", "interrupted at rs_fwd", "interrupted at ag_bwd_dgrad"]
+        assert equal

@@ -933,3 +933,15 @@ def test_triton_fp32_launches_one_fixed_tile_without_the_autotuner(monkeypatch):
     for name, meta in launches:
         assert meta == {key: A.FP32_CONFIG[name][key] for key in meta}
         assert meta["num_warps"] == 8
+
+
+def test_a_refused_call_draws_no_seed():
+    """The seed (seed=None) was drawn before the explicit backend was checked: a refused call moved torch's
+    generator on, so every later mask differed from a run without it."""
+    q = randn(1, 2, 4, 8)   # head dim 8: not the triton kernel's
+    state = torch.get_rng_state()
+    with pytest.raises(ValueError, match="head dim d=8"):
+        attention_core(q, q, q, is_causal=True, dropout_p=0.1, backend="triton")
+    assert torch.equal(torch.get_rng_state(), state)
+    attention_core(q, q, q, is_causal=True, dropout_p=0.1, backend="torch")
+    assert not torch.equal(torch.get_rng_state(), state)
