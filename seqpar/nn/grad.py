@@ -27,7 +27,8 @@ from .state_dict import local_rows, prepare_parameters
 
 @torch.no_grad()
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
+                    error_if_nonfinite: bool = False, foreach: Optional[bool] = None, *,
+                    pipeline_group: ProcessGroup = None) -> torch.Tensor:
     """Scale the gradients of ``module``'s parameters in place so that the norm of the unsharded
     gradients is at most ``max_norm``; returns that norm before clipping (an fp32 0-d tensor, fp64 when a
     gradient is fp64; the same on every rank). A drop-in for ``torch.nn.utils.clip_grad_norm_(
@@ -47,6 +48,13 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     parameters) and ``max_norm`` a positive number (a Python, numpy or 0-d tensor scalar, as torch's);
     with ``error_if_nonfinite`` a RuntimeError when the norm is nan or inf (as torch's). ``foreach`` is
     accepted for torch's signature and ignored: the norms and the scaling always use the foreach kernels.
+
+    ``pipeline_group``: with pipeline parallelism, the group of the ranks that hold this rank's
+    tensor-parallel position on every stage (one rank per stage); ``module`` is this stage's part. The
+    stages' totals are summed (max for inf) over it, so every stage clips by the whole model's norm (each
+    stage alone clipped by its own). A parameter held on two stages (a word embedding tied to the head
+    on the last one) counts on both: keep it on one stage's ``module`` (e.g. give the last stage a
+    wrapper without it), as Megatron counts a shared embedding on the first stage only.
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"clip_grad_norm_ takes the module (it needs to know which parameters are split), "
@@ -75,8 +83,11 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
         if param.grad is not None:
             share.append(local)
             grads.append(local)
-    if list(shares) in ([], [(None, None)]) and not grads:
+    pipelined = pipeline_group is not None and group_size(pipeline_group) > 1
+    if list(shares) in ([], [(None, None)]) and not grads and not pipelined:
         return torch.zeros(())
+    if device is None:   # a stage without parameters still joins the pipeline group's reduction
+        device = _group_device(pipeline_group)
     # fp32 sums (bf16 / fp16 gradients' norms would round), fp64 where a gradient (or a parameter without
     # one: the reductions' dtype must not depend on which gradients a rank holds) is fp64
     acc = torch.float64 if wide else torch.float32
@@ -94,7 +105,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
         return torch.stack([n.to(device, acc) for dtype, part in by_dtype.items()
                             for n in torch._foreach_norm(part, norm_type, dtype=dtype)])
 
-    if list(shares) == [(None, None)]:
+    if list(shares) == [(None, None)] and not pipelined:
         # Nothing split or sharded (t = 1, no FSDP2): torch's own reduction of the norms, the same bits
         norm = torch.linalg.vector_norm(tensor_norms(grads), norm_type)
     else:
@@ -108,6 +119,9 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
                 if group is not None:
                     part = _all_reduce_max(part, group) if math.isinf(norm_type) else _all_reduce_sum(part, group)
             total = torch.maximum(total, part) if math.isinf(norm_type) else total + part
+        if pipelined:
+            total = _all_reduce_max(total, pipeline_group) if math.isinf(norm_type) \
+                else _all_reduce_sum(total, pipeline_group)
         norm = total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(norm):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {norm.item()}: "
@@ -119,6 +133,12 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     for (grad_device, dtype), group_grads in by_kind.items():
         torch._foreach_mul_(group_grads, factor.to(grad_device, dtype))
     return norm
+
+
+def _group_device(group) -> torch.device:
+    """The device a collective over ``group`` takes tensors on (NCCL: this rank's CUDA device)."""
+    backend = dist.get_backend(group)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 def _real(value) -> Optional[float]:

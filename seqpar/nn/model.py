@@ -613,7 +613,39 @@ class GPTModel(SharesProcessGroup, nn.Module):
             self._check_ranks(tokens, labels, checksum, problem)
         elif problem is not None:
             raise ValueError(problem)
-        hidden = self._layers(self._embed(tokens))
+        return self._head(self._layers(self._embed(tokens)), labels)
+
+    # ------------------------------------------------------------------ pipeline stages
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """A first pipeline stage's input side: tokens [b, s] int64 -> the first layer's input, [s, b, h]
+        or under sequence parallelism this rank's shard [s/t, b, h], embedding dropout applied in
+        training (what :meth:`forward` feeds ``layers[0]``). Checks this rank's tokens (ValueError naming
+        a bad id), not that the ranks agree. ``model.embedding(tokens)`` alone is the unsharded sum of the
+        tables, without the scatter or the dropout. The stage methods compute in the parameters' dtype:
+        for bf16 stages convert the model (``.to(dtype)``) rather than entering ``torch.autocast``."""
+        self._check_inputs(tokens, None, with_checksum=False)
+        return self._embed(tokens)
+
+    def head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A last pipeline stage's output side: the last layer's output (as ``layers[-1]`` returns it) ->
+        final norm -> with ``labels`` [b, s] the per-token vocab-parallel cross-entropy [s, b] (fp32; -100
+        ignored), else this rank's logits, as :meth:`forward` returns them. A stage in between runs its
+        ``model.layers[i]`` in order. With the word embedding tied to the head, the first and the last
+        stage each hold it: sum its gradient over the two (Megatron's embedding group) before stepping."""
+        if labels is not None:
+            rows = hidden.shape[0] * (group_size(self.tp_group) if self.config.sequence_parallel else 1)
+            expected = (hidden.shape[1], rows) if hidden.dim() == 3 else None
+            if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64 or tuple(labels.shape) != expected:
+                raise ValueError(f"labels must be an int64 [b, s] = {expected} tensor for hidden "
+                                 f"{tuple(hidden.shape)}, got {getattr(labels, 'dtype', type(labels).__name__)} "
+                                 f"{tuple(getattr(labels, 'shape', ()))}")
+            self._check_ids(torch.zeros_like(labels), labels, with_checksum=False)
+        with saved_as("final norm input"):
+            hidden = self.final_layernorm(hidden)
+        return self._head(hidden, labels)
+
+    def _head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
+        """Final norm output -> logits, or the loss given labels."""
         # The real rows only: padded logits are never computed, so they can't enter the softmax.
         with saved_as("output layer input"):
             if self.output_layer is not None:   # through its __call__: hooks on it fire

@@ -94,6 +94,35 @@ def test_a_rank_without_split_gradients_still_joins_the_reduction():
     assert missing_0 == zeros_0 == missing_1 == zeros_1 > 0, results
 
 
+def _pipeline_worker(rank, world_size, norm_type):
+    """Two pipeline stages of one model (t = 1 each): rank 0 holds the embeddings and layer 0, rank 1
+    layer 1, the final norm and the (untied) head."""
+    whole, reference = _model(None), _model(None)
+    _backward(whole)
+    _backward(reference)
+    stage = torch.nn.ModuleList([whole.embedding, whole.layers[0]] if rank == 0 else
+                                [whole.layers[1], whole.final_layernorm, whole.output_layer])
+    alone = float(clip_grad_norm_(stage, math.inf, norm_type))   # max_norm inf: no change
+    norm = clip_grad_norm_(stage, 0.05, norm_type, pipeline_group=dist.group.WORLD)
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05, norm_type)
+    mine = {id(p) for p in stage.parameters()}
+    worst = max(float((a.grad - b.grad).abs().max()) for a, b in zip(whole.parameters(), reference.parameters())
+                if id(a) in mine)
+    return float(norm), float(expected), alone, worst
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_pipeline_stages_clip_by_the_whole_models_norm(norm_type):
+    """Each stage alone clipped by its own gradients' norm; with pipeline_group every stage gets the whole
+    model's (torch's on the unsplit model) and clips its gradients by the same factor."""
+    results = run_ranks(_pipeline_worker, 2, norm_type, timeout_s=90)
+    for norm, expected, alone, worst in results:
+        assert math.isclose(norm, expected, rel_tol=1e-6) and norm > 0.05, results
+        assert alone <= norm and worst < 1e-7, results
+    assert min(alone for _, _, alone, _ in results) < results[0][0]   # a stage alone: a smaller norm
+
+
 def test_one_rank_is_torchs_clip_and_bad_arguments_are_value_errors():
     ours, theirs = _model(None), _model(None)
     _backward(ours)

@@ -397,3 +397,37 @@ def test_gather_logits_at_t1_is_the_logits_and_checks_its_input():
     for bad in (logits[..., :-1], logits.long(), "logits"):
         with pytest.raises(ValueError, match=r"logits_local must be this rank's floating \[\.\.\., 50\] logits"):
             model.gather_logits(bad)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_pipeline_stage_methods_compute_the_models_forward(tied):
+    """embed -> layers[i] -> head, split into two stages at a detached boundary (as a pipeline sends the
+    activation), computes forward's loss and gradients bit for bit, dropout included."""
+    seqpar.manual_seed(0)
+    config = seqpar.TransformerConfig(hidden_size=H, num_attention_heads=A, hidden_dropout=0.1, attention_dropout=0.1,
+                                      sequence_parallel=True)
+    whole = seqpar.GPTModel(config, 3, V, 16, share_embeddings_and_output_weights=tied)
+    staged = seqpar.GPTModel(config, 3, V, 16, share_embeddings_and_output_weights=tied)
+    staged.load_state_dict(whole.state_dict())
+    tokens = _tokens()
+    labels = tokens.roll(-1, 1)
+    torch.manual_seed(5)
+    whole(tokens, labels).sum().backward()
+    torch.manual_seed(5)
+    first = staged.embed(tokens)
+    for layer in staged.layers[:2]:
+        first = layer(first)
+    boundary = first.detach().requires_grad_()          # what the next stage receives
+    loss = staged.head(staged.layers[2](boundary), labels)
+    loss.sum().backward()
+    first.backward(boundary.grad)
+    for (name, a), b in zip(whole.named_parameters(), staged.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    torch.manual_seed(5)
+    assert torch.equal(loss, whole(tokens, labels))
+    with pytest.raises(ValueError, match=r"labels must be an int64 \[b, s\] = \(3, 12\) tensor"):
+        staged.head(boundary, labels[:, :5])
+    with pytest.raises(ValueError, match="label id 50 at"):
+        staged.head(boundary, torch.full_like(labels, V))
+    with pytest.raises(ValueError, match="token id -1 at"):
+        staged.embed(torch.full_like(tokens, -1))
