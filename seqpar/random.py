@@ -341,7 +341,7 @@ def dropout_threshold(p, name: str = "dropout probability p") -> int:
     P = 0 and drop nothing.
     """
     if not isinstance(p, numbers.Real) or isinstance(p, bool):
-        raise ValueError(f"{name} must be a real number in [0, 1), got {type(p).__name__} {p!r}")
+        raise ValueError(f"{name} must be in [0, 1) (a real number, not a {type(p).__name__}), got {p!r}")
     value = float(p)
     if not 0.0 <= value < 1.0 or round(value * 256) >= 256:
         raise ValueError(f"{name} must be in [0, 1) with round(p * 256) < 256 (p < 0.998046875), got {p!r}")

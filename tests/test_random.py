@@ -181,7 +181,7 @@ def test_effective_dropout_p_and_threshold():
         with pytest.raises(ValueError, match="round"):
             dropout_threshold(bad)
     for bad in ("0.1", True, None, torch.tensor(0.1)):
-        with pytest.raises(ValueError, match="must be a real number in"):
+        with pytest.raises(ValueError, match=r"must be in \[0, 1\) \(a real number, not a"):
             dropout_threshold(bad)
     with pytest.raises(ValueError, match="0.999"):
         effective_dropout_p(0.999)

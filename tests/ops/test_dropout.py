@@ -47,10 +47,11 @@ def test_spec_threshold_scale_and_small_p():
     spec = DropoutSpec(0.1, 3, 0)
     assert spec.threshold == 26 and spec.active
     assert spec.scale == float(torch.tensor(256 / 230, dtype=torch.float32))
-    assert not DropoutSpec(0.001, 3, 0).active       # round(0.256) = 0: nothing to drop
     x = torch.randn(4, 40)
-    assert apply_keep_mask(x, DropoutSpec(0.001, 3, 0)) is x
-    assert not make_dropout_spec(0.001, True, 3).active
+    assert apply_keep_mask(x, DropoutSpec(0.0, 3, 0)) is x and not DropoutSpec(0.0, 3, 0).active
+    for build in (lambda: DropoutSpec(0.001, 3, 0), lambda: make_dropout_spec(0.001, True, 3)):
+        with pytest.raises(ValueError, match="would drop nothing"):   # round(0.256) = 0: it dropped nothing
+            build()
 
 
 def test_bias_dropout_add_and_validation():
