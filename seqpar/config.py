@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from .memory import RECOMPUTE_POLICIES
-from .ops.registry import check_eps, check_flags, validate_backend
+from .ops.registry import check_eps, check_flags, is_positive_finite, validate_backend
 from .ops.rotary import check_theta
 from .random import dropout_threshold, is_int
 
@@ -67,6 +67,12 @@ class TransformerConfig:
     ``rope_theta``; the head dim must be even). ``rope_theta`` other than 10000 with "learned" positions
     is a ValueError (it would be ignored).
     ``add_bias_linear``: biases on the four linear layers (QKV, projection, fc1, fc2).
+    ``init_method_std``: the weights' init N(0, std): every matrix, and GPTModel's embedding tables and
+    untied head (Megatron's ``init_method_std``, HF's ``initializer_range``; biases start at 0, norms at 1).
+    ``output_layer_init_std``: the std of the two matrices that write into the residual stream (the
+    attention projection and fc2). None: ``init_method_std / sqrt(2 L)`` in a GPTModel of L layers
+    (Megatron's scaled output init, GPT-2's ``c_proj`` init), which it passes to its layers' configs, and
+    ``init_method_std`` in a TransformerLayer built on its own (it doesn't know L).
     Dropout combines with every choice: with RMSNorm the hidden dropout runs as an unfused
     bias-dropout-add before the RMSNorm (the same regenerated masks), the attention dropout is the
     attention core's, whatever the other knobs.
@@ -89,6 +95,8 @@ class TransformerConfig:
     position_embedding: str = "learned"
     rope_theta: float = DEFAULT_ROPE_THETA
     add_bias_linear: bool = True
+    init_method_std: float = 0.02
+    output_layer_init_std: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_attention_heads"):
@@ -135,10 +143,23 @@ class TransformerConfig:
         if self.position_embedding == "learned" and theta != DEFAULT_ROPE_THETA:
             raise ValueError(f"rope_theta={theta!r} with position_embedding='learned': rope_theta is only used with "
                              f"position_embedding='rope'")
+        if not is_positive_finite(self.init_method_std):
+            raise ValueError(f"init_method_std must be a positive finite float, got {self.init_method_std!r}")
+        if self.output_layer_init_std is not None and not is_positive_finite(self.output_layer_init_std):
+            raise ValueError(f"output_layer_init_std must be a positive finite float or None, got "
+                             f"{self.output_layer_init_std!r}")
         # Held as plain floats: 0 and 0.0 (or np.float64(0.1) and 0.1) give one config, one repr, and the
         # same value to the ranks' agreement check.
-        for name in ("hidden_dropout", "attention_dropout", "layernorm_epsilon", "rope_theta"):
+        for name in ("hidden_dropout", "attention_dropout", "layernorm_epsilon", "rope_theta", "init_method_std"):
             object.__setattr__(self, name, float(getattr(self, name)))
+        if self.output_layer_init_std is not None:
+            object.__setattr__(self, "output_layer_init_std", float(self.output_layer_init_std))
+
+    @property
+    def output_init_std(self) -> float:
+        """The std the attention projection and fc2 are initialised with in a layer of this config:
+        ``output_layer_init_std``, or ``init_method_std`` when None (GPTModel resolves None first)."""
+        return self.init_method_std if self.output_layer_init_std is None else self.output_layer_init_std
 
     @property
     def head_dim(self) -> int:

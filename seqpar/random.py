@@ -41,9 +41,10 @@ masks are one opaque custom op (:func:`mask_bytes`): compiled code reads the sam
 """
 from __future__ import annotations
 
+import contextlib
 import numbers
 import sys
-from typing import Dict, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -52,7 +53,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from ._custom_op import kernel_op, outside_compile
 
 __all__ = [
-    "manual_seed", "initial_seed", "get_rng_state", "set_rng_state", "stream_seed", "next_layer_seed",
+    "manual_seed", "initial_seed", "get_rng_state", "set_rng_state", "fork_rng", "stream_seed", "next_layer_seed",
     "next_layer_streams", "next_op_seed", "generator_fingerprint", "Site", "philox4x32", "mask_bytes",
     "dropout_keep_mask", "dropout_threshold", "dropout_scale", "effective_dropout_p", "MASK_GROUP",
 ]
@@ -131,6 +132,21 @@ def set_rng_state(state: torch.Tensor) -> None:
     state = state.cpu()
     torch.set_rng_state(state[8:].clone())
     _state.seed = int.from_bytes(bytes(state[:8].tolist()), "little")
+
+
+@contextlib.contextmanager
+def fork_rng() -> Iterator[None]:
+    """Restore :func:`get_rng_state` (the seqpar seed and torch's CPU generator) when the block ends, even
+    by an exception: e.g. an evaluation with its own :func:`manual_seed` inside a training run.
+    ``torch.random.fork_rng`` restores torch's generators only, so a ``manual_seed`` inside it changed
+    the masks of every later training forward. For the same reason the seqpar seed must not change
+    between a forward and its backward under ``torch.utils.checkpoint``: the re-run mixes in the seed of
+    that moment, which checkpoint does not restore (seqpar's own recompute passes the drawn seeds in)."""
+    state = get_rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
 
 
 def generator_fingerprint(with_torch_state: bool = True) -> Dict[str, object]:

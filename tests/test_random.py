@@ -320,3 +320,21 @@ def test_rng_state_restores_the_dropout_seeds_without_manual_seed():
     for bad in (torch.get_rng_state(), state.float(), state[:-1], state.tolist()):
         with pytest.raises(ValueError, match="state must be seqpar.random.get_rng_state"):
             seqpar.random.set_rng_state(bad)
+
+
+def test_fork_rng_restores_the_seqpar_seed_too():
+    """torch.random.fork_rng restores torch's generator only: a seqpar.manual_seed inside it changed every
+    later training forward's masks. seqpar.random.fork_rng restores both, on an exception too."""
+    seqpar.manual_seed(3)
+    torch.rand(5)
+    before = seqpar.random.get_rng_state()
+    with torch.random.fork_rng():
+        seqpar.manual_seed(0)
+    assert seqpar.random.initial_seed() == 0            # the trap
+    seqpar.random.set_rng_state(before)
+    with pytest.raises(KeyError):
+        with seqpar.random.fork_rng():
+            seqpar.manual_seed(0)
+            torch.rand(3)
+            raise KeyError("evaluation failed")
+    assert torch.equal(seqpar.random.get_rng_state(), before)

@@ -280,7 +280,9 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         self.post_attention_layernorm = make_norm(config, tp_group, device)
         self.mlp = ParallelMLP(config, tp_group, device, init_method=None)
         for part, name in enumerate(self._linear_names()):
-            self._parts()[name].init_method = SeededNormal(layer_number, part)
+            writes_residual = name in ("self_attention.dense", "mlp.dense_4h_to_h")
+            std = config.output_init_std if writes_residual else config.init_method_std
+            self._parts()[name].init_method = SeededNormal(layer_number, part, std)
         for module in self.modules():   # the layer's own input check (or its opt-out) covers its linears'
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.check_rank_inputs = False
@@ -477,8 +479,8 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Deterministic init of the unsharded weights: each linear's ``init_method`` (built with
-        :class:`~seqpar.nn.linear.SeededNormal`, N(0, 0.02) from (seqpar seed, layer_number, which
-        matrix)) and a zero bias, unit norm weights and zero norm biases; then each rank keeps its shard,
+        :class:`~seqpar.nn.linear.SeededNormal`, N(0, config.init_method_std), the attention projection and
+        fc2 N(0, config.output_init_std), from (seqpar seed, layer_number, which matrix)) and a zero bias, unit norm weights and zero norm biases; then each rank keeps its shard,
         in the parameters' dtype. Drawn on the CPU whatever the default device (``with
         torch.device("meta")`` included). Each part's own ``reset_parameters`` draws the same values; a
         linear whose ``init_method`` you set to None keeps its weight and bias in both."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
@@ -369,7 +370,9 @@ class GPTModel(SharesProcessGroup, nn.Module):
 
     ``recompute``: None (``config.recompute`` for every layer), one policy for every layer, or one of
     "none" | "selective" | "full" per layer, e.g. ``seqpar.memory.plan_recompute(...).policies``; layer
-    i runs with ``dataclasses.replace(config, recompute=recompute[i])`` (``self.layers[i].config``).
+    i runs with ``dataclasses.replace(config, recompute=recompute[i])`` (``self.layers[i].config``), and
+    with ``output_layer_init_std`` resolved (None: ``config.init_method_std / sqrt(2 * num_layers)``,
+    Megatron's and GPT-2's scaled init of the attention projection and fc2).
 
     Unsharded state dict (:meth:`full_state_dict` / :meth:`load_full_state_dict`, PyTorch layouts):
     ``embedding.word_embeddings.weight`` [v, h], ``embedding.position_embeddings.weight``
@@ -405,9 +408,14 @@ class GPTModel(SharesProcessGroup, nn.Module):
                                       learned_positions=config.position_embedding == "learned",
                                       padding_idx=padding_idx)
         policies = recompute_policies(config.recompute if recompute is None else recompute, num_layers)
+        # Megatron's scaled init of the matrices writing into the residual stream, unless the config sets one
+        output_std = config.output_layer_init_std
+        if output_std is None:
+            output_std = config.init_method_std / math.sqrt(2 * num_layers)
         with agreement_checked():  # the check above covers every layer's
             self.layers = nn.ModuleList(
-                TransformerLayer(dataclasses.replace(config, recompute=policy), tp_group, device, layer_number=i)
+                TransformerLayer(dataclasses.replace(config, recompute=policy, output_layer_init_std=output_std),
+                                 tp_group, device, layer_number=i)
                 for i, policy in enumerate(policies))
         self.check_rank_inputs = True
         for layer in self.layers:
@@ -420,7 +428,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
         for part, table in enumerate((self.embedding.word_embeddings, self.embedding.position_embeddings,
                                       self.output_layer)):
             if table is not None:
-                table.init_method = SeededNormal(-1, part)
+                table.init_method = SeededNormal(-1, part, config.init_method_std)
         if self.final_layernorm.weight.device.type != "meta":  # on meta: to_empty, then reset_parameters()
             self._reset_embeddings()
 
@@ -474,7 +482,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
     @torch.no_grad()
     def _reset_embeddings(self) -> None:
         """Deterministic init of the unsharded embeddings from the seqpar seed: each table's own
-        ``reset_parameters`` with its :class:`~seqpar.nn.linear.SeededNormal` (N(0, 0.02); the word table
+        ``reset_parameters`` with its :class:`~seqpar.nn.linear.SeededNormal` (N(0, init_method_std); the word table
         over its v real rows, the ``padding_idx`` row then zero), so any t starts from the same model and
         a table reset on its own (FSDP1's deferred init) gets the same values."""
         self.embedding.word_embeddings.reset_parameters()

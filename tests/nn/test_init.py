@@ -1,6 +1,7 @@
 """Initialisation of the modules used on their own: the tensor-parallel linears draw their unsharded
 weight (not torch.empty's leftovers), and the deferred-init recipe (meta device, to_empty,
 reset_parameters) rebuilds exactly what building on a real device draws."""
+import dataclasses
 import pytest
 import torch
 
@@ -305,3 +306,37 @@ def test_parametrized_parallel_linear_computes_its_weight_once_and_refuses_unsha
     assert torch.equal(linear.parametrizations.weight.original, before)
     with pytest.raises(ValueError, match=rf"{cls.__name__}.full: weight is not a parameter"):
         linear.full()
+
+
+def _std(state, key):
+    return float(state[key].float().std())
+
+
+def test_output_projections_start_scaled_by_depth_as_megatron_and_gpt2():
+    """GPTModel's attention projection and fc2 start at init_method_std / sqrt(2 L) (Megatron's scaled
+    output init, GPT-2's c_proj init), the other matrices and the tables at init_method_std; a layer on
+    its own (no L) at init_method_std; both knobs set by the config."""
+    seqpar.manual_seed(0)
+    config = seqpar.TransformerConfig(hidden_size=64, num_attention_heads=4)
+    state = seqpar.GPTModel(config, 8, 500, 64).full_state_dict()
+    for key, want in (("layers.3.self_attention.dense.weight", 0.005), ("layers.3.mlp.dense_4h_to_h.weight", 0.005),
+                      ("layers.3.self_attention.query_key_value.weight", 0.02), ("layers.3.mlp.dense_h_to_4h.weight", 0.02),
+                      ("embedding.word_embeddings.weight", 0.02), ("embedding.position_embeddings.weight", 0.02)):
+        assert abs(_std(state, key) / want - 1) < 0.05, (key, _std(state, key))
+    layer = seqpar.TransformerLayer(config).full_state_dict()
+    assert abs(_std(layer, "self_attention.dense.weight") / 0.02 - 1) < 0.05
+    chosen = dataclasses.replace(config, init_method_std=0.01, output_layer_init_std=0.003)
+    model = seqpar.GPTModel(chosen, 2, 500, 64, share_embeddings_and_output_weights=False)
+    state = model.full_state_dict()
+    for key, want in (("layers.1.mlp.dense_4h_to_h.weight", 0.003), ("layers.1.mlp.dense_h_to_4h.weight", 0.01),
+                      ("output_layer.weight", 0.01), ("embedding.word_embeddings.weight", 0.01)):
+        assert abs(_std(state, key) / want - 1) < 0.05, (key, _std(state, key))
+    assert model.config == chosen and model.layers[1].config.output_layer_init_std == 0.003
+    dense = model.layers[1].mlp.dense_4h_to_h
+    dense.reset_parameters()   # a module's own reset (FSDP1's deferred init) draws the same values
+    assert torch.equal(model.full_state_dict()["layers.1.mlp.dense_4h_to_h.weight"],
+                       state["layers.1.mlp.dense_4h_to_h.weight"])
+    for bad in ({"init_method_std": 0.0}, {"init_method_std": None}, {"output_layer_init_std": float("inf")},
+                {"output_layer_init_std": -1.0}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be a positive finite float"):
+            dataclasses.replace(config, **bad)
