@@ -132,7 +132,10 @@ def _torch_backward(grad_o, q, k, v, saved, causal: bool, scale: float, spec: Dr
     b, heads, s_q, d = q.shape
     kv_heads, s_k = k.shape[1], k.shape[2]
     probs, dropped = (t.float() for t in saved)                 # [b, Hk, G * s_q, s_k]
-    grad_o = group_rows(grad_o.float(), kv_heads)
+    # group_rows / ungroup_rows as one reshape each: vmap over this backward (batched gradients:
+    # jacobian(vectorize=True), autograd.grad(is_grads_batched=True)) has no batching rule for their
+    # unflatten, and the export concern behind it is a forward one (a backward is never exported).
+    grad_o = grad_o.float().reshape(b, kv_heads, -1, d)
     grad_v = torch.matmul(dropped.transpose(-2, -1), grad_o)    # sums over the group
     grad_dropped = torch.matmul(grad_o, v.float().transpose(-2, -1))
     if spec.active:
@@ -140,8 +143,8 @@ def _torch_backward(grad_o, q, k, v, saved, causal: bool, scale: float, spec: Dr
     else:
         grad_probs = grad_dropped
     grad_scores = probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True))
-    grad_q = ungroup_rows(torch.matmul(grad_scores, k.float()) * scale, heads)
-    grad_k = torch.matmul(grad_scores.transpose(-2, -1), group_rows(q.float(), kv_heads)) * scale
+    grad_q = (torch.matmul(grad_scores, k.float()) * scale).reshape(b, heads, s_q, d)
+    grad_k = torch.matmul(grad_scores.transpose(-2, -1), q.float().reshape(b, kv_heads, -1, d)) * scale
     return grad_q, grad_k, grad_v
 
 

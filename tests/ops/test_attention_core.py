@@ -945,3 +945,19 @@ def test_a_refused_call_draws_no_seed():
     assert torch.equal(torch.get_rng_state(), state)
     attention_core(q, q, q, is_causal=True, dropout_p=0.1, backend="torch")
     assert not torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_torch_backend_takes_batched_gradients(kv_heads):
+    """autograd.grad(is_grads_batched=True) and jacobian(vectorize=True) vmap the backward, which had no
+    batching rule for group_rows' unflatten (a torch-internal RuntimeError); each batched gradient now
+    equals its own backward, as with F.scaled_dot_product_attention."""
+    q = randn(1, 4, 5, 8).requires_grad_()
+    k, v = (randn(1, kv_heads, 5, 8).requires_grad_() for _ in range(2))
+    o = attention_core(q, k, v, is_causal=True, enable_gqa=True, backend="torch")
+    grads_o = randn(3, *o.shape)
+    batched = torch.autograd.grad(o, (q, k, v), grads_o, is_grads_batched=True, retain_graph=True)
+    for i in range(3):
+        one = torch.autograd.grad(o, (q, k, v), grads_o[i], retain_graph=True)
+        for got, want in zip(batched, one):
+            torch.testing.assert_close(got[i], want, atol=1e-6, rtol=1e-5)

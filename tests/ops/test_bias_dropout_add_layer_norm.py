@@ -768,3 +768,33 @@ def test_only_residual_out_used_runs_no_norm_backward(backend):
     torch.testing.assert_close(residual.grad, weights, rtol=0, atol=0)
     torch.testing.assert_close(bias.grad, grad_x.sum(dim=(0, 1)), rtol=1e-5, atol=1e-5)
     assert w.grad is None and b.grad is None, leaves
+
+
+class _StopGradient(torch.autograd.Function):
+    """A consumer whose backward returns None (an undefined gradient for its input)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+@pytest.mark.parametrize("p", [0.0, 0.25], ids=["p0", "p025"])
+def test_both_output_gradients_undefined_flow_back_as_none(p):
+    """y's and residual_out's consumers both return None: the backward read the missing gradient (an
+    AttributeError on None), where the torch composite leaves the inputs without a gradient. Also
+    gradcheck's default undefined-gradient check (fp32: the op refuses fp64)."""
+    h = 8
+    x, residual, bias = (torch.randn(*shape, requires_grad=True) for shape in ((3, 2, h), (3, 2, h), (h,)))
+    other = torch.randn(h, requires_grad=True)
+    y, residual_out = bias_dropout_add_layer_norm(x, bias, residual, torch.ones(h), torch.zeros(h), p=p, seed=3,
+                                                  backend="torch")
+    (_StopGradient.apply(y).sum() + _StopGradient.apply(residual_out).sum() + other.sum()).backward()
+    assert x.grad is None and residual.grad is None and bias.grad is None and torch.equal(other.grad, torch.ones(h))
+    args = (torch.randn(3, 2, h, requires_grad=True), torch.randn(h, requires_grad=True),
+            torch.randn(3, 2, h, requires_grad=True), torch.randn(h, requires_grad=True), torch.randn(h, requires_grad=True))
+    assert torch.autograd.gradcheck(lambda *a: bias_dropout_add_layer_norm(*a, backend="torch"), args, eps=1e-2,
+                                    atol=2e-2, rtol=2e-2)
