@@ -542,11 +542,10 @@ class GPTModel(SharesProcessGroup, nn.Module):
         return hidden
 
     def _layers(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Embedding output -> final norm output; each layer through its ``__call__``."""
+        """Embedding output -> the last layer's output; each layer through its ``__call__``."""
         for layer in self.layers:
             hidden = call_self_casting(self, layer, hidden)
-        with saved_as("final norm input"):
-            return self.final_layernorm(hidden)
+        return hidden
 
     def _check_inputs(self, tokens, labels, with_checksum: bool) -> Optional[int]:
         """ValueError naming the first problem of this rank's ``tokens`` / ``labels``; else their checksum
@@ -603,11 +602,17 @@ class GPTModel(SharesProcessGroup, nn.Module):
         """tokens [b, s] int64 ids in [0, v) -> with ``labels`` [b, s] (already shifted; -100 ignored) the
         per-token cross-entropy [s, b] in fp32, without them this rank's logits [s, b, vocab_end -
         vocab_start] (the class docstring has the details)."""
+        return self._in_compute_dtype(self._forward, tokens, labels)
+
+    def _in_compute_dtype(self, body, *args):
+        """``body(*args)`` in the parameters' dtype, or under an enabled autocast as if the model were
+        converted to its dtype (the layers cast their own parameters: under FSDP2 they hold them only in
+        their call)."""
         dtype = autocast_dtype(self)
-        if dtype is not None:   # the layers cast their own parameters (under FSDP2 they hold them only in their call)
-            layers = [module for module in self.modules() if isinstance(module, TransformerLayer)]
-            return run_in_dtype(self, dtype, self._forward, tokens, labels, self_casting=layers)
-        return self._forward(tokens, labels)
+        if dtype is None:
+            return body(*args)
+        layers = [module for module in self.modules() if isinstance(module, TransformerLayer)]
+        return run_in_dtype(self, dtype, body, *args, self_casting=layers)
 
     def _forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
         """:meth:`forward` in the parameters' dtype."""
@@ -629,10 +634,10 @@ class GPTModel(SharesProcessGroup, nn.Module):
         or under sequence parallelism this rank's shard [s/t, b, h], embedding dropout applied in
         training (what :meth:`forward` feeds ``layers[0]``). Checks this rank's tokens (ValueError naming
         a bad id), not that the ranks agree. ``model.embedding(tokens)`` alone is the unsharded sum of the
-        tables, without the scatter or the dropout. The stage methods compute in the parameters' dtype:
-        for bf16 stages convert the model (``.to(dtype)``) rather than entering ``torch.autocast``."""
+        tables, without the scatter or the dropout. Like :meth:`forward` (and :meth:`head`), under an
+        enabled ``torch.autocast`` as if the model were converted to its dtype."""
         self._check_inputs(tokens, None, with_checksum=False)
-        return self._embed(tokens)
+        return self._in_compute_dtype(self._embed, tokens)
 
     def head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A last pipeline stage's output side: the last layer's output (as ``layers[-1]`` returns it) ->
@@ -641,19 +646,20 @@ class GPTModel(SharesProcessGroup, nn.Module):
         ``model.layers[i]`` in order. With the word embedding tied to the head, the first and the last
         stage each hold it: sum its gradient over the two (Megatron's embedding group) before stepping."""
         if labels is not None:
-            rows = hidden.shape[0] * (group_size(self.tp_group) if self.config.sequence_parallel else 1)
-            expected = (hidden.shape[1], rows) if hidden.dim() == 3 else None
+            shards = group_size(self.tp_group) if self.config.sequence_parallel else 1   # hidden: s / shards rows
+            shape = tuple(getattr(hidden, "shape", ()))
+            expected = (shape[1], shape[0] * shards) if len(shape) == 3 else None
             if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64 or tuple(labels.shape) != expected:
                 raise ValueError(f"labels must be an int64 [b, s] = {expected} tensor for hidden "
-                                 f"{tuple(hidden.shape)}, got {getattr(labels, 'dtype', type(labels).__name__)} "
+                                 f"{shape}, got {getattr(labels, 'dtype', type(labels).__name__)} "
                                  f"{tuple(getattr(labels, 'shape', ()))}")
             self._check_ids(torch.zeros_like(labels), labels, with_checksum=False)
-        with saved_as("final norm input"):
-            hidden = self.final_layernorm(hidden)
-        return self._head(hidden, labels)
+        return self._in_compute_dtype(self._head, hidden, labels)
 
     def _head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
-        """Final norm output -> logits, or the loss given labels."""
+        """The last layer's output -> final norm -> logits, or the loss given labels."""
+        with saved_as("final norm input"):
+            hidden = self.final_layernorm(hidden)
         # The real rows only: padded logits are never computed, so they can't enter the softmax.
         with saved_as("output layer input"):
             if self.output_layer is not None:   # through its __call__: hooks on it fire

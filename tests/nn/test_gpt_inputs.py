@@ -425,6 +425,14 @@ def test_pipeline_stage_methods_compute_the_models_forward(tied):
         assert torch.equal(a.grad, b.grad), name
     torch.manual_seed(5)
     assert torch.equal(loss, whole(tokens, labels))
+    with torch.autocast("cpu", dtype=torch.bfloat16):   # as forward: as if converted to bf16
+        torch.manual_seed(5)
+        hidden = staged.embed(tokens)
+        for layer in staged.layers:
+            hidden = layer(hidden)
+        staged_loss = staged.head(hidden, labels)
+        torch.manual_seed(5)
+        assert hidden.dtype == torch.bfloat16 and torch.equal(staged_loss, whole(tokens, labels))
     with pytest.raises(ValueError, match=r"labels must be an int64 \[b, s\] = \(3, 12\) tensor"):
         staged.head(boundary, labels[:, :5])
     with pytest.raises(ValueError, match="label id 50 at"):
