@@ -9,7 +9,7 @@ import functools
 import importlib
 import json
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -87,6 +87,16 @@ def triton_unavailable_reason(device: torch.device, auto: bool = False) -> Optio
     return f"triton needs CUDA tensors (got {device.type}; set TRITON_INTERPRET=1 for CPU tensors)"
 
 
+def cuda_capability(device: torch.device) -> Tuple[int, int]:
+    """(major, minor) compute capability of CUDA ``device`` (the current one when it has no index)."""
+    return _capability(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> Tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
 def cuda_unavailable_reason(device: torch.device) -> Optional[str]:
     """Why the CUDA backend can't run on tensors of ``device`` (None when it can)."""
     reason = cuda_extension_error()
@@ -101,14 +111,20 @@ def cuda_unavailable_reason(device: torch.device) -> Optional[str]:
 def _kernel_image_error(device_index: int) -> Optional[str]:
     """Why seqpar._C's kernels can't run on GPU ``device_index`` (None when they can): it was built for newer
     architectures than the GPU's (the default build is sm_80 and sm_90: A100, H100/H200), so its first launch
-    would fail ("no kernel image"); "auto" then takes the next backend. Asked once per device."""
+    would fail ("no kernel image"), or the driver is older than its toolkit; "auto" then takes the next
+    backend. Asked once per device."""
     with torch.cuda.device(device_index):
         error = cuda_extension().kernel_image_error()
     if not error:
         return None
     major, minor = torch.cuda.get_device_capability(device_index)
-    return (f"seqpar._C has no kernels for this GPU (sm_{major}{minor}: {error}); rebuild it for the GPU with "
-            f"SEQPAR_CUDA_ARCHS={major}{minor} pip install -e .")
+    if "no kernel image" in error or "invalid device function" in error:
+        return (f"seqpar._C has no kernels for this GPU (sm_{major}{minor}: {error}); rebuild it for the GPU with "
+                f"SEQPAR_CUDA_ARCHS={major}{minor} pip install -e . (CUDA 13 builds sm_75 and newer)")
+    # Anything else is not about the architecture (rebuilding for it would not help): say what it is.
+    hint = (" (the NVIDIA driver is older than the CUDA toolkit seqpar._C was built with: update the driver, or "
+            "build with a toolkit the driver supports)" if "driver" in error.lower() else "")
+    return f"seqpar._C's kernels can't run on this GPU (sm_{major}{minor}): {error}{hint}"
 
 
 def cuda_stream(device: torch.device) -> int:

@@ -39,7 +39,7 @@ def test_info_shows_every_auto_fallback(capsys, monkeypatch):
     assert "auto -> torch" in lines[att] and "tries triton, cuda, torch" in lines[att]
     block = "\n".join(lines[att + 1:att + 5])
     assert "triton skipped by auto:" in block and "cuda   skipped by auto:" in block
-    assert "triton limits: head dim d a multiple of 8 in [16, 128]" in block
+    assert "triton limits: sm_80 or newer; head dim d a multiple of 8 in [16, 128]" in block
     monkeypatch.setattr(ext, "triton_unavailable_reason", lambda device, auto=False: None)
     monkeypatch.setattr(ext, "cuda_unavailable_reason", lambda device: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -495,8 +495,9 @@ _TUNE_KEY = ["S_Q", "S_K", "HEAD_DIM", "CAUSAL", "DROPOUT", "DOT", "GROUP"]
 # 0: never), and for dk/dv the same two limits again under GQA (GROUP > 1). Forward and dq keep a tall
 # query tile resident and stream keys; dk/dv keeps a wide key tile resident and streams queries. The limits
 # come from bench/kernel_report.py (sm_90a, bf16 / fp16, causal; bench/results/kernel_report.txt): a tile
-# is offered only where ptxas doesn't spill, and with dropout only where the main loop stays within 1.6x of
-# its dropout-free instruction count. So the 4-warp tiles stop at d_pad = 64, and with dropout the
+# is offered only where ptxas doesn't spill on sm_90a (on sm_80 / sm_89 a few spill up to 7 KB, and the
+# autotuner skips those over sm_89's 99 KB of shared memory), and with dropout only where the main loop
+# stays within 1.6x of its dropout-free instruction count. So the 4-warp tiles stop at d_pad = 64, and with dropout the
 # 128 x 128 forward (its mask costs ~1.75x) and, at d_pad = 128, the 64-query dk/dv tiles (they spill) are
 # left out. A GQA dk/dv program loops over its kv head's q heads around the query-block loops; that loop
 # costs registers (the dk, dv accumulators and the k, v tiles stay live across it), so under GQA the
@@ -569,6 +570,13 @@ _dkdv_tuned = triton.autotune(configs=_configs(_DKDV_TILES), key=_TUNE_KEY,
 # which another thread tuning the same kernel would overwrite before it is read.
 _BUCKET_CONFIGS: Dict[tuple, Dict[str, int]] = {}
 _TUNE_LOCK = threading.Lock()
+_TUNED_FOR: Dict[str, Optional[Tuple[int, int]]] = {}   # kernel -> the GPU arch its autotuner cache is for
+
+
+def _arch(like: torch.Tensor) -> Optional[Tuple[int, int]]:
+    """The compute capability of ``like``'s GPU (None off CUDA): what a tuned choice depends on beyond the
+    autotuner's key (the shared memory a tile needs must fit the GPU's)."""
+    return torch.cuda.get_device_capability(like.device) if like.is_cuda else None
 
 
 def _bucket(which: str, s_q: int, s_k: int, group: int, like: torch.Tensor, meta) -> tuple:
@@ -590,6 +598,12 @@ def _launch(which: str, even_kernel, tuned_kernel, grid_rows: int, bh: int, args
     if config is None:
         grid = lambda m: (triton.cdiv(grid_rows, m["BLOCK_M" if which != "dkdv" else "BLOCK_N"]), bh)
         with _TUNE_LOCK:
+            arch = _arch(args[0])
+            if _TUNED_FOR.get(which, arch) != arch:
+                # Triton's autotune cache keys leave the device out: a choice made on an H100 (a 118 KB
+                # tile) was reused, untimed, on an L4 (99 KB of shared memory), whose launch then failed.
+                tuned_kernel.cache.clear()
+            _TUNED_FOR[which] = arch
             tuned_kernel[grid](*args, **meta)
             best = tuned_kernel.best_config
             _BUCKET_CONFIGS[bucket] = dict(best.kwargs, num_warps=best.num_warps, num_stages=best.num_stages)

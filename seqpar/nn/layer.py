@@ -480,10 +480,11 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
     def reset_parameters(self) -> None:
         """Deterministic init of the unsharded weights: each linear's ``init_method`` (built with
         :class:`~seqpar.nn.linear.SeededNormal`, N(0, config.init_method_std), the attention projection and
-        fc2 N(0, config.output_init_std), from (seqpar seed, layer_number, which matrix)) and a zero bias, unit norm weights and zero norm biases; then each rank keeps its shard,
-        in the parameters' dtype. Drawn on the CPU whatever the default device (``with
-        torch.device("meta")`` included). Each part's own ``reset_parameters`` draws the same values; a
-        linear whose ``init_method`` you set to None keeps its weight and bias in both."""
+        fc2 N(0, config.output_init_std), from (seqpar seed, layer_number, which matrix)) and a zero bias,
+        unit norm weights and zero norm biases; then each rank keeps its shard, in the parameters' dtype.
+        Drawn on the CPU whatever the default device (``with torch.device("meta")`` included). Each part's
+        own ``reset_parameters`` draws the same values; a linear whose ``init_method`` you set to None keeps
+        its weight and bias in both."""
         parts = self._parts()
         full = {}
         for key, shape in self.full_shapes().items():

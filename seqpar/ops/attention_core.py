@@ -204,6 +204,10 @@ def _triton_backward(grad_o, q, k, v, saved, causal: bool, scale: float, spec: D
 def _triton_check(q=None, k=None, v=None, causal=True, dropout=True, **_) -> Optional[str]:
     if q is None:
         return None
+    if q.is_cuda and _ext.cuda_capability(q.device) < (8, 0):
+        major, minor = _ext.cuda_capability(q.device)
+        return (f"the triton attention kernel needs sm_80 or newer: its tiles need more shared memory than "
+                f"this GPU's (sm_{major}{minor}, 64 KiB a block)")
     # Only reached once triton imports (the registry checks that first).
     from ..triton_kernels.attention import unsupported_reason
 
@@ -221,8 +225,8 @@ def _triton_auto_skip(q=None, **_) -> Optional[str]:
 
 registry.register(registry.Backend(
     OP, "triton", _triton_forward, _triton_backward, _triton_check, recompute_free=True,
-    limits="head dim d a multiple of 8 in [16, 128]; b * Hq <= 65535; sequence strides of q, k, v < 2**31 / 128; "
-           "dropout needs triton >= 3.3; auto skips fp32",
+    limits="sm_80 or newer; head dim d a multiple of 8 in [16, 128]; b * Hq <= 65535; sequence strides of q, k, v "
+           "< 2**31 / 128; dropout needs triton >= 3.3; auto skips fp32",
     auto_skip=_triton_auto_skip))
 
 

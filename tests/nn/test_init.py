@@ -320,8 +320,9 @@ def test_output_projections_start_scaled_by_depth_as_megatron_and_gpt2():
     config = seqpar.TransformerConfig(hidden_size=64, num_attention_heads=4)
     state = seqpar.GPTModel(config, 8, 500, 64).full_state_dict()
     for key, want in (("layers.3.self_attention.dense.weight", 0.005), ("layers.3.mlp.dense_4h_to_h.weight", 0.005),
-                      ("layers.3.self_attention.query_key_value.weight", 0.02), ("layers.3.mlp.dense_h_to_4h.weight", 0.02),
-                      ("embedding.word_embeddings.weight", 0.02), ("embedding.position_embeddings.weight", 0.02)):
+                      ("layers.3.self_attention.query_key_value.weight", 0.02),
+                      ("layers.3.mlp.dense_h_to_4h.weight", 0.02), ("embedding.word_embeddings.weight", 0.02),
+                      ("embedding.position_embeddings.weight", 0.02)):
         assert abs(_std(state, key) / want - 1) < 0.05, (key, _std(state, key))
     layer = seqpar.TransformerLayer(config).full_state_dict()
     assert abs(_std(layer, "self_attention.dense.weight") / 0.02 - 1) < 0.05

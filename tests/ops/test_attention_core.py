@@ -906,6 +906,37 @@ def test_triton_autotunes_once_per_length_bucket(monkeypatch):
                         ("tuned", 129, None, None), ("tuned", 5, None, None), ("fixed", 16, 64, 4)]
 
 
+def test_triton_autotuner_cache_is_cleared_when_the_gpu_arch_changes(monkeypatch):
+    """Triton's autotune cache keys leave the device out: in a process with an H100 and an L4, the L4's
+    first call reused the H100's choice untimed (a tile the L4's shared memory can't hold). The cache is
+    cleared whenever a kernel tunes for another arch than it last did."""
+    import triton
+
+    from seqpar.triton_kernels import attention as A
+
+    class Kernel:
+        def __init__(self):
+            self.cache, self.best_config = {"old": 1}, triton.Config({"BLOCK_M": 64}, num_warps=4)
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: None
+
+    tuned = Kernel()
+    archs = iter([(9, 0), (9, 0), (8, 9), (8, 9)])
+    monkeypatch.setattr(A, "_interpret", lambda: False)
+    monkeypatch.setattr(A, "_BUCKET_CONFIGS", {})
+    monkeypatch.setattr(A, "_TUNED_FOR", {})
+    monkeypatch.setattr(A, "_fwd_tuned", tuned)
+    monkeypatch.setattr(A, "_arch", lambda like: next(archs))
+    seen = []
+    for s in (16, 64, 256, 1024):   # a new bucket each: every call tunes
+        q = torch.randn(1, 2, s, 16, dtype=torch.bfloat16)
+        A.attention_fwd(q, q, q, True, 0.25)
+        seen.append(dict(tuned.cache))
+        tuned.cache["tuned"] = s
+    assert seen == [{"old": 1}, {"old": 1, "tuned": 16}, {}, {"tuned": 256}]
+
+
 def test_triton_fp32_launches_one_fixed_tile_without_the_autotuner(monkeypatch):
     """fp32 (a testing mode: IEEE FMA dots) takes one modest 8-warp tile per kernel as a fixed config; the
     autotuner is never called (triton 3.6's benchmarks even the one config a prune leaves, at every new

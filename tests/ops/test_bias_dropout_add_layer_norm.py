@@ -794,7 +794,6 @@ def test_both_output_gradients_undefined_flow_back_as_none(p):
                                                   backend="torch")
     (_StopGradient.apply(y).sum() + _StopGradient.apply(residual_out).sum() + other.sum()).backward()
     assert x.grad is None and residual.grad is None and bias.grad is None and torch.equal(other.grad, torch.ones(h))
-    args = (torch.randn(3, 2, h, requires_grad=True), torch.randn(h, requires_grad=True),
-            torch.randn(3, 2, h, requires_grad=True), torch.randn(h, requires_grad=True), torch.randn(h, requires_grad=True))
+    args = tuple(torch.randn(*shape, requires_grad=True) for shape in ((3, 2, h), (h,), (3, 2, h), (h,), (h,)))
     assert torch.autograd.gradcheck(lambda *a: bias_dropout_add_layer_norm(*a, backend="torch"), args, eps=1e-2,
                                     atol=2e-2, rtol=2e-2)

@@ -176,3 +176,41 @@ def test_nested_selection_records_leave_by_identity():
             with registry.record_selections():
                 raise KeyError("the user's")
     assert registry._RECORDERS == []
+
+
+def test_a_cuda_runtime_error_that_is_not_about_the_arch_is_quoted_without_the_rebuild_advice(monkeypatch):
+    """Every failure of the extension's probe read "no kernels for this GPU ... rebuild with
+    SEQPAR_CUDA_ARCHS": an old driver on an H100 was told to rebuild for the sm_90 it had."""
+    import contextlib
+
+    import seqpar._ext as ext
+
+    class OldDriverExtension:
+        def kernel_image_error(self):
+            return "CUDA driver version is insufficient for CUDA runtime version"
+
+    monkeypatch.setattr(ext, "cuda_extension_error", lambda: None)
+    monkeypatch.setattr(ext, "cuda_extension", OldDriverExtension)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    ext._kernel_image_error.cache_clear()
+    try:
+        reason = ext.cuda_unavailable_reason(torch.device("cuda", 0))
+        assert reason.startswith("seqpar._C's kernels can't run on this GPU (sm_90): CUDA driver version is "
+                                 "insufficient") and "update the driver" in reason and "SEQPAR_CUDA_ARCHS" not in reason
+    finally:
+        ext._kernel_image_error.cache_clear()
+
+
+def test_the_triton_attention_kernel_is_not_offered_below_sm_80(monkeypatch):
+    """On a T4 (sm_75, 64 KiB of shared memory a block) every attention tile needs more: auto picked triton
+    and its launch failed with OutOfResources. Now auto passes it over; the row kernels still run there."""
+    import seqpar._ext as ext
+    from seqpar.ops.attention_core import OP
+
+    monkeypatch.setattr(ext, "cuda_capability", lambda device: (7, 5))
+    q = torch.randn(1, 2, 4, 16)
+    monkeypatch.setattr(type(q), "is_cuda", property(lambda self: True))
+    reason = registry.get(OP, "triton").check(q=q, k=q, v=q, causal=True, dropout=False)
+    assert reason == ("the triton attention kernel needs sm_80 or newer: its tiles need more shared memory than "
+                      "this GPU's (sm_75, 64 KiB a block)")
