@@ -539,17 +539,17 @@ INTERPRET_CONFIG: Dict[str, Dict[str, int]] = {
 }
 
 
-def _fp32_config(tiles) -> Dict[str, int]:
-    bm, bn, warps, stages, *_ = min((tile for tile in tiles if tile[2] == 8), key=lambda tile: tile[0] * tile[1])
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
-
-
 # fp32 inputs (testing only) use ieee dots, i.e. FMA loops without tensor cores: a 128 x 128 tile unrolls
 # into ~8k FMAs per thread per dot, so compiling every config for each new shape (each gpu test is one)
-# took minutes, and big fp32 tiles can overflow shared memory. One modest 8-warp tile each, launched as a
-# fixed config: no autotuner, which (triton 3.6, say) benchmarks even a single config.
+# took minutes. One small 8-warp, 2-stage tile each, launched as a fixed config (no autotuner, which triton
+# 3.6 runs even for a single config). At d = 128 with dropout they need at most 68 KB of shared memory and
+# don't spill on sm_80, sm_89 or sm_90 (triton.compile's sizes, ptxas), so they run on every GPU from sm_80
+# (sm_86 / sm_89 have 99 KB a block); the H100-sized tiles used before needed up to 208 KB (dq, d = 128).
 FP32_CONFIG: Dict[str, Dict[str, int]] = {
-    "fwd": _fp32_config(_FWD_TILES), "dq": _fp32_config(_DQ_TILES), "dkdv": _fp32_config(_DKDV_TILES)}
+    "fwd": {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2},
+    "dq": {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+    "dkdv": {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+}
 
 _fwd_even = triton.heuristics(_EVEN)(_attn_fwd_kernel)
 _dq_even = triton.heuristics(_EVEN)(_attn_bwd_dq_kernel)
