@@ -122,8 +122,12 @@ def _kernel_image_error(device_index: int) -> Optional[str]:
         return (f"seqpar._C has no kernels for this GPU (sm_{major}{minor}: {error}); rebuild it for the GPU with "
                 f"SEQPAR_CUDA_ARCHS={major}{minor} pip install -e . (CUDA 13 builds sm_75 and newer)")
     # Anything else is not about the architecture (rebuilding for it would not help): say what it is.
-    hint = (" (the NVIDIA driver is older than the CUDA toolkit seqpar._C was built with: update the driver, or "
-            "build with a toolkit the driver supports)" if "driver" in error.lower() else "")
+    hint = ""
+    if "driver" in error.lower() or "ptx" in error.lower():   # an old driver, or its JIT rejecting newer PTX
+        hint = (" (the NVIDIA driver is older than the CUDA toolkit seqpar._C was built with: update the driver, "
+                "or build with a toolkit the driver supports" +
+                (f", or build native code for the GPU with SEQPAR_CUDA_ARCHS={major}{minor})"
+                 if "ptx" in error.lower() else ")"))
     return f"seqpar._C's kernels can't run on this GPU (sm_{major}{minor}): {error}{hint}"
 
 

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Optional
 
 import torch
 
 from .memory import RECOMPUTE_POLICIES
-from .ops.registry import check_eps, check_flags, is_positive_finite, validate_backend
+from .ops.registry import check_eps, check_flags, validate_backend
 from .ops.rotary import check_theta
 from .random import dropout_threshold, is_int
 
@@ -17,6 +19,11 @@ POSITION_EMBEDDINGS = ("learned", "rope")
 DEFAULT_ROPE_THETA = 10000.0
 #: What the fused kernels and the layer compute in (fp64 and others are rejected when the config is built).
 PARAMS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _is_positive_real(value) -> bool:
+    """A finite real number > 0, Python or numpy (np.float32 too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def _check_prob(name: str, value) -> None:
@@ -143,9 +150,9 @@ class TransformerConfig:
         if self.position_embedding == "learned" and theta != DEFAULT_ROPE_THETA:
             raise ValueError(f"rope_theta={theta!r} with position_embedding='learned': rope_theta is only used with "
                              f"position_embedding='rope'")
-        if not is_positive_finite(self.init_method_std):
+        if not _is_positive_real(self.init_method_std):
             raise ValueError(f"init_method_std must be a positive finite float, got {self.init_method_std!r}")
-        if self.output_layer_init_std is not None and not is_positive_finite(self.output_layer_init_std):
+        if self.output_layer_init_std is not None and not _is_positive_real(self.output_layer_init_std):
             raise ValueError(f"output_layer_init_std must be a positive finite float or None, got "
                              f"{self.output_layer_init_std!r}")
         # Held as plain floats: 0 and 0.0 (or np.float64(0.1) and 0.1) give one config, one repr, and the

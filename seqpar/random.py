@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 import sys
+import warnings
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch
@@ -137,7 +138,8 @@ def set_rng_state(state: torch.Tensor) -> None:
 @contextlib.contextmanager
 def fork_rng() -> Iterator[None]:
     """Restore :func:`get_rng_state` (the seqpar seed and torch's CPU generator) when the block ends, even
-    by an exception: e.g. an evaluation with its own :func:`manual_seed` inside a training run.
+    by an exception: e.g. an evaluation with its own :func:`manual_seed` inside a training run. CUDA
+    generators are not restored (seqpar draws nothing from them): nest ``torch.random.fork_rng`` for them.
     ``torch.random.fork_rng`` restores torch's generators only, so a ``manual_seed`` inside it changed
     the masks of every later training forward. For the same reason the seqpar seed must not change
     between a forward and its backward under ``torch.utils.checkpoint``: the re-run mixes in the seed of
@@ -353,8 +355,9 @@ def dropout_threshold(p, name: str = "dropout probability p") -> int:
     """``P = round(p * 256)``, the byte threshold of dropout probability ``p`` (kept iff byte >= P).
 
     Raises ValueError, naming ``name``, unless p is a real number (Python or numpy, not a bool) in [0, 1)
-    with ``P < 256`` (p < 255.5 / 256), and ``P > 0`` unless p is 0: a p in (0, 1/512] would round to
-    P = 0 and drop nothing.
+    with ``P < 256`` (p < 255.5 / 256). A p in (0, 1/512] rounds to P = 0 and drops nothing: a
+    UserWarning says so (once per place it is asked from), and it is still accepted, so a checkpoint whose
+    config carries such a p loads.
     """
     if not isinstance(p, numbers.Real) or isinstance(p, bool):
         raise ValueError(f"{name} must be in [0, 1) (a real number, not a {type(p).__name__}), got {p!r}")
@@ -363,8 +366,8 @@ def dropout_threshold(p, name: str = "dropout probability p") -> int:
         raise ValueError(f"{name} must be in [0, 1) with round(p * 256) < 256 (p < 0.998046875), got {p!r}")
     threshold = round(value * 256)
     if threshold == 0 and value > 0:
-        raise ValueError(f"{name} = {p!r} would drop nothing: the masks drop in steps of 1/256 (p is rounded to "
-                         f"round(p * 256) / 256), and it rounds to 0; pass 0, or a p above 1/512")
+        warnings.warn(f"{name} = {p!r} drops nothing: the masks drop in steps of 1/256 (p is rounded to "
+                      f"round(p * 256) / 256), and it rounds to 0; pass 0, or a p above 1/512", stacklevel=2)
     return threshold
 
 

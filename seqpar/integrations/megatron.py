@@ -1,7 +1,8 @@
 """Megatron-LM / Megatron-Core state dicts <-> seqpar's unsharded (``full_state_dict``) layout.
 
-seqpar's keys are the names of Megatron-LM's legacy GPT layer, and every tensor but one has Megatron's
-layout; the exception is the fused QKV projection's rows. With a heads, g k/v groups and head dim d::
+seqpar's keys are the names of Megatron-LM's legacy GPT layer (before its norms became ``input_norm`` /
+``post_attention_norm`` / ``final_norm``), and every tensor but one has Megatron's layout; the exception
+is the fused QKV projection's rows. With a heads, g k/v groups and head dim d::
 
     seqpar     [Q_0 .. Q_{a-1}, K_0 .. K_{g-1}, V_0 .. V_{g-1}]                 (each block d rows)
     Megatron   [Q_0 .. Q_{a/g-1}, K_0, V_0,  Q_{a/g} .. Q_{2a/g-1}, K_1, V_1,  ...]   (per k/v group)
@@ -14,8 +15,10 @@ Megatron checkpoint loaded into seqpar as is loads without an error and computes
 (checked once against Megatron-Core 0.16.1's local-spec ``TransformerLayer`` on CPU, which is not a test
 dependency: multi-head, grouped-query and the Llama block, the same outputs to 3e-6 in fp32)::
 
-    Megatron-Core                        Megatron-LM / seqpar
+    Megatron-Core / Megatron-LM          seqpar
     decoder.layers.{i}.                  layers.{i}.
+    input_norm / post_attention_norm     input_layernorm / post_attention_layernorm (Megatron-LM's newer names)
+    final_norm                           final_layernorm
     self_attention.linear_qkv            self_attention.query_key_value   (rows reordered)
     self_attention.linear_proj           self_attention.dense
     pre_mlp_layernorm                    post_attention_layernorm
@@ -36,10 +39,14 @@ import torch
 
 __all__ = ["qkv_from_megatron", "qkv_to_megatron", "from_megatron_state_dict"]
 
-# Megatron-Core name -> seqpar name, matched on whole dotted components.
+# Megatron name -> seqpar name, matched where a dotted component starts (Megatron-Core's names, and the
+# norm names Megatron-LM's legacy model took when it added RMSNorm).
 _CORE_NAMES = (
     ("decoder.layers.", "layers."),
     ("decoder.final_layernorm.", "final_layernorm."),
+    ("input_norm.", "input_layernorm."),
+    ("post_attention_norm.", "post_attention_layernorm."),
+    ("final_norm.", "final_layernorm."),
     ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
     ("self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias"),
     ("mlp.linear_fc1.layer_norm_weight", "post_attention_layernorm.weight"),
@@ -67,7 +74,12 @@ def _groups(qkv: torch.Tensor, num_attention_heads: int, num_query_groups: Optio
     rows, per_group = qkv.shape[0], heads // groups + 2
     if rows % (groups * per_group):
         raise ValueError(f"a QKV tensor of {rows} rows is not (a + 2g) d rows for a = {heads}, g = {groups}")
-    return groups, heads // groups, rows // (groups * per_group)
+    d = rows // (groups * per_group)
+    if qkv.dim() == 2 and qkv.shape[1] != heads * d:
+        # a tensor-parallel shard (Megatron-LM saves one file per rank) would be read with the wrong d
+        raise ValueError(f"a QKV weight {tuple(qkv.shape)} is not [(a + 2g) d, a d] for a = {heads}, g = {groups}: "
+                         "convert the unsharded weight (a tensor-parallel shard holds a / t heads)")
+    return groups, heads // groups, d
 
 
 def qkv_from_megatron(qkv: torch.Tensor, num_attention_heads: int,

@@ -36,7 +36,7 @@ class FusedBiasDropoutAddLayerNorm(LayerNorm):
         eps: LayerNorm epsilon (finite, at least fp32's smallest normal number 1.18e-38).
         p: dropout probability in [0, 1), applied in training mode; the effective probability is
             ``round(p * 256) / 256`` (:func:`seqpar.random.effective_dropout_p`), and
-            ``round(p * 256)`` of 0 for a p > 0, or >= 256, is a ValueError.
+            ``round(p * 256) >= 256`` is a ValueError (p <= 1/512 drops nothing: a warning).
         backend: "auto" | "torch" | "triton" | "cuda" (see :mod:`seqpar.ops.registry`).
         device, dtype: of the LayerNorm parameters.
         tp_group, sequence_parallel: as :class:`seqpar.nn.LayerNorm`.

@@ -31,7 +31,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
                     pipeline_group: ProcessGroup = None) -> torch.Tensor:
     """Scale the gradients of ``module``'s parameters in place so that the norm of the unsharded
     gradients is at most ``max_norm``; returns that norm before clipping (an fp32 0-d tensor, fp64 when a
-    gradient is fp64; the same on every rank). A drop-in for ``torch.nn.utils.clip_grad_norm_(
+    parameter is fp64, with a gradient or not: the ranks reduce in one dtype; the same on every rank). A drop-in for ``torch.nn.utils.clip_grad_norm_(
     module.parameters(), ...)`` under tensor parallelism (see the module docstring); at t = 1 it computes
     what torch's does, bit for bit with fp32 gradients (bf16 / fp16 ones: their norms in fp32, where
     torch's round to the gradients' dtype).
@@ -119,9 +119,11 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
                 if group is not None:
                     part = _all_reduce_max(part, group) if math.isinf(norm_type) else _all_reduce_sum(part, group)
             total = torch.maximum(total, part) if math.isinf(norm_type) else total + part
-        if pipelined:
-            total = _all_reduce_max(total, pipeline_group) if math.isinf(norm_type) \
-                else _all_reduce_sum(total, pipeline_group)
+        if pipelined:   # in fp64 on every stage: a stage's own dtype (fp64 parameters, or none) may differ
+            wide_total = total.to(torch.float64)
+            wide_total = _all_reduce_max(wide_total, pipeline_group) if math.isinf(norm_type) \
+                else _all_reduce_sum(wide_total, pipeline_group)
+            total = wide_total.to(acc)
         norm = total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(norm):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {norm.item()}: "
@@ -136,9 +138,12 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
 
 
 def _group_device(group) -> torch.device:
-    """The device a collective over ``group`` takes tensors on (NCCL: this rank's CUDA device)."""
-    backend = dist.get_backend(group)
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    """The device a collective over ``group`` takes tensors on: this rank's CUDA device when the group runs
+    NCCL ("nccl", or "cpu:gloo,cuda:nccl" and the like: the other stages reduce CUDA tensors), else CPU."""
+    if "nccl" not in str(dist.get_backend(group)) or not torch.cuda.is_available():
+        return torch.device("cpu")
+    bound = getattr(group, "bound_device_id", None)
+    return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def _real(value) -> Optional[float]:

@@ -206,8 +206,8 @@ def _triton_check(q=None, k=None, v=None, causal=True, dropout=True, **_) -> Opt
         return None
     if q.is_cuda and _ext.cuda_capability(q.device) < (8, 0):
         major, minor = _ext.cuda_capability(q.device)
-        return (f"the triton attention kernel needs sm_80 or newer: its tiles need more shared memory than "
-                f"this GPU's (sm_{major}{minor}, 64 KiB a block)")
+        return (f"the triton attention kernel needs sm_80 or newer (its tiles need more shared memory than "
+                f"older GPUs have a block), got sm_{major}{minor}")
     # Only reached once triton imports (the registry checks that first).
     from ..triton_kernels.attention import unsupported_reason
 
@@ -444,8 +444,8 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_ma
             both with different values is a ValueError.
         dropout_p: attention-probability dropout in [0, 1) (ignored when ``training`` is False). The
             effective probability is ``round(dropout_p * 256) / 256``
-            (:func:`seqpar.random.effective_dropout_p`); ``round(dropout_p * 256)`` of 0 for a p > 0, or
-            >= 256, is a ValueError.
+            (:func:`seqpar.random.effective_dropout_p`): p <= 1/512 drops nothing (a warning), and
+            ``round(dropout_p * 256) >= 256`` is a ValueError.
         scale: softmax scale, default ``1/sqrt(d)``; any finite float, as SDPA's.
         enable_gqa: allow k, v with Hk heads dividing q's Hq (q head i uses kv head i // (Hq / Hk)).
             Without it, differing head counts are a ValueError.

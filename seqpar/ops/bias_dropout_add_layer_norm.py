@@ -411,7 +411,7 @@ def bias_dropout_add_layer_norm(x: torch.Tensor, bias: Optional[torch.Tensor], r
     Args:
         p: dropout probability in [0, 1) (ignored when ``training`` is False). The effective probability
             is ``round(p * 256) / 256`` (:func:`seqpar.random.effective_dropout_p`): p = 0.1 drops 26/256
-            of the elements; ``round(p * 256)`` of 0 for a p > 0, or >= 256, is a ValueError. A dropped
+            of the elements, p <= 1/512 none (a warning); ``round(p * 256) >= 256`` is a ValueError. A dropped
             element of ``x + bias`` adds exactly 0, even an inf or NaN (:func:`seqpar.ops.dropout`).
         seed: dropout stream seed (int in [0, 2**62)); None draws one from :func:`seqpar.manual_seed`'s
             generator.

@@ -206,8 +206,6 @@ def _chunked_all_gather_matmul_bwd(x_shard2, grad_y3, weight, group, plan: Chunk
     if need_w:
         x3 = torch.empty((ex.t,) + tuple(x_shard2.shape), dtype=x_shard2.dtype, device=x_shard2.device)
         x3[ex.rank].copy_(x_shard2)
-        regather = [ex.exchange(x_shard2, x3[ex.source(j + 1)], step=j, name="ag_bwd_x", tag=_TAG_GATHER)
-                    for j in range(ex.t - 1)]
 
     def weight_gradient():
         nonlocal grad_weight
@@ -219,6 +217,8 @@ def _chunked_all_gather_matmul_bwd(x_shard2, grad_y3, weight, group, plan: Chunk
 
     def run():
         nonlocal grad_x_shard
+        for j in range(ex.t - 1 if need_w else 0):   # issued in here: drained if a later issue raises
+            regather.append(ex.exchange(x_shard2, x3[ex.source(j + 1)], step=j, name="ag_bwd_x", tag=_TAG_GATHER))
         if need_x:
             grad_x_shard = _reduce_scatter_chunks(ex, grad_y3, weight, plan, "ag_bwd_dgrad",
                                                   beside=weight_gradient if need_w else None)

@@ -123,6 +123,25 @@ def test_pipeline_stages_clip_by_the_whole_models_norm(norm_type):
     assert min(alone for _, _, alone, _ in results) < results[0][0]   # a stage alone: a smaller norm
 
 
+def _uneven_stages_worker(rank, world_size):
+    """Stage 0 an fp64 linear with gradients of ones; stage 1 an fp32 one, then no parameters at all."""
+    norms = []
+    for last_stage in (torch.nn.Linear(4, 4), torch.nn.Module()):
+        stage = torch.nn.Linear(4, 4, dtype=torch.float64) if rank == 0 else last_stage
+        for param in stage.parameters():
+            param.grad = torch.ones_like(param)
+        norms.append(float(clip_grad_norm_(stage, 1e9, pipeline_group=dist.group.WORLD)))
+    return norms
+
+
+@pytest.mark.timeout(120)
+def test_pipeline_stages_of_different_dtypes_or_without_parameters_agree():
+    """Each stage reduced in its own dtype (fp64 parameters, or fp32 for none): gloo aborted on the size
+    mismatch. The stages' totals are reduced in fp64 on every stage."""
+    for norms in run_ranks(_uneven_stages_worker, 2, timeout_s=90):
+        assert norms == pytest.approx([40 ** 0.5, 20 ** 0.5], rel=1e-6), norms
+
+
 def test_one_rank_is_torchs_clip_and_bad_arguments_are_value_errors():
     ours, theirs = _model(None), _model(None)
     _backward(ours)

@@ -24,15 +24,26 @@ def _tagged_qkv(heads, groups, d, h):
 
 
 @pytest.mark.parametrize("heads,groups", [(4, None), (8, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
-@pytest.mark.parametrize("h", [12, 0], ids=["weight", "bias"])
-def test_qkv_rows_follow_megatrons_groups(heads, groups, h):
-    ours, theirs = _tagged_qkv(heads, groups or heads, 3, h)
+@pytest.mark.parametrize("weight", [True, False], ids=["weight", "bias"])
+def test_qkv_rows_follow_megatrons_groups(heads, groups, weight):
+    ours, theirs = _tagged_qkv(heads, groups or heads, 3, 3 * heads if weight else 0)
     assert torch.equal(qkv_to_megatron(ours, heads, groups), theirs)
     assert torch.equal(qkv_from_megatron(theirs, heads, groups), ours)
     assert torch.equal(ours, theirs) == (groups == 1)   # one k/v group: the two orders coincide
 
 
+def test_megatron_lms_newer_norm_names_map_to_seqpars():
+    state = {"layers.0.input_norm.weight": 1, "layers.0.post_attention_norm.bias": 2, "final_norm.weight": 3,
+             "layers.0.input_layernorm.bias": 4}
+    assert from_megatron_state_dict(state, 1) == {
+        "layers.0.input_layernorm.weight": 1, "layers.0.post_attention_layernorm.bias": 2,
+        "final_layernorm.weight": 3, "layers.0.input_layernorm.bias": 4}
+
+
 def test_bad_qkv_arguments_are_named():
+    # a tensor-parallel shard (t = 2 of a = g = 4, d = 8: 48 rows of h = 32) read as d = 4 heads was scrambled
+    with pytest.raises(ValueError, match=r"QKV weight \(48, 32\) is not \[\(a \+ 2g\) d, a d\] .* tensor-parallel shard"):
+        qkv_from_megatron(torch.zeros(48, 32), 4)
     with pytest.raises(ValueError, match="not \\(a \\+ 2g\\) d rows for a = 4, g = 4"):
         qkv_from_megatron(torch.zeros(25, 8), 4)
     with pytest.raises(ValueError, match="num_query_groups 3 does not divide num_attention_heads 4"):

@@ -2,6 +2,8 @@
 weight (not torch.empty's leftovers), and the deferred-init recipe (meta device, to_empty,
 reset_parameters) rebuilds exactly what building on a real device draws."""
 import dataclasses
+
+import numpy as np
 import pytest
 import torch
 
@@ -333,6 +335,7 @@ def test_output_projections_start_scaled_by_depth_as_megatron_and_gpt2():
                       ("output_layer.weight", 0.01), ("embedding.word_embeddings.weight", 0.01)):
         assert abs(_std(state, key) / want - 1) < 0.05, (key, _std(state, key))
     assert model.config == chosen and model.layers[1].config.output_layer_init_std == 0.003
+    assert dataclasses.replace(config, init_method_std=np.float32(0.5)).init_method_std == 0.5   # numpy reals too
     dense = model.layers[1].mlp.dense_4h_to_h
     dense.reset_parameters()   # a module's own reset (FSDP1's deferred init) draws the same values
     assert torch.equal(model.full_state_dict()["layers.1.mlp.dense_4h_to_h.weight"],

@@ -190,7 +190,7 @@ def test_a_cuda_runtime_error_that_is_not_about_the_arch_is_quoted_without_the_r
             return "CUDA driver version is insufficient for CUDA runtime version"
 
     monkeypatch.setattr(ext, "cuda_extension_error", lambda: None)
-    monkeypatch.setattr(ext, "cuda_extension", OldDriverExtension)
+    monkeypatch.setattr(ext, "cuda_extension", lambda: OldDriverExtension())
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     ext._kernel_image_error.cache_clear()
@@ -198,6 +198,10 @@ def test_a_cuda_runtime_error_that_is_not_about_the_arch_is_quoted_without_the_r
         reason = ext.cuda_unavailable_reason(torch.device("cuda", 0))
         assert reason.startswith("seqpar._C's kernels can't run on this GPU (sm_90): CUDA driver version is "
                                  "insufficient") and "update the driver" in reason and "SEQPAR_CUDA_ARCHS" not in reason
+        OldDriverExtension.kernel_image_error = lambda self: "the provided PTX was compiled with an unsupported toolchain."
+        ext._kernel_image_error.cache_clear()   # newer PTX than the driver's JIT: native code for the GPU helps too
+        assert ext.cuda_unavailable_reason(torch.device("cuda", 0)).endswith("build native code for the GPU with "
+                                                                             "SEQPAR_CUDA_ARCHS=90)")
     finally:
         ext._kernel_image_error.cache_clear()
 
@@ -212,5 +216,5 @@ def test_the_triton_attention_kernel_is_not_offered_below_sm_80(monkeypatch):
     q = torch.randn(1, 2, 4, 16)
     monkeypatch.setattr(type(q), "is_cuda", property(lambda self: True))
     reason = registry.get(OP, "triton").check(q=q, k=q, v=q, causal=True, dropout=False)
-    assert reason == ("the triton attention kernel needs sm_80 or newer: its tiles need more shared memory than "
-                      "this GPU's (sm_75, 64 KiB a block)")
+    assert reason == ("the triton attention kernel needs sm_80 or newer (its tiles need more shared memory than "
+                      "older GPUs have a block), got sm_75")
