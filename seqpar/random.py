@@ -54,9 +54,9 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from ._custom_op import kernel_op, outside_compile
 
 __all__ = [
-    "manual_seed", "initial_seed", "get_rng_state", "set_rng_state", "fork_rng", "stream_seed", "next_layer_seed",
-    "next_layer_streams", "next_op_seed", "generator_fingerprint", "Site", "philox4x32", "mask_bytes",
-    "dropout_keep_mask", "dropout_threshold", "dropout_scale", "effective_dropout_p", "MASK_GROUP",
+    "manual_seed", "initial_seed", "get_rng_state", "set_rng_state", "fork_rng", "stream_seed",
+    "next_layer_seed", "next_layer_streams", "next_op_seed", "generator_fingerprint", "Site", "philox4x32",
+    "mask_bytes", "dropout_keep_mask", "dropout_threshold", "dropout_scale", "effective_dropout_p", "MASK_GROUP",
 ]
 
 _MASK32 = 0xFFFFFFFF
@@ -359,7 +359,7 @@ def dropout_threshold(p, name: str = "dropout probability p") -> int:
     UserWarning says so (once per place it is asked from), and it is still accepted, so a checkpoint whose
     config carries such a p loads.
     """
-    if not isinstance(p, numbers.Real) or isinstance(p, bool):
+    if type(p) is not float and (not isinstance(p, numbers.Real) or isinstance(p, bool)):   # float: per call
         raise ValueError(f"{name} must be in [0, 1) (a real number, not a {type(p).__name__}), got {p!r}")
     value = float(p)
     if not 0.0 <= value < 1.0 or round(value * 256) >= 256:

@@ -498,10 +498,11 @@ _TUNE_KEY = ["S_Q", "S_K", "HEAD_DIM", "CAUSAL", "DROPOUT", "DOT", "GROUP"]
 # is offered only where ptxas doesn't spill on sm_90a (on sm_80 / sm_89 a few spill up to 7 KB, and the
 # autotuner skips those over sm_89's 99 KB of shared memory), and with dropout only where the main loop
 # stays within 1.6x of its dropout-free instruction count. So the 4-warp tiles stop at d_pad = 64, and
-# with dropout the 128 x 128 forward (its mask costs ~1.75x) and, at d_pad = 128, the 64-query dk/dv tiles (they spill) are
-# left out. A GQA dk/dv program loops over its kv head's q heads around the query-block loops; that loop
-# costs registers (the dk, dv accumulators and the k, v tiles stay live across it), so under GQA the
-# larger tiles spill earlier and d_pad = 128 with dropout takes a 16-query tile.
+# with dropout the 128 x 128 forward (its mask costs ~1.75x) and, at d_pad = 128, the 64-query dk/dv
+# tiles (they spill) are left out. A GQA dk/dv program loops over its kv head's q heads around the
+# query-block loops; that loop costs registers (the dk, dv accumulators and the k, v tiles stay live
+# across it), so under GQA the larger tiles spill earlier and d_pad = 128 with dropout takes a 16-query
+# tile.
 _FWD_TILES = [(128, 64, 8, 3, 128, 128), (128, 32, 8, 3, 128, 128), (128, 64, 8, 2, 128, 128),
               (128, 128, 8, 2, 128, 0), (64, 64, 4, 3, 64, 64), (128, 32, 4, 4, 64, 64)]
 _DQ_TILES = [(128, 64, 8, 2, 128, 128), (128, 64, 8, 3, 128, 128), (128, 32, 8, 3, 128, 128),

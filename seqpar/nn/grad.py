@@ -31,10 +31,10 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
                     pipeline_group: ProcessGroup = None) -> torch.Tensor:
     """Scale the gradients of ``module``'s parameters in place so that the norm of the unsharded
     gradients is at most ``max_norm``; returns that norm before clipping (an fp32 0-d tensor, fp64 when a
-    parameter is fp64, with a gradient or not: the ranks reduce in one dtype; the same on every rank). A drop-in for ``torch.nn.utils.clip_grad_norm_(
-    module.parameters(), ...)`` under tensor parallelism (see the module docstring); at t = 1 it computes
-    what torch's does, bit for bit with fp32 gradients (bf16 / fp16 ones: their norms in fp32, where
-    torch's round to the gradients' dtype).
+    parameter is fp64, with a gradient or not: the ranks reduce in one dtype; the same on every rank). A
+    drop-in for ``torch.nn.utils.clip_grad_norm_(module.parameters(), ...)`` under tensor parallelism (see
+    the module docstring); at t = 1 it computes what torch's does, bit for bit with fp32 gradients (bf16 /
+    fp16 ones: their norms in fp32, where torch's round to the gradients' dtype).
 
     The ``norm_type``-norm (a positive float, or ``inf`` / ``"inf"``) of every gradient together, in
     fp32 (fp64 with fp64 gradients): split parameters' shares summed (max for inf) over their
