@@ -491,12 +491,15 @@ class GPTModel(SharesProcessGroup, nn.Module):
         if self.output_layer is not None:
             self.output_layer.reset_parameters()
 
-    def _check_ids(self, tokens: torch.Tensor, labels: Optional[torch.Tensor], with_checksum: bool) -> Optional[int]:
+    def _check_ids(self, tokens: Optional[torch.Tensor], labels: Optional[torch.Tensor],
+                   with_checksum: bool) -> Optional[int]:
         """ValueError naming the first token or label id outside [0, vocab_size) (-100 allowed in labels),
-        from one host read of both (a device sync on CUDA). With ``with_checksum`` returns, from the same
-        read, a checksum of the ids' values and positions for the ranks' check (None without it, and while
-        a graph is captured: no host read)."""
-        checks = [("token", tokens, False)] + ([("label", labels, True)] if labels is not None else [])
+        from one host read of those given (a device sync on CUDA). With ``with_checksum`` returns, from the
+        same read, a checksum of the ids' values and positions for the ranks' check (None without it, and
+        while a graph is captured: no host read)."""
+        checks = [(name, ids, allow_ignore) for name, ids, allow_ignore in
+                  (("token", tokens, False), ("label", labels, True)) if ids is not None]
+        first = checks[0][1]
         bad = []
         for _, ids, allow_ignore in checks:
             outside = (ids < 0) | (ids >= self.vocab_size)
@@ -505,7 +508,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
         def allowed(allow_ignore: bool) -> str:
             return f"[0, {self.vocab_size})" + (f" or {IGNORE_INDEX} (ignored)" if allow_ignore else "")
 
-        if tracing() or (tokens.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if tracing() or (first.is_cuda and torch.cuda.is_current_stream_capturing()):
             # No host read while a graph is captured (torch.compile: a graph break, fullgraph=True fails;
             # a CUDA graph: not allowed): an assertion inside the graph, which raises without naming the id.
             for (name, _, allow_ignore), outside in zip(checks, bad):
@@ -516,7 +519,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
         if with_checksum:   # only the ranks' check reads it (a dozen small ops: none at t = 1)
             # Each id times an odd weight of its position (int64, wrapping): ranks given different batches,
             # or the same ids in another order, differ. Read with any_bad: one host read for both.
-            weights = torch.arange(1, 2 * tokens.numel(), 2, device=tokens.device).view(tokens.shape)
+            weights = torch.arange(1, 2 * first.numel(), 2, device=first.device).view(first.shape)
             checksum = functools.reduce(torch.add, ((ids * (weights + i)).sum() for i, (_, ids, _) in enumerate(checks)))
             any_bad, checksum = torch.stack([any_bad.long(), checksum]).tolist()
         else:
@@ -653,7 +656,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
                 raise ValueError(f"labels must be an int64 [b, s] = {expected} tensor for hidden "
                                  f"{shape}, got {getattr(labels, 'dtype', type(labels).__name__)} "
                                  f"{tuple(getattr(labels, 'shape', ()))}")
-            self._check_ids(torch.zeros_like(labels), labels, with_checksum=False)
+            self._check_ids(None, labels, with_checksum=False)
         return self._in_compute_dtype(self._head, hidden, labels)
 
     def _head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor]) -> torch.Tensor:
