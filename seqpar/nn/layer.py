@@ -49,8 +49,8 @@ from ..recompute import checkpoint
 from .autocast import autocast_dtype, run_in_dtype
 from .layernorm import LayerNorm, RMSNorm
 from .linear import ColumnParallelLinear, RowParallelLinear, SeededNormal, init_normal
-from .state_dict import (FSDP_UNIT, IncompatibleKeys, check_loadable, check_own_parameters, full_parameters,
-                         load_full_parameters, prepare_parameters)
+from .state_dict import (FSDP_UNIT, IncompatibleKeys, check_intact_parts, check_loadable, gather_unsharded,
+                         prepare_parameters, scatter_unsharded, unsharded_entries, unsharded_shapes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +92,11 @@ def agreement_values(config: TransformerConfig, **arguments) -> Dict[str, object
         with_torch_state=bool(config.hidden_dropout or config.attention_dropout))
     values.update(fingerprint)
     return values
+
+
+def parameter_device(module: nn.Module) -> torch.device:
+    """Where ``module``'s parameters live: its first parameter's device (any part may be replaced)."""
+    return next(module.parameters()).device
 
 
 AGREEMENT_HINT = ("Build every rank's modules from the same arguments after seqpar.manual_seed(s) with the same s "
@@ -282,7 +287,7 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         for part, name in enumerate(self._linear_names()):
             writes_residual = name in ("self_attention.dense", "mlp.dense_4h_to_h")
             std = config.output_init_std if writes_residual else config.init_method_std
-            self._parts()[name].init_method = SeededNormal(layer_number, part, std)
+            self.get_submodule(name).init_method = SeededNormal(layer_number, part, std)
         for module in self.modules():   # the layer's own input check (or its opt-out) covers its linears'
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.check_rank_inputs = False
@@ -305,7 +310,7 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
             return f"x must be a floating [s_local, b, {h}] tensor, got {got}"
         if x.shape[0] == 0 or x.shape[1] == 0:
             return f"x must have a non-empty sequence and batch, got shape {tuple(x.shape)}"
-        weight = self.input_layernorm.weight
+        weight = next(self.parameters())   # a part may be replaced (input_layernorm by nn.Identity, say)
         # The parameters' dtype, not config.params_dtype: .to(dtype) / .half() convert the parameters only.
         if weight.dtype not in PARAMS_DTYPES:
             return (f"the layer's parameters are {weight.dtype} (converted with .to() / .double()?): seqpar layers "
@@ -317,8 +322,9 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
             return f"x is on {x.device} but the layer's parameters are on {device}"
         if self.config.add_bias_linear and FSDP_UNIT:
             attention, mlp = self.self_attention, self.mlp
-            for name, block in (("self_attention", attention), ("mlp", mlp), ("self_attention.dense", attention.dense),
-                                ("mlp.dense_4h_to_h", mlp.dense_4h_to_h)):
+            for name, block in (("self_attention", attention), ("mlp", mlp),
+                                ("self_attention.dense", getattr(attention, "dense", None)),
+                                ("mlp.dense_4h_to_h", getattr(mlp, "dense_4h_to_h", None))):
                 if isinstance(block, FSDP_UNIT):
                     return (f"{name} is its own FSDP2 unit (fully_shard): it returns its output bias, a parameter, "
                             "to the layer's fused bias-dropout-add, and FSDP2 frees that parameter when the unit "
@@ -351,7 +357,7 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
             "grad mode": int(torch.is_grad_enabled()),
             **sp_random.generator_fingerprint(with_torch_state=dropout_on)},   # what the dropout seeds come from
             what=f"TransformerLayer(layer_number={self.layer_number}) input", error=problem, hint=hint,
-            device=self.input_layernorm.weight.device)
+            device=parameter_device(self))
 
     def _forward_mode(self) -> ForwardMode:
         """This call's mode: dropout in effect (training) and, if any, seeds drawn now from torch's
@@ -424,15 +430,27 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
     def _linear_names() -> Tuple[str, ...]:
         return ("self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
 
-    def _parts(self):
-        return {"input_layernorm": self.input_layernorm, "post_attention_layernorm": self.post_attention_layernorm,
-                "self_attention.query_key_value": self.self_attention.query_key_value,
-                "self_attention.dense": self.self_attention.dense,
-                "mlp.dense_h_to_4h": self.mlp.dense_h_to_4h, "mlp.dense_4h_to_h": self.mlp.dense_4h_to_h}
+    def _part_classes(self) -> Dict[str, type]:
+        """{key prefix: the class the layer builds there} of its parts (what init and the part checks read)."""
+        norm = LayerNorm if self.config.normalization == "layernorm" else RMSNorm
+        return {"input_layernorm": norm, "self_attention.query_key_value": ColumnParallelLinear,
+                "self_attention.dense": RowParallelLinear, "post_attention_layernorm": norm,
+                "mlp.dense_h_to_4h": ColumnParallelLinear, "mlp.dense_4h_to_h": RowParallelLinear}
+
+    def _parts(self, what: str) -> Dict[str, nn.Module]:
+        """{key prefix: module} of the parts still the layer's own (:func:`check_intact_parts`: ValueError
+        for a wrapped or reparametrized one; a replaced one left out)."""
+        return check_intact_parts(self, self._part_classes(), self._config_shapes(), what)
 
     def full_shapes(self) -> Dict[str, tuple]:
-        """Unsharded state-dict keys and shapes (PyTorch Linear layout, weight [out, in]); ``.bias`` keys
-        only where there are biases (``add_bias_linear``; LayerNorm, not RMSNorm)."""
+        """Unsharded state-dict keys and shapes of every parameter (PyTorch Linear layout, weight [out, in]):
+        the layer's own parts, with ``.bias`` keys only where there are biases (``add_bias_linear``;
+        LayerNorm, not RMSNorm), and any parameter a subclass or a replaced submodule holds (split as its
+        module splits it if that is a seqpar parallel module, else replicated)."""
+        return unsharded_shapes(unsharded_entries(self))
+
+    def _config_shapes(self) -> Dict[str, tuple]:
+        """The unsharded keys and shapes of the layer's own parts, from the config."""
         cfg = self.config
         h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
         qkv_rows = (cfg.num_attention_heads + 2 * cfg.kv_heads) * d
@@ -457,24 +475,19 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         are checked first (ValueError); ``strict=False`` loads the keys the dict holds and returns the
         missing and unexpected ones (shapes are still checked), as ``nn.Module.load_state_dict``."""
         what = f"TransformerLayer(layer_number={self.layer_number}).load_full_state_dict"
-        check_own_parameters(self._parts(), self.full_shapes(), what)
+        self._parts(what)
         prepared = prepare_parameters(self, what)
-        device = self.input_layernorm.weight.device
-        keys = check_loadable(state_dict, self.full_shapes(), self.tp_group, device=device, strict=strict, what=what,
-                              data_parallel_groups=prepared.data_parallel_groups())
-        for name, part in self._parts().items():
-            load_full_parameters(part, {p: state_dict[f"{name}.{p}"].to(device) for p in ("weight", "bias")
-                                        if f"{name}.{p}" in state_dict})
+        keys = check_loadable(state_dict, unsharded_shapes(prepared.entries), self.tp_group, device=parameter_device(self),
+                              strict=strict, what=what, data_parallel_groups=prepared.data_parallel_groups())
+        scatter_unsharded(prepared.entries, state_dict)
         return keys
 
     @torch.no_grad()
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The unsharded weights (a collective under tensor parallelism: call it on every rank)."""
         what = f"TransformerLayer(layer_number={self.layer_number}).full_state_dict"
-        check_own_parameters(self._parts(), self.full_shapes(), what)
-        prepare_parameters(self, what)
-        return {f"{name}.{p}": value for name, part in self._parts().items()
-                for p, value in full_parameters(part).items()}
+        self._parts(what)
+        return gather_unsharded(prepare_parameters(self, what).entries)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -485,11 +498,13 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         Drawn on the CPU whatever the default device (``with torch.device("meta")`` included). Each part's
         own ``reset_parameters`` draws the same values; a linear whose ``init_method`` you set to None keeps
         its weight and bias in both."""
-        parts = self._parts()
+        parts = self._parts(f"TransformerLayer(layer_number={self.layer_number}).reset_parameters")
         full = {}
-        for key, shape in self.full_shapes().items():
+        for key, shape in self._config_shapes().items():
             prefix, _, name = key.rpartition(".")
-            part = parts[prefix]
+            part = parts.get(prefix)
+            if part is None:   # replaced by a module of the user's: its own init
+                continue
             if isinstance(part, (ColumnParallelLinear, RowParallelLinear)):
                 if part.init_method is None:
                     continue

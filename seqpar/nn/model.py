@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -45,10 +45,12 @@ from ..parallel.state import (SAME_MODE_HINT, SEED_HINT, ProcessGroup, SharesPro
                               check_ranks_agree, group_rank, group_size)
 from ..memory import recompute_policies, saved_as
 from .autocast import autocast_dtype, call_self_casting, run_in_dtype
-from .layer import AGREEMENT_HINT, TransformerLayer, agreement_values, make_norm
+from .layer import AGREEMENT_HINT, TransformerLayer, agreement_values, make_norm, parameter_device
+from .layernorm import LayerNorm, RMSNorm
 from .linear import SeededNormal
-from .state_dict import (IncompatibleKeys, ShardedParameters, ShardLayout, check_loadable, check_own_parameters,
-                         full_parameters, load_full_parameters, prepare_parameters, scatter_full)
+from .state_dict import (IncompatibleKeys, ShardedParameters, ShardLayout, check_intact_parts, check_loadable,
+                         full_parameters, gather_unsharded, prepare_parameters, scatter_full, scatter_unsharded,
+                         unsharded_entries, unsharded_shapes)
 
 EMBEDDING_RNG_LAYER = 2**31 - 1  # the embedding dropout's "layer number" in the RNG
 VOCAB_PAD_MULTIPLE = 128         # the padded vocabulary is a multiple of this times t
@@ -378,7 +380,8 @@ class GPTModel(SharesProcessGroup, nn.Module):
     ``embedding.word_embeddings.weight`` [v, h], ``embedding.position_embeddings.weight``
     [max_seq_len, h] (learned positions only), ``layers.{i}.<TransformerLayer keys>``,
     ``final_layernorm.weight`` [h] and ``.bias`` [h] (LayerNorm only), ``output_layer.weight`` [v, h]
-    (untied head only).
+    (untied head only); and the parameters a subclass or a replaced part holds, under their
+    ``named_parameters()`` keys (:meth:`full_shapes`).
     """
 
     def __init__(self, config: TransformerConfig, num_layers: int, vocab_size: int, max_seq_len: int,
@@ -572,7 +575,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
                                    or labels.shape != tokens.shape):
             raise ValueError(f"labels must be an int64 tensor of the tokens' shape {tuple(tokens.shape)}, got "
                              f"{getattr(labels, 'dtype', type(labels).__name__)} {tuple(getattr(labels, 'shape', ()))}")
-        device = self.final_layernorm.weight.device
+        device = parameter_device(self)
         for name, ids in (("tokens", tokens), ("labels", labels)):
             if ids is not None and ids.device != device:
                 raise ValueError(f"{name} are on {ids.device} but the model's parameters are on {device}" + (
@@ -595,9 +598,9 @@ class GPTModel(SharesProcessGroup, nn.Module):
             "tokens.shape[0] (b)": shape[0], "tokens.shape[1] (s)": shape[1], "labels given": int(labels is not None),
             "token and label values (checksum)": checksum, "training": int(self.training),
             "grad mode": int(torch.is_grad_enabled()),
-            "compute dtype (under autocast its dtype)": self.final_layernorm.weight.dtype,
+            "compute dtype (under autocast its dtype)": next(self.parameters()).dtype,
             **sp_random.generator_fingerprint(with_torch_state=dropout_on),   # what the dropout seeds come from
-        }, what="GPTModel input", error=problem, device=self.final_layernorm.weight.device,
+        }, what="GPTModel input", error=problem, device=parameter_device(self),
             hint="Every rank passes the same tokens (and labels, or none)" + SAME_MODE_HINT
                  + (SEED_HINT if dropout_on else ""))
 
@@ -638,7 +641,9 @@ class GPTModel(SharesProcessGroup, nn.Module):
         training (what :meth:`forward` feeds ``layers[0]``). Checks this rank's tokens (ValueError naming
         a bad id), not that the ranks agree. ``model.embedding(tokens)`` alone is the unsharded sum of the
         tables, without the scatter or the dropout. Like :meth:`forward` (and :meth:`head`), under an
-        enabled ``torch.autocast`` as if the model were converted to its dtype."""
+        enabled ``torch.autocast`` as if the model were converted to its dtype. :meth:`forward` checks its
+        inputs once and does not call this method or :meth:`head`: a subclass that changes the model's input
+        or output side overrides ``forward`` (``head(layers(embed(tokens)), labels)`` in the stage pieces)."""
         self._check_inputs(tokens, None, with_checksum=False)
         return self._in_compute_dtype(self._embed, tokens)
 
@@ -680,33 +685,37 @@ class GPTModel(SharesProcessGroup, nn.Module):
 
     # ------------------------------------------------------------------ unsharded weights
     def full_shapes(self) -> Dict[str, tuple]:
-        """Unsharded state-dict keys and shapes (see the class docstring)."""
+        """Unsharded state-dict keys and shapes of every parameter (see the class docstring), those a
+        subclass or a replaced module holds included (:meth:`TransformerLayer.full_shapes`)."""
+        return unsharded_shapes(unsharded_entries(self))
+
+    def _config_shapes(self) -> Dict[str, tuple]:
+        """The unsharded keys and shapes of the model's own parts, from the config (the layers' included)."""
         h = self.config.hidden_size
-        shapes = {"embedding.word_embeddings.weight": (self.vocab_size, h)}
-        if self.embedding.position_embeddings is not None:
-            shapes["embedding.position_embeddings.weight"] = (self.max_seq_len, h)
-        for i, layer in enumerate(self.layers):
-            shapes.update({f"layers.{i}.{key}": shape for key, shape in layer.full_shapes().items()})
-        shapes["final_layernorm.weight"] = (h,)
-        if self.final_layernorm.bias is not None:
+        shapes = {"embedding.word_embeddings.weight": (self.vocab_size, h),
+                  "embedding.position_embeddings.weight": (self.max_seq_len, h),
+                  "final_layernorm.weight": (h,), "output_layer.weight": (self.vocab_size, h)}
+        if self.config.normalization == "layernorm":
             shapes["final_layernorm.bias"] = (h,)
-        if self.output_layer is not None:
-            shapes["output_layer.weight"] = (self.vocab_size, h)
+        for i, layer in enumerate(self.layers):
+            config_shapes = getattr(layer, "_config_shapes", None)   # None: a block of the user's own
+            if config_shapes is not None:
+                shapes.update({f"layers.{i}.{key}": shape for key, shape in config_shapes().items()})
         return shapes
 
-    def _outer_parts(self) -> Tuple[Dict[str, nn.Module], Dict[str, nn.Module]]:
-        """{key prefix: module} of the modules before the layers (embeddings) and after them (final norm,
-        untied output layer)."""
-        before = {"embedding.word_embeddings": self.embedding.word_embeddings,
-                  "embedding.position_embeddings": self.embedding.position_embeddings}
-        after = {"final_layernorm": self.final_layernorm, "output_layer": self.output_layer}
-        return tuple({prefix: part for prefix, part in parts.items() if part is not None} for parts in (before, after))
-
-    def _all_parts(self) -> Dict[str, nn.Module]:
-        """{key prefix: module} of every module the unsharded state dict reads, the layers' parts included."""
-        before, after = self._outer_parts()
-        return {**before, **after, **{f"layers.{i}.{name}": part for i, layer in enumerate(self.layers)
-                                      for name, part in layer._parts().items()}}
+    def _parts(self, what: str) -> Dict[str, nn.Module]:
+        """{key prefix: module} of the parts still the model's own, the layers' included
+        (:func:`check_intact_parts`: ValueError for a wrapped or reparametrized one; a replaced or absent one
+        (the position table with RoPE, the output layer when tied) left out)."""
+        norm = LayerNorm if self.config.normalization == "layernorm" else RMSNorm
+        classes = {"embedding.word_embeddings": VocabParallelEmbedding,
+                   "embedding.position_embeddings": _PositionEmbedding,
+                   "final_layernorm": norm, "output_layer": VocabParallelOutputLayer}
+        for i, layer in enumerate(self.layers):
+            part_classes = getattr(layer, "_part_classes", None)   # None: a block of the user's own
+            if part_classes is not None:
+                classes.update({f"layers.{i}.{prefix}": cls for prefix, cls in part_classes().items()})
+        return check_intact_parts(self, classes, self._config_shapes(), what)
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True) -> IncompatibleKeys:
@@ -715,33 +724,16 @@ class GPTModel(SharesProcessGroup, nn.Module):
         loaded (ValueError naming it); other floating dtypes are cast to the parameters'. ``strict=False``
         loads the keys the dict holds and returns the missing and unexpected ones (shapes are still
         checked), as ``nn.Module.load_state_dict`` does."""
-        before, after = self._outer_parts()
-        check_own_parameters(self._all_parts(), self.full_shapes(), "GPTModel.load_full_state_dict")   # before any load
-        prepared = prepare_parameters(self, "GPTModel.load_full_state_dict")
-        keys = check_loadable(state_dict, self.full_shapes(), self.tp_group, what="GPTModel.load_full_state_dict",
-                              device=self.final_layernorm.weight.device, strict=strict,
-                              data_parallel_groups=prepared.data_parallel_groups())
-        for prefix, part in {**before, **after}.items():
-            load_full_parameters(part, {p: state_dict[f"{prefix}.{p}"] for p in ("weight", "bias")
-                                        if f"{prefix}.{p}" in state_dict})
-        for i, layer in enumerate(self.layers):
-            prefix = f"layers.{i}."
-            layer.load_full_state_dict({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)},
-                                       strict=strict)
+        what = "GPTModel.load_full_state_dict"
+        self._parts(what)   # before any load
+        prepared = prepare_parameters(self, what)
+        keys = check_loadable(state_dict, unsharded_shapes(prepared.entries), self.tp_group, what=what,
+                              device=parameter_device(self), strict=strict, data_parallel_groups=prepared.data_parallel_groups())
+        scatter_unsharded(prepared.entries, state_dict)
         return keys
 
     @torch.no_grad()
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The unsharded weights, the same on every rank (a collective under TP: call it on every rank)."""
-        def of(parts: Dict[str, nn.Module]) -> Dict[str, torch.Tensor]:
-            return {f"{prefix}.{p}": value for prefix, part in parts.items()
-                    for p, value in full_parameters(part).items()}
-
-        before, after = self._outer_parts()
-        check_own_parameters(self._all_parts(), self.full_shapes(), "GPTModel.full_state_dict")
-        prepare_parameters(self, "GPTModel.full_state_dict")
-        out = of(before)
-        for i, layer in enumerate(self.layers):
-            out.update({f"layers.{i}.{k}": v for k, v in layer.full_state_dict().items()})
-        out.update(of(after))
-        return out
+        self._parts("GPTModel.full_state_dict")
+        return gather_unsharded(prepare_parameters(self, "GPTModel.full_state_dict").entries)

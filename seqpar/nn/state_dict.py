@@ -209,13 +209,32 @@ def load_full_parameters(module: nn.Module, full: Mapping[str, torch.Tensor]) ->
         scatter_full(value, getattr(module, name), layouts.get(name))
 
 
-def check_own_parameters(parts: Mapping[str, nn.Module], shapes: Mapping[str, tuple], what: str) -> None:
-    """ValueError naming the first unsharded key of ``shapes`` ("prefix.name") that ``parts[prefix]`` doesn't
-    hold as a parameter of its own (:func:`require_own_parameters`)."""
-    for key in shapes:
-        prefix, _, name = key.rpartition(".")
-        if prefix in parts:
-            require_own_parameters(parts[prefix], [name], what, prefix)
+def check_intact_parts(root: nn.Module, part_classes: Mapping[str, type], shapes: Mapping[str, tuple],
+                       what: str) -> Dict[str, nn.Module]:
+    """The parts seqpar built in ``root`` that are still its own: {key prefix: module} of ``part_classes``
+    ({key prefix: the class seqpar built there}) whose module is still of that class and holds the
+    parameters ``shapes`` (config-derived unsharded keys "prefix.name") names as its own. A part the user
+    removed, or replaced by another kind of module (an MoE MLP, another norm, nn.Identity), is left out: the
+    unsharded state dicts carry the replacement's parameters as they are (:func:`unsharded_entries`).
+    ValueError (``what``: the operation) for a part wrapped after seqpar built it (a module holding an
+    instance of the class: an adapter library such as PEFT) or reparametrized (its parameters not its own:
+    ``torch.nn.utils.parametrize`` / ``weight_norm`` / ``prune``), where a load copied into a computed
+    tensor (silently dropped) and a read missed or renamed the key (:func:`require_own_parameters`)."""
+    parts = {}
+    for prefix, cls in part_classes.items():
+        module = root
+        for attr in prefix.split("."):   # getattr: checkpoint_wrapper and torch.compile forward attributes
+            module = getattr(module, attr, None)
+        if not isinstance(module, nn.Module):
+            continue
+        names = [key.rpartition(".")[2] for key in shapes if key.rpartition(".")[0] == prefix]
+        if not isinstance(module, cls):
+            if any(isinstance(inner, cls) for inner in module.modules()):
+                require_own_parameters(module, names[:1], what, prefix)   # the wrapper doesn't hold them: raises
+            continue
+        require_own_parameters(module, names, what, prefix)
+        parts[prefix] = module
+    return parts
 
 
 def require_own_parameters(module: nn.Module, names: Iterable[str], what: str, prefix: str = "") -> None:
@@ -234,6 +253,39 @@ def require_own_parameters(module: nn.Module, names: Iterable[str], what: str, p
                              "torch.nn.utils.parametrize / weight_norm / prune). Merge or remove that first (PEFT: "
                              "merge_and_unload(); parametrize.remove_parametrizations; prune.remove), or save "
                              "with state_dict()")
+
+
+def unsharded_entries(module: nn.Module) -> List[Tuple[str, nn.Parameter, "_Split"]]:
+    """(key, parameter, how it is split) of every parameter of ``module``, keyed as ``named_parameters()``
+    without wrapper names (checkpoint_wrapper, torch.compile), a shared parameter once: seqpar's parts and
+    any a subclass or a replaced module added (split by their module's layouts if it is a seqpar parallel
+    module, else replicated)."""
+    return list(_parameters_with_layouts(module))
+
+
+def unsharded_shapes(entries: Sequence[Tuple[str, nn.Parameter, "_Split"]]) -> Dict[str, Tuple[int, ...]]:
+    """{key: unsharded shape} of ``entries`` (:func:`unsharded_entries`): a split parameter's whole tensor's
+    (a vocabulary table's real rows), a replicated one's own (under FSDP2 its global shape)."""
+    return {key: tuple(split.layout.full_shape) if split.layout is not None else tuple(param.shape)
+            for key, param, split in entries}
+
+
+@torch.no_grad()
+def gather_unsharded(entries: Sequence[Tuple[str, nn.Parameter, "_Split"]]) -> Dict[str, torch.Tensor]:
+    """{key: the unsharded value, a new tensor} of ``entries`` (:func:`gather_full`: a collective under TP
+    and FSDP2, call it on every rank)."""
+    return {key: gather_full(param, split.layout_of_rank, split.group) for key, param, split in entries}
+
+
+@torch.no_grad()
+def scatter_unsharded(entries: Sequence[Tuple[str, nn.Parameter, "_Split"]],
+                      state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Each of ``entries`` whose key ``state_dict`` holds keeps this rank's part of that unsharded value
+    (:func:`scatter_full`; other floating dtypes and devices are copied in). Checked first by the caller
+    (:func:`check_loadable` against :func:`unsharded_shapes`)."""
+    for key, param, split in entries:
+        if key in state_dict:
+            scatter_full(state_dict[key], param, split.layout)
 
 
 @torch.no_grad()
@@ -753,4 +805,5 @@ def check_loadable(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[
 __all__ = ["ShardLayout", "ShardedParameters", "RowChunks", "boxes", "local_rows", "scatter_full", "gather_full",
            "load_full_parameters", "full_parameters", "sharded_state_dict", "sharded_optimizer_state_dict",
            "load_sharded_optimizer_state_dict", "IncompatibleKeys", "PreparedParameters", "prepare_parameters",
-           "check_shapes", "check_loadable"]
+           "check_shapes", "check_loadable", "check_intact_parts", "unsharded_entries", "unsharded_shapes",
+           "gather_unsharded", "scatter_unsharded"]
