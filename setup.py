@@ -89,6 +89,7 @@ setup(
     # The Triton kernels live in the top-level folder triton_kernels/ but install as
     # seqpar.triton_kernels, so they can't clash with Triton's own `triton_kernels` package.
     package_dir={"seqpar": "seqpar", "seqpar.triton_kernels": "triton_kernels"},
+    package_data={"seqpar": ["py.typed"]},   # PEP 561: type checkers read seqpar's annotations
     ext_modules=[Extension("seqpar._C", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
 )

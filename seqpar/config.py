@@ -106,6 +106,10 @@ class TransformerConfig:
     output_layer_init_std: Optional[float] = None
 
     def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups"):
+            value = getattr(self, name)   # numpy ints (a sweep's values) held as Python ints, as floats are
+            if isinstance(value, numbers.Integral) and not isinstance(value, (int, bool)):
+                object.__setattr__(self, name, int(value))
         for name in ("hidden_size", "num_attention_heads"):
             value = getattr(self, name)
             if not is_int(value) or value <= 0:

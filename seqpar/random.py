@@ -100,9 +100,9 @@ def manual_seed(seed: int) -> None:
     program draws from torch's CPU generator afterwards depend on ``s`` too.
 
     Args:
-        seed: int in [0, 2**64).
+        seed: int in [0, 2**64) (a numpy integer too).
     """
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < _SEED_LIMIT:
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not 0 <= seed < _SEED_LIMIT:
         raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
     _state.seed = int(seed)
     torch.default_generator.manual_seed(int(seed))
@@ -366,9 +366,25 @@ def dropout_threshold(p, name: str = "dropout probability p") -> int:
         raise ValueError(f"{name} must be in [0, 1) with round(p * 256) < 256 (p < 0.998046875), got {p!r}")
     threshold = round(value * 256)
     if threshold == 0 and value > 0:
-        warnings.warn(f"{name} = {p!r} drops nothing: the masks drop in steps of 1/256 (p is rounded to "
-                      f"round(p * 256) / 256), and it rounds to 0; pass 0, or a p above 1/512", stacklevel=2)
+        _warn_at_caller(f"{name} = {p!r} drops nothing: the masks drop in steps of 1/256 (p is rounded to "
+                        f"round(p * 256) / 256), and it rounds to 0; pass 0, or a p above 1/512")
     return threshold
+
+
+# Modules whose frames stand between the user's line and the check: seqpar's, torch's module calls and
+# autograd, and the stdlib helpers seqpar calls through (dataclasses.replace re-validates a config).
+_NOT_THE_CALLER = ("seqpar", "torch", "dataclasses", "contextlib", "functools")
+
+
+def _warn_at_caller(message: str) -> None:
+    """A UserWarning attributed to the user's line (the first frame outside :data:`_NOT_THE_CALLER`),
+    whichever of seqpar's functions asked (a config, a model's forward, an op), so the default filter shows
+    it once per line of theirs and ``filterwarnings(module=...)`` can name their module. (Frames are told
+    by their module's name: a dataclass's generated ``__init__`` runs in its class's module.)"""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _NOT_THE_CALLER:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, UserWarning, stacklevel=level + 1)
 
 
 # float32(256 / (256 - P)) for every byte threshold P: quotients in double, rounded to fp32 once. A table

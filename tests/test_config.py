@@ -170,3 +170,35 @@ def test_tensor_parallel_must_divide_query_groups(t, match):
             cfg.check_tensor_parallel(t)
     with pytest.raises(ValueError, match="num_query_groups 2 is not divisible by the tensor-parallel size 4"):
         dataclasses.replace(cfg, num_query_groups=2).check_tensor_parallel(4)
+
+
+def test_a_function_in_a_config_subclass_field_agrees_across_processes():
+    """The agreement digest hashed repr(value), and a function's repr holds its address (every process has
+    its own): a config subclass carrying an activation function was refused at t = 2 as "ranks disagree"
+    when every rank passed the same one. Addresses are left out; the names still count."""
+    import subprocess
+    import sys
+
+    from seqpar.parallel.state import _digest
+
+    code = ("import numpy, seqpar.parallel.state as s; print(s._digest(numpy.asarray), s._digest(numpy.argmax), "
+            "s._digest(object()))")
+    digests = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+               for _ in range(2)]
+    assert digests[0] == digests[1] and len(set(digests[0])) == 3
+    assert _digest(np.asarray) == int(digests[0][0])
+
+
+def test_numpy_integers_are_taken_as_ints():
+    """np.int64 sizes (a sweep over a numpy array) and seeds were refused as "must be a positive int";
+    the config holds them as Python ints, so its repr, equality and the ranks' digests are the same."""
+    cfg = seqpar.TransformerConfig(hidden_size=np.int64(64), num_attention_heads=np.int32(4),
+                                   ffn_hidden_size=np.int64(128), num_query_groups=np.int16(2))
+    assert cfg == seqpar.TransformerConfig(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                                           num_query_groups=2)
+    assert [type(getattr(cfg, name)) for name in ("hidden_size", "num_attention_heads", "ffn_hidden_size",
+                                                   "num_query_groups")] == [int] * 4
+    seqpar.manual_seed(np.uint64(2**64 - 1))
+    assert seqpar.random.initial_seed() == 2**64 - 1
+    with pytest.raises(ValueError, match="hidden_size must be a positive int"):
+        seqpar.TransformerConfig(hidden_size=np.float64(64), num_attention_heads=4)

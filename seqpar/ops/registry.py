@@ -110,6 +110,8 @@ def unavailable_reason(op: str, name: str, device: torch.device, auto: bool = Fa
     impl = _REGISTRY.get(op, {}).get(name)
     if impl is None:
         return f"op {op!r} has no {name} backend yet"
+    if not inputs:   # a device-level question (the reports): a check may need its inputs
+        return environment_reason(name, device, auto)
     return (environment_reason(name, device, auto) or impl.check(**inputs)
             or (impl.auto_skip(**inputs) if auto else None))
 
@@ -140,10 +142,14 @@ def select(op: str, backend: Optional[str], device: torch.device, **inputs) -> B
             source = "" if backend not in (None, "auto") else " (from SEQPAR_BACKEND)"
             raise ValueError(f"backend {name!r}{source} can't run {op}: {reason}")
         return _selected(op, name)
+    reasons = []
     for candidate in auto_order(op):
-        if unavailable_reason(op, candidate, device, auto=True, **inputs) is None:
+        reason = unavailable_reason(op, candidate, device, auto=True, **inputs)
+        if reason is None:
             return _selected(op, candidate)
-    raise ValueError(f"no backend can run {op} on {device}")  # torch always can; defensive
+        reasons.append(f"{candidate}: {reason}")
+    # seqpar's torch references run everything; a backend registered in their place may not
+    raise ValueError(f"no backend can run {op} on {device} with these inputs ({'; '.join(reasons)})")
 
 
 def _selected(op: str, name: str) -> Backend:

@@ -16,6 +16,7 @@ import contextlib
 import contextvars
 import copy
 import hashlib
+import re
 from typing import Callable, Iterator, Mapping, Optional, Sequence, TypeVar
 
 import torch
@@ -186,12 +187,17 @@ def _plain_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 def _digest(value) -> int:
     """A non-bool int in int64 range as itself (reported per rank); anything else as a 64-bit hash
-    of its bytes (``bytes``) or ``repr`` (exact for floats, dtypes, strings)."""
+    of its bytes (``bytes``) or ``repr`` (exact for floats, dtypes, strings), without the memory
+    addresses default reprs hold (``<function f at 0x...>``: every process has its own, so the same
+    function in a config subclass's field differed on every rank)."""
     if _plain_int(value):
         return value
-    data = value if isinstance(value, bytes) else repr(value).encode()
+    data = value if isinstance(value, bytes) else _ADDRESS.sub("", repr(value)).encode()
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 

@@ -218,3 +218,28 @@ def test_the_triton_attention_kernel_is_not_offered_below_sm_80(monkeypatch):
     reason = registry.get(OP, "triton").check(q=q, k=q, v=q, causal=True, dropout=False)
     assert reason == ("the triton attention kernel needs sm_80 or newer (its tiles need more shared memory than "
                       "older GPUs have a block), got sm_75")
+
+
+def test_a_registered_backend_whose_check_needs_its_inputs(monkeypatch):
+    """A backend registered in torch's place with a check that takes its inputs (the documented
+    ``check(**inputs)``): the device-level reports (``python -m seqpar info``) called it with none
+    (TypeError), and auto, finding no backend, said only "no backend can run" without the reasons."""
+    import dataclasses
+
+    def check(q, k, v, **_):
+        """head dim d <= 32"""
+        return None if q.shape[-1] <= 32 else f"head dim {q.shape[-1]} > 32"
+
+    monkeypatch.delenv("SEQPAR_BACKEND", raising=False)
+    original = registry.get("attention_core", "torch")
+    monkeypatch.setitem(registry._REGISTRY["attention_core"], "torch", dataclasses.replace(original, check=check))
+    cpu = torch.device("cpu")
+    assert registry.backend_report(cpu)["attention_core"]["torch"] is None
+    assert registry.auto_report(cpu)["attention_core"].limits["torch"] == "head dim d <= 32"
+    q = torch.randn(1, 2, 4, 64)
+    with pytest.raises(ValueError, match=r"no backend can run attention_core on cpu with these inputs \(.*"
+                                         r"torch: head dim 64 > 32\)"):
+        attention_core(q, q, q, is_causal=True, backend="auto")
+    q = torch.randn(1, 2, 4, 32)
+    torch.testing.assert_close(attention_core(q, q, q, is_causal=True, backend="auto"),
+                               torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))
