@@ -981,6 +981,14 @@ class ActivationMeter:
         self._by_storage: Dict[tuple, Tuple[StorageWeakRef, SavedTensorRecord, set]] = {}
         self._hooks = None
 
+    def __getstate__(self) -> dict:
+        """``copy.copy`` / ``deepcopy`` / pickle keep the records (what was measured), not the weak references
+        to the storages (a copied ``StorageWeakRef`` shares its C++ handle: each copy freed it again, a heap
+        corruption at exit) nor the hooks; a copy measures anew when entered. TypeError inside the block."""
+        if self._hooks is not None:
+            raise TypeError("an active ActivationMeter can't be copied or pickled: copy it after its block")
+        return {"records": self.records, "_by_storage": {}, "_hooks": None}
+
     @property
     def bytes(self) -> int:
         """Total bytes of the distinct storages saved so far."""

@@ -549,3 +549,38 @@ def test_a_meter_that_fails_to_enter_leaves_no_state_behind():
     with failed:   # and it can still be entered
         x.exp().sum()
     assert later.bytes == failed.bytes == x.numel() * 4
+
+
+def test_a_used_meter_copies_and_pickles_without_freeing_its_weak_references_twice():
+    """deepcopy / pickle of a meter that had measured copied its StorageWeakRefs' C++ handles, which each
+    copy freed again: a segfault or a heap-corruption abort at gc or exit (5 runs in 6). Run in a child
+    process: the failure kills the interpreter."""
+    import subprocess
+    import sys
+
+    code = """
+import copy, gc, pickle, torch, seqpar
+from seqpar.memory import ActivationMeter
+layer = seqpar.TransformerLayer(seqpar.TransformerConfig(hidden_size=64, num_attention_heads=4))
+with ActivationMeter() as meter:
+    try:
+        copy.deepcopy(meter)
+    except TypeError as exc:
+        print("active:", exc)
+    y = layer(torch.randn(8, 1, 64))
+del y
+copies = [copy.deepcopy(meter) for _ in range(3)] + [pickle.loads(pickle.dumps(meter)) for _ in range(3)]
+print("bytes", meter.bytes, sorted({c.bytes for c in copies}), copies[0].report() == meter.report())
+del copies; gc.collect()
+with meter:
+    layer(torch.randn(8, 1, 64))
+del meter; gc.collect()
+print("done")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("active: an active ActivationMeter can't be copied"), lines
+    _, total, copied, same_report = lines[1].split(" ", 3)
+    assert int(total) > 0 and copied == f"[{total}]" and same_report == "True", lines
+    assert lines[-1] == "done"

@@ -338,3 +338,27 @@ def test_fork_rng_restores_the_seqpar_seed_too():
             torch.rand(3)
             raise KeyError("evaluation failed")
     assert torch.equal(seqpar.random.get_rng_state(), before)
+
+
+def test_the_tiny_dropout_warning_points_at_the_user_s_line():
+    """The warning named a seqpar line (stacklevel=2: config.py, model.py, ops/dropout.py) whichever call
+    of the user's asked, so the default filter showed it at every forward's seqpar line and a filter on
+    the user's module could not reach it. It is attributed to the first frame outside seqpar: a config,
+    a model built from it and its forward, and an op each point here, once per line."""
+    import warnings
+
+    import seqpar
+
+    this_file = __file__
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = seqpar.TransformerConfig(hidden_size=16, num_attention_heads=2, hidden_dropout=0.001)
+        model = seqpar.GPTModel(cfg, num_layers=1, vocab_size=20, max_seq_len=8)
+        model(torch.zeros(1, 8, dtype=torch.int64))
+        seqpar.ops.dropout(torch.ones(4), seqpar.ops.DropoutSpec(0.001, 1))
+    assert caught and all(w.filename == this_file for w in caught), [(w.filename, w.lineno) for w in caught]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            model(torch.zeros(1, 8, dtype=torch.int64))
+    assert len(caught) == 1, [(w.filename, w.lineno) for w in caught]
