@@ -94,6 +94,14 @@ def agreement_values(config: TransformerConfig, **arguments) -> Dict[str, object
     return values
 
 
+# Why the per-forward rank checks run outside torch.compile (a graph break each, as their host read of a
+# collective's result was anyway): traced, the values they compare, torch's generator state among them,
+# became guards of the code after the break, which changed at every step with dropout on (a recompile per
+# step under tensor parallelism, then that code ran eagerly past Dynamo's recompile limit).
+RANK_CHECK_NOT_TRACEABLE = ("the ranks' per-forward input check reads a collective's result on the host; set "
+                            "check_rank_inputs = False where the ranks' inputs are known to agree")
+
+
 def parameter_device(module: nn.Module) -> torch.device:
     """Where ``module``'s parameters live: its first parameter's device (any part may be replaced)."""
     return next(module.parameters()).device
@@ -331,6 +339,7 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
                             "reshards after its forward. fully_shard each whole layer, then the model")
         return None
 
+    @outside_compile(RANK_CHECK_NOT_TRACEABLE)
     def _check_ranks(self, x, problem: Optional[str]) -> None:
         """Every rank's input shape, dtype, mode, grad mode and the RNG state its dropout seeds will be drawn
         from agree and no rank rejected its x, else ValueError on every rank: uneven SP shards (s = 127 at

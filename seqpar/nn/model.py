@@ -40,12 +40,13 @@ from ..ops.dropout import DropoutSpec, dropout
 from ..parallel.overlap import ChunkPlan
 from ..parallel.mappings import (copy_to_tensor_region, reduce_from_tensor_region,
                                  scatter_to_sequence_region)
-from .._custom_op import once_differentiable, tracing
+from .._custom_op import once_differentiable, outside_compile, tracing
 from ..parallel.state import (SAME_MODE_HINT, SEED_HINT, ProcessGroup, SharesProcessGroup, agreement_checked,
                               check_ranks_agree, group_rank, group_size)
 from ..memory import recompute_policies, saved_as
 from .autocast import autocast_dtype, call_self_casting, run_in_dtype
-from .layer import AGREEMENT_HINT, TransformerLayer, agreement_values, make_norm, parameter_device
+from .layer import (AGREEMENT_HINT, RANK_CHECK_NOT_TRACEABLE, TransformerLayer, agreement_values, make_norm,
+                    parameter_device)
 from .layernorm import LayerNorm, RMSNorm
 from .linear import SeededNormal
 from .state_dict import (IncompatibleKeys, ShardedParameters, ShardLayout, check_intact_parts, check_loadable,
@@ -583,6 +584,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
                     if device.type == "meta" else ""))
         return self._check_ids(tokens, labels, with_checksum)
 
+    @outside_compile(RANK_CHECK_NOT_TRACEABLE)
     def _check_ranks(self, tokens, labels, checksum: Optional[int], problem: Optional[str]) -> None:
         """Every rank's tokens and labels (shapes, labels or not, the values' ``checksum``), mode, grad
         mode and dropout RNG state agree and no rank rejected its inputs, else ValueError on every rank.

@@ -59,6 +59,28 @@ def _model_results():
     return counts, equal
 
 
+def _steps_with_the_check_results():
+    """Graphs compiled after each training step of the SP model with dropout and its per-forward rank check
+    on: the check compared torch's generator state, traced, which guarded the code after its graph break
+    and changed every step (a recompile per step, then that code ran eagerly past the recompile limit)."""
+    seqpar.manual_seed(0)
+    cfg = seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4, hidden_dropout=0.1, attention_dropout=0.1,
+                                   backend="torch", sequence_parallel=True)
+    model = seqpar.GPTModel(cfg, 2, 50, 8, tp_group=dist.group.WORLD)
+    tokens = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    graphs, counts = [], []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+    compiled = torch.compile(model, backend=counting)
+    for _ in range(4):
+        compiled(tokens, tokens).sum().backward()
+        counts.append(len(graphs))
+    torch._dynamo.reset()
+    return counts
+
+
 def _inference_results(rank):
     """The compiled SP layer in eval mode under no_grad and inference_mode (Dynamo failed tracing the
     LayerNorm parameters' f mapping there: "Attempted to access unregistered member on an OpaqueObject")."""
@@ -74,16 +96,18 @@ def _inference_results(rank):
 
 
 def _worker(rank, world_size):
-    return _layer_results(rank), _model_results(), _inference_results(rank)
+    return _layer_results(rank), _model_results(), _inference_results(rank), _steps_with_the_check_results()
 
 
 @pytest.mark.timeout(240)
 def test_compiled_sequence_parallel_layer_and_model_are_one_graph_and_match_eager():
     """The layer: one graph, and two compiled training steps with dropout equal eager bitwise. The model:
-    GPTModel's per-forward rank check reads a collective's result (two graph breaks); without it one
-    graph, equal to eager. The layer compiled for inference (eval, no_grad / inference_mode) equals eager.
+    GPTModel's per-forward rank check runs outside the graph (one break); without it one graph, equal to
+    eager. The layer compiled for inference (eval, no_grad / inference_mode) equals eager.
+    With dropout and the rank checks on, the model compiles in its first two steps only.
     (One launch for all: each launch costs two Pythons importing torch.)"""
-    for rank, (layer, (counts, equal), inference) in enumerate(run_ranks(_worker, 2, timeout_s=200)):
+    for rank, (layer, (counts, equal), inference, per_step) in enumerate(run_ranks(_worker, 2, timeout_s=200)):
         assert (layer["graphs"], layer["breaks"]) == (1, 0) and layer["steps equal"] == [True, True], (rank, layer)
-        assert counts == [(3, 2), (1, 0)] and equal, (rank, counts, equal)
+        assert counts == [(2, 1), (1, 0)] and equal, (rank, counts, equal)
         assert inference == [True, True], (rank, inference)
+        assert per_step[3] == per_step[1], (rank, per_step)
