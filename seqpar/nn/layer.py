@@ -50,7 +50,7 @@ from .autocast import autocast_dtype, run_in_dtype
 from .layernorm import LayerNorm, RMSNorm
 from .linear import ColumnParallelLinear, RowParallelLinear, SeededNormal, init_normal
 from .state_dict import (FSDP_UNIT, IncompatibleKeys, check_intact_parts, check_loadable, gather_unsharded,
-                         prepare_parameters, scatter_unsharded, unsharded_entries, unsharded_shapes)
+                         prepare_parameters, reset_modules, scatter_unsharded, unsharded_entries, unsharded_shapes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -449,34 +449,16 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
     def _parts(self, what: str) -> Dict[str, nn.Module]:
         """{key prefix: module} of the parts still the layer's own (:func:`check_intact_parts`: ValueError
         for a wrapped or reparametrized one; a replaced one left out)."""
-        return check_intact_parts(self, self._part_classes(), self._config_shapes(), what)
+        return check_intact_parts(self, self._part_classes(), what)
 
     def full_shapes(self) -> Dict[str, tuple]:
         """Unsharded state-dict keys and shapes of every parameter (PyTorch Linear layout, weight [out, in]):
         the layer's own parts, with ``.bias`` keys only where there are biases (``add_bias_linear``;
         LayerNorm, not RMSNorm), and any parameter a subclass or a replaced submodule holds (split as its
-        module splits it if that is a seqpar parallel module, else replicated)."""
+        module splits it if that is a seqpar parallel module, else replicated), in ``state_dict()``'s
+        order. ValueError for a wrapped or reparametrized part, as :meth:`full_state_dict`."""
+        self._parts(f"TransformerLayer(layer_number={self.layer_number}).full_shapes")
         return unsharded_shapes(unsharded_entries(self))
-
-    def _config_shapes(self) -> Dict[str, tuple]:
-        """The unsharded keys and shapes of the layer's own parts, from the config."""
-        cfg = self.config
-        h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
-        qkv_rows = (cfg.num_attention_heads + 2 * cfg.kv_heads) * d
-        fc1_rows = 2 * f if cfg.activation == "swiglu" else f
-        norm_bias, linear_bias = cfg.normalization == "layernorm", cfg.add_bias_linear
-        shapes = {}
-        for name, (rows, cols), bias in (
-                ("input_layernorm", (h, None), norm_bias),
-                ("self_attention.query_key_value", (qkv_rows, h), linear_bias),
-                ("self_attention.dense", (h, cfg.num_attention_heads * d), linear_bias),
-                ("post_attention_layernorm", (h, None), norm_bias),
-                ("mlp.dense_h_to_4h", (fc1_rows, h), linear_bias),
-                ("mlp.dense_4h_to_h", (h, f), linear_bias)):
-            shapes[f"{name}.weight"] = (rows,) if cols is None else (rows, cols)
-            if bias:
-                shapes[f"{name}.bias"] = (rows,)
-        return shapes
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True) -> IncompatibleKeys:
@@ -486,40 +468,33 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         what = f"TransformerLayer(layer_number={self.layer_number}).load_full_state_dict"
         self._parts(what)
         prepared = prepare_parameters(self, what)
-        keys = check_loadable(state_dict, unsharded_shapes(prepared.entries), self.tp_group, device=parameter_device(self),
+        entries = unsharded_entries(self)
+        keys = check_loadable(state_dict, unsharded_shapes(entries), self.tp_group, device=parameter_device(self),
                               strict=strict, what=what, data_parallel_groups=prepared.data_parallel_groups())
-        scatter_unsharded(prepared.entries, state_dict)
+        scatter_unsharded(entries, state_dict)
         return keys
 
     @torch.no_grad()
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """The unsharded weights (a collective under tensor parallelism: call it on every rank)."""
+        """The unsharded weights (a collective under tensor parallelism: call it on every rank). ValueError
+        on every rank if a replicated parameter differs between the ranks (:func:`gather_unsharded`)."""
         what = f"TransformerLayer(layer_number={self.layer_number}).full_state_dict"
         self._parts(what)
-        return gather_unsharded(prepare_parameters(self, what).entries)
+        prepare_parameters(self, what)
+        return gather_unsharded(unsharded_entries(self), self.tp_group, what)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Deterministic init of the unsharded weights: each linear's ``init_method`` (built with
-        :class:`~seqpar.nn.linear.SeededNormal`, N(0, config.init_method_std), the attention projection and
-        fc2 N(0, config.output_init_std), from (seqpar seed, layer_number, which matrix)) and a zero bias,
-        unit norm weights and zero norm biases; then each rank keeps its shard, in the parameters' dtype.
-        Drawn on the CPU whatever the default device (``with torch.device("meta")`` included). Each part's
-        own ``reset_parameters`` draws the same values; a linear whose ``init_method`` you set to None keeps
-        its weight and bias in both."""
-        parts = self._parts(f"TransformerLayer(layer_number={self.layer_number}).reset_parameters")
-        full = {}
-        for key, shape in self._config_shapes().items():
-            prefix, _, name = key.rpartition(".")
-            part = parts.get(prefix)
-            if part is None:   # replaced by a module of the user's: its own init
-                continue
-            if isinstance(part, (ColumnParallelLinear, RowParallelLinear)):
-                if part.init_method is None:
-                    continue
-                full[key] = torch.zeros(shape, device="cpu")
-                if name == "weight":
-                    part.init_method(full[key])
-            else:
-                full[key] = (torch.ones if name == "weight" else torch.zeros)(shape, device="cpu")
-        self.load_full_state_dict(full, strict=False)
+        """Deterministic init of the unsharded weights, each part through its own ``reset_parameters``:
+        each linear's ``init_method`` (built with :class:`~seqpar.nn.linear.SeededNormal`,
+        N(0, config.init_method_std), the attention projection and fc2 N(0, config.output_init_std), from
+        (seqpar seed, layer_number, which matrix)) and a zero bias, unit norm weights and zero norm biases;
+        then each rank keeps its shard, in the parameters' dtype. Drawn on the CPU whatever the default
+        device (``with torch.device("meta")`` included). A linear whose ``init_method`` you set to None
+        keeps its weight and bias. A module you put in place of a part is reset by its own
+        ``reset_parameters`` (or its children's); parameters a subclass adds to the layer itself are the
+        subclass's to initialise (override this method and call it)."""
+        what = f"TransformerLayer(layer_number={self.layer_number}).reset_parameters"
+        self._parts(what)
+        prepare_parameters(self, what)
+        reset_modules(self.children())

@@ -50,8 +50,8 @@ from .layer import (AGREEMENT_HINT, RANK_CHECK_NOT_TRACEABLE, TransformerLayer, 
 from .layernorm import LayerNorm, RMSNorm
 from .linear import SeededNormal
 from .state_dict import (IncompatibleKeys, ShardedParameters, ShardLayout, check_intact_parts, check_loadable,
-                         full_parameters, gather_unsharded, prepare_parameters, scatter_full, scatter_unsharded,
-                         unsharded_entries, unsharded_shapes)
+                         full_parameters, gather_unsharded, prepare_parameters, reset_modules, scatter_full,
+                         scatter_unsharded, unsharded_entries, unsharded_shapes)
 
 EMBEDDING_RNG_LAYER = 2**31 - 1  # the embedding dropout's "layer number" in the RNG
 VOCAB_PAD_MULTIPLE = 128         # the padded vocabulary is a multiple of this times t
@@ -439,13 +439,14 @@ class GPTModel(SharesProcessGroup, nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Every weight to its deterministic init (what building the model on a real device draws): the
-        layers' (:meth:`TransformerLayer.reset_parameters`), the embeddings', a unit final norm. The
-        deferred-init recipe: build with ``device="meta"``, ``to_empty(device=...)``, then this."""
-        prepare_parameters(self, "GPTModel.reset_parameters")
-        for layer in self.layers:
-            layer.reset_parameters()
-        self.final_layernorm.reset_parameters()
-        self._reset_embeddings()
+        layers' (:meth:`TransformerLayer.reset_parameters`), the embeddings', a unit final norm; a module you
+        put in place of a part (a block of your own in ``layers``) by its own ``reset_parameters`` (or its
+        children's). The deferred-init recipe: build with ``device="meta"``, ``to_empty(device=...)``, then
+        this."""
+        what = "GPTModel.reset_parameters"
+        self._parts(what)
+        prepare_parameters(self, what)
+        reset_modules(self.children())
 
     @property
     def padded_vocab_size(self) -> int:
@@ -689,21 +690,8 @@ class GPTModel(SharesProcessGroup, nn.Module):
     def full_shapes(self) -> Dict[str, tuple]:
         """Unsharded state-dict keys and shapes of every parameter (see the class docstring), those a
         subclass or a replaced module holds included (:meth:`TransformerLayer.full_shapes`)."""
+        self._parts("GPTModel.full_shapes")
         return unsharded_shapes(unsharded_entries(self))
-
-    def _config_shapes(self) -> Dict[str, tuple]:
-        """The unsharded keys and shapes of the model's own parts, from the config (the layers' included)."""
-        h = self.config.hidden_size
-        shapes = {"embedding.word_embeddings.weight": (self.vocab_size, h),
-                  "embedding.position_embeddings.weight": (self.max_seq_len, h),
-                  "final_layernorm.weight": (h,), "output_layer.weight": (self.vocab_size, h)}
-        if self.config.normalization == "layernorm":
-            shapes["final_layernorm.bias"] = (h,)
-        for i, layer in enumerate(self.layers):
-            config_shapes = getattr(layer, "_config_shapes", None)   # None: a block of the user's own
-            if config_shapes is not None:
-                shapes.update({f"layers.{i}.{key}": shape for key, shape in config_shapes().items()})
-        return shapes
 
     def _parts(self, what: str) -> Dict[str, nn.Module]:
         """{key prefix: module} of the parts still the model's own, the layers' included
@@ -717,7 +705,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
             part_classes = getattr(layer, "_part_classes", None)   # None: a block of the user's own
             if part_classes is not None:
                 classes.update({f"layers.{i}.{prefix}": cls for prefix, cls in part_classes().items()})
-        return check_intact_parts(self, classes, self._config_shapes(), what)
+        return check_intact_parts(self, classes, what)
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True) -> IncompatibleKeys:
@@ -729,13 +717,17 @@ class GPTModel(SharesProcessGroup, nn.Module):
         what = "GPTModel.load_full_state_dict"
         self._parts(what)   # before any load
         prepared = prepare_parameters(self, what)
-        keys = check_loadable(state_dict, unsharded_shapes(prepared.entries), self.tp_group, what=what,
+        entries = unsharded_entries(self)
+        keys = check_loadable(state_dict, unsharded_shapes(entries), self.tp_group, what=what,
                               device=parameter_device(self), strict=strict, data_parallel_groups=prepared.data_parallel_groups())
-        scatter_unsharded(prepared.entries, state_dict)
+        scatter_unsharded(entries, state_dict)
         return keys
 
     @torch.no_grad()
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """The unsharded weights, the same on every rank (a collective under TP: call it on every rank)."""
-        self._parts("GPTModel.full_state_dict")
-        return gather_unsharded(prepare_parameters(self, "GPTModel.full_state_dict").entries)
+        """The unsharded weights, the same on every rank (a collective under TP: call it on every rank;
+        ValueError on every rank if a replicated parameter differs between them: :func:`gather_unsharded`)."""
+        what = "GPTModel.full_state_dict"
+        self._parts(what)
+        prepare_parameters(self, what)
+        return gather_unsharded(unsharded_entries(self), self.tp_group, what)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..ops.registry import is_dtensor
-from ..parallel.state import ProcessGroup, group_rank, group_size, run_agreed
+from ..parallel.state import ProcessGroup, check_ranks_agree, group_rank, group_size, run_agreed
 
 # (local_start, full_start, length) along a layout's dim: the shard's indices local_start .. +length are
 # the unsharded tensor's full_start .. +length.
@@ -209,17 +209,19 @@ def load_full_parameters(module: nn.Module, full: Mapping[str, torch.Tensor]) ->
         scatter_full(value, getattr(module, name), layouts.get(name))
 
 
-def check_intact_parts(root: nn.Module, part_classes: Mapping[str, type], shapes: Mapping[str, tuple],
-                       what: str) -> Dict[str, nn.Module]:
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def check_intact_parts(root: nn.Module, part_classes: Mapping[str, type], what: str) -> Dict[str, nn.Module]:
     """The parts seqpar built in ``root`` that are still its own: {key prefix: module} of ``part_classes``
-    ({key prefix: the class seqpar built there}) whose module is still of that class and holds the
-    parameters ``shapes`` (config-derived unsharded keys "prefix.name") names as its own. A part the user
+    ({key prefix: the class seqpar built there}) whose module is still of that class. A part the user
     removed, or replaced by another kind of module (an MoE MLP, another norm, nn.Identity), is left out: the
     unsharded state dicts carry the replacement's parameters as they are (:func:`unsharded_entries`).
-    ValueError (``what``: the operation) for a part wrapped after seqpar built it (a module holding an
-    instance of the class: an adapter library such as PEFT) or reparametrized (its parameters not its own:
-    ``torch.nn.utils.parametrize`` / ``weight_norm`` / ``prune``), where a load copied into a computed
-    tensor (silently dropped) and a read missed or renamed the key (:func:`require_own_parameters`)."""
+    ValueError (``what``: the operation) for a part wrapped after seqpar built it (a module, not a
+    container, with an instance of the class as a child: an adapter library such as PEFT) or
+    reparametrized (its weight or bias not its own parameter: ``torch.nn.utils.parametrize`` /
+    ``weight_norm`` / ``prune``), where a load copied into a computed tensor (silently dropped) and a read
+    renamed the key (:func:`require_own_parameters`)."""
     parts = {}
     for prefix, cls in part_classes.items():
         module = root
@@ -227,14 +229,25 @@ def check_intact_parts(root: nn.Module, part_classes: Mapping[str, type], shapes
             module = getattr(module, attr, None)
         if not isinstance(module, nn.Module):
             continue
-        names = [key.rpartition(".")[2] for key in shapes if key.rpartition(".")[0] == prefix]
         if not isinstance(module, cls):
-            if any(isinstance(inner, cls) for inner in module.modules()):
-                require_own_parameters(module, names[:1], what, prefix)   # the wrapper doesn't hold them: raises
+            if not isinstance(module, _CONTAINERS) and any(isinstance(child, cls) for child in module.children()):
+                require_own_parameters(module, ["weight"], what, prefix)   # the wrapper doesn't hold it: raises
             continue
-        require_own_parameters(module, names, what, prefix)
+        require_own_parameters(module, [name for name in ("weight", "bias") if getattr(module, name, None) is not None],
+                               what, prefix)
         parts[prefix] = module
     return parts
+
+
+def reset_modules(modules: Iterable[nn.Module]) -> None:
+    """``reset_parameters()`` of each of ``modules`` that has one, else of its children, recursively:
+    seqpar's parts draw their seeded init, a module of the user's its own (torch's as nn.Linear's)."""
+    for module in modules:
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        else:
+            reset_modules(module.children())
 
 
 def require_own_parameters(module: nn.Module, names: Iterable[str], what: str, prefix: str = "") -> None:
@@ -256,11 +269,11 @@ def require_own_parameters(module: nn.Module, names: Iterable[str], what: str, p
 
 
 def unsharded_entries(module: nn.Module) -> List[Tuple[str, nn.Parameter, "_Split"]]:
-    """(key, parameter, how it is split) of every parameter of ``module``, keyed as ``named_parameters()``
-    without wrapper names (checkpoint_wrapper, torch.compile), a shared parameter once: seqpar's parts and
-    any a subclass or a replaced module added (split by their module's layouts if it is a seqpar parallel
-    module, else replicated)."""
-    return list(_parameters_with_layouts(module))
+    """(key, parameter, how it is split) of every parameter of ``module``, keyed as ``state_dict()`` keys
+    them without wrapper names (checkpoint_wrapper, torch.compile): seqpar's parts and any a subclass or a
+    replaced module added (split by their module's layouts if it is a seqpar parallel module, else
+    replicated). A module or parameter at two places (one layer at two depths) is keyed at each."""
+    return list(_parameters_with_layouts(module, remove_duplicate=False))
 
 
 def unsharded_shapes(entries: Sequence[Tuple[str, nn.Parameter, "_Split"]]) -> Dict[str, Tuple[int, ...]]:
@@ -271,10 +284,26 @@ def unsharded_shapes(entries: Sequence[Tuple[str, nn.Parameter, "_Split"]]) -> D
 
 
 @torch.no_grad()
-def gather_unsharded(entries: Sequence[Tuple[str, nn.Parameter, "_Split"]]) -> Dict[str, torch.Tensor]:
+def gather_unsharded(entries: Sequence[Tuple[str, nn.Parameter, "_Split"]], group: ProcessGroup, what: str
+                     ) -> Dict[str, torch.Tensor]:
     """{key: the unsharded value, a new tensor} of ``entries`` (:func:`gather_full`: a collective under TP
-    and FSDP2, call it on every rank)."""
-    return {key: gather_full(param, split.layout_of_rank, split.group) for key, param, split in entries}
+    and FSDP2, call it on every rank). The replicated ones must be equal on every rank of the
+    tensor-parallel ``group``, else ValueError on every rank naming them (one small all-gather of their
+    hashes): a parameter of the user's outside seqpar's modules is replicated, and under sequence
+    parallelism each rank's gradient covers its shard of the sequence only, so it drifts apart unless
+    the forward passes it through ``copy_to_tensor_region`` as seqpar's norms do; one rank's copy was
+    returned silently."""
+    full = {key: gather_full(param, split.layout_of_rank, split.group) for key, param, split in entries}
+    if group_size(group) > 1:
+        replicated = {key: full[key].reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+                      for key, _, split in entries if split.layout is None}
+        check_ranks_agree(group, replicated, what=f"{what}: the replicated parameters",
+                          hint="A parameter outside seqpar's parallel modules (a subclass's, a replaced part's) is "
+                               "replicated over the tensor-parallel ranks and must stay equal on every rank: under "
+                               "sequence parallelism pass it through seqpar.parallel.mappings.copy_to_tensor_region("
+                               "param, tp_group) in the forward (its gradient is then summed over the ranks), as "
+                               "seqpar's norms do")
+    return full
 
 
 @torch.no_grad()
@@ -363,13 +392,15 @@ class _Split:
     layout: Optional[ShardLayout]      # this rank's
 
 
-def _parameters_with_layouts(module: nn.Module) -> Iterator[Tuple[str, nn.Parameter, _Split]]:
+def _parameters_with_layouts(module: nn.Module, remove_duplicate: bool = True
+                             ) -> Iterator[Tuple[str, nn.Parameter, _Split]]:
     """(key, parameter, its :class:`_Split`) for every parameter of ``module``, keyed as
-    ``named_parameters()`` without the wrappers' names (a parameter shared by two modules once)."""
+    ``named_parameters()`` without the wrappers' names (a parameter shared by two modules once, unless
+    ``remove_duplicate`` is False: then at each of its keys)."""
     seen = set()
-    for prefix, sub in _unwrapped(module).named_modules():
-        for name, param in sub.named_parameters(recurse=False):
-            if id(param) in seen:
+    for prefix, sub in _unwrapped(module).named_modules(remove_duplicate=remove_duplicate):
+        for name, param in sub.named_parameters(recurse=False, remove_duplicate=remove_duplicate):
+            if remove_duplicate and id(param) in seen:
                 continue
             seen.add(id(param))
             key = ".".join(part for part in f"{prefix}.{name}".split(".") if part and part not in _WRAPPER_NAMES)
@@ -805,5 +836,5 @@ def check_loadable(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[
 __all__ = ["ShardLayout", "ShardedParameters", "RowChunks", "boxes", "local_rows", "scatter_full", "gather_full",
            "load_full_parameters", "full_parameters", "sharded_state_dict", "sharded_optimizer_state_dict",
            "load_sharded_optimizer_state_dict", "IncompatibleKeys", "PreparedParameters", "prepare_parameters",
-           "check_shapes", "check_loadable", "check_intact_parts", "unsharded_entries", "unsharded_shapes",
+           "check_shapes", "check_loadable", "check_intact_parts", "reset_modules", "unsharded_entries", "unsharded_shapes",
            "gather_unsharded", "scatter_unsharded"]

@@ -81,6 +81,31 @@ def test_a_subclass_s_and_a_replacement_s_parameters_round_trip_through_the_unsh
     assert torch.equal(layer.self_attention.dense.weight, GatedLayer(_cfg(), layer_number=1).self_attention.dense.weight)
 
 
+def _expected_shapes(model, family):
+    """The unsharded keys and shapes the config names (an independent listing)."""
+    h, f, v = H, 4 * H, 50
+    qkv_rows = (2 + 2 * (1 if family == "llama" else 2)) * (H // 2)
+    shapes = {"embedding.word_embeddings.weight": (v, h)}
+    if family != "llama":
+        shapes["embedding.position_embeddings.weight"] = (8, h)
+    for i in range(2):
+        for name, shape, bias in (("input_layernorm", (h,), family != "llama"),
+                                  ("self_attention.query_key_value", (qkv_rows, h), family != "llama"),
+                                  ("self_attention.dense", (h, h), family != "llama"),
+                                  ("post_attention_layernorm", (h,), family != "llama"),
+                                  ("mlp.dense_h_to_4h", ((2 * f if family == "llama" else f), h), family != "llama"),
+                                  ("mlp.dense_4h_to_h", (h, f), family != "llama")):
+            shapes[f"layers.{i}.{name}.weight"] = shape
+            if bias:
+                shapes[f"layers.{i}.{name}.bias"] = shape[:1]
+    shapes["final_layernorm.weight"] = (h,)
+    if family != "llama":
+        shapes["final_layernorm.bias"] = (h,)
+    else:
+        shapes["output_layer.weight"] = (v, h)
+    return shapes
+
+
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_the_unsharded_keys_are_the_config_s(family):
     """full_shapes() now lists the parameters the model holds: for seqpar's own model, exactly the keys and
@@ -91,12 +116,80 @@ def test_the_unsharded_keys_are_the_config_s(family):
     seqpar.manual_seed(0)
     model = seqpar.GPTModel(_cfg(**kw), num_layers=2, vocab_size=50, max_seq_len=8,
                             share_embeddings_and_output_weights=family != "llama")
-    expected = {key: shape for key, shape in model._config_shapes().items()
-                if not (key.startswith("embedding.position") and family == "llama")
-                and not (key.startswith("output_layer") and family != "llama")}
+    expected = _expected_shapes(model, family)
     assert model.full_shapes() == expected
     assert {key: tuple(value.shape) for key, value in model.full_state_dict().items()} == expected
-    assert model.layers[0].full_shapes() == model.layers[0]._config_shapes()
+    assert model.layers[0].full_shapes() == {key[len("layers.0."):]: shape for key, shape in expected.items()
+                                              if key.startswith("layers.0.")}
+
+
+def test_a_layer_at_two_depths_keeps_both_keys():
+    """One layer object at two depths (weight sharing across depth): its keys at each, as state_dict()
+    gives them (the walk dropped the repeated module, and to_gpt2_state_dict failed on the missing keys)."""
+    seqpar.manual_seed(0)
+    model = seqpar.GPTModel(_cfg(), num_layers=2, vocab_size=50, max_seq_len=8)
+    model.layers[1] = model.layers[0]
+    full = model.full_state_dict()
+    assert set(full) == set(model.state_dict()) == set(_expected_shapes(model, "gpt"))
+    assert model.load_full_state_dict(full) == ([], [])
+
+
+def test_the_meta_recipe_resets_replaced_parts_and_blocks_of_the_user_s_own():
+    """build on meta, to_empty, reset_parameters: a replaced MLP's parameters kept to_empty's garbage (NaN
+    here: a NaN loss and no error), and a block of the user's own or a replaced final norm raised
+    AttributeError. Each is now reset by its own reset_parameters (or its children's)."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mix = nn.Linear(H, H)
+
+        def forward(self, x):
+            return x + self.mix(x)
+
+    with torch.device("meta"):
+        model = _model()
+        model.layers.append(Block())
+        model.final_layernorm = nn.LayerNorm(H)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(float("nan"))
+    seqpar.manual_seed(0)
+    model.reset_parameters()
+    nan = [name for name, param in model.named_parameters() if param.isnan().any()]
+    # Parameters held directly by a module without a reset_parameters of its own (PlainMLP's out_bias, the
+    # subclass's gate): nothing knows their init, as with torch's modules
+    assert nan == ["layers.0.mlp.out_bias", "layers.1.gate"], nan
+    seqpar.manual_seed(0)
+    reference = seqpar.GPTModel(_cfg(), num_layers=2, vocab_size=50, max_seq_len=8)
+    for key in ("layers.0.self_attention.dense.weight", "layers.1.self_attention.query_key_value.weight",
+                "embedding.word_embeddings.weight"):
+        torch.testing.assert_close(model.full_state_dict()[key], reference.full_state_dict()[key], rtol=0, atol=0)
+
+
+def test_replacements_of_seqpar_s_classes_or_names_are_not_taken_for_wrappers():
+    """A RowParallelLinear without the config's bias, and an MLP of the user's whose expert lists reuse
+    seqpar's attribute names, were refused as "wrapped or reparametrized (PEFT)"."""
+    from seqpar.nn import ColumnParallelLinear, RowParallelLinear
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dense_h_to_4h = nn.ModuleList(ColumnParallelLinear(H, 2 * H) for _ in range(2))
+            self.dense_4h_to_h = nn.ModuleList(RowParallelLinear(2 * H, H, skip_bias_add=True) for _ in range(2))
+
+        def forward(self, a2):
+            outs = [fc2(torch.relu(fc1(a2))) for fc1, fc2 in zip(self.dense_h_to_4h, self.dense_4h_to_h)]
+            return sum(out for out, _ in outs) / 2, None
+
+    seqpar.manual_seed(0)
+    layer = TransformerLayer(_cfg())
+    layer.self_attention.dense = RowParallelLinear(H, H, bias=False, skip_bias_add=True)
+    layer.mlp = Experts()
+    full = layer.full_state_dict()
+    assert "self_attention.dense.bias" not in full and full["mlp.dense_h_to_4h.1.weight"].shape == (2 * H, H)
+    assert layer.load_full_state_dict(full) == ([], [])
+    assert layer(torch.randn(4, 2, H)).shape == (4, 2, H)
 
 
 def test_a_replaced_part_does_not_break_the_input_checks():
