@@ -987,7 +987,7 @@ class ActivationMeter:
         corruption at exit) nor the hooks; a copy measures anew when entered. TypeError inside the block."""
         if self._hooks is not None:
             raise TypeError("an active ActivationMeter can't be copied or pickled: copy it after its block")
-        return {"records": self.records, "_by_storage": {}, "_hooks": None}
+        return {"records": list(self.records), "_by_storage": {}, "_hooks": None}
 
     @property
     def bytes(self) -> int:

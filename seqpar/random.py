@@ -376,13 +376,19 @@ def dropout_threshold(p, name: str = "dropout probability p") -> int:
 _NOT_THE_CALLER = ("seqpar", "torch", "dataclasses", "contextlib", "functools")
 
 
+def _generated_init(code) -> bool:
+    """A dataclass's generated ``__init__`` (a config subclass's runs in the user's module)."""
+    return code.co_name == "__init__" and code.co_filename.startswith("<")
+
+
 def _warn_at_caller(message: str) -> None:
     """A UserWarning attributed to the user's line (the first frame outside :data:`_NOT_THE_CALLER`),
     whichever of seqpar's functions asked (a config, a model's forward, an op), so the default filter shows
     it once per line of theirs and ``filterwarnings(module=...)`` can name their module. (Frames are told
     by their module's name: a dataclass's generated ``__init__`` runs in its class's module.)"""
     frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _NOT_THE_CALLER:
+    while frame is not None and (frame.f_globals.get("__name__", "").partition(".")[0] in _NOT_THE_CALLER
+                                 or _generated_init(frame.f_code)):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, UserWarning, stacklevel=level + 1)
 

@@ -188,6 +188,12 @@ def test_a_function_in_a_config_subclass_field_agrees_across_processes():
     assert digests[0] == digests[1] and len(set(digests[0])) == 3
     assert _digest(np.asarray) == int(digests[0][0])
 
+    class Act:   # an object with the default repr: its attributes tell instances apart
+        def __init__(self, slope):
+            self.slope = slope
+    assert _digest(Act(0.1)) == _digest(Act(0.1)) != _digest(Act(0.2))
+    assert _digest("f at 0x1") != _digest("f at 0x2")     # strings as they are
+
 
 def test_numpy_integers_are_taken_as_ints():
     """np.int64 sizes (a sweep over a numpy array) and seeds were refused as "must be a positive int";

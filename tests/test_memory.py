@@ -570,6 +570,10 @@ with ActivationMeter() as meter:
     y = layer(torch.randn(8, 1, 64))
 del y
 copies = [copy.deepcopy(meter) for _ in range(3)] + [pickle.loads(pickle.dumps(meter)) for _ in range(3)]
+shallow = copy.copy(meter)
+with shallow:
+    layer(torch.randn(8, 1, 64))
+assert shallow.bytes == 2 * meter.bytes, (shallow.bytes, meter.bytes)   # the copy's records are its own
 print("bytes", meter.bytes, sorted({c.bytes for c in copies}), copies[0].report() == meter.report())
 del copies; gc.collect()
 with meter:

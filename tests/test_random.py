@@ -349,6 +349,12 @@ def test_the_tiny_dropout_warning_points_at_the_user_s_line():
 
     import seqpar
 
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Subclass(seqpar.TransformerConfig):
+        note: str = ""
+
     this_file = __file__
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -356,6 +362,7 @@ def test_the_tiny_dropout_warning_points_at_the_user_s_line():
         model = seqpar.GPTModel(cfg, num_layers=1, vocab_size=20, max_seq_len=8)
         model(torch.zeros(1, 8, dtype=torch.int64))
         seqpar.ops.dropout(torch.ones(4), seqpar.ops.DropoutSpec(0.001, 1))
+        Subclass(hidden_size=16, num_attention_heads=2, attention_dropout=0.001)   # its generated __init__ too
     assert caught and all(w.filename == this_file for w in caught), [(w.filename, w.lineno) for w in caught]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")

@@ -49,7 +49,7 @@ from ..recompute import checkpoint
 from .autocast import autocast_dtype, run_in_dtype
 from .layernorm import LayerNorm, RMSNorm
 from .linear import ColumnParallelLinear, RowParallelLinear, SeededNormal, init_normal
-from .state_dict import (FSDP_UNIT, IncompatibleKeys, check_intact_parts, check_loadable, gather_unsharded,
+from .state_dict import (FSDP_UNIT, IncompatibleKeys, check_intact_parts, check_loadable, check_not_meta, gather_unsharded,
                          prepare_parameters, reset_modules, scatter_unsharded, unsharded_entries, unsharded_shapes)
 
 
@@ -102,9 +102,23 @@ RANK_CHECK_NOT_TRACEABLE = ("the ranks' per-forward input check reads a collecti
                             "check_rank_inputs = False where the ranks' inputs are known to agree")
 
 
+def reference_parameter(module: nn.Module, *parts: str) -> torch.Tensor:
+    """The parameter whose dtype and device ``module`` computes in: the first one of the first of its
+    submodules named ``parts`` that holds one, else its first (any part may be replaced, and a subclass's
+    own parameters, which come first in ``parameters()``, may be kept in another dtype)."""
+    for name in parts:
+        part = getattr(module, name, None)
+        weight = getattr(part, "weight", None)   # a norm's: no parameter walk per forward
+        found = weight if isinstance(weight, torch.Tensor) else (
+            next(part.parameters(), None) if isinstance(part, nn.Module) else None)
+        if found is not None:
+            return found
+    return next(module.parameters())
+
+
 def parameter_device(module: nn.Module) -> torch.device:
-    """Where ``module``'s parameters live: its first parameter's device (any part may be replaced)."""
-    return next(module.parameters()).device
+    """Where ``module``'s parameters live (:func:`reference_parameter` of its ``_REFERENCE_PARTS``)."""
+    return reference_parameter(module, *module._REFERENCE_PARTS).device
 
 
 AGREEMENT_HINT = ("Build every rank's modules from the same arguments after seqpar.manual_seed(s) with the same s "
@@ -272,6 +286,9 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
     ``layer_number`` on the *unsharded* tensors, so any t starts from the same model.
     """
 
+    # where the dtype and device the layer computes in are read (reference_parameter)
+    _REFERENCE_PARTS = ("input_layernorm", "self_attention", "post_attention_layernorm", "mlp")
+
     def __init__(self, config: TransformerConfig, tp_group: ProcessGroup = None, device=None,
                  layer_number: int = 0):
         super().__init__()
@@ -300,7 +317,8 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.check_rank_inputs = False
         if self.input_layernorm.weight.device.type != "meta":  # on meta: to_empty, then reset_parameters()
-            self.reset_parameters()
+            # this class's: a subclass's override may init parameters its __init__ makes after this one
+            TransformerLayer.reset_parameters(self)
 
     # ------------------------------------------------------------------ forward
     def extra_repr(self) -> str:
@@ -318,7 +336,7 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
             return f"x must be a floating [s_local, b, {h}] tensor, got {got}"
         if x.shape[0] == 0 or x.shape[1] == 0:
             return f"x must have a non-empty sequence and batch, got shape {tuple(x.shape)}"
-        weight = next(self.parameters())   # a part may be replaced (input_layernorm by nn.Identity, say)
+        weight = reference_parameter(self, *self._REFERENCE_PARTS)
         # The parameters' dtype, not config.params_dtype: .to(dtype) / .half() convert the parameters only.
         if weight.dtype not in PARAMS_DTYPES:
             return (f"the layer's parameters are {weight.dtype} (converted with .to() / .double()?): seqpar layers "
@@ -496,5 +514,6 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         subclass's to initialise (override this method and call it)."""
         what = f"TransformerLayer(layer_number={self.layer_number}).reset_parameters"
         self._parts(what)
+        check_not_meta(self, what)   # (filling a meta tensor does nothing, silently)
         prepare_parameters(self, what)
         reset_modules(self.children())

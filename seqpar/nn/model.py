@@ -46,10 +46,10 @@ from ..parallel.state import (SAME_MODE_HINT, SEED_HINT, ProcessGroup, SharesPro
 from ..memory import recompute_policies, saved_as
 from .autocast import autocast_dtype, call_self_casting, run_in_dtype
 from .layer import (AGREEMENT_HINT, RANK_CHECK_NOT_TRACEABLE, TransformerLayer, agreement_values, make_norm,
-                    parameter_device)
+                    parameter_device, reference_parameter)
 from .layernorm import LayerNorm, RMSNorm
 from .linear import SeededNormal
-from .state_dict import (IncompatibleKeys, ShardedParameters, ShardLayout, check_intact_parts, check_loadable,
+from .state_dict import (IncompatibleKeys, ShardedParameters, ShardLayout, check_intact_parts, check_loadable, check_not_meta,
                          full_parameters, gather_unsharded, prepare_parameters, reset_modules, scatter_full,
                          scatter_unsharded, unsharded_entries, unsharded_shapes)
 
@@ -385,6 +385,9 @@ class GPTModel(SharesProcessGroup, nn.Module):
     ``named_parameters()`` keys (:meth:`full_shapes`).
     """
 
+    # where the dtype and device the model computes in are read (seqpar.nn.layer.reference_parameter)
+    _REFERENCE_PARTS = ("final_layernorm", "embedding", "layers")
+
     def __init__(self, config: TransformerConfig, num_layers: int, vocab_size: int, max_seq_len: int,
                  tp_group: ProcessGroup = None, device=None,
                  recompute: Union[None, str, Sequence[str]] = None, embedding_dropout: Optional[float] = None,
@@ -445,6 +448,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
         this."""
         what = "GPTModel.reset_parameters"
         self._parts(what)
+        check_not_meta(self, what)   # (filling a meta tensor does nothing, silently)
         prepare_parameters(self, what)
         reset_modules(self.children())
 
@@ -601,7 +605,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
             "tokens.shape[0] (b)": shape[0], "tokens.shape[1] (s)": shape[1], "labels given": int(labels is not None),
             "token and label values (checksum)": checksum, "training": int(self.training),
             "grad mode": int(torch.is_grad_enabled()),
-            "compute dtype (under autocast its dtype)": next(self.parameters()).dtype,
+            "compute dtype (under autocast its dtype)": reference_parameter(self, *self._REFERENCE_PARTS).dtype,
             **sp_random.generator_fingerprint(with_torch_state=dropout_on),   # what the dropout seeds come from
         }, what="GPTModel input", error=problem, device=parameter_device(self),
             hint="Every rank passes the same tokens (and labels, or none)" + SAME_MODE_HINT

@@ -9,7 +9,8 @@
   rank's chunk (:func:`local_rows`), so they work with and without it. Each entry first calls
   :func:`prepare_parameters` (FSDP2 resharded, the TP ranks' FSDP2 groups checked to form a grid).
 * :func:`sharded_state_dict` / :func:`sharded_optimizer_state_dict`: this rank's parameters and optimizer
-  state, keyed like ``full_state_dict()``, each split tensor a ShardedTensor whose pieces say where they
+  state, keyed like ``full_state_dict()`` (but a module or parameter at two places once, at its first:
+  the optimizer holds it once), each split tensor a ShardedTensor whose pieces say where they
   lie in the unsharded tensor. DCP saves every piece once and loads a checkpoint at any tensor-parallel
   (and FSDP2) size, in place.
 * :func:`check_shapes` / :func:`check_loadable`: the one check every unsharded-weights loader runs
@@ -149,7 +150,11 @@ def scatter_full(full: torch.Tensor, shard: torch.Tensor, layout: Optional[Shard
     """Copy this rank's blocks of the unsharded ``full`` into ``shard``, a tensor-parallel shard laid out
     by ``layout`` (None: replicated, all of ``full``), plain or FSDP2's DTensor. Rows of padding (in no
     piece: a vocabulary table's rows past its real ones) become zero: never read, but defined. (Blocks
-    are copied first: ``full`` may share memory with the shard, e.g. the model's own state dict.)"""
+    are copied first: ``full`` may share memory with the shard, e.g. the model's own state dict.) A 0-dim
+    tensor (a learned scalar) is copied whole."""
+    if shard.dim() == 0 and not is_dtensor(shard):
+        shard.copy_(full)
+        return
     local, chunks = local_rows(shard)
     _, first_row, rows = chunks.rows[chunks.index]
     copied_rows = []
@@ -217,20 +222,22 @@ def check_intact_parts(root: nn.Module, part_classes: Mapping[str, type], what: 
     ({key prefix: the class seqpar built there}) whose module is still of that class. A part the user
     removed, or replaced by another kind of module (an MoE MLP, another norm, nn.Identity), is left out: the
     unsharded state dicts carry the replacement's parameters as they are (:func:`unsharded_entries`).
+    checkpoint_wrapper and torch.compile around a part are seen through (the keys leave them out too).
     ValueError (``what``: the operation) for a part wrapped after seqpar built it (a module, not a
-    container, with an instance of the class as a child: an adapter library such as PEFT) or
+    container, with one instance of the class among its children: an adapter library such as PEFT) or
     reparametrized (its weight or bias not its own parameter: ``torch.nn.utils.parametrize`` /
     ``weight_norm`` / ``prune``), where a load copied into a computed tensor (silently dropped) and a read
     renamed the key (:func:`require_own_parameters`)."""
     parts = {}
     for prefix, cls in part_classes.items():
         module = root
-        for attr in prefix.split("."):   # getattr: checkpoint_wrapper and torch.compile forward attributes
-            module = getattr(module, attr, None)
+        for attr in prefix.split("."):
+            module = _without_wrappers(getattr(module, attr, None))
         if not isinstance(module, nn.Module):
             continue
         if not isinstance(module, cls):
-            if not isinstance(module, _CONTAINERS) and any(isinstance(child, cls) for child in module.children()):
+            wrapped = [child for child in module.children() if isinstance(child, cls)]
+            if len(wrapped) == 1 and not isinstance(module, _CONTAINERS):
                 require_own_parameters(module, ["weight"], what, prefix)   # the wrapper doesn't hold it: raises
             continue
         require_own_parameters(module, [name for name in ("weight", "bias") if getattr(module, name, None) is not None],
@@ -288,8 +295,8 @@ def gather_unsharded(entries: Sequence[Tuple[str, nn.Parameter, "_Split"]], grou
                      ) -> Dict[str, torch.Tensor]:
     """{key: the unsharded value, a new tensor} of ``entries`` (:func:`gather_full`: a collective under TP
     and FSDP2, call it on every rank). The replicated ones must be equal on every rank of the
-    tensor-parallel ``group``, else ValueError on every rank naming them (one small all-gather of their
-    hashes): a parameter of the user's outside seqpar's modules is replicated, and under sequence
+    tensor-parallel ``group``, else ValueError on every rank naming them (each hashed on the host, then
+    one small all-gather of the hashes): a parameter of the user's outside seqpar's modules is replicated, and under sequence
     parallelism each rank's gradient covers its shard of the sequence only, so it drifts apart unless
     the forward passes it through ``copy_to_tensor_region`` as seqpar's norms do; one rank's copy was
     returned silently."""
@@ -382,6 +389,16 @@ def _unwrapped(module: nn.Module) -> nn.Module:
 _WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod")
 
 
+def _without_wrappers(module):
+    """``module`` inside any checkpoint_wrapper / torch.compile wrappers (anything else as it is)."""
+    while isinstance(module, nn.Module):
+        inner = next((module._modules[name] for name in _WRAPPER_NAMES if name in module._modules), None)
+        if inner is None:
+            return module
+        module = inner
+    return module
+
+
 @dataclasses.dataclass(frozen=True)
 class _Split:
     """How a parameter is split over tensor parallelism: its ``group`` and ``layout_of_rank`` (None for a
@@ -410,7 +427,8 @@ def _parameters_with_layouts(module: nn.Module, remove_duplicate: bool = True
             yield key, param, _Split(group, layout_of_rank, layout)
 
 
-def _check_not_meta(module: nn.Module, what: str) -> None:
+def check_not_meta(module: nn.Module, what: str) -> None:
+    """ValueError naming the first parameter of ``module`` on the meta device (``what``: the operation)."""
     meta = next((key for key, p in module.named_parameters() if p.is_meta), None)
     if meta is not None:
         raise ValueError(f"{what}: parameter {meta} is on the meta device (no data to save or load into): "
@@ -599,7 +617,7 @@ def sharded_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
     DCP's load warns that ShardedTensor is deprecated in favour of DTensor (its own code reads the
     ShardedTensor's device). DTensor can't express these pieces; the warning changes nothing.
     """
-    _check_not_meta(module, "sharded_state_dict")
+    check_not_meta(module, "sharded_state_dict")
     entries, peers = prepare_parameters(module, "sharded_state_dict")
     sharded = _ShardedTensors(peers)
     return {key: sharded(param.detach(), split) for key, param, split in entries}
@@ -676,7 +694,7 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
     that had none and sets the hyperparameters).
     """
     what = "sharded_optimizer_state_dict"
-    _check_not_meta(module, what)
+    check_not_meta(module, what)
     prepared = prepare_parameters(module, what)
     info = _optimizer_keys(prepared, optimizer, what)
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -836,5 +854,5 @@ def check_loadable(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[
 __all__ = ["ShardLayout", "ShardedParameters", "RowChunks", "boxes", "local_rows", "scatter_full", "gather_full",
            "load_full_parameters", "full_parameters", "sharded_state_dict", "sharded_optimizer_state_dict",
            "load_sharded_optimizer_state_dict", "IncompatibleKeys", "PreparedParameters", "prepare_parameters",
-           "check_shapes", "check_loadable", "check_intact_parts", "reset_modules", "unsharded_entries", "unsharded_shapes",
+           "check_shapes", "check_loadable", "check_intact_parts", "check_not_meta", "reset_modules", "unsharded_entries", "unsharded_shapes",
            "gather_unsharded", "scatter_unsharded"]

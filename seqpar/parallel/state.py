@@ -190,14 +190,27 @@ def _plain_int(value) -> bool:
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
+def _portable_repr(value) -> str:
+    """``repr(value)``, without the memory addresses default reprs hold (every process has its own, so the
+    same function in a config subclass's field differed on every rank): a function or class by its module
+    and qualified name, another object with an address in its repr by that repr without it and its
+    attributes. (Two objects that differ in nothing of these now agree, where they never could.)"""
+    if isinstance(value, str):
+        return repr(value)
+    text = repr(value)
+    if not _ADDRESS.search(text):
+        return text
+    if hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+    return _ADDRESS.sub("", text) + repr(sorted(getattr(value, "__dict__", {}).items()))
+
+
 def _digest(value) -> int:
     """A non-bool int in int64 range as itself (reported per rank); anything else as a 64-bit hash
-    of its bytes (``bytes``) or ``repr`` (exact for floats, dtypes, strings), without the memory
-    addresses default reprs hold (``<function f at 0x...>``: every process has its own, so the same
-    function in a config subclass's field differed on every rank)."""
+    of its bytes (``bytes``) or :func:`_portable_repr` (exact for floats, dtypes, strings)."""
     if _plain_int(value):
         return value
-    data = value if isinstance(value, bytes) else _ADDRESS.sub("", repr(value)).encode()
+    data = value if isinstance(value, bytes) else _portable_repr(value).encode()
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 

@@ -208,3 +208,73 @@ def test_a_replaced_part_does_not_break_the_input_checks():
     assert model(tokens).shape == (8, 2, 50)
     with pytest.raises(ValueError, match="tokens are on meta but the model's parameters are on cpu"):
         model(tokens.to("meta"))
+
+
+class ScaledLayer(TransformerLayer):
+    """A learned scalar kept in fp32 beside bf16 parts, initialised by an overridden reset_parameters."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scale = nn.Parameter(torch.empty(()))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        super().reset_parameters()
+        with torch.no_grad():
+            self.scale.fill_(0.5)
+
+    def forward(self, x):
+        return x + (self.scale * (super().forward(x) - x).float()).to(x.dtype)
+
+
+def test_a_scalar_parameter_a_subclass_dtype_and_its_reset_override():
+    """A 0-dim parameter failed the load (narrow() of a 0-dim tensor) after part of the model had loaded;
+    an fp32 parameter of the subclass (first in parameters()) became the dtype bf16 inputs were refused
+    against; the documented reset_parameters override failed at construction (the base __init__ called
+    it before the subclass made its parameter)."""
+    cfg = _cfg(params_dtype=torch.bfloat16)
+    seqpar.manual_seed(0)
+    model = seqpar.GPTModel(cfg, num_layers=2, vocab_size=50, max_seq_len=8)
+    model.layers[1] = ScaledLayer(cfg, layer_number=1)
+    assert model.layers[1].scale.item() == 0.5
+    with torch.no_grad():
+        model.layers[1].scale.fill_(0.25)
+    tokens = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    loss = model(tokens, tokens)
+    full = model.full_state_dict()
+    assert full["layers.1.scale"].shape == () and full["layers.1.scale"].item() == 0.25
+    model.reset_parameters()
+    assert model.layers[1].scale.item() == 0.5
+    model.load_full_state_dict(full)
+    assert model.layers[1].scale.item() == 0.25
+    torch.testing.assert_close(model(tokens, tokens), loss, rtol=0, atol=0)
+
+
+def test_a_part_split_into_seqpar_linears_or_checkpoint_wrapped_is_not_a_wrapper():
+    """An unfused QKV of three ColumnParallelLinears in the fused one's place, and checkpoint_wrapper around
+    a norm, were refused as "wrapped or reparametrized (PEFT)"; a meta model's reset_parameters, which
+    filled nothing, raises as the loads do."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from seqpar.nn import ColumnParallelLinear
+
+    class SplitQKV(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (ColumnParallelLinear(H, H) for _ in range(3))
+
+        def forward(self, x):
+            return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+
+    seqpar.manual_seed(0)
+    layer = TransformerLayer(_cfg())
+    layer.self_attention.query_key_value = SplitQKV()
+    layer.post_attention_layernorm = checkpoint_wrapper(layer.post_attention_layernorm)
+    full = layer.full_state_dict()
+    assert "self_attention.query_key_value.q.weight" in full and "post_attention_layernorm.weight" in full
+    layer.reset_parameters()
+    assert layer.load_full_state_dict(full) == ([], [])
+    with torch.device("meta"):
+        meta = seqpar.GPTModel(_cfg(), num_layers=1, vocab_size=50, max_seq_len=8)
+    with pytest.raises(ValueError, match="GPTModel.reset_parameters: parameter .* is on the meta device"):
+        meta.reset_parameters()
