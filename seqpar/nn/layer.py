@@ -511,7 +511,8 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         device (``with torch.device("meta")`` included). A linear whose ``init_method`` you set to None
         keeps its weight and bias. A module you put in place of a part is reset by its own
         ``reset_parameters`` (or its children's); parameters a subclass adds to the layer itself are the
-        subclass's to initialise (override this method and call it)."""
+        subclass's to initialise (override this method, calling it first; construction runs this class's
+        own, before the subclass's parameters exist, so call the override at the end of your ``__init__``)."""
         what = f"TransformerLayer(layer_number={self.layer_number}).reset_parameters"
         self._parts(what)
         check_not_meta(self, what)   # (filling a meta tensor does nothing, silently)
