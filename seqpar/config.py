@@ -11,7 +11,7 @@ import torch
 from .memory import RECOMPUTE_POLICIES
 from .ops.registry import check_eps, check_flags, validate_backend
 from .ops.rotary import check_theta
-from .random import dropout_threshold, is_int
+from .random import as_int, dropout_threshold, is_int
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
@@ -107,9 +107,7 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups"):
-            value = getattr(self, name)   # numpy ints (a sweep's values) held as Python ints, as floats are
-            if isinstance(value, numbers.Integral) and not isinstance(value, (int, bool)):
-                object.__setattr__(self, name, int(value))
+            object.__setattr__(self, name, as_int(getattr(self, name)))   # numpy ints held as ints, as floats are
         for name in ("hidden_size", "num_attention_heads"):
             value = getattr(self, name)
             if not is_int(value) or value <= 0:

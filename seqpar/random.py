@@ -244,6 +244,14 @@ def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def as_int(value):
+    """A numpy (or other ``numbers.Integral``) integer as a Python int, anything else as it is: sizes from
+    a sweep over a numpy array pass the int checks and are held as the ints they are."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (int, bool)):
+        return int(value)
+    return value
+
+
 @_outside_compile
 def next_layer_streams(layer_number: int) -> Tuple[int, int, int, int]:
     """One training forward's seeds of layer ``layer_number``, drawn and hashed in one call.

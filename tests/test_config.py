@@ -206,5 +206,9 @@ def test_numpy_integers_are_taken_as_ints():
                                                    "num_query_groups")] == [int] * 4
     seqpar.manual_seed(np.uint64(2**64 - 1))
     assert seqpar.random.initial_seed() == 2**64 - 1
+    model = seqpar.GPTModel(cfg, num_layers=np.int64(1), vocab_size=np.int32(20), max_seq_len=np.int64(8),
+                            padding_idx=np.int64(0))
+    assert [type(v) for v in (model.vocab_size, model.max_seq_len, model.layers[0].layer_number)] == [int] * 3
+    assert seqpar.TransformerLayer(cfg, layer_number=np.int64(3)).layer_number == 3
     with pytest.raises(ValueError, match="hidden_size must be a positive int"):
         seqpar.TransformerConfig(hidden_size=np.float64(64), num_attention_heads=4)

@@ -292,6 +292,7 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
     def __init__(self, config: TransformerConfig, tp_group: ProcessGroup = None, device=None,
                  layer_number: int = 0):
         super().__init__()
+        layer_number = sp_random.as_int(layer_number)
         # First, before anything that can raise on one rank only: the ranks agree on every argument
         # (then every later check fails on all ranks alike) and on the RNG state.
         check_ranks_agree(tp_group, agreement_values(config, layer_number=layer_number),

@@ -393,6 +393,8 @@ class GPTModel(SharesProcessGroup, nn.Module):
                  recompute: Union[None, str, Sequence[str]] = None, embedding_dropout: Optional[float] = None,
                  share_embeddings_and_output_weights: bool = True, padding_idx: Optional[int] = None):
         super().__init__()
+        num_layers, vocab_size, max_seq_len, padding_idx = map(sp_random.as_int, (num_layers, vocab_size, max_seq_len,
+                                                                                 padding_idx))
         check_ranks_agree(tp_group, agreement_values(config, num_layers=num_layers, vocab_size=vocab_size,
                                                      max_seq_len=max_seq_len, recompute=recompute,
                                                      embedding_dropout=embedding_dropout,
