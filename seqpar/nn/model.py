@@ -129,7 +129,10 @@ class _GatherVocabColumns(torch.autograd.Function):
         block = torch.nn.functional.pad(logits_local, (0, rows - logits_local.shape[-1])).contiguous()
         blocks = [torch.empty_like(block) for _ in range(group_size(group))]
         dist.all_gather(blocks, block, group=group)
-        return torch.cat(blocks, dim=-1)[..., :vocab_size]
+        # each rank's real columns, concatenated into a new tensor (a slice of the padded whole was a view,
+        # which an in-place edit under autograd refused at t > 1 and not at t = 1)
+        return torch.cat([block[..., :max(0, min(rows, vocab_size - r * rows))] for r, block in enumerate(blocks)],
+                         dim=-1)
 
     @staticmethod
     @once_differentiable
@@ -477,18 +480,36 @@ class GPTModel(SharesProcessGroup, nn.Module):
         all_gather sums the ranks' gradients instead, which makes them t times too large here.) At t = 1
         the logits themselves. Gathering holds s * b * vocab_size logits on every rank; the labels path of
         :meth:`forward` never gathers them. ValueError unless ``logits_local`` is [..., vocab_end -
-        vocab_start] floating point."""
+        vocab_start] floating point; with ``check_rank_inputs`` (t > 1), on every rank unless every rank
+        passes the same leading shape and dtype (one small all-gather, outside torch.compile)."""
         v_local = self.vocab_end - self.vocab_start
         if not isinstance(logits_local, torch.Tensor) or logits_local.dim() < 1 \
                 or logits_local.shape[-1] != v_local or not logits_local.is_floating_point():
             got = (f"{logits_local.dtype} {tuple(logits_local.shape)}" if isinstance(logits_local, torch.Tensor)
                    else type(logits_local).__name__)
-            raise ValueError(f"logits_local must be this rank's floating [..., {v_local}] logits "
-                             f"(vocab_end - vocab_start), got {got}")
-        if group_size(self.tp_group) == 1:
-            return logits_local
+            problem = (f"logits_local must be this rank's floating [..., {v_local}] logits "
+                       f"(vocab_end - vocab_start), got {got}")
+        else:
+            problem = None
+        if group_size(self.tp_group) == 1 or not self.check_rank_inputs:
+            if problem is not None:
+                raise ValueError(problem)
+            if group_size(self.tp_group) == 1:
+                return logits_local
+        else:
+            self._check_gather_ranks(logits_local, problem)
         return _GatherVocabColumns.apply(logits_local, self.padded_vocab_size // group_size(self.tp_group),
                                          self.vocab_size, self.vocab_start, self.tp_group)
+
+    @outside_compile(RANK_CHECK_NOT_TRACEABLE)
+    def _check_gather_ranks(self, logits_local, problem: Optional[str]) -> None:
+        """Every rank gathers logits of the same leading shape and dtype and none rejected its own, else
+        ValueError on every rank (a rank gathering only the last position aborted gloo's all-gather)."""
+        check_ranks_agree(self.tp_group, {
+            "logits_local.shape[:-1]": tuple(logits_local.shape[:-1]) if problem is None else None,
+            "logits_local dtype": getattr(logits_local, "dtype", None)},
+            what="GPTModel.gather_logits", error=problem, device=parameter_device(self),
+            hint="Every rank gathers the same positions (its own vocabulary columns of them)")
 
     @torch.no_grad()
     def _reset_embeddings(self) -> None:
@@ -578,7 +599,9 @@ class GPTModel(SharesProcessGroup, nn.Module):
                 "max_position_embeddings; build the model with a larger max_seq_len to run longer sequences)"
                 if self.config.position_embedding == "rope" else ""))
         if self.config.sequence_parallel and s % t:
-            raise ValueError(f"sequence length {s} is not divisible by the tensor-parallel size {t}")
+            raise ValueError(f"sequence length {s} is not divisible by the tensor-parallel size {t} (sequence "
+                             "parallelism splits it): pad the tokens on the right to a multiple of t and read the "
+                             "positions before the pads (causal: the pads change nothing before them)")
         if labels is not None and (not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64
                                    or labels.shape != tokens.shape):
             raise ValueError(f"labels must be an int64 tensor of the tokens' shape {tuple(tokens.shape)}, got "

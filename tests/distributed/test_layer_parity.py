@@ -198,21 +198,31 @@ def _gather_logits_worker(rank, world_size, vocab):
     losses = []
     for m, gather in ((reference, lambda z: z), (model, model.gather_logits)):
         logits = gather(m(tokens))
+        logits /= 0.9   # in place (a temperature): the t = 2 result was a view of the gather, which refused it
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), labels, label_smoothing=0.1)
         loss.backward()
         _sgd(m)
         losses.append(loss.item())
     ref_sd, sd = reference.full_state_dict(), model.full_state_dict()
-    return losses, max((ref_sd[k] - sd[k]).abs().max().item() for k in ref_sd), tuple(logits.shape)
+    try:   # rank 1 gathers the last position only: gloo aborted the process in the all-gather
+        with torch.no_grad():
+            logits_local = model(tokens)
+            model.gather_logits(logits_local[-1:] if rank else logits_local)
+        mismatch = None
+    except ValueError as exc:
+        mismatch = str(exc)
+    return losses, max((ref_sd[k] - sd[k]).abs().max().item() for k in ref_sd), tuple(logits.shape), mismatch
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("vocab", [130, 100], ids=["uneven_shards", "empty_shard"])
 def test_gather_logits_custom_loss_t2_matches_t1(vocab):
     """At t = 2 the padded vocabulary has 128 rows a rank: 130 real ids split 128 / 2, and 100 leave rank 1
-    none. The gathered logits' gradient keeps each rank's columns (all_gather's summed backward doubled it)."""
-    for (ref, tp), weight_diff, shape in run_ranks(_gather_logits_worker, 2, vocab, timeout_s=100):
+    none. The gathered logits' gradient keeps each rank's columns (all_gather's summed backward doubled it);
+    they take an in-place edit as at t = 1; ranks gathering different positions get a ValueError."""
+    for (ref, tp), weight_diff, shape, mismatch in run_ranks(_gather_logits_worker, 2, vocab, timeout_s=100):
         assert abs(ref - tp) <= 1e-6 and weight_diff <= 1e-6 and shape == (8, 2, vocab), (ref, tp, weight_diff)
+        assert "GPTModel.gather_logits" in mismatch and "logits_local.shape[:-1]" in mismatch, mismatch
 
 
 def _fused_ln_shard_worker(rank, world_size):
