@@ -491,15 +491,15 @@ class GPTModel(SharesProcessGroup, nn.Module):
                        f"(vocab_end - vocab_start), got {got}")
         else:
             problem = None
-        if group_size(self.tp_group) == 1 or not self.check_rank_inputs:
-            if problem is not None:
-                raise ValueError(problem)
-            if group_size(self.tp_group) == 1:
-                return logits_local
-        else:
-            self._check_gather_ranks(logits_local, problem)
-        return _GatherVocabColumns.apply(logits_local, self.padded_vocab_size // group_size(self.tp_group),
-                                         self.vocab_size, self.vocab_start, self.tp_group)
+        t = group_size(self.tp_group)
+        if t > 1 and self.check_rank_inputs:
+            self._check_gather_ranks(logits_local, problem)   # raises this rank's problem too, on every rank
+        elif problem is not None:
+            raise ValueError(problem)
+        if t == 1:
+            return logits_local
+        return _GatherVocabColumns.apply(logits_local, self.padded_vocab_size // t, self.vocab_size,
+                                         self.vocab_start, self.tp_group)
 
     @outside_compile(RANK_CHECK_NOT_TRACEABLE)
     def _check_gather_ranks(self, logits_local, problem: Optional[str]) -> None:
