@@ -102,7 +102,8 @@ def manual_seed(seed: int) -> None:
     Args:
         seed: int in [0, 2**64) (a numpy integer too).
     """
-    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not 0 <= seed < _SEED_LIMIT:
+    seed = as_int(seed)
+    if not is_int(seed) or not 0 <= seed < _SEED_LIMIT:
         raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
     _state.seed = int(seed)
     torch.default_generator.manual_seed(int(seed))
