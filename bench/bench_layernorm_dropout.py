@@ -157,9 +157,18 @@ def compiled_for_one_shape(fn: Callable, device: torch.device) -> Callable:
     configuration about to be timed, as a training run with fixed shapes gets them. Without the reset, a
     sweep recompiles one function at every new shape: Dynamo then turns to dynamic shapes (looped
     reductions in place of the persistent ones a known h allows), or, past its recompile limit (8),
-    silently runs the function eagerly, and the "torch-compile" rows would time that instead."""
+    silently runs the function eagerly, and the "torch-compile" rows would time that instead.
+
+    Donated buffers are turned off for the whole process: the backward is timed on retained graphs
+    (``retain_graph=True``), which a backward compiled to reuse its saved tensors as scratch refuses (every
+    torch-compile row of the LayerNorm, RMSNorm and dropout sweeps failed so on the H200 at 508368d, torch
+    2.11). Turning it off costs the compiled backward an allocation of a buffer it could have reused."""
     if device.type != "cuda":
         raise RuntimeError("torch.compile is benchmarked on CUDA only (Inductor's CPU build takes minutes)")
+    import torch._functorch.config as functorch_config
+
+    # read both when the backward is compiled and when it runs, so set for the process, not around one call
+    functorch_config.donated_buffer = False
     torch._dynamo.reset()
     return torch.compile(fn, dynamic=False)
 

@@ -194,18 +194,46 @@ def test_overlap_parts_are_a_list():
 def test_torch_compile_baseline_is_compiled_afresh_per_configuration(monkeypatch):
     """The torch-compile rows time a function compiled for the shape being timed: Dynamo's caches are
     reset first (no dynamic-shape graph or eager fallback left from the previous configuration) and
-    shapes are static."""
-    import torch
+    shapes are static. Donated buffers are off: the backward is timed on retained graphs."""
+    import torch._functorch.config as functorch_config
 
     from bench.bench_layernorm_dropout import compiled_for_one_shape
 
+    monkeypatch.setattr(functorch_config, "donated_buffer", True)   # torch's default; restored after the test
     events = []
     monkeypatch.setattr(torch._dynamo, "reset", lambda: events.append("reset"))
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: events.append(("compile", fn, kw)) or fn)
     fn = compiled_for_one_shape(len, torch.device("cuda"))
     assert fn is len and events == ["reset", ("compile", len, {"dynamic": False})]
+    assert functorch_config.donated_buffer is False
     with pytest.raises(RuntimeError, match="CUDA only"):
         compiled_for_one_shape(len, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_torch_compile_baseline_backward_runs_twice_on_a_retained_graph(monkeypatch):
+    """The benchmarks time the compiled backward on a retained graph, again and again: at 508368d (torch 2.11,
+    H200) Inductor's donated buffers refused that in every LayerNorm, RMSNorm and dropout configuration. The
+    gradients equal eager's."""
+    import torch._functorch.config as functorch_config
+
+    from bench.bench_layernorm_dropout import _torch_bda_ln, compiled_for_one_shape
+
+    monkeypatch.setattr(functorch_config, "donated_buffer", True)
+    g = torch.Generator().manual_seed(0)
+    x, res = (torch.randn(64, 256, generator=g).cuda().requires_grad_() for _ in range(2))
+    bias, w, b = (torch.randn(256, generator=g).cuda().requires_grad_() for _ in range(3))
+    compiled = compiled_for_one_shape(lambda x, bias, res: _torch_bda_ln(x, bias, res, w, b, 0.0), x.device)
+    outs = compiled(x, bias, res)
+    grads_out = tuple(torch.randn_like(o) for o in outs)
+    leaves = (x, bias, res, w, b)
+    first = torch.autograd.grad(outs, leaves, grads_out, retain_graph=True)
+    second = torch.autograd.grad(outs, leaves, grads_out, retain_graph=True)
+    expected = torch.autograd.grad(_torch_bda_ln(x, bias, res, w, b, 0.0), leaves, grads_out)
+    for got_1, got_2, want in zip(first, second, expected):
+        torch.testing.assert_close(got_1, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got_2, got_1, rtol=0, atol=0)
 
 
 def test_profile_kernels_quick_profiles_every_case(tmp_path):
