@@ -334,7 +334,7 @@ struct ColumnSums {
     for (int q = 0; q < 3; ++q) {
       if (parts[q] == nullptr) continue;  // uniform
       for (int64_t j = threadIdx.x; j < nvec; j += blockDim.x)
-        store_run<float, VEC>(base + q * h, j * VEC, h, VECTOR, zero);
+        shared_store_run<float, VEC>(base + q * h, j * VEC, h, VECTOR, zero);
     }
   }
   // Only called for owned runs (j < nvec) of summed quantities; no other thread touches them, so no
@@ -344,7 +344,7 @@ struct ColumnSums {
     Pack<float, VEC> cur = load_run<float, VEC>(sum, j * VEC, h, VECTOR);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) cur.v[i] += v[i];
-    store_run<float, VEC>(sum, j * VEC, h, VECTOR, cur);
+    shared_store_run<float, VEC>(sum, j * VEC, h, VECTOR, cur);
   }
   __device__ __forceinline__ void write(float* const (&parts)[3], int64_t nvec, int64_t) {
 #pragma unroll

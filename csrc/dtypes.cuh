@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -33,9 +34,34 @@ __device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
   return *reinterpret_cast<const Pack<T, N>*>(p);
 }
 
+// Global memory only (st.global; shared memory takes shared_store_run). Packs of 8 and 16 bytes are one
+// st.global.v2 / v4.b32 of their bits: an assignment of the Pack let nvcc split the store of freshly
+// computed values into 2- and 4-byte stores, even with the alignment stated (the rotary kernel stored a
+// 16-byte pack as 8 of them and ran at 21% of the copy bandwidth on an H200; the LayerNorm and RMSNorm
+// forwards split some of theirs too). The "memory" clobber keeps the compiler from moving other accesses
+// across it, as it would not across a store.
 template <typename T, int N>
 __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
+  constexpr int kBytes = sizeof(Pack<T, N>);
+#if defined(SEQPAR_HOST_EMULATION)
   *reinterpret_cast<Pack<T, N>*>(p) = v;
+#else
+  if constexpr (kBytes % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < kBytes / 16; ++i) {
+      uint32_t w[4];
+      memcpy(w, reinterpret_cast<const char*>(&v) + 16 * i, 16);
+      asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(reinterpret_cast<char*>(p) + 16 * i),
+                   "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
+    }
+  } else if constexpr (kBytes == 8) {
+    uint32_t w[2];
+    memcpy(w, &v, 8);
+    asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(w[0]), "r"(w[1]) : "memory");
+  } else {
+    *reinterpret_cast<Pack<T, N>*>(p) = v;
+  }
+#endif
 }
 
 // N values from column c0 of a row of n columns: one pack access when `vector` (c0 + N <= n and the address
@@ -53,6 +79,18 @@ template <typename T, int N>
 __device__ __forceinline__ void store_run(T* row, int64_t c0, int64_t n, bool vector, const Pack<T, N>& v) {
   if (vector) {
     store_pack<T, N>(row + c0, v);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    if (c0 + i < n) row[c0 + i] = v.v[i];
+}
+
+// store_run's twin for shared memory (store_pack is global only): one Pack assignment when `vector`.
+template <typename T, int N>
+__device__ __forceinline__ void shared_store_run(T* row, int64_t c0, int64_t n, bool vector, const Pack<T, N>& v) {
+  if (vector) {
+    *reinterpret_cast<Pack<T, N>*>(row + c0) = v;
     return;
   }
 #pragma unroll

@@ -45,7 +45,7 @@ template <typename T, int VEC>
 __global__ void __launch_bounds__(kThreads) rope_kernel(const RopeArgs a) {
   const int64_t i = blockIdx.x;
   const int64_t rows = a.batch * a.heads, rows_per_block = static_cast<int64_t>(blockDim.y) * kRowsPerThread;
-  const int64_t row_end = min(rows, (blockIdx.y + 1) * rows_per_block);
+  const int64_t row0 = blockIdx.y * rows_per_block + threadIdx.y, row_end = min(rows, (blockIdx.y + 1) * rows_per_block);
   const float pos = static_cast<float>(a.position_offset + i);  // HF: position_ids.float()
   const int64_t nvec = a.half / VEC;
   for (int64_t jv = threadIdx.x; jv < nvec; jv += blockDim.x) {
@@ -57,18 +57,35 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const RopeArgs a) {
       cs[e] = cosf(angle);
       sn[e] = a.sign * sinf(angle);
     }
-    for (int64_t r = blockIdx.y * rows_per_block + threadIdx.y; r < row_end; r += blockDim.y) {
-      const int64_t bi = r / a.heads, hi = r - bi * a.heads;
-      const T* x = static_cast<const T*>(a.in) + i * a.in_s + bi * a.in_b + hi * a.in_h + jv * VEC;
-      T* y = static_cast<T*>(a.out) + i * a.out_s + bi * a.out_b + hi * a.out_h + jv * VEC;
-      const Pack<T, VEC> p1 = load_pack<T, VEC>(x), p2 = load_pack<T, VEC>(x + a.half);
+    // Every load of this thread's kRowsPerThread heads is issued before any store: out may be in (in place),
+    // so the compiler can't hoist a load above an earlier store, and a load-rotate-store loop kept one
+    // 32-byte load in flight per thread (3.2x Triton's time on an H200). The cos / sin come first: computed
+    // beside the loaded data, their temporaries took 124 registers (bf16), 2 blocks per SM.
+    // (batch, head) of each row in 32 bits: a launch holds fewer than 2**31 rows (rope_batches_per_launch)
+    uint32_t bi[kRowsPerThread], hi[kRowsPerThread];
+    Pack<T, VEC> p1[kRowsPerThread], p2[kRowsPerThread];
+#pragma unroll
+    for (int k = 0; k < kRowsPerThread; ++k) {
+      const int64_t r = row0 + k * static_cast<int64_t>(blockDim.y);
+      bi[k] = static_cast<uint32_t>(r) / static_cast<uint32_t>(a.heads);
+      hi[k] = static_cast<uint32_t>(r) - bi[k] * static_cast<uint32_t>(a.heads);
+      if (r < row_end) {
+        const T* x = static_cast<const T*>(a.in) + i * a.in_s + bi[k] * a.in_b + hi[k] * a.in_h + jv * VEC;
+        p1[k] = load_pack<T, VEC>(x);
+        p2[k] = load_pack<T, VEC>(x + a.half);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kRowsPerThread; ++k) {
+      if (row0 + k * static_cast<int64_t>(blockDim.y) >= row_end) break;
       Pack<T, VEC> o1, o2;
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
-        const float x1 = to_float(p1.v[e]), x2 = to_float(p2.v[e]);
+        const float x1 = to_float(p1[k].v[e]), x2 = to_float(p2[k].v[e]);
         o1.v[e] = from_float<T>(__fsub_rn(__fmul_rn(x1, cs[e]), __fmul_rn(x2, sn[e])));
         o2.v[e] = from_float<T>(__fadd_rn(__fmul_rn(x2, cs[e]), __fmul_rn(x1, sn[e])));
       }
+      T* y = static_cast<T*>(a.out) + i * a.out_s + bi[k] * a.out_b + hi[k] * a.out_h + jv * VEC;
       store_pack<T, VEC>(y, o1);
       store_pack<T, VEC>(y + a.half, o2);
     }
