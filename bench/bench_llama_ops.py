@@ -23,10 +23,9 @@ Providers (a provider that can't run is reported and skipped):
                       liger_rotary_pos_emb on HF's layout
     seqpar-torch      the ops' torch reference backend (only with --quick: an oracle, not a contender)
     variant-*         design experiments, not contenders (seqpar.bench.variants; gpu_summary's targets
-                      read only seqpar-* rows): seqpar-triton with one launch-time setting of its kernel
-                      module changed while the variant's calls run, backward included; rmsnorm only
-      variant-triton-bwd-w16        the backward's tiles at 8 elements per thread, 16 warps
-      variant-triton-bwd-pipelined  the backward's row loop software-pipelined over 2 stages
+                      read only seqpar-* rows): none at present. The RMSNorm backward's two (8 elements
+                      per thread, 16 warps; the row loop pipelined over 2 stages) were decided by the H200's
+                      times at 508368d: the first is shipped for one-row tiles, the second removed
 HF and Liger take cos / sin tables, built once outside the timed region (as a model builds them once per
 forward for all its layers); seqpar's kernels compute cos / sin themselves, inside the timed region.
 
@@ -89,27 +88,14 @@ from bench.bench_layernorm_dropout import (  # noqa: E402
     record)
 from seqpar.bench.options import comma_list, fill_defaults  # noqa: E402
 from seqpar.bench.results import ResultRows  # noqa: E402
-from seqpar.bench.variants import DesignVariant, applied, print_bwd_ratios  # noqa: E402
+from seqpar.bench.variants import applied, print_bwd_ratios  # noqa: E402
 
 OPS = ("rmsnorm", "swiglu", "rope", "dropout")
 DROPOUT_P = 0.1
-PROVIDERS = ["seqpar-cuda", "seqpar-triton", "torch-eager", "torch-compile", "liger", "variant-triton-bwd-w16",
-             "variant-triton-bwd-pipelined", "seqpar-torch"]
+PROVIDERS = ["seqpar-cuda", "seqpar-triton", "torch-eager", "torch-compile", "liger", "seqpar-torch"]
 
 
-VARIANTS = {
-    # sm_90a, bf16, h = 4096 (kernel_report's compile): 32 warps take 37 registers, so one 1024-thread
-    # program per SM and one row between two barriers; 16 warps take 56, two 512-thread programs per SM,
-    # two rows in flight, 16-byte loads. h = 8192 (column chunks): 32 vs 39 registers, 2 vs 3 programs.
-    "variant-triton-bwd-w16": DesignVariant(
-        "rms_norm", "BWD_ELEMENTS_PER_THREAD", 8, takes="backward tiles of 8 elements per thread (16 warps for "
-        "4096 columns)", where="rmsnorm", runs_on=lambda op, **_: op == "rmsnorm"),
-    # the row loop software-pipelined: the next rows' tiles copied to shared memory (cp.async) while the
-    # current row reduces; 32 registers at h = 4096 (37 shipped), no spills
-    "variant-triton-bwd-pipelined": DesignVariant(
-        "rms_norm", "BWD_ROW_STAGES", 2, takes="the backward's row loop pipelined over 2 stages (cp.async)",
-        where="rmsnorm", runs_on=lambda op, **_: op == "rmsnorm"),
-}
+VARIANTS: dict = {}   # name -> seqpar.bench.variants.DesignVariant (see the providers above)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DIRECTIONS = ("fwd", "bwd", "fwdbwd")
 EPS = 1e-6

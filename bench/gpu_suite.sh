@@ -146,7 +146,7 @@ for part in "$@"; do
       step llama-compile 100 bash -c 'for op in rmsnorm dropout swiglu rope; do for h in 4096 8192; do \
         [ $op = swiglu -o $op = rope ] && [ $h = 8192 ] && continue; \
         TORCHINDUCTOR_COMPILE_THREADS=1 timeout --foreground -k 10 90 python3 bench/bench_llama_ops.py --compile-only --ops $op \
-        --hidden $h --providers seqpar-triton,torch-compile,liger,variant-triton-bwd-w16,variant-triton-bwd-pipelined & \
+        --hidden $h --providers seqpar-triton,torch-compile,liger & \
         done; done; wait'
       step llama 180 python3 bench/bench_llama_ops.py --out "$OUT" ;;
     attention)

@@ -28,35 +28,6 @@ def test_quick_run_writes_rows(tmp_path):
     assert all(float(r["value"]) > 0 for r in rows)
 
 
-def test_the_rmsnorm_backward_variants_change_their_setting_only_inside_their_context(monkeypatch):
-    """variant-triton-bwd-w16 is seqpar-triton with the RMSNorm backward's tiles at 8 elements per thread
-    while its calls run: 16 warps for the 4096-column tiles (h = 4096 whole rows, h = 8192 two chunks)
-    instead of the shipped 32; variant-triton-bwd-pipelined its row loop at 2 stages (shipped 1); the
-    settings restored after; both refused on the other ops."""
-    import torch
-
-    from seqpar.triton_kernels import rms_norm, rows
-
-    monkeypatch.setattr(rows, "interpreting", lambda: False)     # the GPU launch policy
-    variant = bench_llama_ops.VARIANTS["variant-triton-bwd-w16"]
-
-    def warps(h):
-        return rms_norm._bwd_config(16384, h)[3]["num_warps"]
-
-    assert (warps(4096), warps(8192)) == (32, 32)
-    with variant.applied():
-        assert (warps(4096), warps(8192)) == (16, 16)
-    assert rms_norm.BWD_ELEMENTS_PER_THREAD == 4 and (warps(4096), warps(8192)) == (32, 32)
-    with bench_llama_ops.VARIANTS["variant-triton-bwd-pipelined"].applied():
-        assert rms_norm.BWD_ROW_STAGES == 2 and warps(4096) == 32
-    assert rms_norm.BWD_ROW_STAGES == 1
-    for name in ("variant-triton-bwd-w16", "variant-triton-bwd-pipelined"):
-        for op, size in (("swiglu", dict(tokens=4, ffn=8)), ("rope", dict(seq=2, batch=1, heads=2, kv_heads=1,
-                                                                           head_dim=8))):
-            with pytest.raises(RuntimeError, match="only for rmsnorm"):
-                bench_llama_ops.make_problem(op, name, size, torch.float32, torch.device("cpu"))
-
-
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernel runs in its CPU interpreter")
 def test_the_pinned_dropout_providers_compute_seqpar_dropout():
     """The dropout providers call one kernel each (seqpar.ops.dropout picks its own): seqpar-triton and

@@ -113,17 +113,19 @@ def test_row_kernels_compile_for_sm90_within_budget():
     """Real configurations end to end (bench/results/kernel_report.txt has every one):
     - the LayerNorm forward, bf16, h = 1024, dropout on: no spills, the mask within 12 integer
       instructions per element;
-    - the RMSNorm backward at h = 4096 and the LayerNorm backward's chunk programs at h = 12288 (dropout
-      on; their row sums come from the row-sum pass): 32-warp programs (4 elements per thread) without
-      spills, so within the 64 registers a 1024-thread program may use."""
+    - the LayerNorm backward's chunk programs at h = 12288 (dropout on; their row sums come from the
+      row-sum pass): 32-warp programs (4 elements per thread) without spills, so within the 64 registers a
+      1024-thread program may use;
+    - the RMSNorm backward at h = 4096: 16-warp programs (8 elements per thread) without spills, within
+      64 registers, so that two of them fit an SM."""
     row, rms, ln_chunks = _compiled_rows(("ln", "fwd", 1024, "bf16", True, 0),
                                          ("rmsnorm", "bwd", 4096, "bf16", False, 0),
                                          ("ln", "bwd", 12288, "bf16", True, 0))
     assert row["registers"] > 0 and row["spill_bytes"] == 0
     assert row["counted"] == "whole kernel" and row["mask_int"] > 0
     assert row["mask_int"] / row["elements_per_thread"] <= 12
-    for bwd in (rms, ln_chunks):
-        assert " w32" in bwd["config"] and bwd["elements_per_thread"] == 4
+    for bwd, warps, per_thread in ((rms, 16, 8), (ln_chunks, 32, 4)):
+        assert f" w{warps}" in bwd["config"] and bwd["elements_per_thread"] == per_thread
         assert 0 < bwd["registers"] <= 64 and bwd["spill_bytes"] == 0
     assert ln_chunks["config"].endswith(" c3")
 

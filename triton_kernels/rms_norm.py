@@ -45,7 +45,7 @@ from . import rows as R
 from .rows import cast_rne
 
 __all__ = ["forward", "backward", "MAX_FUSED_HIDDEN", "MAX_FUSED_HIDDEN_BWD", "CHUNK_COLUMNS",
-           "BWD_ELEMENTS_PER_THREAD", "BWD_ROW_STAGES"]
+           "BWD_ELEMENTS_PER_THREAD"]
 
 # Longest row held in one program's registers (forward, backward: the backward holds more per column, and a
 # whole row of 8192 took one 1024-thread program per SM, each row's loads, reduction and stores in series;
@@ -54,14 +54,14 @@ __all__ = ["forward", "backward", "MAX_FUSED_HIDDEN", "MAX_FUSED_HIDDEN_BWD", "C
 MAX_FUSED_HIDDEN = 16384
 MAX_FUSED_HIDDEN_BWD = 4096
 CHUNK_COLUMNS = 4096
-# Elements of a backward tile per thread (4096-element tiles: 32 warps). Read at launch time: the design
-# experiment variant-triton-bwd-w16 of bench/bench_llama_ops.py runs 8 (16 warps) on the GPU.
-BWD_ELEMENTS_PER_THREAD = 4
-# Software-pipelining stages of the backward's row loop (tl.range num_stages; 1: none). At 2, Triton copies
-# the next rows' tiles to shared memory (cp.async) while the current row reduces: sm_90a, bf16, h = 4096,
-# the same registers (LayerNorm 58, RMSNorm 32 instead of 37), no spills, +5-15% loop instructions. Read
-# at launch time: a design experiment (variant-triton-bwd-pipelined in the bench scripts) until measured.
-BWD_ROW_STAGES = 1
+# Elements per thread of a backward tile that is one row (h >= 4096: whole rows of 4096, or column chunks):
+# 8, 16 warps for 4096 columns. Measured on the H200 (508368d, bf16, 16384 rows, backward GPU time) against
+# 4 (32 warps, shipped until then): 0.184 / 0.237 ms at h = 4096 (56 registers against 37: two 512-thread
+# programs per SM instead of one 1024-thread one, so one program's row reduction overlaps the other's
+# loads), 0.470 / 0.469 ms at h = 8192; the row loop pipelined over 2 stages (cp.async) at 4 took 0.190 /
+# 0.478 ms and was removed. Tiles of several shorter rows keep 4 per thread: at 8 they take 72 registers
+# (h = 1024 / 2048), one 512-thread program per SM, half the warps. Read at launch time.
+BWD_ELEMENTS_PER_THREAD = 8
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -159,7 +159,7 @@ def _bwd_row_sums_kernel(GY, RO, W, RSTD, ROW_SUMS, n_rows, h, stride_ro,
 @triton.jit
 def _bwd_kernel(GY, GRO, RO, W, RSTD, ROW_SUMS, GX, GRES, PART_W, n_rows, h, stride_ro, rows_per_program,
                 HAS_GRO: tl.constexpr, HAS_GRES: tl.constexpr, MANUAL_BF16: tl.constexpr, CHUNKED: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_STAGES: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Program (pid, chunk) owns rows [pid * rows_per_program, ...) and columns [chunk * BLOCK_N, ...) of
     # them, and writes those columns of row `pid` of the partial buffer. A whole row reduces its row sum
     # sum(g * n) here; a chunked row reads it from ROW_SUMS (_bwd_row_sums_kernel): no reduction, so no
@@ -172,7 +172,7 @@ def _bwd_kernel(GY, GRO, RO, W, RSTD, ROW_SUMS, GX, GRES, PART_W, n_rows, h, str
     col_mask = cols < h
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     acc_w = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for start in tl.range(row_start, row_end, BLOCK_M, num_stages=ROW_STAGES):
+    for start in range(row_start, row_end, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         row_mask = rows < row_end
         mask = row_mask[:, None] & col_mask[None, :]
@@ -220,18 +220,17 @@ def _fwd_config(n_rows: int, h: int):
 def _bwd_config(n_rows: int, h: int):
     """(BLOCK_M, BLOCK_N, chunked, launch options) of one backward program's tile.
 
-    Tiles of 4096 elements at 32 warps, 4 per thread: ptxas needs 32-50 registers (bf16, h = 1024 .. 16384,
-    Triton 3.6 and 3.9), so an SM holds one or two 1024-thread programs (50-100% occupancy); at 16 warps
-    h = 8192 and the chunked rows took 86-98 registers, one 512-thread program (25%), too few warps to
-    cover the row reductions' barriers."""
+    Tiles of 4096 elements: one row at BWD_ELEMENTS_PER_THREAD (8: 16 warps; 39-64 registers at h = 4096 ..
+    16384, bf16, Triton 3.9, so two or three programs per SM), several rows at 4 per thread (32 warps, 54-56
+    registers at h = 1024 / 2048, one program)."""
     chunked = h > min(MAX_FUSED_HIDDEN, MAX_FUSED_HIDDEN_BWD)
     # even chunks: no chunk program left with mostly masked columns
     block_n = R.chunk_columns(h, CHUNK_COLUMNS) if chunked else triton.next_power_of_2(h)
     if R.interpreting():
         return R.rows_per_block(n_rows, block_n, 1 << 14), block_n, chunked, {}
     block_m = R.rows_per_block(n_rows, block_n, 4096)
-    return block_m, block_n, chunked, {"num_warps": R.num_warps(block_m * block_n, 32,
-                                                                per_thread=BWD_ELEMENTS_PER_THREAD)}
+    per_thread = BWD_ELEMENTS_PER_THREAD if block_m == 1 else 4
+    return block_m, block_n, chunked, {"num_warps": R.num_warps(block_m * block_n, 32, per_thread=per_thread)}
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -281,8 +280,7 @@ def backward(grad_y: torch.Tensor, grad_residual_out: Optional[torch.Tensor], re
     block_m, block_n, chunked, launch = _bwd_config(n_rows, h)
     n_chunks = triton.cdiv(h, block_n)
     launch.update(HAS_GRO=grad_residual_out is not None, HAS_GRES=grad_res is not None,
-                  MANUAL_BF16=R.interpreting(), CHUNKED=chunked, BLOCK_M=block_m, BLOCK_N=block_n,
-                  ROW_STAGES=BWD_ROW_STAGES)
+                  MANUAL_BF16=R.interpreting(), CHUNKED=chunked, BLOCK_M=block_m, BLOCK_N=block_n)
     weight = weight.contiguous()
 
     row_sums = rstd                                        # (unused with whole rows)
