@@ -34,12 +34,13 @@ __device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
   return *reinterpret_cast<const Pack<T, N>*>(p);
 }
 
-// Global memory only (st.global; shared memory takes shared_store_run). Packs of 8 and 16 bytes are one
-// st.global.v2 / v4.b32 of their bits: an assignment of the Pack let nvcc split the store of freshly
-// computed values into 2- and 4-byte stores, even with the alignment stated (the rotary kernel stored a
-// 16-byte pack as 8 of them and ran at 21% of the copy bandwidth on an H200; the LayerNorm and RMSNorm
-// forwards split some of theirs too). The "memory" clobber keeps the compiler from moving other accesses
-// across it, as it would not across a store.
+// p points to global memory (st.global takes its generic address, as CUDA's own __stwb does; shared memory
+// takes shared_store_run). Packs of 8 and 16 bytes are one st.global.v2 / v4.b32 of their bits: an
+// assignment of the Pack let nvcc split the store of freshly computed values into 2- and 4-byte stores,
+// even with the alignment stated (__builtin_assume_aligned): the rotary kernel stored a 16-byte pack as 8
+// of them and ran at 21% of the copy bandwidth on an H200; the LayerNorm and RMSNorm forwards split some
+// of theirs too (tests/test_kernel_report.py reads the SASS). asm volatile with a "memory" clobber: the
+// compiler keeps it in order with the kernel's other loads and stores, as it does a plain store.
 template <typename T, int N>
 __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
   constexpr int kBytes = sizeof(Pack<T, N>);

@@ -59,8 +59,9 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const RopeArgs a) {
     }
     // Every load of this thread's kRowsPerThread heads is issued before any store: out may be in (in place),
     // so the compiler can't hoist a load above an earlier store, and a load-rotate-store loop kept one
-    // 32-byte load in flight per thread (3.2x Triton's time on an H200). The cos / sin come first: computed
-    // beside the loaded data, their temporaries took 124 registers (bf16), 2 blocks per SM.
+    // head's 32 bytes in flight per thread (with 2-byte stores, store_pack's note: 3.2x Triton's time on
+    // an H200). bf16: 124 registers instead of 48, two 256-thread blocks per SM instead of five, so 64 KB of
+    // loads in flight per SM instead of 40 KB.
     // (batch, head) of each row in 32 bits: a launch holds fewer than 2**31 rows (rope_batches_per_launch)
     uint32_t bi[kRowsPerThread], hi[kRowsPerThread];
     Pack<T, VEC> p1[kRowsPerThread], p2[kRowsPerThread];
