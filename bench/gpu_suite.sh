@@ -16,7 +16,7 @@
 #              configuration, untimed (--compile-only), into Triton's and Inductor's on-disk caches; the
 #              timed run's log gives each provider's seconds and Inductor's cache hits. torch-eager is
 #              left out: no target reads it
-#   llama      bench_llama_ops, its compiles first, in parallel as for norms (100 + 180 s; took 126 s in
+#   llama      bench_llama_ops, its compiles first, in parallel as for norms (100 + 220 s; took 126 s in
 #              the second run, before its two design variants joined: 4 more RMSNorm configurations; and
 #              before the standalone dropout joined: 2 configurations of 4 fast providers, one
 #              torch.compile each)
@@ -32,13 +32,14 @@
 # 2026-11-26, 0200fea): the install 30 s cold, tests 219 s (416 tests), attention 38 + 109 s, norms past
 # 161 s with the 256-row configurations still to go, layer 47 + 23 + 14 s, llama 126 s.
 # The third run (H200, 2026-11-27, 0f39ed5 / 9466f0b): install 33 s, info 14 s, tests 226 s (448 tests),
-# layer 51 + 23 + 16 s: 363 s in one call; norms cut at 157 s. With 15 device minutes (a start takes
-# 35-60 s of them) and a machine that stays warm 30 s after a call: `norms layer` in one call
-# (SUITE_SECONDS=560: 47 + at most 400 + 90 s), then at once `llama tests` on the warm machine with
-# SUITE_SECONDS the budget left less 40 s (about 240 s: llama's compile and run first, then the gpu tests
-# for what is left; they all passed at 9466f0b). `attention` and `profile` when time is left: the second
-# run measured the attention as it is now (target met, worst 0.97x). SUITE_SECONDS is whole seconds (a
-# fraction is dropped).
+# layer 51 + 23 + 16 s: 363 s in one call; norms cut at 157 s. The fourth run (H200, 2026-11-28, 508368d):
+# `norms layer` 330 s (install 34 s, info 11 s, norms 62 + 131 s, layer 52 + 22 + 18 s), then `llama tests`
+# 385 s (llama 59 + 167 s, tests 139 s: 446 passed). With 15 device minutes (a start takes 35-60 s of them)
+# and a machine that stays warm only 30 s after a call, two calls issued back to back: after a change to
+# the kernels, `tests llama` first (SUITE_SECONDS=560: about 140 + 230 s), then at once `norms` (and
+# `layer` or `attention` if the budget left allows) with SUITE_SECONDS the budget left less 40 s; the
+# torch-compile rows, timed since bfb3195, add about 20-40 s to norms and llama. `profile` for a missed
+# target's note. SUITE_SECONDS is whole seconds (a fraction is dropped).
 #
 # The call installs seqpar first (CMake rebuilds only what changed: build/ is kept on a warm machine),
 # keeps Triton's cache in .triton_cache/ (also kept on a warm machine), and installs the peers' wheels
@@ -148,7 +149,7 @@ for part in "$@"; do
         TORCHINDUCTOR_COMPILE_THREADS=1 timeout --foreground -k 10 90 python3 bench/bench_llama_ops.py --compile-only --ops $op \
         --hidden $h --providers seqpar-triton,torch-compile,liger & \
         done; done; wait'
-      step llama 180 python3 bench/bench_llama_ops.py --out "$OUT" ;;
+      step llama 220 python3 bench/bench_llama_ops.py --out "$OUT" ;;
     attention)
       # A cold bench_attention spends minutes compiling its ~50 autotune configurations one after another:
       # compile them first in four processes at once (one per head dim and dropout, each with its own
