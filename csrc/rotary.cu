@@ -45,7 +45,8 @@ template <typename T, int VEC>
 __global__ void __launch_bounds__(kThreads) rope_kernel(const RopeArgs a) {
   const int64_t i = blockIdx.x;
   const int64_t rows = a.batch * a.heads, rows_per_block = static_cast<int64_t>(blockDim.y) * kRowsPerThread;
-  const int64_t row0 = blockIdx.y * rows_per_block + threadIdx.y, row_end = min(rows, (blockIdx.y + 1) * rows_per_block);
+  const int64_t row0 = blockIdx.y * rows_per_block + threadIdx.y;
+  const int64_t row_end = min(rows, (blockIdx.y + 1) * rows_per_block);
   const float pos = static_cast<float>(a.position_offset + i);  // HF: position_ids.float()
   const int64_t nvec = a.half / VEC;
   for (int64_t jv = threadIdx.x; jv < nvec; jv += blockDim.x) {

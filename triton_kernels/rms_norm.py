@@ -54,13 +54,15 @@ __all__ = ["forward", "backward", "MAX_FUSED_HIDDEN", "MAX_FUSED_HIDDEN_BWD", "C
 MAX_FUSED_HIDDEN = 16384
 MAX_FUSED_HIDDEN_BWD = 4096
 CHUNK_COLUMNS = 4096
-# Elements per thread of a backward tile that is one row (h >= 4096: whole rows of 4096, or column chunks):
-# 8, 16 warps for 4096 columns. Measured on the H200 (508368d, bf16, 16384 rows, backward GPU time) against
-# 4 (32 warps, shipped until then): 0.184 / 0.237 ms at h = 4096 (56 registers against 37: two 512-thread
-# programs per SM instead of one 1024-thread one, so one program's row reduction overlaps the other's
-# loads), 0.470 / 0.469 ms at h = 8192; the row loop pipelined over 2 stages (cp.async) at 4 took 0.190 /
-# 0.478 ms and was removed. Tiles of several shorter rows keep 4 per thread: at 8 they take 72 registers
-# (h = 1024 / 2048), one 512-thread program per SM, half the warps. Read at launch time.
+# Elements per thread of a backward tile that is one row of 4096 columns (whole rows of h = 4096, the
+# 4096-column chunks of h = 8192 / 12288 / 16384; R.chunk_columns cuts widths such as 5120 / 6144 into
+# narrower chunks, tiles of several rows): 8, 16 warps. Measured on the H200 (508368d, bf16, 16384 rows,
+# backward GPU time) against 4 (32 warps, shipped until then): 0.184 / 0.237 ms at h = 4096 (56 registers
+# against 37: two 512-thread programs per SM instead of one 1024-thread one, so one program's row reduction
+# overlaps the other's loads), 0.470 / 0.469 ms at h = 8192; the row loop pipelined over 2 stages
+# (cp.async) at 4 took 0.190 / 0.478 ms and was removed. Tiles of several shorter rows keep 4 per thread:
+# at 8 they take 72 registers (h = 1024 / 2048), one 512-thread program per SM, half the warps. Read at
+# launch time.
 BWD_ELEMENTS_PER_THREAD = 8
 
 

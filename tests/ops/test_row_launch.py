@@ -54,7 +54,7 @@ def test_row_tiles_keep_a_thread_to_a_few_elements(monkeypatch, h):
     block_m, block_n, chunked, launch = M._bwd_config(16384, h)
     per_thread = block_m * block_n // (32 * launch["num_warps"])
     assert (launch["num_warps"], per_thread) == ((16, 8) if block_m == 1 else (32, 4)) and chunked == (h > 4096)
-    assert (block_m == 1) == (h >= 4096)
+    assert (block_m == 1) == (h >= 4096)   # (these widths: 4096-column chunks; 5120 / 6144 chunk narrower)
     # The LayerNorm forward: whole rows up to 8192 columns at up to 32 warps, wider rows in 4096-column
     # chunks at 16 warps (on an H200 h = 12288 in chunks took 0.67-0.89x a whole 16384-wide tile's time);
     # 8 elements per thread either way.
