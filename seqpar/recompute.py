@@ -45,6 +45,12 @@ def swapped_parameters(module: nn.Module, tensors: Dict[str, torch.Tensor]) -> I
     forward under autocast and once per full-recompute backward). ValueError for a name ``module``
     doesn't hold, and for two names of one tied parameter given different tensors (as
     ``_reparametrize_module``: one of them would silently win)."""
+    if torch.compiler.is_compiling():
+        # Dynamo traces torch's own reparametrization; the walk over ``_parameters`` below saw no parameter
+        # in a traced module (every name "unknown": a graph break, and fullgraph=True raised).
+        with torch.nn.utils.stateless._reparametrize_module(module, tensors, tie_weights=True):
+            yield
+        return
     slots = [(sub, leaf, param, f"{prefix}.{leaf}" if prefix else leaf)
              for prefix, sub in module.named_modules(remove_duplicate=False)
              for leaf, param in sub._parameters.items() if param is not None]

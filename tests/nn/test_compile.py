@@ -123,6 +123,28 @@ def test_model_without_dropout_is_one_graph_and_still_checks_token_ids():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_model_under_autocast_is_one_graph(recompute):
+    """Under torch.autocast a module swaps its parameters for their casts for the call: the walk over
+    ``_parameters`` that swaps them found none in a traced module, so a GPTModel was 12 graphs (a layer 8)
+    and fullgraph=True raised "has no parameters [...]" naming every parameter it has. Compiled results
+    equal eager ones under the same autocast, gradients back in fp32."""
+    seqpar.manual_seed(0)
+    model = seqpar.GPTModel(seqpar.TransformerConfig(hidden_size=H, num_attention_heads=4, backend="torch",
+                                                     recompute=recompute), num_layers=2, vocab_size=50, max_seq_len=16)
+    tokens = torch.randint(0, 50, (2, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        explanation = torch._dynamo.explain(model)(tokens, tokens)
+        assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        got = _step(compiled, model, (tokens, tokens))
+        want = _step(model, model, (tokens, tokens))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert all(g.dtype == torch.float32 for g in got[1])
+    torch._dynamo.reset()
+
+
 LLAMA = dict(num_query_groups=2, ffn_hidden_size=96, normalization="rmsnorm", activation="swiglu",
              add_bias_linear=False, position_embedding="rope")
 
