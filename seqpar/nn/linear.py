@@ -82,7 +82,8 @@ class SeededNormal:
         seed = sp_random.stream_seed(sp_random.initial_seed(), self.owner, 1000 + self.part) & (2**63 - 1)
         # On the CPU whatever the default device: the generator is a CPU one, and the values must not
         # depend on where the model lives.
-        full.copy_(torch.randn(full.shape, generator=torch.Generator().manual_seed(seed), device="cpu") * self.std)
+        full.copy_(torch.randn(full.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32,
+                               device="cpu") * self.std)
 
 
 class _TensorParallelLinear(ShardedParameters, SharesProcessGroup, nn.Module):
@@ -155,9 +156,9 @@ class _TensorParallelLinear(ShardedParameters, SharesProcessGroup, nn.Module):
         zero bias. Nothing with ``init_method=None`` (the caller loads the weights)."""
         if self.init_method is None:
             return
-        full = torch.empty(self.out_features, self.in_features, device="cpu")
+        full = torch.empty(self.out_features, self.in_features, dtype=torch.float32, device="cpu")
         self.init_method(full)
-        bias = None if self.bias is None else torch.zeros(self.out_features, device="cpu")
+        bias = None if self.bias is None else torch.zeros(self.out_features, dtype=torch.float32, device="cpu")
         self.load_full(full.to(self.weight.dtype), None if bias is None else bias.to(self.bias.dtype))
 
     def load_full(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:

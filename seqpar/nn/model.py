@@ -175,7 +175,7 @@ class _VocabShard(ShardedParameters, SharesProcessGroup, nn.Module):
         """``init_method`` on the unsharded [vocab_size, h] table (fp32, on the CPU), the ``padding_idx``
         row (if any) then zero, as nn.Embedding and HF start it (its lookups never update it); then this
         rank's shard of it, padded rows zero."""
-        full = torch.zeros(self.vocab_size, self.weight.shape[1], device="cpu")
+        full = torch.zeros(self.vocab_size, self.weight.shape[1], dtype=torch.float32, device="cpu")
         if self.init_method is not None:
             self.init_method(full)
         padding_idx = getattr(self, "padding_idx", None)
@@ -290,7 +290,7 @@ class _PositionEmbedding(nn.Embedding):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """``init_method`` on the fp32 [max_seq_len, h] table on the CPU (None: zeros), copied in."""
-        full = torch.zeros(self.num_embeddings, self.embedding_dim, device="cpu")
+        full = torch.zeros(self.num_embeddings, self.embedding_dim, dtype=torch.float32, device="cpu")
         if getattr(self, "init_method", None) is not None:
             self.init_method(full)
         scatter_full(full, self.weight)
