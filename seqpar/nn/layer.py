@@ -287,7 +287,8 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
     """
 
     # where the dtype and device the layer computes in are read (reference_parameter)
-    _REFERENCE_PARTS = ("input_layernorm", "self_attention", "post_attention_layernorm", "mlp")
+    # (the linears first: norms kept in fp32 in a bf16 layer, HF's _keep_in_fp32_modules, take bf16 inputs)
+    _REFERENCE_PARTS = ("self_attention", "mlp", "input_layernorm", "post_attention_layernorm")
 
     def __init__(self, config: TransformerConfig, tp_group: ProcessGroup = None, device=None,
                  layer_number: int = 0):

@@ -389,7 +389,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
     """
 
     # where the dtype and device the model computes in are read (seqpar.nn.layer.reference_parameter)
-    _REFERENCE_PARTS = ("final_layernorm", "embedding", "layers")
+    _REFERENCE_PARTS = ("embedding", "layers", "final_layernorm")   # a norm may be kept in fp32
 
     def __init__(self, config: TransformerConfig, num_layers: int, vocab_size: int, max_seq_len: int,
                  tp_group: ProcessGroup = None, device=None,

@@ -1,5 +1,6 @@
 """TransformerLayer on one device: math against an independent plain-torch layer, recompute policies,
 dropout determinism, memory bounds, and bad input."""
+import copy
 import dataclasses
 import math
 
@@ -270,6 +271,31 @@ def test_converted_layer_and_model_run_like_ones_built_in_that_dtype(dtype, conv
     built.load_full_state_dict(model.full_state_dict())
     tokens = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(0))
     assert torch.equal(model(tokens, tokens), built(tokens, tokens))
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_bf16_layer_with_its_norms_kept_in_fp32_runs_in_bf16(arch):
+    """HF's _keep_in_fp32_modules recipe: the norms back in fp32 in a bf16 layer. Its input check read the
+    input norm's dtype and refused bf16 inputs ("the layer's parameters are torch.float32"), and its first
+    linear refused fp32 ones. Now the linears give the compute dtype: bf16 in, bf16 out, each gradient in
+    its parameter's dtype, close to the all-bf16 layer."""
+    extra = {} if arch == "gpt" else dict(normalization="rmsnorm", activation="swiglu", position_embedding="rope",
+                                          add_bias_linear=False)
+    seqpar.manual_seed(0)
+    layer = seqpar.TransformerLayer(_cfg(hidden_size=32, backend="torch", **extra)).bfloat16()
+    all_bf16 = copy.deepcopy(layer)
+    layer.input_layernorm.float()
+    layer.post_attention_layernorm.float()
+    x = torch.randn(8, 2, 32, dtype=torch.bfloat16)
+    got, want = layer(x.clone().requires_grad_()), all_bf16(x.clone().requires_grad_())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)   # norm weights of 1 and 0: bf16 rounding only
+    got.float().square().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == p.dtype for p in layer.parameters())
+    assert layer.input_layernorm.weight.dtype == torch.float32
+    with pytest.raises(ValueError, match="x dtype torch.float32 != params_dtype: the layer's parameters are "
+                                         "torch.bfloat16"):
+        layer(x.float())
 
 
 def test_layer_converted_to_an_unsupported_dtype_says_so():
