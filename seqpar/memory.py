@@ -70,6 +70,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -78,6 +79,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from .random import as_int
 
 
 __all__ = ["layer_activation_bytes", "layer_activation_terms", "architecture_kwargs", "model_activation_bytes", "plan_recompute", "evaluate_recompute",
@@ -105,6 +108,16 @@ _active_meters = 0
 
 
 # ---------------------------------------------------------------------------------------------- formulas
+def _python_ints(fn):
+    """``fn`` taking numpy (or other ``numbers.Integral``) integers as the Python ints they are
+    (:func:`seqpar.random.as_int`), as TransformerConfig and GPTModel do: sizes from a sweep over a numpy array
+    pass the int checks, and the bytes and FLOPs multiplied out of them can't wrap at int64."""
+    @functools.wraps(fn)
+    def taking_python_ints(*args, **kwargs):
+        return fn(*map(as_int, args), **{name: as_int(value) for name, value in kwargs.items()})
+    return taking_python_ints
+
+
 def _check_positive_int(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -314,6 +327,7 @@ class _Layer:
         return 0
 
 
+@_python_ints
 def layer_activation_terms(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
                            sequence_parallel: bool = False, recompute: str = "none",
                            ffn_hidden: Optional[int] = None, bytes_per_element: float = 2,
@@ -331,6 +345,7 @@ def layer_activation_terms(seq_len: int, micro_batch: int, hidden: int, heads: i
     return layer.terms(recompute)
 
 
+@_python_ints
 def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
                            sequence_parallel: bool = False, recompute: str = "none",
                            ffn_hidden: Optional[int] = None, bytes_per_element: float = 2,
@@ -363,6 +378,7 @@ def _check_policy(name: str, policy) -> None:
         raise ValueError(f"unknown {name} {policy!r}; expected one of {RECOMPUTE_POLICIES}")
 
 
+@_python_ints
 def recompute_policies(recompute, num_layers: int, layers: str = "layers") -> Tuple[str, ...]:
     """``recompute`` as one policy per layer: a policy name (every layer) or a sequence of
     ``num_layers`` names. ValueError naming the offending value otherwise (``layers`` names what the
@@ -538,6 +554,7 @@ class _Model:
         return 3 * forward
 
 
+@_python_ints
 def model_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, num_layers: int,
                            vocab: int, *, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
                            recompute: Union[str, Sequence[str]] = "none", ffn_hidden: Optional[int] = None,
@@ -583,6 +600,7 @@ def model_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
                                    for rank in range(pp)])
 
 
+@_python_ints
 def first_stage_parameters(hidden: int, num_layers: int, vocab: int, max_seq_len: int, *, tp: int = 1,
                            pp: int = 1, ffn_hidden: Optional[int] = None, heads: Optional[int] = None,
                            num_query_groups: Optional[int] = None, normalization: str = "layernorm",
@@ -688,6 +706,7 @@ class RecomputePlan:
         return dict(zip(RECOMPUTE_POLICIES, _count(self.policies)))
 
 
+@_python_ints
 def evaluate_recompute(policies: Sequence[str], seq_len: int, micro_batch: int, hidden: int, heads: int,
                        num_layers: int, vocab: int, *, tp: int = 1, pp: int = 1, sequence_parallel: bool = True,
                        ffn_hidden: Optional[int] = None, bytes_per_element: float = 2,
@@ -711,6 +730,7 @@ def evaluate_recompute(policies: Sequence[str], seq_len: int, micro_batch: int, 
                                          "layers per pipeline stage (num_layers / pp; every stage runs the list)"))
 
 
+@_python_ints
 def plan_recompute(seq_len: int, micro_batch: int, hidden: int, heads: int, num_layers: int, vocab: int, *,
                    budget_bytes: float, tp: int = 1, pp: int = 1, sequence_parallel: bool = True,
                    ffn_hidden: Optional[int] = None, bytes_per_element: float = 2,

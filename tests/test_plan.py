@@ -244,3 +244,31 @@ def test_peak_bytes_follows_the_plan_s_fields():
                                       last + max(plan.recompute_working_bytes, plan.loss_working_bytes))
         bare = dataclasses.replace(plan, recompute_working_bytes=0.0, loss_working_bytes=0.0)
         assert bare.peak_bytes == plan.activation_bytes
+
+
+def test_planner_takes_numpy_integers_as_the_ints_they_are():
+    """Sizes from a sweep over a numpy array: they were refused ("must be a positive int"); held as numpy
+    int64, the FLOPs multiplied out of them would wrap. Every public planner function gives what Python ints
+    give, at sizes whose FLOPs pass 2**63."""
+    import numpy as np
+
+    from seqpar import memory as M
+
+    sizes = dict(seq_len=2**17, micro_batch=2**8, hidden=2**15, heads=2**8, num_layers=64, vocab=2**16)
+    as_numpy = {k: np.int64(v) for k, v in sizes.items()}
+    plain = M.evaluate_recompute(["full"] * 64, **sizes, tp=8)
+    assert plain.extra_flops > 2**63
+    assert M.evaluate_recompute(["full"] * 64, **as_numpy, tp=np.int64(8)) == plain
+    budget = plain.activation_bytes * 2
+    assert (M.plan_recompute(**as_numpy, tp=np.int32(8), budget_bytes=np.int64(int(budget)))
+            == M.plan_recompute(**sizes, tp=8, budget_bytes=int(budget)))
+    layer = dict(seq_len=2048, micro_batch=4, hidden=6144, heads=64)
+    layer_np = {k: np.int64(v) for k, v in layer.items()}
+    assert M.layer_activation_bytes(**layer_np, tp=np.int64(8)) == M.layer_activation_bytes(**layer, tp=8)
+    assert M.layer_activation_terms(**layer_np) == M.layer_activation_terms(**layer)
+    assert (M.model_activation_bytes(**layer_np, num_layers=np.int64(4), vocab=np.int64(51200))
+            == M.model_activation_bytes(**layer, num_layers=4, vocab=51200))
+    assert (M.first_stage_parameters(np.int64(6144), np.int64(48), np.int64(51200), np.int64(2048), tp=np.int64(8))
+            == M.first_stage_parameters(6144, 48, 51200, 2048, tp=8))
+    with pytest.raises(ValueError, match="heads must be a positive int, got 0"):
+        M.layer_activation_bytes(**dict(layer_np, heads=np.int64(0)))
