@@ -28,8 +28,8 @@ from torch import nn
 
 from .. import random as sp_random
 from ..ops import registry
-from ..ops.comm_matmul import (SHARD_HINT, _all_gather_matmul, _matmul_reduce_scatter, agreed_shape_and_dtype,
-                                all_gather_plan, reduce_scatter_plan)
+from ..ops.comm_matmul import (SHARD_HINT, _all_gather_matmul, _matmul_reduce_scatter, agreed_gradients,
+                               agreed_shape_and_dtype, all_gather_plan, reduce_scatter_plan)
 from ..parallel.mappings import copy_to_tensor_region, reduce_from_tensor_region
 from ..parallel.overlap import ChunkPlan
 from ..parallel.state import ProcessGroup, SharesProcessGroup, agree_on_inputs, group_size
@@ -115,9 +115,10 @@ class _TensorParallelLinear(ShardedParameters, SharesProcessGroup, nn.Module):
         and passes it here: a parametrized weight, weight_norm or spectral_norm, is computed at every
         read), before any collective: torch's matmul error otherwise, or under SP a message blaming the
         weight. Returns ``plan()``: the SP GEMM's overlap plan (None without SP). With
-        ``check_rank_inputs``, on every rank when any rank rejects
-        its x or the ranks' x differ in leading dims or dtype, or their plans differ (uneven sequence
-        shards: gloo aborts the process in the first collective, NCCL hangs or reads past the shard):
+        ``check_rank_inputs``, on every rank when any rank rejects its x, or the ranks' x differ in leading
+        dims or dtype, or in which of x and the weight need a gradient (a hang in backward), or their plans
+        differ (uneven sequence shards: gloo aborts the process in the first collective, NCCL hangs or reads
+        past the shard):
         one all-gather of a few int64 per call and, on NCCL, a host sync
         (:func:`seqpar.parallel.state.agree_on_inputs`)."""
         name = type(self).__name__
@@ -141,7 +142,8 @@ class _TensorParallelLinear(ShardedParameters, SharesProcessGroup, nn.Module):
             return check()
         hint = SHARD_HINT if self.sequence_parallel else "Every rank passes the same input in the same dtype"
         return agree_on_inputs(self.tp_group, check, lambda chosen: {
-            **agreed_shape_and_dtype(x, "x.shape[:-1]", "x dtype", slice(0, -1)), "overlap plan": chosen},
+            **agreed_shape_and_dtype(x, "x.shape[:-1]", "x dtype", slice(0, -1)),
+            **agreed_gradients(x=x, weight=weight), "overlap plan": chosen},
             what=f"{name} input", hint=hint)
 
     def _init_weights(self, init_method: Optional[Callable[[torch.Tensor], None]]) -> None:
@@ -198,7 +200,8 @@ class ColumnParallelLinear(_TensorParallelLinear):
     that are not bools, a non-floating dtype, out_features (or a block) not divisible by t, or bad
     ``partition_blocks``; at the call for an x that is not a floating [..., in_features] tensor
     of the weight's dtype and, with ``check_rank_inputs`` (default True), on every rank when the ranks'
-    x differ in leading dims or dtype (uneven sequence shards) or one rank rejects its x.
+    x differ in leading dims, dtype (uneven sequence shards) or in which of x and the weight need a
+    gradient, or one rank rejects its x.
     """
 
     def __init__(self, in_features: int, out_features: int, *, tp_group: ProcessGroup = None,

@@ -62,6 +62,8 @@ are the plain path's: ``x_shard`` and ``weight`` (all_gather_matmul), ``x`` and 
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from typing import List, Optional, Union
 
@@ -231,8 +233,25 @@ def _chunked_all_gather_matmul_bwd(x_shard2, grad_y3, weight, group, plan: Chunk
 
 # ---- autograd functions ----------------------------------------------------------------------------
 
+def _in_operands_dtype(fn):
+    """An autograd Function's forward / backward (its first tensor argument after ctx gives the device) with
+    torch.autocast off: it computes in its operands' dtype, as seqpar's other ops do. Under autocast the
+    plain path's matmuls were cast to bf16 while the chunked path's out= GEMMs were not, so a plan picked by
+    the GEMM's size decided the dtype, and a backward run outside the autocast block then failed on a bf16
+    output's fp32 weight."""
+    @functools.wraps(fn)
+    def run(ctx, first, *args):
+        device_type = first.device.type
+        off = (torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type)
+               else contextlib.nullcontext())
+        with off:
+            return fn(ctx, first, *args)
+    return run
+
+
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
+    @_in_operands_dtype
     def forward(ctx, x_shard, weight, bias, group, plan: ChunkPlan):
         ctx.group, ctx.has_bias, ctx.plan = group, bias is not None, plan
         ctx.save_for_backward(x_shard, weight)
@@ -256,6 +275,7 @@ class _AllGatherMatmul(torch.autograd.Function):
 
     @staticmethod
     @registry.once_differentiable
+    @_in_operands_dtype
     def backward(ctx, grad_y):
         x_shard, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -292,6 +312,7 @@ class _AllGatherMatmul(torch.autograd.Function):
 
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
+    @_in_operands_dtype
     def forward(ctx, x, weight, bias, group, plan: ChunkPlan):
         ctx.group, ctx.has_bias, ctx.plan = group, bias is not None, plan
         ctx.save_for_backward(x, weight)
@@ -309,6 +330,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
 
     @staticmethod
     @registry.once_differentiable
+    @_in_operands_dtype
     def backward(ctx, grad_y_shard):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -357,6 +379,15 @@ def agreed_shape_and_dtype(t, shape_name: str, dtype_name: str, dims: slice = sl
     return {shape_name: tuple(t.shape[dims]) if tensor else None, dtype_name: t.dtype if tensor else None}
 
 
+def agreed_gradients(**tensors) -> dict:
+    """``{"<name>.requires_grad (grad mode on)": bool}`` of this call (grad mode on and requires_grad), values for
+    :func:`agree_on_inputs`: ranks that differ run different collectives in backward (one re-gathers x
+    or reduce-scatters its gradient, another does not), which hangs."""
+    grad_mode = torch.is_grad_enabled()
+    return {f"{name}.requires_grad (grad mode on)": bool(grad_mode and isinstance(t, torch.Tensor) and t.requires_grad)
+            for name, t in tensors.items()}
+
+
 def all_gather_plan(x_shard: torch.Tensor, weight: torch.Tensor, group: ProcessGroup,
                     overlap: Union[bool, ChunkPlan]) -> ChunkPlan:
     """The :class:`ChunkPlan` of ``all_gather_matmul(x_shard, weight, group=group, overlap=overlap)``."""
@@ -393,7 +424,8 @@ def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, bias: Optiona
         return all_gather_plan(x_shard, weight, group, overlap)
 
     def agreed(plan):
-        return {**agreed_shape_and_dtype(x_shard, "x_shard shape", "x_shard dtype"), "overlap plan": plan}
+        return {**agreed_shape_and_dtype(x_shard, "x_shard shape", "x_shard dtype"),
+                **agreed_gradients(x_shard=x_shard, weight=weight), "overlap plan": plan}
 
     plan = agree_on_inputs(group, check, agreed, what="all_gather_matmul", hint=SHARD_HINT)
     return _all_gather_matmul(x_shard, weight, bias, group, plan)
@@ -426,7 +458,7 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     def agreed(plan):
         n = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
         return {**agreed_shape_and_dtype(x, "x.shape[:-1]", "x dtype", slice(0, -1)), "weight.shape[0] (n)": n,
-                "overlap plan": plan}
+                **agreed_gradients(x=x, weight=weight), "overlap plan": plan}
 
     plan = agree_on_inputs(group, check, agreed, what="matmul_reduce_scatter", hint=SHARD_HINT)
     return _matmul_reduce_scatter(x, weight, bias, group, plan)

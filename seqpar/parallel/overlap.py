@@ -94,7 +94,10 @@ class ChunkPlan:
                device: torch.device) -> "ChunkPlan":
         """Resolve the ``overlap`` argument of the fused ops into a plan.
 
-        ``False`` or one rank -> plain. A ``ChunkPlan`` -> itself (validated). ``True`` -> one chunk per
+        ``False`` or one rank -> plain. A ``ChunkPlan`` -> itself (validated). While a graph is captured
+        (torch.compile / export) -> plain, whatever ``overlap`` says: the graph schedules its collectives
+        itself, and Dynamo does not trace the chunks' point-to-point transfers (an explicit plan raised
+        torch's "P2P compilation disabled" under fullgraph=True). ``True`` -> one chunk per
         rank when the per-chunk GEMM (``chunk_rows`` x ``k`` by ``k`` x ``n``) is at least
         ``MIN_CHUNK_FLOPS[device.type]`` FLOPs and ``MIN_CHUNK_ROWS`` rows, else plain. On CUDA:
         prefetch t - 1 (NCCL serialises the transfers on its stream anyway) and bulk collectives in
@@ -104,10 +107,11 @@ class ChunkPlan:
         oversubscription (t=4 ranks on 2 cores: the overlapped layer is 0.90-0.95x the plain one).
         """
         if isinstance(overlap, ChunkPlan):
-            return overlap.validate(t)
+            overlap.validate(t)
+            return ChunkPlan(1) if capturing_graph() else overlap
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be a bool or a ChunkPlan, got {overlap!r}")
-        if not overlap or t == 1 or capturing_graph():  # a captured graph schedules its collectives itself
+        if not overlap or t == 1 or capturing_graph():
             return ChunkPlan(1)
         flops = 2.0 * chunk_rows * k * n
         threshold = MIN_CHUNK_FLOPS.get(device.type, MIN_CHUNK_FLOPS["cuda"])

@@ -14,6 +14,7 @@ One spawn per world size runs every case (spawns are the expensive part):
 * subgroups that are not the world (t = 4 split in two groups of 2);
 * one TransformerLayer with SP at t = 2: 4 all-gathers + 4 reduce-scatters + 2 backward re-gathers,
   all of them point-to-point sends when overlapped (the CPU plan), with equal results;
+* under torch.autocast, fp32 operands computed in fp32 on every plan, the backward outside the block;
 * outputs that take in-place ops on every path (they were views made inside the autograd Function on
   the ring path without a bias and the plain path with one: ``y.add_`` raised);
 * cross-rank agreement naming a float on one rank and an int on another without printing a hash as a
@@ -152,6 +153,24 @@ def _parity(r, t):
             matmul_reduce_scatter(x, w, group=group, overlap=plan).backward(T["rs_gy"][r * s_local:(r + 1) * s_local])
             got, ref = (x.grad, rs_ref["gx"]) if need == "x" else (w.grad, rs_ref["gw"])
             assert_close(got, ref, torch.float32, msg=f"rs only-{need} {plan}")
+    # Under torch.autocast the ops compute in their operands' dtype on every plan: the plain plan's matmuls
+    # were autocast to bf16 (a bf16 output, and a backward outside the block failed on the fp32 weight)
+    # while the chunked plan's out= GEMMs stayed fp32.
+    for plan in ([ChunkPlan(1), ChunkPlan(t)] if t > 1 else [ChunkPlan(1)]):
+        runs = []
+        for autocast in (False, True):
+            x = T["rs_x"][..., r * k:(r + 1) * k].clone().requires_grad_()
+            w = T["rs_w"][:, r * k:(r + 1) * k].clone().requires_grad_()
+            xa = T["ag_x"][r * s_local:(r + 1) * s_local].clone().requires_grad_()
+            wa = T["ag_w"][r * n:(r + 1) * n].clone().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                y = matmul_reduce_scatter(x, w, group=group, overlap=plan)
+                ya = all_gather_matmul(xa, wa, group=group, overlap=plan)
+            y.backward(T["rs_gy"][r * s_local:(r + 1) * s_local])
+            ya.backward(T["ag_gy"][..., r * n:(r + 1) * n])
+            runs.append((y, ya, x.grad, w.grad, xa.grad, wa.grad))
+        assert all(got.dtype == torch.float32 for got in runs[1]), plan
+        torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0, msg=f"autocast {plan}")
     return cases
 
 
@@ -448,6 +467,11 @@ def _input_agreement(r, t):
             500.0, lambda: all_gather_matmul(rnd(3, 2, 8), rnd(5 + r, 8), group=group)),        # 480 / 576 FLOPs
         "k_local_plan": _on_both_sides_of_the_chunk_threshold(
             340.0, lambda: matmul_reduce_scatter(rnd(4, 2, 8 + r), rnd(5, 8 + r), group=group)),  # 320 / 360
+        # x needing a gradient on one rank only: its backward would reduce-scatter grad_x there only (a hang)
+        "grad_ag": _raised(lambda: all_gather_matmul(rnd(3, 2, 8).requires_grad_(r == 0), rnd(5, 8), group=group,
+                                                     overlap=ChunkPlan(t))),
+        "grad_row": _raised(lambda: RowParallelLinear(8, 6, tp_group=group, sequence_parallel=True)(
+            rnd(4, 2, 4).requires_grad_(r == 1))),
         # a device one rank's linear rejects (the op rejected it after the agreement, on that rank only)
         "meta_x": _raised(lambda: ColumnParallelLinear(8, 10, tp_group=group, sequence_parallel=True)(
             rnd(3, 2, 8).to("meta" if r else "cpu"))),
@@ -572,6 +596,8 @@ def _check_input_agreement(per_rank):
                 in res[key], (rank, key, res[key])
         assert "rank 0 has ChunkPlan(chunks=2" in res["overlap_ag"] if rank == 0 else \
             "rank 1 has ChunkPlan(chunks=1" in res["overlap_ag"], (rank, res["overlap_ag"])
+        for key, name in (("grad_ag", "x_shard"), ("grad_row", "x")):
+            assert res[key] and f"{name}.requires_grad (grad mode on) differs" in res[key], (rank, key, res[key])
         assert res["layer_autocast_one_rank"] and "x dtype (under autocast its dtype) differs" in \
             res["layer_autocast_one_rank"], (rank, res["layer_autocast_one_rank"])
         assert res["meta_x"] and (("x is on meta but the weight on cpu" in res["meta_x"]) if rank == 1 else

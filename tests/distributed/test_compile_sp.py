@@ -95,8 +95,33 @@ def _inference_results(rank):
     return equal
 
 
+def _explicit_chunk_plan_results(rank, world_size):
+    """The comm GEMMs compiled with fullgraph=True and an explicit ChunkPlan(t): while capturing they take
+    the plain path, as overlap=True does (an explicit plan raised torch's "P2P compilation disabled").
+    Compiled forward and gradients equal the eager chunked call's (which sums in another order: close)."""
+    from seqpar.ops import all_gather_matmul, matmul_reduce_scatter
+    from seqpar.parallel.overlap import ChunkPlan
+
+    results = []
+    for op, shape in ((all_gather_matmul, (3, 2, 8)), (matmul_reduce_scatter, (4, 2, 8))):
+        g = torch.Generator().manual_seed(rank)
+        x, w = torch.randn(*shape, generator=g), torch.randn(6, 8, generator=g)
+        runs = []
+        for run in (torch.compile(lambda a, b: op(a, b, group=dist.group.WORLD, overlap=ChunkPlan(world_size)),
+                                  backend=lookup_backend("aot_eager"), fullgraph=True),
+                    lambda a, b: op(a, b, group=dist.group.WORLD, overlap=ChunkPlan(world_size))):
+            x_leaf, w_leaf = x.clone().requires_grad_(), w.clone().requires_grad_()
+            y = run(x_leaf, w_leaf)
+            y.square().sum().backward()
+            runs.append((y.detach(), x_leaf.grad, w_leaf.grad))
+        torch._dynamo.reset()
+        results.append(all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(*runs)))
+    return results
+
+
 def _worker(rank, world_size):
-    return _layer_results(rank), _model_results(), _inference_results(rank), _steps_with_the_check_results()
+    return (_layer_results(rank), _model_results(), _inference_results(rank), _steps_with_the_check_results(),
+            _explicit_chunk_plan_results(rank, world_size))
 
 
 @pytest.mark.timeout(240)
@@ -104,10 +129,13 @@ def test_compiled_sequence_parallel_layer_and_model_are_one_graph_and_match_eage
     """The layer: one graph, and two compiled training steps with dropout equal eager bitwise. The model:
     GPTModel's per-forward rank check runs outside the graph (one break); without it one graph, equal to
     eager. The layer compiled for inference (eval, no_grad / inference_mode) equals eager.
-    With dropout and the rank checks on, the model compiles in its first two steps only.
+    With dropout and the rank checks on, the model compiles in its first two steps only. The comm GEMMs
+    with an explicit ChunkPlan compile with fullgraph=True (plain while capturing).
     (One launch for all: each launch costs two Pythons importing torch.)"""
-    for rank, (layer, (counts, equal), inference, per_step) in enumerate(run_ranks(_worker, 2, timeout_s=200)):
+    for rank, (layer, (counts, equal), inference, per_step, explicit_plan) in enumerate(
+            run_ranks(_worker, 2, timeout_s=200)):
         assert (layer["graphs"], layer["breaks"]) == (1, 0) and layer["steps equal"] == [True, True], (rank, layer)
         assert counts == [(2, 1), (1, 0)] and equal, (rank, counts, equal)
         assert inference == [True, True], (rank, inference)
         assert per_step[3] == per_step[1], (rank, per_step)
+        assert explicit_plan == [True, True], (rank, explicit_plan)
