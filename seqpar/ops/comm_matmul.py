@@ -62,7 +62,6 @@ are the plain path's: ``x_shard`` and ``weight`` (all_gather_matmul), ``x`` and 
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from typing import List, Optional, Union
@@ -242,9 +241,9 @@ def _in_operands_dtype(fn):
     @functools.wraps(fn)
     def run(ctx, first, *args):
         device_type = first.device.type
-        off = (torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type)
-               else contextlib.nullcontext())
-        with off:
+        if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+            return fn(ctx, first, *args)   # the common case: no context to enter
+        with torch.autocast(device_type, enabled=False):
             return fn(ctx, first, *args)
     return run
 
