@@ -322,7 +322,9 @@ def mask_bytes(stream: int, rows: torch.Tensor, n_cols: int) -> torch.Tensor:
             or rows.dtype == torch.bool:
         raise ValueError(f"rows must be an integer tensor of row indices, got "
                          f"{rows.dtype if isinstance(rows, torch.Tensor) else type(rows).__name__}")
-    return _mask_bytes_op(stream, rows, n_cols)
+    # The op's int arguments are int64: a stream past 2**63 travels as its two's-complement value, whose low
+    # and high words (philox4x32's key) are the same (a captured call failed on it, an eager one ran).
+    return _mask_bytes_op(stream - 2**64 if stream >= 2**63 else stream, rows, n_cols)
 
 
 @kernel_op("seqpar::dropout_mask_bytes")

@@ -241,6 +241,21 @@ def test_mask_bytes_of_a_row_past_2_63_follow_its_unsigned_bits():
     assert mask_bytes(seed, torch.tensor([row - 2**64]), 16)[0].tolist() == expected
 
 
+def test_mask_bytes_of_a_stream_past_2_63_under_graph_capture():
+    """A stream in [2**63, 2**64) is a valid Philox key (eager ran it); captured, the op's int64 argument
+    refused it ("Expected a value of type 'int' ... found type 'int'"). The same bytes either way."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    rows = torch.arange(5, dtype=torch.int64) + 2**40
+    for stream in (2**63 + 5, 2**64 - 1):
+        eager = mask_bytes(stream, rows, 20)
+        traced = make_fx(lambda r: mask_bytes(stream, r, 20))(rows)
+        compiled = torch.compile(lambda r: mask_bytes(stream, r, 20), backend="aot_eager", fullgraph=True)(rows)
+        assert torch.equal(traced(rows), eager) and torch.equal(compiled, eager), stream
+        assert not torch.equal(eager, mask_bytes(stream - 2**63, rows, 20))   # the key's high bit counts
+    torch._dynamo.reset()
+
+
 def test_seeds_are_drawn_on_the_cpu_whatever_the_default_device():
     """The draw followed torch's default device: under torch.device("meta") it failed (no value), under
     torch.set_default_device("cuda") it took the CUDA generator, which manual_seed does not seed."""
