@@ -77,6 +77,9 @@ def kernel_op(name: str, launcher: Optional[Callable] = None, *, mutates_args: I
     mutated argument's version counter is bumped by ``ctx.mark_dirty``. Both paths run the same launcher
     on the same arguments, so results are identical. Under the torch profiler the direct launch is a
     ``record_function`` range named ``name``, so profiles still attribute the kernels to the op.
+
+    The ops are not an API: like the launchers, they take the operands the functions in ``seqpar.ops``
+    checked and laid out (2-D, unit column stride, matching shapes) and do not check them again.
     """
     if launcher is None:
         return functools.partial(kernel_op, name, mutates_args=mutates_args)
