@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Benchmark: the attention core (issue 4), fwd / bwd / fwd+bwd TFLOP/s.
 
-FLOPs: forward 4 * b * H * s^2 * d (q k^T and P v), backward 2.5x forward (five GEMM-sized products,
-recompute not counted), fwd+bwd 3.5x; causal counts half. Shapes fill the GPU as the usual flash
+FLOPs: forward 4 * b * H * s^2 * d (q k^T and P v), backward 2.5x forward (five GEMM-sized products:
+dV, dP, dQ, dK and the flash-style recompute of q k^T, FlashAttention's benchmark convention; a backward
+without the recompute does 2.0x, as FlopCounterMode counts it), fwd+bwd 3.5x; causal counts half. Shapes fill the GPU as the usual flash
 benchmarks do: b * s = ``--tokens`` (16384) and H * d = ``--hidden`` (2048). bf16 by default.
 ``--gqa-group G`` gives k and v H / G heads (grouped-query attention, SDPA's ``enable_gqa``); FLOPs are
 counted per q head as above.

@@ -62,6 +62,7 @@ import math
 from typing import Optional, Tuple
 
 import torch
+import torch.utils.flop_counter
 
 from . import registry
 from .. import _ext
@@ -343,6 +344,29 @@ registry.register(registry.Backend(
             "fp16 scaled scores |scale * q.k| <= 65504")))
 # Prefer the flash-style kernel (nothing s^2-sized kept) over the cuda softmax-dropout (keeps probs).
 registry.set_auto_order(OP, ("triton", "cuda", "torch"))
+
+
+# ----------------------------------------------------------------------------- FLOP counts
+def _attention_flops(q_shape, k_shape, backward: bool) -> int:
+    """SDPA's count (torch.utils.flop_counter): the GEMMs per query head, q k^T and p v forward (4 b Hq s_q
+    s_k d), dV, dP, dQ, dK backward (twice that; a flash-style backward's recompute of q k^T not counted),
+    as the planner counts the attention core (seqpar.memory). Registered for the kernel backends' custom
+    ops, which FlopCounterMode sees as opaque calls: it counted nothing for them (the torch backend's
+    matmuls it counts itself)."""
+    b, heads, s_q, d = q_shape
+    return (8 if backward else 4) * b * heads * s_q * k_shape[2] * d
+
+
+@torch.utils.flop_counter.register_flop_formula([torch.ops.seqpar.attention_core_triton_fwd,
+                                                 torch.ops.seqpar.attention_core_cuda_fwd])
+def _(q_shape, k_shape, *args, **kwargs) -> int:
+    return _attention_flops(q_shape, k_shape, backward=False)
+
+
+@torch.utils.flop_counter.register_flop_formula([torch.ops.seqpar.attention_core_triton_bwd,
+                                                 torch.ops.seqpar.attention_core_cuda_bwd])
+def _(grad_o_shape, q_shape, k_shape, *args, **kwargs) -> int:
+    return _attention_flops(q_shape, k_shape, backward=True)
 
 
 # ----------------------------------------------------------------------------- autograd

@@ -107,6 +107,27 @@ def test_triton_dropout_mask_is_the_reference_mask(row_offset):
     assert not torch.equal(other_seed != 0, keep)
 
 
+def test_flop_counter_counts_the_kernel_backends_as_sdpa():
+    """FlopCounterMode sees a kernel backend's attention as one opaque custom op: it counted 0 FLOPs for it
+    (a TransformerLayer on the triton backend lost its whole attention term). Now the triton backend counts
+    what the torch backend's matmuls count: 4 b Hq s_q s_k d forward, twice that backward (GQA: per query
+    head)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    b, hq, hk, s_q, s_k, d = 2, 4, 2, 24, 40, 16
+    counts = {}
+    for backend in ("torch", "triton"):
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(b, hq, s_q, d, generator=g, requires_grad=True)
+        k, v = (torch.randn(b, hk, s_k, d, generator=g, requires_grad=True) for _ in range(2))
+        with FlopCounterMode(display=False) as counter:
+            o = attention_core(q, k, v, is_causal=False, enable_gqa=True, backend=backend)
+            forward = counter.get_total_flops()
+            o.sum().backward()
+        counts[backend] = (forward, counter.get_total_flops())
+    assert counts["triton"] == counts["torch"] == (4 * b * hq * s_q * s_k * d, 12 * b * hq * s_q * s_k * d), counts
+
+
 def test_triton_row_offset_matches_head_slice():
     """A tensor-parallel rank owning heads 2..3 of 4 passes row_offset = 2 * b * s_q and reproduces
     those heads of the single-device call, dropout included."""
