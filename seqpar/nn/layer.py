@@ -105,15 +105,20 @@ RANK_CHECK_NOT_TRACEABLE = ("the ranks' per-forward input check reads a collecti
 def reference_parameter(module: nn.Module, *parts: str) -> torch.Tensor:
     """The parameter whose dtype and device ``module`` computes in: the first one of the first of its
     submodules named ``parts`` that holds one, else its first (any part may be replaced, and a subclass's
-    own parameters, which come first in ``parameters()``, may be kept in another dtype)."""
+    own parameters, which come first in ``parameters()``, may be kept in another dtype). A DTensor is
+    passed over for a later part's plain tensor: inside the module's FSDP2 unit its own parameters are
+    unsharded (in the mixed-precision policy's dtype), while a part that is an FSDP2 unit of its own
+    (``query_key_value``, a norm) still holds its sharded fp32 parameters until its own forward."""
+    first = None
     for name in parts:
         part = getattr(module, name, None)
         weight = getattr(part, "weight", None)   # a norm's: no parameter walk per forward
         found = weight if isinstance(weight, torch.Tensor) else (
             next(part.parameters(), None) if isinstance(part, nn.Module) else None)
-        if found is not None:
+        if found is not None and not is_dtensor(found):
             return found
-    return next(module.parameters())
+        first = first if first is not None else found
+    return first if first is not None else next(module.parameters())
 
 
 def parameter_device(module: nn.Module) -> torch.device:

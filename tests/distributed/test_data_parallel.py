@@ -265,7 +265,17 @@ def _nested_units(rank, world_size):
     expected = dict(reference.named_parameters())
     worst = max(float((p.grad.full_tensor() - expected[name].grad).abs().max())
                 for name, p in nested.named_parameters())
-    return message, worst
+    # A part as its own unit under a bf16 MixedPrecisionPolicy: when the layer checks its input, that part's
+    # parameters are still sharded fp32 (its unit unshards them at its own forward), the layer's own bf16.
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    mixed_dtypes = []
+    for part in ("self_attention.query_key_value", "input_layernorm"):
+        unit = layer()
+        fully_shard(unit.get_submodule(part), mesh=mesh, mp_policy=mp)
+        fully_shard(unit, mesh=mesh, mp_policy=mp)
+        mixed_dtypes.append(unit(x).dtype)
+    return message, worst, mixed_dtypes
 
 
 @pytest.mark.timeout(120)
@@ -274,7 +284,9 @@ def test_fsdp2_units_inside_a_layer():
     reshards, to the layer's bias-dropout-add. Now a ValueError naming it. fc1 as its own unit kept
     unsharded (reshard_after_forward=False) under full recompute failed with "mixed torch.Tensor and
     DTensor": the re-run swapped in the parameters read before the forward, when fc1 still held its
-    sharded ones."""
-    for rank, (message, worst) in enumerate(run_ranks(_nested_units, 2, timeout_s=100)):
+    sharded ones. Under a bf16 MixedPrecisionPolicy, query_key_value or a norm as its own unit: the
+    layer's input check read its dtype from that part's still-sharded fp32 parameter and refused bf16."""
+    for rank, (message, worst, mixed_dtypes) in enumerate(run_ranks(_nested_units, 2, timeout_s=100)):
         assert message is not None and message.startswith("mlp is its own FSDP2 unit"), (rank, message)
         assert worst < 1e-5, (rank, worst)
+        assert mixed_dtypes == [torch.bfloat16] * 2, (rank, mixed_dtypes)
