@@ -26,8 +26,18 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 
 
+def _build_cuda_flag():
+    """SEQPAR_BUILD_CUDA: "" (unset: build when nvcc and cmake are found), "0" (skip) or "1" (a failed
+    build is an error). Anything else was read as unset (false, off, no: the build ran anyway)."""
+    flag = os.environ.get("SEQPAR_BUILD_CUDA", "").strip()
+    if flag not in ("", "0", "1"):
+        raise ValueError(f"SEQPAR_BUILD_CUDA must be unset, 0 (skip the CUDA extension) or 1 (a failed "
+                         f"build is an error), got {os.environ['SEQPAR_BUILD_CUDA']!r}")
+    return flag
+
+
 def _cuda_skip_reason():
-    flag = os.environ.get("SEQPAR_BUILD_CUDA", "")
+    flag = _build_cuda_flag()
     if flag == "0":
         return "SEQPAR_BUILD_CUDA=0"
     if shutil.which("nvcc") is None and not (Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin/nvcc").exists():
@@ -44,7 +54,7 @@ class CMakeBuild(build_ext):
             try:
                 super().run()
             except (subprocess.CalledProcessError, OSError) as exc:
-                if os.environ.get("SEQPAR_BUILD_CUDA") == "1":
+                if _build_cuda_flag() == "1":
                     raise
                 reason = f"its build failed ({exc}); set SEQPAR_BUILD_CUDA=1 to make this an error"
         if reason:

@@ -83,8 +83,23 @@ def triton_unavailable_reason(device: torch.device, auto: bool = False) -> Optio
     if device.type == "cuda":
         return None
     if device.type == "cpu" and triton_interpreter_enabled():
-        return "auto selection does not use the Triton CPU interpreter" if auto else None
+        if auto:
+            return "auto selection does not use the Triton CPU interpreter"
+        return _interpreter_set_late()
     return f"triton needs CUDA tensors (got {device.type}; set TRITON_INTERPRET=1 for CPU tensors)"
+
+
+def _interpreter_set_late() -> Optional[str]:
+    """Why the interpreter asked for by ``TRITON_INTERPRET=1`` can't run, None when it can. Triton reads
+    the variable when it defines its jit functions: set after ``import triton`` (which ``import seqpar``
+    does, through torch._dynamo), ``triton.language``'s own helpers stay compiled for the GPU, and a
+    kernel calling one failed with "Cannot call @triton.jit'd outside of the scope of a kernel"."""
+    from triton.runtime.jit import JITFunction
+
+    if isinstance(getattr(importlib.import_module("triton.language"), "cdiv", None), JITFunction):
+        return ("TRITON_INTERPRET=1 was set after triton was imported (import seqpar imports it), so "
+                "triton's own functions are not interpreted: set it before importing seqpar or triton")
+    return None
 
 
 def cuda_capability(device: torch.device) -> Tuple[int, int]:

@@ -209,11 +209,12 @@ DRAW_NOT_CAPTURABLE = (
 
 # A Python int drawn from a tensor cannot be traced, so each draw runs outside torch.compile (a graph
 # break; fullgraph=True stops with this reason instead of Dynamo's bare "Tensor.random_ op"). The draw and
-# every hash of it run together out there: a drawn int enters the resumed graph as an input, specialised on
-# the first call and a dynamic SymInt from the first recompile on, and splitmix64 over a SymInt builds
-# sympy expressions that take minutes to trace. Only the finished stream seeds enter the graph, which
-# passes them to the ops untouched: one recompile, then one graph for every step's seeds. The reason is
-# shared with seqpar.nn.layer, whose draw reads the layer number outside the graph too.
+# every hash of it run together out there: splitmix64 over a SymInt builds sympy expressions that take
+# minutes to trace. Only the finished stream seeds enter the resumed graph, as inputs that it passes to
+# the ops untouched. They enter as DynamicInts (_graph_int): a plain int input is a constant of the graph
+# on the first call, so the second step recompiled, and under dynamic=False every step did (past
+# Dynamo's recompile limit, 8, the layers ran eagerly). The reason is shared with seqpar.nn.layer, whose
+# draw reads the layer number outside the graph too.
 DRAW_NOT_TRACEABLE = (
     "seqpar draws a dropout seed per forward from torch's default CPU generator (so checkpointing replays "
     "it), which torch.compile cannot trace. Under fullgraph=True pass seed= to the functional ops (e.g. "
@@ -222,6 +223,18 @@ DRAW_NOT_TRACEABLE = (
 
 
 _outside_compile = outside_compile(DRAW_NOT_TRACEABLE)
+
+try:  # torch >= 2.10
+    from torch.fx.experimental.sym_node import DynamicInt as _DynamicInt
+except ImportError:  # older torch: a plain int (the graph recompiles once with it dynamic)
+    _DynamicInt = int
+
+
+def _graph_int(value: int) -> int:
+    """``value`` as an int that torch.compile takes as a dynamic input of a graph, whatever ``dynamic=``
+    says (torch's ``DynamicInt``, an int subclass: eager code sees the int it is). The draws return their
+    seeds so: each step's new seeds then reuse the graph compiled on the first step."""
+    return _DynamicInt(value)
 
 
 @_outside_compile
@@ -237,7 +250,7 @@ def next_layer_seed(layer_number: int) -> int:
     """
     if not is_int(layer_number) or not 0 <= layer_number < 2**63:
         raise ValueError(f"layer_number must be an int in [0, 2**63), got {layer_number!r}")
-    return stream_seed(_state.seed, layer_number, 0, _draw_bits())
+    return _graph_int(stream_seed(_state.seed, layer_number, 0, _draw_bits()))
 
 
 def is_int(value) -> bool:
@@ -260,10 +273,10 @@ def next_layer_streams(layer_number: int) -> Tuple[int, int, int, int]:
     Element 0 is :func:`next_layer_seed` (one draw); element ``site`` (:class:`Site` ``ATTENTION``,
     ``ATTENTION_OUT``, ``MLP_OUT``) is that site's stream seed ``stream_seed(element 0, layer_number,
     site)``. A layer takes its seeds from here so that under torch.compile no hashing is traced: the four
-    ints enter the compiled graph as inputs and go to the ops untouched (module comment above).
+    ints enter the compiled graph as dynamic inputs (:func:`_graph_int`) and go to the ops untouched.
     """
     seed = next_layer_seed(layer_number)
-    return (seed,) + tuple(stream_seed(seed, layer_number, site)
+    return (seed,) + tuple(_graph_int(stream_seed(seed, layer_number, site))
                            for site in (Site.ATTENTION, Site.ATTENTION_OUT, Site.MLP_OUT))
 
 
@@ -271,7 +284,7 @@ def next_layer_streams(layer_number: int) -> Tuple[int, int, int, int]:
 def next_op_seed() -> int:
     """A fresh stream seed for a functional op called with ``seed=None`` (drawn like
     :func:`next_layer_seed`, so a checkpointed re-run of the op replays its mask)."""
-    return stream_seed(_state.seed, -1, 0, _draw_bits())
+    return _graph_int(stream_seed(_state.seed, -1, 0, _draw_bits()))
 
 
 def philox4x32(key: int, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor,

@@ -118,3 +118,16 @@ def test_the_sdist_manifest_carries_the_cuda_sources_and_the_tests():
             files.process_template_line(line)
     needed = [f for f in tracked if f.startswith(("csrc/", "tests/", "tools/", "examples/")) or f == "CMakeLists.txt"]
     assert needed and sorted(set(needed) - set(files.files)) == []
+
+
+@pytest.mark.parametrize("flag", ["false", "off", "yes"])
+def test_a_build_flag_other_than_0_or_1_is_refused_by_name(tmp_path, flag):
+    """SEQPAR_BUILD_CUDA=false (off, ...) read as unset: the CUDA build ran and its failure was not an
+    error. Now setup.py stops with the variable's name and values."""
+    env = dict(os.environ, SEQPAR_BUILD_CUDA=flag)
+    out = subprocess.run([sys.executable, "setup.py", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                          "--build-temp", str(tmp_path / "temp")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "SEQPAR_BUILD_CUDA must be unset, 0 (skip the CUDA extension) or 1" in out.stderr
+    assert repr(flag) in out.stderr

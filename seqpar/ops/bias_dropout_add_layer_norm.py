@@ -136,7 +136,7 @@ def _kernel_backend(name: str, fwd_op, bwd_op) -> registry.Backend:
                                               spec.threshold, spec.seed, spec.row_offset, has_bias)
         return g_x, (g_bias if has_bias else None), g_res, g_w, g_b
 
-    return registry.Backend(OP, name, forward, backward)
+    return registry.Backend(OP, name, forward, backward, registry.rows_within_kernel_limit)
 
 
 # ----------------------------------------------------------------------------- triton backend
@@ -420,6 +420,6 @@ def bias_dropout_add_layer_norm(x: torch.Tensor, bias: Optional[torch.Tensor], r
             sequence shard draws the same mask as the unsharded tensor would.
     """
     h = _check_inputs(x, bias, residual, ln_weight, ln_bias, eps)
-    impl = registry.select(OP, backend, x.device, h=h)
+    impl = registry.select(OP, backend, x.device, h=h, rows=x.numel() // h)
     spec = make_dropout_spec(p, training, seed, row_offset)   # draws a seed only for an accepted call
     return _BiasDropoutAddLayerNorm.apply(x, bias, residual, ln_weight, ln_bias, float(eps), spec, impl)

@@ -115,21 +115,22 @@ def apply_keep_mask(x: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
     fp32 / fp16 / bf16 CUDA tensors use a kernel that computes the same mask in registers (one Philox
     call per 16 columns): csrc/dropout.cu when seqpar._C is built with kernels for the GPU, else the Triton
     kernel of triton_kernels/dropout.py when Triton is available. Everything else (CPU tensors, float64,
-    a GPU with neither) uses the torch reference: about a hundred small ops per mask, which on a GPU are
-    as many launches.
+    2**30 rows or more, a GPU with neither) uses the torch reference: about a hundred small ops per mask,
+    which on a GPU are as many launches.
     """
     if not spec.active:
         return x
-    if x.is_cuda and x.dtype in _ext.DTYPE_CODES:   # the kernels' dtypes (fp32 / fp16 / bf16)
-        # The device-level checks of the registry (constants to torch.compile). The CUDA one asks whether the
-        # build has kernels for this GPU, not only whether the extension imports: a GPU it has none for
-        # (pre-sm_80 by default) fails at the launch. "auto": never the Triton CPU interpreter.
+    h = x.shape[-1]
+    rows = x.numel() // h if h else 0
+    if x.is_cuda and x.dtype in _ext.DTYPE_CODES and registry.rows_within_kernel_limit(rows) is None:
+        # What the kernels take. The device-level checks of the registry (constants to torch.compile). The
+        # CUDA one asks whether the build has kernels for this GPU, not only whether the extension imports:
+        # a GPU it has none for (pre-sm_80 by default) fails at the launch. "auto": never the Triton CPU
+        # interpreter.
         if registry.environment_reason("cuda", x.device) is None:
             return _cuda_dropout(x.contiguous(), spec.seed, spec.row_offset, spec.threshold)
         if registry.environment_reason("triton", x.device, True) is None:
             return _triton_dropout(x.contiguous(), spec.seed, spec.row_offset, spec.threshold)
-    h = x.shape[-1]
-    rows = x.numel() // h if h else 0
     keep = spec.keep_mask_2d(rows, h, x.device).view(x.shape)
     return torch.where(keep, x * spec.scale, 0.0)
 

@@ -209,6 +209,23 @@ def auto_report(device: torch.device) -> Dict[str, AutoChoice]:
     return out
 
 
+#: The most rows the row kernels (LayerNorm, RMSNorm, SwiGLU, dropout; Triton and CUDA) take: the Triton
+#: kernels index rows in int32, and a row block (pid * BLOCK_M + i) or a backward program's row range
+#: (start + rows per program) past 2**31 wrapped negative and passed the row mask (memory before the
+#: tensor read and written, or a range's rows skipped: gradient rows never written). Below 2**30 neither
+#: reaches 2**31. More rows than this (2 GiB of bf16 at h = 1) run on the torch backend.
+KERNEL_MAX_ROWS = 2**30
+
+
+def rows_within_kernel_limit(rows=None, **_) -> Optional[str]:
+    """rows < 2**30 (the row kernels index rows in int32).
+
+    The check of the row ops' kernel backends (:data:`KERNEL_MAX_ROWS`); None when ``rows`` is not given."""
+    if rows is not None and rows >= KERNEL_MAX_ROWS:
+        return f"{rows} rows: the row kernels take fewer than 2**30 (int32 row indices)"
+    return None
+
+
 def describe_limits(backend: Backend) -> str:
     """The inputs ``backend`` turns away, in words: its ``limits``, else the first line of its check's
     docstring, else a note that it has an undescribed check ("" when it takes every input)."""

@@ -80,11 +80,14 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def float64_torch_only(dtype=None, **_):
-    """fp32 / fp16 / bf16 (float64 runs on the torch backend only).
+def float64_torch_only(dtype=None, **inputs):
+    """fp32 / fp16 / bf16 (float64 runs on the torch backend only); rows < 2**30.
 
-    The registry check of the Llama ops' kernel backends (its first line is what ``seqpar info`` shows)."""
-    return "float64 inputs run on the torch backend only" if dtype == torch.float64 else None
+    The registry check of the Llama ops' kernel backends (its first line is what ``seqpar info`` shows):
+    ``rows``, where given, within :func:`seqpar.ops.registry.rows_within_kernel_limit`."""
+    if dtype == torch.float64:
+        return "float64 inputs run on the torch backend only"
+    return registry.rows_within_kernel_limit(**inputs)
 
 
 # ----------------------------------------------------------------------------- torch reference
@@ -304,6 +307,6 @@ def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
         eps: added to the mean square (finite, at least 1.18e-38).
         backend: "auto" | "torch" | "triton" | "cuda" (see :mod:`seqpar.ops.registry`).
     """
-    check_row_inputs(x, residual, {"weight": weight}, eps, _DTYPES, residual_optional=True)
-    impl = registry.select(OP, backend, x.device, dtype=x.dtype)
+    h = check_row_inputs(x, residual, {"weight": weight}, eps, _DTYPES, residual_optional=True)
+    impl = registry.select(OP, backend, x.device, dtype=x.dtype, rows=x.numel() // h)
     return _AddRMSNorm.apply(x, residual, weight, float(eps), impl)

@@ -199,5 +199,5 @@ def swiglu(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     width = gate_up.shape[-1]
     if width == 0 or width % 2:
         raise ValueError(f"gate_up's last dimension must be even and positive (gate, then up), got {width}")
-    impl = registry.select(OP, backend, gate_up.device, dtype=gate_up.dtype)
+    impl = registry.select(OP, backend, gate_up.device, dtype=gate_up.dtype, rows=gate_up.numel() // width)
     return _SwiGLU.apply(gate_up, impl)

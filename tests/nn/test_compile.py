@@ -1,10 +1,11 @@
 """torch.compile of layers and models with dropout on.
 
 Each training forward draws its seeds outside the compiled graph (from torch's CPU generator, so
-checkpointing replays them) and the graph takes them as integers: the second step recompiles once with
-them dynamic, later steps reuse that graph, and every layer of a model shares it. Before, the seed hashing
-was traced over a dynamic int (the second step did not finish in minutes) and each layer's number was a
-constant of its own compiled forward (deeper than Dynamo's recompile limit, 8, layers ran eagerly).
+checkpointing replays them) and the graph takes them as dynamic integers: the first step's graph serves
+every later step, and every layer of a model shares it. Before, the seed hashing was traced over a dynamic
+int (the second step did not finish in minutes), each layer's number was a constant of its own compiled
+forward (deeper than Dynamo's recompile limit, 8, layers ran eagerly), and the seeds were plain ints,
+constants of the first graph: the second step recompiled, and under dynamic=False every step did.
 """
 import pytest
 import torch
@@ -38,13 +39,13 @@ def _step(run, module, inputs):
     return loss.detach(), grads
 
 
-def _compiled_and_eager_steps(module, make_inputs, steps):
+def _compiled_and_eager_steps(module, make_inputs, steps, dynamic=None):
     """Each step compiled, then eagerly from the same torch generator state (so the same dropout seeds):
     the compiled steps' results must equal the eager ones bitwise. Returns the number of graphs compiled
     after each step and the compiled steps' losses."""
     graphs, graph_counts, losses = [], [], []
     torch._dynamo.reset()
-    compiled = torch.compile(module, backend=_counting_aot_eager(graphs))
+    compiled = torch.compile(module, backend=_counting_aot_eager(graphs), dynamic=dynamic)
     for _ in range(steps):
         state = torch.get_rng_state()
         got = _step(compiled, module, make_inputs())
@@ -56,13 +57,15 @@ def _compiled_and_eager_steps(module, make_inputs, steps):
     return graph_counts, losses
 
 
-@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
-def test_compiled_layer_with_dropout_matches_eager_and_recompiles_once(recompute):
+@pytest.mark.parametrize("recompute,dynamic", [("none", None), ("selective", None), ("full", None),
+                                               ("selective", False)])
+def test_compiled_layer_with_dropout_matches_eager_and_never_recompiles(recompute, dynamic):
     seqpar.manual_seed(0)
     layer = seqpar.TransformerLayer(_cfg(recompute=recompute), layer_number=3)
     x = torch.randn(8, 2, H)
-    graph_counts, losses = _compiled_and_eager_steps(layer, lambda: (x.clone().requires_grad_(),), 4)
-    assert graph_counts[3] == graph_counts[1], graph_counts        # no compile after the second step
+    graph_counts, losses = _compiled_and_eager_steps(layer, lambda: (x.clone().requires_grad_(),), 4,
+                                                     dynamic=dynamic)
+    assert graph_counts[3] == graph_counts[0], graph_counts        # no compile after the first step
     assert len(set(losses)) == 4                                    # fresh masks every step
 
 
@@ -78,7 +81,7 @@ def test_compiled_model_deeper_than_the_recompile_limit_shares_one_layer_graph()
             seqpar.manual_seed(0)
             model = seqpar.GPTModel(_cfg(), num_layers=num_layers, vocab_size=50, max_seq_len=16)
             graph_counts, _ = _compiled_and_eager_steps(model, lambda: (tokens, labels), 3)
-            assert graph_counts[2] == graph_counts[1], graph_counts
+            assert graph_counts[2] == graph_counts[0], graph_counts
             counts[num_layers] = graph_counts[-1]
     assert counts[3] == counts[1], counts
 

@@ -4,6 +4,7 @@ import importlib
 import pytest
 import torch
 
+import seqpar
 from seqpar import _ext
 from seqpar.ops import bias_dropout_add_layer_norm
 from seqpar.ops.dropout import DropoutSpec, apply_keep_mask, bias_dropout_add, dropout, make_dropout_spec
@@ -323,3 +324,35 @@ def test_triton_kernel_on_gpu_matches_reference(dtype, cols, monkeypatch):
     got = apply_keep_mask(x, spec)
     assert launched == [True]
     _assert_bitwise(got.cpu(), _reference(x.cpu(), spec))
+
+
+@pytest.mark.parametrize("dynamic", [None, False])
+def test_compiled_op_takes_each_call_s_seed_without_recompiling(dynamic):
+    """A compiled function calling a fused op with seed=None (drawn inside: a graph break) or with a seed
+    from seqpar.random.next_op_seed() (drawn outside) compiles once: the draws' seeds are dynamic inputs
+    of the graph. They were plain ints, constants of it: the second call recompiled, and under
+    dynamic=False every call did (past Dynamo's recompile limit the function ran eagerly). Each call's
+    mask is fresh and equals eager's for the same generator state."""
+    from torch._dynamo.testing import CompileCounter
+    x = torch.randn(4, 32)
+
+    def drawn_inside(x):
+        return dropout(x * 2, make_dropout_spec(0.5, True, None)) + 1
+
+    def drawn_outside(x, seed):
+        return dropout(x * 2, make_dropout_spec(0.5, True, seed)) + 1
+
+    for fn, seeds in ((drawn_inside, lambda: ()), (drawn_outside, lambda: (seqpar.random.next_op_seed(),))):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        compiled = torch.compile(fn, backend=counter, dynamic=dynamic)
+        outputs = []
+        for _ in range(4):
+            state = torch.get_rng_state()
+            out = compiled(x, *seeds())
+            torch.set_rng_state(state)
+            torch.testing.assert_close(out, fn(x, *seeds()), rtol=0, atol=0)
+            outputs.append(out)
+        assert counter.frame_count == (2 if fn is drawn_inside else 1), counter.frame_count
+        assert len({tuple(o.flatten().tolist()) for o in outputs}) == 4
+    torch._dynamo.reset()

@@ -1,6 +1,10 @@
 """The backend registry's visibility of auto fallbacks: what "auto" picks and why it skips the others
 (auto_report, shown by ``python -m seqpar info``), and the backends that actually ran
 (record_selections, recorded in the bench rows)."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -15,7 +19,8 @@ def test_auto_report_names_the_pick_the_skipped_and_the_limits(monkeypatch):
     assert att.picked == "torch" and set(att.skipped) == {"triton", "cuda"}
     assert "CUDA tensors" in att.skipped["cuda"]
     assert "head dim" in att.limits["triton"]
-    assert cpu["bias_dropout_add_layer_norm"].limits == {}        # any h: nothing turned away
+    row_limit = "rows < 2**30 (the row kernels index rows in int32)."   # any h; rows (int32 indices)
+    assert cpu["bias_dropout_add_layer_norm"].limits == {"triton": row_limit, "cuda": row_limit}
     # the Llama ops' kernels say in words what they turn away (their checks' docstrings)
     assert cpu["swiglu"].limits["cuda"].startswith("fp32 / fp16 / bf16")
     assert cpu["rotary_embedding"].limits["triton"].startswith("head dim d <= 8192")
@@ -243,3 +248,49 @@ def test_a_registered_backend_whose_check_needs_its_inputs(monkeypatch):
     q = torch.randn(1, 2, 4, 32)
     torch.testing.assert_close(attention_core(q, q, q, is_causal=True, backend="auto"),
                                torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))
+
+
+def test_the_interpreter_asked_for_after_triton_was_imported_is_refused_with_the_reason():
+    """TRITON_INTERPRET=1 set after ``import seqpar`` (which imports triton) left triton.language's
+    helpers compiled for the GPU: the registry offered the interpreter, and the triton attention kernel
+    died with "Cannot call @triton.jit'd outside of the scope of a kernel". Now a ValueError says why."""
+    pytest.importorskip("triton")
+    code = ("import os, torch, seqpar; os.environ['TRITON_INTERPRET'] = '1'\n"
+            "cfg = seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4, backend='triton')\n"
+            "try:\n    seqpar.TransformerLayer(cfg)(torch.randn(8, 2, 32))\n"
+            "except ValueError as e:\n    print('ValueError:', e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    assert "ValueError:" in proc.stdout and "set after triton was imported" in proc.stdout, \
+        (proc.stdout + proc.stderr)[-2000:]
+
+
+def test_the_row_kernels_refuse_2_30_rows_by_name_and_auto_passes_them_over():
+    """The Triton row kernels index rows in int32: a row block or a backward's row range past 2**31
+    wrapped negative and passed the row mask (memory before the tensor read and written, or gradient
+    rows never written), and the CUDA launchers threw past 2**31 rows. Both kernel backends now refuse
+    2**30 rows or more before running anything (auto runs them on torch); 2**30 - 1 rows pass the check.
+    The inputs are expanded views: no memory behind their rows."""
+    from seqpar.ops import add_rms_norm, swiglu
+
+    def rows_of(n, h=4):
+        return torch.zeros(1, h).expand(n, h)
+
+    def calls(n):
+        w = torch.ones(4)
+        yield "bias_dropout_add_layer_norm", lambda b: bias_dropout_add_layer_norm(
+            rows_of(n), None, rows_of(n), w, w, p=0.0, training=False, backend=b)
+        yield "add_rms_norm", lambda b: add_rms_norm(rows_of(n), rows_of(n), w, backend=b)
+        yield "swiglu", lambda b: swiglu(rows_of(n), backend=b)
+
+    if registry.environment_reason("triton", torch.device("cpu")) is None:   # the interpreter
+        for op, call in calls(2**30):
+            with pytest.raises(ValueError, match=rf"backend 'triton' can't run {op}: 1073741824 rows: "):
+                call("triton")
+    for op in ("bias_dropout_add_layer_norm", "add_rms_norm", "swiglu"):
+        for name in ("triton", "cuda"):
+            impl = registry.get(op, name)
+            assert "1073741824 rows: the row kernels take fewer than 2**30" in impl.check(dtype=torch.bfloat16,
+                                                                                          rows=2**30)
+            assert impl.check(dtype=torch.bfloat16, rows=2**30 - 1) is None
+            assert "rows < 2**30" in registry.describe_limits(impl)
