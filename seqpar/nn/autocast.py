@@ -96,6 +96,19 @@ def _cast(param: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
     return cast if cast is param else name_storage(cast, PARAMETER_CAST_LABEL)
 
 
+def in_run_dtype(module: nn.Module, tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``tensor`` (a weight or bias ``module``'s forward reads) in the dtype :func:`run_in_dtype` runs
+    ``module`` in; as it is outside run_in_dtype, or when it has that dtype already (a swapped parameter's
+    cast, a parametrization computed from it at the read). What it casts is a tensor a forward pre-hook
+    computed from the parameters before run_in_dtype swapped them: ``torch.nn.utils.prune`` and the old
+    ``torch.nn.utils.weight_norm`` set ``module.weight`` so, in fp32, and a standalone linear under
+    autocast refused its bf16 input. The cast's backward takes the gradient to the parameters."""
+    dtype = getattr(module, _HANDED_DOWN, None)
+    if tensor is None or dtype is None or tensor.dtype == dtype:
+        return tensor
+    return tensor.to(dtype)
+
+
 def call_self_casting(parent: nn.Module, child: Callable, *args):
     """``child(*args)``, a ``self_casting`` submodule (or a wrapper of one) of ``parent``, under
     ``torch.autocast`` of the dtype :func:`run_in_dtype` runs ``parent`` in (plainly when it runs in none):

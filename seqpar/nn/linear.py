@@ -33,7 +33,7 @@ from ..ops.comm_matmul import (SHARD_HINT, _all_gather_matmul, _matmul_reduce_sc
 from ..parallel.mappings import copy_to_tensor_region, reduce_from_tensor_region
 from ..parallel.overlap import ChunkPlan
 from ..parallel.state import ProcessGroup, SharesProcessGroup, agree_on_inputs, group_size
-from .autocast import autocast_dtype, run_in_dtype
+from .autocast import autocast_dtype, in_run_dtype, run_in_dtype
 from .state_dict import ShardedParameters, ShardLayout, full_parameters, require_own_parameters
 
 
@@ -225,12 +225,12 @@ class ColumnParallelLinear(_TensorParallelLinear):
         self._init_weights(init_method)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
+        weight, bias = in_run_dtype(self, self.weight), in_run_dtype(self, self.bias)
         plan = self._check_input(x, weight, self.in_features, lambda: all_gather_plan(
             x, weight, self.tp_group, self.overlap_comm) if self.sequence_parallel else None)
         if self.sequence_parallel:
-            return _all_gather_matmul(x, weight, self.bias, self.tp_group, plan)
-        return nn.functional.linear(copy_to_tensor_region(x, self.tp_group), weight, self.bias)
+            return _all_gather_matmul(x, weight, bias, self.tp_group, plan)
+        return nn.functional.linear(copy_to_tensor_region(x, self.tp_group), weight, bias)
 
     def shard_layouts(self, rank: int) -> Dict[str, ShardLayout]:
         """Rank ``rank``'s rows of the weight [n, k] (and bias [n]): of each block, its t-th part, stacked
@@ -278,13 +278,14 @@ class RowParallelLinear(_TensorParallelLinear):
 
     def output_bias(self) -> Optional[torch.Tensor]:
         """The bias as the layer adds it: under SP through f, so its gradient is summed over the group."""
-        if self.bias is None or not self.sequence_parallel:
-            return self.bias
-        return copy_to_tensor_region(self.bias, self.tp_group)
+        bias = in_run_dtype(self, self.bias)
+        if bias is None or not self.sequence_parallel:
+            return bias
+        return copy_to_tensor_region(bias, self.tp_group)
 
     def _forward(self, x: torch.Tensor):
         t = group_size(self.tp_group)
-        weight = self.weight
+        weight = in_run_dtype(self, self.weight)
 
         def plan() -> Optional[ChunkPlan]:
             if not self.sequence_parallel:
@@ -298,7 +299,7 @@ class RowParallelLinear(_TensorParallelLinear):
         if t == 1 and not self.skip_bias_add:
             # nn.Linear's math: the bias inside the GEMM, one rounding (g-bar / f-bar are the identity at t = 1;
             # on more ranks the bias must follow the reduction, as in Megatron: two roundings in bf16)
-            return nn.functional.linear(x, weight, self.bias)
+            return nn.functional.linear(x, weight, in_run_dtype(self, self.bias))
         if self.sequence_parallel:
             y = _matmul_reduce_scatter(x, weight, None, self.tp_group, plan)
         else:

@@ -257,12 +257,14 @@ def reset_modules(modules: Iterable[nn.Module]) -> None:
             reset_modules(module.children())
 
 
-def require_own_parameters(module: nn.Module, names: Iterable[str], what: str, prefix: str = "") -> None:
-    """ValueError (``what``: the operation) unless each of ``names`` is a parameter of ``module`` itself
-    (``prefix``: the module's name in the message). The unsharded reads and writes go through a module's
-    own parameters: a module wrapped after seqpar built it (an adapter library such as PEFT) or
-    reparametrized (``torch.nn.utils.parametrize``, ``weight_norm``, ``prune``) holds them elsewhere,
-    where a load copied into a computed tensor (silently dropped) and a read missed the key."""
+def require_own_parameters(module: nn.Module, names: Iterable[str], what: str, prefix: str = "",
+                           instead: str = ", or save with state_dict()") -> None:
+    """ValueError (``what``: the operation; ``instead``: what else the user can do, ending the message)
+    unless each of ``names`` is a parameter of ``module`` itself (``prefix``: the module's name in the
+    message). The unsharded reads and writes go through a module's own parameters: a module wrapped after
+    seqpar built it (an adapter library such as PEFT) or reparametrized (``torch.nn.utils.parametrize``,
+    ``weight_norm``, ``prune``) holds them elsewhere, where a load copied into a computed tensor (silently
+    dropped) and a read missed the key."""
     own = dict(module.named_parameters(recurse=False))
     for name in names:
         if name not in own:
@@ -271,8 +273,7 @@ def require_own_parameters(module: nn.Module, names: Iterable[str], what: str, p
             raise ValueError(f"{what}: {key} is not a parameter of {where} itself: the module was wrapped or "
                              "reparametrized after seqpar built it (an adapter library such as PEFT, "
                              "torch.nn.utils.parametrize / weight_norm / prune). Merge or remove that first (PEFT: "
-                             "merge_and_unload(); parametrize.remove_parametrizations; prune.remove), or save "
-                             "with state_dict()")
+                             f"merge_and_unload(); parametrize.remove_parametrizations; prune.remove){instead}")
 
 
 def unsharded_entries(module: nn.Module) -> List[Tuple[str, nn.Parameter, "_Split"]]:
@@ -480,6 +481,7 @@ def prepare_parameters(module: nn.Module, what: str) -> PreparedParameters:
     tensor). One small all-gather per TP group (call it on every rank), then cached while this rank's
     groups stay the same. ValueError, on every rank, naming the first parameter that breaks the grid."""
     _reshard_fsdp(module)
+    _require_split_parameters_own(module, what)
     entries = list(_parameters_with_layouts(module))
     mine: Dict[object, List[Tuple[str, Tuple[int, ...]]]] = {}
     for key, param, split in entries:
@@ -505,6 +507,18 @@ def prepare_parameters(module: nn.Module, what: str) -> PreparedParameters:
         peers[group] = {ranks: [theirs[i] for theirs in per_rank] for i, (_, ranks) in enumerate(split_keys)}
     _CHECKED_LAYOUTS[module] = (signature, peers)
     return PreparedParameters(entries, peers)
+
+
+def _require_split_parameters_own(module: nn.Module, what: str) -> None:
+    """ValueError (``what``: the operation) for a split parameter under tensor parallelism that is not its
+    module's own (:func:`require_own_parameters`). Reparametrized (parametrize, weight_norm, prune), its
+    shard lives under another name (``parametrizations.weight.original``, ``weight_g`` / ``weight_v``,
+    ``weight_orig``) that has no layout, so it was taken as replicated: clip_grad_norm_ gave every rank
+    another norm, and sharded_state_dict saved one rank's shard for all. At t = 1 nothing is split."""
+    for prefix, sub in _unwrapped(module).named_modules():
+        if isinstance(sub, ShardedParameters) and group_size(sub.tp_group) > 1:
+            key = ".".join(part for part in prefix.split(".") if part not in _WRAPPER_NAMES)
+            require_own_parameters(sub, sub.shard_layouts(0), what, key, instead="")
 
 
 def _grid_problem(keys: List[str], per_rank: List[List[Tuple[int, ...]]]) -> Optional[str]:

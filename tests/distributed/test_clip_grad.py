@@ -219,3 +219,53 @@ def test_grad_scaler_skips_the_step_on_every_rank_when_one_rank_overflows():
     assert [r["stepped"] for r in theirs] == [True, False] and [r["scale"] for r in theirs] == [256.0, 128.0], theirs
     fused = run_ranks(_scaler_worker, 2, True, True, timeout_s=150)  # the flag summed to 2.0 stepped into NaN
     assert [r["stepped"] for r in fused] == [False, False] and [r["scale"] for r in fused] == [128.0, 128.0], fused
+
+
+def _reparametrized_worker(rank, world_size):
+    """clip_grad_norm_ and sharded_state_dict of a layer whose column-parallel weight is reparametrized
+    (one rewrite per kind), at t = 2 and at t = 1."""
+    import torch.nn.utils.parametrize as parametrize
+    from torch.nn.utils import prune
+    from torch.nn.utils.parametrizations import weight_norm
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    rewrites = {"parametrize": lambda m: parametrize.register_parametrization(m, "weight", Double()),
+                "weight_norm": weight_norm, "prune": lambda m: prune.l1_unstructured(m, "weight", amount=0.0)}
+    errors, t1_norms = {}, {}
+    for kind, rewrite in rewrites.items():
+        for group in (dist.group.WORLD, None):
+            seqpar.manual_seed(0)
+            layer = seqpar.TransformerLayer(seqpar.TransformerConfig(
+                hidden_size=16, num_attention_heads=2, backend="torch", sequence_parallel=group is not None),
+                tp_group=group)
+            rewrite(layer.mlp.dense_h_to_4h)
+            layer(torch.randn(4, 2, 16)).square().sum().backward()
+            if group is None:
+                t1_norms[kind] = float(clip_grad_norm_(layer, 1e9))
+                continue
+            for name, call in (("clip", lambda: clip_grad_norm_(layer, 1e9)),
+                               ("sharded", lambda: seqpar.nn.sharded_state_dict(layer))):
+                try:
+                    call()
+                    errors[kind, name] = None
+                except ValueError as e:
+                    errors[kind, name] = str(e)
+    return errors, t1_norms
+
+
+@pytest.mark.timeout(180)
+def test_a_reparametrized_split_weight_is_refused_under_tensor_parallelism():
+    """A split weight under parametrize / weight_norm / prune keeps its shard under another name, which
+    has no layout: clip_grad_norm_ counted it as replicated (each rank returned another norm, so the
+    ranks clipped by different factors) and sharded_state_dict saved one rank's shard for both. Now both
+    raise a ValueError naming the part on every rank; at t = 1 (nothing split) clipping still runs."""
+    for errors, t1_norms in run_ranks(_reparametrized_worker, 2, timeout_s=150):
+        assert set(t1_norms) == {"parametrize", "weight_norm", "prune"}
+        assert all(math.isfinite(n) and n > 0 for n in t1_norms.values())
+        for (kind, name), error in errors.items():
+            what = "clip_grad_norm_" if name == "clip" else "sharded_state_dict"
+            assert error is not None and error.startswith(f"{what}: mlp.dense_h_to_4h.weight is not a parameter"), \
+                (kind, name, error)

@@ -93,3 +93,38 @@ def test_row_parallel_at_t1_is_nn_linear_bit_for_bit_in_bf16(sp):
         reference.load_state_dict(layer.state_dict())
     x = torch.randn(8, 4, 64, generator=gen).bfloat16()
     assert torch.equal(layer(x), reference(x))
+
+
+@pytest.mark.parametrize("rewrite", ["prune", "weight_norm"])
+@pytest.mark.parametrize("layer_cls", [ColumnParallelLinear, RowParallelLinear])
+def test_a_standalone_linear_rewritten_by_a_forward_pre_hook_runs_under_autocast(layer_cls, rewrite):
+    """torch.nn.utils.prune and the old torch.nn.utils.weight_norm set ``weight`` in a forward pre-hook,
+    from the fp32 parameters, before the linear's forward casts its parameters for autocast: a standalone
+    parallel linear refused its bf16 input ("x dtype torch.bfloat16 != weight dtype torch.float32 (...
+    run it under torch.autocast)", under autocast). Now it computes as nn.Linear does under autocast, and
+    the gradients reach the hook's fp32 parameters alike."""
+    import warnings
+    from torch.nn.utils import prune
+
+    def rewritten(module):
+        if rewrite == "prune":
+            prune.l1_unstructured(module, "weight", amount=0.3)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)   # the old weight_norm is deprecated
+                torch.nn.utils.weight_norm(module)
+        return module
+
+    ours, theirs = layer_cls(8, 12), torch.nn.Linear(8, 12)
+    theirs.load_state_dict(ours.state_dict())
+    ours, theirs = rewritten(ours), rewritten(theirs)   # the same weights: the same mask, g and v
+    x = torch.randn(4, 2, 8)
+    outputs = []
+    for module in (ours, theirs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = module(x)
+        y.float().square().sum().backward()
+        outputs.append((y, [p.grad for p in module.parameters()]))
+    assert outputs[0][0].dtype == torch.bfloat16
+    assert all(g.dtype == torch.float32 for g in outputs[0][1])
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
