@@ -39,7 +39,7 @@ from .._custom_op import outside_compile
 from ..config import PARAMS_DTYPES, TransformerConfig
 from ..memory import name_storage, saved_as
 from ..ops.attention_core import attention_core, select_backend
-from ..ops.dropout import NO_DROPOUT, DropoutSpec, bias_dropout_add
+from ..ops.dropout import NO_DROPOUT, DropoutSpec, bias_dropout_add, dropout_active
 from ..ops.registry import dtensor_problem, is_dtensor
 from ..ops.rotary import rotary_embedding
 from ..ops.swiglu import swiglu
@@ -189,7 +189,8 @@ class ParallelAttention(SharesProcessGroup, nn.Module):
             q, k = rotary_embedding(q, k, position_offset=0, theta=cfg.rope_theta, backend=cfg.backend)
             q, k, v = (name_storage(x, "Q, K, V") for x in (q, k, v.clone()))
         q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))    # [b, heads, s, d]
-        impl = select_backend(q, k, v, causal=True, backend=cfg.backend)
+        # chosen with the dropout the core runs (a backend without dropout still runs an eval forward)
+        impl = select_backend(q, k, v, causal=True, backend=cfg.backend, dropout=dropout_active(dropout_p, True))
         # Head-major global dropout rows over the query heads: this rank's first head is rank * H (seqpar.random).
         row_offset = group_rank(self.tp_group) * heads * b * s
         gqa = kv_heads != heads

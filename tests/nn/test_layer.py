@@ -451,3 +451,26 @@ def test_torch_compile_traces_a_layer_without_graph_breaks(recompute):
         results.append((y.detach(), x_leaf.grad, [p.grad.clone() for p in layer.parameters()]))
         layer.zero_grad()
     torch.testing.assert_close(results[1], results[0], rtol=1e-6, atol=1e-6)
+
+
+def test_the_attention_backend_is_chosen_for_the_dropout_the_core_runs(monkeypatch):
+    """The layer chose its attention backend as if dropout were on (select_backend's default), then the
+    core chose again with its real dropout: a backend that runs the core only without dropout (the triton
+    kernel on triton < 3.3, simulated) refused an eval forward, or a training one with attention_dropout
+    0, though attention_core runs it; under auto the layer fell back to torch. Now both ask the same."""
+    pytest.importorskip("triton")
+    from seqpar.ops import registry
+    if registry.environment_reason("triton", torch.device("cpu")) is not None:
+        pytest.skip("the triton interpreter is not enabled")
+    import triton.language
+
+    monkeypatch.delattr(triton.language, "gather")   # as on triton < 3.3: the kernel's dropout can't run
+    seqpar.manual_seed(0)
+    layer = seqpar.TransformerLayer(seqpar.TransformerConfig(hidden_size=32, num_attention_heads=2,
+                                                             attention_dropout=0.1, backend="triton"))
+    x = torch.randn(8, 1, 32)
+    with seqpar.ops.registry.record_selections() as seen:
+        layer.eval()(x)
+    assert seen["attention_core"] == {"triton"}
+    with pytest.raises(ValueError, match=r"attention dropout in the triton kernel needs triton >= 3.3"):
+        layer.train()(x)
