@@ -69,15 +69,8 @@ class DropoutSpec:
         return dropout_keep_mask(self.seed, rows, n_cols, self.threshold)
 
 
-MAX_ROW_OFFSET = 2**62  # rows count on from row_offset in int64 tensors: row_offset + rows stays < 2**63
-
-
 def _check_row_offset(row_offset) -> None:
-    # A SymInt under graph capture with dynamic shapes: row offsets are products of sizes (torch.export's
-    # default non-strict mode passes it as torch.SymInt, which is no int).
-    if (not isinstance(row_offset, (int, torch.SymInt)) or isinstance(row_offset, bool) or row_offset < 0
-            or row_offset >= MAX_ROW_OFFSET):
-        raise ValueError(f"row_offset must be an int in [0, 2**62), got {row_offset!r} ({type(row_offset).__name__})")
+    registry.check_offset("row_offset", row_offset)
 
 
 NO_DROPOUT = DropoutSpec()  # immutable: shared by every call without active dropout

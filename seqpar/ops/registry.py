@@ -325,6 +325,20 @@ def check_sizes(**sizes) -> None:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+#: The global offsets (dropout rows, RoPE positions) count on in int64 from an offset below this: offset +
+#: count stays below 2**63.
+MAX_OFFSET = 2**62
+
+
+def check_offset(name: str, value) -> None:
+    """ValueError naming ``name`` unless ``value`` is an int in [0, :data:`MAX_OFFSET`): a dropout row
+    offset or a RoPE position offset. A ``torch.SymInt`` passes too: under graph capture with dynamic
+    shapes an offset that is a product of sizes is one (torch.export's non-strict mode)."""
+    if (not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool) or value < 0
+            or value >= MAX_OFFSET):
+        raise ValueError(f"{name} must be an int in [0, 2**62), got {value!r} ({type(value).__name__})")
+
+
 def check_param_dtype(dtype) -> None:
     """ValueError unless ``dtype`` is None or a floating ``torch.dtype`` (a module's parameters train)."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):

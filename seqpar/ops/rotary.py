@@ -64,7 +64,6 @@ from .._custom_op import tracing
 
 OP = "rotary_embedding"
 MAX_TRITON_HEAD_DIM = 8192  # the Triton kernel holds half a head per program row
-MAX_POSITION_OFFSET = 2**62  # positions count on from it in int64 (the torch reference's arange)
 # theta's range: fp32's normal numbers. The frequencies are fp32 (as HF's): past 3.4e38 theta is inf there
 # (frequencies 1, 0, 0, ...), and below 1.2e-38 its powers underflow (frequencies inf).
 THETA_RANGE = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
@@ -236,9 +235,7 @@ def _check_inputs(q, k, position_offset, theta, inplace) -> int:
         raise ValueError(f"head dim d must be even and positive, got d={d}")
     if k.device != q.device:
         raise ValueError(f"q and k must be on one device, got {q.device} and {k.device}")
-    if (isinstance(position_offset, bool) or not isinstance(position_offset, int) or position_offset < 0
-            or position_offset >= MAX_POSITION_OFFSET):
-        raise ValueError(f"position_offset must be an int in [0, 2**62), got {position_offset!r}")
+    registry.check_offset("position_offset", position_offset)
     check_theta(theta)
     if not isinstance(inplace, bool):
         raise ValueError(f"inplace must be a bool, got {inplace!r}")
@@ -333,5 +330,5 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, *, position_offset: int =
     """
     d = _check_inputs(q, k, position_offset, theta, inplace)
     impl = registry.select(OP, backend, q.device, dtype=q.dtype, d=d)
-    args = (int(position_offset), float(theta), inplace, impl)
+    args = (position_offset, float(theta), inplace, impl)   # not int(): a SymInt offset stays symbolic
     return _RotaryEmbedding.apply(q, *args), _RotaryEmbedding.apply(k, *args)

@@ -399,3 +399,23 @@ def test_gpu_more_rows_than_one_launch_holds(backend):
     want = rotary_embedding(q, k, position_offset=7, backend="torch")
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_a_position_offset_that_is_a_size_exports_with_a_dynamic_sequence():
+    """A position offset computed from a size (positions continuing after a prefix) is a SymInt under
+    torch.export with a dynamic sequence length: the check took only a Python int (a ValueError), and the
+    op's int() made it a constant of the program (a constraint violation). It stays symbolic now: the
+    program rotates every length as eager does (the dropout row offset took a SymInt already; one check
+    serves both)."""
+    from torch.export import Dim, export
+
+    class ContinuedPositions(torch.nn.Module):
+        def forward(self, q, k):
+            return rotary_embedding(q, k, position_offset=q.shape[0], backend="torch")
+
+    s = Dim("s", min=2, max=64)
+    q = torch.randn(8, 2, 2, 8)
+    program = export(ContinuedPositions(), (q, q.clone()), dynamic_shapes=({0: s}, {0: s}), strict=False)
+    for length in (8, 13):
+        q = torch.randn(length, 2, 2, 8)
+        torch.testing.assert_close(program.module()(q, q.clone()), ContinuedPositions()(q, q.clone()), rtol=0, atol=0)
