@@ -431,7 +431,8 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
                              "(sequence_parallel)")
         a2, x2 = fused
         mlp_out, mlp_bias = self.mlp(a2)
-        return bias_dropout_add(mlp_out, mlp_bias, x2, self._hidden_spec(mode, sp_random.Site.MLP_OUT, x))
+        return bias_dropout_add(mlp_out, mlp_bias, x2, self._hidden_spec(mode, sp_random.Site.MLP_OUT, x),
+                                backend=self.config.backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [s_local, b, h] (s_local = s / t under sequence parallelism, else s), of the parameters' dtype

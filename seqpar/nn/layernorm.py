@@ -164,5 +164,5 @@ class RMSNorm(_ReplicatedNorm):
         (weight,) = self._replicated()
         if bias is None and not spec.active:
             return add_rms_norm(x, residual, weight, eps=self.eps, backend=self.backend)
-        residual_out = bias_dropout_add(x, bias, residual, spec)
+        residual_out = bias_dropout_add(x, bias, residual, spec, backend=self.backend)
         return add_rms_norm(residual_out, None, weight, eps=self.eps, backend=self.backend)[0], residual_out

@@ -573,7 +573,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
         if p:
             first_row = group_rank(self.tp_group) * hidden.shape[0] * b if self.config.sequence_parallel else 0
             seed = sp_random.next_layer_seed(EMBEDDING_RNG_LAYER)
-            hidden = dropout(hidden, DropoutSpec(p, seed, first_row))
+            hidden = dropout(hidden, DropoutSpec(p, seed, first_row), backend=self.config.backend)
         return hidden
 
     def _layers(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -70,17 +70,20 @@ from typing import Optional, Tuple
 import torch
 
 from . import registry
+from . import dropout as _dropout
 from .dropout import DropoutSpec, apply_keep_mask, make_dropout_spec
 from .. import _ext
 
 OP = "bias_dropout_add_layer_norm"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: The reference's dropout: the torch one too (an oracle independent of the mask kernels).
+_TORCH_DROPOUT = registry.get(_dropout.OP, "torch")
 
 
 # ----------------------------------------------------------------------------- torch reference
 def _torch_forward(x, bias, residual, ln_weight, ln_bias, eps: float, spec: DropoutSpec):
     h = x.float() if bias is None else x.float() + bias.float()
-    residual_out = registry.cast(residual.float() + apply_keep_mask(h, spec), residual.dtype)
+    residual_out = registry.cast(residual.float() + apply_keep_mask(h, spec, _TORCH_DROPOUT), residual.dtype)
     # statistics of the stored (rounded) residual keep backward consistent. cast, not .float(): see registry.cast
     r = registry.cast(residual_out, torch.float32)
     m0 = r.mean(dim=1, keepdim=True)
@@ -103,7 +106,7 @@ def _torch_backward(grad_y, grad_residual_out, residual_out, ln_weight, mean, rs
     g = gy * ln_weight.float()
     grad_r = rstd[:, None] * (g - g.mean(dim=1, keepdim=True) - x_hat * (g * x_hat).mean(dim=1, keepdim=True))
     grad_r = grad_r + grad_residual_out.float()
-    grad_h = apply_keep_mask(grad_r, spec)
+    grad_h = apply_keep_mask(grad_r, spec, _TORCH_DROPOUT)
     grad_bias = grad_h.sum(dim=0) if has_bias else None
     return grad_h, grad_bias, grad_r, grad_ln_weight, grad_ln_bias
 
@@ -303,7 +306,7 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
             # Only residual_out is used: no norm backward (on a row with an inf or NaN it gave NaN gradients
             # from 0 * x_hat), and no gradient for the norm's parameters, as autograd gives an unused norm.
             grad_res = grad_residual_out
-            grad_x = apply_keep_mask(grad_res, ctx.spec)
+            grad_x = apply_keep_mask(grad_res, ctx.spec, _dropout.select_backend(grad_res, ctx.impl.name))
             grad_bias = grad_x.reshape(-1, grad_x.shape[-1]).float().sum(dim=0) if has_bias else None
             grads = (grad_x, grad_bias, grad_res, None, None)
         else:

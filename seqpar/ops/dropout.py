@@ -4,9 +4,10 @@ A 2-D view ``[rows, cols]`` of the input is dropped with ``keep = mask_byte(seed
 ``P = round(p * 256)``, and kept values are scaled by ``float32(256 / (256 - P))`` (see :mod:`seqpar.random`);
 nothing mask-sized is saved for backward.
 
-Kernels (CUDA tensors, fp32 / fp16 / bf16; :func:`apply_keep_mask` picks): csrc/dropout.cu when seqpar._C
-has kernels for the GPU, else triton_kernels/dropout.py when Triton is available; everything else takes the
-torch reference. All three give the same mask and values, bit for bit.
+Backends (the registry's op "dropout", :func:`select_backend`): cuda (csrc/dropout.cu) and triton
+(triton_kernels/dropout.py) on fp32 / fp16 / bf16 tensors of fewer than 2**30 rows, and the torch
+reference (about a hundred small ops per mask: on a GPU as many launches) for everything. "auto" tries
+cuda, triton, torch; all three give the same mask and values, bit for bit.
 """
 from __future__ import annotations
 
@@ -99,33 +100,44 @@ def make_dropout_spec(p: float, training: bool, seed, row_offset: int = 0) -> Dr
     return DropoutSpec(float(p), resolve_seed(seed), row_offset)
 
 
-def apply_keep_mask(x: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
-    """``where(keep, x * scale, 0)`` of ``x`` [..., h] viewed as rows of h (``x`` unchanged when the spec is
-    inactive): a dropped inf or NaN is 0, as in the kernels (``x * keep * scale`` made it NaN: inf * 0).
-    The result is a new tensor of ``x``'s shape, not a view of a [rows, h] one (autograd refuses in-place
-    ops on a view an autograd.Function returns).
+OP = "dropout"
 
-    fp32 / fp16 / bf16 CUDA tensors use a kernel that computes the same mask in registers (one Philox
-    call per 16 columns): csrc/dropout.cu when seqpar._C is built with kernels for the GPU, else the Triton
-    kernel of triton_kernels/dropout.py when Triton is available. Everything else (CPU tensors, float64,
-    2**30 rows or more, a GPU with neither) uses the torch reference: about a hundred small ops per mask,
-    which on a GPU are as many launches.
-    """
-    if not spec.active:
-        return x
+
+def apply_keep_mask(x: torch.Tensor, spec: DropoutSpec, impl: registry.Backend) -> torch.Tensor:
+    """``where(keep, x * scale, 0)`` of ``x`` [..., h] viewed as rows of h, on backend ``impl`` of the op
+    "dropout" (:func:`select_backend`; ``x`` unchanged when the spec is inactive): a dropped inf or NaN is
+    0, as in the kernels (``x * keep * scale`` made it NaN: inf * 0). The result is a new tensor of
+    ``x``'s shape, not a view of a [rows, h] one (autograd refuses in-place ops on a view an
+    autograd.Function returns). Its own backward: the same mask applied to the gradient."""
+    return impl.forward(x, spec) if spec.active else x
+
+
+def select_backend(x: torch.Tensor, backend: str = "auto") -> registry.Backend:
+    """The backend of the op "dropout" for ``x`` [..., h] (:mod:`seqpar.ops.registry`'s order; ValueError
+    with the reason for an explicit backend that can't run it)."""
     h = x.shape[-1]
-    rows = x.numel() // h if h else 0
-    if x.is_cuda and x.dtype in _ext.DTYPE_CODES and registry.rows_within_kernel_limit(rows) is None:
-        # What the kernels take. The device-level checks of the registry (constants to torch.compile). The
-        # CUDA one asks whether the build has kernels for this GPU, not only whether the extension imports:
-        # a GPU it has none for (pre-sm_80 by default) fails at the launch. "auto": never the Triton CPU
-        # interpreter.
-        if registry.environment_reason("cuda", x.device) is None:
-            return _cuda_dropout(x.contiguous(), spec.seed, spec.row_offset, spec.threshold)
-        if registry.environment_reason("triton", x.device, True) is None:
-            return _triton_dropout(x.contiguous(), spec.seed, spec.row_offset, spec.threshold)
-    keep = spec.keep_mask_2d(rows, h, x.device).view(x.shape)
+    return registry.select(OP, backend, x.device, dtype=x.dtype, rows=x.numel() // h if h else 0)
+
+
+def _torch_apply(x: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
+    h = x.shape[-1]
+    keep = spec.keep_mask_2d(x.numel() // h if h else 0, h, x.device).view(x.shape)
     return torch.where(keep, x * spec.scale, 0.0)
+
+
+def _kernel_check(dtype=None, **inputs):
+    """fp32 / fp16 / bf16; rows < 2**30."""
+    if dtype is not None and dtype not in _ext.DTYPE_CODES:
+        return f"dtype {dtype} is not supported by the dropout kernels (fp32 / fp16 / bf16)"
+    return registry.rows_within_kernel_limit(**inputs)
+
+
+def _kernel_backend(name: str, kernel_op) -> registry.Backend:
+    """A registry backend over a mask kernel's custom op (forward and backward alike: the mask applied)."""
+    def apply(x: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
+        return kernel_op(x.contiguous(), spec.seed, spec.row_offset, spec.threshold)
+
+    return registry.Backend(OP, name, apply, apply, _kernel_check)
 
 
 @registry.kernel_op("seqpar::dropout_cuda")
@@ -163,16 +175,21 @@ def _(x, seed, row_offset, threshold):
     return torch.empty_like(x)
 
 
+registry.register(registry.Backend(OP, "torch", _torch_apply, _torch_apply))
+registry.register(_kernel_backend("triton", _triton_dropout))
+registry.register(_kernel_backend("cuda", _cuda_dropout))
+
+
 class _Dropout(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, spec: DropoutSpec):
-        ctx.spec = spec
-        return apply_keep_mask(x, spec)
+    def forward(ctx, x, spec: DropoutSpec, impl: registry.Backend):
+        ctx.spec, ctx.impl = spec, impl
+        return impl.forward(x, spec)
 
     @staticmethod
     @registry.once_differentiable
     def backward(ctx, grad):
-        return apply_keep_mask(grad, ctx.spec), None
+        return ctx.impl.backward(grad, ctx.spec), None, None
 
 
 def _check_dropout_args(x, spec) -> None:
@@ -184,19 +201,26 @@ def _check_dropout_args(x, spec) -> None:
         raise ValueError(f"spec must be a seqpar.ops.DropoutSpec, got {type(spec).__name__}")
 
 
-def dropout(x: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
+def dropout(x: torch.Tensor, spec: DropoutSpec, *, backend: str = "auto") -> torch.Tensor:
     """Dropout of ``x`` [..., h] viewed as rows of h; the mask is regenerated in backward.
 
     ``x`` a floating tensor with at least one dimension; ``spec`` a :class:`DropoutSpec` (ValueError
     otherwise, naming the argument). An inactive spec returns ``x`` itself. A dropped element is 0 even
     where ``x`` is inf or NaN, in every backend and in the gradient (``F.dropout`` multiplies by the
     mask, so there a dropped inf or NaN becomes NaN); a non-finite kept element passes through.
+
+    Args:
+        backend: "auto" | "torch" | "triton" | "cuda" (see :mod:`seqpar.ops.registry`; the kernels take
+            fp32 / fp16 / bf16 and fewer than 2**30 rows).
     """
     _check_dropout_args(x, spec)
-    return _Dropout.apply(x, spec) if spec.active and x.numel() else x
+    if not (spec.active and x.numel()):
+        return x
+    return _Dropout.apply(x, spec, select_backend(x, backend))
 
 
-def bias_dropout_add(x: torch.Tensor, bias, residual: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
+def bias_dropout_add(x: torch.Tensor, bias, residual: torch.Tensor, spec: DropoutSpec, *,
+                     backend: str = "auto") -> torch.Tensor:
     """``residual + dropout(x + bias)`` with a regenerated mask (no LayerNorm; see the fused op).
 
     ============  ===============================================================
@@ -206,7 +230,8 @@ def bias_dropout_add(x: torch.Tensor, bias, residual: torch.Tensor, spec: Dropou
     ============  ===============================================================
 
     Nothing is broadcast or promoted: a shape, dtype or device that differs is a ValueError naming the
-    argument. A dropped element of ``x + bias`` adds exactly 0, even an inf or NaN (see :func:`dropout`).
+    argument. A dropped element of ``x + bias`` adds exactly 0, even an inf or NaN (see :func:`dropout`,
+    which also says what ``backend`` takes).
     """
     _check_dropout_args(x, spec)
     registry.check_dense(residual=residual, bias=bias)
@@ -217,4 +242,4 @@ def bias_dropout_add(x: torch.Tensor, bias, residual: torch.Tensor, spec: Dropou
             got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} must be a {list(shape)} tensor of x's {x.dtype} on {x.device}, got {got}")
     biased = x if bias is None else x + bias
-    return residual + dropout(biased, spec)
+    return residual + dropout(biased, spec, backend=backend)

@@ -1,5 +1,5 @@
 """Regenerated-mask dropout: torch reference semantics and the CUDA kernel of csrc/dropout.cu."""
-import importlib
+import dataclasses
 
 import pytest
 import torch
@@ -7,8 +7,26 @@ import torch
 import seqpar
 from seqpar import _ext
 from seqpar.ops import bias_dropout_add_layer_norm
-from seqpar.ops.dropout import DropoutSpec, apply_keep_mask, bias_dropout_add, dropout, make_dropout_spec
+from seqpar.ops import registry
+from seqpar.ops.dropout import (OP, DropoutSpec, apply_keep_mask, bias_dropout_add, dropout, make_dropout_spec,
+                                select_backend)
 from seqpar.random import dropout_threshold, philox4x32
+
+
+def _masked(x, spec, backend="auto"):
+    """apply_keep_mask on the backend the op "dropout" selects for x (no autograd)."""
+    return apply_keep_mask(x, spec, select_backend(x, backend))
+
+
+def _count_kernel_launches(monkeypatch, launched):
+    """Wrap the dropout op's kernel backends so that each call appends the backend's name to ``launched``."""
+    for name in ("cuda", "triton"):
+        impl = registry.get(OP, name)
+
+        def counted(x, spec, impl=impl, name=name):
+            launched.append(name)
+            return impl.forward(x, spec)
+        monkeypatch.setitem(registry._REGISTRY[OP], name, dataclasses.replace(impl, forward=counted, backward=counted))
 
 
 def _keep_by_definition(seed, rows, n_cols, p):
@@ -38,9 +56,9 @@ def test_mask_matches_definition_and_backward_regenerates(row_offset):
 def test_row_offset_shards_compose():
     spec = DropoutSpec(0.5, 9, 0)
     x = torch.randn(12, 16)
-    full = apply_keep_mask(x, spec)
-    top = apply_keep_mask(x[:5], spec)
-    bottom = apply_keep_mask(x[5:], DropoutSpec(0.5, 9, 5))
+    full = _masked(x, spec)
+    top = _masked(x[:5], spec)
+    bottom = _masked(x[5:], DropoutSpec(0.5, 9, 5))
     assert torch.equal(torch.cat([top, bottom]), full)
 
 
@@ -49,7 +67,7 @@ def test_spec_threshold_scale_and_small_p():
     assert spec.threshold == 26 and spec.active
     assert spec.scale == float(torch.tensor(256 / 230, dtype=torch.float32))
     x = torch.randn(4, 40)
-    assert apply_keep_mask(x, DropoutSpec(0.0, 3, 0)) is x and not DropoutSpec(0.0, 3, 0).active
+    assert _masked(x, DropoutSpec(0.0, 3, 0)) is x and not DropoutSpec(0.0, 3, 0).active
     for build in (lambda: DropoutSpec(0.001, 3, 0), lambda: make_dropout_spec(0.001, True, 3)):
         with pytest.warns(UserWarning, match="drops nothing"):   # round(0.256) = 0: it dropped nothing, silently
             assert not build().active
@@ -58,7 +76,7 @@ def test_spec_threshold_scale_and_small_p():
 def test_bias_dropout_add_and_validation():
     x, bias, res = torch.randn(4, 8), torch.randn(8), torch.randn(4, 8)
     spec = DropoutSpec(0.3, 5, 0)
-    torch.testing.assert_close(bias_dropout_add(x, bias, res, spec), res + apply_keep_mask(x + bias, spec))
+    torch.testing.assert_close(bias_dropout_add(x, bias, res, spec), res + _masked(x + bias, spec))
     assert not make_dropout_spec(0.3, False, None).active
     for bad in (1.0, -0.1, "0.1", 0.999):
         with pytest.raises(ValueError, match="dropout probability"):
@@ -87,7 +105,7 @@ def test_bias_dropout_add_broadcasts_nothing():
     for name, (xb, bb, rb, sb, match) in bad.items():
         with pytest.raises(ValueError, match=match):
             bias_dropout_add(xb, bb, rb, sb)
-    torch.testing.assert_close(bias_dropout_add(x, None, res, spec), res + apply_keep_mask(x, spec))
+    torch.testing.assert_close(bias_dropout_add(x, None, res, spec), res + _masked(x, spec))
 
 
 def test_dropout_and_spec_validation():
@@ -126,7 +144,7 @@ def test_cuda_kernel_matches_reference(dtype, cols):
         pytest.skip(_ext.cuda_extension_error())
     spec = DropoutSpec(0.1, 2**40 + 3, 2**32 - 77)
     x = torch.randn(300, cols, device="cuda", dtype=dtype)
-    got = apply_keep_mask(x, spec)
+    got = _masked(x, spec, "cuda")
     keep = spec.keep_mask_2d(300, cols, "cpu")
     expected = (x.float().cpu() * keep * spec.scale).to(dtype)
     assert torch.equal(got.cpu(), expected)
@@ -179,11 +197,8 @@ def test_the_cuda_mask_kernel_is_a_custom_op_that_traces(monkeypatch):
     kernel image")."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    dropout_module = importlib.import_module("seqpar.ops.dropout")   # seqpar.ops.dropout is also a function
-
     launched = []
-    kernel = dropout_module._cuda_dropout
-    monkeypatch.setattr(dropout_module, "_cuda_dropout", lambda *args: launched.append(True) or kernel(*args))
+    _count_kernel_launches(monkeypatch, launched)
     monkeypatch.setattr(_ext, "triton_unavailable_reason", lambda device, auto=False: "no triton here")
     spec = DropoutSpec(0.25, 9, 2**40)
     for gpu_reason in (None, "seqpar._C has no kernels for this GPU (sm_75: no kernel image)"):
@@ -191,9 +206,9 @@ def test_the_cuda_mask_kernel_is_a_custom_op_that_traces(monkeypatch):
         launched.clear()
         with FakeTensorMode():
             x = torch.empty(6, 3, 40, device="cuda", dtype=torch.bfloat16)
-            out = apply_keep_mask(x, spec)
+            out = _masked(x, spec)
         assert isinstance(out, FakeTensor) and out.shape == x.shape and out.dtype == x.dtype and out.is_cuda
-        assert launched == ([True] if gpu_reason is None else []), gpu_reason
+        assert launched == (["cuda"] if gpu_reason is None else []), gpu_reason
 
 
 # ----------------------------------------------------------------------------- the Triton kernel
@@ -277,20 +292,15 @@ def test_apply_keep_mask_takes_the_triton_kernel_without_the_cuda_extension(monk
     with neither kernel take the reference."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    dropout_module = importlib.import_module("seqpar.ops.dropout")   # seqpar.ops.dropout is also a function
-
     launched = []
-    for name in ("_cuda_dropout", "_triton_dropout"):
-        kernel = getattr(dropout_module, name)
-        monkeypatch.setattr(dropout_module, name,
-                            lambda *args, name=name, kernel=kernel: launched.append(name) or kernel(*args))
+    _count_kernel_launches(monkeypatch, launched)
     no_cuda = "seqpar._C is not built (no nvcc at install)"
     spec = DropoutSpec(0.25, 9, 2**40)
     cases = {  # (cuda reason, triton reason, dtype) -> the launcher that runs (None: the torch reference)
-        (None, None, torch.bfloat16): "_cuda_dropout",
-        (no_cuda, None, torch.bfloat16): "_triton_dropout",
-        (no_cuda, None, torch.float16): "_triton_dropout",
-        (no_cuda, None, torch.float32): "_triton_dropout",
+        (None, None, torch.bfloat16): "cuda",
+        (no_cuda, None, torch.bfloat16): "triton",
+        (no_cuda, None, torch.float16): "triton",
+        (no_cuda, None, torch.float32): "triton",
         (no_cuda, None, torch.float64): None,
         (no_cuda, "triton is not importable", torch.bfloat16): None,
     }
@@ -314,15 +324,13 @@ def test_triton_kernel_on_gpu_matches_reference(dtype, cols, monkeypatch):
     from tests.gpu import skip_unless_backend_runs
 
     skip_unless_backend_runs("triton")
-    dropout_module = importlib.import_module("seqpar.ops.dropout")
     launched = []
-    kernel = dropout_module._triton_dropout
-    monkeypatch.setattr(dropout_module, "_triton_dropout", lambda *args: launched.append(True) or kernel(*args))
+    _count_kernel_launches(monkeypatch, launched)
     monkeypatch.setattr(_ext, "cuda_unavailable_reason", lambda device: "set aside by the test")
     spec = DropoutSpec(0.1, 2**40 + 3, 2**32 - 77)
     x = torch.randn(300, cols, device="cuda").to(dtype)
-    got = apply_keep_mask(x, spec)
-    assert launched == [True]
+    got = _masked(x, spec)
+    assert launched == ["triton"]
     _assert_bitwise(got.cpu(), _reference(x.cpu(), spec))
 
 
@@ -356,3 +364,27 @@ def test_compiled_op_takes_each_call_s_seed_without_recompiling(dynamic):
         assert counter.frame_count == (2 if fn is drawn_inside else 1), counter.frame_count
         assert len({tuple(o.flatten().tolist()) for o in outputs}) == 4
     torch._dynamo.reset()
+
+
+def test_standalone_dropout_takes_the_backend_it_is_given(monkeypatch):
+    """dropout and bias_dropout_add chose their kernel by rules of their own: backend= did not exist,
+    SEQPAR_BACKEND and a layer's backend did not reach them (a layer on backend "torch" ran the mask
+    kernels on a GPU; on "triton" the torch mask on a GPU with the CUDA extension), and record_selections
+    never saw them. They are the registry's op "dropout" now: an explicit backend runs (or is refused
+    with the reason), every backend gives the same bits, and the selections are recorded."""
+    x, res = torch.randn(6, 40), torch.randn(6, 40)
+    spec = DropoutSpec(0.25, 9, 2**33)
+    reference = _reference(x, spec)
+    with pytest.raises(ValueError, match="backend 'cuda' can't run dropout: "):
+        dropout(x, spec, backend="cuda")
+    runs = ["torch"] + (["triton"] if registry.environment_reason("triton", x.device) is None else [])
+    for name in runs:
+        with registry.record_selections() as seen:
+            _assert_bitwise(dropout(x, spec, backend=name), reference)
+            _assert_bitwise(bias_dropout_add(x, None, res, spec, backend=name), res + reference)
+        assert seen == {"dropout": {name}}
+        monkeypatch.setenv("SEQPAR_BACKEND", name)
+        with registry.record_selections() as seen:
+            dropout(x, spec)
+        assert seen == {"dropout": {name}}
+        monkeypatch.delenv("SEQPAR_BACKEND")

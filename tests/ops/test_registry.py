@@ -101,9 +101,11 @@ def test_layer_bench_rows_record_the_backends_that_ran(capsys):
                              "--iters", "1", "--warmup", "0", "--dtype", "fp32"])
     assert len(rows) == 5
     for row in rows:
-        assert row["backends"] == {"attention_core": "torch", "bias_dropout_add_layer_norm": "torch"}, row
+        assert row["backends"] == {"attention_core": "torch", "bias_dropout_add_layer_norm": "torch",
+                                   "dropout": "torch"}, row   # dropout: the MLP output's bias-dropout-add
     out = capsys.readouterr().out
     assert "attention_core ran on: torch" in out and "bias_dropout_add_layer_norm ran on: torch" in out
+    assert "dropout ran on: torch" in out
 
 
 # ----------------------------------------------------------------------------- argument checks every op shares
