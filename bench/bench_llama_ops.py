@@ -66,7 +66,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import time
@@ -167,36 +166,6 @@ def _rnd(g: torch.Generator, *shape, dtype, device, scale=1.0, grad=False):
     return (scale * torch.randn(*shape, generator=g)).to(device=device, dtype=dtype).requires_grad_(grad)
 
 
-def _pinned_dropout(x: torch.Tensor, backend: str, device: torch.device) -> Callable[[], Sequence[torch.Tensor]]:
-    """seqpar's dropout on one backend: seqpar.ops.dropout picks its kernel itself (CUDA, else Triton, else the
-    torch reference), so each provider calls its kernel through the same regenerate-in-backward Function."""
-    from seqpar.ops import registry
-
-    D = importlib.import_module("seqpar.ops.dropout")   # the module (seqpar.ops.dropout is also the function)
-    reason = registry.environment_reason(backend, device) if backend != "torch" else None
-    if reason:
-        raise RuntimeError(reason)
-    spec = D.make_dropout_spec(DROPOUT_P, True, 1234)
-    if backend == "torch":
-        def kernel(t):   # the torch reference's formula (apply_keep_mask would pick a kernel on a GPU)
-            keep = spec.keep_mask_2d(t.numel() // t.shape[-1], t.shape[-1], t.device).view(t.shape)
-            return torch.where(keep, t * spec.scale, 0.0)
-    else:
-        op = D._cuda_dropout if backend == "cuda" else D._triton_dropout
-        kernel = lambda t: op(t, spec.seed, spec.row_offset, spec.threshold)  # noqa: E731
-
-    class Pinned(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            return kernel(t)
-
-        @staticmethod
-        def backward(ctx, grad):
-            return kernel(grad.contiguous())
-
-    return lambda: (Pinned.apply(x),)
-
-
 def make_problem(op: str, provider: str, size: Dict[str, int], dtype, device: torch.device) -> Problem:
     """Inputs and the timed function of ``provider`` on ``op``; RuntimeError when it can't run here."""
     from seqpar import ops
@@ -247,9 +216,11 @@ def make_problem(op: str, provider: str, size: Dict[str, int], dtype, device: to
                        {provider: fn})
     if op == "dropout":
         n, h = size["tokens"], size["hidden"]
+        check("dropout", rows=n)
         x = _rnd(g, n, h, dtype=dtype, device=device, grad=True)
         if backend:
-            fn = _pinned_dropout(x, backend, device)
+            spec = ops.DropoutSpec(DROPOUT_P, 1234)
+            fn = lambda: (ops.dropout(x, spec, backend=backend),)  # noqa: E731
         elif provider == "torch-eager":
             fn = lambda: (F.dropout(x, DROPOUT_P),)  # noqa: E731
         elif provider == "torch-compile":

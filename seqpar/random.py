@@ -57,6 +57,7 @@ __all__ = [
     "manual_seed", "initial_seed", "get_rng_state", "set_rng_state", "fork_rng", "stream_seed",
     "next_layer_seed", "next_layer_streams", "next_op_seed", "generator_fingerprint", "Site", "philox4x32",
     "mask_bytes", "dropout_keep_mask", "dropout_threshold", "dropout_scale", "effective_dropout_p", "MASK_GROUP",
+    "graph_ints", "draw_for_graph",
 ]
 
 _MASK32 = 0xFFFFFFFF
@@ -211,10 +212,10 @@ DRAW_NOT_CAPTURABLE = (
 # break; fullgraph=True stops with this reason instead of Dynamo's bare "Tensor.random_ op"). The draw and
 # every hash of it run together out there: splitmix64 over a SymInt builds sympy expressions that take
 # minutes to trace. Only the finished stream seeds enter the resumed graph, as inputs that it passes to
-# the ops untouched. They enter as DynamicInts (_graph_int): a plain int input is a constant of the graph
-# on the first call, so the second step recompiled, and under dynamic=False every step did (past
-# Dynamo's recompile limit, 8, the layers ran eagerly). The reason is shared with seqpar.nn.layer, whose
-# draw reads the layer number outside the graph too.
+# the ops untouched. seqpar's own draws hand them over as DynamicInts (draw_for_graph): a plain int input
+# is a constant of the graph on the first call, so the second step recompiled, and under dynamic=False
+# every step did (past Dynamo's recompile limit, 8, the layers ran eagerly). The reason is shared with
+# seqpar.nn.layer, whose draw reads the layer number outside the graph too.
 DRAW_NOT_TRACEABLE = (
     "seqpar draws a dropout seed per forward from torch's default CPU generator (so checkpointing replays "
     "it), which torch.compile cannot trace. Under fullgraph=True pass seed= to the functional ops (e.g. "
@@ -230,11 +231,21 @@ except ImportError:  # older torch: a plain int (the graph recompiles once with 
     _DynamicInt = int
 
 
-def _graph_int(value: int) -> int:
-    """``value`` as an int that torch.compile takes as a dynamic input of a graph, whatever ``dynamic=``
-    says (torch's ``DynamicInt``, an int subclass: eager code sees the int it is). The draws return their
-    seeds so: each step's new seeds then reuse the graph compiled on the first step."""
-    return _DynamicInt(value)
+def graph_ints(seeds):
+    """``seeds`` (an int or a tuple of ints) as ints that torch.compile takes as dynamic inputs of a graph,
+    whatever ``dynamic=`` says (torch's ``DynamicInt``, an int subclass: eager code sees the ints they
+    are): each step's new seeds then reuse the graph compiled on the first step. Only seeds entering a
+    graph are wrapped: arithmetic on a DynamicInt runs through torch.fx's symbolic nodes (a hash took
+    100 us instead of 2), and the public draws return plain ints (a DynamicInt prints as
+    ``DynamicInt(...)``, and torch.export can't take one as an input)."""
+    return tuple(_DynamicInt(s) for s in seeds) if isinstance(seeds, tuple) else _DynamicInt(seeds)
+
+
+@_outside_compile
+def draw_for_graph(draw, *args):
+    """``graph_ints(draw(*args))`` outside torch.compile: a seed draw (:func:`next_layer_seed`,
+    :func:`next_op_seed`, ...) whose seeds go into the compiled code that called it."""
+    return graph_ints(draw(*args))
 
 
 @_outside_compile
@@ -250,7 +261,7 @@ def next_layer_seed(layer_number: int) -> int:
     """
     if not is_int(layer_number) or not 0 <= layer_number < 2**63:
         raise ValueError(f"layer_number must be an int in [0, 2**63), got {layer_number!r}")
-    return _graph_int(stream_seed(_state.seed, layer_number, 0, _draw_bits()))
+    return stream_seed(_state.seed, layer_number, 0, _draw_bits())
 
 
 def is_int(value) -> bool:
@@ -273,10 +284,10 @@ def next_layer_streams(layer_number: int) -> Tuple[int, int, int, int]:
     Element 0 is :func:`next_layer_seed` (one draw); element ``site`` (:class:`Site` ``ATTENTION``,
     ``ATTENTION_OUT``, ``MLP_OUT``) is that site's stream seed ``stream_seed(element 0, layer_number,
     site)``. A layer takes its seeds from here so that under torch.compile no hashing is traced: the four
-    ints enter the compiled graph as dynamic inputs (:func:`_graph_int`) and go to the ops untouched.
+    ints enter the compiled graph as inputs (:func:`graph_ints`) and go to the ops untouched.
     """
     seed = next_layer_seed(layer_number)
-    return (seed,) + tuple(_graph_int(stream_seed(seed, layer_number, site))
+    return (seed,) + tuple(stream_seed(seed, layer_number, site)
                            for site in (Site.ATTENTION, Site.ATTENTION_OUT, Site.MLP_OUT))
 
 
@@ -284,7 +295,7 @@ def next_layer_streams(layer_number: int) -> Tuple[int, int, int, int]:
 def next_op_seed() -> int:
     """A fresh stream seed for a functional op called with ``seed=None`` (drawn like
     :func:`next_layer_seed`, so a checkpointed re-run of the op replays its mask)."""
-    return _graph_int(stream_seed(_state.seed, -1, 0, _draw_bits()))
+    return stream_seed(_state.seed, -1, 0, _draw_bits())
 
 
 def philox4x32(key: int, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor,
@@ -299,6 +310,7 @@ def philox4x32(key: int, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c
     # operation (page faults on new memory) tripled the time of the rounds.
     c0, c1, c2, c3 = (c.to(torch.int64).clone() for c in torch.broadcast_tensors(c0, c1, c2, c3))
     prod_a, prod_b = torch.empty_like(c0), torch.empty_like(c0)
+    key = int(key)   # a seed handed to a graph may be a DynamicInt, whose arithmetic is symbolic (slow)
     k0, k1 = key & _MASK32, (key >> 32) & _MASK32
     for _ in range(rounds):
         # 32 x 32-bit products in int64 wrap modulo 2**64 (two's complement), so their high and low
@@ -440,7 +452,7 @@ def effective_dropout_p(p: float) -> float:
 def resolve_seed(seed: Optional[int]) -> int:
     """Validate a user-given op seed, or draw one from the seqpar generator when ``None``."""
     if seed is None:
-        return next_op_seed()
+        return draw_for_graph(next_op_seed)
     return check_stream_seed(seed)
 
 

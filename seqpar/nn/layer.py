@@ -74,8 +74,9 @@ def _draw_seeds(layer: "TransformerLayer") -> Tuple[int, int, int, int]:
     """:func:`seqpar.random.next_layer_streams` of ``layer.layer_number``, with the attribute read outside
     torch.compile as well: Dynamo treats a module's int attributes as constants, so reading it in the
     compiled forward would compile that forward once per layer, and a model deeper than Dynamo's
-    recompile limit (8) would run its later layers eagerly."""
-    return sp_random.next_layer_streams(layer.layer_number)
+    recompile limit (8) would run its later layers eagerly. The seeds go to the graph as dynamic inputs
+    (:func:`seqpar.random.graph_ints`)."""
+    return sp_random.graph_ints(sp_random.next_layer_streams(layer.layer_number))
 
 
 def agreement_values(config: TransformerConfig, **arguments) -> Dict[str, object]:

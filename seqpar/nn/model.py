@@ -572,7 +572,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
         p = self.embedding_dropout if self.training else 0.0
         if p:
             first_row = group_rank(self.tp_group) * hidden.shape[0] * b if self.config.sequence_parallel else 0
-            seed = sp_random.next_layer_seed(EMBEDDING_RNG_LAYER)
+            seed = sp_random.draw_for_graph(sp_random.next_layer_seed, EMBEDDING_RNG_LAYER)
             hidden = dropout(hidden, DropoutSpec(p, seed, first_row), backend=self.config.backend)
         return hidden
 

@@ -20,6 +20,7 @@ import os
 from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 try:
     from torch.distributed.tensor import DTensor as _DTensor
@@ -221,7 +222,9 @@ def rows_within_kernel_limit(rows=None, **_) -> Optional[str]:
     """rows < 2**30 (the row kernels index rows in int32).
 
     The check of the row ops' kernel backends (:data:`KERNEL_MAX_ROWS`); None when ``rows`` is not given."""
-    if rows is not None and rows >= KERNEL_MAX_ROWS:
+    # Symbolic rows (graph capture with a dynamic size): refused only where certainly too many, since a
+    # guard on them would cap the program's sizes (torch.export: a constraint violation of a dynamic dim).
+    if rows is not None and statically_known_true(rows >= KERNEL_MAX_ROWS):
         return f"{rows} rows: the row kernels take fewer than 2**30 (int32 row indices)"
     return None
 

@@ -80,14 +80,19 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def float64_torch_only(dtype=None, **inputs):
+def float64_torch_only(dtype=None, **_):
+    """fp32 / fp16 / bf16 (float64 runs on the torch backend only).
+
+    The registry check of the RoPE kernel backends (its first line is what ``seqpar info`` shows)."""
+    return "float64 inputs run on the torch backend only" if dtype == torch.float64 else None
+
+
+def row_kernel_check(dtype=None, **inputs):
     """fp32 / fp16 / bf16 (float64 runs on the torch backend only); rows < 2**30.
 
-    The registry check of the Llama ops' kernel backends (its first line is what ``seqpar info`` shows):
-    ``rows``, where given, within :func:`seqpar.ops.registry.rows_within_kernel_limit`."""
-    if dtype == torch.float64:
-        return "float64 inputs run on the torch backend only"
-    return registry.rows_within_kernel_limit(**inputs)
+    The registry check of the RMSNorm and SwiGLU kernel backends: :func:`float64_torch_only`, and ``rows``
+    within :func:`seqpar.ops.registry.rows_within_kernel_limit`."""
+    return float64_torch_only(dtype) or registry.rows_within_kernel_limit(**inputs)
 
 
 # ----------------------------------------------------------------------------- torch reference
@@ -140,7 +145,7 @@ def _kernel_backend(name: str, fwd_op, bwd_op) -> registry.Backend:
         grad_x, grad_res, grad_w = bwd_op(grad_y, grad_residual_out, residual_out, weight, rstd, residual_grad)
         return grad_x, (grad_res if residual_grad else None), grad_w
 
-    return registry.Backend(OP, name, forward, backward, float64_torch_only)
+    return registry.Backend(OP, name, forward, backward, row_kernel_check)
 
 
 # ----------------------------------------------------------------------------- triton backend

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from . import registry
 from .bias_dropout_add_layer_norm import _rows, _unflatten_rows, _vectorized
-from .rms_norm import _DTYPES, acc_dtype, float64_torch_only
+from .rms_norm import _DTYPES, acc_dtype, row_kernel_check
 from .. import _ext
 
 OP = "swiglu"
@@ -104,7 +104,7 @@ def _(grad_y, gate_up):
     return _bwd_fake(grad_y)
 
 
-registry.register(registry.Backend(OP, "triton", _triton_fwd_op, _triton_bwd_op, float64_torch_only))
+registry.register(registry.Backend(OP, "triton", _triton_fwd_op, _triton_bwd_op, row_kernel_check))
 
 
 # ----------------------------------------------------------------------------- cuda backend
@@ -149,7 +149,7 @@ def _(grad_y, gate_up):
     return _bwd_fake(grad_y)
 
 
-registry.register(registry.Backend(OP, "cuda", _cuda_fwd_op, _cuda_bwd_op, float64_torch_only))
+registry.register(registry.Backend(OP, "cuda", _cuda_fwd_op, _cuda_bwd_op, row_kernel_check))
 
 
 # ----------------------------------------------------------------------------- autograd

@@ -337,8 +337,8 @@ def test_triton_kernel_on_gpu_matches_reference(dtype, cols, monkeypatch):
 @pytest.mark.parametrize("dynamic", [None, False])
 def test_compiled_op_takes_each_call_s_seed_without_recompiling(dynamic):
     """A compiled function calling a fused op with seed=None (drawn inside: a graph break) or with a seed
-    from seqpar.random.next_op_seed() (drawn outside) compiles once: the draws' seeds are dynamic inputs
-    of the graph. They were plain ints, constants of it: the second call recompiled, and under
+    drawn outside and handed over with seqpar.random.graph_ints compiles once: the seeds are dynamic
+    inputs of the graph. They were plain ints, constants of it: the second call recompiled, and under
     dynamic=False every call did (past Dynamo's recompile limit the function ran eagerly). Each call's
     mask is fresh and equals eager's for the same generator state."""
     from torch._dynamo.testing import CompileCounter
@@ -350,7 +350,7 @@ def test_compiled_op_takes_each_call_s_seed_without_recompiling(dynamic):
     def drawn_outside(x, seed):
         return dropout(x * 2, make_dropout_spec(0.5, True, seed)) + 1
 
-    for fn, seeds in ((drawn_inside, lambda: ()), (drawn_outside, lambda: (seqpar.random.next_op_seed(),))):
+    for fn, seeds in ((drawn_inside, lambda: ()), (drawn_outside, lambda: (seqpar.random.graph_ints(seqpar.random.next_op_seed()),))):
         torch._dynamo.reset()
         counter = CompileCounter()
         compiled = torch.compile(fn, backend=counter, dynamic=dynamic)
@@ -388,3 +388,23 @@ def test_standalone_dropout_takes_the_backend_it_is_given(monkeypatch):
             dropout(x, spec)
         assert seen == {"dropout": {name}}
         monkeypatch.delenv("SEQPAR_BACKEND")
+
+
+def test_public_draws_are_plain_ints_and_export_as_seed_inputs():
+    """The public draws return plain ints: as DynamicInts (the graph inputs the layers hand their compiled
+    graphs) they printed as "DynamicInt(...)", hashed 50x slower, and a program exported with one as its
+    seed= input raised NameError on every call. An exported program with a seed input applies that
+    seed's mask."""
+    from torch.export import export
+
+    seeds = [seqpar.random.next_op_seed(), seqpar.random.next_layer_seed(3), *seqpar.random.next_layer_streams(3)]
+    assert all(type(s) is int and str(s).isdigit() for s in seeds), seeds
+    assert all(type(s) is not int for s in seqpar.random.graph_ints(tuple(seeds)))
+
+    class Dropped(torch.nn.Module):
+        def forward(self, x, seed):
+            return dropout(x, make_dropout_spec(0.5, True, seed))
+
+    x, seed = torch.randn(4, 32), seqpar.random.next_op_seed()
+    program = export(Dropped(), (x, seed), strict=False)
+    _assert_bitwise(program.module()(x, seed), Dropped()(x, seed))

@@ -296,3 +296,25 @@ def test_the_row_kernels_refuse_2_30_rows_by_name_and_auto_passes_them_over():
                                                                                           rows=2**30)
             assert impl.check(dtype=torch.bfloat16, rows=2**30 - 1) is None
             assert "rows < 2**30" in registry.describe_limits(impl)
+
+
+def test_the_row_limit_puts_no_bound_on_an_exported_dynamic_size():
+    """Under torch.export with a dynamic row count the row limit was a guard (rows < 2**30), which capped
+    the program's sizes: a Dim without a max was a constraint violation, Dim.AUTO silently bounded. The
+    check refuses symbolic rows only where they are certainly too many; the program runs every size."""
+    from torch.export import Dim, export
+    from seqpar.ops import add_rms_norm, swiglu
+
+    if registry.environment_reason("triton", torch.device("cpu")) is not None:
+        pytest.skip("the triton interpreter is not enabled")
+
+    class RowOps(torch.nn.Module):
+        def forward(self, x, w):
+            return swiglu(add_rms_norm(x, None, w, backend="triton")[0], backend="triton")
+
+    rows = Dim("rows")
+    w = torch.rand(8) + 0.5
+    program = export(RowOps(), (torch.randn(6, 8), w), dynamic_shapes=({0: rows}, None), strict=False)
+    for n in (6, 11):
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(program.module()(x, w), RowOps()(x, w), rtol=0, atol=0)
