@@ -225,7 +225,7 @@ DRAW_NOT_TRACEABLE = (
 
 _outside_compile = outside_compile(DRAW_NOT_TRACEABLE)
 
-try:  # torch >= 2.10
+try:  # torch 2.13 has it (a prototype: torch.compile's way to mark an int dynamic)
     from torch.fx.experimental.sym_node import DynamicInt as _DynamicInt
 except ImportError:  # older torch: a plain int (the graph recompiles once with it dynamic)
     _DynamicInt = int
