@@ -57,7 +57,7 @@ __all__ = [
     "manual_seed", "initial_seed", "get_rng_state", "set_rng_state", "fork_rng", "stream_seed",
     "next_layer_seed", "next_layer_streams", "next_op_seed", "generator_fingerprint", "Site", "philox4x32",
     "mask_bytes", "dropout_keep_mask", "dropout_threshold", "dropout_scale", "effective_dropout_p", "MASK_GROUP",
-    "graph_ints", "draw_for_graph",
+    "graph_ints", "draw_for_graph", "LAYER_SITES",
 ]
 
 _MASK32 = 0xFFFFFFFF
@@ -79,6 +79,10 @@ class Site:
     ATTENTION_OUT = 2    # hidden dropout after the attention projection
     MLP_OUT = 3          # hidden dropout after the MLP
     EMBEDDING = 4        # embedding dropout (GPTModel)
+
+
+#: The dropout sites of a TransformerLayer, in the order :func:`next_layer_streams` hashes them by default.
+LAYER_SITES = (Site.ATTENTION, Site.ATTENTION_OUT, Site.MLP_OUT)
 
 
 class _SeedState:
@@ -278,17 +282,18 @@ def as_int(value):
 
 
 @_outside_compile
-def next_layer_streams(layer_number: int) -> Tuple[int, int, int, int]:
+def next_layer_streams(layer_number: int, sites: Tuple[int, ...] = LAYER_SITES) -> Tuple[int, ...]:
     """One training forward's seeds of layer ``layer_number``, drawn and hashed in one call.
 
-    Element 0 is :func:`next_layer_seed` (one draw); element ``site`` (:class:`Site` ``ATTENTION``,
-    ``ATTENTION_OUT``, ``MLP_OUT``) is that site's stream seed ``stream_seed(element 0, layer_number,
-    site)``. A layer takes its seeds from here so that under torch.compile no hashing is traced: the four
-    ints enter the compiled graph as inputs (:func:`graph_ints`) and go to the ops untouched.
+    Element 0 is :func:`next_layer_seed` (one draw); element ``i + 1`` is the stream seed of dropout site
+    ``sites[i]``, ``stream_seed(element 0, layer_number, sites[i])`` (with the default
+    :data:`LAYER_SITES`, element ``site`` is that :class:`Site`'s). A layer takes its seeds from here so
+    that under torch.compile no hashing is traced: the ints enter the compiled graph as inputs
+    (:func:`graph_ints`) and go to the ops untouched. GPTModel's embedding dropout is site
+    ``Site.EMBEDDING`` of its own layer number.
     """
     seed = next_layer_seed(layer_number)
-    return (seed,) + tuple(stream_seed(seed, layer_number, site)
-                           for site in (Site.ATTENTION, Site.ATTENTION_OUT, Site.MLP_OUT))
+    return (seed,) + tuple(stream_seed(seed, layer_number, site) for site in sites)
 
 
 @_outside_compile

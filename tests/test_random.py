@@ -384,3 +384,24 @@ def test_the_tiny_dropout_warning_points_at_the_user_s_line():
         for _ in range(3):
             model(torch.zeros(1, 8, dtype=torch.int64))
     assert len(caught) == 1, [(w.filename, w.lineno) for w in caught]
+
+
+def test_gpt_embedding_dropout_is_the_embedding_site_of_its_layer_number():
+    """Every dropout mask's stream is ``stream_seed(layer seed, layer number, site)``: GPTModel's embedding
+    dropout took its layer seed itself as the stream (Site.EMBEDDING was defined, and unused); it is the
+    site Site.EMBEDDING of the embedding's layer number now."""
+    from seqpar.nn.model import EMBEDDING_RNG_LAYER
+    from seqpar.ops import DropoutSpec, dropout
+
+    seqpar.manual_seed(0)
+    cfg = seqpar.TransformerConfig(hidden_size=16, num_attention_heads=2, backend="torch")
+    model = seqpar.GPTModel(cfg, 1, 50, 8, embedding_dropout=0.5)
+    tokens = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    state = torch.get_rng_state()
+    got = model._embed(tokens)
+    torch.set_rng_state(state)
+    layer_seed = next_layer_seed(EMBEDDING_RNG_LAYER)
+    stream = stream_seed(layer_seed, EMBEDDING_RNG_LAYER, seqpar.random.Site.EMBEDDING)
+    with torch.no_grad():
+        expected = dropout(model.embedding(tokens), DropoutSpec(0.5, stream, 0))
+    assert torch.equal(got, expected)

@@ -22,7 +22,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..ops.dropout import make_dropout_spec
-from ..parallel.state import group_rank, group_size
+from ..parallel.state import group_size, shard_first_row
 from .layernorm import LayerNorm
 
 __all__ = ["FusedBiasDropoutAddLayerNorm"]
@@ -68,7 +68,7 @@ class FusedBiasDropoutAddLayerNorm(LayerNorm):
             row_offset = 0
             if self.sequence_parallel and group_size(self.tp_group) > 1:
                 self._check_hidden(x)   # before x.shape is read (a 0-d x)
-                row_offset = group_rank(self.tp_group) * (x.numel() // x.shape[-1])
+                row_offset = shard_first_row(x, self.tp_group, True)
         spec = make_dropout_spec(self.p, self.training, seed, row_offset)
         return self.after_bias_dropout_add(x, bias, residual, spec)
 

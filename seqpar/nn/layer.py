@@ -44,7 +44,7 @@ from ..ops.registry import dtensor_problem, is_dtensor
 from ..ops.rotary import rotary_embedding
 from ..ops.swiglu import swiglu
 from ..parallel.state import (SAME_MODE_HINT, SEED_HINT, ProcessGroup, SharesProcessGroup, check_ranks_agree,
-                              group_rank, group_size)
+                              group_rank, group_size, shard_first_row)
 from ..recompute import checkpoint
 from .autocast import autocast_dtype, run_in_dtype
 from .layernorm import LayerNorm, RMSNorm
@@ -408,10 +408,8 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
     def _hidden_spec(self, mode: ForwardMode, site: int, x: torch.Tensor) -> DropoutSpec:
         if not mode.hidden_p:
             return NO_DROPOUT
-        s_local, b = x.shape[0], x.shape[1]
-        # Global token rows: this rank's shard starts at sequence position rank * s_local under SP.
-        first_row = group_rank(self.tp_group) * s_local * b if self.config.sequence_parallel else 0
-        return DropoutSpec(mode.hidden_p, mode.stream(site), first_row)
+        return DropoutSpec(mode.hidden_p, mode.stream(site),
+                           shard_first_row(x, self.tp_group, self.config.sequence_parallel))
 
     def _forward_impl(self, x: torch.Tensor, mode: ForwardMode) -> torch.Tensor:
         """The layer given this forward's ``mode``; reads no module state but parameters and the frozen

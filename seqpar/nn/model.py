@@ -42,7 +42,7 @@ from ..parallel.mappings import (copy_to_tensor_region, reduce_from_tensor_regio
                                  scatter_to_sequence_region)
 from .._custom_op import once_differentiable, outside_compile, tracing
 from ..parallel.state import (SAME_MODE_HINT, SEED_HINT, ProcessGroup, SharesProcessGroup, agreement_checked,
-                              check_ranks_agree, group_rank, group_size)
+                              check_ranks_agree, group_rank, group_size, shard_first_row)
 from ..memory import recompute_policies, saved_as
 from .autocast import autocast_dtype, call_self_casting, run_in_dtype
 from .layer import (AGREEMENT_HINT, RANK_CHECK_NOT_TRACEABLE, TransformerLayer, agreement_values, make_norm,
@@ -53,7 +53,7 @@ from .state_dict import (IncompatibleKeys, ShardedParameters, ShardLayout, check
                          full_parameters, gather_unsharded, prepare_parameters, reset_modules, scatter_full,
                          scatter_unsharded, unsharded_entries, unsharded_shapes)
 
-EMBEDDING_RNG_LAYER = 2**31 - 1  # the embedding dropout's "layer number" in the RNG
+EMBEDDING_RNG_LAYER = 2**31 - 1  # the embedding dropout's "layer number" in the RNG (its site: Site.EMBEDDING)
 VOCAB_PAD_MULTIPLE = 128         # the padded vocabulary is a multiple of this times t
 IGNORE_INDEX = -100              # a label equal to it gives no loss and no gradient (torch's default)
 
@@ -565,15 +565,15 @@ class GPTModel(SharesProcessGroup, nn.Module):
                                  f"expected {allowed(allow_ignore)}")
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        b = tokens.shape[0]
         hidden = self.embedding(tokens)                                                      # [s, b, h]
         if self.config.sequence_parallel:
             hidden = scatter_to_sequence_region(hidden, self.tp_group)
         p = self.embedding_dropout if self.training else 0.0
         if p:
-            first_row = group_rank(self.tp_group) * hidden.shape[0] * b if self.config.sequence_parallel else 0
-            seed = sp_random.draw_for_graph(sp_random.next_layer_seed, EMBEDDING_RNG_LAYER)
-            hidden = dropout(hidden, DropoutSpec(p, seed, first_row), backend=self.config.backend)
+            first_row = shard_first_row(hidden, self.tp_group, self.config.sequence_parallel)
+            _, stream = sp_random.draw_for_graph(sp_random.next_layer_streams, EMBEDDING_RNG_LAYER,
+                                                 (sp_random.Site.EMBEDDING,))
+            hidden = dropout(hidden, DropoutSpec(p, stream, first_row), backend=self.config.backend)
         return hidden
 
     def _layers(self, hidden: torch.Tensor) -> torch.Tensor:

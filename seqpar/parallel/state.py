@@ -90,6 +90,17 @@ def group_rank(group: ProcessGroup) -> int:
     return rank
 
 
+def shard_first_row(x_shard: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> int:
+    """The global row of ``x_shard``'s first row, its rows being [s_local, ...] flattened sequence-major
+    over the last dim (a dropout mask's rows, :mod:`seqpar.random`): ``rank * rows`` under sequence
+    parallelism, where each rank holds the contiguous shard at sequence position ``rank * s_local``; else
+    0 (every rank holds the whole sequence)."""
+    if not sequence_parallel:
+        return 0
+    h = x_shard.shape[-1]
+    return group_rank(group) * (x_shard.numel() // h if h else 0)
+
+
 def sequence_shard(full: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """This rank's contiguous sequence shard of ``full`` [s, ...] -> [s/t, ...] (a view). ValueError when t
     does not divide s (or this rank is not in ``group``)."""
