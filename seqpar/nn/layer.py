@@ -40,7 +40,7 @@ from ..config import PARAMS_DTYPES, TransformerConfig
 from ..memory import name_storage, saved_as
 from ..ops.attention_core import attention_core, select_backend
 from ..ops.dropout import NO_DROPOUT, DropoutSpec, bias_dropout_add, dropout_active
-from ..ops.registry import dtensor_problem, is_dtensor
+from ..ops.registry import dtensor_problem, is_dtensor, requested_backend_problem
 from ..ops.rotary import rotary_embedding
 from ..ops.swiglu import swiglu
 from ..parallel.state import (SAME_MODE_HINT, SEED_HINT, ProcessGroup, SharesProcessGroup, check_ranks_agree,
@@ -355,6 +355,9 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         device = weight.device
         if x.device != device:
             return f"x is on {x.device} but the layer's parameters are on {device}"
+        backend_problem = requested_backend_problem(self.config.backend, device)
+        if backend_problem is not None:
+            return backend_problem
         if self.config.add_bias_linear and FSDP_UNIT:
             attention, mlp = self.self_attention, self.mlp
             for name, block in (("self_attention", attention), ("mlp", mlp),

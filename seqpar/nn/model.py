@@ -612,6 +612,9 @@ class GPTModel(SharesProcessGroup, nn.Module):
                 raise ValueError(f"{name} are on {ids.device} but the model's parameters are on {device}" + (
                     " (build on meta, then to_empty(device=...) and reset_parameters() or load_full_state_dict)"
                     if device.type == "meta" else ""))
+        backend_problem = registry.requested_backend_problem(self.config.backend, device)
+        if backend_problem is not None:
+            raise ValueError(backend_problem)
         return self._check_ids(tokens, labels, with_checksum)
 
     @outside_compile(RANK_CHECK_NOT_TRACEABLE)

@@ -129,6 +129,22 @@ def environment_reason(name: str, device: torch.device, auto: bool = False) -> O
     return None
 
 
+def requested_backend_problem(backend: Optional[str], device: torch.device) -> Optional[str]:
+    """Why the requested ``backend`` (the argument, else SEQPAR_BACKEND) can't run on ``device`` whatever
+    the inputs (None for "auto" or when it can): what a module checks before it draws its dropout seeds,
+    so that a backend which can't run leaves torch's generator as it was (the next, fixed call draws the
+    masks a first call would)."""
+    name = requested_backend(backend)
+    reason = None if name == "auto" else environment_reason(name, device)
+    if reason is None:
+        return None
+    return f"backend {name!r}{_backend_source(backend)} can't run on {device}: {reason}"
+
+
+def _backend_source(backend: Optional[str]) -> str:
+    return "" if backend not in (None, "auto") else " (from SEQPAR_BACKEND)"
+
+
 def auto_order(op: str) -> Tuple[str, ...]:
     """The order "auto" tries the backends of ``op`` in."""
     return _AUTO_ORDER.get(op, BACKENDS)
@@ -140,8 +156,7 @@ def select(op: str, backend: Optional[str], device: torch.device, **inputs) -> B
     if name != "auto":
         reason = unavailable_reason(op, name, device, **inputs)
         if reason:
-            source = "" if backend not in (None, "auto") else " (from SEQPAR_BACKEND)"
-            raise ValueError(f"backend {name!r}{source} can't run {op}: {reason}")
+            raise ValueError(f"backend {name!r}{_backend_source(backend)} can't run {op}: {reason}")
         return _selected(op, name)
     reasons = []
     for candidate in auto_order(op):

@@ -75,6 +75,17 @@ def test_gpu_the_model_forward_is_captured_in_a_cuda_graph():
         torch.testing.assert_close(static_logits, model(fresh))
 
 
+def test_a_backend_that_can_t_run_is_refused_before_the_embedding_dropout_draws():
+    """The model's embedding dropout drew its seed, then the dropout op refused backend cuda on CPU
+    tensors: the retry on a usable backend got other masks than a first call."""
+    model = _model(hidden_dropout=0.1, backend="cuda")
+    model.embedding_dropout = 0.1
+    state = torch.get_rng_state()
+    with pytest.raises(ValueError, match="backend 'cuda' can't run on cpu"):
+        model(_tokens())
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_a_training_forward_with_dropout_refuses_a_cuda_graph_capture(monkeypatch):
     """Each training forward draws its dropout seeds on the host: a captured graph would replay one draw's
     masks on every replay, silently. The draw raises while a capture is under way (faked here: no GPU) and

@@ -157,10 +157,22 @@ def test_layer_rejects_bad_input(x, match):
     assert torch.equal(torch.get_rng_state(), state)
 
 
-def test_explicit_unavailable_backend_raises():
-    layer = seqpar.TransformerLayer(_cfg(backend="cuda"))
-    with pytest.raises(ValueError, match="cuda"):
-        layer(torch.randn(8, 2, H))
+@pytest.mark.parametrize("from_env", [False, True], ids=["argument", "SEQPAR_BACKEND"])
+def test_explicit_unavailable_backend_raises_before_drawing(from_env, monkeypatch):
+    """A backend that can't run on the input's device (cuda on CPU tensors) is refused before the dropout
+    seeds are drawn: the layer drew them, then the first op refused, so the retry on a usable backend
+    got other masks than a first call (a run did not reproduce)."""
+    if from_env:
+        monkeypatch.setenv("SEQPAR_BACKEND", "cuda")
+    layer = seqpar.TransformerLayer(_cfg(hidden_dropout=0.1, attention_dropout=0.1,
+                                         backend="auto" if from_env else "cuda"))
+    x = torch.randn(8, 2, H)
+    seqpar.manual_seed(3)
+    state = torch.get_rng_state()
+    source = r" \(from SEQPAR_BACKEND\)" if from_env else ""
+    with pytest.raises(ValueError, match=f"backend 'cuda'{source} can't run on cpu: the cuda backend needs CUDA"):
+        layer(x)
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_state_dict_validation():
