@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from .._custom_op import capturing_graph, tracing
+from .._custom_op import capturing_graph
 
 ProcessGroup = Optional["dist.ProcessGroup"]
 
@@ -121,7 +121,12 @@ def all_gather_seq(x_shard: torch.Tensor, group: ProcessGroup, async_op: bool = 
     x_shard = x_shard.contiguous()
     if t == 1:  # nothing to gather: the shard is the whole tensor (returned as is, not copied)
         return (x_shard, None) if async_op else x_shard
-    if tracing():  # a functional collective: one node of the compiled graph, not a graph break
+    # While a graph is captured, a functional collective: one node of the graph, not a graph break. Not under
+    # every dispatch mode (tracing()): one that runs real tensors (FlopCounterMode, selective checkpointing)
+    # left a functional collective whose output nobody read unwaited in torch's work registry, holding its
+    # buffer (a checkpoint's re-run stops after the last saved tensor: fc2's reduce-scatter), one per layer
+    # and step.
+    if capturing_graph():
         funcol = _functional()   # all_gather_tensor is all_gather_single under its pre-2.13 name (deprecated)
         out = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)(x_shard, 0, group)
         return (out, None) if async_op else out
@@ -142,7 +147,7 @@ def reduce_scatter_seq(x_full: torch.Tensor, group: ProcessGroup, async_op: bool
     x_full = x_full.contiguous()
     if t == 1:  # nothing to reduce: returned as is, not copied
         return (x_full, None) if async_op else x_full
-    if tracing():
+    if capturing_graph():   # as all_gather_seq
         funcol = _functional()
         out = getattr(funcol, "reduce_scatter_single", funcol.reduce_scatter_tensor)(x_full, "sum", 0, group)
         return (out, None) if async_op else out
@@ -155,7 +160,7 @@ def reduce_scatter_seq(x_full: torch.Tensor, group: ProcessGroup, async_op: bool
 def all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """In-place sum over the group (no-op for one rank); returns ``x``."""
     if group_size(group) > 1:
-        if tracing():
+        if capturing_graph():   # as all_gather_seq
             x.copy_(_functional().all_reduce(x, "sum", group))
         else:
             dist.all_reduce(x, group=group)

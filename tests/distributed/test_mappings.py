@@ -1,5 +1,7 @@
 """The conjugate operators f, f-bar, g, g-bar (and the SP entry scatter and exit gather) against their
 definitions, forward and backward, on gloo ranks."""
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -102,9 +104,8 @@ def test_mappings_reject_what_is_not_a_tensor_of_their_layout(fn):
 
 
 def test_captured_collectives_take_the_functional_names_torch_keeps(monkeypatch):
-    """While a graph is captured (or a dispatch mode runs, as allow_mutation_on_saved_tensors does in
-    eager) the sequence collectives are functional ones: all_gather_tensor / reduce_scatter_tensor warned
-    "deprecated" on every eager call under torch 2.13, which calls them all_gather_single /
+    """While a graph is captured the sequence collectives are functional ones: all_gather_tensor /
+    reduce_scatter_tensor warned "deprecated" under torch 2.13, which calls them all_gather_single /
     reduce_scatter_single; older torch has the old names only."""
     import types
 
@@ -115,7 +116,7 @@ def test_captured_collectives_take_the_functional_names_torch_keeps(monkeypatch)
     def fake(name):
         return lambda x, *args: calls.append((name, args)) or x
 
-    monkeypatch.setattr(state, "tracing", lambda: True)
+    monkeypatch.setattr(state, "capturing_graph", lambda: True)
     monkeypatch.setattr(state, "group_size", lambda group: 2)
     x = torch.zeros(4, 3)
     for names in (("all_gather_single", "reduce_scatter_single", "all_gather_tensor", "reduce_scatter_tensor"),
@@ -125,3 +126,56 @@ def test_captured_collectives_take_the_functional_names_torch_keeps(monkeypatch)
         state.all_gather_seq(x, "group")
         state.reduce_scatter_seq(x, "group")
         assert calls == [(names[0], (0, "group")), (names[1], ("sum", 0, "group"))]
+
+
+def _dispatch_mode_worker(rank, world_size):
+    import seqpar
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, CheckpointPolicy
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def recompute_all(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    registry_size = torch._C._distributed_c10d._get_work_registry_size
+    seqpar.manual_seed(0)
+    cfg = seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4, sequence_parallel=True, backend="torch",
+                                   hidden_dropout=0.1, attention_dropout=0.1)
+    layer = seqpar.TransformerLayer(cfg, tp_group=dist.group.WORLD)
+    x = _rank_tensor(rank, (4, 2, 32), 3).float()
+    results, sizes = {}, {}
+    for name in ("plain", "flop_counter", "selective_checkpoint"):
+        modes = {"plain": (), "flop_counter": (FlopCounterMode(display=False),),
+                 "selective_checkpoint": ()}[name]
+        context_fn = (lambda: create_selective_checkpoint_contexts(recompute_all)) \
+            if name == "selective_checkpoint" else None
+        seqpar.manual_seed(1)
+        torch.manual_seed(1)
+        sizes[name] = []
+        for _ in range(3):
+            layer.zero_grad()
+            xi = x.clone().requires_grad_()
+            with contextlib.ExitStack() as stack:
+                for mode in modes:
+                    stack.enter_context(mode)
+                kwargs = {"context_fn": context_fn} if context_fn else {}
+                y = checkpoint(layer, xi, use_reentrant=False, **kwargs)
+                y.sum().backward()
+            sizes[name].append(registry_size())
+        results[name] = (y.detach(), xi.grad, layer.mlp.dense_h_to_4h.weight.grad.clone())
+    same = {name: all(torch.equal(a, b) for a, b in zip(results[name], results["plain"])) for name in results}
+    return sizes, same
+
+
+@pytest.mark.timeout(180)
+def test_a_real_tensor_dispatch_mode_leaves_no_collective_unwaited():
+    """Under a dispatch mode that runs real tensors (FlopCounterMode, selective activation checkpointing)
+    the sequence collectives were functional ones, waited on only when their output is read; a checkpoint's
+    re-run stops after the last saved tensor (fc2's reduce-scatter, whose output it never reads), so one
+    collective per layer and step stayed in torch's work registry, holding its output (memory grew every
+    step; "unwaited collective calls" at exit). Now only graph capture takes them; results are bitwise
+    those of a plain checkpoint."""
+    if not hasattr(torch._C._distributed_c10d, "_get_work_registry_size"):
+        pytest.skip("this torch has no c10d work registry to inspect")
+    for sizes, same in run_ranks(_dispatch_mode_worker, 2, timeout_s=150):
+        assert sizes == {name: [0, 0, 0] for name in sizes}, sizes
+        assert all(same.values()), same
