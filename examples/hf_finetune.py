@@ -23,8 +23,9 @@ activation memory this rank kept for backward (seqpar.memory.ActivationMeter), n
 seqpar.memory.model_activation_bytes' figure for the whole model (the paper's Table 2 per layer for
 GPT-2's block, plus the embedding and the logits). Replace ``batches()`` with your data.
 
-``--checkpoint`` saves the model, the AdamW state, the step and torch's CPU generator (the dropout
-seeds) with torch.distributed.checkpoint, each rank writing only its shards (``checkpoint_state``);
+``--checkpoint`` saves the model, the AdamW state, the step and seqpar's RNG state
+(``seqpar.random.get_rng_state()``: the seqpar seed and torch's CPU generator, which together decide the
+dropout seeds) with torch.distributed.checkpoint, each rank writing only its shards (``checkpoint_state``);
 ``--resume`` loads it at any number of ranks and continues the same run: seqpar's dropout masks do not
 depend on the tensor-parallel size.
 """

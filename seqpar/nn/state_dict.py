@@ -629,7 +629,9 @@ def sharded_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
     (:func:`prepare_parameters`): call it on every rank.
 
     DCP's load warns that ShardedTensor is deprecated in favour of DTensor (its own code reads the
-    ShardedTensor's device). DTensor can't express these pieces; the warning changes nothing.
+    ShardedTensor's device). DTensor can't express these pieces; the warning changes nothing. Save with
+    ``dcp.save``: ``dcp.async_save``'s staging copy reads ``data_ptr()``, which a ShardedTensor refuses (a
+    RuntimeError under TP / FSDP2, before anything is written).
     """
     check_not_meta(module, "sharded_state_dict")
     entries, peers = prepare_parameters(module, "sharded_state_dict")

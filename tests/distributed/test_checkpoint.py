@@ -197,6 +197,26 @@ def test_pieces_are_views_at_their_offsets_in_the_unsharded_tensor():
         assert qkv_size == (128, 64) and head_size == (VOCAB, 64) and is_view
 
 
+def _async_save_worker(rank, world_size, path):
+    import torch.distributed.checkpoint as dcp
+
+    model = _model(dist.group.WORLD, 0, "gpt")
+    try:
+        dcp.async_save({"model": sharded_state_dict(model)}, checkpoint_id=path).result()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_async_save_of_split_tensors_fails_in_torch_s_staging_as_the_readme_says(tmp_path):
+    """README and sharded_state_dict's docstring: save with dcp.save, not dcp.async_save, under TP (its
+    staging copy reads data_ptr(), which a ShardedTensor refuses). When a torch release stages
+    ShardedTensors this fails, and the caveat can go."""
+    errors = run_ranks(_async_save_worker, 2, str(tmp_path / "async"), timeout_s=90)
+    assert all(error is not None and "ShardedTensor" in error for error in errors), errors
+
+
 def test_one_rank_values_are_plain_views_of_real_rows():
     model = _model(None, seed=1)
     state = sharded_state_dict(model)
