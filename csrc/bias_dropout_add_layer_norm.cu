@@ -235,7 +235,10 @@ __global__ void __launch_bounds__(fwd_threads_bound<KIND, VEC, VPT>()) fwd_kerne
   const float h_f = static_cast<float>(a.h);
   const float shift = centred[0] / h_f;
   const float mean = m0 + shift;
-  const float rstd = rsqrtf(fmaxf(centred[1] / h_f - shift * shift, 0.0f) + a.eps);
+  // Not fmaxf: it makes a NaN variance (inf - inf on rows of values ~1e27 and more) 0, and the row a finite
+  // ~1e33 where the torch reference and F.layer_norm give NaN.
+  const float var = centred[1] / h_f - shift * shift;
+  const float rstd = rsqrtf((var < 0.0f ? 0.0f : var) + a.eps);
   if (threadIdx.x == 0) {
     a.mean[row] = mean;
     a.rstd[row] = rstd;

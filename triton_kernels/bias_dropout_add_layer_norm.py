@@ -116,9 +116,12 @@ def _normalize_chunk(d, rstd, W, B, Y, rows64, cols, row_mask, h, MANUAL_BF16: t
 def _corrected_statistics(sum_d, sum_dd, h, eps):
     """(shift, rstd) of rows from the sums of d = r - m0 and of d * d (m0: the plain mean): the corrected
     two-pass algorithm of seqpar.ops.bias_dropout_add_layer_norm; mean = m0 + shift (exact for a constant
-    row)."""
+    row). The clamp keeps a NaN variance (inf - inf on rows of values ~1e27 and more) NaN, as the torch
+    reference and F.layer_norm do: a max (maxnum) made it 0 and the row a finite ~1e33 that hid the
+    blow-up from a NaN check."""
     shift = sum_d / h
-    return shift, 1.0 / tl.sqrt(tl.maximum(sum_dd / h - shift * shift, 0.0) + eps)
+    var = sum_dd / h - shift * shift
+    return shift, 1.0 / tl.sqrt(tl.where(var < 0.0, 0.0, var) + eps)
 
 
 @triton.jit(do_not_specialize=["threshold", "seed", "row_offset"])

@@ -112,6 +112,31 @@ int check_constant_rows(int64_t h, int64_t stride) {
   return bad;
 }
 
+// Rows of finite values near 1e30 (a diverged residual stream): d * d overflows, the variance is inf - inf
+// = NaN, and y must be NaN (as F.layer_norm and the torch reference give): fmaxf(var, 0) made it 0, rstd
+// 1/sqrt(eps), and y a finite ~1e33 that no NaN check saw.
+template <int VEC>
+int check_overflowing_rows(int64_t h) {
+  const int64_t rows = 2;
+  std::vector<float> x(rows * h), res(rows * h, 0.0f), w(h, 1.0f), b(h, 0.0f), y(rows * h, 0.0f), ro(rows * h);
+  std::vector<float> mean(rows), rstd(rows);
+  std::mt19937 gen(5);
+  std::normal_distribution<float> normal;
+  for (auto& v : x) v = normal(gen) * 1e30f;
+  int bad = 0;
+  for (const Plan& plan : fwd_candidates(h, VEC, kVectorRun<float, VEC>)) {
+    const FwdArgs a{x.data(), nullptr, res.data(), w.data(), b.data(), y.data(), ro.data(), mean.data(),
+                    rstd.data(), kFloat32, rows, h, h, h, 1e-5f, 1.0f, 0u, 1ULL, 0};
+    const char* kind = launch_forward<float, VEC>(plan, a, rows);
+    int finite = 0;
+    for (float v : y) finite += std::isfinite(v);
+    printf("fp32   %-5s VEC=%-2d VPT=%d h=%ld rows of ~1e30: %d finite y (want 0: NaN variance)\n", kind, VEC,
+           plan.vpt, long(h), finite);
+    bad += finite;
+  }
+  return bad;
+}
+
 // Every plan the launch chooses from (fwd_candidates: a block per row with 1, 2, 4 vectors a thread).
 template <typename T, int VEC>
 int check(int64_t rows, int64_t h, int64_t stride, int threshold, bool bias) {
@@ -161,6 +186,9 @@ int main() {
   bad += check_constant_rows<4>(1000, 1000);                 // block per row
   bad += check_constant_rows<16>(1001, 1003);                // scalar runs
   bad += check_constant_rows<16>(16385, 16387);              // column-chunked
+  bad += check_overflowing_rows<4>(200);                     // warp per row
+  bad += check_overflowing_rows<4>(4096);                    // block per row
+  bad += check_overflowing_rows<4>(20480);                   // column-chunked
   printf(bad ? "FAILED\n" : "ALL OK\n");
   return bad != 0;
 }

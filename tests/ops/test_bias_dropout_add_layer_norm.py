@@ -301,6 +301,41 @@ def test_triton_chunked_forward_normalises_constant_rows_exactly(monkeypatch, po
     _check_offset_rows("triton", 100)
 
 
+def _check_overflowing_rows_are_nan(backend, h, device="cpu"):
+    """Rows of finite fp32 values near 1e30 (a diverged residual stream): d * d overflows, the variance is
+    inf - inf = NaN, and the torch reference gives NaN in every y (as F.layer_norm does on such rows). The
+    kernels clamped the variance with a max, which made the NaN 0: rstd = 1 / sqrt(eps) and y a finite
+    ~1e33 that no NaN check saw (the NaN appeared only in backward, as inf in grad_x)."""
+    x = torch.randn(3, h, generator=torch.Generator().manual_seed(8)) * 1e30
+    w, b = torch.ones(h), torch.zeros(h)
+    x, w, b = (t.to(device) for t in (x, w, b))
+    for impl in ("torch", backend):
+        y, residual_out = bias_dropout_add_layer_norm(x, None, torch.zeros_like(x), w, b, backend=impl)
+        assert torch.equal(residual_out, x)
+        assert torch.isnan(y).all(), f"{impl}: {int(torch.isfinite(y).sum())} of {y.numel()} finite"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rows_whose_variance_overflows_normalise_to_nan(backend):
+    _check_overflowing_rows_are_nan(backend, 200)
+
+
+def test_triton_chunked_forward_rows_whose_variance_overflows_are_nan(monkeypatch):
+    from seqpar.triton_kernels import bias_dropout_add_layer_norm as kernels
+
+    monkeypatch.setattr(kernels, "MAX_FUSED_HIDDEN", 64)
+    monkeypatch.setattr(kernels, "CHUNK_COLUMNS", 32)
+    _check_overflowing_rows_are_nan("triton", 100)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [200, 4096, 20480], ids=["warp", "block", "chunked"])
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_rows_whose_variance_overflows_normalise_to_nan(backend, h):
+    skip_unless_backend_runs(backend)
+    _check_overflowing_rows_are_nan(backend, h, device="cuda")
+
+
 def test_dropout_rate_and_seed_dependence():
     x, res = torch.randn(64, 256), torch.randn(64, 256)
     bias, w, b = torch.randn(256), torch.ones(256), torch.zeros(256)
