@@ -10,7 +10,8 @@ tensor      shape                   notes
 q           [b, Hq, s_q, d]         layout of SDPA
 k, v        [b, Hk, s_k, d]         Hk = Hq, or with ``enable_gqa`` any Hk dividing Hq; any
                                     strides (views of a fused QKV are fine)
-o           [b, Hq, s_q, d]         dtype of q
+o           [b, Hq, s_q, d]         dtype of q (fp32 / fp16 / bf16, or fp64 on the torch
+                                    backend only, for gradcheck)
 ==========  ======================  ==========================================================
 
 Grouped-query attention (``enable_gqa=True``, as SDPA): q head ``i`` attends with kv head
@@ -36,7 +37,7 @@ backend also keeps q, k, v (k, v at their Hk heads):
 =======  =================================================  ==============  ===============
 backend  what runs                                          saved           recompute_free
 =======  =================================================  ==============  ===============
-torch    fp32 reference (the test oracle)                   probs, dropped  no
+torch    fp32 reference (fp64 for fp64; the test oracle)    probs, dropped  no
 triton   flash-style kernels (triton_kernels/attention.py)  o, lse (fp32)   yes
 cuda     torch GEMMs + fused mask/softmax/dropout kernels   probs           no
          (csrc/softmax_dropout.cu)
@@ -71,7 +72,6 @@ from ..memory import name_storage
 from ..random import dropout_keep_mask
 
 OP = "attention_core"
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def attention_keep_mask(spec: DropoutSpec, b: int, heads: int, s_q: int, s_k: int, device,
@@ -117,35 +117,37 @@ def ungroup_rows(x: torch.Tensor, heads: int) -> torch.Tensor:
 def _torch_forward(q, k, v, causal: bool, scale: float, spec: DropoutSpec):
     b, heads, s_q, d = q.shape
     kv_heads, s_k = k.shape[1], k.shape[2]
-    scores = torch.matmul(group_rows(q.float(), kv_heads), k.float().transpose(-2, -1)) * scale
+    acc = registry.acc_dtype(q.dtype)
+    scores = torch.matmul(group_rows(q.to(acc), kv_heads), k.to(acc).transpose(-2, -1)) * scale
     if causal:
         scores.masked_fill_(causal_mask(s_q, s_k, q.device).repeat(heads // kv_heads, 1), float("-inf"))
     probs = name_storage(torch.softmax(scores, dim=-1).to(q.dtype), "softmax output")
     dropped = probs
     if spec.active:
         keep = attention_keep_mask(spec, b, heads, s_q, s_k, q.device, kv_heads)
-        dropped = name_storage((probs.float() * keep * spec.scale).to(q.dtype), "dropout output")
-    o = torch.matmul(dropped.float(), v.float())
+        dropped = name_storage((probs.to(acc) * keep * spec.scale).to(q.dtype), "dropout output")
+    o = torch.matmul(dropped.to(acc), v.to(acc))
     return registry.cast(ungroup_rows(o, heads), q.dtype), (probs, dropped)
 
 
 def _torch_backward(grad_o, q, k, v, saved, causal: bool, scale: float, spec: DropoutSpec):
     b, heads, s_q, d = q.shape
     kv_heads, s_k = k.shape[1], k.shape[2]
-    probs, dropped = (t.float() for t in saved)                 # [b, Hk, G * s_q, s_k]
+    acc = registry.acc_dtype(q.dtype)
+    probs, dropped = (t.to(acc) for t in saved)                 # [b, Hk, G * s_q, s_k]
     # group_rows / ungroup_rows as one reshape each: vmap over this backward (batched gradients:
     # jacobian(vectorize=True), autograd.grad(is_grads_batched=True)) has no batching rule for their
     # unflatten, and the export concern behind it is a forward one (a backward is never exported).
-    grad_o = grad_o.float().reshape(b, kv_heads, -1, d)
+    grad_o = grad_o.to(acc).reshape(b, kv_heads, -1, d)
     grad_v = torch.matmul(dropped.transpose(-2, -1), grad_o)    # sums over the group
-    grad_dropped = torch.matmul(grad_o, v.float().transpose(-2, -1))
+    grad_dropped = torch.matmul(grad_o, v.to(acc).transpose(-2, -1))
     if spec.active:
         grad_probs = grad_dropped * attention_keep_mask(spec, b, heads, s_q, s_k, q.device, kv_heads) * spec.scale
     else:
         grad_probs = grad_dropped
     grad_scores = probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True))
-    grad_q = (torch.matmul(grad_scores, k.float()) * scale).reshape(b, heads, s_q, d)
-    grad_k = torch.matmul(grad_scores.transpose(-2, -1), q.float().reshape(b, kv_heads, -1, d)) * scale
+    grad_q = (torch.matmul(grad_scores, k.to(acc)) * scale).reshape(b, heads, s_q, d)
+    grad_k = torch.matmul(grad_scores.transpose(-2, -1), q.to(acc).reshape(b, kv_heads, -1, d)) * scale
     return grad_q, grad_k, grad_v
 
 
@@ -329,8 +331,9 @@ _CUDA_MAX_KEYS_DROPOUT = 47 * 1024 // 2 * 16
 def _cuda_check(q=None, k=None, v=None, causal=True, dropout=True, **_) -> Optional[str]:
     if q is None:
         return None
-    if q.dtype not in _ext.DTYPE_CODES:
-        return f"dtype {q.dtype} is not supported by the cuda softmax-dropout kernel"
+    dtype_problem = registry.kernel_dtype_check(q.dtype)
+    if dtype_problem:
+        return dtype_problem
     if k.shape[2] >= 2**31 or q.shape[0] * q.shape[1] * q.shape[2] >= 2**31:
         return f"s_k = {k.shape[2]} or b * heads * s_q rows exceed the cuda kernel's 2**31 limit"
     if dropout and k.shape[2] > _CUDA_MAX_KEYS_DROPOUT:
@@ -393,9 +396,9 @@ class _AttentionCore(torch.autograd.Function):
 
 def _check_inputs(q, k, v, enable_gqa: bool) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.dtype not in _DTYPES:
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.dtype not in registry.DTYPES:
             got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be a floating [b, heads, s, d] tensor of {_DTYPES}, got {got}")
+            raise ValueError(f"{name} must be a floating [b, heads, s, d] tensor of {registry.DTYPES}, got {got}")
     registry.check_dense(q=q, k=k, v=v)
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")

@@ -22,14 +22,15 @@ lose no accuracy to the mean's rounding. The cost is one more row sum beside the
 ==============  ===========  =========================================
 tensor          shape        dtype
 ==============  ===========  =========================================
-x, residual     [..., h]     fp32 / fp16 / bf16 (the same)
+x, residual     [..., h]     fp32 / fp16 / bf16 / fp64 (the same)
 bias            [h] or None  like x
 ln_weight/bias  [h]          any floating dtype
 y               [..., h]     like x
 residual_out    [..., h]     like residual
 ==============  ===========  =========================================
 
-Saved for backward: residual_out and per-row fp32 mean / rstd; the dropout mask is regenerated.
+Saved for backward: residual_out and per-row fp32 mean / rstd; the dropout mask is regenerated. float64
+inputs (for gradcheck) run on the torch backend, in float64 throughout.
 
 Backend interface (registered with :func:`seqpar.ops.registry.register`), on 2-D ``[rows, h]`` views::
 
@@ -42,7 +43,7 @@ Backend interface (registered with :func:`seqpar.ops.registry.register`), on 2-D
 ========  ===================================================================================
 backend   what runs (every backend takes any h)
 ========  ===================================================================================
-torch     fp32 reference (the test oracle, CPU fallback)
+torch     fp32 reference (fp64 for fp64 inputs; the test oracle, CPU fallback)
 triton    ``triton_kernels/bias_dropout_add_layer_norm.py``: one program per row (or a few rows)
           forward, rows longer than 8192 in column chunks; backward with per-program fp32 partial
           column sums + a second reduction kernel (no atomics), rows longer than 4096 in column
@@ -64,7 +65,6 @@ across backends. The kernel backends are ``torch.library`` custom ops
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch
@@ -72,40 +72,42 @@ import torch
 from . import registry
 from . import dropout as _dropout
 from .dropout import DropoutSpec, apply_keep_mask, make_dropout_spec
+from .rows import NOT_PROMOTED, as_rows, check_row_inputs, unflatten_rows, vectorized
 from .. import _ext
 
 OP = "bias_dropout_add_layer_norm"
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: The reference's dropout: the torch one too (an oracle independent of the mask kernels).
 _TORCH_DROPOUT = registry.get(_dropout.OP, "torch")
 
 
 # ----------------------------------------------------------------------------- torch reference
 def _torch_forward(x, bias, residual, ln_weight, ln_bias, eps: float, spec: DropoutSpec):
-    h = x.float() if bias is None else x.float() + bias.float()
-    residual_out = registry.cast(residual.float() + apply_keep_mask(h, spec, _TORCH_DROPOUT), residual.dtype)
-    # statistics of the stored (rounded) residual keep backward consistent. cast, not .float(): see registry.cast
-    r = registry.cast(residual_out, torch.float32)
+    acc = registry.acc_dtype(x.dtype)
+    h = x.to(acc) if bias is None else x.to(acc) + bias.to(acc)
+    residual_out = registry.cast(residual.to(acc) + apply_keep_mask(h, spec, _TORCH_DROPOUT), residual.dtype)
+    # statistics of the stored (rounded) residual keep backward consistent. cast, not .to: see registry.cast
+    r = registry.cast(residual_out, acc)
     m0 = r.mean(dim=1, keepdim=True)
     d = r - m0
     shift = d.mean(dim=1, keepdim=True)  # corrected two-pass statistics (module docstring)
     mean = m0 + shift
     var = (d.square().mean(dim=1, keepdim=True) - shift.square()).clamp_min(0.0)
     rstd = torch.rsqrt(var + eps)
-    y = (r - mean) * rstd * ln_weight.float() + ln_bias.float()
+    y = (r - mean) * rstd * ln_weight.to(acc) + ln_bias.to(acc)
     mean, rstd = mean.squeeze(1), rstd.squeeze(1)
     return registry.cast(y, x.dtype), residual_out, mean, rstd
 
 
 def _torch_backward(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd,
                     spec: DropoutSpec, has_bias: bool):
-    x_hat = (residual_out.float() - mean[:, None]) * rstd[:, None]
-    gy = grad_y.float()
+    acc = registry.acc_dtype(grad_y.dtype)
+    x_hat = (residual_out.to(acc) - mean[:, None]) * rstd[:, None]
+    gy = grad_y.to(acc)
     grad_ln_weight = (gy * x_hat).sum(dim=0)
     grad_ln_bias = gy.sum(dim=0)
-    g = gy * ln_weight.float()
+    g = gy * ln_weight.to(acc)
     grad_r = rstd[:, None] * (g - g.mean(dim=1, keepdim=True) - x_hat * (g * x_hat).mean(dim=1, keepdim=True))
-    grad_r = grad_r + grad_residual_out.float()
+    grad_r = grad_r + grad_residual_out.to(acc)
     grad_h = apply_keep_mask(grad_r, spec, _TORCH_DROPOUT)
     grad_bias = grad_h.sum(dim=0) if has_bias else None
     return grad_h, grad_bias, grad_r, grad_ln_weight, grad_ln_bias
@@ -139,7 +141,7 @@ def _kernel_backend(name: str, fwd_op, bwd_op) -> registry.Backend:
                                               spec.threshold, spec.seed, spec.row_offset, has_bias)
         return g_x, (g_bias if has_bias else None), g_res, g_w, g_b
 
-    return registry.Backend(OP, name, forward, backward, registry.rows_within_kernel_limit)
+    return registry.Backend(OP, name, forward, backward, registry.row_kernel_check)
 
 
 # ----------------------------------------------------------------------------- triton backend
@@ -186,13 +188,6 @@ def _cuda_params(ln_weight: torch.Tensor, ln_bias: torch.Tensor):
     return ln_weight.contiguous(), ln_bias.contiguous()
 
 
-def _vectorized(dtype: torch.dtype, h: int, tensors, strides=()) -> bool:
-    """True when the kernels may use 16-byte accesses: aligned pointers, row starts on 16-byte boundaries."""
-    vec = 16 // dtype.itemsize
-    return (h % vec == 0 and all(s % vec == 0 for s in strides)
-            and all(t.data_ptr() % 16 == 0 for t in tensors if t is not None))
-
-
 @registry.kernel_op("seqpar::bias_dropout_add_layer_norm_cuda_fwd")
 def _cuda_fwd_op(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, ln_weight: torch.Tensor,
                  ln_bias: torch.Tensor, eps: float, drop_threshold: int, seed: int, row_offset: int
@@ -208,7 +203,7 @@ def _cuda_fwd_op(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.
             x.data_ptr(), 0 if bias is None else bias.data_ptr(), residual.data_ptr(), w.data_ptr(), b.data_ptr(),
             y.data_ptr(), residual_out.data_ptr(), mean.data_ptr(), rstd.data_ptr(), rows, h, x.stride(0),
             residual.stride(0), _ext.DTYPE_CODES[x.dtype], _ext.DTYPE_CODES[w.dtype],
-            _vectorized(x.dtype, h, (x, bias, residual, w, b, y, residual_out), (x.stride(0), residual.stride(0))),
+            vectorized(x.dtype, h, (x, bias, residual, w, b, y, residual_out), (x.stride(0), residual.stride(0))),
             float(eps), int(drop_threshold), int(seed), int(row_offset), _ext.cuda_stream(x.device))
     return y, residual_out, mean, rstd
 
@@ -233,7 +228,7 @@ def _cuda_bwd_op(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual
     w = ln_weight.contiguous() if ln_weight.dtype in _ext.DTYPE_CODES else ln_weight.float()
     dtype = _ext.DTYPE_CODES[grad_y.dtype]
     with _ext.on_device(grad_y):
-        vec = _vectorized(grad_y.dtype, h, (grad_y, grad_residual_out, residual_out, w, g_x, g_res))
+        vec = vectorized(grad_y.dtype, h, (grad_y, grad_residual_out, residual_out, w, g_x, g_res))
         n_partials = ext.bias_dropout_add_layer_norm_bwd_partials(rows, h, dtype, vec)
         partials = torch.empty((3 if has_bias else 2, n_partials, h), dtype=torch.float32, device=grad_y.device)
         # sum(g), sum(g * x_hat) per row: the kernels of rows wider than 4096 compute them first (2 * rows floats,
@@ -259,20 +254,6 @@ registry.register(_kernel_backend("cuda", _cuda_fwd_op, _cuda_bwd_op))
 
 
 # ----------------------------------------------------------------------------- autograd
-def _rows(t: torch.Tensor, h: int) -> torch.Tensor:
-    """``[rows, h]`` view of t (a copy only when its layout has none), with unit column stride: the layout
-    every backend of a row op reads. Any row stride stays a view."""
-    t2d = t if t.dim() == 2 else t.reshape(-1, h)
-    return t2d if t2d.stride(-1) == 1 or t2d.shape[0] == 0 else t2d.contiguous()
-
-
-def _unflatten_rows(t2d: torch.Tensor, shape) -> torch.Tensor:
-    """An autograd.Function's ``[rows, h]`` output as ``shape``, sharing its storage and version counter.
-    Not a view to autograd (detached): a view created inside a custom Function could not be modified in
-    place by the caller, and the op's outputs can (as before, when the view was taken outside)."""
-    return t2d.view(*shape).detach()  # ints: cheaper to parse than a torch.Size
-
-
 class _BiasDropoutAddLayerNorm(torch.autograd.Function):
     """On x / residual of any rank and layout: the ``[rows, h]`` views (or copies) are taken in here (grad
     mode off: no view or copy nodes in the autograd graph) and the gradients reshaped back."""
@@ -280,14 +261,14 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, residual, ln_weight, ln_bias, eps, spec, impl):
         shape = x.shape
-        x, residual = _rows(x, shape[-1]), _rows(residual, shape[-1])
+        x, residual = as_rows(x, shape[-1]), as_rows(residual, shape[-1])
         y, residual_out, mean, rstd = impl.forward(x, bias, residual, ln_weight, ln_bias, eps, spec)
         ctx.save_for_backward(residual_out, ln_weight, mean, rstd)
         ctx.spec, ctx.impl, ctx.shape = spec, impl, shape
         ctx.dtypes = (x.dtype, None if bias is None else bias.dtype, residual.dtype,
                       ln_weight.dtype, ln_bias.dtype)
         if len(shape) != 2:
-            y, residual_out = _unflatten_rows(y, shape), _unflatten_rows(residual_out, shape)
+            y, residual_out = unflatten_rows(y, shape), unflatten_rows(residual_out, shape)
         if not any(ctx.needs_input_grad[:3]):   # residual_out does not depend on the norm's parameters
             ctx.mark_non_differentiable(residual_out)
         ctx.set_materialize_grads(False)  # an unused output is None in backward, not a zeros tensor
@@ -307,7 +288,7 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
             # from 0 * x_hat), and no gradient for the norm's parameters, as autograd gives an unused norm.
             grad_res = grad_residual_out
             grad_x = apply_keep_mask(grad_res, ctx.spec, _dropout.select_backend(grad_res, ctx.impl.name))
-            grad_bias = grad_x.reshape(-1, grad_x.shape[-1]).float().sum(dim=0) if has_bias else None
+            grad_bias = grad_x.reshape(-1, grad_x.shape[-1]).to(registry.acc_dtype(grad_x.dtype)).sum(dim=0) if has_bias else None
             grads = (grad_x, grad_bias, grad_res, None, None)
         else:
             if grad_residual_out is None:
@@ -326,73 +307,8 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
         return grads + (None, None, None)
 
 
-def check_row_inputs(x, residual, weights: dict, eps, dtypes, *, residual_optional: bool = False,
-                     on_device=()) -> int:
-    """The checks every fused row op (a norm over the last dim h) runs on its arguments; returns h.
-
-    ``x`` a floating [..., h] tensor of ``dtypes`` with h > 0; ``residual`` (may be None when
-    ``residual_optional``) of x's shape and dtype; each of ``weights`` ({name: tensor}) a floating [h]
-    tensor; all of them and ``on_device`` on one device; ``eps`` as :func:`registry.check_eps` takes. A ValueError
-    names the argument.
-    """
-    # Fast path (called on every op call): the common valid case in one pass. Whatever it doesn't accept
-    # goes to _explain_row_inputs, the full checks, which raise the ValueError naming the argument (or
-    # accept it after all: e.g. eps a float subclass).
-    dense = torch.strided
-    if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.dtype in dtypes and x.layout == dense and \
-            type(eps) is float and registry.EPS_MIN <= eps < math.inf:
-        shape, device = x.shape, x.device
-        h = shape[-1]
-        ok = h != 0 and ((residual is None and residual_optional) or (
-            isinstance(residual, torch.Tensor) and residual.shape == shape and residual.dtype == x.dtype
-            and residual.device == device and residual.layout == dense))
-        for t in weights.values():
-            ok = ok and isinstance(t, torch.Tensor) and t.dim() == 1 and t.shape[0] == h and \
-                t.is_floating_point() and t.device == device and t.layout == dense
-        for t in on_device:
-            ok = ok and isinstance(t, torch.Tensor) and t.device == device
-        # (a DTensor is strided too: the full checks name it)
-        ok = ok and not any(registry.is_dtensor(t) for t in (x, residual, *weights.values()))
-        if ok:
-            return h
-    return _explain_row_inputs(x, residual, weights, eps, dtypes, residual_optional, on_device)
-
-
-#: Why x, residual and bias must share a dtype, and what to do (a linear's output under torch.autocast has
-#: the autocast dtype, a residual stream kept in fp32 does not).
-NOT_PROMOTED = ("(the fused ops promote nothing: cast one to the other's dtype; under "
-                "torch.autocast a linear's output has the autocast dtype)")
-
-
-def _explain_row_inputs(x, residual, weights: dict, eps, dtypes, residual_optional: bool, on_device) -> int:
-    """:func:`check_row_inputs`, one check at a time, each with its own ValueError."""
-    named = {"x": x, **({} if residual is None and residual_optional else {"residual": residual}), **weights}
-    for name, t in named.items():
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-    registry.check_dense(**named)
-    if x.dim() < 1 or x.dtype not in dtypes:
-        raise ValueError(f"x must be a floating [..., h] tensor of {dtypes}, got {x.dtype} {tuple(x.shape)}")
-    h = x.shape[-1]
-    if h == 0:
-        raise ValueError(f"x must have a non-empty last (hidden) dimension, got shape {tuple(x.shape)}")
-    if residual is not None:
-        if residual.shape != x.shape:
-            raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-        if residual.dtype != x.dtype:
-            raise ValueError(f"residual dtype {residual.dtype} != x dtype {x.dtype} {NOT_PROMOTED}")
-    for name, t in weights.items():
-        if t.shape != (h,) or not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating [{h}] tensor, got {tuple(t.shape)} {t.dtype}")
-    devices = {t.device for t in (*named.values(), *on_device)}
-    if len(devices) > 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    registry.check_eps(eps)
-    return h
-
-
 def _check_inputs(x, bias, residual, ln_weight, ln_bias, eps) -> int:
-    h = check_row_inputs(x, residual, {"ln_weight": ln_weight, "ln_bias": ln_bias}, eps, _DTYPES,
+    h = check_row_inputs(x, residual, {"ln_weight": ln_weight, "ln_bias": ln_bias}, eps, registry.DTYPES,
                          on_device=() if bias is None else (bias,))
     registry.check_dense(bias=bias)
     if bias is not None and (bias.shape != (h,) or bias.dtype != x.dtype):
@@ -423,6 +339,6 @@ def bias_dropout_add_layer_norm(x: torch.Tensor, bias: Optional[torch.Tensor], r
             sequence shard draws the same mask as the unsharded tensor would.
     """
     h = _check_inputs(x, bias, residual, ln_weight, ln_bias, eps)
-    impl = registry.select(OP, backend, x.device, h=h, rows=x.numel() // h)
+    impl = registry.select(OP, backend, x.device, dtype=x.dtype, h=h, rows=x.numel() // h)
     spec = make_dropout_spec(p, training, seed, row_offset)   # draws a seed only for an accepted call
     return _BiasDropoutAddLayerNorm.apply(x, bias, residual, ln_weight, ln_bias, float(eps), spec, impl)

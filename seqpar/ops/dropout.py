@@ -125,19 +125,12 @@ def _torch_apply(x: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
     return torch.where(keep, x * spec.scale, 0.0)
 
 
-def _kernel_check(dtype=None, **inputs):
-    """fp32 / fp16 / bf16; rows < 2**30."""
-    if dtype is not None and dtype not in _ext.DTYPE_CODES:
-        return f"dtype {dtype} is not supported by the dropout kernels (fp32 / fp16 / bf16)"
-    return registry.rows_within_kernel_limit(**inputs)
-
-
 def _kernel_backend(name: str, kernel_op) -> registry.Backend:
     """A registry backend over a mask kernel's custom op (forward and backward alike: the mask applied)."""
     def apply(x: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
         return kernel_op(x.contiguous(), spec.seed, spec.row_offset, spec.threshold)
 
-    return registry.Backend(OP, name, apply, apply, _kernel_check)
+    return registry.Backend(OP, name, apply, apply, registry.row_kernel_check)
 
 
 @registry.kernel_op("seqpar::dropout_cuda")

@@ -244,6 +244,35 @@ def rows_within_kernel_limit(rows=None, **_) -> Optional[str]:
     return None
 
 
+#: The dtypes every fused op takes; float64 (for gradcheck) runs on the torch backend only, which computes
+#: in it throughout (:func:`acc_dtype`).
+DTYPES: Tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+#: What the Triton and CUDA kernels take.
+KERNEL_DTYPES: Tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the torch references compute in: fp32, or fp64 for fp64 inputs (gradcheck)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def kernel_dtype_check(dtype=None, **_) -> Optional[str]:
+    """fp32 / fp16 / bf16 (float64 runs on the torch backend only).
+
+    The dtype check of every kernel backend (:data:`KERNEL_DTYPES`); None when ``dtype`` is not given."""
+    if dtype is None or dtype in KERNEL_DTYPES:
+        return None
+    return f"{str(dtype).replace('torch.', '')} inputs run on the torch backend only (the kernels take fp32 / fp16 / bf16)"
+
+
+def row_kernel_check(dtype=None, **inputs) -> Optional[str]:
+    """fp32 / fp16 / bf16 (float64 runs on the torch backend only); rows < 2**30.
+
+    The check of the row ops' kernel backends (LayerNorm, RMSNorm, SwiGLU, dropout):
+    :func:`kernel_dtype_check` and :func:`rows_within_kernel_limit`."""
+    return kernel_dtype_check(dtype) or rows_within_kernel_limit(**inputs)
+
+
 def describe_limits(backend: Backend) -> str:
     """The inputs ``backend`` turns away, in words: its ``limits``, else the first line of its check's
     docstring, else a note that it has an undescribed check ("" when it takes every input)."""

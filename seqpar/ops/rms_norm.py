@@ -68,36 +68,15 @@ from typing import Optional, Tuple
 import torch
 
 from . import registry
-from .bias_dropout_add_layer_norm import _rows, _unflatten_rows, _vectorized, check_row_inputs
+from .rows import as_rows, check_row_inputs, unflatten_rows, vectorized
 from .. import _ext
 
 OP = "add_rms_norm"
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # float64: the torch backend only
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the torch references compute in: fp32, or fp64 for fp64 inputs (gradcheck)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def float64_torch_only(dtype=None, **_):
-    """fp32 / fp16 / bf16 (float64 runs on the torch backend only).
-
-    The registry check of the RoPE kernel backends (its first line is what ``seqpar info`` shows)."""
-    return "float64 inputs run on the torch backend only" if dtype == torch.float64 else None
-
-
-def row_kernel_check(dtype=None, **inputs):
-    """fp32 / fp16 / bf16 (float64 runs on the torch backend only); rows < 2**30.
-
-    The registry check of the RMSNorm and SwiGLU kernel backends: :func:`float64_torch_only`, and ``rows``
-    within :func:`seqpar.ops.registry.rows_within_kernel_limit`."""
-    return float64_torch_only(dtype) or registry.rows_within_kernel_limit(**inputs)
 
 
 # ----------------------------------------------------------------------------- torch reference
 def _torch_forward(x, residual, weight, eps: float):
-    acc = acc_dtype(x.dtype)
+    acc = registry.acc_dtype(x.dtype)
     residual_out = x if residual is None else registry.cast(x.to(acc) + residual.to(acc), x.dtype)
     r = registry.cast(residual_out, acc)  # not .to: see registry.cast
     rstd = torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps)  # LlamaRMSNorm's ops, in its order
@@ -106,7 +85,7 @@ def _torch_forward(x, residual, weight, eps: float):
 
 
 def _torch_backward(grad_y, grad_residual_out, residual_out, weight, rstd, residual_grad: bool):
-    acc = acc_dtype(grad_y.dtype)
+    acc = registry.acc_dtype(grad_y.dtype)
     n = residual_out.to(acc) * rstd[:, None]
     gy = grad_y.to(acc)
     grad_weight = (gy * n).sum(dim=0)
@@ -145,7 +124,7 @@ def _kernel_backend(name: str, fwd_op, bwd_op) -> registry.Backend:
         grad_x, grad_res, grad_w = bwd_op(grad_y, grad_residual_out, residual_out, weight, rstd, residual_grad)
         return grad_x, (grad_res if residual_grad else None), grad_w
 
-    return registry.Backend(OP, name, forward, backward, row_kernel_check)
+    return registry.Backend(OP, name, forward, backward, registry.row_kernel_check)
 
 
 # ----------------------------------------------------------------------------- triton backend
@@ -204,7 +183,7 @@ def _cuda_fwd_op(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
             x.data_ptr(), 0 if residual is None else residual.data_ptr(), w.data_ptr(), y.data_ptr(),
             0 if res_out is None else res_out.data_ptr(), rstd.data_ptr(), rows, h, x.stride(0),
             0 if residual is None else residual.stride(0), _ext.DTYPE_CODES[x.dtype], _ext.DTYPE_CODES[w.dtype],
-            _vectorized(x.dtype, h, (x, residual, w, y, res_out), strides), float(eps), _ext.cuda_stream(x.device))
+            vectorized(x.dtype, h, (x, residual, w, y, res_out), strides), float(eps), _ext.cuda_stream(x.device))
     return y, residual_out, rstd
 
 
@@ -227,8 +206,8 @@ def _cuda_bwd_op(grad_y: torch.Tensor, grad_residual_out: Optional[torch.Tensor]
     rows, h = grad_y.shape
     w = _cuda_weight(weight)
     dtype = _ext.DTYPE_CODES[grad_y.dtype]
-    vec = _vectorized(grad_y.dtype, h, (grad_y, grad_residual_out, residual_out, w, grad_x, grad_res),
-                      (residual_out.stride(0),))
+    vec = vectorized(grad_y.dtype, h, (grad_y, grad_residual_out, residual_out, w, grad_x, grad_res),
+                     (residual_out.stride(0),))
     with _ext.on_device(grad_y):
         n_partials = ext.add_rms_norm_bwd_partials(rows, h, dtype, vec)  # one wave of the kernel's blocks
         partials = torch.empty((n_partials, h), dtype=torch.float32, device=grad_y.device)
@@ -260,7 +239,7 @@ class _AddRMSNorm(torch.autograd.Function):
     def forward(ctx, x, residual, weight, eps, impl):
         shape = x.shape
         h = shape[-1]
-        y, residual_out, rstd = impl.forward(_rows(x, h), None if residual is None else _rows(residual, h),
+        y, residual_out, rstd = impl.forward(as_rows(x, h), None if residual is None else as_rows(residual, h),
                                              weight, eps)
         ctx.save_for_backward(residual_out, weight, rstd)
         ctx.impl, ctx.has_residual, ctx.shape = impl, residual is not None, shape
@@ -268,8 +247,8 @@ class _AddRMSNorm(torch.autograd.Function):
         if len(shape) != 2:
             # no residual: residual_out is x itself. Not the [rows, h] view of x viewed back: export can't
             # prove that view's stride guard for a dynamic batch dim (b * min(h, h b) == h b)
-            y = _unflatten_rows(y, shape)
-            residual_out = x.detach() if residual is None else _unflatten_rows(residual_out, shape)
+            y = unflatten_rows(y, shape)
+            residual_out = x.detach() if residual is None else unflatten_rows(residual_out, shape)
         if not any(ctx.needs_input_grad[:2]):   # residual_out does not depend on the weight
             ctx.mark_non_differentiable(residual_out)
         return y, residual_out
@@ -312,6 +291,6 @@ def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
         eps: added to the mean square (finite, at least 1.18e-38).
         backend: "auto" | "torch" | "triton" | "cuda" (see :mod:`seqpar.ops.registry`).
     """
-    h = check_row_inputs(x, residual, {"weight": weight}, eps, _DTYPES, residual_optional=True)
+    h = check_row_inputs(x, residual, {"weight": weight}, eps, registry.DTYPES, residual_optional=True)
     impl = registry.select(OP, backend, x.device, dtype=x.dtype, rows=x.numel() // h)
     return _AddRMSNorm.apply(x, residual, weight, float(eps), impl)

@@ -57,8 +57,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import registry
-from .bias_dropout_add_layer_norm import _vectorized
-from .rms_norm import _DTYPES, acc_dtype, float64_torch_only
+from .rows import vectorized
 from .. import _ext
 from .._custom_op import tracing
 
@@ -101,7 +100,7 @@ def _cos_sin(s: int, d: int, position_offset: int, theta: float, device: torch.d
 
 
 def _torch_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half, acc = x.shape[-1] // 2, acc_dtype(x.dtype)
+    half, acc = x.shape[-1] // 2, registry.acc_dtype(x.dtype)
     x1, x2 = x[..., :half].to(acc), x[..., half:].to(acc)
     c, s = cos[:, None, None, :].to(acc), sin[:, None, None, :].to(acc)
     return registry.cast(torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1), x.dtype)
@@ -176,11 +175,11 @@ def _triton_rotate(x, out, position_offset: int, theta: float, inverse: bool) ->
 def _triton_check(d=None, dtype=None, **_):
     if d is not None and d > MAX_TRITON_HEAD_DIM:
         return f"head dim d={d} exceeds the Triton kernel's {MAX_TRITON_HEAD_DIM}"
-    return float64_torch_only(dtype)
+    return registry.kernel_dtype_check(dtype)
 
 
 # what `seqpar info` shows as the Triton backend's limits (the first line of its check's docstring)
-_triton_check.__doc__ = f"head dim d <= {MAX_TRITON_HEAD_DIM}; {float64_torch_only.__doc__.splitlines()[0]}"
+_triton_check.__doc__ = f"head dim d <= {MAX_TRITON_HEAD_DIM}; {registry.kernel_dtype_check.__doc__.splitlines()[0]}"
 
 
 registry.register(_kernel_backend("triton", _triton_rotate, _triton_check))
@@ -194,10 +193,10 @@ def _cuda_rotate(x, out, position_offset: int, theta: float, inverse: bool) -> N
     with _ext.on_device(x):
         ext.rotary_embedding(x.data_ptr(), out.data_ptr(), _inv_freq_on(x.device, d, theta).data_ptr(), s, b, heads,
                              d, *strides, int(position_offset), bool(inverse), _ext.DTYPE_CODES[x.dtype],
-                             _vectorized(x.dtype, d // 2, (x, out), strides), _ext.cuda_stream(x.device))
+                             vectorized(x.dtype, d // 2, (x, out), strides), _ext.cuda_stream(x.device))
 
 
-registry.register(_kernel_backend("cuda", _cuda_rotate, float64_torch_only))
+registry.register(_kernel_backend("cuda", _cuda_rotate, registry.kernel_dtype_check))
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -222,8 +221,8 @@ def _check_inputs(q, k, position_offset, theta, inplace) -> int:
     for name, t in (("q", q), ("k", k)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-        if t.dim() != 4 or t.dtype not in _DTYPES:
-            raise ValueError(f"{name} must be a [s, b, heads, d] tensor of {_DTYPES}, got {t.dtype} "
+        if t.dim() != 4 or t.dtype not in registry.DTYPES:
+            raise ValueError(f"{name} must be a [s, b, heads, d] tensor of {registry.DTYPES}, got {t.dtype} "
                              f"{tuple(t.shape)}")
     registry.check_dense(q=q, k=k)
     if k.dtype != q.dtype:

@@ -43,8 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from . import registry
-from .bias_dropout_add_layer_norm import _rows, _unflatten_rows, _vectorized
-from .rms_norm import _DTYPES, acc_dtype, row_kernel_check
+from .rows import as_rows, unflatten_rows, vectorized
 from .. import _ext
 
 OP = "swiglu"
@@ -52,12 +51,12 @@ OP = "swiglu"
 
 # ----------------------------------------------------------------------------- torch reference
 def _torch_forward(gate_up):
-    gate, up = gate_up.to(acc_dtype(gate_up.dtype)).chunk(2, dim=-1)
+    gate, up = gate_up.to(registry.acc_dtype(gate_up.dtype)).chunk(2, dim=-1)
     return registry.cast(F.silu(gate) * up, gate_up.dtype)
 
 
 def _torch_backward(grad_y, gate_up):
-    acc = acc_dtype(grad_y.dtype)
+    acc = registry.acc_dtype(grad_y.dtype)
     gate, up = gate_up.to(acc).chunk(2, dim=-1)
     dy = grad_y.to(acc)
     sig = torch.sigmoid(gate)
@@ -104,7 +103,7 @@ def _(grad_y, gate_up):
     return _bwd_fake(grad_y)
 
 
-registry.register(registry.Backend(OP, "triton", _triton_fwd_op, _triton_bwd_op, row_kernel_check))
+registry.register(registry.Backend(OP, "triton", _triton_fwd_op, _triton_bwd_op, registry.row_kernel_check))
 
 
 # ----------------------------------------------------------------------------- cuda backend
@@ -121,7 +120,7 @@ def _cuda_fwd_op(gate_up: torch.Tensor) -> torch.Tensor:
     ld = _row_stride(gate_up)
     with _ext.on_device(gate_up):
         ext.swiglu_fwd(gate_up.data_ptr(), y.data_ptr(), rows, n, ld, _ext.DTYPE_CODES[gate_up.dtype],
-                       _vectorized(gate_up.dtype, n, (gate_up, y), (ld,)), _ext.cuda_stream(gate_up.device))
+                       vectorized(gate_up.dtype, n, (gate_up, y), (ld,)), _ext.cuda_stream(gate_up.device))
     return y
 
 
@@ -139,7 +138,7 @@ def _cuda_bwd_op(grad_y: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     ld = _row_stride(gate_up)
     with _ext.on_device(grad_y):
         ext.swiglu_bwd(grad_y.data_ptr(), gate_up.data_ptr(), grad.data_ptr(), rows, n, ld,
-                       _ext.DTYPE_CODES[grad_y.dtype], _vectorized(grad_y.dtype, n, (grad_y, gate_up, grad), (ld,)),
+                       _ext.DTYPE_CODES[grad_y.dtype], vectorized(grad_y.dtype, n, (grad_y, gate_up, grad), (ld,)),
                        _ext.cuda_stream(grad_y.device))
     return grad
 
@@ -149,7 +148,7 @@ def _(grad_y, gate_up):
     return _bwd_fake(grad_y)
 
 
-registry.register(registry.Backend(OP, "cuda", _cuda_fwd_op, _cuda_bwd_op, row_kernel_check))
+registry.register(registry.Backend(OP, "cuda", _cuda_fwd_op, _cuda_bwd_op, registry.row_kernel_check))
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -160,18 +159,18 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up, impl):
         shape = gate_up.shape
-        rows = _rows(gate_up, shape[-1])
+        rows = as_rows(gate_up, shape[-1])
         ctx.save_for_backward(rows)
         ctx.impl, ctx.shape = impl, shape
         y = impl.forward(rows)
-        return y if len(shape) == 2 else _unflatten_rows(y, (*shape[:-1], shape[-1] // 2))
+        return y if len(shape) == 2 else unflatten_rows(y, (*shape[:-1], shape[-1] // 2))
 
     @staticmethod
     @registry.once_differentiable
     def backward(ctx, grad_y):
         # A saved-tensor hook may unpack another layout of the same values (save_on_cpu and the like do
         # not, a hook of yours may): the kernels read unit column strides.
-        rows = _rows(ctx.saved_tensors[0], ctx.shape[-1])
+        rows = as_rows(ctx.saved_tensors[0], ctx.shape[-1])
         if len(ctx.shape) != 2:
             grad_y = grad_y.reshape(-1, ctx.shape[-1] // 2)
         grad = ctx.impl.backward(grad_y.contiguous(), rows)
@@ -193,8 +192,8 @@ def swiglu(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     if not isinstance(gate_up, torch.Tensor):
         raise ValueError(f"gate_up must be a tensor, got {type(gate_up).__name__}")
     registry.check_dense(gate_up=gate_up)
-    if gate_up.dim() < 1 or gate_up.dtype not in _DTYPES:
-        raise ValueError(f"gate_up must be a floating [..., 2n] tensor of {_DTYPES}, got {gate_up.dtype} "
+    if gate_up.dim() < 1 or gate_up.dtype not in registry.DTYPES:
+        raise ValueError(f"gate_up must be a floating [..., 2n] tensor of {registry.DTYPES}, got {gate_up.dtype} "
                          f"{tuple(gate_up.shape)}")
     width = gate_up.shape[-1]
     if width == 0 or width % 2:

@@ -19,7 +19,7 @@ def test_auto_report_names_the_pick_the_skipped_and_the_limits(monkeypatch):
     assert att.picked == "torch" and set(att.skipped) == {"triton", "cuda"}
     assert "CUDA tensors" in att.skipped["cuda"]
     assert "head dim" in att.limits["triton"]
-    row_limit = "rows < 2**30 (the row kernels index rows in int32)."   # any h; rows (int32 indices)
+    row_limit = "fp32 / fp16 / bf16 (float64 runs on the torch backend only); rows < 2**30."   # any h
     assert cpu["bias_dropout_add_layer_norm"].limits == {"triton": row_limit, "cuda": row_limit}
     # the Llama ops' kernels say in words what they turn away (their checks' docstrings)
     assert cpu["swiglu"].limits["cuda"].startswith("fp32 / fp16 / bf16")
@@ -318,3 +318,42 @@ def test_the_row_limit_puts_no_bound_on_an_exported_dynamic_size():
     for n in (6, 11):
         x = torch.randn(n, 8)
         torch.testing.assert_close(program.module()(x, w), RowOps()(x, w), rtol=0, atol=0)
+
+
+def _float64_calls():
+    """(op, its public call on fp64 tensors given a backend, the tensors) per fused op, with dropout."""
+    from seqpar.ops import DropoutSpec, add_rms_norm, dropout, rotary_embedding, swiglu
+
+    def t(*shape, seed):
+        return torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+
+    h = 8
+    spec = DropoutSpec(0.25, 5, 3)
+    yield ("bias_dropout_add_layer_norm", lambda b, *a: bias_dropout_add_layer_norm(*a, p=0.25, seed=7, backend=b),
+           (t(2, 3, h, seed=0), t(h, seed=1), t(2, 3, h, seed=2), t(h, seed=3), t(h, seed=4)))
+    yield ("attention_core", lambda b, *a: attention_core(*a, is_causal=True, dropout_p=0.25, seed=3, enable_gqa=True,
+                                                          backend=b),
+           (t(1, 4, 5, 16, seed=0), t(1, 2, 5, 16, seed=1), t(1, 2, 5, 16, seed=2)))
+    yield "dropout", lambda b, x: dropout(x, spec, backend=b), (t(3, h, seed=0),)
+    yield "add_rms_norm", lambda b, *a: add_rms_norm(*a, eps=1e-3, backend=b), (t(3, h, seed=0), t(3, h, seed=1),
+                                                                                 t(h, seed=2))
+    yield "swiglu", lambda b, x: swiglu(x, backend=b), (t(3, 2 * h, seed=0),)
+    yield ("rotary_embedding", lambda b, *a: rotary_embedding(*a, position_offset=2, backend=b),
+           (t(4, 1, 2, h, seed=0), t(4, 1, 1, h, seed=1)))
+
+
+@pytest.mark.parametrize("op, call, inputs", list(_float64_calls()), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_fused_op_takes_float64_on_torch_and_its_kernels_turn_it_away(op, call, inputs):
+    """One dtype table for every op (registry.DTYPES): float64 (gradcheck's dtype) ran on the torch backend
+    of the RMSNorm, SwiGLU, RoPE and dropout ops, but the LayerNorm and the attention core refused it
+    (ValueError), so neither could be gradchecked or checked against an fp64 torch computation. Auto runs
+    fp64 on torch; an explicit kernel backend names the dtype."""
+    with registry.record_selections() as ran:
+        assert torch.autograd.gradcheck(lambda *a: call("auto", *a), inputs)
+    assert ran[op] == {"torch"}
+    for name in ("triton", "cuda"):
+        assert "float64" in registry.get(op, name).check(
+            **({"q": inputs[0], "k": inputs[1], "v": inputs[2]} if op == "attention_core" else {"dtype": torch.float64}))
+    if registry.environment_reason("triton", torch.device("cpu")) is None:   # the interpreter
+        with pytest.raises(ValueError, match=f"backend 'triton' can't run {op}: .*float64"):
+            call("triton", *inputs)
