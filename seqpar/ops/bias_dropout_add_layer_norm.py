@@ -308,7 +308,7 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
 
 
 def _check_inputs(x, bias, residual, ln_weight, ln_bias, eps) -> int:
-    h = check_row_inputs(x, residual, {"ln_weight": ln_weight, "ln_bias": ln_bias}, eps, registry.DTYPES,
+    h = check_row_inputs(x, residual, {"ln_weight": ln_weight, "ln_bias": ln_bias}, eps,
                          on_device=() if bias is None else (bias,))
     registry.check_dense(bias=bias)
     if bias is not None and (bias.shape != (h,) or bias.dtype != x.dtype):

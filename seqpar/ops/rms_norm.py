@@ -291,6 +291,6 @@ def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
         eps: added to the mean square (finite, at least 1.18e-38).
         backend: "auto" | "torch" | "triton" | "cuda" (see :mod:`seqpar.ops.registry`).
     """
-    h = check_row_inputs(x, residual, {"weight": weight}, eps, registry.DTYPES, residual_optional=True)
+    h = check_row_inputs(x, residual, {"weight": weight}, eps, residual_optional=True)
     impl = registry.select(OP, backend, x.device, dtype=x.dtype, rows=x.numel() // h)
     return _AddRMSNorm.apply(x, residual, weight, float(eps), impl)

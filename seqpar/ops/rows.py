@@ -31,20 +31,19 @@ def vectorized(dtype: torch.dtype, h: int, tensors, strides=()) -> bool:
             and all(t.data_ptr() % 16 == 0 for t in tensors if t is not None))
 
 
-def check_row_inputs(x, residual, weights: dict, eps, dtypes, *, residual_optional: bool = False,
-                     on_device=()) -> int:
+def check_row_inputs(x, residual, weights: dict, eps, *, residual_optional: bool = False, on_device=()) -> int:
     """The checks every fused row op (a norm over the last dim h) runs on its arguments; returns h.
 
-    ``x`` a floating [..., h] tensor of ``dtypes`` with h > 0; ``residual`` (may be None when
+    ``x`` a floating [..., h] tensor of :data:`registry.DTYPES` with h > 0; ``residual`` (may be None when
     ``residual_optional``) of x's shape and dtype; each of ``weights`` ({name: tensor}) a floating [h]
     tensor; all of them and ``on_device`` on one device; ``eps`` as :func:`registry.check_eps` takes. A ValueError
     names the argument.
     """
     # Fast path (called on every op call): the common valid case in one pass. Whatever it doesn't accept
-    # goes to explain_row_inputs, the full checks, which raise the ValueError naming the argument (or
+    # goes to _explain_row_inputs, the full checks, which raise the ValueError naming the argument (or
     # accept it after all: e.g. eps a float subclass).
     dense = torch.strided
-    if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.dtype in dtypes and x.layout == dense and \
+    if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.dtype in registry.DTYPES and x.layout == dense and \
             type(eps) is float and registry.EPS_MIN <= eps < math.inf:
         shape, device = x.shape, x.device
         h = shape[-1]
@@ -60,7 +59,7 @@ def check_row_inputs(x, residual, weights: dict, eps, dtypes, *, residual_option
         ok = ok and not any(registry.is_dtensor(t) for t in (x, residual, *weights.values()))
         if ok:
             return h
-    return explain_row_inputs(x, residual, weights, eps, dtypes, residual_optional, on_device)
+    return _explain_row_inputs(x, residual, weights, eps, residual_optional, on_device)
 
 
 #: Why x, residual and bias must share a dtype, and what to do (a linear's output under torch.autocast has
@@ -69,15 +68,15 @@ NOT_PROMOTED = ("(the fused ops promote nothing: cast one to the other's dtype; 
                 "torch.autocast a linear's output has the autocast dtype)")
 
 
-def explain_row_inputs(x, residual, weights: dict, eps, dtypes, residual_optional: bool, on_device) -> int:
+def _explain_row_inputs(x, residual, weights: dict, eps, residual_optional: bool, on_device) -> int:
     """:func:`check_row_inputs`, one check at a time, each with its own ValueError."""
     named = {"x": x, **({} if residual is None and residual_optional else {"residual": residual}), **weights}
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
     registry.check_dense(**named)
-    if x.dim() < 1 or x.dtype not in dtypes:
-        raise ValueError(f"x must be a floating [..., h] tensor of {dtypes}, got {x.dtype} {tuple(x.shape)}")
+    if x.dim() < 1 or x.dtype not in registry.DTYPES:
+        raise ValueError(f"x must be a floating [..., h] tensor of {registry.DTYPES}, got {x.dtype} {tuple(x.shape)}")
     h = x.shape[-1]
     if h == 0:
         raise ValueError(f"x must have a non-empty last (hidden) dimension, got shape {tuple(x.shape)}")
