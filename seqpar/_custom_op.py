@@ -6,16 +6,19 @@ either can register an op without an import cycle.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
 
 def tracing() -> bool:
-    """True while a graph is being captured: torch.compile / torch.export (Dynamo folds
-    ``torch.compiler.is_compiling()`` to True in the frames it traces), a Python dispatch mode
-    (FakeTensorMode, make_fx's proxy mode, FlopCounterMode, ...) or ``torch.jit.trace``."""
+    """True while anything above the dispatcher watches the ops: torch.compile / torch.export (Dynamo folds
+    ``torch.compiler.is_compiling()`` to True in the frames it traces), any Python dispatch mode
+    (FakeTensorMode, make_fx's proxy mode, FlopCounterMode, ...) or ``torch.jit.trace``. What
+    :func:`kernel_op` asks (a mode sees a kernel launch only as the custom op); code that takes another
+    path for a graph asks :func:`capturing_graph`, which real-tensor modes don't count."""
     # Dynamo folds is_compiling() to True, so it never evaluates the two C calls after it.
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_tracing()
 
@@ -34,6 +37,18 @@ def capturing_graph() -> bool:
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
     return detect_fake_mode() is not None or get_proxy_mode() is not None
+
+
+@contextlib.contextmanager
+def outside_dispatch_modes() -> Iterator[None]:
+    """Host bookkeeping on real tensors, unseen by any Python dispatch mode: the ranks' agreement exchange
+    and the RNG state it compares. Under FakeTensorMode (a memory estimate of a step) the RNG state's bytes
+    were refused ("convert all Tensors to FakeTensors") and the exchanged ints were fake, unreadable; a
+    proxy mode would trace them into the graph, a FLOP or comm counter count them as the model's."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
 
 
 def once_differentiable(backward: Callable) -> Callable:

@@ -51,7 +51,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-from ._custom_op import kernel_op, outside_compile
+from ._custom_op import kernel_op, outside_compile, outside_dispatch_modes
 
 __all__ = [
     "manual_seed", "initial_seed", "get_rng_state", "set_rng_state", "fork_rng", "stream_seed",
@@ -162,7 +162,11 @@ def generator_fingerprint(with_torch_state: bool = True) -> Dict[str, object]:
     torch's default CPU generator state (a placeholder when ``with_torch_state`` is False: the same
     keys either way). Tensor-parallel ranks must agree on them (checked when layers and models are
     built)."""
-    state = torch.get_rng_state().numpy().tobytes() if with_torch_state else "not compared (no dropout)"
+    if with_torch_state:
+        with outside_dispatch_modes():   # a real tensor under FakeTensorMode too
+            state = torch.get_rng_state().numpy().tobytes()
+    else:
+        state = "not compared (no dropout)"
     return {"seqpar seed (seqpar.manual_seed)": _state.seed, "torch default CPU generator state": state}
 
 

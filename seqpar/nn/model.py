@@ -40,7 +40,7 @@ from ..ops.dropout import DropoutSpec, dropout
 from ..parallel.overlap import ChunkPlan
 from ..parallel.mappings import (copy_to_tensor_region, reduce_from_tensor_region,
                                  scatter_to_sequence_region)
-from .._custom_op import once_differentiable, outside_compile, tracing
+from .._custom_op import capturing_graph, once_differentiable, outside_compile
 from ..parallel.state import (SAME_MODE_HINT, SEED_HINT, ProcessGroup, SharesProcessGroup, agreement_checked,
                               check_ranks_agree, group_rank, group_size, shard_first_row)
 from ..memory import recompute_policies, saved_as
@@ -540,7 +540,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
         def allowed(allow_ignore: bool) -> str:
             return f"[0, {self.vocab_size})" + (f" or {IGNORE_INDEX} (ignored)" if allow_ignore else "")
 
-        if tracing() or (first.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if capturing_graph() or (first.is_cuda and torch.cuda.is_current_stream_capturing()):
             # No host read while a graph is captured (torch.compile: a graph break, fullgraph=True fails;
             # a CUDA graph: not allowed): an assertion inside the graph, which raises without naming the id.
             for (name, _, allow_ignore), outside in zip(checks, bad):

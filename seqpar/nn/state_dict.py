@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._custom_op import outside_dispatch_modes
 from ..ops.registry import is_dtensor
 from ..parallel.state import ProcessGroup, check_ranks_agree, group_rank, group_size, run_agreed
 
@@ -499,7 +500,9 @@ def prepare_parameters(module: nn.Module, what: str) -> PreparedParameters:
     for group, split_keys in mine.items():
         distinct = list(dict.fromkeys(ranks for _, ranks in split_keys))
         gathered: List[object] = [None] * group_size(group)
-        dist.all_gather_object(gathered, (distinct, [distinct.index(ranks) for _, ranks in split_keys]), group=group)
+        with outside_dispatch_modes():   # pickled into real tensors, under FakeTensorMode too
+            dist.all_gather_object(gathered, (distinct, [distinct.index(ranks) for _, ranks in split_keys]),
+                                   group=group)
         per_rank = [[groups[index] for index in indices] for groups, indices in gathered]   # [tp rank][param]
         problem = _grid_problem([key for key, _ in split_keys], per_rank)
         if problem:

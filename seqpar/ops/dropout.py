@@ -17,7 +17,7 @@ import torch
 
 from . import registry
 from .. import _ext
-from .._custom_op import tracing
+from .._custom_op import capturing_graph
 from ..random import check_stream_seed, dropout_keep_mask, dropout_scale, dropout_threshold, resolve_seed
 
 
@@ -57,7 +57,7 @@ class DropoutSpec:
         """``float32(256 / (256 - P))``, the factor of kept values. While torch.compile traces: the double
         ``256 / (256 - P)``, which fp32 / fp16 / bf16 tensors round to the same fp32 scalar (a float64
         tensor would see the unrounded double)."""
-        if tracing():
+        if capturing_graph():
             # Not a read of the table: under dynamic=True Dynamo turns a float read inside an autograd
             # Function's forward into an input of the forward's subgraph and reuses it in the backward's,
             # which can't lift it. Arithmetic on the int threshold is a constant.

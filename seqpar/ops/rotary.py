@@ -59,7 +59,7 @@ import torch
 from . import registry
 from .rows import vectorized
 from .. import _ext
-from .._custom_op import tracing
+from .._custom_op import capturing_graph
 
 OP = "rotary_embedding"
 MAX_TRITON_HEAD_DIM = 8192  # the Triton kernel holds half a head per program row
@@ -94,7 +94,7 @@ def _cos_sin(s: int, d: int, position_offset: int, theta: float, device: torch.d
     positions = torch.arange(position_offset, position_offset + s, device=device)
     # While tracing (torch.compile, a fake or proxy mode) the frequencies are built in the graph: Dynamo
     # would trace past the cache, and a fake tensor cached there would be every later real call's.
-    inv_freq = rope_inv_freq(d, theta).to(device) if tracing() else _inv_freq_on(device, d, theta)
+    inv_freq = rope_inv_freq(d, theta).to(device) if capturing_graph() else _inv_freq_on(device, d, theta)
     angle = positions[:, None].float() * inv_freq[None, :]
     return angle.cos(), angle.sin()
 
@@ -242,11 +242,11 @@ def _check_inputs(q, k, position_offset, theta, inplace) -> int:
         for name, t in (("q", q), ("k", k)):
             if t.numel() and t.stride(-1) != 1:
                 raise ValueError(f"inplace=True needs {name} with unit stride along d, got strides {t.stride()}")
-            if not registry.tracing() and torch._debug_has_internal_overlap(t) == 1:   # 1: certainly overlaps
+            if not registry.capturing_graph() and torch._debug_has_internal_overlap(t) == 1:   # 1: certainly overlaps
                 raise ValueError(f"inplace=True needs {name} without repeated elements (an expanded view), got "
                                  f"{tuple(t.shape)} strides {t.stride()}")
         # A graph capture has no addresses (fake tensors): there, only the same tensor object is caught.
-        overlap = q is k if registry.tracing() else _shares_elements(q, k)
+        overlap = q is k if registry.capturing_graph() else _shares_elements(q, k)
         if overlap:
             raise ValueError("inplace=True needs q and k not to share elements (they overlap in memory), "
                              f"got q {tuple(q.shape)} strides {q.stride()} at element {q.storage_offset()} and "

@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from .._custom_op import capturing_graph
+from .._custom_op import capturing_graph, outside_dispatch_modes
 
 ProcessGroup = Optional["dist.ProcessGroup"]
 
@@ -266,10 +266,11 @@ def check_ranks_agree(group: ProcessGroup, values: Mapping[str, object], *, what
     device = torch.device(device) if device is not None else None
     if device is None or device.type == "meta":   # meta: parameters not materialised yet (a local error follows)
         device = _control_device(group)
-    mine = torch.tensor(local, dtype=torch.int64, device=device)
-    gathered = torch.empty(group_size(group) * mine.numel(), dtype=torch.int64, device=device)
-    _all_gather_control(gathered, mine, group=group)
-    rows = gathered.view(-1, mine.numel()).tolist()
+    with outside_dispatch_modes():   # real ints, under FakeTensorMode (a memory estimate) too
+        mine = torch.tensor(local, dtype=torch.int64, device=device)
+        gathered = torch.empty(group_size(group) * mine.numel(), dtype=torch.int64, device=device)
+        _all_gather_control(gathered, mine, group=group)
+        rows = gathered.view(-1, mine.numel()).tolist()
     rank = group_rank(group)
     if error is not None:
         raise ValueError(error)

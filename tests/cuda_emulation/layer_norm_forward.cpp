@@ -80,6 +80,27 @@ int check_plan(const Plan& plan, int64_t rows, int64_t h, int64_t stride, int th
   return tally.bad;
 }
 
+// The fp32 forward of every plan (fwd_candidates) on rows x + residual (x, residual [rows, stride], no bias
+// or dropout), y first filled with a finite value that no check accepts (a row left unwritten counts):
+// the sum over plans of count(y, mean), each plan's printed after ``what``.
+template <int VEC, typename Count>
+int count_over_fp32_plans(int64_t rows, int64_t h, int64_t stride, float eps, const std::vector<float>& x,
+                          const std::vector<float>& res, const std::vector<float>& w, const std::vector<float>& b,
+                          const char* what, Count count) {
+  std::vector<float> y(rows * h), ro(rows * h), mean(rows), rstd(rows);
+  int bad = 0;
+  for (const Plan& plan : fwd_candidates(h, VEC, kVectorRun<float, VEC>)) {
+    std::fill(y.begin(), y.end(), 4321.0f);
+    const FwdArgs a{x.data(), nullptr, res.data(), w.data(), b.data(), y.data(), ro.data(), mean.data(),
+                    rstd.data(), kFloat32, rows, h, stride, stride, eps, 1.0f, 0u, 1ULL, 0};
+    const char* kind = launch_forward<float, VEC>(plan, a, rows);
+    const int plan_bad = count(y, mean);
+    printf("fp32   %-5s VEC=%-2d VPT=%d h=%ld %s: %d\n", kind, VEC, plan.vpt, long(h), what, plan_bad);
+    bad += plan_bad;
+  }
+  return bad;
+}
+
 // Rows of one repeated fp32 value at eps = 1e-12 (x = 0, no dropout): the corrected two-pass statistics give
 // the value itself as the mean and y = b exactly; the plain mean is a few ulps (delta) off, which made
 // x_hat = delta / sqrt(delta^2 + eps) = +-1.
@@ -87,29 +108,22 @@ template <int VEC>
 int check_constant_rows(int64_t h, int64_t stride) {
   const float values[] = {1000.1f, -3.7f, 0.1f, 1e-3f, 777.77f, 12345.678f};
   const int64_t rows = sizeof(values) / sizeof(values[0]);
-  std::vector<float> x(rows * stride, 0.0f), res(rows * stride), w(h), b(h), y(rows * h, NAN), ro(rows * h, NAN);
-  std::vector<float> mean(rows, NAN), rstd(rows, NAN);
+  std::vector<float> x(rows * stride, 0.0f), res(rows * stride), w(h), b(h);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < stride; ++c) res[r * stride + c] = values[r];
   for (int64_t c = 0; c < h; ++c) {
     w[c] = 1.0f + 0.01f * static_cast<float>(c % 7);
     b[c] = 0.1f * static_cast<float>(c % 5) - 0.2f;
   }
-  int bad = 0;
-  for (const Plan& plan : fwd_candidates(h, VEC, kVectorRun<float, VEC>)) {
-    const FwdArgs a{x.data(), nullptr, res.data(), w.data(), b.data(), y.data(), ro.data(), mean.data(),
-                    rstd.data(), kFloat32, rows, h, stride, stride, 1e-12f, 1.0f, 0u, 1ULL, 0};
-    const char* kind = launch_forward<float, VEC>(plan, a, rows);
-    int plan_bad = 0;
+  return count_over_fp32_plans<VEC>(rows, h, stride, 1e-12f, x, res, w, b, "constant rows, eps 1e-12: values not exact",
+                                    [&](const std::vector<float>& y, const std::vector<float>& mean) {
+    int not_exact = 0;
     for (int64_t r = 0; r < rows; ++r) {
-      plan_bad += mean[r] != values[r];
-      for (int64_t c = 0; c < h; ++c) plan_bad += y[r * h + c] != b[c];
+      not_exact += mean[r] != values[r];
+      for (int64_t c = 0; c < h; ++c) not_exact += y[r * h + c] != b[c];
     }
-    printf("fp32   %-5s VEC=%-2d VPT=%d h=%ld constant rows, eps 1e-12: %d values not exact\n", kind, VEC, plan.vpt,
-           long(h), plan_bad);
-    bad += plan_bad;
-  }
-  return bad;
+    return not_exact;
+  });
 }
 
 // Rows of finite values near 1e30 (a diverged residual stream): d * d overflows, the variance is inf - inf
@@ -118,23 +132,16 @@ int check_constant_rows(int64_t h, int64_t stride) {
 template <int VEC>
 int check_overflowing_rows(int64_t h) {
   const int64_t rows = 2;
-  std::vector<float> x(rows * h), res(rows * h, 0.0f), w(h, 1.0f), b(h, 0.0f), y(rows * h, 0.0f), ro(rows * h);
-  std::vector<float> mean(rows), rstd(rows);
+  std::vector<float> x(rows * h), res(rows * h, 0.0f), w(h, 1.0f), b(h, 0.0f);
   std::mt19937 gen(5);
   std::normal_distribution<float> normal;
   for (auto& v : x) v = normal(gen) * 1e30f;
-  int bad = 0;
-  for (const Plan& plan : fwd_candidates(h, VEC, kVectorRun<float, VEC>)) {
-    const FwdArgs a{x.data(), nullptr, res.data(), w.data(), b.data(), y.data(), ro.data(), mean.data(),
-                    rstd.data(), kFloat32, rows, h, h, h, 1e-5f, 1.0f, 0u, 1ULL, 0};
-    const char* kind = launch_forward<float, VEC>(plan, a, rows);
+  return count_over_fp32_plans<VEC>(rows, h, h, 1e-5f, x, res, w, b, "rows of ~1e30: finite y (want 0: NaN variance)",
+                                    [](const std::vector<float>& y, const std::vector<float>&) {
     int finite = 0;
     for (float v : y) finite += std::isfinite(v);
-    printf("fp32   %-5s VEC=%-2d VPT=%d h=%ld rows of ~1e30: %d finite y (want 0: NaN variance)\n", kind, VEC,
-           plan.vpt, long(h), finite);
-    bad += finite;
-  }
-  return bad;
+    return finite;
+  });
 }
 
 // Every plan the launch chooses from (fwd_candidates: a block per row with 1, 2, 4 vectors a thread).
