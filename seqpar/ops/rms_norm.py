@@ -239,9 +239,13 @@ class _AddRMSNorm(torch.autograd.Function):
     def forward(ctx, x, residual, weight, eps, impl):
         shape = x.shape
         h = shape[-1]
-        y, residual_out, rstd = impl.forward(as_rows(x, h), None if residual is None else as_rows(residual, h),
-                                             weight, eps)
-        ctx.save_for_backward(residual_out, weight, rstd)
+        x_rows = as_rows(x, h)
+        y, residual_out, rstd = impl.forward(x_rows, None if residual is None else as_rows(residual, h), weight, eps)
+        # No residual: residual_out is x's rows. Where they are a view of x, x itself is saved (its rows are taken
+        # again in backward): the view, made here with grad mode off, turned an in-place change of x after the
+        # forward into autograd's "view created in no_grad mode" error instead of its version error naming x.
+        ctx.rows_of_x = residual is None and residual_out is x_rows and x_rows is not x
+        ctx.save_for_backward(x if ctx.rows_of_x else residual_out, weight, rstd)
         ctx.impl, ctx.has_residual, ctx.shape = impl, residual is not None, shape
         ctx.set_materialize_grads(False)  # an unused residual_out costs no zeros tensor to read
         if len(shape) != 2:
@@ -257,6 +261,8 @@ class _AddRMSNorm(torch.autograd.Function):
     @registry.once_differentiable
     def backward(ctx, grad_y, grad_residual_out):
         residual_out, weight, rstd = ctx.saved_tensors
+        if ctx.rows_of_x:
+            residual_out = as_rows(residual_out, ctx.shape[-1])
         x_grad, res_grad = ctx.needs_input_grad[0], ctx.has_residual and ctx.needs_input_grad[1]
         if grad_y is None:
             # Only residual_out is used: no norm backward (on a row with an inf or NaN it gave NaN gradients

@@ -44,15 +44,26 @@ class _CopyToTensorRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, *xs):
         ctx.group = group
+        ctx.shapes = [x.shape for x in xs]
+        # An output nobody differentiated gets None, not zeros: the parameters of a norm whose y is unused
+        # (only residual_out read) got a zero gradient under SP and None at t = 1, so AdamW's weight decay
+        # and momentum moved them at t > 1 only.
+        ctx.set_materialize_grads(False)
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        # the concatenation is a fresh contiguous buffer, so the in-place all-reduce touches no grad
-        flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), ctx.group)
-        parts = flat.split([g.numel() for g in grads])
-        return (None,) + tuple(part.view_as(g) for part, g in zip(parts, grads))
+        if all(g is None for g in grads):   # as on every rank: the ranks run one program on their shards
+            return (None,) * (len(grads) + 1)
+        some = next(g for g in grads if g is not None)
+        # the concatenation is a fresh contiguous buffer, so the in-place all-reduce touches no grad; an
+        # undifferentiated output's zeros keep every rank's buffer the same size
+        flat = all_reduce(torch.cat([some.new_zeros(shape.numel()) if g is None else g.reshape(-1)
+                                     for g, shape in zip(grads, ctx.shapes)]), ctx.group)
+        parts = flat.split([shape.numel() for shape in ctx.shapes])
+        return (None,) + tuple(None if g is None else part.view(shape)
+                               for part, g, shape in zip(parts, grads, ctx.shapes))
 
 
 def _all_reduce_copy(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

@@ -179,3 +179,37 @@ def test_a_real_tensor_dispatch_mode_leaves_no_collective_unwaited():
     for sizes, same in run_ranks(_dispatch_mode_worker, 2, timeout_s=150):
         assert sizes == {name: [0, 0, 0] for name in sizes}, sizes
         assert all(same.values()), same
+
+
+def _unused_output_worker(rank, world_size):
+    from seqpar.nn import FusedBiasDropoutAddLayerNorm, RMSNorm
+    from seqpar.ops import DropoutSpec
+
+    group = dist.group.WORLD
+    out = {}
+    a, b = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    used, _ = copy_to_tensor_region_coalesced([a, b], group)
+    (used * torch.arange(3.0)).sum().backward()
+    out["coalesced"] = (a.grad.tolist(), b.grad)
+    x = _rank_tensor(rank, (4, 2, 8), 5).float()
+    residual = _rank_tensor(rank, (4, 2, 8), 6).float().requires_grad_()
+    for name, norm, call in (
+            ("layer_norm", FusedBiasDropoutAddLayerNorm(8, tp_group=group, sequence_parallel=True),
+             lambda m: m(x, None, residual)),
+            ("rms_norm", RMSNorm(8, tp_group=group, sequence_parallel=True),
+             lambda m: m.after_bias_dropout_add(x, None, residual, DropoutSpec()))):
+        y, residual_out = call(norm)
+        residual_out.sum().backward()   # y unused
+        out[name] = [p.grad for p in norm.parameters()]
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_an_output_nobody_differentiates_gets_no_gradient_through_f():
+    """f (copy_to_tensor_region) materialised an unused output's gradient as zeros and summed them: the
+    parameters of a sequence-parallel norm whose y is unused (only residual_out read) got a zero gradient
+    at t = 2 and None at t = 1 (as torch's LayerNorm gives), so AdamW's weight decay and momentum moved
+    them at t > 1 only."""
+    for out in run_ranks(_unused_output_worker, 2, timeout_s=90):
+        assert out["coalesced"] == ([0.0, 2.0, 4.0], None), out
+        assert out["layer_norm"] == [None, None] and out["rms_norm"] == [None], out

@@ -393,3 +393,18 @@ def test_residual_out_requires_grad_only_when_its_inputs_do(residual_given):
     torch.testing.assert_close(weight.grad, (r * torch.rsqrt(r.square().mean(-1, keepdim=True) + 1e-6)).sum(dim=(0, 1)),
                                rtol=1e-5, atol=1e-5)
 
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_x_changed_in_place_after_the_forward_is_autograd_s_version_error(backend):
+    """Without a residual the op saved a [rows, h] view of x made inside the Function (grad mode off): an
+    in-place change of x after the forward raised autograd's "a view was created in no_grad mode" advice,
+    which fit neither what was done nor the fix; torch.nn.RMSNorm (and the LayerNorm op) raise the version
+    error naming the tensor."""
+    x = torch.randn(4, 2, 8).mul(1.0).requires_grad_()   # a non-leaf, as a layer's output is
+    weight = torch.ones(8, requires_grad=True)
+    y, _ = add_rms_norm(x, None, weight, backend=backend)
+    with torch.no_grad():
+        x.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
