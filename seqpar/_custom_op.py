@@ -44,10 +44,12 @@ def outside_dispatch_modes() -> Iterator[None]:
     """Host bookkeeping on real tensors, unseen by any Python dispatch mode: the ranks' agreement exchange
     and the RNG state it compares. Under FakeTensorMode (a memory estimate of a step) the RNG state's bytes
     were refused ("convert all Tensors to FakeTensors") and the exchanged ints were fake, unreadable; a
-    proxy mode would trace them into the graph, a FLOP or comm counter count them as the model's."""
+    proxy mode would trace them into the graph, a FLOP or comm counter count them as the model's. Torch
+    function modes are off too: non-strict torch.export's turned the exchange into a functional collective
+    that never completed (both ranks hung until the group's timeout)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    with _disable_current_modes():
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
         yield
 
 

@@ -95,6 +95,18 @@ def agreement_values(config: TransformerConfig, **arguments) -> Dict[str, object
     return values
 
 
+#: torch.export under tensor parallelism: refused up front (the program it made failed when run, in the
+#: comm GEMMs' out= matmuls, and the ranks' checks did not trace).
+EXPORT_UNDER_TP = ("torch.export of a tensor-parallel layer or model is not supported (its collectives and "
+                   "out= matmuls don't export): export at t = 1 (tp_group None), or compile with torch.compile")
+
+
+def exporting() -> bool:
+    """Whether torch.export traces this call (False on a torch without ``torch.compiler.is_exporting``)."""
+    is_exporting = getattr(torch.compiler, "is_exporting", None)
+    return bool(is_exporting and is_exporting())
+
+
 # Why the per-forward rank checks run outside torch.compile (a graph break each, as their host read of a
 # collective's result was anyway): traced, the values they compare, torch's generator state among them,
 # became guards of the code after the break, which changed at every step with dropout on (a recompile per
@@ -358,6 +370,8 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         backend_problem = requested_backend_problem(self.config.backend, device)
         if backend_problem is not None:
             return backend_problem
+        if group_size(self.tp_group) > 1 and exporting():
+            return EXPORT_UNDER_TP
         if self.config.add_bias_linear and FSDP_UNIT:
             attention, mlp = self.self_attention, self.mlp
             for name, block in (("self_attention", attention), ("mlp", mlp),
