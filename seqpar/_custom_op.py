@@ -39,6 +39,14 @@ def capturing_graph() -> bool:
     return detect_fake_mode() is not None or get_proxy_mode() is not None
 
 
+@torch.compiler.assume_constant_result
+def exporting() -> bool:
+    """Whether torch.export is capturing: its flag, read as a constant. Not torch.compiler.is_exporting(),
+    which Dynamo folded to True while torch.compile traced (before torch 2.14: every compiled recompute
+    layer then ran without its checkpoint) and which torch 2.4 / 2.5 lack."""
+    return bool(getattr(torch.compiler, "_is_exporting_flag", False))
+
+
 @contextlib.contextmanager
 def outside_dispatch_modes() -> Iterator[None]:
     """Host bookkeeping on real tensors, unseen by any Python dispatch mode: the ranks' agreement exchange

@@ -31,6 +31,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from ._custom_op import exporting
 from .memory import count_as_saved, not_counted
 
 __all__ = ["checkpoint", "swapped_parameters"]
@@ -89,14 +90,6 @@ def _check_unmodified(parameters: Dict[str, torch.Tensor], versions: Dict[str, i
                 f"forward and this backward?")
 
 
-@torch.compiler.assume_constant_result
-def _exporting() -> bool:
-    """Whether torch.export is capturing: its flag, read as a constant. Not torch.compiler.is_exporting(),
-    which Dynamo folded to True while torch.compile traced (before torch 2.14: every compiled recompute
-    layer then ran without its checkpoint) and which torch 2.4 / 2.5 lack."""
-    return bool(getattr(torch.compiler, "_is_exporting_flag", False))
-
-
 def checkpoint(fn: Callable, *args, module: Optional[nn.Module] = None):
     """Run ``fn(*args)`` without keeping its intermediates; recompute them in backward.
 
@@ -115,7 +108,7 @@ def checkpoint(fn: Callable, *args, module: Optional[nn.Module] = None):
     """
     if not torch.is_grad_enabled():
         return fn(*args)
-    if _exporting():
+    if exporting():
         # torch.export captures the forward's ops: nothing there is kept for a backward, and torch's
         # checkpoint leaves grad-mode regions whose nodes the exported program's verifier refuses when
         # torch.export.load reads it back.

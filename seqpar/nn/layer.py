@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .. import random as sp_random
-from .._custom_op import outside_compile
+from .._custom_op import exporting, outside_compile
 from ..config import PARAMS_DTYPES, TransformerConfig
 from ..memory import name_storage, saved_as
 from ..ops.attention_core import attention_core, select_backend
@@ -95,16 +95,16 @@ def agreement_values(config: TransformerConfig, **arguments) -> Dict[str, object
     return values
 
 
-#: torch.export under tensor parallelism: refused up front (the program it made failed when run, in the
-#: comm GEMMs' out= matmuls, and the ranks' checks did not trace).
-EXPORT_UNDER_TP = ("torch.export of a tensor-parallel layer or model is not supported (its collectives and "
-                   "out= matmuls don't export): export at t = 1 (tp_group None), or compile with torch.compile")
-
-
-def exporting() -> bool:
-    """Whether torch.export traces this call (False on a torch without ``torch.compiler.is_exporting``)."""
-    is_exporting = getattr(torch.compiler, "is_exporting", None)
-    return bool(is_exporting and is_exporting())
+def run_problem(config: TransformerConfig, tp_group: ProcessGroup, device: torch.device) -> Optional[str]:
+    """Why a layer or model of ``config`` can't run here at all (None if it can), checked with its inputs,
+    before any dropout seed is drawn: a requested backend that can't run on ``device``
+    (:func:`seqpar.ops.registry.requested_backend_problem`), or torch.export under tensor parallelism (the
+    program it made failed when run, in the comm GEMMs' out= matmuls)."""
+    problem = requested_backend_problem(config.backend, device)
+    if problem is None and group_size(tp_group) > 1 and exporting():
+        problem = ("torch.export of a tensor-parallel layer or model is not supported (its collectives and out= "
+                   "matmuls don't export): export at t = 1 (tp_group None), or compile with torch.compile")
+    return problem
 
 
 # Why the per-forward rank checks run outside torch.compile (a graph break each, as their host read of a
@@ -367,11 +367,9 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         device = weight.device
         if x.device != device:
             return f"x is on {x.device} but the layer's parameters are on {device}"
-        backend_problem = requested_backend_problem(self.config.backend, device)
-        if backend_problem is not None:
-            return backend_problem
-        if group_size(self.tp_group) > 1 and exporting():
-            return EXPORT_UNDER_TP
+        problem = run_problem(self.config, self.tp_group, device)
+        if problem is not None:
+            return problem
         if self.config.add_bias_linear and FSDP_UNIT:
             attention, mlp = self.self_attention, self.mlp
             for name, block in (("self_attention", attention), ("mlp", mlp),

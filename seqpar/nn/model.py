@@ -45,8 +45,8 @@ from ..parallel.state import (SAME_MODE_HINT, SEED_HINT, ProcessGroup, SharesPro
                               check_ranks_agree, group_rank, group_size, shard_first_row)
 from ..memory import recompute_policies, saved_as
 from .autocast import autocast_dtype, call_self_casting, run_in_dtype
-from .layer import (AGREEMENT_HINT, EXPORT_UNDER_TP, RANK_CHECK_NOT_TRACEABLE, TransformerLayer, agreement_values,
-                    exporting, make_norm, parameter_device, reference_parameter)
+from .layer import (AGREEMENT_HINT, RANK_CHECK_NOT_TRACEABLE, TransformerLayer, agreement_values, make_norm,
+                    parameter_device, reference_parameter, run_problem)
 from .layernorm import LayerNorm, RMSNorm
 from .linear import SeededNormal
 from .state_dict import (IncompatibleKeys, ShardedParameters, ShardLayout, check_intact_parts, check_loadable, check_not_meta,
@@ -612,11 +612,9 @@ class GPTModel(SharesProcessGroup, nn.Module):
                 raise ValueError(f"{name} are on {ids.device} but the model's parameters are on {device}" + (
                     " (build on meta, then to_empty(device=...) and reset_parameters() or load_full_state_dict)"
                     if device.type == "meta" else ""))
-        backend_problem = registry.requested_backend_problem(self.config.backend, device)
-        if backend_problem is not None:
-            raise ValueError(backend_problem)
-        if t > 1 and exporting():
-            raise ValueError(EXPORT_UNDER_TP)
+        problem = run_problem(self.config, self.tp_group, device)
+        if problem is not None:
+            raise ValueError(problem)
         return self._check_ids(tokens, labels, with_checksum)
 
     @outside_compile(RANK_CHECK_NOT_TRACEABLE)

@@ -247,8 +247,8 @@ def rows_within_kernel_limit(rows=None, **_) -> Optional[str]:
 #: The dtypes every fused op takes; float64 (for gradcheck) runs on the torch backend only, which computes
 #: in it throughout (:func:`acc_dtype`).
 DTYPES: Tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-#: What the Triton and CUDA kernels take.
-KERNEL_DTYPES: Tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+#: What the Triton and CUDA kernels take: the dtypes the CUDA launchers have codes for.
+KERNEL_DTYPES: Tuple[torch.dtype, ...] = tuple(_ext.DTYPE_CODES)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
