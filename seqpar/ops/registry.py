@@ -285,9 +285,8 @@ def describe_limits(backend: Backend) -> str:
 
 
 # Defined in seqpar._custom_op, below seqpar.random (whose dropout mask is a custom op too); the ops call
-# them as registry.kernel_op / registry.capturing_graph.
+# them as registry.kernel_op / registry.once_differentiable.
 kernel_op = _custom_op.kernel_op
-capturing_graph = _custom_op.capturing_graph
 once_differentiable = _custom_op.once_differentiable
 
 

@@ -242,11 +242,11 @@ def _check_inputs(q, k, position_offset, theta, inplace) -> int:
         for name, t in (("q", q), ("k", k)):
             if t.numel() and t.stride(-1) != 1:
                 raise ValueError(f"inplace=True needs {name} with unit stride along d, got strides {t.stride()}")
-            if not registry.capturing_graph() and torch._debug_has_internal_overlap(t) == 1:   # 1: certainly overlaps
+            if not capturing_graph() and torch._debug_has_internal_overlap(t) == 1:   # 1: certainly overlaps
                 raise ValueError(f"inplace=True needs {name} without repeated elements (an expanded view), got "
                                  f"{tuple(t.shape)} strides {t.stride()}")
         # A graph capture has no addresses (fake tensors): there, only the same tensor object is caught.
-        overlap = q is k if registry.capturing_graph() else _shares_elements(q, k)
+        overlap = q is k if capturing_graph() else _shares_elements(q, k)
         if overlap:
             raise ValueError("inplace=True needs q and k not to share elements (they overlap in memory), "
                              f"got q {tuple(q.shape)} strides {q.stride()} at element {q.storage_offset()} and "
