@@ -497,7 +497,7 @@ def ln_launches(h: int, dtype: torch.dtype, dropout: bool) -> Dict[str, Launch]:
     with _patched(L, **{n: _Recorder(getattr(L, n), sink) for n in ROW_KERNELS if hasattr(L, n)}), \
             _row_launch_policy(sink):
         L.forward(x, w, x, w, w, 1e-5, p, 12345, 0)
-        L.backward(x, x, x, w, stats, stats, p, 12345, 0, True)
+        L.backward(x, x, x, w, stats, stats, p, 12345, 0, (True, True, True))
     return {ROW_KERNELS[launch.fn.__name__]: launch for launch in sink}
 
 
@@ -513,7 +513,7 @@ def llama_launches(op: str, dim: int, dtype: torch.dtype) -> Dict[str, Launch]:
         if op == "rmsnorm":
             x, w = torch.empty(LN_ROWS, dim, dtype=dtype), torch.empty(dim, dtype=dtype)
             M.forward(x, x, w, 1e-5)
-            M.backward(x, x, x, w, torch.empty(LN_ROWS), True)
+            M.backward(x, x, x, w, torch.empty(LN_ROWS), True, True)
         else:
             gate_up, grad_y = torch.empty(LN_ROWS, 2 * dim, dtype=dtype), torch.empty(LN_ROWS, dim, dtype=dtype)
             S.forward(gate_up)

@@ -149,9 +149,9 @@ struct BwdArgs {
   int wdtype;  // dtype code of w
   void* grad_x;
   void* grad_residual;
-  float* part_w;     // [num_partials, h] each; row p: block p (bwd_columns_kernel: row block p)
-  float* part_b;
-  float* part_bias;  // nullptr: no bias gradient
+  float* part_w;     // [num_partials, h] each; row p: block p (bwd_columns_kernel: row block p);
+  float* part_b;     // nullptr: that sum is not computed (a frozen norm's dw / db, no bias or a frozen one)
+  float* part_bias;
   int64_t rows, h;
   float scale;
   uint32_t threshold24;
@@ -378,7 +378,7 @@ __global__ void __launch_bounds__(threads_bound<KIND, false, VEC>(), bwd_min_blo
   const int rpb = kWarpRow ? kBwdWarpRows : 1;
   const int64_t nvec = (a.h + VEC - 1) / VEC;
   const bool dropout = a.threshold24 != 0;
-  const bool has_bias = a.part_bias != nullptr;
+  const bool bias_sum = a.part_bias != nullptr;
   const float inv_h = 1.0f / static_cast<float>(a.h);
 
   // LayerNorm weight: kept in registers by the warp-per-row kernel; the block-per-row kernels (whose
@@ -441,8 +441,10 @@ __global__ void __launch_bounds__(threads_bound<KIND, false, VEC>(), bwd_min_blo
           dw[i] = dy * x_hat;
           db[i] = dy;
         }
-        sums.add(0, k, j, dw);
-        sums.add(1, k, j, db);
+        // A block per row skips the shared-memory sums of a frozen norm (nullptr: uniform); a warp's are
+        // registers, left unconditional (the guard took fp16 from 74 to 86 registers) and never written.
+        if (kWarpRow || a.part_w != nullptr) sums.add(0, k, j, dw);
+        if (kWarpRow || a.part_b != nullptr) sums.add(1, k, j, db);
       }
     }
     row_allreduce<kWarpRow>(dots);
@@ -475,7 +477,7 @@ __global__ void __launch_bounds__(threads_bound<KIND, false, VEC>(), bwd_min_blo
           res_pack.v[i] = from_float<T>(d_res);
           x_pack.v[i] = from_float<T>(d_x);
         }
-        if (has_bias) sums.add(2, k, j, dbias);
+        if (bias_sum) sums.add(2, k, j, dbias);
         store_run<T, VEC>(gres, j * VEC, a.h, kVector, res_pack);
         store_run<T, VEC>(gx, j * VEC, a.h, kVector, x_pack);
       }
@@ -572,7 +574,7 @@ __global__ void __launch_bounds__(kColumnThreads, columns_min_blocks<T, VEC>())
   float* const parts[3] = {a.part_w, a.part_b, a.part_bias};
 #pragma unroll
   for (int q = 0; q < 3; ++q) {
-    if (parts[q] == nullptr) continue;  // no bias gradient
+    if (parts[q] == nullptr) continue;  // a sum not computed
     Pack<float, VEC> pk;
 #pragma unroll
     for (int i = 0; i < VEC; ++i) pk.v[i] = acc[q][i];
@@ -793,15 +795,25 @@ void bias_dropout_add_layer_norm_bwd(uintptr_t grad_y, uintptr_t grad_residual_o
   check_aligned("bias_dropout_add_layer_norm", vectorized, h, dtype,
                 {grad_y, grad_residual_out, residual_out, grad_x, grad_residual, ln_weight, partials}, {});
   const auto s = reinterpret_cast<cudaStream_t>(stream);
-  const int count = grad_bias != 0 ? 3 : 2;
-  float* part = reinterpret_cast<float*>(partials);  // [2 or 3, num_partials, h]: dw, db (, dbias)
-  float* part_bias = grad_bias != 0 ? part + 2 * num_partials * h : nullptr;
+  // The column sums asked for (an output pointer of 0: not computed, e.g. a frozen norm's) take the partial
+  // buffers [count, num_partials, h] in the order dw, db, dbias; the reduction sums exactly those.
+  const uintptr_t outs[3] = {grad_ln_weight, grad_ln_bias, grad_bias};
+  float* parts[3] = {nullptr, nullptr, nullptr};
+  PartialSums sums{{nullptr, nullptr, nullptr}, {nullptr, nullptr, nullptr}};
+  int count = 0;
+  for (int q = 0; q < 3; ++q) {
+    if (outs[q] == 0) continue;
+    parts[q] = reinterpret_cast<float*>(partials) + count * num_partials * h;
+    sums.part[count] = parts[q];
+    sums.out[count] = reinterpret_cast<float*>(outs[q]);
+    ++count;
+  }
   if (rows > 0) {
     const BwdArgs a{reinterpret_cast<const void*>(grad_y), reinterpret_cast<const void*>(grad_residual_out),
                     reinterpret_cast<const void*>(residual_out), reinterpret_cast<const void*>(ln_weight),
                     reinterpret_cast<const float*>(mean), reinterpret_cast<const float*>(rstd), wdtype,
-                    reinterpret_cast<void*>(grad_x), reinterpret_cast<void*>(grad_residual), part,
-                    part + num_partials * h, part_bias, rows, h, drop_scale(threshold),
+                    reinterpret_cast<void*>(grad_x), reinterpret_cast<void*>(grad_residual), parts[0], parts[1],
+                    parts[2], rows, h, drop_scale(threshold),
                     static_cast<uint32_t>(threshold) << 24, seed, row_offset};
     dispatch_type_vec<kScalarRun>(dtype, vectorized, [&](auto tag, auto vec) {
       using T = decltype(tag);
@@ -822,14 +834,11 @@ void bias_dropout_add_layer_norm_bwd(uintptr_t grad_y, uintptr_t grad_residual_o
       });
     });
     check_cuda(cudaGetLastError(), "bias_dropout_add_layer_norm_bwd launch");
-  } else {
-    check_cuda(cudaMemsetAsync(part, 0, sizeof(float) * count * num_partials * h, s),
+  } else if (count > 0) {
+    check_cuda(cudaMemsetAsync(reinterpret_cast<void*>(partials), 0, sizeof(float) * count * num_partials * h, s),
                "bias_dropout_add_layer_norm_bwd memset");
   }
-  const PartialSums sums{{part, part + num_partials * h, part_bias},
-                         {reinterpret_cast<float*>(grad_ln_weight), reinterpret_cast<float*>(grad_ln_bias),
-                          reinterpret_cast<float*>(grad_bias)}};
-  launch_reduce_partials(sums, count, num_partials, h, s, "bias_dropout_add_layer_norm reduce launch");
+  if (count > 0) launch_reduce_partials(sums, count, num_partials, h, s, "bias_dropout_add_layer_norm reduce launch");
 }
 
 #endif  // !SEQPAR_HOST_EMULATION

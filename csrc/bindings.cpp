@@ -121,15 +121,17 @@ PYBIND11_MODULE(_C, m) {
         "threads per row, rows per block, column chunks, resident blocks per SM).");
   m.def("bias_dropout_add_layer_norm_bwd_partials", &seqpar::bias_dropout_add_layer_norm_bwd_partials,
         py::arg("rows"), py::arg("h"), py::arg("dtype"), py::arg("vectorized"),
-        "Rows of the fp32 partial buffers [3, n, h] that bias_dropout_add_layer_norm_bwd should get.");
+        "Rows n of the fp32 partial buffers [count, n, h] that bias_dropout_add_layer_norm_bwd should get.");
   m.def("bias_dropout_add_layer_norm_bwd", &seqpar::bias_dropout_add_layer_norm_bwd, py::arg("grad_y"),
         py::arg("grad_residual_out"), py::arg("residual_out"), py::arg("ln_weight"), py::arg("mean"), py::arg("rstd"),
         py::arg("grad_x"), py::arg("grad_residual"), py::arg("partials"), py::arg("num_partials"),
         py::arg("row_sums"), py::arg("grad_ln_weight"), py::arg("grad_ln_bias"), py::arg("grad_bias"),
         py::arg("rows"), py::arg("h"), py::arg("dtype"), py::arg("wdtype"), py::arg("vectorized"),
         py::arg("threshold"), py::arg("seed"), py::arg("row_offset"), py::arg("stream"),
-        "Backward of bias_dropout_add_layer_norm_fwd; fp32 column sums (grad_bias = 0: no bias gradient). "
-        "row_sums: a [2, rows] fp32 workspace, used by rows wider than 4096 (their row sums come first).");
+        "Backward of bias_dropout_add_layer_norm_fwd; fp32 column sums grad_ln_weight, grad_ln_bias, grad_bias "
+        "(a pointer of 0: that sum is not computed); partials: [count, num_partials, h] fp32, count the sums "
+        "computed, in that order. row_sums: a [2, rows] fp32 workspace, used by rows wider than 4096 (their row "
+        "sums come first).");
 
   // ---- softmax_dropout.cu
   m.def("attention_softmax_dropout_fwd", &seqpar::attention_softmax_dropout_fwd, py::arg("scores"),
@@ -163,7 +165,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("grad_weight"), py::arg("rows"), py::arg("h"), py::arg("dtype"), py::arg("wdtype"),
         py::arg("vectorized"), py::arg("stream"),
         "Backward of add_rms_norm_fwd: grad_x, its copy grad_residual (0: not written) and the fp32 weight "
-        "gradient (grad_residual_out = 0: none). row_sums: a [rows] fp32 workspace, used by rows too long "
+        "gradient (grad_weight = 0: not computed, partials unused; grad_residual_out = 0: none). row_sums: a [rows] fp32 workspace, used by rows too long "
         "for one block's registers (their row sums come first).");
 
   // ---- rotary.cu

@@ -162,7 +162,6 @@ __global__ void __launch_bounds__(threads_bound<KIND>(false), bwd_min_blocks(KIN
   const int rpb = kWarpRow ? kBwdWarpRows : 1;
   const int64_t nvec = a.h / VEC;
   const bool has_gro = a.grad_residual_out != nullptr;
-  float* const part = a.part_w + static_cast<int64_t>(blockIdx.x) * a.h;
 
   float acc[VPT][VEC];  // running dw of the thread's columns
 #pragma unroll
@@ -225,6 +224,8 @@ __global__ void __launch_bounds__(threads_bound<KIND>(false), bwd_min_blocks(KIN
     }
   }
 
+  if (a.part_w == nullptr) return;  // a frozen weight: no dw (uniform, so no barrier below is left waiting)
+  float* const part = a.part_w + static_cast<int64_t>(blockIdx.x) * a.h;
   constexpr int E = VPT * VEC;  // running sums per thread
   if constexpr (kWarpRow) {
     // Fold the rpb row slots into slot 0, kFoldElements sums per round through shared memory.
@@ -312,6 +313,7 @@ __global__ void __launch_bounds__(kColumnThreads) bwd_columns_kernel(const BwdAr
     store_pack<T, VEC>(static_cast<T*>(a.grad_x) + row * a.h + j * VEC, out);
     if (a.grad_residual != nullptr) store_pack<T, VEC>(static_cast<T*>(a.grad_residual) + row * a.h + j * VEC, out);
   }
+  if (a.part_w == nullptr) return;  // a frozen weight: no dw
   Pack<float, VEC> pk;
 #pragma unroll
   for (int i = 0; i < VEC; ++i) pk.v[i] = acc[i];
@@ -482,7 +484,8 @@ void add_rms_norm_bwd(uintptr_t grad_y, uintptr_t grad_residual_out, uintptr_t r
   check_aligned("add_rms_norm", vectorized, h, dtype,
                 {grad_y, grad_residual_out, residual_out, weight, grad_x, grad_residual, partials}, {stride_ro});
   const auto s = reinterpret_cast<cudaStream_t>(stream);
-  float* part = reinterpret_cast<float*>(partials);  // [num_partials, h]
+  // [num_partials, h]; none (nullptr) for a frozen weight (grad_weight 0): no dw, no reduction
+  float* part = grad_weight != 0 ? reinterpret_cast<float*>(partials) : nullptr;
   if (rows > 0) {
     const BwdArgs a{reinterpret_cast<const void*>(grad_y), reinterpret_cast<const void*>(grad_residual_out),
                     reinterpret_cast<const void*>(residual_out), reinterpret_cast<const void*>(weight),
@@ -510,9 +513,10 @@ void add_rms_norm_bwd(uintptr_t grad_y, uintptr_t grad_residual_out, uintptr_t r
       });
     });
     check_cuda(cudaGetLastError(), "add_rms_norm_bwd launch");
-  } else {
+  } else if (part != nullptr) {
     check_cuda(cudaMemsetAsync(part, 0, sizeof(float) * num_partials * h, s), "add_rms_norm_bwd memset");
   }
+  if (part == nullptr) return;
   const PartialSums sums{{part, nullptr, nullptr}, {reinterpret_cast<float*>(grad_weight), nullptr, nullptr}};
   launch_reduce_partials(sums, 1, num_partials, h, s, "add_rms_norm reduce launch");
 }

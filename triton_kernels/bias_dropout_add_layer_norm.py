@@ -43,7 +43,7 @@ Only core ``tl`` ops are used, so everything runs under ``TRITON_INTERPRET=1`` o
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -221,11 +221,12 @@ def _bwd_row_sums_kernel(GY, RO, W, MEAN, RSTD, ROW_SUMS, n_rows, h,
 @triton.jit(do_not_specialize=["threshold", "seed", "row_offset"])
 def _bwd_kernel(GY, GRO, RO, W, MEAN, RSTD, ROW_SUMS, GX, GRES, PARTS,
                 n_rows, h, rows_per_program, threshold, scale, seed, row_offset,
-                HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, MANUAL_BF16: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_CHUNKS: tl.constexpr):
+                SLOT_W: tl.constexpr, SLOT_B: tl.constexpr, SLOT_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                MANUAL_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_CHUNKS: tl.constexpr):
     # Program (pid, chunk) owns rows [pid * rows_per_program, ...) and columns [chunk * BLOCK_N, ...) of
-    # them, and writes those columns of row `pid` of the partial buffers PARTS [2 or 3, programs, h]
-    # (grad_ln_weight, grad_ln_bias, grad_bias). Its registers hold BLOCK_N columns (three fp32 running
+    # them, and writes those columns of row `pid` of the partial buffers PARTS [0 to 3, programs, h]: the
+    # column sums grad_ln_weight, grad_ln_bias, grad_bias at buffers SLOT_W, SLOT_B, SLOT_BIAS (-1: a sum
+    # not computed, e.g. a frozen norm's). Its registers hold BLOCK_N columns (up to three fp32 running
     # sums each). A whole row (N_CHUNKS = 1) gives its row sums by two reductions; a wider row is split
     # over N_CHUNKS programs, which read its row sums from ROW_SUMS (_bwd_row_sums_kernel): no reduction,
     # so no barrier, in their row loop.
@@ -262,8 +263,10 @@ def _bwd_kernel(GY, GRO, RO, W, MEAN, RSTD, ROW_SUMS, GX, GRES, PARTS,
             # CPU interpreter runs a custom combine in Python (40-60 s for a 615 x 768 test, not 1 s).
             sum_g = tl.sum(g, axis=1)
             sum_gx = tl.sum(g * x_hat, axis=1)
-        acc_w += gy * x_hat
-        acc_b += gy
+        if SLOT_W >= 0:
+            acc_w += gy * x_hat
+        if SLOT_B >= 0:
+            acc_b += gy
 
         c_gx = sum_gx / h
         c_g = sum_g / h
@@ -277,15 +280,17 @@ def _bwd_kernel(GY, GRO, RO, W, MEAN, RSTD, ROW_SUMS, GX, GRES, PARTS,
         else:
             g_x = g_res
         tl.store(GX + offs, cast_rne(g_x, GX.dtype.element_ty, MANUAL_BF16), mask=mask)
-        if HAS_BIAS:
+        if SLOT_BIAS >= 0:
             acc_bias += g_x
 
     part = pid.to(tl.int64) * h + cols
     buffer = tl.num_programs(0).to(tl.int64) * h           # one [programs, h] partial buffer
-    tl.store(PARTS + part, tl.sum(acc_w, axis=0), mask=col_mask)
-    tl.store(PARTS + buffer + part, tl.sum(acc_b, axis=0), mask=col_mask)
-    if HAS_BIAS:
-        tl.store(PARTS + 2 * buffer + part, tl.sum(acc_bias, axis=0), mask=col_mask)
+    if SLOT_W >= 0:
+        tl.store(PARTS + SLOT_W * buffer + part, tl.sum(acc_w, axis=0), mask=col_mask)
+    if SLOT_B >= 0:
+        tl.store(PARTS + SLOT_B * buffer + part, tl.sum(acc_b, axis=0), mask=col_mask)
+    if SLOT_BIAS >= 0:
+        tl.store(PARTS + SLOT_BIAS * buffer + part, tl.sum(acc_bias, axis=0), mask=col_mask)
 
 
 # ----------------------------------------------------------------------------- launch policy
@@ -372,13 +377,14 @@ def forward(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tenso
 
 def backward(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual_out: torch.Tensor,
              ln_weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, drop_threshold: int, seed: int,
-             row_offset: int, has_bias: bool
-             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             row_offset: int, param_grads: Sequence[bool]
+             ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Launch the backward on 2-D ``[rows, h]`` gradients (made contiguous).
 
+    ``param_grads``: which column sums to compute, (grad_ln_weight, grad_ln_bias, grad_bias); the others
+    come back None (a frozen norm's: no partial rows, and no reduction at all when none is asked for).
     Returns ``(grad_x, grad_bias, grad_residual, grad_ln_weight, grad_ln_bias)``: grad_x and
-    grad_residual in grad_y's dtype; the three column sums in fp32 (grad_bias is zeros when
-    ``has_bias`` is False).
+    grad_residual in grad_y's dtype, the column sums in fp32.
     """
     grad_y, grad_residual_out = grad_y.contiguous(), grad_residual_out.contiguous()
     residual_out = residual_out.contiguous()
@@ -386,13 +392,14 @@ def backward(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual_out
     device = grad_y.device
     grad_x = R.empty((n_rows, h), grad_y.dtype, device)
     grad_res = R.empty((n_rows, h), grad_y.dtype, device)
+    slots, n_sums = R.partial_slots(param_grads)
     if n_rows == 0:
-        zeros = [torch.zeros((h,), dtype=torch.float32, device=device) for _ in range(3)]
-        return grad_x, zeros[2], grad_res, zeros[0], zeros[1]
+        grad_w, grad_b, grad_bias = R.zero_sums(param_grads, h, device)
+        return grad_x, grad_bias, grad_res, grad_w, grad_b
     block_m, block_n, n_chunks, launch = _bwd_config(n_rows, h)
     drop_args, has_dropout = _drop_args(drop_threshold, seed, row_offset)
-    launch.update(HAS_BIAS=has_bias, HAS_DROPOUT=has_dropout, MANUAL_BF16=R.interpreting(),
-                  BLOCK_M=block_m, BLOCK_N=block_n, N_CHUNKS=n_chunks)
+    launch.update(SLOT_W=slots[0], SLOT_B=slots[1], SLOT_BIAS=slots[2], HAS_DROPOUT=has_dropout,
+                  MANUAL_BF16=R.interpreting(), BLOCK_M=block_m, BLOCK_N=block_n, N_CHUNKS=n_chunks)
     ln_weight = ln_weight.contiguous()
 
     row_sums = mean                                        # (unused with whole rows)
@@ -409,8 +416,7 @@ def backward(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual_out
 
     max_programs = R.wave_programs(_bwd_kernel, args(mean, 2 * block_m), launch, device, n_chunks)
     programs, rows_per_program = R.split_rows(n_rows, block_m, max_programs)
-    partials = R.empty((3 if has_bias else 2, programs, h), torch.float32, device)
+    partials = R.empty((n_sums, programs, h), torch.float32, device) if n_sums else mean   # (unused without sums)
     _bwd_kernel[(programs, n_chunks)](*args(partials, rows_per_program), **launch)
-    sums = R.reduce_partials(partials)                     # grad_ln_weight, grad_ln_bias (, grad_bias)
-    grad_bias = sums[2] if has_bias else torch.zeros((h,), dtype=torch.float32, device=device)
-    return grad_x, grad_bias, grad_res, sums[0], sums[1]
+    grad_w, grad_b, grad_bias = R.column_sums(partials, slots)
+    return grad_x, grad_bias, grad_res, grad_w, grad_b

@@ -160,10 +160,10 @@ def _bwd_row_sums_kernel(GY, RO, W, RSTD, ROW_SUMS, n_rows, h, stride_ro,
 
 @triton.jit
 def _bwd_kernel(GY, GRO, RO, W, RSTD, ROW_SUMS, GX, GRES, PART_W, n_rows, h, stride_ro, rows_per_program,
-                HAS_GRO: tl.constexpr, HAS_GRES: tl.constexpr, MANUAL_BF16: tl.constexpr, CHUNKED: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                HAS_GRO: tl.constexpr, HAS_GRES: tl.constexpr, GRAD_W: tl.constexpr, MANUAL_BF16: tl.constexpr,
+                CHUNKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Program (pid, chunk) owns rows [pid * rows_per_program, ...) and columns [chunk * BLOCK_N, ...) of
-    # them, and writes those columns of row `pid` of the partial buffer. A whole row reduces its row sum
+    # them, and writes those columns of row `pid` of the partial buffer (GRAD_W: not for a frozen weight). A whole row reduces its row sum
     # sum(g * n) here; a chunked row reads it from ROW_SUMS (_bwd_row_sums_kernel): no reduction, so no
     # barrier, in the row loop.
     pid = tl.program_id(0)
@@ -190,7 +190,8 @@ def _bwd_kernel(GY, GRO, RO, W, RSTD, ROW_SUMS, GX, GRES, PART_W, n_rows, h, str
         g = gy * w[None, :]
         if not CHUNKED:
             dot = tl.sum(g * n, axis=1)
-        acc_w += gy * n
+        if GRAD_W:
+            acc_w += gy * n
         gx = rstd[:, None] * (g - n * (dot / h)[:, None])
         if HAS_GRO:
             gx += gro.to(tl.float32)
@@ -198,7 +199,8 @@ def _bwd_kernel(GY, GRO, RO, W, RSTD, ROW_SUMS, GX, GRES, PART_W, n_rows, h, str
         tl.store(GX + g_row + cols[None, :], gx, mask=mask)
         if HAS_GRES:  # the same values in a second tensor
             tl.store(GRES + g_row + cols[None, :], gx, mask=mask)
-    tl.store(PART_W + pid.to(tl.int64) * h + cols, tl.sum(acc_w, axis=0), mask=col_mask)
+    if GRAD_W:
+        tl.store(PART_W + pid.to(tl.int64) * h + cols, tl.sum(acc_w, axis=0), mask=col_mask)
 
 
 # ----------------------------------------------------------------------------- launch policy
@@ -260,13 +262,14 @@ def forward(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Ten
 
 
 def backward(grad_y: torch.Tensor, grad_residual_out: Optional[torch.Tensor], residual_out: torch.Tensor,
-             weight: torch.Tensor, rstd: torch.Tensor, residual_grad: bool
-             ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+             weight: torch.Tensor, rstd: torch.Tensor, residual_grad: bool, weight_grad: bool
+             ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Launch the backward on 2-D ``[rows, h]`` gradients (made contiguous); residual_out may have any row
     stride. ``grad_residual_out`` None: no gradient reached residual_out.
 
     Returns ``(grad_x, grad_residual, grad_weight)``: grad_x in grad_y's dtype; grad_residual, its values
-    in a second tensor, only when ``residual_grad`` (else None); grad_weight fp32.
+    in a second tensor, only when ``residual_grad`` (else None); grad_weight fp32, only when
+    ``weight_grad`` (else None: a frozen weight's backward writes no partial rows and reduces nothing).
     """
     grad_y = grad_y.contiguous()
     if grad_residual_out is not None:
@@ -277,11 +280,12 @@ def backward(grad_y: torch.Tensor, grad_residual_out: Optional[torch.Tensor], re
     device = grad_y.device
     grad_x = R.empty((n_rows, h), grad_y.dtype, device)
     grad_res = R.empty((n_rows, h), grad_y.dtype, device) if residual_grad else None
+    slots, n_sums = R.partial_slots((weight_grad,))
     if n_rows == 0:
-        return grad_x, grad_res, torch.zeros((h,), dtype=torch.float32, device=device)
+        return (grad_x, grad_res, *R.zero_sums((weight_grad,), h, device))
     block_m, block_n, chunked, launch = _bwd_config(n_rows, h)
     n_chunks = triton.cdiv(h, block_n)
-    launch.update(HAS_GRO=grad_residual_out is not None, HAS_GRES=grad_res is not None,
+    launch.update(HAS_GRO=grad_residual_out is not None, HAS_GRES=grad_res is not None, GRAD_W=weight_grad,
                   MANUAL_BF16=R.interpreting(), CHUNKED=chunked, BLOCK_M=block_m, BLOCK_N=block_n)
     weight = weight.contiguous()
 
@@ -300,7 +304,7 @@ def backward(grad_y: torch.Tensor, grad_residual_out: Optional[torch.Tensor], re
 
     max_programs = R.wave_programs(_bwd_kernel, args(rstd, 2 * block_m), launch, device, n_chunks)
     programs, rows_per_program = R.split_rows(n_rows, block_m, max_programs)
-    partials = R.empty((programs, h), torch.float32, device)
+    partials = R.empty((n_sums, programs, h), torch.float32, device) if n_sums else rstd  # (unused without)
     _bwd_kernel[(programs, n_chunks)](*args(partials, rows_per_program), **launch)
-    (grad_w,) = R.reduce_partials(partials[None])
+    (grad_w,) = R.column_sums(partials, slots)
     return grad_x, grad_res, grad_w

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
 __all__ = ["cast_rne", "interpreting", "sm_count", "rows_per_block", "chunk_columns", "num_warps",
-           "row_sums_config", "empty", "reduce_partials", "resident_per_sm", "wave_programs", "split_rows"]
+           "row_sums_config", "empty", "reduce_partials", "partial_slots", "zero_sums", "column_sums",
+           "resident_per_sm", "wave_programs", "split_rows"]
 
 
 @triton.jit
@@ -184,3 +185,25 @@ def reduce_partials(partials: torch.Tensor) -> List[torch.Tensor]:
     _reduce_partials_kernel[(triton.cdiv(h, block_n), n_buffers)](partials, *padded, n_partials, h,
                                                                  BLOCK_P=block_p, BLOCK_N=block_n)
     return outs
+
+
+def partial_slots(wanted: Sequence[bool]) -> Tuple[Tuple[int, ...], int]:
+    """(buffer of each column sum in a backward's partial rows, -1 for one not wanted; number of buffers):
+    the wanted sums take buffers 0, 1, ... in their order, so a frozen parameter's sum costs no traffic."""
+    slots, n_buffers = [], 0
+    for want in wanted:
+        slots.append(n_buffers if want else -1)
+        n_buffers += bool(want)
+    return tuple(slots), n_buffers
+
+
+def column_sums(partials: torch.Tensor, slots: Sequence[int]) -> List[Optional[torch.Tensor]]:
+    """The column sums of ``partials`` ([buffers, n_partials, h]) in slot order (:func:`reduce_partials`);
+    None for a slot of -1. Nothing is launched when no sum is wanted."""
+    sums = reduce_partials(partials) if any(s >= 0 for s in slots) else []
+    return [sums[s] if s >= 0 else None for s in slots]
+
+
+def zero_sums(wanted: Sequence[bool], h: int, device: torch.device) -> List[Optional[torch.Tensor]]:
+    """The column sums of no rows: fp32 zeros [h] where wanted, None elsewhere."""
+    return [torch.zeros((h,), dtype=torch.float32, device=device) if want else None for want in wanted]

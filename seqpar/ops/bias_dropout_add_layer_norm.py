@@ -35,10 +35,12 @@ inputs (for gradcheck) run on the torch backend, in float64 throughout.
 Backend interface (registered with :func:`seqpar.ops.registry.register`), on 2-D ``[rows, h]`` views::
 
     forward(x, bias, residual, ln_weight, ln_bias, eps, spec) -> (y, residual_out, mean, rstd)
-    backward(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, spec, has_bias)
-        -> (grad_x, grad_bias or None, grad_residual, grad_ln_weight, grad_ln_bias)
+    backward(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, spec, param_grads)
+        -> (grad_x, grad_bias, grad_residual, grad_ln_weight, grad_ln_bias)
 
 ``grad_residual_out`` is the gradient arriving at the residual_out output (zeros when unused).
+``param_grads`` says which column sums to compute, (grad_ln_weight, grad_ln_bias, grad_bias); the others
+are None: a frozen norm (or linear bias) costs the kernels no partial rows and no reduction.
 
 ========  ===================================================================================
 backend   what runs (every backend takes any h)
@@ -60,19 +62,19 @@ All three draw the same dropout mask for the same (seed, row_offset): residual_o
 across backends. The kernel backends are ``torch.library`` custom ops
 (``seqpar::bias_dropout_add_layer_norm_{triton,cuda}_{fwd,bwd}``) with fake implementations, so
 ``torch.compile`` traces through them (eager calls run their launchers directly:
-:func:`seqpar.ops.registry.kernel_op`); their backward returns grad_bias as zeros when there is no bias
-(a custom op can't return None), and the backend drops it.
+:func:`seqpar.ops.registry.kernel_op`); their backward returns an empty tensor for a column sum not
+asked for (a custom op can't return None), which the backend turns into None.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from . import registry
 from . import dropout as _dropout
 from .dropout import DropoutSpec, apply_keep_mask, make_dropout_spec
-from .rows import NOT_PROMOTED, as_rows, check_row_inputs, unflatten_rows, vectorized
+from .rows import NOT_PROMOTED, as_rows, check_row_inputs, or_empty, unflatten_rows, vectorized
 from .. import _ext
 
 OP = "bias_dropout_add_layer_norm"
@@ -99,17 +101,17 @@ def _torch_forward(x, bias, residual, ln_weight, ln_bias, eps: float, spec: Drop
 
 
 def _torch_backward(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd,
-                    spec: DropoutSpec, has_bias: bool):
+                    spec: DropoutSpec, param_grads: Sequence[bool]):
     acc = registry.acc_dtype(grad_y.dtype)
     x_hat = (residual_out.to(acc) - mean[:, None]) * rstd[:, None]
     gy = grad_y.to(acc)
-    grad_ln_weight = (gy * x_hat).sum(dim=0)
-    grad_ln_bias = gy.sum(dim=0)
+    grad_ln_weight = (gy * x_hat).sum(dim=0) if param_grads[0] else None
+    grad_ln_bias = gy.sum(dim=0) if param_grads[1] else None
     g = gy * ln_weight.to(acc)
     grad_r = rstd[:, None] * (g - g.mean(dim=1, keepdim=True) - x_hat * (g * x_hat).mean(dim=1, keepdim=True))
     grad_r = grad_r + grad_residual_out.to(acc)
     grad_h = apply_keep_mask(grad_r, spec, _TORCH_DROPOUT)
-    grad_bias = grad_h.sum(dim=0) if has_bias else None
+    grad_bias = grad_h.sum(dim=0) if param_grads[2] else None
     return grad_h, grad_bias, grad_r, grad_ln_weight, grad_ln_bias
 
 
@@ -122,24 +124,27 @@ def _fwd_fake(x: torch.Tensor, residual: torch.Tensor):
     return x.new_empty((rows, h)), residual.new_empty((rows, h)), stats, torch.empty_like(stats)
 
 
-def _bwd_fake(grad_y: torch.Tensor):
+def _bwd_fake(grad_y: torch.Tensor, param_grads: Sequence[bool]):
+    """(grad_x, grad_bias, grad_residual, grad_ln_weight, grad_ln_bias): the column sums fp32 [h], or empty
+    where ``param_grads`` (ln_weight, ln_bias, bias) does not ask for them."""
     rows, h = grad_y.shape
-    col = grad_y.new_empty((h,), dtype=torch.float32)
-    return (grad_y.new_empty((rows, h)), torch.empty_like(col), grad_y.new_empty((rows, h)), torch.empty_like(col),
-            torch.empty_like(col))
+    grad_w, grad_b, grad_bias = (grad_y.new_empty((h if want else 0,), dtype=torch.float32) for want in param_grads)
+    return grad_y.new_empty((rows, h)), grad_bias, grad_y.new_empty((rows, h)), grad_w, grad_b
 
 
 def _kernel_backend(name: str, fwd_op, bwd_op) -> registry.Backend:
     """A registry backend over a pair of kernel custom ops (which take the DropoutSpec's fields, and return
-    zeros for grad_bias without a bias because a custom op can't return None)."""
+    an empty tensor for a column sum not asked for, as a custom op can't return None)."""
 
     def forward(x, bias, residual, ln_weight, ln_bias, eps: float, spec: DropoutSpec):
         return fwd_op(x, bias, residual, ln_weight, ln_bias, eps, spec.threshold, spec.seed, spec.row_offset)
 
-    def backward(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, spec: DropoutSpec, has_bias: bool):
+    def backward(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, spec: DropoutSpec,
+                 param_grads: Sequence[bool]):
         g_x, g_bias, g_res, g_w, g_b = bwd_op(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd,
-                                              spec.threshold, spec.seed, spec.row_offset, has_bias)
-        return g_x, (g_bias if has_bias else None), g_res, g_w, g_b
+                                              spec.threshold, spec.seed, spec.row_offset, list(param_grads))
+        want_w, want_b, want_bias = param_grads
+        return g_x, (g_bias if want_bias else None), g_res, (g_w if want_w else None), (g_b if want_b else None)
 
     return registry.Backend(OP, name, forward, backward, registry.row_kernel_check)
 
@@ -163,18 +168,19 @@ def _(x, bias, residual, ln_weight, ln_bias, eps, drop_threshold, seed, row_offs
 @registry.kernel_op("seqpar::bias_dropout_add_layer_norm_triton_bwd")
 def _triton_bwd_op(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual_out: torch.Tensor,
                    ln_weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, drop_threshold: int, seed: int,
-                   row_offset: int, has_bias: bool
+                   row_offset: int, param_grads: List[bool]
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from ..triton_kernels import bias_dropout_add_layer_norm as kernels
 
     with _ext.on_device(grad_y):
-        return kernels.backward(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, drop_threshold,
-                                seed, row_offset, has_bias)
+        g_x, g_bias, g_res, g_w, g_b = kernels.backward(grad_y, grad_residual_out, residual_out, ln_weight, mean,
+                                                        rstd, drop_threshold, seed, row_offset, param_grads)
+    return g_x, or_empty(g_bias, grad_y), g_res, or_empty(g_w, grad_y), or_empty(g_b, grad_y)
 
 
 @_triton_bwd_op.register_fake
-def _(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, drop_threshold, seed, row_offset, has_bias):
-    return _bwd_fake(grad_y)
+def _(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, drop_threshold, seed, row_offset, param_grads):
+    return _bwd_fake(grad_y, param_grads)
 
 
 registry.register(_kernel_backend("triton", _triton_fwd_op, _triton_bwd_op))
@@ -216,38 +222,43 @@ def _(x, bias, residual, ln_weight, ln_bias, eps, drop_threshold, seed, row_offs
 @registry.kernel_op("seqpar::bias_dropout_add_layer_norm_cuda_bwd")
 def _cuda_bwd_op(grad_y: torch.Tensor, grad_residual_out: torch.Tensor, residual_out: torch.Tensor,
                  ln_weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, drop_threshold: int, seed: int,
-                 row_offset: int, has_bias: bool
+                 row_offset: int, param_grads: List[bool]
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     ext = _ext.cuda_extension()
     # The kernels address every [rows, h] operand at row stride h (residual_out too: a direct call may pass
     # a row-strided view; the op itself saves a fresh one)
     grad_y, grad_residual_out = grad_y.contiguous(), grad_residual_out.contiguous()
     residual_out = residual_out.contiguous()
-    g_x, g_bias, g_res, g_w, g_b = _bwd_fake(grad_y)
+    g_x, g_bias, g_res, g_w, g_b = _bwd_fake(grad_y, param_grads)
     rows, h = grad_y.shape
+    n_sums = sum(bool(want) for want in param_grads)
     w = ln_weight.contiguous() if ln_weight.dtype in _ext.DTYPE_CODES else ln_weight.float()
     dtype = _ext.DTYPE_CODES[grad_y.dtype]
     with _ext.on_device(grad_y):
         vec = vectorized(grad_y.dtype, h, (grad_y, grad_residual_out, residual_out, w, g_x, g_res))
         n_partials = ext.bias_dropout_add_layer_norm_bwd_partials(rows, h, dtype, vec)
-        partials = torch.empty((3 if has_bias else 2, n_partials, h), dtype=torch.float32, device=grad_y.device)
+        # the partial rows of the sums asked for, in the extension's order: ln_weight, ln_bias, bias
+        partials = torch.empty((n_sums, n_partials, h), dtype=torch.float32, device=grad_y.device)
         # sum(g), sum(g * x_hat) per row: the kernels of rows wider than 4096 compute them first (2 * rows floats,
         # small beside the partial rows, so allocated whatever h is)
         row_sums = torch.empty((2, rows), dtype=torch.float32, device=grad_y.device)
         ext.bias_dropout_add_layer_norm_bwd(
             grad_y.data_ptr(), grad_residual_out.data_ptr(), residual_out.data_ptr(), w.data_ptr(), mean.data_ptr(),
             rstd.data_ptr(), g_x.data_ptr(), g_res.data_ptr(), partials.data_ptr(), n_partials, row_sums.data_ptr(),
-            g_w.data_ptr(), g_b.data_ptr(), g_bias.data_ptr() if has_bias else 0, rows, h, dtype,
+            _sum_ptr(g_w), _sum_ptr(g_b), _sum_ptr(g_bias), rows, h, dtype,
             _ext.DTYPE_CODES[w.dtype], vec,
             int(drop_threshold), int(seed), int(row_offset), _ext.cuda_stream(grad_y.device))
-    if not has_bias:
-        g_bias.zero_()
     return g_x, g_bias, g_res, g_w, g_b
 
 
+def _sum_ptr(grad_sum: torch.Tensor) -> int:
+    """The extension's output pointer of a column sum; 0 (not computed) for the empty one not asked for."""
+    return grad_sum.data_ptr() if grad_sum.numel() else 0
+
+
 @_cuda_bwd_op.register_fake
-def _(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, drop_threshold, seed, row_offset, has_bias):
-    return _bwd_fake(grad_y)
+def _(grad_y, grad_residual_out, residual_out, ln_weight, mean, rstd, drop_threshold, seed, row_offset, param_grads):
+    return _bwd_fake(grad_y, param_grads)
 
 
 registry.register(_kernel_backend("cuda", _cuda_fwd_op, _cuda_bwd_op))
@@ -278,7 +289,7 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
     @registry.once_differentiable
     def backward(ctx, grad_y, grad_residual_out):
         residual_out, ln_weight, mean, rstd = ctx.saved_tensors
-        has_bias = ctx.dtypes[1] is not None
+        bias_grad = ctx.needs_input_grad[1]   # (False without a bias)
         if grad_y is None and grad_residual_out is None:
             # Neither output's gradient defined (their consumers returned None): nothing flows back, as
             # through the torch composite; gradcheck's undefined-grad check calls this too.
@@ -288,7 +299,8 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
             # from 0 * x_hat), and no gradient for the norm's parameters, as autograd gives an unused norm.
             grad_res = grad_residual_out
             grad_x = apply_keep_mask(grad_res, ctx.spec, _dropout.select_backend(grad_res, ctx.impl.name))
-            grad_bias = grad_x.reshape(-1, grad_x.shape[-1]).to(registry.acc_dtype(grad_x.dtype)).sum(dim=0) if has_bias else None
+            grad_bias = (grad_x.reshape(-1, grad_x.shape[-1]).to(registry.acc_dtype(grad_x.dtype)).sum(dim=0)
+                         if bias_grad else None)
             grads = (grad_x, grad_bias, grad_res, None, None)
         else:
             if grad_residual_out is None:
@@ -296,9 +308,11 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
             if len(ctx.shape) != 2:
                 rows = residual_out.shape
                 grad_y, grad_residual_out = grad_y.reshape(rows), grad_residual_out.reshape(rows)
+            # a frozen norm's (or bias's) column sums are not computed: its gradient is None, as autograd's
+            param_grads = (ctx.needs_input_grad[3], ctx.needs_input_grad[4], bias_grad)
             grad_x, grad_bias, grad_res, grad_w, grad_b = ctx.impl.backward(
                 grad_y.contiguous(), grad_residual_out.contiguous(), residual_out, ln_weight, mean, rstd,
-                ctx.spec, has_bias)
+                ctx.spec, param_grads)
             if len(ctx.shape) != 2:
                 grad_x, grad_res = grad_x.reshape(ctx.shape), grad_res.reshape(ctx.shape)
             grads = (grad_x, grad_bias, grad_res, grad_w, grad_b)

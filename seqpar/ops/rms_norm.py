@@ -35,11 +35,12 @@ Backend interface (registered with :func:`seqpar.ops.registry.register`), on 2-D
 unit column stride (any row stride)::
 
     forward(x, residual or None, weight, eps) -> (y, residual_out, rstd)        # residual None: residual_out is x
-    backward(grad_y, grad_residual_out or None, residual_out, weight, rstd, residual_grad)
-        -> (grad_x, grad_residual or None, grad_weight fp32)
+    backward(grad_y, grad_residual_out or None, residual_out, weight, rstd, residual_grad, weight_grad)
+        -> (grad_x, grad_residual or None, grad_weight fp32 or None)
 
 ``grad_residual_out`` None means no gradient reached residual_out; ``residual_grad`` asks for the second
-copy grad_residual.
+copy grad_residual; ``weight_grad`` for grad_weight (a frozen weight's backward writes no partial rows and
+reduces nothing).
 
 ========  ================================================================  ==========
 backend   what runs                                                         h
@@ -68,7 +69,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import registry
-from .rows import as_rows, check_row_inputs, unflatten_rows, vectorized
+from .rows import as_rows, check_row_inputs, or_empty, unflatten_rows, vectorized
 from .. import _ext
 
 OP = "add_rms_norm"
@@ -84,11 +85,11 @@ def _torch_forward(x, residual, weight, eps: float):
     return y, residual_out, rstd.squeeze(-1)
 
 
-def _torch_backward(grad_y, grad_residual_out, residual_out, weight, rstd, residual_grad: bool):
+def _torch_backward(grad_y, grad_residual_out, residual_out, weight, rstd, residual_grad: bool, weight_grad: bool):
     acc = registry.acc_dtype(grad_y.dtype)
     n = residual_out.to(acc) * rstd[:, None]
     gy = grad_y.to(acc)
-    grad_weight = (gy * n).sum(dim=0)
+    grad_weight = (gy * n).sum(dim=0) if weight_grad else None
     g = gy * weight.to(acc)
     grad = rstd[:, None] * (g - n * (g * n).mean(dim=1, keepdim=True))
     if grad_residual_out is not None:
@@ -106,10 +107,10 @@ def _fwd_fake(x: torch.Tensor, has_residual: bool):
     return x.new_empty((rows, h)), residual_out, x.new_empty((rows,), dtype=torch.float32)
 
 
-def _bwd_fake(grad_y: torch.Tensor, residual_grad: bool):
+def _bwd_fake(grad_y: torch.Tensor, residual_grad: bool, weight_grad: bool):
     rows, h = grad_y.shape
     return (grad_y.new_empty((rows, h)), grad_y.new_empty((rows, h) if residual_grad else (0,)),
-            grad_y.new_empty((h,), dtype=torch.float32))
+            grad_y.new_empty((h if weight_grad else 0,), dtype=torch.float32))
 
 
 def _kernel_backend(name: str, fwd_op, bwd_op) -> registry.Backend:
@@ -120,9 +121,10 @@ def _kernel_backend(name: str, fwd_op, bwd_op) -> registry.Backend:
         y, residual_out, rstd = fwd_op(x, residual, weight, eps)
         return y, (x if residual is None else residual_out), rstd
 
-    def backward(grad_y, grad_residual_out, residual_out, weight, rstd, residual_grad: bool):
-        grad_x, grad_res, grad_w = bwd_op(grad_y, grad_residual_out, residual_out, weight, rstd, residual_grad)
-        return grad_x, (grad_res if residual_grad else None), grad_w
+    def backward(grad_y, grad_residual_out, residual_out, weight, rstd, residual_grad: bool, weight_grad: bool):
+        grad_x, grad_res, grad_w = bwd_op(grad_y, grad_residual_out, residual_out, weight, rstd, residual_grad,
+                                          weight_grad)
+        return grad_x, (grad_res if residual_grad else None), (grad_w if weight_grad else None)
 
     return registry.Backend(OP, name, forward, backward, registry.row_kernel_check)
 
@@ -145,19 +147,19 @@ def _(x, residual, weight, eps):
 
 @registry.kernel_op("seqpar::add_rms_norm_triton_bwd")
 def _triton_bwd_op(grad_y: torch.Tensor, grad_residual_out: Optional[torch.Tensor], residual_out: torch.Tensor,
-                   weight: torch.Tensor, rstd: torch.Tensor, residual_grad: bool
+                   weight: torch.Tensor, rstd: torch.Tensor, residual_grad: bool, weight_grad: bool
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from ..triton_kernels import rms_norm as kernels
 
     with _ext.on_device(grad_y):
         grad_x, grad_res, grad_w = kernels.backward(grad_y, grad_residual_out, residual_out, weight, rstd,
-                                                    residual_grad)
-    return grad_x, (grad_y.new_empty((0,)) if grad_res is None else grad_res), grad_w
+                                                    residual_grad, weight_grad)
+    return grad_x, (grad_y.new_empty((0,)) if grad_res is None else grad_res), or_empty(grad_w, grad_y)
 
 
 @_triton_bwd_op.register_fake
-def _(grad_y, grad_residual_out, residual_out, weight, rstd, residual_grad):
-    return _bwd_fake(grad_y, residual_grad)
+def _(grad_y, grad_residual_out, residual_out, weight, rstd, residual_grad, weight_grad):
+    return _bwd_fake(grad_y, residual_grad, weight_grad)
 
 
 registry.register(_kernel_backend("triton", _triton_fwd_op, _triton_bwd_op))
@@ -194,7 +196,7 @@ def _(x, residual, weight, eps):
 
 @registry.kernel_op("seqpar::add_rms_norm_cuda_bwd")
 def _cuda_bwd_op(grad_y: torch.Tensor, grad_residual_out: Optional[torch.Tensor], residual_out: torch.Tensor,
-                 weight: torch.Tensor, rstd: torch.Tensor, residual_grad: bool
+                 weight: torch.Tensor, rstd: torch.Tensor, residual_grad: bool, weight_grad: bool
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ext = _ext.cuda_extension()
     grad_y = grad_y.contiguous()
@@ -202,7 +204,7 @@ def _cuda_bwd_op(grad_y: torch.Tensor, grad_residual_out: Optional[torch.Tensor]
         grad_residual_out = grad_residual_out.contiguous()
     if residual_out.stride(-1) != 1:
         residual_out = residual_out.contiguous()
-    grad_x, grad_res, grad_w = _bwd_fake(grad_y, residual_grad)
+    grad_x, grad_res, grad_w = _bwd_fake(grad_y, residual_grad, weight_grad)
     rows, h = grad_y.shape
     w = _cuda_weight(weight)
     dtype = _ext.DTYPE_CODES[grad_y.dtype]
@@ -210,7 +212,7 @@ def _cuda_bwd_op(grad_y: torch.Tensor, grad_residual_out: Optional[torch.Tensor]
                      (residual_out.stride(0),))
     with _ext.on_device(grad_y):
         n_partials = ext.add_rms_norm_bwd_partials(rows, h, dtype, vec)  # one wave of the kernel's blocks
-        partials = torch.empty((n_partials, h), dtype=torch.float32, device=grad_y.device)
+        partials = torch.empty((n_partials if weight_grad else 0, h), dtype=torch.float32, device=grad_y.device)
         # sum(g * n) per row: the kernels of rows too long for one block's registers compute it first (rows
         # floats, small beside the partial rows, so allocated whatever h is)
         row_sums = torch.empty((rows,), dtype=torch.float32, device=grad_y.device)
@@ -218,13 +220,13 @@ def _cuda_bwd_op(grad_y: torch.Tensor, grad_residual_out: Optional[torch.Tensor]
             grad_y.data_ptr(), 0 if grad_residual_out is None else grad_residual_out.data_ptr(),
             residual_out.data_ptr(), residual_out.stride(0), w.data_ptr(), rstd.data_ptr(), grad_x.data_ptr(),
             grad_res.data_ptr() if residual_grad else 0, partials.data_ptr(), n_partials, row_sums.data_ptr(),
-            grad_w.data_ptr(), rows, h, dtype, _ext.DTYPE_CODES[w.dtype], vec, _ext.cuda_stream(grad_y.device))
+            grad_w.data_ptr() if weight_grad else 0, rows, h, dtype, _ext.DTYPE_CODES[w.dtype], vec, _ext.cuda_stream(grad_y.device))
     return grad_x, grad_res, grad_w
 
 
 @_cuda_bwd_op.register_fake
-def _(grad_y, grad_residual_out, residual_out, weight, rstd, residual_grad):
-    return _bwd_fake(grad_y, residual_grad)
+def _(grad_y, grad_residual_out, residual_out, weight, rstd, residual_grad, weight_grad):
+    return _bwd_fake(grad_y, residual_grad, weight_grad)
 
 
 registry.register(_kernel_backend("cuda", _cuda_fwd_op, _cuda_bwd_op))
@@ -272,14 +274,16 @@ class _AddRMSNorm(torch.autograd.Function):
             grad_y = grad_y.reshape(residual_out.shape)
         if grad_residual_out is not None and len(ctx.shape) != 2:
             grad_residual_out = grad_residual_out.reshape(residual_out.shape)
+        # a frozen weight's column sum is not computed: its gradient is None, as autograd's
         grad_x, grad_res, grad_weight = ctx.impl.backward(grad_y.contiguous(), grad_residual_out, residual_out,
-                                                          weight, rstd, x_grad and res_grad)
+                                                          weight, rstd, x_grad and res_grad, ctx.needs_input_grad[2])
         if not x_grad:  # the one tensor goes to whichever input needs it
             grad_x, grad_res = None, (grad_x if res_grad else None)
         if len(ctx.shape) != 2:
             grad_x = None if grad_x is None else grad_x.reshape(ctx.shape)
             grad_res = None if grad_res is None else grad_res.reshape(ctx.shape)
-        return grad_x, grad_res, registry.cast(grad_weight, weight.dtype), None, None
+        grad_weight = None if grad_weight is None else registry.cast(grad_weight, weight.dtype)
+        return grad_x, grad_res, grad_weight, None, None
 
 
 def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, *, eps: float = 1e-6,

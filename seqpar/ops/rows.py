@@ -4,6 +4,7 @@ vector test."""
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -29,6 +30,12 @@ def vectorized(dtype: torch.dtype, h: int, tensors, strides=()) -> bool:
     vec = 16 // dtype.itemsize
     return (h % vec == 0 and all(s % vec == 0 for s in strides)
             and all(t.data_ptr() % 16 == 0 for t in tensors if t is not None))
+
+
+def or_empty(grad_sum: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """A kernel custom op's column sum: the launcher's None (not asked for) as an empty fp32 tensor on
+    ``like``'s device, since a custom op can't return None."""
+    return like.new_empty((0,), dtype=torch.float32) if grad_sum is None else grad_sum
 
 
 def check_row_inputs(x, residual, weights: dict, eps, *, residual_optional: bool = False, on_device=()) -> int:

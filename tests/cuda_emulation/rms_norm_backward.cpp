@@ -34,7 +34,8 @@ const char* launch_backward(const BwdArgs& a, int64_t rows, int64_t h, int64_t n
 }
 
 template <typename T, int VEC>
-int check(int64_t rows, int64_t h, int64_t stride_ro, bool has_gro, bool has_gres, int64_t num_partials) {
+int check(int64_t rows, int64_t h, int64_t stride_ro, bool has_gro, bool has_gres, int64_t num_partials,
+          bool weight_sum = true) {
   std::mt19937 gen(static_cast<unsigned>(11 + h + rows));
   std::normal_distribution<float> normal;
   std::vector<T> ro(rows * stride_ro), gy(rows * h), gro(rows * h);
@@ -50,7 +51,8 @@ int check(int64_t rows, int64_t h, int64_t stride_ro, bool has_gro, bool has_gre
   }
   std::vector<float> parts(num_partials * h, NAN);
   const BwdArgs a{gy.data(), has_gro ? gro.data() : nullptr, ro.data(), w.data(), rstd.data(), gx.data(),
-                  has_gres ? gres.data() : nullptr, parts.data(), kFloat32, rows, h, stride_ro};
+                  has_gres ? gres.data() : nullptr, weight_sum ? parts.data() : nullptr, kFloat32, rows, h,
+                  stride_ro};  // part_w nullptr: a frozen weight (a write through it would crash the run)
   const char* kind = launch_backward<T, VEC>(a, rows, h, num_partials);
   Tally tally;
   std::vector<double> dw(h, 0);
@@ -68,15 +70,15 @@ int check(int64_t rows, int64_t h, int64_t stride_ro, bool has_gro, bool has_gre
                has_gres ? to_float(gres[r * h + c]) : NAN, want);
     }
   }
-  for (int64_t c = 0; c < h; ++c) {
+  for (int64_t c = 0; weight_sum && c < h; ++c) {
     double s = 0;
     for (int64_t p = 0; p < num_partials; ++p) s += parts[p * h + c];
     if (tally.off(s, dw[c], 1e-3))  // fp32 sums of differently ordered terms
       printf("  weight gradient col %ld: %g (want %g)\n", long(c), s, dw[c]);
   }
-  printf("%s %-5s VEC=%d rows=%ld h=%ld stride=%ld gro=%d gres=%d partials=%ld: worst relative error %.2g, "
-         "%d bad\n", sizeof(T) == 2 ? "16-bit" : "fp32  ", kind, VEC, long(rows), long(h), long(stride_ro), has_gro,
-         has_gres, long(num_partials), tally.worst, tally.bad);
+  printf("%s %-5s VEC=%d rows=%ld h=%ld stride=%ld gro=%d gres=%d dw=%d partials=%ld: worst relative error "
+         "%.2g, %d bad\n", sizeof(T) == 2 ? "16-bit" : "fp32  ", kind, VEC, long(rows), long(h), long(stride_ro),
+         has_gro, has_gres, weight_sum, long(num_partials), tally.worst, tally.bad);
   return tally.bad;
 }
 
@@ -91,6 +93,9 @@ int main() {
   bad += check<__nv_bfloat16, 8>(6, 8192, 8192, true, false, 3);    // long: row sums + column chunks
   bad += check<float, 4>(4, 6144, 6152, true, true, 5);             // idle row blocks
   bad += check<__nv_bfloat16, 1>(3, 4099, 4101, false, true, 2);
+  bad += check<__nv_bfloat16, 8>(33, 512, 512, true, true, 2, false);   // frozen weight: warp, block, long
+  bad += check<__nv_bfloat16, 8>(5, 4096, 4104, true, false, 2, false);
+  bad += check<__nv_bfloat16, 8>(6, 8192, 8192, false, true, 3, false);
   printf(bad ? "FAILED\n" : "ALL OK\n");
   return bad != 0;
 }

@@ -402,7 +402,8 @@ def test_triton_custom_ops_pass_opcheck():
     torch.library.opcheck(fwd, (x, bias, res, w, b, EPS, 64, 9, 2))
     y, ro, mean, rstd = fwd(x, bias, res, w, b, EPS, 64, 9, 2)
     bwd = torch.ops.seqpar.bias_dropout_add_layer_norm_triton_bwd
-    torch.library.opcheck(bwd, (torch.randn(4, 24), torch.randn(4, 24), ro, w, mean, rstd, 64, 9, 2, True))
+    for param_grads in ([True, True, True], [False, False, True], [False, False, False]):
+        torch.library.opcheck(bwd, (torch.randn(4, 24), torch.randn(4, 24), ro, w, mean, rstd, 64, 9, 2, param_grads))
 
 
 # ----------------------------------------------------------------------------- validation
@@ -546,6 +547,81 @@ def test_module_rejects_wrong_hidden_size():
     m = FusedBiasDropoutAddLayerNorm(8)
     with pytest.raises(ValueError, match="hidden_size"):
         m(torch.randn(2, 9), None, torch.randn(2, 9))
+
+
+# ----------------------------------------------------------------------------- frozen parameters
+# PEFT / LoRA fine-tuning freezes the norms (and the linear biases): which of them still need a gradient
+FROZEN = {"norm": ("ln_weight", "ln_bias"), "norm_weight": ("ln_weight",), "bias": ("bias",),
+          "all": ("bias", "ln_weight", "ln_bias")}
+
+
+def _grads_with_frozen(inp, frozen, backend, compile_with=None):
+    """(y, residual_out, .grad of x, bias, residual, ln_weight, ln_bias) after one backward with the
+    ``frozen`` leaves not requiring grad (fresh leaves each call)."""
+    leaves = {n: inp[n].detach().clone().requires_grad_(n not in frozen) for n in GRAD_NAMES}
+
+    def f(x, bias, residual, w, b):
+        return bias_dropout_add_layer_norm(x, bias, residual, w, b, p=0.1, seed=SEED, backend=backend, row_offset=3)
+
+    if compile_with:
+        torch._dynamo.reset()
+        f = torch.compile(f, backend=compile_with, fullgraph=True)
+    y, ro = f(*(leaves[n] for n in GRAD_NAMES))
+    ((y.float() * inp["grad_y"]).sum() + (ro.float() * inp["grad_residual_out"]).sum()).backward()
+    return (y, ro) + tuple(leaves[n].grad for n in GRAD_NAMES)
+
+
+def _check_frozen(got, want, frozen):
+    for name, g, w in zip(("y", "residual_out") + GRAD_NAMES, got, want):
+        if name in frozen:
+            assert g is None, f"frozen {name} got a gradient"
+        else:
+            assert torch.equal(g, w), name
+
+
+@pytest.mark.parametrize("frozen", list(FROZEN))
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_frozen_parameters_get_no_gradient_and_the_rest_is_unchanged(backend, frozen):
+    """A frozen LayerNorm or linear bias gets no gradient (as autograd gives a leaf that doesn't require
+    one); every other output and gradient is bitwise the trainable run's."""
+    inp = _make_inputs((3, 5, 96), torch.float32)
+    _check_frozen(_grads_with_frozen(inp, FROZEN[frozen], backend), _grads_with_frozen(inp, (), backend),
+                  FROZEN[frozen])
+
+
+@pytest.mark.parametrize("frozen", list(FROZEN))
+def test_triton_backward_computes_no_column_sum_of_a_frozen_parameter(frozen, monkeypatch):
+    """The kernels compute only the column sums (partial rows + a reduction) that are asked for: a frozen
+    norm saves its two [programs, h] fp32 partial buffers and their reduction (all frozen: no reduction
+    launch at all). Before, all three sums were computed and the frozen ones dropped by autograd."""
+    from seqpar.triton_kernels import rows
+
+    reduced = []
+    real = rows.reduce_partials
+    monkeypatch.setattr(rows, "reduce_partials", lambda partials: reduced.append(partials.shape[0]) or real(partials))
+    inp = _make_inputs((3, 5, 96), torch.float32)
+    _grads_with_frozen(inp, FROZEN[frozen], "triton")
+    assert sum(reduced) == 3 - len(FROZEN[frozen])
+    assert len(reduced) == (0 if frozen == "all" else 1)
+
+
+def test_compiled_op_with_a_frozen_norm():
+    """Under torch.compile (the custom ops' fake implementations see which sums are asked for): the frozen
+    norm's gradients are None and the rest equal eager's."""
+    inp = _make_inputs((2, 3, 64), torch.float32)
+    frozen = FROZEN["norm"]
+    _check_frozen(_grads_with_frozen(inp, frozen, "triton", compile_with="aot_eager"),
+                  _grads_with_frozen(inp, frozen, "triton"), frozen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [512, 4096, 12288], ids=["warp", "block", "wide"])
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_frozen_parameters(backend, h):
+    skip_unless_backend_runs(backend)
+    inp = _make_inputs((37, h), torch.bfloat16, device="cuda")
+    for frozen in FROZEN.values():
+        _check_frozen(_grads_with_frozen(inp, frozen, backend), _grads_with_frozen(inp, (), backend), frozen)
 
 
 # ----------------------------------------------------------------------------- torch.compile
@@ -761,7 +837,7 @@ def test_cuda_backward_launcher_passes_residual_out_at_row_stride_h(monkeypatch)
     grad_y = torch.randn(rows, h, dtype=torch.float16)
     stats = torch.zeros(rows)
     module._cuda_bwd_op(grad_y, torch.zeros_like(grad_y), residual_out, torch.ones(h, dtype=torch.float16),
-                        stats, stats, 0, 0, 0, False)
+                        stats, stats, 0, 0, 0, [True, True, False])
     assert torch.equal(seen["rows"], residual_out)
 
 

@@ -234,6 +234,35 @@ def test_zero_rows(backend):
     assert gw.shape == (16,) and not gw.abs().sum()
 
 
+def _grads_with_frozen_weight(inp, backend, frozen):
+    """(y, residual_out, x.grad, residual.grad, weight.grad) of fresh leaves, the weight frozen or not."""
+    x, res, w = (inp[n].detach().clone().requires_grad_(not (frozen and n == "weight"))
+                 for n in ("x", "residual", "weight"))
+    y, ro = add_rms_norm(x, res, w, eps=EPS, backend=backend)
+    ((y.float() * inp["grad_y"]).sum() + (ro.float() * inp["grad_residual_out"]).sum()).backward()
+    return y, ro, x.grad, res.grad, w.grad
+
+
+@pytest.mark.parametrize("h", [48, 96], ids=["whole", "chunked"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_frozen_weight_gets_no_gradient_and_no_column_sum(backend, h, chunked_triton, monkeypatch):
+    """A frozen RMSNorm weight (PEFT / LoRA): no gradient, as autograd gives a leaf that doesn't require
+    one, and the Triton backward writes no partial rows and launches no reduction (before, it computed the
+    weight's column sum for autograd to drop); the other outputs are bitwise the trainable run's."""
+    from seqpar.triton_kernels import rows
+
+    reduced = []
+    real = rows.reduce_partials
+    monkeypatch.setattr(rows, "reduce_partials", lambda partials: reduced.append(partials.shape) or real(partials))
+    inp = _make_inputs((3, 5, h), torch.float32)
+    got = _grads_with_frozen_weight(inp, backend, frozen=True)
+    assert got[4] is None and not reduced
+    want = _grads_with_frozen_weight(inp, backend, frozen=False)
+    assert len(reduced) == (backend == "triton")
+    for name, g, w in zip(OUT_NAMES[:4], got, want):
+        assert torch.equal(g, w), name
+
+
 def test_triton_custom_ops_pass_opcheck():
     x, res, w = torch.randn(4, 24), torch.randn(4, 24), torch.randn(24)
     fwd = torch.ops.seqpar.add_rms_norm_triton_fwd
@@ -241,8 +270,9 @@ def test_triton_custom_ops_pass_opcheck():
     torch.library.opcheck(fwd, (x, None, w, EPS))
     _, ro, rstd = fwd(x, res, w, EPS)
     bwd = torch.ops.seqpar.add_rms_norm_triton_bwd
-    torch.library.opcheck(bwd, (torch.randn(4, 24), torch.randn(4, 24), ro, w, rstd, True))
-    torch.library.opcheck(bwd, (torch.randn(4, 24), None, ro, w, rstd, False))
+    torch.library.opcheck(bwd, (torch.randn(4, 24), torch.randn(4, 24), ro, w, rstd, True, True))
+    torch.library.opcheck(bwd, (torch.randn(4, 24), None, ro, w, rstd, False, True))
+    torch.library.opcheck(bwd, (torch.randn(4, 24), None, ro, w, rstd, True, False))   # a frozen weight
 
 
 def test_torch_compile_traces_the_op():
@@ -358,6 +388,19 @@ def test_gpu_unaligned_strided_and_many_rows(backend):
     for h in (256, 1024, 6144):
         inp = _make_inputs((20000, h), torch.float32, device="cuda")
         _check_fp32(_run(inp, backend), _run(inp, "torch"), _reference_fp64(inp))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [512, 4096, 8192], ids=["warp", "block", "long"])
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_frozen_weight(backend, h):
+    skip_unless_backend_runs(backend)
+    inp = _make_inputs((37, h), torch.bfloat16, device="cuda")
+    got = _grads_with_frozen_weight(inp, backend, frozen=True)
+    want = _grads_with_frozen_weight(inp, backend, frozen=False)
+    assert got[4] is None
+    for name, g, w in zip(OUT_NAMES[:4], got, want):
+        assert torch.equal(g, w), name
 
 
 @pytest.mark.gpu
