@@ -124,7 +124,8 @@ def get_rng_state() -> torch.Tensor:
     of :func:`initial_seed` (8 bytes, little-endian) followed by torch's default CPU generator state
     (``torch.get_rng_state()``). Saving torch's state alone is not enough: every seed mixes in the
     seqpar seed, so a resume that does not repeat :func:`manual_seed` drew other masks."""
-    return torch.cat([torch.tensor(list(_state.seed.to_bytes(8, "little")), dtype=torch.uint8),
+    # device="cpu": torch's state is a CPU tensor whatever the default device (torch.set_default_device)
+    return torch.cat([torch.tensor(list(_state.seed.to_bytes(8, "little")), dtype=torch.uint8, device="cpu"),
                       torch.get_rng_state()])
 
 

@@ -49,8 +49,9 @@ from ..recompute import checkpoint
 from .autocast import autocast_dtype, run_in_dtype
 from .layernorm import LayerNorm, RMSNorm
 from .linear import ColumnParallelLinear, RowParallelLinear, SeededNormal, init_normal
-from .state_dict import (FSDP_UNIT, IncompatibleKeys, check_intact_parts, check_loadable, check_not_meta, gather_unsharded,
-                         prepare_parameters, reset_modules, scatter_unsharded, unsharded_entries, unsharded_shapes)
+from .state_dict import (FSDP_UNIT, IncompatibleKeys, check_intact_parts, check_loadable, check_not_meta,
+                         gather_unsharded, on_meta, prepare_parameters, reset_modules, scatter_unsharded,
+                         unsharded_entries, unsharded_shapes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +78,13 @@ def _draw_seeds(layer: "TransformerLayer") -> Tuple[int, int, int, int]:
     recompile limit (8) would run its later layers eagerly. The seeds go to the graph as dynamic inputs
     (:func:`seqpar.random.graph_ints`)."""
     return sp_random.graph_ints(sp_random.next_layer_streams(layer.layer_number))
+
+
+def builds_on_meta(device) -> bool:
+    """Whether parameters made for ``device`` are on the meta device (None: torch's default device, which a
+    ``with torch.device(...)`` context sets). The ranks agree on it: a rank building on meta runs none of the
+    init collectives a real one runs."""
+    return (torch.get_default_device() if device is None else torch.device(device)).type == "meta"
 
 
 def agreement_values(config: TransformerConfig, **arguments) -> Dict[str, object]:
@@ -315,7 +323,8 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         layer_number = sp_random.as_int(layer_number)
         # First, before anything that can raise on one rank only: the ranks agree on every argument
         # (then every later check fails on all ranks alike) and on the RNG state.
-        check_ranks_agree(tp_group, agreement_values(config, layer_number=layer_number),
+        check_ranks_agree(tp_group, agreement_values(config, layer_number=layer_number,
+                                                     on_meta_device=builds_on_meta(device)),
                           what=f"TransformerLayer(layer_number={layer_number!r})", hint=AGREEMENT_HINT)
         # The RNG folds layer_number into 64 bits: 2**64 + i would replay layer i's init and masks.
         if not isinstance(layer_number, int) or isinstance(layer_number, bool) or not 0 <= layer_number < 2**63:
@@ -337,9 +346,8 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         for module in self.modules():   # the layer's own input check (or its opt-out) covers its linears'
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.check_rank_inputs = False
-        if self.input_layernorm.weight.device.type != "meta":  # on meta: to_empty, then reset_parameters()
-            # this class's: a subclass's override may init parameters its __init__ makes after this one
-            TransformerLayer.reset_parameters(self)
+        # this class's: a subclass's override may init parameters its __init__ makes after this one
+        TransformerLayer.reset_parameters(self)
 
     # ------------------------------------------------------------------ forward
     def extra_repr(self) -> str:
@@ -535,9 +543,13 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         keeps its weight and bias. A module you put in place of a part is reset by its own
         ``reset_parameters`` (or its children's); parameters a subclass adds to the layer itself are the
         subclass's to initialise (override this method, calling it first; construction runs this class's
-        own, before the subclass's parameters exist, so call the override at the end of your ``__init__``)."""
+        own, before the subclass's parameters exist, so call the override at the end of your ``__init__``).
+        On a layer built on the meta device it does nothing (as torch's own inits: there is nothing to fill;
+        ``to_empty(device=...)``, then call it); a ValueError if only some parameters are on meta."""
         what = f"TransformerLayer(layer_number={self.layer_number}).reset_parameters"
         self._parts(what)
-        check_not_meta(self, what)   # (filling a meta tensor does nothing, silently)
+        if on_meta(self):
+            return
+        check_not_meta(self, what)   # partly materialised: filling its meta tensors would do nothing, silently
         prepare_parameters(self, what)
         reset_modules(self.children())

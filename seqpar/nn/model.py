@@ -45,13 +45,13 @@ from ..parallel.state import (SAME_MODE_HINT, SEED_HINT, ProcessGroup, SharesPro
                               check_ranks_agree, group_rank, group_size, shard_first_row)
 from ..memory import recompute_policies, saved_as
 from .autocast import autocast_dtype, call_self_casting, run_in_dtype
-from .layer import (AGREEMENT_HINT, RANK_CHECK_NOT_TRACEABLE, TransformerLayer, agreement_values, make_norm,
-                    parameter_device, reference_parameter, run_problem)
+from .layer import (AGREEMENT_HINT, RANK_CHECK_NOT_TRACEABLE, TransformerLayer, agreement_values, builds_on_meta,
+                    make_norm, parameter_device, reference_parameter, run_problem)
 from .layernorm import LayerNorm, RMSNorm
 from .linear import SeededNormal
-from .state_dict import (IncompatibleKeys, ShardedParameters, ShardLayout, check_intact_parts, check_loadable, check_not_meta,
-                         full_parameters, gather_unsharded, prepare_parameters, reset_modules, scatter_full,
-                         scatter_unsharded, unsharded_entries, unsharded_shapes)
+from .state_dict import (IncompatibleKeys, ShardedParameters, ShardLayout, check_intact_parts, check_loadable,
+                         check_not_meta, full_parameters, gather_unsharded, on_meta, prepare_parameters, reset_modules,
+                         scatter_full, scatter_unsharded, unsharded_entries, unsharded_shapes)
 
 EMBEDDING_RNG_LAYER = 2**31 - 1  # the embedding dropout's "layer number" in the RNG (its site: Site.EMBEDDING)
 VOCAB_PAD_MULTIPLE = 128         # the padded vocabulary is a multiple of this times t
@@ -402,7 +402,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
                                                      max_seq_len=max_seq_len, recompute=recompute,
                                                      embedding_dropout=embedding_dropout,
                                                      share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-                                                     padding_idx=padding_idx),
+                                                     padding_idx=padding_idx, on_meta_device=builds_on_meta(device)),
                           what="GPTModel", hint=AGREEMENT_HINT)
         if not isinstance(share_embeddings_and_output_weights, bool):
             raise ValueError(f"share_embeddings_and_output_weights must be a bool, got "
@@ -450,10 +450,13 @@ class GPTModel(SharesProcessGroup, nn.Module):
         layers' (:meth:`TransformerLayer.reset_parameters`), the embeddings', a unit final norm; a module you
         put in place of a part (a block of your own in ``layers``) by its own ``reset_parameters`` (or its
         children's). The deferred-init recipe: build with ``device="meta"``, ``to_empty(device=...)``, then
-        this."""
+        this. On a model still all on meta it does nothing (as torch's own inits); a ValueError if only some
+        parameters are on meta."""
         what = "GPTModel.reset_parameters"
         self._parts(what)
-        check_not_meta(self, what)   # (filling a meta tensor does nothing, silently)
+        if on_meta(self):
+            return
+        check_not_meta(self, what)   # partly materialised: filling its meta tensors would do nothing, silently
         prepare_parameters(self, what)
         reset_modules(self.children())
 
@@ -527,11 +530,13 @@ class GPTModel(SharesProcessGroup, nn.Module):
                    with_checksum: bool) -> Optional[int]:
         """ValueError naming the first token or label id outside [0, vocab_size) (-100 allowed in labels),
         from one host read of those given (a device sync on CUDA). With ``with_checksum`` returns, from the
-        same read, a checksum of the ids' values and positions for the ranks' check (None without it, and
-        while a graph is captured: no host read)."""
+        same read, a checksum of the ids' values and positions for the ranks' check (None without it, on
+        meta tensors, and while a graph is captured: no host read)."""
         checks = [(name, ids, allow_ignore) for name, ids, allow_ignore in
                   (("token", tokens, False), ("label", labels, True)) if ids is not None]
         first = checks[0][1]
+        if first.is_meta:   # no values to check (a shape or memory estimate of a model built on meta)
+            return None
         bad = []
         for _, ids, allow_ignore in checks:
             outside = (ids < 0) | (ids >= self.vocab_size)
@@ -750,8 +755,13 @@ class GPTModel(SharesProcessGroup, nn.Module):
         self._parts(what)   # before any load
         prepared = prepare_parameters(self, what)
         entries = unsharded_entries(self)
+        # the vocabulary tables of a per-rank state_dict() are padded (and at t > 1 sharded): say so
+        padded = (f"a model's state_dict() holds its padded table ({self.padded_vocab_size} rows over the ranks): "
+                  f"pass full_state_dict(), or the first {self.vocab_size} rows of a t = 1 state_dict()")
         keys = check_loadable(state_dict, unsharded_shapes(entries), self.tp_group, what=what,
-                              device=parameter_device(self), strict=strict, data_parallel_groups=prepared.data_parallel_groups())
+                              device=parameter_device(self), strict=strict,
+                              data_parallel_groups=prepared.data_parallel_groups(),
+                              shape_hints={"embedding.word_embeddings.weight": padded, "output_layer.weight": padded})
         scatter_unsharded(entries, state_dict)
         return keys
 

@@ -429,6 +429,13 @@ def _parameters_with_layouts(module: nn.Module, remove_duplicate: bool = True
             yield key, param, _Split(group, layout_of_rank, layout)
 
 
+def on_meta(module: nn.Module) -> bool:
+    """True when every parameter of ``module`` is on the meta device (and it has some): built on meta, not
+    materialised yet."""
+    flags = [p.is_meta for p in module.parameters()]
+    return bool(flags) and all(flags)
+
+
 def check_not_meta(module: nn.Module, what: str) -> None:
     """ValueError naming the first parameter of ``module`` on the meta device (``what``: the operation)."""
     meta = next((key for key, p in module.named_parameters() if p.is_meta), None)
@@ -806,7 +813,8 @@ class IncompatibleKeys(NamedTuple):
 
 
 def check_shapes(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[int, ...]], *,
-                 what: str = "state dict", config: str = "", strict: bool = True) -> IncompatibleKeys:
+                 what: str = "state dict", config: str = "", strict: bool = True,
+                 shape_hints: Optional[Mapping[str, str]] = None) -> IncompatibleKeys:
     """ValueError unless ``state_dict`` has exactly the keys of ``shapes`` (the shapes the model's config
     implies), each a real-floating tensor with data (not bool, integer, complex or meta) of that shape.
     Any floating dtype passes: loaders cast it to the parameters' dtype. With ``strict=False`` keys may
@@ -814,7 +822,7 @@ def check_shapes(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[in
 
     ``what`` names the dict in the messages ("GPT-2 state dict"); ``config`` names the setting that
     decides the keys ("n_layer=2") in the key-mismatch message; shape and dtype messages name the key,
-    the expected and the given shape or dtype.
+    the expected and the given shape or dtype, then ``shape_hints[key]`` where given.
     """
     if not isinstance(state_dict, Mapping):
         raise ValueError(f"{what} must be a mapping of names to tensors, got {type(state_dict).__name__}")
@@ -831,7 +839,9 @@ def check_shapes(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[in
                              "(full_state_dict()), or load a sharded state dict with torch.distributed.checkpoint")
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"{what} {key} must have shape {tuple(shape)} for this config, got {got}")
+            hint = (shape_hints or {}).get(key)
+            raise ValueError(f"{what} {key} must have shape {tuple(shape)} for this config, got {got}"
+                             + (f": {hint}" if hint else ""))
         # Checked here, before any copy: copy_ would cast a bool / int silently, drop a complex value's
         # imaginary part with a warning, and fail on a meta tensor after earlier keys were overwritten.
         if not value.is_floating_point() or value.is_meta:
@@ -851,7 +861,8 @@ def _is_distributed_tensor(value) -> bool:
 
 def check_loadable(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[int, ...]], group, *,
                    what: str, device: Optional[torch.device] = None, strict: bool = True,
-                   data_parallel_groups: Sequence[ProcessGroup] = ()) -> IncompatibleKeys:
+                   data_parallel_groups: Sequence[ProcessGroup] = (),
+                   shape_hints: Optional[Mapping[str, str]] = None) -> IncompatibleKeys:
     """:func:`check_shapes` on every rank of the tensor-parallel ``group``, a failure on any rank a
     ValueError on every rank (:func:`seqpar.parallel.state.check_ranks_agree`, one tiny all-gather):
     a rank whose dict is wrong must not leave the others loading theirs and then waiting for it in the
@@ -865,7 +876,7 @@ def check_loadable(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[
         if device is not None and device.type == "meta":
             raise ValueError(f"{what}: the parameters are on the meta device, where loading copies nothing: "
                              "call module.to_empty(device=...) first")
-        return check_shapes(state_dict, shapes, what=f"{what}: state dict", strict=strict)
+        return check_shapes(state_dict, shapes, what=f"{what}: state dict", strict=strict, shape_hints=shape_hints)
 
     return run_agreed(check, (group, *data_parallel_groups), what=what)
 
@@ -873,5 +884,5 @@ def check_loadable(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[
 __all__ = ["ShardLayout", "ShardedParameters", "RowChunks", "boxes", "local_rows", "scatter_full", "gather_full",
            "load_full_parameters", "full_parameters", "sharded_state_dict", "sharded_optimizer_state_dict",
            "load_sharded_optimizer_state_dict", "IncompatibleKeys", "PreparedParameters", "prepare_parameters",
-           "check_shapes", "check_loadable", "check_intact_parts", "check_not_meta", "reset_modules", "unsharded_entries", "unsharded_shapes",
+           "check_shapes", "check_loadable", "check_intact_parts", "check_not_meta", "on_meta", "reset_modules", "unsharded_entries", "unsharded_shapes",
            "gather_unsharded", "scatter_unsharded"]

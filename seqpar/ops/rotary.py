@@ -79,7 +79,8 @@ def check_theta(theta, name: str = "theta") -> None:
 
 def rope_inv_freq(d: int, theta: float) -> torch.Tensor:
     """``1 / theta**(2j / d)``, j < d / 2: fp32 on the CPU, by the same ops as HF's default RoPE."""
-    return 1.0 / (float(theta) ** (torch.arange(0, d, 2, dtype=torch.int64).to(dtype=torch.float) / d))
+    # device="cpu" whatever the default device (a meta one made the copy to the layer's device fail)
+    return 1.0 / (float(theta) ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float) / d))
 
 
 @functools.lru_cache(maxsize=64)

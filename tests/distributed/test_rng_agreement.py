@@ -93,6 +93,11 @@ def _checkpoint_cases(group):
     return out
 
 
+def _on_device(device, build):
+    with torch.device(device):
+        return build()
+
+
 def _construction_cases(rank):
     """name -> a callable building something that must raise on every rank."""
     def layer(**kw):
@@ -120,6 +125,11 @@ def _construction_cases(rank):
                                              max_seq_len=16, tp_group=world),
         "gpt-seed": lambda: seeded(rank, lambda: seqpar.GPTModel(_cfg(), num_layers=3, vocab_size=64,
                                                                  max_seq_len=16, tp_group=world)),
+        # materialised on one rank only (FSDP's habit): the real rank's init collectives met none, and the
+        # error blamed the model ("different numbers of split parameters")
+        "meta-on-one-rank": lambda: seqpar.GPTModel(_cfg(), num_layers=1, vocab_size=64, max_seq_len=16,
+                                                    tp_group=world, device="meta" if rank else "cpu"),
+        "layer-meta-context-on-one-rank": lambda: _on_device("meta" if rank else "cpu", layer),
         # the same invalid arguments on every rank: every rank raises the same error
         "heads-indivisible": lambda: layer(hidden_size=48, num_attention_heads=3),
         "ffn-indivisible": lambda: layer(ffn_hidden_size=91),
@@ -304,6 +314,8 @@ CONSTRUCTION = {  # case -> what every rank's ValueError must name
     "layer-number": r"layer_number differs \(rank 0: 0, rank 1: 1\)",
     "gpt-vocab": r"GPTModel: .*vocab_size differs \(rank 0: 64, rank 1: 32\)",
     "gpt-seed": r"GPTModel: .*seqpar seed",
+    "meta-on-one-rank": r"GPTModel: .*on_meta_device differs",
+    "layer-meta-context-on-one-rank": r"TransformerLayer\(layer_number=0\): .*on_meta_device differs",
     "heads-indivisible": r"num_attention_heads 3 is not divisible by the tensor-parallel size 2",
     "ffn-indivisible": r"ffn_hidden_size 91 is not divisible",
 }

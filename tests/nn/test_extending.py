@@ -215,7 +215,7 @@ class ScaledLayer(TransformerLayer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.scale = nn.Parameter(torch.empty(()))
+        self.scale = nn.Parameter(torch.empty((), device=kwargs.get("device")))
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -250,10 +250,33 @@ def test_a_scalar_parameter_a_subclass_dtype_and_its_reset_override():
     torch.testing.assert_close(model(tokens, tokens), loss, rtol=0, atol=0)
 
 
+def test_the_documented_reset_override_builds_on_meta():
+    """A subclass following reset_parameters' recipe (override calling the base first, called at the end of
+    its __init__) could not be built on meta: the base raised for the subclass's meta parameter. Now it
+    builds, and to_empty + reset_parameters() gives the eager build."""
+    cfg = _cfg()
+    seqpar.manual_seed(0)
+    eager = ScaledLayer(cfg, layer_number=1)
+    for build in (lambda: ScaledLayer(cfg, layer_number=1, device="meta"), lambda: _on_meta(ScaledLayer, cfg)):
+        layer = build()
+        assert all(p.is_meta for p in layer.parameters())
+        layer.to_empty(device="cpu")
+        seqpar.manual_seed(0)
+        layer.reset_parameters()
+        for (name, p), q in zip(layer.named_parameters(), eager.parameters()):
+            assert torch.equal(p, q), name
+
+
+def _on_meta(cls, cfg):
+    with torch.device("meta"):
+        return cls(cfg, layer_number=1)
+
+
 def test_a_part_split_into_seqpar_linears_or_checkpoint_wrapped_is_not_a_wrapper():
     """An unfused QKV of three ColumnParallelLinears in the fused one's place, and checkpoint_wrapper around
-    a norm, were refused as "wrapped or reparametrized (PEFT)"; a meta model's reset_parameters, which
-    filled nothing, raises as the loads do."""
+    a norm, were refused as "wrapped or reparametrized (PEFT)"; a partly materialised model's
+    reset_parameters, which would fill nothing of its meta parameters, raises as the loads do (on a model
+    all on meta it does nothing, as torch's inits: tests/nn/test_init.py)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     from seqpar.nn import ColumnParallelLinear
@@ -276,5 +299,7 @@ def test_a_part_split_into_seqpar_linears_or_checkpoint_wrapped_is_not_a_wrapper
     assert layer.load_full_state_dict(full) == ([], [])
     with torch.device("meta"):
         meta = seqpar.GPTModel(_cfg(), num_layers=1, vocab_size=50, max_seq_len=8)
+    meta.reset_parameters()
+    meta.layers[0].to_empty(device="cpu")
     with pytest.raises(ValueError, match="GPTModel.reset_parameters: parameter .* is on the meta device"):
         meta.reset_parameters()

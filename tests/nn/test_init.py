@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import seqpar
+from seqpar.memory import ActivationMeter
 from seqpar.nn import ColumnParallelLinear, RowParallelLinear
 
 
@@ -94,6 +95,46 @@ def test_meta_model_refuses_loads_and_inputs_instead_of_doing_nothing():
         model.layers[0](torch.randn(8, 2, 32))
 
 
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_a_model_on_meta_runs_its_forward_for_shapes_and_memory(arch):
+    """A GPTModel built on meta (the deferred-init build, metered before it is materialised) runs forward
+    on meta ids, as a layer on meta does: its vocabulary check read the ids' values on the host
+    ("Tensor.item() cannot be called on meta tensors") from model(tokens), the loss, embed and head."""
+    seqpar.manual_seed(0)
+    model = seqpar.GPTModel(_config(arch), 2, 50, 16, device="meta")
+    tokens = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    with ActivationMeter() as meter:
+        logits = model(tokens)
+    assert logits.is_meta and logits.shape == (8, 2, 50) and meter.bytes > 0
+    loss = model(tokens, tokens)
+    assert loss.is_meta and loss.shape == (8, 2)
+    hidden = model.embed(tokens)
+    assert hidden.is_meta and model.head(hidden, tokens).shape == (8, 2)
+
+
+def test_rng_state_and_rope_under_a_meta_default_device():
+    """Under a default device (torch.set_default_device / a torch.device context; here meta, as a stand-in
+    for "cuda"): seqpar.random.get_rng_state and fork_rng built their seed bytes there and failed to join
+    torch's CPU state; RoPE computed its frequencies there, so a CPU Llama layer's first forward inside the
+    context failed ("Cannot copy out of meta tensor") unless an earlier forward had cached them."""
+    from seqpar.ops import rotary
+
+    seqpar.manual_seed(3)
+    layer = seqpar.TransformerLayer(_config("llama"))
+    x = torch.randn(8, 2, 32)
+    out = layer(x)
+    want = seqpar.random.get_rng_state()
+    rotary._inv_freq_on.cache_clear()
+    with torch.device("meta"):
+        state = seqpar.random.get_rng_state()
+        with seqpar.random.fork_rng():
+            seqpar.manual_seed(5)
+        assert rotary.rope_inv_freq(8, 1e4).device.type == "cpu"
+        torch.testing.assert_close(layer(x), out, rtol=0, atol=0)
+    assert state.device.type == "cpu" and torch.equal(state, want)
+    assert torch.equal(seqpar.random.get_rng_state(), want)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_loading_the_models_own_tensors_changes_nothing(tied):
     """At t = 1 with v a multiple of 128 (no padded rows) the native state dict has the unsharded keys and
@@ -107,6 +148,20 @@ def test_loading_the_models_own_tensors_changes_nothing(tied):
     model.load_full_state_dict(model.state_dict())
     assert model.embedding.word_embeddings.weight.abs().sum() > 0
     torch.testing.assert_close(model(tokens), before, rtol=0, atol=0)
+
+
+def test_a_padded_state_dict_given_as_the_full_one_is_named():
+    """At t = 1 state_dict() and full_state_dict() differ only in the padded vocabulary rows, so a one-GPU
+    run's state_dict() reaches load_full_state_dict when moving to t = 2: its error gave the two shapes and
+    not what the extra rows are or what to pass instead."""
+    seqpar.manual_seed(0)
+    model = seqpar.GPTModel(_config("gpt"), 1, 301, 16)
+    with pytest.raises(ValueError, match=r"embedding.word_embeddings.weight must have shape \(301, 32\) for this "
+                                         r"config, got \(384, 32\): .*padded table \(384 rows.*full_state_dict\(\)"):
+        model.load_full_state_dict(model.state_dict())
+    sd = model.state_dict()
+    sd["embedding.word_embeddings.weight"] = sd["embedding.word_embeddings.weight"][:301]
+    assert model.load_full_state_dict(sd) == ([], [])
 
 
 @pytest.mark.parametrize("change", ["weight_norm", "wrapper"])
