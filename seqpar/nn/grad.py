@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..parallel.state import ProcessGroup, group_size
+from ..parallel.state import ProcessGroup, SharesProcessGroup, group_size
 from .state_dict import local_rows, prepare_parameters
 
 
@@ -44,7 +44,8 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     data parallelism call it after the data-parallel gradient reduction (DDP's or FSDP2's backward), as
     torch's. Under FSDP2 (``fully_shard``, HSDP too) each gradient's share is also summed over its
     FSDP2 shard group, so the norm is still the unsharded model's. A NaN gradient makes the norm NaN on
-    every rank, the inf-norm included. ValueError unless ``module`` is an ``nn.Module`` (not its
+    every rank, the inf-norm included (a replicated parameter's too, where one rank's copy alone holds it:
+    then nan where that rank's own norm would be inf). ValueError unless ``module`` is an ``nn.Module`` (not its
     parameters) and ``max_norm`` a positive number (a Python, numpy or 0-d tensor scalar, as torch's);
     with ``error_if_nonfinite`` a RuntimeError when the norm is nan or inf (as torch's). ``foreach`` is
     accepted for torch's signature and ignored: the norms and the scaling always use the foreach kernels.
@@ -110,11 +111,21 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
         norm = torch.linalg.vector_norm(tensor_norms(grads), norm_type)
     else:
         total = torch.zeros((), device=device, dtype=acc)
-        for groups, tensors in shares.items():
+        # The replicated share first: every rank holds its gradients alike, so it is not reduced; but one
+        # rank's NaN / inf there (a kernel fault, a replicated parameter the user did not route through
+        # copy_to_tensor_region) gave that rank alone a non-finite norm (error_if_nonfinite raised on it
+        # alone, leaving the others in their next collective). part - part (0, or NaN) rides along in the
+        # first reduced share: no extra collective.
+        replicated_nonfinite = None
+        for groups, tensors in sorted(shares.items(), key=lambda item: item[0] != (None, None)):
             norms = tensor_norms(tensors)
             # the share: sum of |g|^p, or max |g| for inf (0 for none)
             part = (norms.max() if norms.numel() else total.new_zeros(())) if math.isinf(norm_type) \
                 else norms.pow(norm_type).sum()
+            if groups == (None, None):
+                replicated_nonfinite = part - part
+            elif replicated_nonfinite is not None:
+                part, replicated_nonfinite = part + replicated_nonfinite, None
             for group in groups:
                 if group is not None:
                     part = _all_reduce_max(part, group) if math.isinf(norm_type) else _all_reduce_sum(part, group)
@@ -169,7 +180,7 @@ def _all_reduce_max(part: torch.Tensor, group) -> torch.Tensor:
     return torch.where(flagged[1] > 0, math.nan, flagged[0])
 
 
-class TensorParallelGradScaler(torch.amp.GradScaler):
+class TensorParallelGradScaler(SharesProcessGroup, torch.amp.GradScaler):
     """``torch.amp.GradScaler`` (fp16 loss scaling) for a tensor-parallel model: the inf / nan check of
     every :meth:`unscale_` (explicit, or inside :meth:`step`) is summed over ``tp_group`` (one all-reduce
     of a scalar; every rank calls it), so every rank skips the same steps and keeps the same scale.
@@ -178,6 +189,8 @@ class TensorParallelGradScaler(torch.amp.GradScaler):
     :func:`clip_grad_norm_` between :meth:`unscale_` and :meth:`step`. With data parallelism too, DDP's
     all-reduce of the gradients has already made the replicas' checks agree; under FSDP2 each rank holds
     a chunk of the reduced gradients, and DTensor's own check reduces the flag over the FSDP2 group.
+    ``copy.deepcopy`` shares ``tp_group`` (as the modules' copies do); pickling it fails on the group: save
+    :meth:`state_dict` instead.
     """
 
     def __init__(self, device: str = "cuda", *, tp_group: ProcessGroup, **kwargs):

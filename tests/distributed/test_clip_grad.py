@@ -52,7 +52,18 @@ def _worker(rank, world_size, norm_type, max_norm):
     if rank == 1:   # a NaN in one rank's shard of a split weight: a MAX all-reduce dropped it (inf-norm)
         sharded.layers[0].mlp.dense_h_to_4h.weight.grad[0, 0] = float("nan")
     nan_norm = float(clip_grad_norm_(sharded, max_norm, norm_type))
-    return float(norm), float(expected), worst, naive, nan_norm
+    # A NaN in one rank's copy of a replicated gradient (every rank should hold it alike): the norm was NaN on
+    # that rank only, and error_if_nonfinite raised there alone (the other rank went on to its collectives)
+    sharded.zero_grad(set_to_none=True)
+    _backward(sharded)
+    if rank == 1:
+        sharded.final_layernorm.weight.grad[0] = float("nan")
+    try:
+        clip_grad_norm_(sharded, max_norm, norm_type, error_if_nonfinite=True)
+        replicated_nan = "no error"
+    except RuntimeError as exc:
+        replicated_nan = str(exc)
+    return float(norm), float(expected), worst, naive, nan_norm, replicated_nan
 
 
 @pytest.mark.timeout(180)
@@ -60,10 +71,11 @@ def _worker(rank, world_size, norm_type, max_norm):
 def test_clipping_uses_the_unsharded_norm_on_every_rank(norm_type):
     max_norm = 0.05   # below the gradients' norm: the factor is < 1
     results = run_ranks(_worker, 2, norm_type, max_norm, timeout_s=150)
-    for rank, (norm, expected, worst, _, nan_norm) in enumerate(results):
+    for rank, (norm, expected, worst, _, nan_norm, replicated_nan) in enumerate(results):
         assert norm > max_norm and math.isclose(norm, expected, rel_tol=1e-5), (rank, norm, expected)
         assert worst < 1e-6, (rank, worst)   # the clipped gradients, stepped: the reference's weights
         assert math.isnan(nan_norm), (rank, nan_norm)   # as torch's on the unsharded gradients
+        assert "gradients is nan: non-finite" in replicated_nan, (rank, replicated_nan)
     if norm_type == 2.0:
         assert results[0][3] != results[1][3]   # torch's clip on each rank's shards: a norm per rank
 
@@ -206,6 +218,9 @@ def _scaler_worker(rank, world_size, tensor_parallel, fused=False):
         norm = float(clip_grad_norm_(model, 1.0))
     scaler.step(optimizer)
     scaler.update()
+    copied = copy.deepcopy(scaler)   # (an EMA / checkpointing habit) shares the group, as the modules' copies do
+    assert copied.get_scale() == scaler.get_scale() and copied.state_dict() == scaler.state_dict()
+    assert getattr(copied, "tp_group", None) is getattr(scaler, "tp_group", None)
     return {"stepped": not torch.equal(model.final_layernorm.weight, layer_norm), "scale": scaler.get_scale(),
             "norm": norm}
 
