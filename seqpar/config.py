@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from .memory import RECOMPUTE_POLICIES
-from .ops.registry import check_eps, check_flags, validate_backend
+from .ops.registry import DTYPES, check_eps, check_flags, validate_backend
 from .ops.rotary import check_theta
 from .random import as_int, dropout_threshold, is_int
 
@@ -17,8 +17,9 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 POSITION_EMBEDDINGS = ("learned", "rope")
 DEFAULT_ROPE_THETA = 10000.0
-#: What the fused kernels and the layer compute in (fp64 and others are rejected when the config is built).
-PARAMS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: What a layer computes in: fp32 / fp16 / bf16 on every backend, fp64 (for gradcheck) on the torch backend
+#: (the fused ops' dtypes, :data:`seqpar.ops.registry.DTYPES`); others are rejected when the config is built.
+PARAMS_DTYPES = DTYPES
 
 
 def _is_positive_real(value) -> bool:

@@ -27,10 +27,11 @@ BASE = dict(hidden_size=48, num_attention_heads=4)
     (dict(attention_dropout=False), "attention_dropout"),
     (dict(hidden_dropout=float("nan")), "hidden_dropout"),
     (dict(sequence_parallel=1), "sequence_parallel"),
-    (dict(params_dtype=torch.float64), r"params_dtype must be one of torch.float32, torch.float16, torch.bfloat16"),
+    (dict(params_dtype=torch.int32), r"params_dtype must be one of torch.float32, torch.float16, torch.bfloat16, "
+                                     r"torch.float64, got torch.int32"),
     (dict(params_dtype="bf16"), "params_dtype"),
 ], ids=["eps-inf", "eps-nan", "eps-bool", "eps-zero", "eps-0-in-fp32", "eps-huge-int", "hidden-bool", "heads-bool", "ffn-bool", "ffn-float",
-        "hidden-dropout-bool", "attention-dropout-bool", "dropout-nan", "sp-int", "fp64", "dtype-str"])
+        "hidden-dropout-bool", "attention-dropout-bool", "dropout-nan", "sp-int", "int32", "dtype-str"])
 def test_config_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):
         seqpar.TransformerConfig(**{**BASE, **kwargs})

@@ -103,12 +103,13 @@ def agreement_values(config: TransformerConfig, **arguments) -> Dict[str, object
     return values
 
 
-def run_problem(config: TransformerConfig, tp_group: ProcessGroup, device: torch.device) -> Optional[str]:
-    """Why a layer or model of ``config`` can't run here at all (None if it can), checked with its inputs,
-    before any dropout seed is drawn: a requested backend that can't run on ``device``
-    (:func:`seqpar.ops.registry.requested_backend_problem`), or torch.export under tensor parallelism (the
-    program it made failed when run, in the comm GEMMs' out= matmuls)."""
-    problem = requested_backend_problem(config.backend, device)
+def run_problem(config: TransformerConfig, tp_group: ProcessGroup, weight: torch.Tensor) -> Optional[str]:
+    """Why a layer or model of ``config`` whose parameters are like ``weight`` can't run here at all (None if
+    it can), checked with its inputs, before any dropout seed is drawn: a requested backend that can't run
+    on their device or in their dtype (:func:`seqpar.ops.registry.requested_backend_problem`), or
+    torch.export under tensor parallelism (the program it made failed when run, in the comm GEMMs' out=
+    matmuls)."""
+    problem = requested_backend_problem(config.backend, weight.device, weight.dtype)
     if problem is None and group_size(tp_group) > 1 and exporting():
         problem = ("torch.export of a tensor-parallel layer or model is not supported (its collectives and out= "
                    "matmuls don't export): export at t = 1 (tp_group None), or compile with torch.compile")
@@ -375,7 +376,7 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         device = weight.device
         if x.device != device:
             return f"x is on {x.device} but the layer's parameters are on {device}"
-        problem = run_problem(self.config, self.tp_group, device)
+        problem = run_problem(self.config, self.tp_group, weight)
         if problem is not None:
             return problem
         if self.config.add_bias_linear and FSDP_UNIT:

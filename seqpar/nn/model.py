@@ -63,7 +63,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     ``loss[i] = log(sum_j exp(z[i, j])) - z[i, labels[i]]`` for logits z [s, b, v_local] (this rank's
     columns are the global ids ``vocab_start .. vocab_start + v_local - 1``; v_local may be 0) and
-    labels [s, b] -> loss [s, b] in fp32. The max, the target logit and the exp-sum are reduced over the
+    labels [s, b] -> loss [s, b] in fp32 (fp64 for fp64 logits). The max, the target logit and the exp-sum are reduced over the
     group. A label equal to ``ignore_index`` gives loss 0 and no gradient, as in
     :func:`torch.nn.functional.cross_entropy` with ``reduction="none"``.
     """
@@ -74,7 +74,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # are), shifted, exponentiated and normalised in place into the softmax backward keeps: with a new
         # tensor per step the loss held four fp32 copies of the logits at once (4.5x the fp32 logits' bytes
         # with bf16 logits, the step's peak at large vocabularies: it comes after every layer's forward).
-        probs = logits_local.to(torch.float32, copy=True)
+        probs = logits_local.to(registry.acc_dtype(logits_local.dtype), copy=True)   # (fp64 logits: fp64)
         v_local = probs.shape[-1]
         if v_local:
             logits_max = probs.amax(dim=-1)
@@ -611,13 +611,14 @@ class GPTModel(SharesProcessGroup, nn.Module):
                                    or labels.shape != tokens.shape):
             raise ValueError(f"labels must be an int64 tensor of the tokens' shape {tuple(tokens.shape)}, got "
                              f"{getattr(labels, 'dtype', type(labels).__name__)} {tuple(getattr(labels, 'shape', ()))}")
-        device = parameter_device(self)
+        weight = reference_parameter(self, *self._REFERENCE_PARTS)
+        device = weight.device
         for name, ids in (("tokens", tokens), ("labels", labels)):
             if ids is not None and ids.device != device:
                 raise ValueError(f"{name} are on {ids.device} but the model's parameters are on {device}" + (
                     " (build on meta, then to_empty(device=...) and reset_parameters() or load_full_state_dict)"
                     if device.type == "meta" else ""))
-        problem = run_problem(self.config, self.tp_group, device)
+        problem = run_problem(self.config, self.tp_group, weight)
         if problem is not None:
             raise ValueError(problem)
         return self._check_ids(tokens, labels, with_checksum)

@@ -129,16 +129,22 @@ def environment_reason(name: str, device: torch.device, auto: bool = False) -> O
     return None
 
 
-def requested_backend_problem(backend: Optional[str], device: torch.device) -> Optional[str]:
-    """Why the requested ``backend`` (the argument, else SEQPAR_BACKEND) can't run on ``device`` whatever
-    the inputs (None for "auto" or when it can): what a module checks before it draws its dropout seeds,
-    so that a backend which can't run leaves torch's generator as it was (the next, fixed call draws the
-    masks a first call would)."""
+def requested_backend_problem(backend: Optional[str], device: torch.device,
+                              dtype: Optional[torch.dtype] = None) -> Optional[str]:
+    """Why the requested ``backend`` (the argument, else SEQPAR_BACKEND) can't run on ``device`` (or, given
+    ``dtype``, in that dtype: float64 is the torch backend's only) whatever the other inputs (None for
+    "auto" or when it can): what a module checks before it draws its dropout seeds, so that a backend which
+    can't run leaves torch's generator as it was (the next, fixed call draws the masks a first call would)."""
     name = requested_backend(backend)
-    reason = None if name == "auto" else environment_reason(name, device)
-    if reason is None:
+    if name == "auto":
         return None
-    return f"backend {name!r}{_backend_source(backend)} can't run on {device}: {reason}"
+    reason = environment_reason(name, device)
+    if reason is not None:
+        return f"backend {name!r}{_backend_source(backend)} can't run on {device}: {reason}"
+    reason = None if name == "torch" else kernel_dtype_check(dtype)
+    if reason is not None:
+        return f"backend {name!r}{_backend_source(backend)} can't compute in {dtype}: {reason}"
+    return None
 
 
 def _backend_source(backend: Optional[str]) -> str:

@@ -311,9 +311,56 @@ def test_bf16_layer_with_its_norms_kept_in_fp32_runs_in_bf16(arch):
 
 
 def test_layer_converted_to_an_unsupported_dtype_says_so():
-    layer = seqpar.TransformerLayer(_cfg(backend="torch")).double()
-    with pytest.raises(ValueError, match="parameters are torch.float64"):
-        layer(torch.randn(8, 2, H, dtype=torch.float64))
+    layer = seqpar.TransformerLayer(_cfg(backend="torch")).to(torch.complex64)
+    with pytest.raises(ValueError, match="parameters are torch.complex64"):
+        layer(torch.randn(8, 2, H))
+
+
+LLAMA = dict(normalization="rmsnorm", activation="swiglu", position_embedding="rope", add_bias_linear=False,
+             num_query_groups=1)
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_a_float64_layer_passes_gradcheck_on_the_torch_backend(arch):
+    """Every fused op takes float64 on the torch backend, yet layers and models refused it: a layer of your
+    own (a subclass, a replaced part) could not be gradchecked whole. Now params_dtype=torch.float64 (or
+    .double()) computes in float64 throughout ("auto" picks the torch backend), dropout and selective
+    recompute included, with respect to the input and every parameter."""
+    from torch.func import functional_call
+
+    cfg = _cfg(hidden_size=8, num_attention_heads=2, params_dtype=torch.float64, hidden_dropout=0.25,
+               attention_dropout=0.25, recompute="selective", **(LLAMA if arch == "llama" else {}))
+    seqpar.manual_seed(0)
+    layer = seqpar.TransformerLayer(cfg)
+    names = [name for name, _ in layer.named_parameters()]
+    params = tuple(p.detach().clone().requires_grad_() for p in layer.parameters())
+    x = torch.randn(4, 2, 8, dtype=torch.float64, requires_grad=True)
+
+    def f(x, *values):
+        seqpar.manual_seed(1)   # the same masks in every call
+        return functional_call(layer, dict(zip(names, values)), (x,))
+
+    assert f(x, *params).dtype == torch.float64
+    assert torch.autograd.gradcheck(f, (x,) + params, fast_mode=True)
+
+
+def test_a_float64_model_s_loss_is_float64_and_kernel_backends_refuse_it_before_drawing():
+    """The vocabulary loss of float64 logits is float64 (F.cross_entropy's); a kernel backend asked for a
+    float64 layer is refused with the inputs, before the layer draws its dropout seeds."""
+    seqpar.manual_seed(0)
+    model = seqpar.GPTModel(_cfg(hidden_size=8, num_attention_heads=2, params_dtype=torch.float64), 1, 20, 4)
+    tokens = torch.randint(0, 20, (2, 4), generator=torch.Generator().manual_seed(0))
+    loss = model(tokens, tokens)
+    logits = model(tokens)
+    assert loss.dtype == torch.float64
+    want = F.cross_entropy(logits.reshape(-1, 20), tokens.t().reshape(-1), reduction="none").view(4, 2)
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+    layer = seqpar.TransformerLayer(_cfg(params_dtype=torch.float64, backend="triton", hidden_dropout=0.1))
+    x = torch.randn(8, 2, H, dtype=torch.float64)
+    state = torch.get_rng_state()
+    with pytest.raises(ValueError, match="backend 'triton' can't compute in torch.float64"):
+        layer(x)
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
