@@ -110,20 +110,26 @@ def _check_tensor(x, name: str, sequence: bool) -> None:
 
 def _mapped(function, x: torch.Tensor, group: ProcessGroup, name: str = "x_full",
             sequence: bool = True) -> torch.Tensor:
-    """``x`` itself on one rank; else ``function.apply(x, group)``, or under no_grad (inference)
-    ``function.values(x, group)``: the same values without the Function, which Dynamo could not trace
-    there (it inlines the forward and fails storing the ProcessGroup on ctx). ``name`` / ``sequence``: the
-    argument's name and whether it is split along dim 0, for the input check."""
+    """``x`` itself on one rank; else ``function.apply(x, group)``, or where no gradient flows (no_grad /
+    inference, or an x that doesn't require grad: a frozen embedding's output) ``function.values(x,
+    group)``: the same values without the Function, which Dynamo could not trace there (it inlines the
+    forward and fails storing the ProcessGroup on ctx). ``name`` / ``sequence``: the argument's name and
+    whether it is split along dim 0, for the input check."""
     _check_tensor(x, name, sequence)
     if group_size(group) == 1:
         return x
-    return function.apply(x, group) if torch.is_grad_enabled() else function.values(x, group)
+    return function.apply(x, group) if _differentiated(x) else function.values(x, group)
+
+
+def _differentiated(x: torch.Tensor) -> bool:
+    """Whether a gradient can flow back to ``x`` (grad mode on and x requires grad)."""
+    return torch.is_grad_enabled() and x.requires_grad
 
 
 def copy_to_tensor_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """f: identity forward, all-reduce of the gradient backward."""
     _check_tensor(x, "x", sequence=False)
-    if group_size(group) == 1 or not torch.is_grad_enabled():   # the forward is the identity (see _mapped)
+    if group_size(group) == 1 or not _differentiated(x):   # the forward is the identity (see _mapped)
         return x
     return _CopyToTensorRegion.apply(group, x)[0]
 
@@ -132,16 +138,22 @@ def copy_to_tensor_region_coalesced(xs: Sequence[torch.Tensor], group: ProcessGr
     """f on each of ``xs`` (same dtype and device), their gradients summed in ONE all-reduce.
 
     For tensors whose gradients are ready together (a LayerNorm's weight and bias): one collective's
-    latency instead of one per tensor.
+    latency instead of one per tensor. Those that don't require grad (frozen) are returned as they are:
+    nothing of theirs is summed (a frozen weight's column sum is not even computed), and a norm frozen
+    whole has no Function for Dynamo to fail on (see _mapped). Every rank must freeze the same ones.
     """
     xs = tuple(xs)
     if not xs or any(not isinstance(x, torch.Tensor) for x in xs):
         raise ValueError(f"xs must be a non-empty sequence of tensors, got {[type(x).__name__ for x in xs]}")
     if len({(x.dtype, x.device) for x in xs}) > 1:
         raise ValueError(f"xs must share dtype and device, got {[(x.dtype, str(x.device)) for x in xs]}")
-    if group_size(group) == 1 or not torch.is_grad_enabled():   # the forward is the identity (see _mapped)
+    trained = [i for i, x in enumerate(xs) if _differentiated(x)]
+    if group_size(group) == 1 or not trained:   # the forward is the identity (see _mapped)
         return xs
-    return _CopyToTensorRegion.apply(group, *xs)
+    out = list(xs)
+    for i, y in zip(trained, _CopyToTensorRegion.apply(group, *(xs[i] for i in trained))):
+        out[i] = y
+    return tuple(out)
 
 
 def reduce_from_tensor_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

@@ -119,9 +119,53 @@ def _explicit_chunk_plan_results(rank, world_size):
     return results
 
 
+FROZEN = {"norms": lambda name: "norm" in name, "embedding": lambda name: name.startswith("embedding"),
+          "lower": lambda name: name.startswith(("embedding", "layers.0.")),
+          "norm weights (BitFit)": lambda name: "norm" in name and name.endswith("weight")}
+
+
+def _frozen_results():
+    """PEFT-style freezing under SP: a model whose norms, embedding or lower layers are frozen compiles and
+    equals eager (loss and every trainable gradient). Dynamo failed ("unregistered member on an
+    OpaqueObject ... ProcessGroup") on f / the scatter applied to tensors without grad: it inlines such a
+    Function's forward. With only the norms' weights frozen the backend computes no weight column sums
+    (f made every output require grad once one input did)."""
+    from seqpar.ops import registry
+
+    results = {}
+    seqpar.manual_seed(0)
+    cfg = seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4, backend="torch", sequence_parallel=True)
+    tokens = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    for case, frozen in FROZEN.items():
+        seqpar.manual_seed(0)
+        model = seqpar.GPTModel(cfg, 2, 50, 8, tp_group=dist.group.WORLD)
+        model.check_rank_inputs = False
+        for name, p in model.named_parameters():
+            p.requires_grad_(not frozen(name))
+        runs = []
+        for run in (torch.compile(model, backend=lookup_backend("aot_eager")), model):
+            model.zero_grad(set_to_none=True)
+            loss = run(tokens, tokens).sum()
+            loss.backward()
+            runs.append([loss.detach()] + [p.grad for p in model.parameters() if p.requires_grad])
+        torch._dynamo.reset()
+        results[case] = all(torch.equal(a, b) for a, b in zip(*runs))
+    asked = []
+    impl = registry.get("bias_dropout_add_layer_norm", "torch")
+    real = impl.backward
+    try:
+        object.__setattr__(impl, "backward", lambda *args: asked.append(tuple(args[-1])) or real(*args))
+        model.zero_grad(set_to_none=True)
+        model(tokens, tokens).sum().backward()
+    finally:
+        object.__setattr__(impl, "backward", real)
+    results["column sums asked (BitFit)"] = sorted(set(asked))
+    return results
+
+
 def _worker(rank, world_size):
     return (_layer_results(rank), _model_results(), _inference_results(rank), _steps_with_the_check_results(),
-            _explicit_chunk_plan_results(rank, world_size))
+            _explicit_chunk_plan_results(rank, world_size), _frozen_results())
 
 
 @pytest.mark.timeout(240)
@@ -130,12 +174,15 @@ def test_compiled_sequence_parallel_layer_and_model_are_one_graph_and_match_eage
     GPTModel's per-forward rank check runs outside the graph (one break); without it one graph, equal to
     eager. The layer compiled for inference (eval, no_grad / inference_mode) equals eager.
     With dropout and the rank checks on, the model compiles in its first two steps only. The comm GEMMs
-    with an explicit ChunkPlan compile with fullgraph=True (plain while capturing).
+    with an explicit ChunkPlan compile with fullgraph=True (plain while capturing). Models with frozen
+    parts compile (_frozen_results).
     (One launch for all: each launch costs two Pythons importing torch.)"""
-    for rank, (layer, (counts, equal), inference, per_step, explicit_plan) in enumerate(
+    for rank, (layer, (counts, equal), inference, per_step, explicit_plan, frozen) in enumerate(
             run_ranks(_worker, 2, timeout_s=200)):
         assert (layer["graphs"], layer["breaks"]) == (1, 0) and layer["steps equal"] == [True, True], (rank, layer)
         assert counts == [(2, 1), (1, 0)] and equal, (rank, counts, equal)
         assert inference == [True, True], (rank, inference)
         assert per_step[3] == per_step[1], (rank, per_step)
         assert explicit_plan == [True, True], (rank, explicit_plan)
+        assert all(frozen[case] for case in FROZEN), (rank, frozen)
+        assert frozen["column sums asked (BitFit)"] == [(False, True, True)], (rank, frozen)   # (ln_weight, ln_bias, bias)
