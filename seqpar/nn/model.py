@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, Dict, Optional, Sequence, Union
+from typing import Callable, Dict, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -745,6 +745,19 @@ class GPTModel(SharesProcessGroup, nn.Module):
                 classes.update({f"layers.{i}.{prefix}": cls for prefix, cls in part_classes().items()})
         return check_intact_parts(self, classes, what)
 
+    def _padded_table_hints(self, state_dict) -> Dict[str, str]:
+        """For a vocabulary table given with this model's padded rows (all ranks' or one rank's: a per-rank
+        ``state_dict()`` passed as the full one), what the rows are and what to pass instead."""
+        if not isinstance(state_dict, Mapping) or self.padded_vocab_size == self.vocab_size:
+            return {}
+        padded_rows = (self.padded_vocab_size, self.padded_vocab_size // group_size(self.tp_group))
+        hint = (f"{self.padded_vocab_size} rows over the ranks is this model's padded table, as a per-rank "
+                f"state_dict() holds it: pass full_state_dict(), or the first {self.vocab_size} rows of a t = 1 "
+                "state_dict()")
+        return {key: hint for key in ("embedding.word_embeddings.weight", "output_layer.weight")
+                if isinstance(state_dict.get(key), torch.Tensor) and state_dict[key].dim() == 2
+                and state_dict[key].shape[0] in padded_rows and state_dict[key].shape[1] == self.config.hidden_size}
+
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True) -> IncompatibleKeys:
         """Load UNSHARDED weights (the same dict on every rank, v real vocabulary rows); each rank keeps
@@ -756,13 +769,10 @@ class GPTModel(SharesProcessGroup, nn.Module):
         self._parts(what)   # before any load
         prepared = prepare_parameters(self, what)
         entries = unsharded_entries(self)
-        # the vocabulary tables of a per-rank state_dict() are padded (and at t > 1 sharded): say so
-        padded = (f"a model's state_dict() holds its padded table ({self.padded_vocab_size} rows over the ranks): "
-                  f"pass full_state_dict(), or the first {self.vocab_size} rows of a t = 1 state_dict()")
         keys = check_loadable(state_dict, unsharded_shapes(entries), self.tp_group, what=what,
                               device=parameter_device(self), strict=strict,
                               data_parallel_groups=prepared.data_parallel_groups(),
-                              shape_hints={"embedding.word_embeddings.weight": padded, "output_layer.weight": padded})
+                              shape_hints=self._padded_table_hints(state_dict))
         scatter_unsharded(entries, state_dict)
         return keys
 

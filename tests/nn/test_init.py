@@ -157,8 +157,14 @@ def test_a_padded_state_dict_given_as_the_full_one_is_named():
     seqpar.manual_seed(0)
     model = seqpar.GPTModel(_config("gpt"), 1, 301, 16)
     with pytest.raises(ValueError, match=r"embedding.word_embeddings.weight must have shape \(301, 32\) for this "
-                                         r"config, got \(384, 32\): .*padded table \(384 rows.*full_state_dict\(\)"):
+                                         r"config, got \(384, 32\): 384 rows over the ranks is this model's padded "
+                                         r"table.*full_state_dict\(\)"):
         model.load_full_state_dict(model.state_dict())
+    for wrong in ((301, 64), (300, 32), (384, 16)):   # another hidden size or vocabulary: no padding hint
+        sd = model.full_state_dict()
+        sd["embedding.word_embeddings.weight"] = torch.zeros(wrong)
+        with pytest.raises(ValueError, match=r"must have shape \(301, 32\) for this config, got .*\d\)$"):
+            model.load_full_state_dict(sd)
     sd = model.state_dict()
     sd["embedding.word_embeddings.weight"] = sd["embedding.word_embeddings.weight"][:301]
     assert model.load_full_state_dict(sd) == ([], [])
