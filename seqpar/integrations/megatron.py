@@ -1,4 +1,4 @@
-"""Megatron-LM / Megatron-Core state dicts <-> seqpar's unsharded (``full_state_dict``) layout.
+"""Megatron-LM / Megatron-Core state dicts -> seqpar's unsharded (``full_state_dict``) layout.
 
 seqpar's keys are the names of Megatron-LM's legacy GPT layer (before its norms became ``input_norm`` /
 ``post_attention_norm`` / ``final_norm``), and every tensor but one has Megatron's layout; the exception
@@ -28,14 +28,35 @@ dependency: multi-head, grouped-query and the Llama block, the same outputs to 3
     linear_fc1.layer_norm_weight / _bias post_attention_layernorm.weight / .bias
     *._extra_state                       dropped (TransformerEngine's FP8 metadata)
 
-Megatron-LM's legacy ``encoder.`` / ``language_model.`` prefixes are not mapped. The result loads with
-``load_full_state_dict`` (a layer's or a GPTModel's). Importing this module never imports Megatron.
+The result loads with ``load_full_state_dict`` (a layer's or a GPTModel's). Importing this module never
+imports Megatron. What it does not do:
+
+- Megatron-LM's legacy ``language_model.embedding.`` / ``language_model.encoder.`` prefixes and nested
+  checkpoint dicts are not mapped (strip the prefixes first; the names below them then convert).
+- Megatron pads the word embedding (and an untied ``output_layer``) to a multiple of 128 t rows (GPT-2's
+  50257 to 50304), and its loss's softmax runs over the padded columns too: build the GPTModel with
+  ``vocab_size`` = the table's rows to compute Megatron's loss (the padded ids are never targets), or
+  slice the first v rows for the unpadded vocabulary (another model where the padded rows' logits are
+  not negligible).
+- Tensor-parallel shards (one file per rank) must be merged first: column-parallel weights (QKV, fc1)
+  along dim 0, row-parallel ones (proj, fc2) along dim 1 -- except a SwiGLU fc1, whose shard r is
+  ``[gate_r; up_r]``: concatenate all the gates, then all the ups, as Megatron's unsharded fc1 is
+  ``[gate; up]`` (concatenating the shards whole interleaves them and computes another MLP, silently).
+- ``num_attention_heads`` / ``num_query_groups`` are the whole model's (not a tensor-parallel rank's
+  a / t): a QKV shape fixes only their ratio, so counts of the right ratio and the wrong size convert
+  without an error into another layer.
+- Megatron-LM's default fused bias-GELU is the tanh approximation: its GPT checkpoints match
+  ``TransformerConfig(activation="gelu_tanh")``. TransformerEngine's zero-centred gamma
+  (``--apply-layernorm-1p``) stores weight - 1: add 1 to the norm weights first.
+- There is no whole-dict export to Megatron (only :func:`qkv_to_megatron` for the QKV rows).
 """
 from __future__ import annotations
 
 from typing import Dict, Mapping, Optional
 
 import torch
+
+from ..random import as_int
 
 __all__ = ["qkv_from_megatron", "qkv_to_megatron", "from_megatron_state_dict"]
 
@@ -61,8 +82,8 @@ _CORE_NAMES = (
 
 def _groups(qkv: torch.Tensor, num_attention_heads: int, num_query_groups: Optional[int]):
     """(g, a / g, d) of a QKV weight or bias, validated: ValueError naming what doesn't fit."""
-    heads = num_attention_heads
-    groups = heads if num_query_groups is None else num_query_groups
+    heads = as_int(num_attention_heads)
+    groups = heads if num_query_groups is None else as_int(num_query_groups)
     for name, value in (("num_attention_heads", heads), ("num_query_groups", groups)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -72,13 +93,15 @@ def _groups(qkv: torch.Tensor, num_attention_heads: int, num_query_groups: Optio
         raise ValueError(f"qkv must be a QKV weight [rows, h] or bias [rows] tensor, got "
                          f"{type(qkv).__name__} {tuple(getattr(qkv, 'shape', ()))}")
     rows, per_group = qkv.shape[0], heads // groups + 2
+    causes = ("check num_query_groups (None means g = a: multi-head attention), that the head dim is h / a "
+              "(Megatron's kv_channels), and that this is the unsharded tensor, not one tensor-parallel rank's "
+              "shard (a / t heads)")
     if rows % (groups * per_group):
-        raise ValueError(f"a QKV tensor of {rows} rows is not (a + 2g) d rows for a = {heads}, g = {groups}")
+        raise ValueError(f"a QKV tensor of {rows} rows is not (a + 2g) d rows for a = {heads}, g = {groups}: {causes}")
     d = rows // (groups * per_group)
     if qkv.dim() == 2 and qkv.shape[1] != heads * d:
-        # a tensor-parallel shard (Megatron-LM saves one file per rank) would be read with the wrong d
         raise ValueError(f"a QKV weight {tuple(qkv.shape)} is not [(a + 2g) d, a d] for a = {heads}, g = {groups}: "
-                         "convert the unsharded weight (a tensor-parallel shard holds a / t heads)")
+                         f"{causes}")
     return groups, heads // groups, d
 
 
@@ -127,6 +150,9 @@ def from_megatron_state_dict(state_dict: Mapping[str, torch.Tensor], num_attenti
             raise ValueError(f"{key!r} and another key both map to {name!r}")
         if name.endswith("self_attention.query_key_value.weight") or \
                 name.endswith("self_attention.query_key_value.bias"):
-            value = qkv_from_megatron(value, num_attention_heads, num_query_groups)
+            try:
+                value = qkv_from_megatron(value, num_attention_heads, num_query_groups)
+            except ValueError as exc:
+                raise ValueError(f"{key!r}: {exc}") from None
         converted[name] = value
     return converted

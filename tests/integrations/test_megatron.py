@@ -1,6 +1,7 @@
 """seqpar.integrations.megatron: Megatron's grouped QKV row order against rows built head by head, and a
 Megatron-Core-named GPT state dict (TransformerEngine's fused norm keys included) loaded into a fresh
 GPTModel computing what the model it came from computes."""
+import numpy as np
 import pytest
 import torch
 
@@ -42,7 +43,7 @@ def test_megatron_lms_newer_norm_names_map_to_seqpars():
 
 def test_bad_qkv_arguments_are_named():
     # a tensor-parallel shard (t = 2 of a = g = 4, d = 8: 48 rows of h = 32) read as d = 4 heads was scrambled
-    with pytest.raises(ValueError, match=r"QKV weight \(48, 32\) is not \[\(a \+ 2g\) d, a d\] .* tensor-parallel shard"):
+    with pytest.raises(ValueError, match=r"QKV weight \(48, 32\) is not \[\(a \+ 2g\) d, a d\] .* tensor-parallel rank's shard"):
         qkv_from_megatron(torch.zeros(48, 32), 4)
     with pytest.raises(ValueError, match="not \\(a \\+ 2g\\) d rows for a = 4, g = 4"):
         qkv_from_megatron(torch.zeros(25, 8), 4)
@@ -52,6 +53,22 @@ def test_bad_qkv_arguments_are_named():
         qkv_to_megatron(torch.zeros(24, 8), 0)
     with pytest.raises(ValueError, match="QKV weight"):
         qkv_to_megatron(torch.zeros(2, 3, 4), 1)
+    # numpy head counts, as TransformerConfig takes them
+    assert torch.equal(qkv_from_megatron(torch.arange(24.0), np.int64(4), np.int64(2)),
+                       qkv_from_megatron(torch.arange(24.0), 4, 2))
+
+
+def test_a_bad_qkv_tensor_in_a_state_dict_names_its_key_and_the_likely_causes():
+    """The error named neither the key nor any cause but a tensor-parallel shard: a grouped-query model
+    converted with num_query_groups left None, or another head dim, gave the shard hint."""
+    sd = {"decoder.layers.0.self_attention.linear_qkv.weight": torch.zeros(64, 32),   # a = 4, g = 2, d = 8
+          "decoder.layers.1.self_attention.linear_qkv.weight": torch.zeros(48, 32)}
+    with pytest.raises(ValueError, match=r"^'decoder.layers.0.self_attention.linear_qkv.weight': a QKV tensor of 64 "
+                                         r"rows .* check num_query_groups \(None means g = a"):
+        from_megatron_state_dict(sd, 4)
+    with pytest.raises(ValueError, match=r"^'decoder.layers.1.self_attention.linear_qkv.weight': a QKV weight "
+                                         r"\(48, 32\) .*kv_channels.*tensor-parallel rank's shard"):
+        from_megatron_state_dict(sd, 4, 2)
 
 
 def _core_names(state, heads, groups):
