@@ -2,9 +2,9 @@
 // emulation (shim.h), launched as bias_dropout_add_layer_norm_bwd launches them (its plan, its kernels),
 // against a float64 reference of the math: grad_residual, grad_x (the dropout mask drawn per column from
 // mask_words), and the three column sums from the kernels' partial rows. Every kind of kernel: warp per row,
-// block per row, and the row-sum pass + column-chunk blocks of wide rows. A frozen norm (norm_sums false:
-// part_w = part_b = nullptr) must leave grad_x / grad_residual as they are and write only the bias sum's
-// partial rows (a write through a null sum pointer would crash the run).
+// block per row, and the row-sum pass + column-chunk blocks of wide rows. A frozen norm weight or bias
+// (w_sum / b_sum false: part_w / part_b nullptr) must leave grad_x / grad_residual as they are and write only
+// the other sums' partial rows (a write through a null sum pointer would crash the run).
 #include "shim.h"
 #include "check.h"
 #include "bias_dropout_add_layer_norm.cu"
@@ -36,7 +36,8 @@ const char* launch_backward(const BwdArgs& a, int64_t rows, int64_t h, int64_t n
 }
 
 template <typename T, int VEC>
-int check(int64_t rows, int64_t h, int threshold, bool bias, int64_t num_partials, bool norm_sums = true) {
+int check(int64_t rows, int64_t h, int threshold, bool bias, int64_t num_partials, bool w_sum = true,
+          bool b_sum = true) {
   const uint64_t seed = 0xABCDEF12345ULL;
   const int64_t row_offset = (int64_t(1) << 33) + 77;
   std::mt19937 gen(static_cast<unsigned>(3 + h + rows));
@@ -56,7 +57,7 @@ int check(int64_t rows, int64_t h, int threshold, bool bias, int64_t num_partial
     rstd[r] = static_cast<float>(1.0 / std::sqrt(ss / h + 1e-5));
   }
   // The sums computed (dw, db, dbias) take the partial buffers in that order, as the entry point lays them out.
-  const bool wanted[3] = {norm_sums, norm_sums, bias};
+  const bool wanted[3] = {w_sum, b_sum, bias};
   int slot[3], count = 0;
   for (int q = 0; q < 3; ++q) slot[q] = wanted[q] ? count++ : -1;
   std::vector<float> parts(std::max(count, 1) * num_partials * h, NAN);
@@ -103,9 +104,9 @@ int check(int64_t rows, int64_t h, int threshold, bool bias, int64_t num_partial
       if (tally.off(s, want, 1e-3))  // fp32 sums of differently ordered terms
         printf("  column sum %d, col %ld: %g (want %g)\n", q, long(c), s, want);
     }
-  printf("%s %-5s VEC=%-2d rows=%ld h=%ld P=%d bias=%d norm sums=%d partials=%ld: worst relative error %.2g, "
-         "%d bad\n", sizeof(T) == 2 ? "16-bit" : "fp32  ", kind, VEC, long(rows), long(h), threshold, bias, norm_sums,
-         long(num_partials), tally.worst, tally.bad);
+  printf("%s %-5s VEC=%-2d rows=%ld h=%ld P=%d bias=%d dw=%d db=%d partials=%ld: worst relative error %.2g, "
+         "%d bad\n", sizeof(T) == 2 ? "16-bit" : "fp32  ", kind, VEC, long(rows), long(h), threshold, bias, w_sum,
+         b_sum, long(num_partials), tally.worst, tally.bad);
   return tally.bad;
 }
 
@@ -122,11 +123,15 @@ int main() {
   bad += check<__nv_bfloat16, 8>(3, 4104, 200, true, 5);   // a ragged chunk; idle row blocks
   bad += check<float, 4>(4, 5120, 26, false, 2);
   bad += check<__nv_bfloat16, 16>(3, 6145, 26, true, 2);   // scalar runs
-  // A frozen norm, every kind: only the bias sum (the first buffer), or no sum at all
-  bad += check<__nv_bfloat16, 8>(37, 512, 26, true, 2, false);
-  bad += check<__nv_bfloat16, 8>(5, 4096, 26, false, 2, false);
-  bad += check<__nv_bfloat16, 8>(6, 12288, 26, true, 4, false);
-  bad += check<__half, 16>(4, 4095, 0, false, 3, false);
+  // A frozen norm, every kind: only the bias sum (the first buffer), or no sum at all; its weight or its
+  // bias alone (BitFit: the sums asked for take the first buffers)
+  bad += check<__nv_bfloat16, 8>(37, 512, 26, true, 2, false, false);
+  bad += check<__nv_bfloat16, 8>(5, 4096, 26, false, 2, false, false);
+  bad += check<__nv_bfloat16, 8>(6, 12288, 26, true, 4, false, false);
+  bad += check<__half, 16>(4, 4095, 0, false, 3, false, false);
+  bad += check<__nv_bfloat16, 8>(37, 512, 26, true, 2, false, true);
+  bad += check<__nv_bfloat16, 8>(5, 4096, 26, true, 2, true, false);
+  bad += check<__nv_bfloat16, 8>(6, 12288, 26, false, 4, false, true);
   printf(bad ? "FAILED\n" : "ALL OK\n");
   return bad != 0;
 }
