@@ -111,24 +111,27 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
         norm = torch.linalg.vector_norm(tensor_norms(grads), norm_type)
     else:
         total = torch.zeros((), device=device, dtype=acc)
-        # The replicated share first: every rank holds its gradients alike, so it is not reduced; but one
-        # rank's NaN / inf there (a kernel fault, a replicated parameter the user did not route through
-        # copy_to_tensor_region) gave that rank alone a non-finite norm (error_if_nonfinite raised on it
-        # alone, leaving the others in their next collective). part - part (0, or NaN) rides along in the
-        # first reduced share: no extra collective.
+        # The shares not split over the tensor-parallel group first (replicated parameters, reduced over
+        # their FSDP2 group if any): every tensor-parallel rank holds those gradients alike, so they are not
+        # summed over it; but one rank's NaN / inf there (a kernel fault, a replicated parameter the user
+        # did not route through copy_to_tensor_region) gave only some ranks a non-finite norm
+        # (error_if_nonfinite raised there alone, leaving the others in their next collective). Their
+        # non-finite values (0 where finite: a finite share that overflows stays inf, not inf - inf) ride
+        # along in the first share reduced over a tensor-parallel group: no extra collective.
         replicated_nonfinite = None
-        for groups, tensors in sorted(shares.items(), key=lambda item: item[0] != (None, None)):
+        for groups, tensors in sorted(shares.items(), key=lambda item: item[0][0] is not None):
             norms = tensor_norms(tensors)
             # the share: sum of |g|^p, or max |g| for inf (0 for none)
             part = (norms.max() if norms.numel() else total.new_zeros(())) if math.isinf(norm_type) \
                 else norms.pow(norm_type).sum()
-            if groups == (None, None):
-                replicated_nonfinite = part - part
-            elif replicated_nonfinite is not None:
+            if groups[0] is not None and replicated_nonfinite is not None:
                 part, replicated_nonfinite = part + replicated_nonfinite, None
             for group in groups:
                 if group is not None:
                     part = _all_reduce_max(part, group) if math.isinf(norm_type) else _all_reduce_sum(part, group)
+            if groups[0] is None:
+                nonfinite = torch.where(torch.isfinite(part), 0.0, part)
+                replicated_nonfinite = nonfinite if replicated_nonfinite is None else replicated_nonfinite + nonfinite
             total = torch.maximum(total, part) if math.isinf(norm_type) else total + part
         if pipelined:   # in fp64 on every stage: a stage's own dtype (fp64 parameters, or none) may differ
             wide_total = total.to(torch.float64)

@@ -63,7 +63,14 @@ def _worker(rank, world_size, norm_type, max_norm):
         replicated_nan = "no error"
     except RuntimeError as exc:
         replicated_nan = str(exc)
-    return float(norm), float(expected), worst, naive, nan_norm, replicated_nan
+    # A finite replicated gradient whose |g|^p overflows: inf on every rank, the gradients zeroed, as at t = 1
+    # (the day's first version of the carrier, part - part, made it inf - inf = NaN: every gradient NaN)
+    sharded.zero_grad(set_to_none=True)
+    _backward(sharded)
+    sharded.final_layernorm.weight.grad.fill_(1e20 if norm_type == 2.0 else math.inf)
+    overflow = float(clip_grad_norm_(sharded, max_norm, norm_type))
+    overflow_finite = all(torch.isfinite(p.grad).all() for p in sharded.parameters() if p.grad is not None)
+    return float(norm), float(expected), worst, naive, nan_norm, replicated_nan, (overflow, overflow_finite)
 
 
 @pytest.mark.timeout(180)
@@ -71,11 +78,12 @@ def _worker(rank, world_size, norm_type, max_norm):
 def test_clipping_uses_the_unsharded_norm_on_every_rank(norm_type):
     max_norm = 0.05   # below the gradients' norm: the factor is < 1
     results = run_ranks(_worker, 2, norm_type, max_norm, timeout_s=150)
-    for rank, (norm, expected, worst, _, nan_norm, replicated_nan) in enumerate(results):
+    for rank, (norm, expected, worst, _, nan_norm, replicated_nan, overflow) in enumerate(results):
         assert norm > max_norm and math.isclose(norm, expected, rel_tol=1e-5), (rank, norm, expected)
         assert worst < 1e-6, (rank, worst)   # the clipped gradients, stepped: the reference's weights
         assert math.isnan(nan_norm), (rank, nan_norm)   # as torch's on the unsharded gradients
         assert "gradients is nan: non-finite" in replicated_nan, (rank, replicated_nan)
+        assert math.isinf(overflow[0]) and (overflow[1] or norm_type != 2.0), (rank, overflow)
     if norm_type == 2.0:
         assert results[0][3] != results[1][3]   # torch's clip on each rank's shards: a norm per rank
 
