@@ -49,7 +49,12 @@ class _CopyToTensorRegion(torch.autograd.Function):
         # (only residual_out read) got a zero gradient under SP and None at t = 1, so AdamW's weight decay
         # and momentum moved them at t > 1 only.
         ctx.set_materialize_grads(False)
-        return tuple(x.view_as(x) for x in xs)
+        outs = tuple(x.view_as(x) for x in xs)
+        # A frozen tensor's copy stays frozen: what reads it computes no gradient for it (a norm's frozen
+        # weight: no column sum), and its zeros in the all-reduce keep every rank's buffer one size, however
+        # the ranks froze (a rank that sent fewer tensors aborted the collective).
+        ctx.mark_non_differentiable(*(out for i, out in enumerate(outs) if not ctx.needs_input_grad[1 + i]))
+        return outs
 
     @staticmethod
     @once_differentiable
@@ -138,22 +143,19 @@ def copy_to_tensor_region_coalesced(xs: Sequence[torch.Tensor], group: ProcessGr
     """f on each of ``xs`` (same dtype and device), their gradients summed in ONE all-reduce.
 
     For tensors whose gradients are ready together (a LayerNorm's weight and bias): one collective's
-    latency instead of one per tensor. Those that don't require grad (frozen) are returned as they are:
-    nothing of theirs is summed (a frozen weight's column sum is not even computed), and a norm frozen
-    whole has no Function for Dynamo to fail on (see _mapped). Every rank must freeze the same ones.
+    latency instead of one per tensor. The copies of those that don't require grad (frozen) don't either,
+    so nothing computes their gradients (a frozen weight's column sum); with none requiring grad (a norm
+    frozen whole) the tensors are returned as they are, with no Function for Dynamo to fail on (see
+    _mapped).
     """
     xs = tuple(xs)
     if not xs or any(not isinstance(x, torch.Tensor) for x in xs):
         raise ValueError(f"xs must be a non-empty sequence of tensors, got {[type(x).__name__ for x in xs]}")
     if len({(x.dtype, x.device) for x in xs}) > 1:
         raise ValueError(f"xs must share dtype and device, got {[(x.dtype, str(x.device)) for x in xs]}")
-    trained = [i for i, x in enumerate(xs) if _differentiated(x)]
-    if group_size(group) == 1 or not trained:   # the forward is the identity (see _mapped)
+    if group_size(group) == 1 or not any(_differentiated(x) for x in xs):   # the identity (see _mapped)
         return xs
-    out = list(xs)
-    for i, y in zip(trained, _CopyToTensorRegion.apply(group, *(xs[i] for i in trained))):
-        out[i] = y
-    return tuple(out)
+    return _CopyToTensorRegion.apply(group, *xs)
 
 
 def reduce_from_tensor_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
