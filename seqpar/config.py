@@ -57,7 +57,8 @@ class TransformerConfig:
     ``sequence_parallel`` with no tensor parallelism (``tp_group=None`` or a one-rank group, t = 1)
     is accepted and computes exactly what ``sequence_parallel=False`` does: each rank's shard is the
     whole sequence and g / g-bar are the identity (``python -m seqpar bench`` runs it at t = 1).
-    ``params_dtype``: torch.float32, torch.float16 or torch.bfloat16.
+    ``params_dtype``: torch.float32, torch.float16 or torch.bfloat16; torch.float64 (for gradcheck) on the
+    torch backend only.
 
     Architecture (the defaults are the paper's GPT layer; Llama's block is ``normalization="rmsnorm",
     activation="swiglu", num_query_groups=g, position_embedding="rope", add_bias_linear=False`` and

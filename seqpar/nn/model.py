@@ -746,17 +746,23 @@ class GPTModel(SharesProcessGroup, nn.Module):
         return check_intact_parts(self, classes, what)
 
     def _padded_table_hints(self, state_dict) -> Dict[str, str]:
-        """For a vocabulary table given with this model's padded rows (all ranks' or one rank's: a per-rank
-        ``state_dict()`` passed as the full one), what the rows are and what to pass instead."""
-        if not isinstance(state_dict, Mapping) or self.padded_vocab_size == self.vocab_size:
+        """For a vocabulary table whose rows are this vocabulary padded for some tensor-parallel size t'
+        (all of them, or one rank's shard: a per-rank ``state_dict()`` passed as the full one), what they
+        look like and what to pass instead."""
+        if not isinstance(state_dict, Mapping):
             return {}
-        padded_rows = (self.padded_vocab_size, self.padded_vocab_size // group_size(self.tp_group))
-        hint = (f"{self.padded_vocab_size} rows over the ranks is this model's padded table, as a per-rank "
-                f"state_dict() holds it: pass full_state_dict(), or the first {self.vocab_size} rows of a t = 1 "
-                "state_dict()")
-        return {key: hint for key in ("embedding.word_embeddings.weight", "output_layer.weight")
-                if isinstance(state_dict.get(key), torch.Tensor) and state_dict[key].dim() == 2
-                and state_dict[key].shape[0] in padded_rows and state_dict[key].shape[1] == self.config.hidden_size}
+        v = self.vocab_size
+        padded = {rows: t for t in range(64, 0, -1) for rows in (padded_vocab_size(v, t), padded_vocab_size(v, t) // t)}
+        padded.pop(v, None)
+        hints = {}
+        for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            value = state_dict.get(key)
+            if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == self.config.hidden_size \
+                    and value.shape[0] in padded:
+                hints[key] = (f"{value.shape[0]} rows look like a state_dict() of this vocabulary padded for t = "
+                              f"{padded[value.shape[0]]} (its padded table, or one rank's shard of it): pass "
+                              f"full_state_dict(), or the first {v} rows of a t = 1 state_dict()")
+        return hints
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True) -> IncompatibleKeys:

@@ -157,9 +157,13 @@ def test_a_padded_state_dict_given_as_the_full_one_is_named():
     seqpar.manual_seed(0)
     model = seqpar.GPTModel(_config("gpt"), 1, 301, 16)
     with pytest.raises(ValueError, match=r"embedding.word_embeddings.weight must have shape \(301, 32\) for this "
-                                         r"config, got \(384, 32\): 384 rows over the ranks is this model's padded "
-                                         r"table.*full_state_dict\(\)"):
+                                         r"config, got \(384, 32\): 384 rows look like a state_dict\(\) of this "
+                                         r"vocabulary padded for t = 1 .*full_state_dict\(\)"):
         model.load_full_state_dict(model.state_dict())
+    sd = model.full_state_dict()   # one rank's shard of a t = 2 run's table (512 rows over 2 ranks)
+    sd["embedding.word_embeddings.weight"] = torch.zeros(256, 32)
+    with pytest.raises(ValueError, match=r"got \(256, 32\): 256 rows look like .* padded for t = 2"):
+        model.load_full_state_dict(sd)
     for wrong in ((301, 64), (300, 32), (384, 16)):   # another hidden size or vocabulary: no padding hint
         sd = model.full_state_dict()
         sd["embedding.word_embeddings.weight"] = torch.zeros(wrong)
