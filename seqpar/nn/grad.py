@@ -44,10 +44,10 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     data parallelism call it after the data-parallel gradient reduction (DDP's or FSDP2's backward), as
     torch's. Under FSDP2 (``fully_shard``, HSDP too) each gradient's share is also summed over its
     FSDP2 shard group, so the norm is still the unsharded model's. A NaN gradient makes the norm NaN on
-    every rank, the inf-norm included (a replicated parameter's too, where one rank's copy alone holds it:
-    then nan where that rank's own norm would be inf). ValueError unless ``module`` is an ``nn.Module`` (not its
-    parameters) and ``max_norm`` a positive number (a Python, numpy or 0-d tensor scalar, as torch's);
-    with ``error_if_nonfinite`` a RuntimeError when the norm is nan or inf (as torch's). ``foreach`` is
+    every rank, the inf-norm included, and an inf gradient inf (a replicated parameter's too, where one
+    rank's copy alone holds it). ValueError unless ``module`` is an ``nn.Module`` (not its parameters)
+    and ``max_norm`` a positive number (a Python, numpy or 0-d tensor scalar, as torch's); with
+    ``error_if_nonfinite`` a RuntimeError when the norm is nan or inf (as torch's). ``foreach`` is
     accepted for torch's signature and ignored: the norms and the scaling always use the foreach kernels.
 
     ``pipeline_group``: with pipeline parallelism, the group of the ranks that hold this rank's
