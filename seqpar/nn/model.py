@@ -63,8 +63,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     ``loss[i] = log(sum_j exp(z[i, j])) - z[i, labels[i]]`` for logits z [s, b, v_local] (this rank's
     columns are the global ids ``vocab_start .. vocab_start + v_local - 1``; v_local may be 0) and
-    labels [s, b] -> loss [s, b] in fp32 (fp64 for fp64 logits). The max, the target logit and the exp-sum are reduced over the
-    group. A label equal to ``ignore_index`` gives loss 0 and no gradient, as in
+    labels [s, b] -> loss [s, b] in fp32 (fp64 for fp64 logits). The max, the target logit and the exp-sum
+    are reduced over the group. A label equal to ``ignore_index`` gives loss 0 and no gradient, as in
     :func:`torch.nn.functional.cross_entropy` with ``reduction="none"``.
     """
 
@@ -752,7 +752,8 @@ class GPTModel(SharesProcessGroup, nn.Module):
         if not isinstance(state_dict, Mapping):
             return {}
         v = self.vocab_size
-        padded = {rows: t for t in range(64, 0, -1) for rows in (padded_vocab_size(v, t), padded_vocab_size(v, t) // t)}
+        padded = {rows: t for t in range(64, 0, -1)   # rows -> the smallest t padding v to them
+                  for rows in (padded_vocab_size(v, t), padded_vocab_size(v, t) // t)}
         padded.pop(v, None)
         hints = {}
         for key in ("embedding.word_embeddings.weight", "output_layer.weight"):

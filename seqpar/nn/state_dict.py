@@ -884,5 +884,6 @@ def check_loadable(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[
 __all__ = ["ShardLayout", "ShardedParameters", "RowChunks", "boxes", "local_rows", "scatter_full", "gather_full",
            "load_full_parameters", "full_parameters", "sharded_state_dict", "sharded_optimizer_state_dict",
            "load_sharded_optimizer_state_dict", "IncompatibleKeys", "PreparedParameters", "prepare_parameters",
-           "check_shapes", "check_loadable", "check_intact_parts", "check_not_meta", "on_meta", "reset_modules", "unsharded_entries", "unsharded_shapes",
+           "check_shapes", "check_loadable", "check_intact_parts", "check_not_meta", "on_meta", "reset_modules",
+           "unsharded_entries", "unsharded_shapes",
            "gather_unsharded", "scatter_unsharded"]

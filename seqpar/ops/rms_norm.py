@@ -220,7 +220,8 @@ def _cuda_bwd_op(grad_y: torch.Tensor, grad_residual_out: Optional[torch.Tensor]
             grad_y.data_ptr(), 0 if grad_residual_out is None else grad_residual_out.data_ptr(),
             residual_out.data_ptr(), residual_out.stride(0), w.data_ptr(), rstd.data_ptr(), grad_x.data_ptr(),
             grad_res.data_ptr() if residual_grad else 0, partials.data_ptr(), n_partials, row_sums.data_ptr(),
-            grad_w.data_ptr() if weight_grad else 0, rows, h, dtype, _ext.DTYPE_CODES[w.dtype], vec, _ext.cuda_stream(grad_y.device))
+            grad_w.data_ptr() if weight_grad else 0, rows, h, dtype, _ext.DTYPE_CODES[w.dtype], vec,
+            _ext.cuda_stream(grad_y.device))
     return grad_x, grad_res, grad_w
 
 
