@@ -290,6 +290,30 @@ def _gpt_model(model: nn.Module) -> GPTModel:
     return inner
 
 
+class _Reads(dict):
+    """A full_state_dict() that records which keys a hand-back read: one it didn't read has no slot in the
+    HF model (an adapter's factors held as submodules of a linear), so the hand-back would drop it."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.read = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def check_all_read(self, family: str) -> None:
+        unread = sorted(set(self) - self.read)
+        if unread:
+            raise ValueError(f"the model holds parameters a {family} state dict has no slot for: {unread} (an "
+                             "adapter's factors? fold them into the base weights first): handing back without "
+                             "them would give another model")
+
+
 def to_gpt2_state_dict(model: GPTModel) -> Dict[str, torch.Tensor]:
     """The unsharded ``GPT2LMHeadModel`` state dict of ``model`` (HF key names, Conv1D [in, out]
     layouts, the real vocabulary rows; ``lm_head.weight`` is the same tensor as ``transformer.wte.weight``,
@@ -312,13 +336,14 @@ def to_gpt2_state_dict(model: GPTModel) -> Dict[str, torch.Tensor]:
     if different:
         raise ValueError(f"model is not a GPT-2: it has {different} (a GPT-2 has {GPT2_BLOCK}, activation 'gelu' or "
                          f"'gelu_tanh', num_query_groups None (= heads) and share_embeddings_and_output_weights=True)")
-    full = model.full_state_dict()
+    full = _Reads(model.full_state_dict())
     out = {_PREFIX + theirs: full[ours] for theirs, ours in _TOP_KEYS[:2]}
     for i in range(len(model.layers)):
         for theirs, ours, conv1d in _LAYER_KEYS:
             value = full[f"layers.{i}.{ours}"]
             out[f"{_PREFIX}h.{i}.{theirs}"] = value.t().contiguous() if conv1d else value
     out.update({_PREFIX + theirs: full[ours] for theirs, ours in _TOP_KEYS[2:]})
+    full.check_all_read("GPT-2")
     out[_HEAD] = out[_PREFIX + "wte.weight"]
     return out
 
@@ -525,7 +550,7 @@ def to_llama_state_dict(model: GPTModel) -> Dict[str, torch.Tensor]:
     different = {k: getattr(cfg, k) for k, v in LLAMA_BLOCK.items() if getattr(cfg, k) != v}
     if different:
         raise ValueError(f"model is not a Llama: its config has {different} (a Llama has {LLAMA_BLOCK})")
-    full = model.full_state_dict()
+    full = _Reads(model.full_state_dict())
     d, f = cfg.head_dim, cfg.ffn_hidden_size
     rows = (cfg.num_attention_heads * d, cfg.kv_heads * d, cfg.kv_heads * d)
     out = {_LLAMA_PREFIX + "embed_tokens.weight": full["embedding.word_embeddings.weight"]}
@@ -542,6 +567,7 @@ def to_llama_state_dict(model: GPTModel) -> Dict[str, torch.Tensor]:
             out[theirs + their_key] = full[ours + our_key]
     out[_LLAMA_PREFIX + "norm.weight"] = full["final_layernorm.weight"]
     out[_HEAD] = full.get("output_layer.weight", out[_LLAMA_PREFIX + "embed_tokens.weight"])
+    full.check_all_read("Llama")
     return out
 
 

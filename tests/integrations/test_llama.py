@@ -412,3 +412,19 @@ def test_bf16_logits_on_gpu(backend, recompute):
     error = (logits.float() - reference).abs().max().item()
     hf_error = (hf_bf16.float() - reference).abs().max().item()
     assert error <= 2 * hf_error + 1e-3, f"seqpar bf16 error {error:.3e} vs HF bf16 error {hf_error:.3e}"
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_hand_back_refuses_parameters_hf_has_no_slot_for(family):
+    """LoRA factors held as submodules of a seqpar linear are in full_state_dict(); the hand-back picked out
+    the keys it knew and dropped them, silently (HF got the unmerged base: another model)."""
+    kw = dict(hidden_size=32, num_attention_heads=4, backend="torch")
+    if family == "llama":
+        kw.update(hf.LLAMA_BLOCK, num_query_groups=2)
+    seqpar.manual_seed(0)
+    model = seqpar.GPTModel(seqpar.TransformerConfig(**kw), 1, 64, 16)
+    hand_back = hf.to_llama_state_dict if family == "llama" else hf.to_gpt2_state_dict
+    assert hand_back(model)   # the model as built hands back
+    model.layers[0].self_attention.query_key_value.lora_A = torch.nn.Linear(32, 4, bias=False)
+    with pytest.raises(ValueError, match=r"has no slot for: \['layers.0.self_attention.query_key_value.lora_A.weight'\]"):
+        hand_back(model)
