@@ -87,6 +87,16 @@ def builds_on_meta(device) -> bool:
     return (torch.get_default_device() if device is None else torch.device(device)).type == "meta"
 
 
+def trainable_values(module: nn.Module) -> Dict[str, object]:
+    """What the ranks' per-forward check compares of ``module``'s parameters: how many require grad and
+    which (a string of 0 / 1 in ``parameters()`` order, compared by hash). Ranks that froze different
+    parameters (a norm's weight on one rank only) sent its gradient all-reduce partial sums, silently, or
+    left it waiting for a rank that froze the norm whole."""
+    pattern = "".join("1" if p.requires_grad else "0" for p in module.parameters())
+    return {"parameters requiring grad (freeze the same ones on every rank)": pattern.count("1"),
+            "which parameters require grad": pattern}
+
+
 def agreement_values(config: TransformerConfig, **arguments) -> Dict[str, object]:
     """What every tensor-parallel rank must pass identically when building a layer or model: each
     config field, the other constructor ``arguments`` and the RNG state dropout seeds are drawn from."""
@@ -392,14 +402,14 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
 
     @outside_compile(RANK_CHECK_NOT_TRACEABLE)
     def _check_ranks(self, x, problem: Optional[str]) -> None:
-        """Every rank's input shape, dtype, mode, grad mode and the RNG state its dropout seeds will be drawn
-        from agree and no rank rejected its x, else ValueError on every rank: uneven SP shards (s = 127 at
+        """Every rank's input shape, dtype, mode, grad mode, which parameters require grad and the RNG state its
+        dropout seeds will be drawn from agree and no rank rejected its x, else ValueError on every rank: uneven SP shards (s = 127 at
         t = 2: 64 and 63 rows) would otherwise abort the process inside gloo, or hang / corrupt NCCL, in the
         first all-gather, and a rank under torch.no_grad would leave the others' backward waiting for it.
         Nothing is drawn before it: a rejected input leaves the generator as at t = 1 (the same later
         masks whatever t is).
 
-        Cost, every forward: one all-gather of 15 int64 per rank (and, with dropout on, hashing torch's CPU
+        Cost, every forward: one all-gather of 19 int64 per rank (and, with dropout on, hashing torch's CPU
         generator state, 5 KB) and the host reading the result. On NCCL that read synchronises the host
         with the stream once per layer: the collective's latency (~10-30 us) plus the host no longer
         queueing kernels ahead of the GPU at that point (a few tens of us before the queue refills), small
@@ -414,7 +424,7 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         check_ranks_agree(self.tp_group, {
             "x.shape[0] (s_local)" if cfg.sequence_parallel else "x.shape[0] (s)": shape[0], "x.shape[1] (b)": shape[1],
             "x dtype (under autocast its dtype)": getattr(x, "dtype", None), "training": int(self.training),
-            "grad mode": int(torch.is_grad_enabled()),
+            "grad mode": int(torch.is_grad_enabled()), **trainable_values(self),
             **sp_random.generator_fingerprint(with_torch_state=dropout_on)},   # what the dropout seeds come from
             what=f"TransformerLayer(layer_number={self.layer_number}) input", error=problem, hint=hint,
             device=parameter_device(self))

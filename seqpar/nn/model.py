@@ -46,7 +46,7 @@ from ..parallel.state import (SAME_MODE_HINT, SEED_HINT, ProcessGroup, SharesPro
 from ..memory import recompute_policies, saved_as
 from .autocast import autocast_dtype, call_self_casting, run_in_dtype
 from .layer import (AGREEMENT_HINT, RANK_CHECK_NOT_TRACEABLE, TransformerLayer, agreement_values, builds_on_meta,
-                    make_norm, parameter_device, reference_parameter, run_problem)
+                    make_norm, parameter_device, reference_parameter, run_problem, trainable_values)
 from .layernorm import LayerNorm, RMSNorm
 from .linear import SeededNormal
 from .state_dict import (IncompatibleKeys, ShardedParameters, ShardLayout, check_intact_parts, check_loadable,
@@ -626,19 +626,19 @@ class GPTModel(SharesProcessGroup, nn.Module):
     @outside_compile(RANK_CHECK_NOT_TRACEABLE)
     def _check_ranks(self, tokens, labels, checksum: Optional[int], problem: Optional[str]) -> None:
         """Every rank's tokens and labels (shapes, labels or not, the values' ``checksum``), mode, grad
-        mode and dropout RNG state agree and no rank rejected its inputs, else ValueError on every rank.
+        mode, which parameters require grad and dropout RNG state agree and no rank rejected its inputs, else ValueError on every rank.
         The layers skip their own per-forward check (the model builds their inputs), so this one is what
         keeps a rank's mistake from aborting or hanging the others in a collective, or from silently
         mixing dropout masks or batches (a data loader sharding over the whole world instead of the
-        data-parallel ranks). Cost: one all-gather of 19 int64 per rank and forward, and hashing torch's
-        CPU generator state (5 KB) when dropout is on."""
+        data-parallel ranks). Cost: one all-gather of 23 int64 per rank and forward, a walk over the
+        parameters, and hashing torch's CPU generator state (5 KB) when dropout is on."""
         cfg = self.config
         dropout_on = self.training and bool(self.embedding_dropout or cfg.hidden_dropout or cfg.attention_dropout)
         shape = tuple(tokens.shape) if problem is None else (-1, -1)
         check_ranks_agree(self.tp_group, {
             "tokens.shape[0] (b)": shape[0], "tokens.shape[1] (s)": shape[1], "labels given": int(labels is not None),
             "token and label values (checksum)": checksum, "training": int(self.training),
-            "grad mode": int(torch.is_grad_enabled()),
+            "grad mode": int(torch.is_grad_enabled()), **trainable_values(self),
             "compute dtype (under autocast its dtype)": reference_parameter(self, *self._REFERENCE_PARTS).dtype,
             **sp_random.generator_fingerprint(with_torch_state=dropout_on),   # what the dropout seeds come from
         }, what="GPTModel input", error=problem, device=parameter_device(self),

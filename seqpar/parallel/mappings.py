@@ -51,8 +51,7 @@ class _CopyToTensorRegion(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         outs = tuple(x.view_as(x) for x in xs)
         # A frozen tensor's copy stays frozen: what reads it computes no gradient for it (a norm's frozen
-        # weight: no column sum), and its zeros in the all-reduce keep every rank's buffer one size, however
-        # the ranks froze (a rank that sent fewer tensors aborted the collective).
+        # weight: no column sum); its zeros keep the all-reduce one size on every rank.
         ctx.mark_non_differentiable(*(out for i, out in enumerate(outs) if not ctx.needs_input_grad[1 + i]))
         return outs
 
@@ -146,7 +145,9 @@ def copy_to_tensor_region_coalesced(xs: Sequence[torch.Tensor], group: ProcessGr
     latency instead of one per tensor. The copies of those that don't require grad (frozen) don't either,
     so nothing computes their gradients (a frozen weight's column sum); with none requiring grad (a norm
     frozen whole) the tensors are returned as they are, with no Function for Dynamo to fail on (see
-    _mapped).
+    _mapped). Every rank must freeze the same ones (the layers' and GPTModel's per-forward rank check
+    compares which parameters require grad): otherwise the sums are partial, or a rank that froze them all
+    leaves the others' all-reduce waiting.
     """
     xs = tuple(xs)
     if not xs or any(not isinstance(x, torch.Tensor) for x in xs):
