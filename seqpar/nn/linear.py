@@ -86,6 +86,14 @@ class SeededNormal:
                                device="cpu") * self.std)
 
 
+#: Why a split linear's forward refuses a reparametrized weight under tensor parallelism.
+REPARAMETRIZED_SHARD = (
+    ". Under tensor parallelism a parametrization sees only this rank's shard of the weight: PEFT's "
+    "target_parameters LoRA trains one adapter per rank (another model than at t = 1), a norm or a pruning "
+    "mask is taken per shard, and clip_grad_norm_ / sharded_state_dict can't place the shard. For LoRA at "
+    "t > 1 add the adapter with forward hooks and seqpar's own parallel linears (README, Recompute)")
+
+
 class _TensorParallelLinear(ShardedParameters, SharesProcessGroup, nn.Module):
     """What both splits share: initialisation, loading and gathering of the unsharded weights (by
     ``shard_layouts``) and the repr."""
@@ -124,6 +132,8 @@ class _TensorParallelLinear(ShardedParameters, SharesProcessGroup, nn.Module):
         name = type(self).__name__
 
         def check() -> Optional[ChunkPlan]:
+            if group_size(self.tp_group) > 1 and self._reparametrized():
+                require_own_parameters(self, ["weight"], name, instead=REPARAMETRIZED_SHARD)
             min_dim = 2 if self.sequence_parallel else 1
             if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < min_dim or \
                     x.shape[-1] != width:
@@ -145,6 +155,15 @@ class _TensorParallelLinear(ShardedParameters, SharesProcessGroup, nn.Module):
             **agreed_shape_and_dtype(x, "x.shape[:-1]", "x dtype", slice(0, -1)),
             **agreed_gradients(x=x, weight=weight), "overlap plan": chosen},
             what=f"{name} input", hint=hint)
+
+    def _reparametrized(self) -> bool:
+        """Whether the weight is computed from a shard this module holds under another name: a
+        ``torch.nn.utils.parametrize`` parametrization (weight_norm, PEFT's target_parameters LoRA),
+        ``prune`` (``weight_orig``) or the old ``weight_norm`` (``weight_g`` / ``weight_v``). Not FSDP1's
+        flat parameter (use_orig_params=False), which lends the module plain views from outside it."""
+        own = self._parameters
+        return "weight" not in own and (torch.nn.utils.parametrize.is_parametrized(self, "weight")
+                                        or any(key.startswith("weight_") for key in own))
 
     def _init_weights(self, init_method: Optional[Callable[[torch.Tensor], None]]) -> None:
         self.init_method = init_method

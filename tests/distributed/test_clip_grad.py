@@ -245,8 +245,9 @@ def test_grad_scaler_skips_the_step_on_every_rank_when_one_rank_overflows():
 
 
 def _reparametrized_worker(rank, world_size):
-    """clip_grad_norm_ and sharded_state_dict of a layer whose column-parallel weight is reparametrized
-    (one rewrite per kind), at t = 2 and at t = 1."""
+    """clip_grad_norm_, sharded_state_dict and the forward of a layer whose column-parallel weight is
+    reparametrized (one rewrite per kind), at t = 2 and at t = 1; and the loss of a t = 2 layer under
+    FSDP1 (use_orig_params=False lends the linears plain views of its flat parameter: not a rewrite)."""
     import torch.nn.utils.parametrize as parametrize
     from torch.nn.utils import prune
     from torch.nn.utils.parametrizations import weight_norm
@@ -265,10 +266,17 @@ def _reparametrized_worker(rank, world_size):
                 hidden_size=16, num_attention_heads=2, backend="torch", sequence_parallel=group is not None),
                 tp_group=group)
             rewrite(layer.mlp.dense_h_to_4h)
-            layer(torch.randn(4, 2, 16)).square().sum().backward()
             if group is None:
+                layer(torch.randn(4, 2, 16)).square().sum().backward()
                 t1_norms[kind] = float(clip_grad_norm_(layer, 1e9))
                 continue
+            for autocast in (False, True):
+                try:
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                        layer(torch.randn(2, 2, 16))
+                    errors[kind, "forward", autocast] = None
+                except ValueError as e:
+                    errors[kind, "forward", autocast] = str(e)
             for name, call in (("clip", lambda: clip_grad_norm_(layer, 1e9)),
                                ("sharded", lambda: seqpar.nn.sharded_state_dict(layer))):
                 try:
@@ -276,7 +284,16 @@ def _reparametrized_worker(rank, world_size):
                     errors[kind, name] = None
                 except ValueError as e:
                     errors[kind, name] = str(e)
-    return errors, t1_norms
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    own_groups = [dist.new_group([r]) for r in range(world_size)]   # data-parallel groups of one rank
+    seqpar.manual_seed(0)
+    config = seqpar.TransformerConfig(hidden_size=16, num_attention_heads=2, backend="torch", sequence_parallel=True)
+    x = torch.randn(4, 2, 16, generator=torch.Generator().manual_seed(rank))
+    plain = seqpar.TransformerLayer(config, tp_group=dist.group.WORLD)
+    wrapped = FullyShardedDataParallel(copy.deepcopy(plain), process_group=own_groups[rank], use_orig_params=False,
+                                       device_id=torch.device("cpu"))
+    fsdp1 = (float(plain(x).square().sum()), float(wrapped(x).square().sum()))
+    return errors, t1_norms, fsdp1
 
 
 @pytest.mark.timeout(180)
@@ -284,11 +301,20 @@ def test_a_reparametrized_split_weight_is_refused_under_tensor_parallelism():
     """A split weight under parametrize / weight_norm / prune keeps its shard under another name, which
     has no layout: clip_grad_norm_ counted it as replicated (each rank returned another norm, so the
     ranks clipped by different factors) and sharded_state_dict saved one rank's shard for both. Now both
-    raise a ValueError naming the part on every rank; at t = 1 (nothing split) clipping still runs."""
-    for errors, t1_norms in run_ranks(_reparametrized_worker, 2, timeout_s=150):
+    raise a ValueError naming the part on every rank; at t = 1 (nothing split) clipping still runs. The
+    forward refuses it too, with and without autocast: a parametrization computed from one rank's shard
+    (PEFT's target_parameters LoRA: an adapter per rank) trained another model than t = 1 silently."""
+    for errors, t1_norms, (plain, fsdp1) in run_ranks(_reparametrized_worker, 2, timeout_s=150):
+        assert fsdp1 == plain, (fsdp1, plain)
         assert set(t1_norms) == {"parametrize", "weight_norm", "prune"}
         assert all(math.isfinite(n) and n > 0 for n in t1_norms.values())
-        for (kind, name), error in errors.items():
-            what = "clip_grad_norm_" if name == "clip" else "sharded_state_dict"
-            assert error is not None and error.startswith(f"{what}: mlp.dense_h_to_4h.weight is not a parameter"), \
+        assert len(errors) == 3 * 4, errors
+        for (kind, name, *_), error in errors.items():
+            start = {"clip": "clip_grad_norm_: mlp.dense_h_to_4h.weight",
+                     "sharded": "sharded_state_dict: mlp.dense_h_to_4h.weight",
+                     "forward": "ColumnParallelLinear: weight"}[name]
+            # torch.nn.utils.parametrize renames the class ParametrizedColumnParallelLinear
+            assert error is not None and error.removeprefix("Parametrized").startswith(f"{start} is not a parameter"), \
                 (kind, name, error)
+            if name == "forward":
+                assert "this rank's shard" in error and "hooks" in error, error
