@@ -47,7 +47,7 @@ interleaved schedule (m > 1 chunks per rank) it keeps L (1 + (p-1)/(pm)) layers'
 embedding masks (its first chunk's micro-batches in flight, from simulating the schedule). The last stage
 keeps one micro-batch of its layers (m = 1) plus the output side: final LayerNorm input and output-layer
 input (sbh E each, / t with SP) and the fp32 logits for the cross-entropy (4 sbv / t, v the busiest
-rank's padded vocabulary shard). For the paper's models the first stage is the most loaded; with few
+rank's padded vocabulary shard; 8 sbv / t for an fp64 model, E = 8). For the paper's models the first stage is the most loaded; with few
 layers per stage, full recompute and a large vocabulary the last one can be (Llama-3-8B sizes at t = 8,
 p = 4, full recompute: 584 MiB against the first stage's 256 MiB). The figure is the largest stage's,
 each stage's from simulating its schedule; with p = 1 the one stage holds both.
@@ -97,7 +97,8 @@ MAX_LAYERS = 2**16  # a model's layers, listed one by one (1e9 from a typo would
 #: and second moments 4 + 4.
 MODEL_STATE_BYTES_PER_PARAMETER = 18
 
-#: The output layer's logits are kept in fp32 for the cross-entropy (Section 4.3: 4sbv/t).
+#: The output layer's logits are kept in fp32 for the cross-entropy (Section 4.3: 4sbv/t); an fp64
+#: model's in fp64 (:meth:`_Model.logits_bytes`).
 LOGITS_BYTES = 4
 
 _label: contextvars.ContextVar = contextvars.ContextVar("seqpar_saved_label", default="unlabelled")
@@ -488,7 +489,12 @@ class _Model:
         lay = self.layer
         final_layernorm_input = lay.norm_input() / lay.replicated_split
         output_layer_input = lay.sbh * lay.e / lay.replicated_split
-        return final_layernorm_input + output_layer_input + LOGITS_BYTES * lay.s * lay.b * self.vocab_shard()
+        return final_layernorm_input + output_layer_input + self.logits_bytes() * lay.s * lay.b * self.vocab_shard()
+
+    def logits_bytes(self) -> float:
+        """Bytes per element of the logits the loss keeps: fp32 (:data:`LOGITS_BYTES`), or the compute
+        dtype's where wider (an fp64 model's loss runs in fp64)."""
+        return max(LOGITS_BYTES, self.layer.e)
 
     def vocab_shard(self) -> int:
         """Logit columns of the busiest rank: GPTModel pads v to a multiple of 128 t, min(v, padded v / t)."""
@@ -498,12 +504,13 @@ class _Model:
 
     def loss_working_bytes(self) -> float:
         """What the vocabulary loss's backward builds beside the fp32 softmax it saved, on the last stage:
-        the fp32 gradient of the logits shard and its cast to the compute dtype (none in fp32). It runs
+        the fp32 gradient of the logits shard and its cast to the compute dtype (none in fp32; fp64 models:
+        the fp64 gradient alone). It runs
         before any layer's backward, every layer's activations held. (Its forward's transient, the logits
         in the compute dtype beside the fp32 buffer that becomes the softmax, is no larger.)"""
         lay = self.layer
-        cast = 0 if lay.e == LOGITS_BYTES else lay.e
-        return (LOGITS_BYTES + cast) * lay.s * lay.b * self.vocab_shard()
+        cast = 0 if lay.e == self.logits_bytes() else lay.e
+        return (self.logits_bytes() + cast) * lay.s * lay.b * self.vocab_shard()
 
     def activation_bytes(self, counts_by_rank: Sequence[Sequence[Tuple[int, int, int]]]) -> float:
         """Bytes of the most loaded pipeline rank, from each rank's chunks' (n_none, n_selective, n_full)

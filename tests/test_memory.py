@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+import seqpar
+
 from seqpar.memory import (ActivationMeter, architecture_kwargs, layer_activation_bytes, layer_activation_terms,
                            model_activation_bytes, saved_as)
 
@@ -588,3 +590,19 @@ print("done")
     _, total, copied, same_report = lines[1].split(" ", 3)
     assert int(total) > 0 and copied == f"[{total}]" and same_report == "True", lines
     assert lines[-1] == "done"
+
+
+def test_an_fp64_model_s_logits_are_planned_in_fp64():
+    """An fp64 GPTModel's loss keeps fp64 logits (8 sbv bytes): the planner counted them as fp32 (4 sbv),
+    so the metered forward exceeded its figure with masks (231648 > 1.05 x 218112 bytes here)."""
+    S, B, H, A, V = 16, 2, 32, 4, 256
+    seqpar.manual_seed(0)
+    cfg = seqpar.TransformerConfig(hidden_size=H, num_attention_heads=A, backend="torch", params_dtype=torch.float64)
+    model = seqpar.GPTModel(cfg, 1, V, S)
+    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
+    with ActivationMeter() as meter:
+        model(ids, ids)
+    sizes = dict(seq_len=S, micro_batch=B, hidden=H, heads=A, num_layers=1, vocab=V, bytes_per_element=8)
+    assert meter.by_label()["cross-entropy (fp32 softmax, label ids)"] >= 8 * S * B * V
+    assert 0.9 * model_activation_bytes(**sizes, bytes_per_mask=0) <= meter.bytes \
+        <= 1.05 * model_activation_bytes(**sizes, bytes_per_mask=1), meter.report()
