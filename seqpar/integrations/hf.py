@@ -74,6 +74,7 @@ from torch import nn
 from ..config import TransformerConfig
 from ..nn.model import IGNORE_INDEX, GPTModel
 from ..nn.state_dict import _unwrapped, check_shapes
+from ..ops.registry import check_eps
 from ..parallel.state import ProcessGroup, run_agreed
 
 __all__ = ["from_gpt2", "to_gpt2_state_dict", "from_llama", "to_llama_state_dict", "shift_labels"]
@@ -258,6 +259,9 @@ def from_gpt2(source, *, config=None, tp_group: ProcessGroup = None, sequence_pa
     def read():
         state_dict, settings_config, training = _source_state_dict(source, config, "GPT2")
         settings = _gpt2_settings(settings_config)
+        if isinstance(source, nn.Module):   # HF reads the eps when it builds the norms, as from_llama's
+            settings["eps"] = _norms_eps(source, settings["eps"])
+        check_eps(settings["eps"], "GPT-2 config layer_norm_epsilon")
         return settings, _transformer_state_dict(state_dict, settings), training
 
     settings, sd, training = _read_on_every_rank(read, tp_group, "seqpar.integrations.hf.from_gpt2")
@@ -471,6 +475,42 @@ def _read_on_every_rank(read, tp_group: ProcessGroup, what: str):
     return run_agreed(read, (tp_group,), what=what)
 
 
+def _norms_eps(source: nn.Module, configured: float) -> float:
+    """The eps ``source``'s norms compute with (``nn.LayerNorm.eps``, HF RMSNorm's ``variance_epsilon``):
+    HF reads it from the config once, when it builds them, so a config changed since leaves the modules'
+    value, which is what HF runs (as the padding index). ``configured`` where the source has no norms;
+    ValueError for norms that differ among themselves (seqpar's layers share one eps)."""
+    found = {float(m.variance_epsilon if hasattr(m, "variance_epsilon") else m.eps)
+             for m in source.modules() if isinstance(m, nn.LayerNorm) or hasattr(m, "variance_epsilon")}
+    if len(found) > 1:
+        raise ValueError(f"the model's norms use different eps values {sorted(found)} (its config says "
+                         f"{configured!r}): seqpar's layers share one eps")
+    return found.pop() if found else configured
+
+
+def _check_rotary_frequencies(source: nn.Module, settings: dict) -> None:
+    """ValueError unless every RoPE module of ``source`` (an ``inv_freq`` buffer) computes the default RoPE
+    of ``settings["theta"]``, the one seqpar builds: HF computes the frequencies from the config once,
+    when it builds the model, so a config changed since (its rope_theta, or its rope type rewritten to get
+    past seqpar's refusal of scaled RoPE) left HF running other frequencies than the config says. Compared
+    in the buffer's dtype (a converted model holds them rounded) where that dtype is normal."""
+    d = settings["hidden"] // settings["heads"]
+    default = 1.0 / settings["theta"] ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    for name, module in source.named_modules():
+        freq = module._buffers.get("inv_freq")
+        if freq is None or freq.is_meta:
+            continue
+        rope_type = getattr(module, "rope_type", "default")
+        want = default.to(freq.dtype)
+        normal = want.abs() >= torch.finfo(freq.dtype).tiny
+        if rope_type != "default" or freq.shape != want.shape or not torch.allclose(
+                freq.detach().cpu()[normal].double(), want[normal].double(), rtol=1e-2, atol=0):
+            raise ValueError(f"the model's {name or 'rotary'}.inv_freq (rope_type {rope_type!r}) is not the default "
+                             f"RoPE of its config's rope_theta {settings['theta']!r}, which seqpar would build: HF "
+                             "computes with the module's frequencies, set from the config when the model was "
+                             "built (was the config changed since?). seqpar implements the default RoPE only")
+
+
 def _source_state_dict(source, config, kind: str):
     """(state dict, config, training) of a model or state-dict ``source`` (ValueError otherwise)."""
     if isinstance(source, nn.Module):
@@ -513,8 +553,11 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
         if isinstance(source, nn.Module):
             # HF reads pad_token_id when it builds the embedding: a config changed since (the common
             # `model.config.pad_token_id = tokenizer.eos_token_id`) leaves the module's padding_idx, which
-            # is what HF trains by
+            # is what HF trains by; so for the norms' eps and the RoPE frequencies
             settings["pad"] = source.get_input_embeddings().padding_idx
+            settings["eps"] = _norms_eps(source, settings["eps"])
+            _check_rotary_frequencies(source, settings)
+        check_eps(settings["eps"], "Llama config rms_norm_eps")
         return settings, *_llama_state_dict(state_dict, settings), training
 
     _check_device(device, "from_llama")

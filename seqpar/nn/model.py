@@ -53,9 +53,12 @@ from .state_dict import (IncompatibleKeys, ShardedParameters, ShardLayout, check
                          check_not_meta, full_parameters, gather_unsharded, on_meta, prepare_parameters, reset_modules,
                          scatter_full, scatter_unsharded, unsharded_entries, unsharded_shapes)
 
-EMBEDDING_RNG_LAYER = 2**31 - 1  # the embedding dropout's "layer number" in the RNG (its site: Site.EMBEDDING)
-VOCAB_PAD_MULTIPLE = 128         # the padded vocabulary is a multiple of this times t
-IGNORE_INDEX = -100              # a label equal to it gives no loss and no gradient (torch's default)
+#: The embedding dropout's "layer number" in the RNG (its site: ``Site.EMBEDDING``).
+EMBEDDING_RNG_LAYER = 2**31 - 1
+#: The padded vocabulary is a multiple of this times t.
+VOCAB_PAD_MULTIPLE = 128
+#: A label equal to it gives no loss and no gradient (torch's default).
+IGNORE_INDEX = -100
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -250,6 +253,8 @@ class VocabParallelEmbedding(_VocabShard):
         self.padding_idx = padding_idx
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens`` int64 [...] -> [..., h]: this rank's shard's lookups, zero for ids outside it, summed over
+        the group (f-bar; class docstring). Call the module, as any :class:`torch.nn.Module`, so hooks run."""
         n_real = self.vocab_end - self.vocab_start
         local_ids = tokens - self.vocab_start
         in_shard = (local_ids >= 0) & (local_ids < n_real)
@@ -274,6 +279,8 @@ class VocabParallelOutputLayer(_VocabShard):
         self.sequence_parallel, self.overlap_comm = sequence_parallel, overlap_comm
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """:meth:`logits` of ``hidden`` with the module's ``sequence_parallel`` and ``overlap_comm``. Call the
+        module, as any :class:`torch.nn.Module`, so hooks run."""
         return self.logits(hidden, sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm)
 
 
@@ -312,6 +319,9 @@ class GPTEmbedding(nn.Module):
                                     if learned_positions else None)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens`` int64 [b, s] -> [s, b, h] (contiguous): word embeddings plus, with learned positions,
+        the rows 0 .. s-1 of the position table. Call the module, as any :class:`torch.nn.Module`, so hooks
+        run."""
         word = self.word_embeddings(tokens)                                                  # [b, s, h]
         if self.position_embeddings is not None:   # through its __call__: hooks on it fire
             word = word + self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
@@ -600,8 +610,9 @@ class GPTModel(SharesProcessGroup, nn.Module):
         s, t = tokens.shape[1], group_size(self.tp_group)
         if s > self.max_seq_len:
             raise ValueError(f"sequence length {s} exceeds max_seq_len {self.max_seq_len}" + (
-                " (with RoPE no table is sized by it: it is the declared context length, from_llama's "
-                "max_position_embeddings; build the model with a larger max_seq_len to run longer sequences)"
+                " (with RoPE no table is sized by it: it is the declared context length; build the model with "
+                "a larger max_seq_len, or for from_llama raise config.max_position_embeddings before converting, "
+                "to run longer sequences)"
                 if self.config.position_embedding == "rope" else ""))
         if self.config.sequence_parallel and s % t:
             raise ValueError(f"sequence length {s} is not divisible by the tensor-parallel size {t} (sequence "

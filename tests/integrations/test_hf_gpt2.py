@@ -271,6 +271,18 @@ def test_settings_follow_the_config_and_arguments():
                                    atol=2e-5, rtol=2e-5)
 
 
+def test_the_eps_is_the_layer_norms_not_a_config_changed_since():
+    """HF reads layer_norm_epsilon when it builds the LayerNorms: from_gpt2 read the config, so an eps set
+    on the config afterwards converted to other numbers than HF computes."""
+    gpt2 = _random_gpt2(1000).eval()
+    gpt2.config.layer_norm_epsilon = 0.5
+    tokens = _tokens(1000)
+    model = hf.from_gpt2(gpt2)
+    assert model.config.layernorm_epsilon == gpt2.transformer.ln_f.eps == 1e-5
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), gpt2(tokens).logits.transpose(0, 1), atol=2e-5, rtol=2e-5)
+
+
 def test_loss_mapping_matches_hf_labels():
     """HF's labels=input_ids (-100 for padding) == shift_labels + sum / count of GPTModel's per-token loss."""
     gpt2 = _random_gpt2(1000, seed=9).eval()

@@ -293,6 +293,38 @@ def test_pad_token_is_the_embedding_modules_not_the_configs(built_with, set_afte
     assert hf.from_llama(llama.state_dict(), config=llama.config).embedding.word_embeddings.padding_idx == set_after
 
 
+def test_eps_and_rope_are_the_modules_not_a_config_changed_since():
+    """HF reads rms_norm_eps and the RoPE settings when it builds the norms and the rotary module: a config
+    edited afterwards changes nothing in HF's forward, but from_llama read the config (logits 0.54 apart
+    with theta 5e5 / eps 0.1 set after a 1e4 / 1e-6 build), and a Llama-3.1 model whose rope type was
+    rewritten to "default" to pass the refusal converted with unscaled frequencies. Now the eps is the
+    modules' and frequencies that are not the config's default RoPE are a ValueError; eps 0 (HF takes it,
+    seqpar's fp32 statistics don't) is refused by its Llama name."""
+    llama = _random_llama(2).eval()
+    llama.config.rms_norm_eps = 0.1
+    with torch.no_grad():
+        torch.testing.assert_close(hf.from_llama(llama)(_tokens()), llama(_tokens()).logits.transpose(0, 1),
+                                   atol=2e-5, rtol=0)
+    rope = getattr(llama.config, "rope_parameters", None)
+    if rope is not None:   # transformers >= 5
+        llama.config.rope_parameters = {**rope, "rope_theta": 5e5}
+    else:
+        llama.config.rope_theta = 5e5
+    with pytest.raises(ValueError, match=r"rotary_emb.inv_freq \(rope_type 'default'\) is not the default RoPE of "
+                                         r"its config's rope_theta 500000.0"):
+        hf.from_llama(llama)
+    scaled = _random_llama(2, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8})
+    if getattr(scaled.config, "rope_parameters", None) is not None:
+        scaled.config.rope_parameters = {"rope_type": "default", "rope_theta": scaled.config.rope_parameters["rope_theta"]}
+    else:
+        scaled.config.rope_scaling = None
+    with pytest.raises(ValueError, match=r"inv_freq \(rope_type 'llama3'\) is not the default RoPE"):
+        hf.from_llama(scaled)
+    with pytest.raises(ValueError, match=r"Llama config rms_norm_eps must be a finite float >= .*, got 0.0"):
+        hf.from_llama(_random_llama(2).state_dict(), config=_llama_config(2, rms_norm_eps=0.0))
+
+
 def test_settings_follow_the_config_and_arguments():
     llama = _random_llama(2, rope_theta=123456.0, rms_norm_eps=1e-5, attention_dropout=0.1).train()
     model = hf.from_llama(llama, recompute="full", backend="torch", params_dtype=torch.bfloat16,

@@ -394,10 +394,12 @@ def test_load_full_state_dict_names_bad_keys_and_shapes():
 
 def test_a_sequence_past_max_seq_len_says_what_the_limit_is_with_rope():
     """HF Llama runs past max_position_embeddings; from_llama makes it max_seq_len, which refused with a
-    bare "exceeds max_seq_len": with RoPE nothing is sized by it, and the message now says so."""
+    bare "exceeds max_seq_len": with RoPE nothing is sized by it, and the message now says so, with the
+    remedy a from_llama user has (it takes no max_seq_len)."""
     cfg = seqpar.TransformerConfig(hidden_size=16, num_attention_heads=2, position_embedding="rope")
     model = seqpar.GPTModel(cfg, 1, 20, 4)
-    with pytest.raises(ValueError, match=r"sequence length 6 exceeds max_seq_len 4 \(with RoPE no table"):
+    with pytest.raises(ValueError, match=r"sequence length 6 exceeds max_seq_len 4 \(with RoPE no table.*for "
+                                         r"from_llama raise config.max_position_embeddings before converting"):
         model(torch.zeros(1, 6, dtype=torch.int64))
 
 
