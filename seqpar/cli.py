@@ -14,8 +14,10 @@ import re
 import sys
 from typing import Callable, List, Optional, Sequence, Tuple
 
+#: Bytes per GiB (the memory options and reports).
 GIB = 2 ** 30
-SEQ_LEN, VOCAB = 2048, 51200   # the paper's runs (Table 3)
+#: The paper's runs (Table 3): ``plan``'s default sequence length and vocabulary (a preset may set its own).
+SEQ_LEN, VOCAB = 2048, 51200
 #: The paper's Table 3 (t = 8 throughout): heads, hidden, layers, pipeline-parallel size, micro-batch.
 PAPER_MODELS = {"22B": dict(heads=64, hidden=6144, layers=48, pp=1, micro_batch=4),
                 "175B": dict(heads=96, hidden=12288, layers=96, pp=8, micro_batch=1),
@@ -31,6 +33,7 @@ LLAMA_MODELS = {"llama3-8B": dict(heads=32, kv_heads=8, hidden=4096, ffn_hidden=
 ARCH_BLOCKS = {"gpt": dict(),
                "llama": dict(normalization="rmsnorm", activation="swiglu", hidden_dropout=False,
                              attention_dropout=False)}
+#: The parameter-count knobs of each --arch (:func:`seqpar.memory.first_stage_parameters`'s keywords).
 ARCH_PARAMETERS = {"gpt": dict(),
                    "llama": dict(normalization="rmsnorm", activation="swiglu", add_bias_linear=False,
                                  position_embedding="rope", share_embeddings_and_output_weights=False)}
@@ -150,6 +153,7 @@ def info() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- plan
+#: The description ``python -m seqpar plan --help`` prints.
 PLAN_DESCRIPTION = """\
 Activation memory of the most loaded pipeline stage per GPU for every uniform recompute policy (the paper's
 Figure 7 comparison, as % of tensor parallelism alone), and the per-layer mix of none / selective /

@@ -13,9 +13,13 @@ from .ops.registry import DTYPES, check_eps, check_flags, validate_backend
 from .ops.rotary import check_theta
 from .random import as_int, dropout_threshold, is_int
 
+#: ``TransformerConfig.activation`` values: the MLP's GeLU (erf or tanh) or SwiGLU (gate and up).
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+#: ``TransformerConfig.normalization`` values.
 NORMALIZATIONS = ("layernorm", "rmsnorm")
+#: ``TransformerConfig.position_embedding`` values: a learned [max_seq_len, h] table, or rotary (no table).
 POSITION_EMBEDDINGS = ("learned", "rope")
+#: ``TransformerConfig.rope_theta``'s default, the RoPE base (HF Llama's ``rope_theta`` default).
 DEFAULT_ROPE_THETA = 10000.0
 #: What a layer computes in: fp32 / fp16 / bf16 on every backend, fp64 (for gradcheck) on the torch backend
 #: (the fused ops' dtypes, :data:`seqpar.ops.registry.DTYPES`); others are rejected when the config is built.

@@ -90,7 +90,9 @@ __all__ = ["layer_activation_bytes", "layer_activation_terms", "architecture_kwa
 
 #: What a layer keeps for backward: everything, all but the attention core, or only its input.
 RECOMPUTE_POLICIES = ("none", "selective", "full")
-MAX_LAYERS = 2**16  # a model's layers, listed one by one (1e9 from a typo would fill memory, not fail)
+#: The most layers the functions take: policies are listed per layer (1e9 from a typo would fill memory,
+#: not fail).
+MAX_LAYERS = 2**16
 
 #: Bytes of model state per parameter in mixed-precision Adam training (Megatron-LM's layout without a
 #: distributed optimizer): bf16/fp16 weight 2 + fp32 gradient 4 + fp32 master weight 4 + Adam's first
@@ -198,8 +200,9 @@ class _Block:
 
 def architecture_kwargs(config) -> Dict[str, object]:
     """The block keywords of :func:`layer_activation_bytes` / :func:`model_activation_bytes` /
-    :func:`plan_recompute` for a :class:`seqpar.TransformerConfig` (``ffn_hidden`` included; pass
-    ``flash_attention=True`` yourself when the attention core is flash-style, e.g. the triton backend)."""
+    :func:`plan_recompute` for ``config``, a :class:`seqpar.TransformerConfig` (``ffn_hidden`` included;
+    pass ``flash_attention=True`` yourself when the attention core is flash-style, e.g. the triton
+    backend)."""
     return dict(ffn_hidden=config.ffn_hidden_size, normalization=config.normalization,
                 activation=config.activation, num_query_groups=config.num_query_groups,
                 hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout)
@@ -337,7 +340,11 @@ def layer_activation_terms(seq_len: int, micro_batch: int, hidden: int, heads: i
                            hidden_dropout=True, attention_dropout=True,
                            flash_attention: bool = False) -> Dict[str, float]:
     """:func:`layer_activation_bytes` term by term: {meter label: bytes} per tensor-parallel rank, the
-    labels :class:`ActivationMeter` gives the tensors seqpar's layer saves (module docstring)."""
+    labels :class:`ActivationMeter` gives the tensors seqpar's layer saves (module docstring). The
+    arguments (``seq_len``, ``micro_batch``, ``hidden``, ``heads``, ``tp``, ``sequence_parallel``,
+    ``recompute``, ``ffn_hidden``, ``bytes_per_element``, ``bytes_per_mask`` and the block keywords
+    ``normalization``, ``activation``, ``num_query_groups``, ``hidden_dropout``, ``attention_dropout``,
+    ``flash_attention``) and the ValueErrors as in :func:`layer_activation_bytes`."""
     _check_policy("recompute", recompute)
     block = _Block.validated(normalization, activation, num_query_groups, hidden_dropout, attention_dropout,
                              flash_attention)
@@ -355,9 +362,14 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
                            hidden_dropout=True, attention_dropout=True, flash_attention: bool = False) -> float:
     """Activation bytes one transformer layer keeps for backward, per tensor-parallel rank (paper Table 2).
 
-    ``bytes_per_mask=0`` gives the figure for implementations that regenerate dropout masks (seqpar).
-    Invalid sizes (non-positive, bools, ``tp`` not dividing ``heads`` or ``ffn_hidden``, or ``seq_len``
-    under sequence parallelism) and negative bytes raise ValueError naming the value.
+    Sizes (the module docstring's symbols): ``seq_len`` s, ``micro_batch`` b, ``hidden`` h, ``heads`` a,
+    ``tp`` t, ``ffn_hidden`` f (None: 4h); ``sequence_parallel`` splits the replicated terms over t too
+    (R = t); ``recompute`` "none" | "selective" | "full" (:data:`RECOMPUTE_POLICIES`);
+    ``bytes_per_element`` E of an activation (2 for fp16 / bf16) and ``bytes_per_mask`` M of a dropout
+    mask element (1: a byte mask). ``bytes_per_mask=0`` gives the figure for implementations that
+    regenerate dropout masks (seqpar). Invalid sizes (non-positive, bools, ``tp`` not dividing ``heads``
+    or ``ffn_hidden``, or ``seq_len`` under sequence parallelism) and negative bytes raise ValueError
+    naming the value.
 
     The keywords describe other blocks (the defaults are the paper's GPT layer, Table 2 exactly):
     ``normalization`` "layernorm" | "rmsnorm"; ``activation`` "gelu" | "gelu_tanh" | "swiglu";
@@ -581,6 +593,11 @@ def model_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     comes from simulating its schedule (``_rank_peak``); the result is the largest (with p = 1 the one
     stage holds everything).
 
+    Arguments: ``seq_len``, ``micro_batch``, ``hidden``, ``heads``, ``tp``, ``sequence_parallel``,
+    ``ffn_hidden``, ``bytes_per_element``, ``bytes_per_mask`` as in :func:`layer_activation_bytes`;
+    ``num_layers`` L, ``vocab`` v (unpadded; the logits take the busiest rank's padded shard), ``pp`` p
+    and ``interleave`` m (model chunks per pipeline rank, m > 1 needs p > 1).
+
     ``recompute``: one policy for every layer, or a list of ``num_layers`` per-layer policies (stage r
     runs layers r L/p .. (r + 1) L/p - 1, or its chunks when interleaved). Apply a
     :class:`RecomputePlan` to every stage with ``list(plan.policies) * pp``.
@@ -616,6 +633,11 @@ def first_stage_parameters(hidden: int, num_layers: int, vocab: int, max_seq_len
                            share_embeddings_and_output_weights: bool = True) -> int:
     """Parameters one tensor-parallel rank of the first pipeline stage holds (the GPTModel that
     :class:`seqpar.TransformerConfig`'s knobs of the same names build).
+
+    Sizes: ``hidden`` h, ``num_layers`` L, ``vocab`` v (unpadded), ``max_seq_len`` (the learned position
+    table's rows), ``tp`` t, ``pp`` p, ``ffn_hidden`` f (None: 4h), ``heads`` a, ``num_query_groups`` g
+    (None: a); ``normalization``, ``activation``, ``add_bias_linear``, ``position_embedding`` ("learned" |
+    "rope": no table) and ``share_embeddings_and_output_weights`` as the config's fields.
 
     Per layer, with q = (1 + 2g/a) h the QKV rows (3h without grouped-query attention) and f' = 2f with
     SwiGLU (gate and up), else f: the QKV (q h), fc1 (f' h), projection (h^2) and fc2 (f h) weights split
@@ -722,10 +744,14 @@ def evaluate_recompute(policies: Sequence[str], seq_len: int, micro_batch: int, 
                        flash_attention: bool = False, embedding_dropout=None) -> RecomputePlan:
     """The :class:`RecomputePlan` of given per-layer ``policies`` for a stage's L/p layers (every stage
     running the same list), whether or not it is the cheapest: its activation bytes and extra FLOPs.
-    The block keywords are :func:`model_activation_bytes`'s. Note ``sequence_parallel`` defaults to True
-    here and in :func:`plan_recompute` (the planner's use), but to False in
-    :func:`model_activation_bytes` and :func:`layer_activation_bytes` (Table 2's first rows): pass it
-    explicitly when comparing their figures. ValueError as :func:`model_activation_bytes`, and for a
+    The other arguments (``seq_len``, ``micro_batch``, ``hidden``, ``heads``, ``num_layers``, ``vocab``,
+    ``tp``, ``pp``, ``sequence_parallel``, ``ffn_hidden``, ``bytes_per_element``, ``bytes_per_mask``,
+    ``normalization``, ``activation``, ``num_query_groups``, ``hidden_dropout``, ``attention_dropout``,
+    ``flash_attention``, ``embedding_dropout``) as in :func:`model_activation_bytes`, at
+    ``interleave=1``. Note ``sequence_parallel`` defaults to True here and in :func:`plan_recompute`
+    (the planner's use), but to False in :func:`model_activation_bytes` and
+    :func:`layer_activation_bytes` (Table 2's first rows): pass it explicitly when comparing their
+    figures. ValueError as :func:`model_activation_bytes`, and for a
     ``policies`` list whose length is not the stage's L/p layers."""
     model = _Model.validated(seq_len, micro_batch, hidden, heads, num_layers, vocab, tp, pp, sequence_parallel,
                              ffn_hidden, bytes_per_element, bytes_per_mask, 1,
@@ -766,8 +792,11 @@ def plan_recompute(seq_len: int, micro_batch: int, hidden: int, heads: int, num_
     (ties: the least memory). That is the optimum over all (n_none, n_selective, n_full) mixes.
     Full-recompute layers come first in ``policies``, then selective, then none.
 
-    The block keywords (``normalization``, ``activation``, ``num_query_groups``, the dropouts,
-    ``flash_attention``) are :func:`model_activation_bytes`'s; with ``flash_attention`` selective recompute
+    The other arguments (``seq_len``, ``micro_batch``, ``hidden``, ``heads``, ``num_layers``, ``vocab``,
+    ``tp``, ``pp``, ``sequence_parallel``, ``ffn_hidden``, ``bytes_per_element``, ``bytes_per_mask``, and
+    the block keywords ``normalization``, ``activation``, ``num_query_groups``, ``hidden_dropout``,
+    ``attention_dropout``, ``flash_attention``, ``embedding_dropout``) as in
+    :func:`model_activation_bytes`, at ``interleave=1``. With ``flash_attention`` selective recompute
     saves nothing and costs nothing (the layer never wraps a flash-style core), so plans use none / full.
 
     Raises ValueError if even full recompute of every layer does not fit.
@@ -870,7 +899,8 @@ def _storage_id(t: torch.Tensor) -> Optional[Tuple[tuple, StorageWeakRef]]:
 
 
 def name_storage(tensor: torch.Tensor, label: str) -> torch.Tensor:
-    """Name ``tensor``'s storage for active meters (it wins over :func:`saved_as`); returns ``tensor``."""
+    """Name ``tensor``'s storage ``label`` for active meters (it wins over :func:`saved_as`); returns
+    ``tensor``."""
     if _active_meters:
         ident = _storage_id(tensor)
         if ident is not None:
@@ -887,9 +917,10 @@ def _storage_name(key: tuple) -> Optional[str]:
 class SavedTensorRecord:
     """One distinct storage saved for backward.
 
-    ``bytes`` is the whole storage (what stays alive); ``view_bytes`` the bytes of the distinct saved
-    tensors that view it (at most ``bytes``). ``view_bytes < bytes`` means a saved view (e.g. a
-    sequence shard sliced out of a full tensor) pins a larger storage.
+    ``label``: the meter's name for it (:func:`name_storage`, else :func:`saved_as`); ``shape``, ``dtype``:
+    of the first saved tensor seen on it. ``bytes`` is the whole storage (what stays alive); ``view_bytes``
+    the bytes of the distinct saved tensors that view it (at most ``bytes``). ``view_bytes < bytes`` means a
+    saved view (e.g. a sequence shard sliced out of a full tensor) pins a larger storage.
     """
 
     label: str
@@ -1030,8 +1061,8 @@ class ActivationMeter:
 
     def report(self, unit_bytes: Optional[float] = None, unit_name: str = "sbh") -> str:
         """A table of the saved storages (label, shape, dtype, bytes, and ``bytes / unit_bytes`` when
-        given), then the bytes per label and the total; storages pinned by a smaller saved view are
-        marked ``*`` and listed at the end."""
+        given, in a column headed ``unit_name``), then the bytes per label and the total; storages pinned
+        by a smaller saved view are marked ``*`` and listed at the end."""
         unit = (lambda n: f" {n / unit_bytes:>10.3f}") if unit_bytes else (lambda n: "")
         head = f"{'saved tensor':<30} {'shape':<22} {'dtype':<15} {'bytes':>13}" + (f" {unit_name:>10}" if unit_bytes else "")
         lines = [head]

@@ -205,12 +205,14 @@ def _draw_bits() -> int:
     return 0
 
 
+#: The error of a seed draw while torch.export or make_fx traces.
 DRAW_NOT_EXPORTABLE = (
     "seqpar draws a dropout seed per training forward from torch's default CPU generator, which a traced "
     "graph (torch.export, make_fx) cannot hold: it would bake one seed in and apply the same masks on "
     "every call. Export in eval mode or with dropout 0, or call the functional ops with seed= inputs")
 
 
+#: The error of a seed draw while a CUDA graph is captured.
 DRAW_NOT_CAPTURABLE = (
     "seqpar draws a dropout seed per training forward on the host, and a CUDA graph captured now would "
     "replay that one seed, so the same masks, on every replay. Capture in eval mode or with dropout 0, or "
@@ -225,6 +227,7 @@ DRAW_NOT_CAPTURABLE = (
 # is a constant of the graph on the first call, so the second step recompiled, and under dynamic=False
 # every step did (past Dynamo's recompile limit, 8, the layers ran eagerly). The reason is shared with
 # seqpar.nn.layer, whose draw reads the layer number outside the graph too.
+#: The reason given for a seed draw's graph break under torch.compile.
 DRAW_NOT_TRACEABLE = (
     "seqpar draws a dropout seed per forward from torch's default CPU generator (so checkpointing replays "
     "it), which torch.compile cannot trace. Under fullgraph=True pass seed= to the functional ops (e.g. "

@@ -38,7 +38,8 @@ from typing import Callable, Dict, List, Optional
 from .options import PROBABILITY_RANGE, probability
 from .results import git_commit
 
-EXPERIMENTS = [  # (name, sequence_parallel, recompute)
+#: The runs of the paper's Table 4: (name, sequence_parallel, recompute).
+EXPERIMENTS = [
     ("no recompute", False, "none"),
     ("sequence parallel", True, "none"),
     ("full recompute", False, "full"),

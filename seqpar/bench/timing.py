@@ -20,7 +20,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 
-DEFAULT_L2_BYTES = 50 * 2**20      # H100 / H200 (GH100: 50 MB of L2 enabled)
+#: The L2 size :func:`l2_bytes` assumes when torch does not say: H100 / H200 (GH100: 50 MB of L2 enabled).
+DEFAULT_L2_BYTES = 50 * 2**20
 
 
 def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps: int,

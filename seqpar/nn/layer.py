@@ -130,6 +130,7 @@ def run_problem(config: TransformerConfig, tp_group: ProcessGroup, weight: torch
 # collective's result was anyway): traced, the values they compare, torch's generator state among them,
 # became guards of the code after the break, which changed at every step with dropout on (a recompile per
 # step under tensor parallelism, then that code ran eagerly past Dynamo's recompile limit).
+#: The reason given for the rank checks' graph break under torch.compile.
 RANK_CHECK_NOT_TRACEABLE = ("the ranks' per-forward input check reads a collective's result on the host; set "
                             "check_rank_inputs = False where the ranks' inputs are known to agree")
 
@@ -158,6 +159,7 @@ def parameter_device(module: nn.Module) -> torch.device:
     return reference_parameter(module, *module._REFERENCE_PARTS).device
 
 
+#: The hint of the layer's and model's construction-time rank-agreement errors.
 AGREEMENT_HINT = ("Build every rank's modules from the same arguments after seqpar.manual_seed(s) with the same s "
                   "(it also seeds torch's CPU generator, from which dropout seeds are drawn: a rank that drew "
                   "random numbers from it since then holds a different state)")

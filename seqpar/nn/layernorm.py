@@ -108,6 +108,7 @@ class LayerNorm(_ReplicatedNorm):
 
     ``backend`` selects the kernels of the fused :meth:`after_bias_dropout_add`; the standalone
     ``forward(x)`` is ``torch.nn.functional.layer_norm`` (already one kernel) on every backend.
+    ``device``, ``dtype``: of the parameters (as ``torch.nn.LayerNorm``'s; default fp32).
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, *, tp_group: ProcessGroup = None,
@@ -126,7 +127,8 @@ class LayerNorm(_ReplicatedNorm):
 
     def after_bias_dropout_add(self, x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
                                spec: DropoutSpec) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``residual_out = residual + dropout(x + bias)``; returns ``(LayerNorm(residual_out), residual_out)``."""
+        """``residual_out = residual + dropout(x + bias)`` with the mask of ``spec``
+        (:class:`seqpar.ops.DropoutSpec`); returns ``(LayerNorm(residual_out), residual_out)``."""
         self._check_hidden(x)
         weight, ln_bias = self.affine()
         return bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, p=spec.p, eps=self.eps,
@@ -142,6 +144,13 @@ class RMSNorm(_ReplicatedNorm):
     saves only the sum and the fp32 rstd). With a bias or active dropout the sum is first formed by
     :func:`seqpar.ops.bias_dropout_add` (its mask regenerated, nothing saved), then normalised: the
     same numbers and memory, one more pass over the activations (Llama has neither).
+
+    ``forward(x)``: x [..., h] -> [..., h], h = ``hidden_size``; a bf16 / fp16 x with fp32 parameters is
+    normalised with fp32 statistics and returned in x's dtype. Under ``sequence_parallel`` x is this rank's
+    sequence shard and the weight's gradient is summed over ``tp_group`` (None: one rank). ``backend``
+    ("auto" | "torch" | "triton" | "cuda", :mod:`seqpar.ops.registry`) selects the kernels of both the
+    standalone ``forward(x)`` and :meth:`after_bias_dropout_add`. ``device``, ``dtype``: of ``weight``
+    (default fp32). ValueError as for :class:`LayerNorm`.
 
     ``eps`` defaults to 1e-6, HF LlamaRMSNorm's and Liger's, not ``torch.nn.RMSNorm``'s (None: fp32's
     machine epsilon, 1.19e-7): a drop-in for the latter passes ``eps=torch.finfo(torch.float32).eps``.
@@ -159,7 +168,8 @@ class RMSNorm(_ReplicatedNorm):
 
     def after_bias_dropout_add(self, x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
                                spec: DropoutSpec) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``residual_out = residual + dropout(x + bias)``; returns ``(RMSNorm(residual_out), residual_out)``."""
+        """``residual_out = residual + dropout(x + bias)`` with the mask of ``spec``
+        (:class:`seqpar.ops.DropoutSpec`); returns ``(RMSNorm(residual_out), residual_out)``."""
         self._check_hidden(x)
         (weight,) = self._replicated()
         if bias is None and not spec.active:

@@ -209,6 +209,19 @@ class ColumnParallelLinear(_TensorParallelLinear):
     heads' rows of the Q, K and V blocks), a sequence gives the block sizes (grouped-query QKV:
     ``(a d, g d, g d)``; SwiGLU's gate and up: ``(f, f)``). Every block must split evenly over t.
 
+    Arguments (both splits):
+
+    - ``tp_group``: the tensor-parallel process group the weight is split over, t = its size (None: one
+      rank, plain ``nn.Linear`` math).
+    - ``sequence_parallel``: the input (Row: the output) is this rank's sequence shard [s/t, b, .]: the
+      all-gather (Row: reduce-scatter) is fused into the GEMM instead of f (Row: f-bar). See module doc.
+    - ``bias``: hold a bias, this rank's [n / t] rows of it (Row: the whole [n], replicated), zeros.
+    - ``overlap_comm``: under SP, the comm GEMM's ``overlap``: True splits it by rank and overlaps the
+      point-to-point transfers with the GEMM chunks where :meth:`seqpar.parallel.overlap.ChunkPlan.choose`
+      says it pays (large GEMMs, not while a graph is captured), False runs one bulk collective and one
+      GEMM. No effect without SP.
+    - ``device``, ``dtype``: of the weight and bias (as ``nn.Linear``'s; ``dtype`` floating).
+
     ``init_method`` (both splits): called on the unsharded fp32 weight [n, k] on the CPU at construction
     (:meth:`reset_parameters`; default :func:`init_normal`, N(0, 0.02)); None leaves the weights
     uninitialised for a caller that loads them. On the meta device nothing is drawn: ``to_empty``, then
@@ -267,8 +280,11 @@ class ColumnParallelLinear(_TensorParallelLinear):
 
 
 class RowParallelLinear(_TensorParallelLinear):
-    """``y = x W^T + b`` with W's input columns split over the TP group (see module table);
-    ``init_method`` as in :class:`ColumnParallelLinear`.
+    """``y = x W^T + b`` with W's input columns split over the TP group (see module table); ``tp_group``,
+    ``sequence_parallel``, ``bias``, ``overlap_comm``, ``device``, ``dtype`` and ``init_method`` as in
+    :class:`ColumnParallelLinear`. ``skip_bias_add``: leave the bias out of the output and return
+    ``(output, bias)`` (bias None without one; under SP through f, :meth:`output_bias`), for the caller
+    to fuse into the following bias-dropout-add.
 
     ``forward(x)``: x [s, b, in_features / t] of the weight's dtype -> [s, b, out_features] ([s/t, b,
     out_features] under SP), or ``(output, bias)`` with ``skip_bias_add=True``. ValueError at

@@ -48,8 +48,10 @@ How each does GQA: torch and cuda fold a kv head's group of q heads into the row
 and the dk / dv GEMMs sum over it; the Triton kernels read kv head ``head // G`` in the forward and dq
 programs, and a dk / dv program loops over the G q heads of its kv head (no atomics).
 
-"auto" prefers triton, then cuda, then torch (:func:`select_backend`), but passes over triton for fp32
-inputs: the kernels run fp32 with IEEE FMA dots (a testing mode), far slower than cuBLAS.
+"auto" (:func:`select_backend`) runs the first of triton, cuda, torch that is available on q's device and
+accepts the inputs (the limits below), except that it passes over triton when q is fp32: the kernels run
+fp32 with IEEE FMA dots (a testing mode), far slower than cuBLAS. So fp32 runs cuda or torch, and fp64
+(which no kernel takes) torch.
 The triton backend supports head dims ``d`` in 16..128 (multiples of 8; 32, 64, 80, 96, 128 are the
 common ones) and returns ``o`` (and the gradients) as [b, heads, s, d] views of contiguous
 [s, b, heads, d] buffers, so a layer can reshape ``o`` to [s, b, heads * d] without a copy. Both
@@ -71,13 +73,14 @@ from .dropout import DropoutSpec, dropout_active, make_dropout_spec
 from ..memory import name_storage
 from ..random import dropout_keep_mask
 
+#: The op's name in :mod:`seqpar.ops.registry`.
 OP = "attention_core"
 
 
 def attention_keep_mask(spec: DropoutSpec, b: int, heads: int, s_q: int, s_k: int, device,
                         kv_heads: Optional[int] = None) -> torch.Tensor:
-    """Bool keep-mask [b, heads, s_q, s_k] of the attention dropout (head-major rows over the q heads,
-    see module doc). With ``kv_heads``: the same mask in :func:`group_rows`' layout, [b, kv_heads,
+    """Bool keep-mask [b, heads, s_q, s_k] on ``device`` of the attention dropout ``spec`` (head-major rows
+    over the q heads, see module doc). With ``kv_heads``: the same mask in :func:`group_rows`' layout, [b, kv_heads,
     (heads / kv_heads) * s_q, s_k] (row g * s_q + i of kv head h is q head h * G + g's row i)."""
     batch = torch.arange(b, device=device).view(b, 1, 1)
     if kv_heads is None:
@@ -92,19 +95,20 @@ def attention_keep_mask(spec: DropoutSpec, b: int, heads: int, s_q: int, s_k: in
 
 
 def causal_mask(s_q: int, s_k: int, device) -> torch.Tensor:
-    """Bool [s_q, s_k], True where key j > query i (masked out)."""
+    """Bool [s_q, s_k] on ``device``, True where key j > query i (masked out)."""
     return torch.ones(s_q, s_k, dtype=torch.bool, device=device).triu(1)
 
 
 def group_rows(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[b, Hq, s, n] -> [b, Hk, (Hq / Hk) * s, n]: the q heads of one kv head's group stacked along the
-    rows (q head i is in group i // (Hq / Hk)), so one GEMM per kv head covers its group. A view when the
-    head and row strides allow it (contiguous [b, Hq, s, n]), else a copy of x (never of k or v)."""
+    """[b, Hq, s, n] -> [b, Hk, (Hq / Hk) * s, n], Hk = ``kv_heads``: the q heads of one kv head's group
+    stacked along the rows (q head i is in group i // (Hq / Hk)), so one GEMM per kv head covers its group.
+    A view when the head and row strides allow it (contiguous [b, Hq, s, n]), else a copy of x (never of k
+    or v)."""
     return x.unflatten(1, (kv_heads, -1)).flatten(2, 3)     # not one reshape: see ungroup_rows
 
 
 def ungroup_rows(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """[b, Hk, (Hq / Hk) * s, n] -> [b, Hq, s, n], the inverse of :func:`group_rows` (a view of a
+    """[b, Hk, (Hq / Hk) * s, n] -> [b, Hq, s, n], Hq = ``heads``, the inverse of :func:`group_rows` (a view of a
     contiguous x). Unflatten then flatten, not one reshape: torch.export with a dynamic s can't prove
     the stride guards of one reshape between G * s rows and (G, s) (Min(s, G s^2) == s)."""
     return x.unflatten(2, (heads // x.shape[1], -1)).flatten(1, 2)
@@ -427,10 +431,14 @@ def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
                    backend: Optional[str] = "auto", dropout: bool = True) -> registry.Backend:
     """The backend :func:`attention_core` runs for these inputs (the layer reads ``.recompute_free``).
 
-    Explicit ``backend`` / ``SEQPAR_BACKEND`` as in :mod:`seqpar.ops.registry`; "auto" tries triton
-    (flash-style, saves nothing s^2-sized), then cuda (saves the softmax output), then torch.
-    ``dropout``: whether dropout may be active (True: choose a backend that can run it). ValueError with
-    the reason for an explicit backend that can't run these inputs here (auto falls back instead).
+    ``q``, ``k``, ``v`` as :func:`attention_core` takes them. Explicit ``backend`` / ``SEQPAR_BACKEND`` as
+    in :mod:`seqpar.ops.registry`; "auto" takes the first that can run these inputs of triton
+    (flash-style, saves nothing s^2-sized; passed over for fp32 q), cuda (saves the softmax output) and
+    torch. ``dropout``: whether dropout may be active (True: choose a backend that can run it).
+    ``causal``: whether the mask is causal. It defaults to True (the decoder layer's attention), where
+    :func:`attention_core`'s ``is_causal`` defaults to False (SDPA's); no backend's check depends on it
+    today, so either value selects the same backend. ValueError with the reason for an explicit backend
+    that can't run these inputs here (auto falls back instead).
     """
     return registry.select(OP, backend, q.device, q=q, k=k, v=v, causal=bool(causal), dropout=bool(dropout))
 
@@ -477,7 +485,10 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_ma
         enable_gqa: allow k, v with Hk heads dividing q's Hq (q head i uses kv head i // (Hq / Hk)).
             Without it, differing head counts are a ValueError.
         seed: dropout stream seed; None draws one from :func:`seqpar.manual_seed`'s generator.
-        backend: "auto" | "torch" | "triton" | "cuda" ("auto": triton, then cuda, then torch).
+        training: False turns dropout off whatever ``dropout_p`` (no seed drawn; a given one is still
+            validated).
+        backend: "auto" | "torch" | "triton" | "cuda" ("auto": the first of triton, cuda, torch that can run
+            these inputs, triton passed over for fp32 q; module doc).
         row_offset: global index of this call's first dropout row (module doc; TP head offset).
     """
     if attn_mask is not None:

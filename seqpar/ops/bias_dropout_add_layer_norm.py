@@ -77,6 +77,7 @@ from .dropout import DropoutSpec, apply_keep_mask, make_dropout_spec
 from .rows import NOT_PROMOTED, as_rows, check_row_inputs, or_empty, unflatten_rows, vectorized
 from .. import _ext
 
+#: The op's name in :mod:`seqpar.ops.registry`.
 OP = "bias_dropout_add_layer_norm"
 #: The reference's dropout: the torch one too (an oracle independent of the mask kernels).
 _TORCH_DROPOUT = registry.get(_dropout.OP, "torch")
@@ -342,10 +343,14 @@ def bias_dropout_add_layer_norm(x: torch.Tensor, bias: Optional[torch.Tensor], r
     (the dropout mask follows the logical row-major index, so it is the contiguous tensor's mask).
 
     Args:
+        x, bias, residual, ln_weight, ln_bias: the tensors of the module docstring's table.
         p: dropout probability in [0, 1) (ignored when ``training`` is False). The effective probability
             is ``round(p * 256) / 256`` (:func:`seqpar.random.effective_dropout_p`): p = 0.1 drops 26/256
             of the elements, p <= 1/512 none (a warning); ``round(p * 256) >= 256`` is a ValueError. A dropped
             element of ``x + bias`` adds exactly 0, even an inf or NaN (:func:`seqpar.ops.dropout`).
+        eps: added to the variance, ``rstd = 1 / sqrt(var + eps)`` (finite, at least 1.18e-38:
+            :func:`seqpar.ops.registry.check_eps`).
+        training: False turns dropout off whatever ``p`` (no seed drawn; a given one is still validated).
         seed: dropout stream seed (int in [0, 2**62)); None draws one from :func:`seqpar.manual_seed`'s
             generator.
         backend: "auto" | "torch" | "triton" | "cuda" (see :mod:`seqpar.ops.registry`).

@@ -366,6 +366,7 @@ def _check(x, weight, bias, x_name):
 # What the ranks of a call must share, beyond each rank's own checks: an all-gather or reduce-scatter of
 # tensors of other sizes aborts the process inside gloo (or hangs / corrupts NCCL), and ranks whose overlap
 # plans differ wait in different collectives.
+#: The hint of the comm GEMMs' rank-agreement errors (and of the split linears' under sequence parallelism).
 SHARD_HINT = ("Every rank passes its part of the same [s, b, ...] sequence (under sequence parallelism its s/t "
               "rows, s divisible by t) in the same dtype, with the same overlap plan (overlap=True sizes it by "
               "this rank's GEMM: pass overlap=False or one ChunkPlan where the weight shards differ)")
@@ -406,6 +407,7 @@ def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, bias: Optiona
                       group: ProcessGroup, overlap: Union[bool, ChunkPlan] = True) -> torch.Tensor:
     """``all_gather_seq(x_shard) @ weight^T + bias``: [s/t, b, k] x [n_local, k] -> [s, b, n_local].
 
+    ``group``: the tensor-parallel process group, t = its size (module doc; None: one rank).
     ``overlap``: ``True`` chunks by rank where :meth:`ChunkPlan.choose` says it pays (large GEMMs),
     ``False`` runs the plain path, a :class:`ChunkPlan` forces that plan.
 
@@ -440,11 +442,11 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
                           group: ProcessGroup, overlap: Union[bool, ChunkPlan] = True) -> torch.Tensor:
     """``reduce_scatter_seq(x @ weight^T) + bias``: [s, b, k_local] x [n, k_local] -> [s/t, b, n].
 
-    ``overlap`` as in :func:`all_gather_matmul`. ValueError (naming the value) for an ``x`` that is not a
-    floating [s, b, k_local] tensor, s not divisible by t, a ``weight`` not [n, k_local], a ``bias`` not
-    [n], or a weight / bias of another dtype or device; on every rank, as in :func:`all_gather_matmul`,
-    when any rank rejects its arguments or the ranks' ``x`` leading dims [s, b], n, dtypes or overlap
-    plans differ.
+    ``group`` and ``overlap`` as in :func:`all_gather_matmul`. ValueError (naming the value) for an ``x``
+    that is not a floating [s, b, k_local] tensor, s not divisible by t, a ``weight`` not [n, k_local], a
+    ``bias`` not [n], or a weight / bias of another dtype or device; on every rank, as in
+    :func:`all_gather_matmul`, when any rank rejects its arguments or the ranks' ``x`` leading dims [s, b],
+    n, dtypes or overlap plans differ.
     """
     t = group_size(group)
 

@@ -65,7 +65,7 @@ class DropoutSpec:
         return dropout_scale(self.threshold)
 
     def keep_mask_2d(self, n_rows: int, n_cols: int, device) -> torch.Tensor:
-        """Bool [n_rows, n_cols] keep-mask for rows ``row_offset .. row_offset + n_rows - 1``."""
+        """Bool [n_rows, n_cols] keep-mask for rows ``row_offset .. row_offset + n_rows - 1``, on ``device``."""
         rows = torch.arange(n_rows, device=device) + self.row_offset
         return dropout_keep_mask(self.seed, rows, n_cols, self.threshold)
 
@@ -74,7 +74,8 @@ def _check_row_offset(row_offset) -> None:
     registry.check_offset("row_offset", row_offset)
 
 
-NO_DROPOUT = DropoutSpec()  # immutable: shared by every call without active dropout
+#: The inactive spec (p = 0), immutable: shared by every call without active dropout.
+NO_DROPOUT = DropoutSpec()
 
 
 def dropout_active(p: float, training: bool) -> bool:
@@ -100,6 +101,7 @@ def make_dropout_spec(p: float, training: bool, seed, row_offset: int = 0) -> Dr
     return DropoutSpec(float(p), resolve_seed(seed), row_offset)
 
 
+#: The op's name in :mod:`seqpar.ops.registry`.
 OP = "dropout"
 
 
@@ -219,6 +221,7 @@ def bias_dropout_add(x: torch.Tensor, bias, residual: torch.Tensor, spec: Dropou
     ============  ===============================================================
     x, residual   [..., h], one floating dtype and device, the same shape
     bias          [h] of x's dtype and device, or None
+    spec          the mask: a :class:`DropoutSpec`, as in :func:`dropout`
     returns       [..., h]
     ============  ===============================================================
 

@@ -29,7 +29,9 @@ except ImportError:   # a torch built without distributed
 
 from .. import _custom_op, _ext
 
+#: Backend names, in auto's default order (an op may set its own: :func:`set_auto_order`).
 BACKENDS: Tuple[str, ...] = ("cuda", "triton", "torch")
+#: What ``backend=`` and ``SEQPAR_BACKEND`` take.
 BACKEND_CHOICES: Tuple[str, ...] = ("auto",) + BACKENDS
 
 

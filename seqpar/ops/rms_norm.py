@@ -72,6 +72,7 @@ from . import registry
 from .rows import as_rows, check_row_inputs, or_empty, unflatten_rows, vectorized
 from .. import _ext
 
+#: The op's name in :mod:`seqpar.ops.registry`.
 OP = "add_rms_norm"
 
 

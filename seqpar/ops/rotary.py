@@ -61,10 +61,13 @@ from .rows import vectorized
 from .. import _ext
 from .._custom_op import capturing_graph
 
+#: The op's name in :mod:`seqpar.ops.registry`.
 OP = "rotary_embedding"
-MAX_TRITON_HEAD_DIM = 8192  # the Triton kernel holds half a head per program row
+#: The largest head dim d the Triton kernel takes: it holds half a head per program row.
+MAX_TRITON_HEAD_DIM = 8192
 # theta's range: fp32's normal numbers. The frequencies are fp32 (as HF's): past 3.4e38 theta is inf there
 # (frequencies 1, 0, 0, ...), and below 1.2e-38 its powers underflow (frequencies inf).
+#: The thetas the op takes, [min, max] inclusive: fp32's normal numbers.
 THETA_RANGE = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
 
 

@@ -46,6 +46,7 @@ from . import registry
 from .rows import as_rows, unflatten_rows, vectorized
 from .. import _ext
 
+#: The op's name in :mod:`seqpar.ops.registry`.
 OP = "swiglu"
 
 

@@ -195,6 +195,7 @@ def agreement_checked() -> Iterator[None]:
 #: Hints of the layer's and model's rank checks. A rank in another grad mode than the others runs no
 #: backward (theirs waits for it until the timeout); one in eval mode draws no dropout seeds.
 SAME_MODE_HINT = " in the same mode (training or eval, under torch.no_grad or not)"
+#: Appended to the layer's and model's per-forward rank-check hint when dropout is on.
 SEED_HINT = ("; dropout seeds differ when torch's CPU generator diverged after seqpar.manual_seed (one rank drew "
              "random numbers the others did not)")
 
