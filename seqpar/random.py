@@ -450,8 +450,9 @@ _DROPOUT_SCALES = tuple(torch.tensor([256.0 / (256 - p) for p in range(256)], dt
 def dropout_scale(threshold: int) -> float:
     """``float32(256 / (256 - P))``: the factor of kept values, as a Python float (exactly an fp32).
 
-    The quotient is computed in double and rounded to fp32 once; every backend uses this value. P is an
-    int in [0, 256) (ValueError otherwise: -1 read the table from its end).
+    The quotient is computed in double and rounded to fp32 once; every backend uses this value. P is
+    ``threshold``, the byte threshold of :func:`dropout_threshold`: an int in [0, 256) (ValueError
+    otherwise: -1 read the table from its end).
     """
     _check_threshold(threshold)
     return _DROPOUT_SCALES[threshold]

@@ -59,11 +59,13 @@ class FusedBiasDropoutAddLayerNorm(LayerNorm):
 
     def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, *,
                 seed: Optional[int] = None, row_offset: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(y, residual_out)``. ``seed`` None draws one from torch's default CPU generator mixed
-        with :func:`seqpar.manual_seed`'s seed, so ``torch.utils.checkpoint`` around the call replays it.
-        ``row_offset`` None: this rank's sequence shard's first row under sequence parallelism (``rank *
-        rows`` of ``x``), else 0 (the module docstring). (0 under sequence parallelism gave every rank's
-        shard the same mask.)"""
+        """``residual_out = residual + dropout(x + bias)``, ``y = LayerNorm(residual_out)``; returns ``(y,
+        residual_out)``. ``x``: the preceding linear's output without its ``bias`` [h] (None: no bias); ``residual``
+        [..., h]: the residual stream, as x (the class's shape table). ``seed`` None draws one from torch's default
+        CPU generator mixed with :func:`seqpar.manual_seed`'s seed, so ``torch.utils.checkpoint`` around the call
+        replays it. ``row_offset`` None: this rank's sequence shard's first row under sequence parallelism (``rank *
+        rows`` of ``x``), else 0 (the module docstring). (0 under sequence parallelism gave every rank's shard the
+        same mask.)"""
         if row_offset is None:
             row_offset = 0
             if self.sequence_parallel and group_size(self.tp_group) > 1:

@@ -185,7 +185,7 @@ def _all_reduce_max(part: torch.Tensor, group) -> torch.Tensor:
 
 class TensorParallelGradScaler(SharesProcessGroup, torch.amp.GradScaler):
     """``torch.amp.GradScaler`` (fp16 loss scaling) for a tensor-parallel model: the inf / nan check of
-    every :meth:`unscale_` (explicit, or inside :meth:`step`) is summed over ``tp_group`` (one all-reduce
+    every :meth:`unscale_` (explicit, or inside :meth:`step`) is OR-ed over ``tp_group`` (one max all-reduce
     of a scalar; every rank calls it), so every rank skips the same steps and keeps the same scale.
     ``device`` and the keyword arguments are GradScaler's (``init_scale``, ``growth_factor``,
     ``backoff_factor``, ``growth_interval``, ``enabled``). Use it as GradScaler, with
@@ -215,7 +215,8 @@ class TensorParallelGradScaler(SharesProcessGroup, torch.amp.GradScaler):
             flag.copy_(found)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """GradScaler's, then the overflow check agreed over ``tp_group``."""
+        """GradScaler's (divides ``optimizer``'s gradients by the scale, in place, and checks them for inf /
+        nan), then the overflow check agreed over ``tp_group``: any rank's overflow flags every rank's."""
         super().unscale_(optimizer)
         if self._enabled:
             self._agree(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"])

@@ -184,8 +184,11 @@ class ParallelAttention(SharesProcessGroup, nn.Module):
     (head i: rows i*d .. (i+1)*d of its block); rank r keeps heads r*a/t .. and groups r*g/t .. of each
     block, so its output is [its Q | its K | its V] and its query heads use exactly its k/v groups.
 
-    ``init_method`` initialises both linears as :class:`ColumnParallelLinear` does (default N(0, 0.02),
-    zero biases, from torch's CPU generator); TransformerLayer passes None and draws its own.
+    ``config`` (:class:`seqpar.TransformerConfig`) gives the sizes, bias and parallelism options;
+    ``tp_group`` is the tensor-parallel group whose t ranks split the heads and groups (None: t = 1);
+    ``device``: where the parameters live. ``init_method`` initialises both linears as
+    :class:`ColumnParallelLinear` does (default N(0, 0.02), zero biases, from torch's CPU generator);
+    TransformerLayer passes None and draws its own.
     """
 
     def __init__(self, config: TransformerConfig, tp_group: ProcessGroup, device=None,
@@ -250,7 +253,8 @@ class ParallelMLP(nn.Module):
     SwiGLU: dense_h_to_4h is [2f, h], rows gate (f) then up (f), split as two blocks so each rank's output
     is [its gate | its up] and :func:`seqpar.ops.swiglu` pairs them locally.
 
-    ``init_method`` as in :class:`ParallelAttention`.
+    ``config``, ``tp_group`` (whose t ranks split f: fc1's output rows, fc2's input columns), ``device``
+    and ``init_method`` as in :class:`ParallelAttention`.
     """
 
     def __init__(self, config: TransformerConfig, tp_group: ProcessGroup, device=None,
@@ -524,9 +528,10 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True) -> IncompatibleKeys:
-        """Load UNSHARDED weights (the same dict on every rank); each rank keeps its shard. Keys and shapes
-        are checked first (ValueError); ``strict=False`` loads the keys the dict holds and returns the
-        missing and unexpected ones (shapes are still checked), as ``nn.Module.load_state_dict``."""
+        """Load ``state_dict``, UNSHARDED weights keyed as :meth:`full_shapes` (the same dict on every
+        rank); each rank keeps its shard. Keys and shapes are checked first (ValueError); ``strict=False``
+        loads the keys the dict holds and returns the missing and unexpected ones (shapes are still
+        checked), as ``nn.Module.load_state_dict``."""
         what = f"TransformerLayer(layer_number={self.layer_number}).load_full_state_dict"
         self._parts(what)
         prepared = prepare_parameters(self, what)

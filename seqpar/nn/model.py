@@ -700,11 +700,12 @@ class GPTModel(SharesProcessGroup, nn.Module):
         return self._in_compute_dtype(self._embed, tokens)
 
     def head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """A last pipeline stage's output side: the last layer's output (as ``layers[-1]`` returns it) ->
-        final norm -> with ``labels`` [b, s] the per-token vocab-parallel cross-entropy [s, b] (fp32; -100
-        ignored), else this rank's logits, as :meth:`forward` returns them. A stage in between runs its
-        ``model.layers[i]`` in order. With the word embedding tied to the head, the first and the last
-        stage each hold it: sum its gradient over the two (Megatron's embedding group) before stepping."""
+        """A last pipeline stage's output side: ``hidden``, the last layer's output [s_local, b, h] (as
+        ``layers[-1]`` returns it; s_local = s / t under sequence parallelism, else s) -> final norm -> with
+        ``labels`` [b, s] the per-token vocab-parallel cross-entropy [s, b] (fp32; -100 ignored), else this rank's
+        logits, as :meth:`forward` returns them. A stage in between runs its ``model.layers[i]`` in order. With the
+        word embedding tied to the head, the first and the last stage each hold it: sum its gradient over the two
+        (Megatron's embedding group) before stepping."""
         if labels is not None:
             shards = group_size(self.tp_group) if self.config.sequence_parallel else 1   # hidden: s / shards rows
             shape = tuple(getattr(hidden, "shape", ()))
@@ -778,10 +779,10 @@ class GPTModel(SharesProcessGroup, nn.Module):
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True) -> IncompatibleKeys:
-        """Load UNSHARDED weights (the same dict on every rank, v real vocabulary rows); each rank keeps
-        its shard. Every key, shape and value kind (floating point, not meta) is checked before anything is
-        loaded (ValueError naming it); other floating dtypes are cast to the parameters'. ``strict=False``
-        loads the keys the dict holds and returns the missing and unexpected ones (shapes are still
+        """Load ``state_dict``, UNSHARDED weights keyed as :meth:`full_shapes` (the same dict on every rank, v real
+        vocabulary rows); each rank keeps its shard. Every key, shape and value kind (floating point, not meta) is
+        checked before anything is loaded (ValueError naming it); other floating dtypes are cast to the parameters'.
+        ``strict=False`` loads the keys the dict holds and returns the missing and unexpected ones (shapes are still
         checked), as ``nn.Module.load_state_dict`` does."""
         what = "GPTModel.load_full_state_dict"
         self._parts(what)   # before any load

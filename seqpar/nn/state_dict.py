@@ -617,9 +617,10 @@ class _ShardedTensors:
 
 
 def sharded_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
-    """This rank's parameters for torch.distributed.checkpoint, keyed as ``full_state_dict()`` (and
-    ``named_parameters()`` without the names activation checkpointing's ``checkpoint_wrapper`` and
-    ``torch.compile`` add), every value a view of the parameter (no copy):
+    """This rank's parameters of ``module`` (the model, or a layer) for torch.distributed.checkpoint,
+    keyed as ``full_state_dict()`` (and ``named_parameters()`` without the names activation
+    checkpointing's ``checkpoint_wrapper`` and ``torch.compile`` add), every value a view of the
+    parameter (no copy):
 
     * a split parameter (tensor-parallel linear weights and column-parallel biases, the vocabulary
       tables): a ShardedTensor of the UNSHARDED shape whose local pieces are this rank's parts of it,
@@ -756,10 +757,11 @@ _IMPLEMENTATION_FLAGS = frozenset({"foreach", "fused", "capturable", "differenti
 
 def load_sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer,
                                       state_dict: Mapping[str, object]) -> None:
-    """After ``dcp.load`` into the dict :func:`sharded_optimizer_state_dict` returned for this optimizer
-    (DCP loaded its state tensors in place): give each parameter the state the checkpoint had for it
-    (the loaded placeholders where the optimizer had none; none where the checkpoint had none) and set
-    each param group's hyperparameters (``lr``, ``betas``, ...) to the loaded ones. ValueError, before
+    """After ``dcp.load`` into ``state_dict``, the dict ``sharded_optimizer_state_dict(module, optimizer)``
+    returned (DCP loaded its state tensors in place; ``module``: the model whose parameters ``optimizer``
+    steps, which names them): give each parameter the state the checkpoint had for it (the loaded
+    placeholders where the optimizer had none; none where the checkpoint had none) and set each param
+    group's hyperparameters (``lr``, ``betas``, ...) to the loaded ones. ValueError, before
     anything is set, if the loaded groups do not hold the optimizer's parameters in its order, an
     algorithm flag differs (``amsgrad``, ``centered``, ``nesterov``, ``maximize``, ...; not the
     implementation's ``foreach`` / ``fused`` / ``capturable`` / ``differentiable``), or the dict is not

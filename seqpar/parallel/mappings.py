@@ -131,7 +131,8 @@ def _differentiated(x: torch.Tensor) -> bool:
 
 
 def copy_to_tensor_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """f: identity forward, all-reduce of the gradient backward."""
+    """f: identity forward, all-reduce of the gradient backward. ``x`` is any tensor (replicated over
+    ``group``, the tensor-parallel group); returned as it is (no Function) with one rank or no gradient."""
     _check_tensor(x, "x", sequence=False)
     if group_size(group) == 1 or not _differentiated(x):   # the forward is the identity (see _mapped)
         return x
@@ -139,7 +140,7 @@ def copy_to_tensor_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 
 def copy_to_tensor_region_coalesced(xs: Sequence[torch.Tensor], group: ProcessGroup) -> Tuple[torch.Tensor, ...]:
-    """f on each of ``xs`` (same dtype and device), their gradients summed in ONE all-reduce.
+    """f on each of ``xs`` (same dtype and device), their gradients summed over ``group`` in ONE all-reduce.
 
     For tensors whose gradients are ready together (a LayerNorm's weight and bias): one collective's
     latency instead of one per tensor. The copies of those that don't require grad (frozen) don't either,
@@ -160,30 +161,36 @@ def copy_to_tensor_region_coalesced(xs: Sequence[torch.Tensor], group: ProcessGr
 
 
 def reduce_from_tensor_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """f-bar: all-reduce forward, identity backward."""
+    """f-bar: all-reduce forward, identity backward. ``x``: this rank's partial result (any shape), summed
+    over ``group`` into a copy (x itself is not modified)."""
     return _mapped(_ReduceFromTensorRegion, x, group, "x", sequence=False)
 
 
 def gather_from_sequence_region(x_shard: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """g: all-gather [s/t, ...] -> [s, ...] forward, reduce-scatter of the gradient backward: before a
-    tensor-parallel consumer (a column-parallel linear). Before a tail every rank computes alike (a loss,
-    a replicated head) use :func:`gather_to_replicated_region` (the module docstring says why)."""
+    """g: all-gather ``x_shard`` [s/t, ...] -> [s, ...] over ``group`` (rank order along dim 0) forward,
+    reduce-scatter of the gradient backward: before a tensor-parallel consumer (a column-parallel linear). Before a
+    tail every rank computes alike (a loss, a replicated head) use :func:`gather_to_replicated_region` (the module
+    docstring says why)."""
     return _mapped(_GatherFromSequenceRegion, x_shard, group, "x_shard")
 
 
 def reduce_scatter_to_sequence_region(x_full: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """g-bar: reduce-scatter [s, ...] -> [s/t, ...] forward, all-gather of the gradient backward."""
+    """g-bar: reduce-scatter [s, ...] -> [s/t, ...] forward, all-gather of the gradient backward.
+    ``x_full`` is this rank's partial sum of the full sequence; the result is the sum over ``group`` of
+    its dim-0 shard r (r: this rank's index in the group)."""
     return _mapped(_ReduceScatterToSequenceRegion, x_full, group)
 
 
 def scatter_to_sequence_region(x_full: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Enter the sequence-parallel region: keep this rank's shard forward, all-gather backward."""
+    """Enter the sequence-parallel region: keep this rank's shard forward, all-gather backward.
+    ``x_full`` [s, ...] is the same on every rank of ``group``; the result is a copy of its dim-0 shard r
+    [s/t, ...] (r: this rank's index in the group)."""
     return _mapped(_ScatterToSequenceRegion, x_full, group)
 
 
 def gather_to_replicated_region(x_shard: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Leave the sequence-parallel region: all-gather [s/t, ...] -> [s, ...] forward, keep this rank's
-    shard of the gradient backward (Megatron's gather with ``tensor_parallel_output_grad=False``). For a
-    tail every rank computes alike from the full tensor (a loss, a replicated head): each rank's backward
-    then holds the same full gradient, and summing them (g's reduce-scatter) would count it t times."""
+    """Leave the sequence-parallel region: all-gather ``x_shard`` [s/t, ...] -> [s, ...] over ``group`` forward,
+    keep this rank's shard of the gradient backward (Megatron's gather with ``tensor_parallel_output_grad=False``).
+    For a tail every rank computes alike from the full tensor (a loss, a replicated head): each rank's backward then
+    holds the same full gradient, and summing them (g's reduce-scatter) would count it t times."""
     return _mapped(_GatherToReplicatedRegion, x_shard, group, "x_shard")
