@@ -5,6 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
+# one version of each: gpu_suite.sh installs .whl/*.whl in one pip call, which two versions of a package fail
+rm -f .whl/megatron_core-*.whl .whl/liger_kernel-*.whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform any -d .whl \

@@ -128,9 +128,13 @@ step info 30 python3 -m seqpar info
 for part in "$@"; do
   case "$part" in
     tests)
-      workers=()
-      python3 -c "import xdist" 2>/dev/null && workers=(-n 12)   # else one process: compiles in series
-      OMP_NUM_THREADS=1 step tests 300 python3 -m pytest -q -m gpu -ra --durations=15 "${workers[@]}" tests ;;
+      pytest_args=()
+      python3 -c "import xdist" 2>/dev/null && pytest_args=(-n 12)   # else one process: compiles in series
+      # 120 s a test (the slowest took 82 s): a hung test must not eat the step and the parts after it
+      python3 -c "import pytest_timeout" 2>/dev/null && pytest_args+=(--timeout 120)
+      # One Inductor compile thread per worker: the pytest_args are the parallelism.
+      OMP_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1 step tests 300 python3 -m pytest -q -m gpu -ra \
+        --durations=15 "${pytest_args[@]}" tests ;;
     norms)
       # Compile first, six processes at once (each with its own limit; one Inductor compile thread each: the
       # processes are the parallelism), untimed; the timed run then finds the kernels in the caches. A
@@ -149,7 +153,9 @@ for part in "$@"; do
         TORCHINDUCTOR_COMPILE_THREADS=1 timeout --foreground -k 10 90 python3 bench/bench_llama_ops.py --compile-only --ops $op \
         --hidden $h --providers seqpar-triton,torch-compile,liger & \
         done; done; wait'
-      step llama 220 python3 bench/bench_llama_ops.py --out "$OUT" ;;
+      # no torch-eager: no target reads it (about 30 s of device time)
+      step llama 220 python3 bench/bench_llama_ops.py --out "$OUT" \
+        --providers seqpar-cuda,seqpar-triton,torch-compile,liger ;;
     attention)
       # A cold bench_attention spends minutes compiling its ~50 autotune configurations one after another:
       # compile them first in four processes at once (one per head dim and dropout, each with its own
