@@ -132,7 +132,7 @@ for part in "$@"; do
       python3 -c "import xdist" 2>/dev/null && pytest_args=(-n 12)   # else one process: compiles in series
       # 120 s a test (the slowest took 82 s): a hung test must not eat the step and the parts after it
       python3 -c "import pytest_timeout" 2>/dev/null && pytest_args+=(--timeout 120)
-      # One Inductor compile thread per worker: the pytest_args are the parallelism.
+      # One Inductor compile thread per worker: the workers are the parallelism.
       OMP_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1 step tests 300 python3 -m pytest -q -m gpu -ra \
         --durations=15 "${pytest_args[@]}" tests ;;
     norms)
