@@ -29,8 +29,9 @@ from torch import nn
 from .. import random as sp_random
 from ..ops import registry
 from ..ops.comm_matmul import (SHARD_HINT, _all_gather_matmul, _matmul_reduce_scatter, agreed_gradients,
-                               agreed_shape_and_dtype, all_gather_plan, reduce_scatter_plan)
-from ..parallel.mappings import copy_to_tensor_region, reduce_from_tensor_region
+                               agreed_shape_and_dtype, all_gather_plan, copy_matmul, matmul_all_reduce,
+                               reduce_scatter_plan)
+from ..parallel.mappings import copy_to_tensor_region
 from ..parallel.overlap import ChunkPlan
 from ..parallel.state import ProcessGroup, SharesProcessGroup, agree_on_inputs, group_size
 from .autocast import autocast_dtype, in_run_dtype, run_in_dtype
@@ -262,7 +263,7 @@ class ColumnParallelLinear(_TensorParallelLinear):
             x, weight, self.tp_group, self.overlap_comm) if self.sequence_parallel else None)
         if self.sequence_parallel:
             return _all_gather_matmul(x, weight, bias, self.tp_group, plan)
-        return nn.functional.linear(copy_to_tensor_region(x, self.tp_group), weight, bias)
+        return copy_matmul(x, weight, bias, self.tp_group)
 
     def shard_layouts(self, rank: int) -> Dict[str, ShardLayout]:
         """Rank ``rank``'s rows of the weight [n, k] (and bias [n]): of each block, its t-th part, stacked
@@ -338,7 +339,7 @@ class RowParallelLinear(_TensorParallelLinear):
         if self.sequence_parallel:
             y = _matmul_reduce_scatter(x, weight, None, self.tp_group, plan)
         else:
-            y = reduce_from_tensor_region(torch.matmul(x, weight.t()), self.tp_group)
+            y = matmul_all_reduce(x, weight, self.tp_group)
         bias = self.output_bias()
         if self.skip_bias_add:
             return y, bias

@@ -35,11 +35,10 @@ from torch import nn
 from .. import random as sp_random
 from ..config import TransformerConfig
 from ..ops import registry
-from ..ops.comm_matmul import _all_gather_matmul
+from ..ops.comm_matmul import _all_gather_matmul, copy_matmul
 from ..ops.dropout import DropoutSpec, dropout
 from ..parallel.overlap import ChunkPlan
-from ..parallel.mappings import (copy_to_tensor_region, reduce_from_tensor_region,
-                                 scatter_to_sequence_region)
+from ..parallel.mappings import reduce_from_tensor_region, scatter_to_sequence_region
 from .._custom_op import capturing_graph, once_differentiable, outside_compile
 from ..parallel.state import (SAME_MODE_HINT, SEED_HINT, ProcessGroup, SharesProcessGroup, agreement_checked,
                               check_ranks_agree, group_rank, group_size, shard_first_row)
@@ -202,7 +201,7 @@ class _VocabShard(ShardedParameters, SharesProcessGroup, nn.Module):
         (gathered inside the GEMM: g). Its callers agreed on ``hidden`` (GPTModel's token check)."""
         weight = self.real_weight
         if not sequence_parallel:
-            return torch.matmul(copy_to_tensor_region(hidden, self.tp_group), weight.t())
+            return copy_matmul(hidden, weight, None, self.tp_group)
         # As the layers' column-parallel GEMMs: on flattened rows, saving only this rank's sequence shard
         # for backward (re-gathered there), not the gathered [s, b, h] (t times the bytes). The overlap plan
         # is sized by the padded shard's rows, which every rank shares: the real rows differ on the last

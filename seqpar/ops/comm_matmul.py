@@ -70,7 +70,8 @@ import torch
 
 from . import registry
 from ..parallel.overlap import ChunkPlan, PeerExchange, note
-from ..parallel.state import ProcessGroup, agree_on_inputs, all_gather_seq, group_size, reduce_scatter_seq
+from ..parallel.state import (ProcessGroup, agree_on_inputs, all_gather_seq, all_reduce, group_size,
+                              reduce_scatter_seq)
 
 _TAG_GATHER, _TAG_SCATTER = 11, 12   # gloo tags per pattern (NCCL ignores tags, matches in order)
 
@@ -344,6 +345,97 @@ class _MatmulReduceScatter(torch.autograd.Function):
         grad_x = torch.matmul(grad_y_full, weight) if need_x else None
         grad_weight = _flat(grad_y_full).t().matmul(_flat(x)) if need_w else None
         return grad_x, grad_weight, grad_bias, None, None
+
+
+def _gemm_into_new(x, weight, bias) -> torch.Tensor:
+    """``x @ weight^T + bias`` [..., n] written into a fresh tensor (not a view of a 2-D result: see
+    :class:`_AllGatherMatmul`), so it can be all-reduced in place and returned from a Function."""
+    y = torch.empty(tuple(x.shape[:-1]) + (weight.shape[0],), dtype=x.dtype, device=x.device)
+    x2 = _flat(x.contiguous())
+    if bias is None:
+        torch.mm(x2, weight.t(), out=_flat(y))
+    else:
+        torch.addmm(bias, x2, weight.t(), out=_flat(y))
+    return y
+
+
+class _CopyMatmul(torch.autograd.Function):
+    """f, then the column-parallel GEMM (tensor parallelism without SP): ``y = x W^T + b``; backward, the
+    input's gradient ``g W`` is all-reduced over the group in place while the weight's ``g^T x`` runs
+    (Megatron's asynchronous tensor-parallel all-reduce). f as its own Function copied that gradient
+    into a new buffer before its all-reduce and issued it only after the weight gradient."""
+
+    @staticmethod
+    @_in_operands_dtype
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return _gemm_into_new(x, weight, bias)
+
+    @staticmethod
+    @registry.once_differentiable
+    @_in_operands_dtype
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_y = grad_y.contiguous()
+        grad_x = reduction = None
+        if need_x:
+            grad_x, reduction = all_reduce(torch.matmul(grad_y, weight), ctx.group, async_op=True)
+        grad_weight = _flat(grad_y).t().matmul(_flat(x.contiguous())) if need_w else None   # beside it
+        grad_bias = _flat(grad_y).sum(0) if (ctx.has_bias and need_b) else None
+        if reduction is not None:
+            reduction.wait()
+        return grad_x, grad_weight, grad_bias, None
+
+
+class _MatmulAllReduce(torch.autograd.Function):
+    """The row-parallel GEMM, then f-bar (tensor parallelism without SP): ``y = x W^T`` summed over the
+    group, in place in the GEMM's fresh output (f-bar as its own Function copied it first); backward
+    ``g W`` and ``g^T x`` (f-bar's backward is the identity)."""
+
+    @staticmethod
+    @_in_operands_dtype
+    def forward(ctx, x, weight, group):
+        ctx.save_for_backward(x, weight)
+        return all_reduce(_gemm_into_new(x, weight, None), group)
+
+    @staticmethod
+    @registry.once_differentiable
+    @_in_operands_dtype
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[:2]
+        grad_y = grad_y.contiguous()
+        grad_x = torch.matmul(grad_y, weight) if need_x else None
+        grad_weight = _flat(grad_y).t().matmul(_flat(x.contiguous())) if need_w else None
+        return grad_x, grad_weight, None
+
+
+def _differentiated(*tensors) -> bool:
+    """Whether a gradient can flow back to any of ``tensors`` (grad mode on and one requires grad)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def copy_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                group: ProcessGroup) -> torch.Tensor:
+    """``f(x) @ weight^T + bias`` [..., n_local] for a column-parallel GEMM without sequence parallelism
+    (:class:`_CopyMatmul`), unchecked: the callers (the parallel linears, the model's output GEMM) checked
+    and agreed on their arguments. At t = 1, and where no gradient flows, plain ``F.linear`` (the
+    Function, which Dynamo can't trace without a gradient, would add nothing)."""
+    if group_size(group) == 1 or not _differentiated(x, weight, bias):
+        return torch.nn.functional.linear(x, weight, bias)
+    return _CopyMatmul.apply(x, weight, bias, group)
+
+
+def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """``f-bar(x @ weight^T)`` [..., n] for a row-parallel GEMM without sequence parallelism
+    (:class:`_MatmulAllReduce`), unchecked (as :func:`copy_matmul`)."""
+    if group_size(group) == 1:
+        return torch.matmul(x, weight.t())
+    if not _differentiated(x, weight):
+        return all_reduce(torch.matmul(x, weight.t()), group)   # a fresh product: summed in place
+    return _MatmulAllReduce.apply(x, weight, group)
 
 
 def _check(x, weight, bias, x_name):

@@ -157,14 +157,16 @@ def reduce_scatter_seq(x_full: torch.Tensor, group: ProcessGroup, async_op: bool
     return (out, work) if async_op else out
 
 
-def all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """In-place sum over the group (no-op for one rank); returns ``x``."""
+def all_reduce(x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
+    """In-place sum over the group (no-op for one rank); returns ``x``, or ``(x, work)`` with
+    ``async_op=True`` (work None where nothing is in flight: one rank, or a captured graph)."""
+    work = None
     if group_size(group) > 1:
         if capturing_graph():   # as all_gather_seq
             x.copy_(_functional().all_reduce(x, "sum", group))
         else:
-            dist.all_reduce(x, group=group)
-    return x
+            work = dist.all_reduce(x, group=group, async_op=async_op)
+    return (x, work) if async_op else x
 
 
 def _functional():

@@ -649,3 +649,58 @@ def test_an_exception_inside_a_chunk_loop_leaves_no_transfer_in_flight():
     for caught, equal in run_ranks(_interrupted_chunk_loops, 2, timeout_s=90):
         assert caught == ["interrupted at ag_fwd", "interrupted at rs_fwd", "interrupted at ag_bwd_dgrad"]
         assert equal
+
+
+def _tensor_parallel_linears_ops(rank, world_size):
+    """The aten / c10d ops of a ColumnParallelLinear -> RowParallelLinear pair at t = 2 without SP, forward
+    and backward, and their outputs and gradients against the unsharded fp64 computation."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from seqpar.nn import ColumnParallelLinear, RowParallelLinear
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func.overloadpacket).split(".")[-1] if "c10d" not in str(func) else "allreduce")
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    col = ColumnParallelLinear(16, 32, tp_group=dist.group.WORLD)
+    row = RowParallelLinear(32, 16, tp_group=dist.group.WORLD)
+    w1, b1 = col.full()
+    w2, b2 = row.full()
+    x = torch.randn(4, 2, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    forward, backward = Ops(), Ops()
+    with forward:
+        y = row(col(x))
+    with backward:
+        y.square().sum().backward()
+    full = [t.detach().double().requires_grad_() for t in (x, w1, b1, w2, b2)]
+    expected = torch.nn.functional.linear(torch.nn.functional.linear(full[0], full[1], full[2]), full[3], full[4])
+    expected.square().sum().backward()
+    cols = slice(rank * 16, (rank + 1) * 16)
+    got = [y, x.grad, col.weight.grad, col.bias.grad, row.weight.grad, row.bias.grad]
+    want = [expected, full[0].grad, full[1].grad[cols], full[2].grad[cols], full[3].grad[:, cols], full[4].grad]
+    errors = [float((g.double() - w).abs().max()) for g, w in zip(got, want)]
+    return forward.names, backward.names, errors
+
+
+@pytest.mark.timeout(120)
+def test_tensor_parallel_linears_reduce_in_place_and_overlap_the_input_gradient_s_all_reduce():
+    """Without SP, f-bar cloned the row-parallel GEMM's fresh output before its all-reduce, and f's
+    backward copied (cat) the column-parallel input gradient and all-reduced it only after the weight
+    gradient's GEMM: a read and write of [s, b, h] each, twice per layer. Now the GEMM's own output is
+    reduced in place, and the input gradient's all-reduce is issued before the weight gradient's GEMM,
+    which runs beside it (Megatron's asynchronous tensor-parallel all-reduce)."""
+    for forward, backward, errors in run_ranks(_tensor_parallel_linears_ops, 2, timeout_s=90):
+        assert max(errors) < 1e-5, errors
+        for names in (forward, backward):
+            assert not {"clone", "cat", "copy_"} & set(names), names
+            assert names.count("allreduce") == 1, names
+        # backward: the row linear's two GEMMs, then the column linear's input gradient, its all-reduce,
+        # and its weight gradient after it
+        mms = [i for i, name in enumerate(backward) if name in ("mm", "matmul", "bmm")]
+        assert len(mms) == 4 and mms[2] < backward.index("allreduce") < mms[3], backward
