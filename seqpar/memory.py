@@ -516,13 +516,12 @@ class _Model:
 
     def loss_working_bytes(self) -> float:
         """What the vocabulary loss's backward builds beside the fp32 softmax it saved, on the last stage:
-        the fp32 gradient of the logits shard and its cast to the compute dtype (none in fp32; fp64 models:
-        the fp64 gradient alone). It runs
-        before any layer's backward, every layer's activations held. (Its forward's transient, the logits
-        in the compute dtype beside the fp32 buffer that becomes the softmax, is no larger.)"""
+        the gradient of the logits shard in the compute dtype (E sbv / t; computed in fp32 and rounded into
+        it, no fp32 copy). It runs before any layer's backward, every layer's activations held. (Its
+        forward's transient, the logits in the compute dtype beside the fp32 buffer that becomes the
+        softmax, is no larger.)"""
         lay = self.layer
-        cast = 0 if lay.e == self.logits_bytes() else lay.e
-        return (self.logits_bytes() + cast) * lay.s * lay.b * self.vocab_shard()
+        return lay.e * lay.s * lay.b * self.vocab_shard()
 
     def activation_bytes(self, counts_by_rank: Sequence[Sequence[Tuple[int, int, int]]]) -> float:
         """Bytes of the most loaded pipeline rank, from each rank's chunks' (n_none, n_selective, n_full)

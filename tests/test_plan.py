@@ -57,10 +57,10 @@ def test_planner_matches_brute_force(case):
     layer = {p: layer_activation_bytes(s, b, h, a, tp=t, sequence_parallel=sp, recompute=p)
              for p in ("none", "selective", "full")}
     rebuilt = {p: layer["none"] - x for p, x in layer.items()}
-    # and the loss backward's fp32 logits gradient and its bf16 cast beside the saved softmax, on the last
+    # and the loss backward's bf16 logits gradient beside the saved softmax, on the last
     # stage (with pp > 1 here the first stage's peak stays the larger)
     vocab_shard = min(v, -(-v // (128 * t)) * 128)
-    loss = (4 + 2) * s * b * vocab_shard if pp == 1 else 0
+    loss = 2 * s * b * vocab_shard if pp == 1 else 0
     rebuilt_of = {mix: max(rebuilt[p] for k, p in zip(mix, ("none", "selective", "full")) if k) for mix in mixes}
     peak_of = {mix: bytes_of[mix] + max(loss, rebuilt_of[mix]) for mix in mixes}
     for budget in sorted(set(peak_of.values())) + [lo + (hi - lo) * k / 17 for k in range(19)]:
@@ -73,7 +73,7 @@ def test_planner_matches_brute_force(case):
         counts = (plan.counts["none"], plan.counts["selective"], plan.counts["full"])
         assert plan.peak_bytes == pytest.approx(peak_of[counts], rel=1e-12) and plan.peak_bytes <= budget
         assert plan.recompute_working_bytes == pytest.approx(rebuilt_of[counts], rel=1e-12, abs=0)
-        assert plan.loss_working_bytes == pytest.approx(6 * s * b * vocab_shard, rel=1e-12)
+        assert plan.loss_working_bytes == pytest.approx(2 * s * b * vocab_shard, rel=1e-12)
         best = min(_extra_flops(s, b, h, t, mix) for mix in fitting)
         assert plan.extra_flops == pytest.approx(best, rel=1e-12, abs=0), (budget, plan)
     # which layer takes which policy does not matter under 1F1B
@@ -233,12 +233,12 @@ def test_evaluate_recompute_names_the_stage_its_list_covers():
 def test_peak_bytes_follows_the_plan_s_fields():
     """peak_bytes is computed from the fields (dataclasses.replace kept a stale stored value): the most
     loaded stage plus a recomputed layer's rebuild, or the last stage plus the loss backward's working set
-    (the fp32 logits gradient and its bf16 cast, 6 s b v / t bytes), whichever is larger."""
+    (the logits gradient in bf16, 2 s b v / t bytes), whichever is larger."""
     s, b, h, a, L, v, t = 512, 1, 256, 8, 8, 32000, 2
     for pp in (1, 4):
         plan = evaluate_recompute("selective", s, b, h, a, L, v, tp=t, pp=pp)
         last = plan.last_stage_activation_bytes
-        assert plan.loss_working_bytes == 6 * s * b * v / t
+        assert plan.loss_working_bytes == 2 * s * b * v / t
         assert last <= plan.activation_bytes and (pp > 1 or last == plan.activation_bytes)
         assert plan.peak_bytes == max(plan.activation_bytes + plan.recompute_working_bytes,
                                       last + max(plan.recompute_working_bytes, plan.loss_working_bytes))

@@ -110,11 +110,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_loss):
         softmax, safe, in_shard, valid = ctx.saved_tensors
-        grad = softmax.clone()   # (the saved softmax stays as it is: a backward with retain_graph reads it again)
-        if grad.shape[-1]:
-            grad.scatter_add_(-1, safe.unsqueeze(-1), -in_shard.unsqueeze(-1).to(grad.dtype))
-        grad_loss = torch.where(valid, grad_loss, 0.0)   # ignored positions get no gradient
-        return grad.mul_(grad_loss.unsqueeze(-1)).to(ctx.dtype), None, None, None, None
+        # (softmax - onehot(label)) * grad_loss, computed in fp32 and rounded once into the one new tensor,
+        # in the logits' dtype (an fp32 gradient and its cast were two: 1.5x a bf16 gradient's bytes more at
+        # the loss backward's peak). The saved softmax stays as it is: a retain_graph backward reads it again.
+        grad_loss = torch.where(valid, grad_loss, 0.0).unsqueeze(-1)   # ignored positions get no gradient
+        grad = torch.mul(softmax, grad_loss, out=torch.empty(softmax.shape, dtype=ctx.dtype, device=softmax.device))
+        if grad.shape[-1]:   # the label's column: (p - 1) * grad_loss (p - 0, as written, outside the shard)
+            index = safe.unsqueeze(-1)
+            at_label = (softmax.gather(-1, index) - in_shard.unsqueeze(-1).to(softmax.dtype)) * grad_loss
+            grad.scatter_(-1, index, at_label.to(ctx.dtype))
+        return grad, None, None, None, None
 
 
 class _GatherVocabColumns(torch.autograd.Function):

@@ -176,8 +176,10 @@ class _NewFullSizeStorages(torch.utils._python_dispatch.TorchDispatchMode):
 def test_the_vocab_loss_makes_one_fp32_copy_of_the_logits(dtype):
     """The loss's forward made four fp32 [s, b, v] tensors (the cast, the shifted logits, their exp, the
     softmax), all alive together at the step's peak (4.5x the fp32 logits' bytes beside bf16 logits,
-    more than F.cross_entropy on gathered fp32 logits); backward made three. Now one buffer in forward
-    (the softmax it saves) and in backward the gradient and its cast. Values: F.cross_entropy's."""
+    more than F.cross_entropy on gathered fp32 logits); backward made three, then two (an fp32 gradient
+    and its cast). Now one buffer in forward (the softmax it saves) and one in backward, the gradient in
+    the logits' dtype (computed in fp32, rounded once: the same bits as the cast). Values:
+    F.cross_entropy's."""
     from seqpar.nn.model import _VocabParallelCrossEntropy
 
     logits = (3 * torch.randn(5, 2, 40)).to(dtype).requires_grad_()
@@ -191,7 +193,11 @@ def test_the_vocab_loss_makes_one_fp32_copy_of_the_logits(dtype):
     grad_loss = torch.randn(5, 2)
     with _NewFullSizeStorages(logits.shape) as backward:
         (grad,) = torch.autograd.grad(loss, logits, grad_loss, retain_graph=True)
-    assert backward.counts == ({torch.float32: 1, dtype: 1} if dtype != torch.float32 else {torch.float32: 1})
+    assert backward.counts == {dtype: 1}, backward.counts
+    shifted = logits.detach().float() - logits.detach().float().amax(-1, keepdim=True)   # the forward's softmax
+    softmax = shifted.exp() / shifted.exp().sum(-1, keepdim=True)   # ... and the former backward, bit for bit
+    onehot = torch.nn.functional.one_hot(labels.clamp(min=0), 40).float() * (labels != -100).unsqueeze(-1)
+    assert torch.equal(grad, ((softmax - onehot) * torch.where(labels != -100, grad_loss, 0.0).unsqueeze(-1)).to(dtype))
     reference = logits.detach().double().requires_grad_()
     want = F.cross_entropy(reference.flatten(0, 1), labels.flatten(), reduction="none").view(5, 2)
     torch.testing.assert_close(loss, want.float(), rtol=1e-5, atol=1e-5)
