@@ -197,8 +197,11 @@ class _VocabShard(ShardedParameters, SharesProcessGroup, nn.Module):
 
     @property
     def real_weight(self) -> torch.Tensor:
-        """The rows of real token ids ``[vocab_start, vocab_end)``: [vocab_end - vocab_start, h] (a view)."""
-        return self.weight[:self.vocab_end - self.vocab_start]
+        """The rows of real token ids ``[vocab_start, vocab_end)``: [vocab_end - vocab_start, h] (a view; the
+        weight itself where this shard has no padded rows: a slice's backward writes its gradient into a
+        new zero-filled [rows, h] tensor)."""
+        n = self.vocab_end - self.vocab_start
+        return self.weight if n == self.weight.shape[0] else self.weight[:n]
 
     def logits(self, hidden: torch.Tensor, *, sequence_parallel: bool, overlap_comm: bool) -> torch.Tensor:
         """This rank's logits [s, b, v_local] = hidden @ real_weight^T (v_local = vocab_end - vocab_start,

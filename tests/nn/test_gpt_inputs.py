@@ -458,3 +458,27 @@ def test_pipeline_stage_methods_compute_the_models_forward(tied):
         staged.head(boundary, torch.full_like(labels, V))
     with pytest.raises(ValueError, match="token id -1 at"):
         staged.embed(torch.full_like(tokens, -1))
+
+
+@pytest.mark.parametrize("vocab", [128, 100], ids=["unpadded", "padded"])
+def test_the_tied_head_slices_the_table_only_where_it_has_padded_rows(vocab):
+    """The output GEMM read ``weight[:v_local]`` even when that is every row: its backward wrote the
+    [v, h] gradient into a new zero-filled table (slice_backward), a read and write of the table per step.
+    Now the table itself where nothing is padded; a padded table's real rows are still all it reads."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Ops.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    seqpar.manual_seed(0)
+    model = seqpar.GPTModel(seqpar.TransformerConfig(hidden_size=16, num_attention_heads=2), 1, vocab, 8)
+    tokens = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(0))
+    loss = model(tokens, tokens).sum()
+    with Ops():
+        loss.backward()
+    assert ("slice_backward" in Ops.names) == (vocab == 100), Ops.names
+    assert torch.equal(model.embedding.word_embeddings.weight.grad[vocab:], torch.zeros(128 - vocab, 16))
