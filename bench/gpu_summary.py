@@ -17,11 +17,12 @@ Reads the rows that ``bash bench/gpu_suite.sh PART`` wrote on the GPU machine, c
                                   the targets they explain
 
 Only rows measured on a GPU count (a device name that isn't "cpu..."), and of those the latest run of
-each file, or of each part of a file with a ``part`` column (bench_overlap.csv: a later ``--part project``
-run keeps the earlier gemm rows); one run = one device, date and commit. A NaN among a sweep's values
-makes its target unknown (``met`` null), ``detail`` naming the configuration. A file that is missing
-gives its targets ``value: null, met: null`` with the reason in ``detail``: every target is listed,
-measured or not.
+each file, or of each part of a file: bench_overlap.csv's ``part`` column (a later ``--part project`` run
+keeps the earlier gemm rows) and bench_llama_ops.csv's op (a run cut after rmsnorm keeps an earlier run's
+swiglu rows; the op's targets then say, in ``detail``, which older run they read); one run = one device,
+date and commit. A NaN among a sweep's values makes its target unknown (``met`` null), ``detail`` naming
+the configuration. A file that is missing gives its targets ``value: null, met: null`` with the reason in
+``detail``: every target is listed, measured or not.
 
 Each target is {"name", "value", "goal", "unit", "met", "compare", "detail"}: ``met`` is
 ``value >= goal`` or ``value <= goal`` as ``compare`` says; ``detail`` names the worst configuration
@@ -90,7 +91,7 @@ def latest_run(rows: List[Dict]) -> List[Dict]:
     runs: Dict[Tuple[str, str, str], List[Dict]] = {}
     for r in rows:
         if is_gpu(r["device"]):
-            runs.setdefault((r["date"], r["device"], r["commit"]), []).append(r)
+            runs.setdefault(run_key(r), []).append(r)
     measured = [key for key, run in runs.items() if any(r.get("metric") not in CEILING_METRICS for r in run)]
     return runs[max(measured)] if measured else []
 
@@ -104,12 +105,24 @@ def read_rows(path: str) -> List[Dict]:
         return [r for r in csv.DictReader(f) if r.get("device") != "device" and None not in r.values()]
 
 
+def part_of(row: Dict) -> Optional[str]:
+    """The part of its file a row belongs to, whose latest run counts on its own: bench_overlap's ``part``
+    column, bench_llama_ops' op (``op=`` in the config); None for the rest (e.g. the copy ceiling)."""
+    return row.get("part") or config_fields(row.get("config") or "").get("op")
+
+
+def run_key(row: Dict) -> Tuple[str, str, str]:
+    """The run a row comes from, ordered by date."""
+    return row["date"], row["device"], row["commit"]
+
+
 def read_csv(path: str) -> List[Dict]:
-    """The rows of :func:`latest_run`, taken per part of the file (bench_overlap's ``part`` column: a later
-    run of one part, e.g. ``--part project``, does not hide an earlier run's other parts)."""
+    """The rows of :func:`latest_run`, taken per part of the file (:func:`part_of`: a later run of one part,
+    e.g. bench_overlap's ``--part project`` or a bench_llama_ops run cut after rmsnorm, does not hide an
+    earlier run's other parts)."""
     parts = defaultdict(list)
     for r in read_rows(path):
-        parts[r.get("part")].append(r)
+        parts[part_of(r)].append(r)
     return [r for rows in parts.values() for r in latest_run(rows)]
 
 
@@ -153,16 +166,17 @@ def experiment_of(config: str, experiments: Iterable[str]) -> Optional[str]:
 
 
 def run_meta(rows: List[Dict]) -> Optional[Dict]:
-    """Device, date and commit of the latest run among ``rows``; where a file's parts (bench_overlap's
-    ``part``) come from different runs, ``"parts"`` gives each part's too."""
+    """Device, date and commit of the latest run among ``rows``; where a file's parts (:func:`part_of`)
+    come from different runs, ``"parts"`` gives each part's too."""
     keys = ("device", "date", "commit")
     latest = max(rows, key=lambda r: r["date"], default=None)
     if latest is None:
         return None
     by_part: Dict[str, Dict] = {}
     for r in rows:
-        if r.get("part") and (r["part"] not in by_part or r["date"] > by_part[r["part"]]["date"]):
-            by_part[r["part"]] = r
+        part = part_of(r)
+        if part and (part not in by_part or r["date"] > by_part[part]["date"]):
+            by_part[part] = r
     meta = {k: latest[k] for k in keys}
     if len({tuple(r[k] for k in keys) for r in by_part.values()}) > 1:
         meta["parts"] = {part: {k: r[k] for k in keys} for part, r in sorted(by_part.items())}
@@ -330,12 +344,24 @@ def layernorm_targets(rows: List[Dict]) -> List[Dict]:
 
 
 def llama_ops_targets(rows: List[Dict]) -> List[Dict]:
+    """The RMSNorm and SwiGLU targets, each op from its own latest run (:func:`read_csv`); an op whose rows
+    are older than the file's latest run (one cut before it, or run for other ops) says so in ``detail``."""
     table = metric_table(rows)
+    file_run = max(map(run_key, rows), default=None)
     out = []
     for op in ("rmsnorm", "swiglu"):       # issue 14's bandwidth targets; RoPE is compared with the peers
         configs = sorted({c for c, _, _ in table if config_fields(c).get("op") == op})
-        out += require_sweep(fused_row_targets(table, op, configs, LLAMA_PEERS, 0.85, 1.0), len(configs),
-                             LLAMA_SWEEP[op], "sizes")
+        targets = require_sweep(fused_row_targets(table, op, configs, LLAMA_PEERS, 0.85, 1.0), len(configs),
+                                LLAMA_SWEEP[op], "sizes")
+        op_run = max((run_key(r) for r in rows if part_of(r) == op), default=None)
+        if op_run and op_run != file_run:
+            date, device, commit = op_run
+            older = (f"; from an older run ({date}, commit {commit}"
+                     + (f", {device}" if device != file_run[1] else "")
+                     + f"): the file's latest ({file_run[0]}, commit {file_run[2]}) has no {op} rows")
+            for t in targets:
+                t["detail"] += older
+        out += targets
     return out
 
 

@@ -4,6 +4,7 @@ clocks: eager call time and GPU time, the latter's CPU fallback; attention with 
 import collections
 import csv
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -302,7 +303,8 @@ def test_gpu_suite_parts_fit_what_the_device_tool_brings_back(tmp_path):
     steps = 2 + 1 + 2 + 2 + 2 + 3 + 2   # set-up, then each part in the order of `parts`
     assert log.count("exit status 0") == log.count("s)\n") == steps, log   # "=== ... (limit Ns)" per step
     ran = calls.read_text()
-    assert "-m pytest -q -m gpu -ra --durations=15 -n 12 tests" in ran and ran.count("--compile-only") == 4 + 6 + 6
+    assert "-m pytest -q -m gpu -ra --durations=15 -n 12 --timeout 120 tests" in ran   # (the stub imports anything)
+    assert ran.count("--compile-only") == 4 + 6 + 6
     assert "layer_bench_gpu.json" in ran and "torch-eager" not in ran       # the name gpu_summary reads first
     assert log.splitlines()[-1].endswith(f"summary: {steps} steps; failed: none; skipped: none"), log
     # the call's budget: with 5 s of SUITE_SECONDS the install is skipped, said so, and the call stops there
@@ -492,3 +494,30 @@ def test_rows_name_seqpar_s_commit_not_the_project_around_an_installed_copy(tmp_
     assert results.git_commit() == "unknown"
     monkeypatch.setattr(results, "_REPO", str(tmp_path))             # a checkout of seqpar itself
     assert results.git_commit() == head.strip()
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_rows_from_a_changed_tree_carry_a_dirty_commit(tmp_path, monkeypatch):
+    """Rows measured on uncommitted changes carried HEAD's commit unmarked. A changed tracked file marks
+    it "-dirty"; an untracked file or appended result rows (bench/results/, which one benchmark of a
+    suite writes before the next one starts) do not."""
+    from seqpar.bench import results
+
+    monkeypatch.delenv("SEQPAR_COMMIT", raising=False)
+    git = ["git", "-c", "user.email=a@b", "-c", "user.name=a", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "kernel.py").write_text("x = 1\n")
+    (tmp_path / "bench" / "results" / "rows.csv").write_text("device,date,commit\n")
+    subprocess.run([*git, "add", "kernel.py", "bench/results/rows.csv"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "seqpar"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], check=True, capture_output=True,
+                          text=True).stdout.strip()
+    monkeypatch.setattr(results, "_REPO", str(tmp_path))
+    assert results.git_commit() == head
+    (tmp_path / "notes.txt").write_text("untracked\n")
+    with open(tmp_path / "bench" / "results" / "rows.csv", "a") as f:
+        f.write("H200,2025-01-01,abc\n")
+    assert results.git_commit() == head
+    (tmp_path / "kernel.py").write_text("x = 2\n")
+    assert results.git_commit() == head + "-dirty"

@@ -435,6 +435,33 @@ def test_a_later_run_of_one_overlap_part_keeps_the_other_parts(tmp_path):
                         commit="later")}
 
 
+def test_a_llama_run_cut_after_rmsnorm_keeps_the_older_swiglu_rows_and_says_so(tmp_path):
+    """The latest run of bench_llama_ops.csv hid an older complete run's swiglu rows when the later run
+    was cut after rmsnorm: every swiglu target read "not measured (no GPU rows)". Each op takes its own
+    latest run, and an op read from an older run than the file's latest names it."""
+    def llama(op, size, fwdbwd_ms):
+        return ln_rows(f"op={op},tokens=16384,{size},dtype=bfloat16",
+                       {"seqpar-triton": (1.0, 1.0, fwdbwd_ms), "liger": (2.0, 2.0, 3.0)}, clock="_gpu")
+
+    ceiling = [("bytes=1073741824", "device-copy", "copy_gbps", 3000.0)]
+    write_rows(tmp_path, "bench_llama_ops", ceiling + llama("rmsnorm", "h=4096", 2.0) + llama("swiglu", "n=11008", 1.5),
+               date="2026-12-01T10:00:00", commit="first")
+    write_rows(tmp_path, "bench_llama_ops", ceiling + llama("rmsnorm", "h=4096", 1.0),
+               date="2026-12-02T10:00:00", commit="cut")
+    rows = S.read_csv(str(tmp_path / "bench_llama_ops.csv"))
+    assert {(S.part_of(r), r["commit"]) for r in rows} == {("rmsnorm", "cut"), ("swiglu", "first")}
+    summary = S.summarize(str(tmp_path))
+    swiglu = by_name(summary, "swiglu fwd+bwd speed vs liger")
+    assert swiglu["value"] == pytest.approx(3.0 / 1.5), swiglu
+    assert swiglu["detail"].endswith("; from an older run (2026-12-01T10:00:00, commit first): the file's latest "
+                                     "(2026-12-02T10:00:00, commit cut) has no swiglu rows"), swiglu["detail"]
+    rmsnorm = by_name(summary, "rmsnorm fwd+bwd speed vs liger")
+    assert rmsnorm["value"] == pytest.approx(3.0) and "older run" not in rmsnorm["detail"], rmsnorm
+    runs = summary["runs"]["bench_llama_ops"]
+    assert runs["commit"] == "cut" and {part: run["commit"] for part, run in runs["parts"].items()} == {
+        "rmsnorm": "cut", "swiglu": "first"}
+
+
 def test_an_out_folder_that_cannot_be_made_is_one_line_exit_1(tmp_path, capsys):
     """--out under a file (or /proc): makedirs' traceback."""
     (tmp_path / "a_file").write_text("")

@@ -16,10 +16,16 @@ from typing import Iterator, List, Optional, Sequence
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+#: Where :meth:`ResultRows.finish` appends by default: tracked files that one benchmark of a suite changes
+#: before the next one starts, so they do not make a tree dirty.
+_RESULTS = os.path.join("bench", "results")
+
+
 def git_commit() -> str:
-    """Short commit of the seqpar checkout this module runs from (``SEQPAR_COMMIT`` overrides; "unknown"
-    for an installed copy: its site-packages may sit inside another project's checkout, a venv in the
-    user's repository, whose commit is not seqpar's)."""
+    """Short commit of the seqpar checkout this module runs from, with "-dirty" appended when a tracked
+    file outside bench/results differs from it (or ``git status`` fails: a clean tree is not shown);
+    ``SEQPAR_COMMIT`` overrides; "unknown" for an installed copy: its site-packages may sit inside
+    another project's checkout, a venv in the user's repository, whose commit is not seqpar's."""
     if os.environ.get("SEQPAR_COMMIT"):
         return os.environ["SEQPAR_COMMIT"]
     try:
@@ -27,7 +33,15 @@ def git_commit() -> str:
                                               stderr=subprocess.DEVNULL, text=True).splitlines()
     except Exception:  # noqa: BLE001 - not a checkout
         return "unknown"
-    return commit if os.path.samefile(top, _REPO) else "unknown"
+    if not os.path.samefile(top, _REPO):
+        return "unknown"
+    try:
+        changed = subprocess.check_output(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", f":(exclude){_RESULTS}"],
+            cwd=_REPO, stderr=subprocess.DEVNULL, text=True).strip()
+    except Exception:  # noqa: BLE001 - the tree's state is unknown: not shown as clean
+        changed = "?"
+    return f"{commit}-dirty" if changed else commit
 
 
 class ResultRows:
