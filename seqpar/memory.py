@@ -705,8 +705,8 @@ class RecomputePlan:
     makes it too), on top of ``activation_bytes``: the attention core's s^2 tensors for selective
     recompute, a whole layer's activations for full (the largest among the policies in use; 0 without
     recompute). ``loss_working_bytes``: what the vocabulary loss's backward builds on the last stage
-    beside the softmax it saved (the fp32 gradient of the busiest rank's logits shard and its cast to the
-    compute dtype), every layer's activations still held. ``last_stage_activation_bytes``: the last
+    beside the softmax it saved (the gradient of the busiest rank's logits shard in the compute dtype,
+    computed in fp32 and rounded once), every layer's activations still held. ``last_stage_activation_bytes``: the last
     stage's activation bytes (None: ``activation_bytes``, as with one stage).
     """
 

@@ -287,7 +287,15 @@ class VocabParallelOutputLayer(_VocabShard):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """:meth:`logits` of ``hidden`` with the module's ``sequence_parallel`` and ``overlap_comm``. Call the
-        module, as any :class:`torch.nn.Module`, so hooks run."""
+        module, as any :class:`torch.nn.Module`, so hooks run. Under an enabled ``torch.autocast`` as if
+        converted to its dtype, as the parallel linears (the GEMM under tensor parallelism is a Function
+        that computes in its operands' dtype: autocast does not cast them for it)."""
+        dtype = autocast_dtype(self)
+        if dtype is not None:
+            return run_in_dtype(self, dtype, self._forward, hidden)
+        return self._forward(hidden)
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits(hidden, sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm)
 
 

@@ -382,10 +382,12 @@ class _CopyMatmul(torch.autograd.Function):
         grad_x = reduction = None
         if need_x:
             grad_x, reduction = all_reduce(torch.matmul(grad_y, weight), ctx.group, async_op=True)
-        grad_weight = _flat(grad_y).t().matmul(_flat(x.contiguous())) if need_w else None   # beside it
-        grad_bias = _flat(grad_y).sum(0) if (ctx.has_bias and need_b) else None
-        if reduction is not None:
-            reduction.wait()
+        try:   # beside the all-reduce
+            grad_weight = _flat(grad_y).t().matmul(_flat(x.contiguous())) if need_w else None
+            grad_bias = _flat(grad_y).sum(0) if (ctx.has_bias and need_b) else None
+        finally:   # waited for even when a GEMM raises (left in flight, gloo's next collective hung)
+            if reduction is not None:
+                reduction.wait()
         return grad_x, grad_weight, grad_bias, None
 
 

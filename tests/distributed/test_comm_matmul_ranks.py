@@ -704,3 +704,38 @@ def test_tensor_parallel_linears_reduce_in_place_and_overlap_the_input_gradient_
         # and its weight gradient after it
         mms = [i for i, name in enumerate(backward) if name in ("mm", "matmul", "bmm")]
         assert len(mms) == 4 and mms[2] < backward.index("allreduce") < mms[3], backward
+
+
+def _output_layer_under_autocast(rank, world_size):
+    """dtypes of a standalone VocabParallelOutputLayer's logits and weight gradient under bf16 autocast, fp32
+    and bf16 hidden, with and without SP (t = world_size), and its logits against nn.Linear's under autocast."""
+    from seqpar.nn.model import VocabParallelOutputLayer
+
+    out = {}
+    for sp in (False, True):
+        torch.manual_seed(0)
+        layer = VocabParallelOutputLayer(256, 16, tp_group=dist.group.WORLD, sequence_parallel=sp)
+        torch.nn.init.normal_(layer.weight)
+        full = torch.randn(8, 2, 16, generator=torch.Generator().manual_seed(1))
+        hidden = full.chunk(world_size)[rank] if sp else full
+        for dtype in (torch.float32, torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = layer(hidden.to(dtype))
+            logits.float().sum().backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                want = torch.nn.functional.linear(full.to(dtype), layer.weight)
+            out[sp, str(dtype)] = (logits.dtype, layer.weight.grad.dtype, torch.equal(logits, want))
+            layer.weight.grad = None
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_standalone_output_layer_runs_in_the_autocast_dtype_under_tensor_parallelism():
+    """VocabParallelOutputLayer called directly under autocast at t = 2 without SP returned fp32 logits of
+    an fp32 hidden and raised on a bf16 one ("expected m1 and m2 to have the same dtype"): its GEMM is a
+    Function computing in its operands' dtype, which autocast does not cast. Now it runs as if converted
+    to the autocast dtype, like the parallel linears, with and without SP: bf16 logits, the nn.Linear
+    values under autocast, fp32 weight gradients."""
+    for result in run_ranks(_output_layer_under_autocast, 2, timeout_s=90):
+        for key, got in result.items():
+            assert got == (torch.bfloat16, torch.float32, True), (key, got)
