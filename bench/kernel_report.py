@@ -522,13 +522,16 @@ def llama_launches(op: str, dim: int, dtype: torch.dtype) -> Dict[str, Launch]:
 
 
 def dropout_launches(h: int, dtype: torch.dtype) -> Dict[str, Launch]:
-    """The launch of the Triton dropout kernel on [LN_ROWS, h] rows (forward and backward alike)."""
+    """The launches of the Triton dropout kernel on [LN_ROWS, h] rows: plain ("fwd", the backward alike) and
+    with a bias and a residual ("bda": bias_dropout_add's forward)."""
     from seqpar.triton_kernels import dropout as D
 
     sink: List[Launch] = []
+    x = torch.empty(LN_ROWS, h, dtype=dtype)
     with _patched(D, _dropout_kernel=_Recorder(D._dropout_kernel, sink)):
-        D.dropout_rows(torch.empty(LN_ROWS, h, dtype=dtype), 12345, 0, DROPOUT_THRESHOLD)
-    return {"fwd": sink[0]}
+        D.dropout_rows(x, 12345, 0, DROPOUT_THRESHOLD)
+        D.dropout_rows(x, 12345, 0, DROPOUT_THRESHOLD, torch.empty(h, dtype=dtype), torch.empty_like(x))
+    return {"fwd": sink[0], "bda": sink[1]}
 
 
 def _triton_row(job) -> dict:
@@ -590,7 +593,7 @@ def triton_jobs(quick: bool) -> List[tuple]:
             jobs += [(family, which, dim, dt, False, 0)
                      for dt in dtypes for which in llama_launches(family, dim, DTYPES[dt])]
     for h in DROPOUT_HIDDEN[1:2] if quick else DROPOUT_HIDDEN:
-        jobs += [("dropout", "fwd", h, dt, True, 0) for dt in dtypes]
+        jobs += [("dropout", which, h, dt, True, 0) for dt in dtypes for which in ("fwd", "bda")]
     return jobs
 
 
@@ -760,12 +763,14 @@ def format_report(meta: dict, rows: List[dict]) -> str:
         out.append("")
     drop = [r for r in rows if r["backend"] == "triton" and r["family"] == "dropout"]
     if drop:
-        out += [f"Triton dropout ({LN_ROWS} rows; the backward is the same kernel): whole kernel",
-                f"{'h':>6} {'dtype':5} {'config':14} {'regs':>5} {'spill B':>8} {'instr':>6} {'mask int/elem':>14}"]
-        for r in sorted(drop, key=lambda r: (r["dim"], r["dtype"])):
+        out += [f"Triton dropout ({LN_ROWS} rows; fwd: plain, the backward is the same kernel; bda: with a bias and "
+                "a residual, bias_dropout_add's forward): whole kernel",
+                f"{'kernel':6} {'h':>6} {'dtype':5} {'config':14} {'regs':>5} {'spill B':>8} {'instr':>6} "
+                f"{'mask int/elem':>14}"]
+        for r in sorted(drop, key=lambda r: (r["kernel"], r["dim"], r["dtype"])):
             pe = _per_elem(r)
-            out.append(f"{r['dim']:>6} {r['dtype']:5} {r['config']:14} {r['registers']:>5} {r['spill_bytes']:>8} "
-                       f"{r['instructions']:>6} {'' if pe is None else f'{pe:.2f}':>14}")
+            out.append(f"{r['kernel']:6} {r['dim']:>6} {r['dtype']:5} {r['config']:14} {r['registers']:>5} "
+                       f"{r['spill_bytes']:>8} {r['instructions']:>6} {'' if pe is None else f'{pe:.2f}':>14}")
         out.append("")
     cu = [r for r in rows if r["backend"] == "cuda"]
     if cu:

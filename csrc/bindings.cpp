@@ -16,8 +16,8 @@ namespace seqpar {
 // Dropout is given by its byte threshold P = round(p * 256) (seqpar.random.dropout_threshold; 0: none) in
 // every launcher; they scale kept values by float(256 / (256 - P)) like the other backends (csrc/philox.cuh).
 // ---- dropout.cu
-void dropout_rows(uintptr_t x, uintptr_t y, int64_t rows, int64_t cols, int dtype, uint64_t seed,
-                  int64_t row_offset, int threshold, uintptr_t stream);
+void dropout_rows(uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t y, int64_t rows, int64_t cols,
+                  int dtype, uint64_t seed, int64_t row_offset, int threshold, uintptr_t stream);
 std::string kernel_image_error();
 // ---- bias_dropout_add_layer_norm.cu
 void bias_dropout_add_layer_norm_fwd(uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t ln_weight,
@@ -103,8 +103,10 @@ PYBIND11_MODULE(_C, m) {
         "Host build of the kernels' mask path (csrc/philox.cuh): keep bits of columns col0 .. col0 + n - 1.");
 
   // ---- dropout.cu
-  m.def("dropout_rows", &seqpar::dropout_rows, py::arg("x"), py::arg("y"), py::arg("rows"), py::arg("cols"),
-        py::arg("dtype"), py::arg("seed"), py::arg("row_offset"), py::arg("threshold"), py::arg("stream"));
+  m.def("dropout_rows", &seqpar::dropout_rows, py::arg("x"), py::arg("bias"), py::arg("residual"), py::arg("y"),
+        py::arg("rows"), py::arg("cols"), py::arg("dtype"), py::arg("seed"), py::arg("row_offset"),
+        py::arg("threshold"), py::arg("stream"),
+        "y = residual + dropout(x + bias) over [rows, cols] (bias [cols] / residual [rows, cols]: 0 for none).");
   m.def("kernel_image_error", &seqpar::kernel_image_error,
         "Why the kernels can't run on the current device (no image for its architecture); \"\" when they can.");
 

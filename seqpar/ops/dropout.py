@@ -8,10 +8,16 @@ Backends (the registry's op "dropout", :func:`select_backend`): cuda (csrc/dropo
 (triton_kernels/dropout.py) on fp32 / fp16 / bf16 tensors of fewer than 2**30 rows, and the torch
 reference (about a hundred small ops per mask: on a GPU as many launches) for everything. "auto" tries
 cuda, triton, torch; all three give the same mask and values, bit for bit.
+
+A backend's ``forward(x, spec, bias=None, residual=None)`` is ``[residual +] where(keep, (x [+ bias]) *
+scale, 0)`` with each step rounded to x's dtype as the separate torch ops round it (``bias`` [h],
+``residual`` like x): plain dropout without the two, :func:`bias_dropout_add`'s forward in one kernel
+pass with them. Its ``backward(grad, spec)`` is the plain mask applied to ``grad``.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 
@@ -121,56 +127,81 @@ def select_backend(x: torch.Tensor, backend: str = "auto") -> registry.Backend:
     return registry.select(OP, backend, x.device, dtype=x.dtype, rows=x.numel() // h if h else 0)
 
 
-def _torch_apply(x: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
+def _torch_apply(x: torch.Tensor, spec: DropoutSpec, bias: Optional[torch.Tensor] = None,
+                 residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    # Three separate results, each rounded to the dtype: the roundings the kernels reproduce.
+    if bias is not None:
+        x = x + bias
     h = x.shape[-1]
     keep = spec.keep_mask_2d(x.numel() // h if h else 0, h, x.device).view(x.shape)
-    return torch.where(keep, x * spec.scale, 0.0)
+    out = torch.where(keep, x * spec.scale, 0.0)
+    return out if residual is None else residual + out
+
+
+def _torch_backward(grad: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
+    return _torch_apply(grad, spec)
+
+
+def _contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.contiguous()
 
 
 def _kernel_backend(name: str, kernel_op) -> registry.Backend:
-    """A registry backend over a mask kernel's custom op (forward and backward alike: the mask applied)."""
-    def apply(x: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
-        return kernel_op(x.contiguous(), spec.seed, spec.row_offset, spec.threshold)
+    """A registry backend over a mask kernel's custom op: forward with the optional bias and residual of
+    bias_dropout_add fused in, backward the plain mask applied to the gradient."""
+    def forward(x: torch.Tensor, spec: DropoutSpec, bias: Optional[torch.Tensor] = None,
+                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return kernel_op(x.contiguous(), spec.seed, spec.row_offset, spec.threshold, _contiguous(bias),
+                         _contiguous(residual))
 
-    return registry.Backend(OP, name, apply, apply, registry.row_kernel_check)
+    def backward(grad: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
+        return kernel_op(grad.contiguous(), spec.seed, spec.row_offset, spec.threshold, None, None)
+
+    return registry.Backend(OP, name, forward, backward, registry.row_kernel_check)
 
 
 @registry.kernel_op("seqpar::dropout_cuda")
-def _cuda_dropout(x: torch.Tensor, seed: int, row_offset: int, threshold: int) -> torch.Tensor:
-    """csrc/dropout.cu on a contiguous CUDA ``x`` [..., h] (rows of h): ``where(keep, x * scale, 0)``. A custom
-    op (:func:`seqpar.ops.registry.kernel_op`), so torch.compile traces it as one node: the bare extension
-    call on ``data_ptr()`` was a graph break in every layer with dropout (and an error under fullgraph=True)."""
+def _cuda_dropout(x: torch.Tensor, seed: int, row_offset: int, threshold: int, bias: Optional[torch.Tensor] = None,
+                  residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """csrc/dropout.cu on a contiguous CUDA ``x`` [..., h] (rows of h): ``[residual +] where(keep, (x [+ bias])
+    * scale, 0)`` (``bias`` [h], ``residual`` like x, contiguous, or None), rounded as the torch reference
+    rounds. A custom op (:func:`seqpar.ops.registry.kernel_op`), so torch.compile traces it as one node: the
+    bare extension call on ``data_ptr()`` was a graph break in every layer with dropout (and an error under
+    fullgraph=True)."""
     out = torch.empty_like(x)
     h = x.shape[-1]
     rows = x.numel() // h if h else 0
     with _ext.on_device(x):
-        _ext.cuda_extension().dropout_rows(x.data_ptr(), out.data_ptr(), rows, h, _ext.DTYPE_CODES[x.dtype], seed,
-                                           row_offset, threshold, _ext.cuda_stream(x.device))
+        _ext.cuda_extension().dropout_rows(x.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                           0 if residual is None else residual.data_ptr(), out.data_ptr(), rows, h,
+                                           _ext.DTYPE_CODES[x.dtype], seed, row_offset, threshold,
+                                           _ext.cuda_stream(x.device))
     return out
 
 
 @_cuda_dropout.register_fake
-def _(x, seed, row_offset, threshold):
+def _(x, seed, row_offset, threshold, bias=None, residual=None):
     return torch.empty_like(x)
 
 
 @registry.kernel_op("seqpar::dropout_triton")
-def _triton_dropout(x: torch.Tensor, seed: int, row_offset: int, threshold: int) -> torch.Tensor:
+def _triton_dropout(x: torch.Tensor, seed: int, row_offset: int, threshold: int,
+                    bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """triton_kernels/dropout.py on a contiguous fp32 / fp16 / bf16 ``x`` [..., h] (rows of h):
-    ``where(keep, x * scale, 0)``, the mask and values of the CUDA kernel and the torch reference. A custom
-    op like :func:`_cuda_dropout`."""
+    ``[residual +] where(keep, (x [+ bias]) * scale, 0)``, the mask and values of the CUDA kernel and the
+    torch reference. A custom op like :func:`_cuda_dropout`."""
     from ..triton_kernels.dropout import dropout_rows
 
     with _ext.on_device(x):
-        return dropout_rows(x, seed, row_offset, threshold)
+        return dropout_rows(x, seed, row_offset, threshold, bias, residual)
 
 
 @_triton_dropout.register_fake
-def _(x, seed, row_offset, threshold):
+def _(x, seed, row_offset, threshold, bias=None, residual=None):
     return torch.empty_like(x)
 
 
-registry.register(registry.Backend(OP, "torch", _torch_apply, _torch_apply))
+registry.register(registry.Backend(OP, "torch", _torch_apply, _torch_backward))
 registry.register(_kernel_backend("triton", _triton_dropout))
 registry.register(_kernel_backend("cuda", _cuda_dropout))
 
@@ -185,6 +216,28 @@ class _Dropout(torch.autograd.Function):
     @registry.once_differentiable
     def backward(ctx, grad):
         return ctx.impl.backward(grad, ctx.spec), None, None
+
+
+class _BiasDropoutAdd(torch.autograd.Function):
+    """``residual + dropout(x + bias)`` in one forward call of the backend (one kernel pass on triton /
+    cuda); saves nothing. Backward: autograd's gradients of the three unfused ops, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x, bias, residual, spec: DropoutSpec, impl: registry.Backend):
+        ctx.spec, ctx.impl = spec, impl
+        return impl.forward(x, spec, bias, residual)
+
+    @staticmethod
+    @registry.once_differentiable
+    def backward(ctx, grad):
+        needs_x, needs_bias, needs_residual = ctx.needs_input_grad[:3]
+        grad_x = grad_bias = None
+        if needs_x or needs_bias:
+            grad_x = ctx.impl.backward(grad, ctx.spec)
+            if needs_bias:
+                # what autograd's broadcast add reduces the bias gradient with (at::sum_to, in grad's dtype)
+                grad_bias = grad_x.sum_to_size(grad_x.shape[-1:])
+        return grad_x if needs_x else None, grad_bias, grad if needs_residual else None, None, None
 
 
 def _check_dropout_args(x, spec) -> None:
@@ -218,12 +271,25 @@ def bias_dropout_add(x: torch.Tensor, bias, residual: torch.Tensor, spec: Dropou
                      backend: str = "auto") -> torch.Tensor:
     """``residual + dropout(x + bias)`` with a regenerated mask (no LayerNorm; see the fused op).
 
+    On ``[rows, h]`` views, each step rounded to the dtype as three separate torch ops round it::
+
+        out = round(residual + round(where(keep, round(x + bias) * scale, 0)))
+
+        grad_residual = grad_out
+        grad_x        = where(keep, grad_out * scale, 0)         # the mask regenerated
+        grad_bias     = grad_x summed over the rows (sum_to_size, in grad's dtype)
+
     ============  ===============================================================
     x, residual   [..., h], one floating dtype and device, the same shape
     bias          [h] of x's dtype and device, or None
     spec          the mask: a :class:`DropoutSpec`, as in :func:`dropout`
     returns       [..., h]
     ============  ===============================================================
+
+    With an active spec the forward is one call of the op "dropout"'s backend with the bias and residual
+    (on triton / cuda one kernel pass: reads x, bias, residual, writes out) and nothing is saved; the
+    values and gradients are bit for bit those of ``residual + dropout(x + bias)`` computed unfused, in
+    every backend. An inactive spec or an empty tensor is ``residual + (x + bias)`` in plain torch ops.
 
     Nothing is broadcast or promoted: a shape, dtype or device that differs is a ValueError naming the
     argument. A dropped element of ``x + bias`` adds exactly 0, even an inf or NaN (see :func:`dropout`,
@@ -237,5 +303,6 @@ def bias_dropout_add(x: torch.Tensor, bias, residual: torch.Tensor, spec: Dropou
         if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != x.dtype or t.device != x.device:
             got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} must be a {list(shape)} tensor of x's {x.dtype} on {x.device}, got {got}")
-    biased = x if bias is None else x + bias
-    return residual + dropout(biased, spec, backend=backend)
+    if not (spec.active and x.numel()):
+        return residual + (x if bias is None else x + bias)
+    return _BiasDropoutAdd.apply(x, bias, residual, spec, select_backend(x, backend))

@@ -23,9 +23,9 @@ def _count_kernel_launches(monkeypatch, launched):
     for name in ("cuda", "triton"):
         impl = registry.get(OP, name)
 
-        def counted(x, spec, impl=impl, name=name):
+        def counted(x, spec, *fused, impl=impl, name=name):
             launched.append(name)
-            return impl.forward(x, spec)
+            return impl.forward(x, spec, *fused)
         monkeypatch.setitem(registry._REGISTRY[OP], name, dataclasses.replace(impl, forward=counted, backward=counted))
 
 
@@ -408,3 +408,198 @@ def test_public_draws_are_plain_ints_and_export_as_seed_inputs():
     x, seed = torch.randn(4, 32), seqpar.random.next_op_seed()
     program = export(Dropped(), (x, seed), strict=False)
     _assert_bitwise(program.module()(x, seed), Dropped()(x, seed))
+
+
+# ----------------------------------------------------------------------------- bias_dropout_add in one pass
+def _unfused_bias_dropout_add(x, bias, residual, spec):
+    """What bias_dropout_add computed before its fusion, and autograd's gradients of it: three separate ops,
+    the mask on the torch backend."""
+    return residual + dropout(x if bias is None else x + bias, spec, backend="torch")
+
+
+def _bda_inputs(rows_shape, h, dtype, bias, contiguous, gen):
+    """x, bias (or None), residual of shape rows_shape + (h,) in ``dtype``, requiring grad; with
+    ``contiguous=False`` each a strided view (a transpose, every other column, every other element)."""
+    shape = tuple(rows_shape) + (h,)
+    if contiguous:
+        x = torch.randn(shape, generator=gen).to(dtype)
+        res = (4 * torch.randn(shape, generator=gen)).to(dtype)
+        b = torch.randn(h, generator=gen).to(dtype) if bias else None
+    else:
+        x = torch.randn(shape[::-1], generator=gen).to(dtype).permute(*reversed(range(len(shape))))
+        res = (4 * torch.randn(shape[:-1] + (2 * h,), generator=gen)).to(dtype)[..., ::2]
+        b = torch.randn(2 * h, generator=gen).to(dtype)[::2] if bias else None
+        assert not x.is_contiguous() and not res.is_contiguous() and (b is None or not b.is_contiguous())
+    leaves = [t.detach().requires_grad_() if t is not None else None for t in (x, b, res)]
+    return leaves
+
+
+def _bda_run(fn, x, b, res, grad):
+    """fn's output and the gradients of x, bias and residual for ``grad`` (fresh leaves each call)."""
+    x, res = x.detach().requires_grad_(), res.detach().requires_grad_()
+    b = b.detach().requires_grad_() if b is not None else None
+    out = fn(x, b, res)
+    out.backward(grad)
+    return out.detach(), x.grad, None if b is None else b.grad, res.grad
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_bias_dropout_add_bitwise_in_every_backend(dtype, bias, contiguous, triton_dropout):
+    """Forward and the gradients of x, bias and residual, bit for bit the unfused residual + dropout(x + bias)
+    and its autograd backward, on the torch and triton (interpreter) backends: fp32 / fp16 / bf16, with and
+    without bias, strided inputs (and a strided gradient), h = 300 and 40 (not multiples of 16), 70 rows
+    (a ragged last row block under the interpreter's 64 x 512 tiles) and 600 rows at h = 40 (512 x 64)."""
+    gen = torch.Generator().manual_seed(7)
+    for rows_shape, h in (((5, 14), 300), ((600,), 40)):
+        spec = DropoutSpec(0.3, 2**40 + 5, 2**33 - 3)
+        x, b, res = _bda_inputs(rows_shape, h, dtype, bias, contiguous, gen)
+        grad = torch.randn(tuple(rows_shape) + (h,), generator=gen).to(dtype)
+        if not contiguous:
+            grad = torch.randn((h,) + tuple(rows_shape), generator=gen).to(dtype).movedim(0, -1)
+        want = _bda_run(lambda x, b, r: _unfused_bias_dropout_add(x, b, r, spec), x, b, res, grad)
+        for backend in ("torch", "triton"):
+            got = _bda_run(lambda x, b, r: bias_dropout_add(x, b, r, spec, backend=backend), x, b, res, grad)
+            for name, g, w in zip(("out", "grad_x", "grad_bias", "grad_residual"), got, want):
+                assert (g is None) == (w is None), (backend, name)
+                if w is not None:
+                    _assert_bitwise(g, w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_triton_launcher_fuses_bias_and_residual_bitwise(dtype, triton_dropout):
+    """The launcher's optional bias and residual: round(residual + round(where(keep, round(x + bias) * scale,
+    0))) with torch's three roundings, each alone and together; inf / NaN in dropped positions of x + bias
+    add exactly 0, kept ones pass through; rows not a multiple of the row block, h not of 16."""
+    gen = torch.Generator().manual_seed(3)
+    spec = DropoutSpec(0.3, 2**40 + 77, 2**62 - 40)   # not 0.5: scale 2 is exact, hiding a missed rounding
+    keep = spec.keep_mask_2d(70, 300, "cpu")
+    x = torch.randn(70, 300, generator=gen).to(dtype)
+    x[::3, 1::7] = float("inf")
+    x[1::3, ::5] = float("nan")
+    assert (~x.isfinite() & keep).any() and (~x.isfinite() & ~keep).any()
+    bias = torch.randn(300, generator=gen).to(dtype)
+    res = (8 * torch.randn(70, 300, generator=gen)).to(dtype)
+    for b, r in ((bias, res), (bias, None), (None, res)):
+        got = triton_dropout(x, spec.seed, spec.row_offset, spec.threshold, bias=b, residual=r)
+        want = _reference(x if b is None else x + b, spec)
+        _assert_bitwise(got, want if r is None else r + want)
+        if r is not None:
+            _assert_bitwise(got[~keep], r[~keep])
+    # a residual near the dtype's largest value: residual + dropped rounds (and overflows) once, not fused
+    big = torch.full((70, 300), torch.finfo(dtype).max / 2, dtype=dtype)
+    _assert_bitwise(triton_dropout(x, spec.seed, spec.row_offset, spec.threshold, bias=bias, residual=big),
+                    big + _reference(x + bias, spec))
+
+
+def test_triton_launcher_validates_bias_and_residual(triton_dropout):
+    x = torch.randn(4, 8)
+    for kwargs, match in (({"bias": torch.randn(16)[::2]}, r"bias must be a contiguous \[8\] tensor"),
+                          ({"bias": torch.randn(8).half()}, "bias must be .* of x's torch.float32"),
+                          ({"residual": torch.randn(8, 4).t()}, r"residual must be a contiguous \[4, 8\]"),
+                          ({"residual": torch.randn(3, 8)}, "residual must be")):
+        with pytest.raises(ValueError, match=match):
+            triton_dropout(x, 1, 0, 26, **kwargs)
+
+
+class _SeqparOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every op that reaches the dispatcher (custom ops by their seqpar:: name)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket._qualified_op_name if hasattr(func, "overloadpacket") else func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_bias_dropout_add_forward_is_one_kernel(bias, triton_dropout):
+    """The forward on the triton backend is one op, seqpar::dropout_triton with the bias and residual: it
+    was three passes over [rows, h] (aten add of the bias, the dropout kernel, aten add of the residual;
+    7 reads / writes of the tensor where the fused pass makes 3). The backward: the mask kernel on the
+    gradient and, with a bias, the column sum."""
+    x, res = torch.randn(6, 40, requires_grad=True), torch.randn(6, 40, requires_grad=True)
+    b = torch.randn(40, requires_grad=True) if bias else None
+    spec = DropoutSpec(0.25, 9, 0)
+    with _SeqparOps() as forward:
+        out = bias_dropout_add(x, b, res, spec, backend="triton")
+    assert forward.ops == ["seqpar::dropout_triton"], forward.ops
+    with _SeqparOps() as backward:
+        out.backward(torch.randn(6, 40))
+    assert backward.ops.count("seqpar::dropout_triton") == 1 and "aten::add" not in backward.ops, backward.ops
+    assert ("aten::sum" in backward.ops) == bias, backward.ops
+
+
+def test_bias_dropout_add_inactive_or_empty_runs_no_kernel(monkeypatch):
+    """An inactive spec or an empty tensor: residual + (x + bias) in plain torch ops, as before (no kernel,
+    no backend check: backend="cuda" on a CPU tensor is not refused); gradients those of the adds."""
+    launched = []
+    _count_kernel_launches(monkeypatch, launched)
+    gen = torch.Generator().manual_seed(5)
+    for shape, spec in (((4, 24), DropoutSpec(0.0, 3, 0)), ((0, 24), DropoutSpec(0.5, 3, 0))):
+        x, res = torch.randn(shape, generator=gen, requires_grad=True), torch.randn(shape, generator=gen)
+        b = torch.randn(24, generator=gen, requires_grad=True)
+        out = bias_dropout_add(x, b, res, spec, backend="cuda")
+        assert torch.equal(out, res + (x + b))
+        out.sum().backward()
+        assert torch.equal(x.grad, torch.ones(shape)) and torch.equal(b.grad, torch.full((24,), float(shape[0])))
+    assert launched == []
+
+
+def test_bias_dropout_add_compiles_to_the_fused_kernel(triton_dropout):
+    """torch.compile (aot_eager) of bias_dropout_add on the triton backend: the eager values and gradients,
+    bit for bit, and one seqpar::dropout_triton node (with the bias and residual) in the forward graph, no
+    separate add."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    torch._dynamo.reset()
+    spec = DropoutSpec(0.3, 2**40 + 1, 17)
+    gen = torch.Generator().manual_seed(9)
+    x, b, res = _bda_inputs((3, 5), 40, torch.bfloat16, True, True, gen)
+    grad = torch.randn(3, 5, 40, generator=gen).to(torch.bfloat16)
+
+    def fn(x, b, r):
+        return bias_dropout_add(x, b, r, spec, backend="triton")
+
+    recorder = AotEagerAndRecordGraphs()
+    got = _bda_run(torch.compile(fn, backend=recorder, fullgraph=True), x, b, res, grad)
+    want = _bda_run(fn, x, b, res, grad)
+    for g, w in zip(got, want):
+        _assert_bitwise(g, w)
+    targets = [n.target for g in recorder.fw_graphs for n in g.graph.nodes if n.op == "call_function"]
+    fused = [t for t in targets if "dropout_triton" in str(t)]
+    assert len(fused) == 1 and not [t for t in targets if "add" in str(t)], targets
+    torch._dynamo.reset()
+
+
+def test_dropout_custom_ops_pass_opcheck():
+    """The changed schemas (optional bias and residual) against their fake implementations."""
+    x, bias, res = torch.randn(5, 24), torch.randn(24), torch.randn(5, 24)
+    op = torch.ops.seqpar.dropout_triton.default
+    for args in ((x, 9, 3, 26, bias, res), (x, 9, 3, 26, None, res), (x, 9, 3, 26, bias, None),
+                 (x, 9, 3, 26, None, None), (x, 9, 3, 26)):
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cols", [1000, 1003], ids=["aligned", "ragged"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_bias_dropout_add_kernels_on_gpu_match_reference(dtype, cols):
+    """On a GPU, the cuda and triton backends' fused forward and the gradients, bit for bit the unfused torch
+    composition computed on the GPU (a misaligned residual takes the CUDA kernel's scalar path)."""
+    from tests.gpu import skip_unless_backend_runs
+
+    gen = torch.Generator().manual_seed(cols)
+    spec = DropoutSpec(0.1, 2**40 + 3, 2**32 - 77)
+    x, b, res = (t.detach().cuda() for t in _bda_inputs((300,), cols, dtype, True, True, gen))
+    grad = torch.randn(300, cols, generator=gen).to(dtype).cuda()
+    want = _bda_run(lambda x, b, r: _unfused_bias_dropout_add(x, b, r, spec), x, b, res, grad)
+    for backend in ("triton", "cuda"):
+        skip_unless_backend_runs(backend)
+        for r in (res, torch.empty(300 * cols + 1, dtype=dtype, device="cuda")[1:].view(300, cols).copy_(res)):
+            got = _bda_run(lambda x, b, r: bias_dropout_add(x, b, r, spec, backend=backend), x, b, r, grad)
+            for g, w in zip(got, want):
+                _assert_bitwise(g.cpu(), w.cpu())
