@@ -258,17 +258,12 @@ class _AllGatherMatmul(torch.autograd.Function):
         # Outputs are written into a fresh y of the final shape, never returned as a view of a tensor made
         # here: autograd refuses in-place ops on such a view (a caller's y.add_(...)), and F.linear of a 3-D
         # input with a bias is one (a reshape of its 2-D addmm).
-        t = group_size(group)
         x_shard = x_shard.contiguous()
+        if not plan.overlapped:
+            return _gemm_into_new(all_gather_seq(x_shard, group), weight, bias)
+        t = group_size(group)
         y = torch.empty((x_shard.shape[0] * t,) + tuple(x_shard.shape[1:-1]) + (weight.shape[0],),
                         dtype=x_shard.dtype, device=x_shard.device)
-        if not plan.overlapped:
-            x_full = _flat(all_gather_seq(x_shard, group))
-            if bias is None:
-                torch.mm(x_full, weight.t(), out=_flat(y))
-            else:
-                torch.addmm(bias, x_full, weight.t(), out=_flat(y))
-            return y
         _chunked_all_gather_matmul_fwd(_flat(x_shard), weight, bias, group, plan,
                                        _by_rank(y, t))
         return y
@@ -349,7 +344,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
 
 def _gemm_into_new(x, weight, bias) -> torch.Tensor:
     """``x @ weight^T + bias`` [..., n] written into a fresh tensor (not a view of a 2-D result: see
-    :class:`_AllGatherMatmul`), so it can be all-reduced in place and returned from a Function."""
+    :class:`_AllGatherMatmul`), so it can be returned from a Function (and all-reduced in place)."""
     y = torch.empty(tuple(x.shape[:-1]) + (weight.shape[0],), dtype=x.dtype, device=x.device)
     x2 = _flat(x.contiguous())
     if bias is None:
