@@ -43,7 +43,7 @@ from .._custom_op import capturing_graph, once_differentiable, outside_compile
 from ..parallel.state import (SAME_MODE_HINT, SEED_HINT, ProcessGroup, SharesProcessGroup, agreement_checked,
                               check_ranks_agree, group_rank, group_size, shard_first_row)
 from ..memory import recompute_policies, saved_as
-from .autocast import autocast_dtype, call_self_casting, run_in_dtype
+from .autocast import autocast_dtype, call_self_casting, in_run_dtype, run_in_dtype
 from .layer import (AGREEMENT_HINT, RANK_CHECK_NOT_TRACEABLE, TransformerLayer, agreement_values, builds_on_meta,
                     make_norm, parameter_device, reference_parameter, run_problem, trainable_values)
 from .layernorm import LayerNorm, RMSNorm
@@ -207,7 +207,9 @@ class _VocabShard(ShardedParameters, SharesProcessGroup, nn.Module):
         """This rank's logits [s, b, v_local] = hidden @ real_weight^T (v_local = vocab_end - vocab_start,
         may be 0), from ``hidden`` [s, b, h], or under sequence parallelism its sequence shard [s/t, b, h]
         (gathered inside the GEMM: g). Its callers agreed on ``hidden`` (GPTModel's token check)."""
-        weight = self.real_weight
+        # as autocast casts it: prune / the old weight_norm set ``weight`` from fp32 parameters in a forward
+        # pre-hook, before run_in_dtype swaps in the casts
+        weight = in_run_dtype(self, self.real_weight)
         if not sequence_parallel:
             return copy_matmul(hidden, weight, None, self.tp_group)
         # As the layers' column-parallel GEMMs: on flattened rows, saving only this rank's sequence shard

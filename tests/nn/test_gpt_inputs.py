@@ -482,3 +482,30 @@ def test_the_tied_head_slices_the_table_only_where_it_has_padded_rows(vocab):
         loss.backward()
     assert ("slice_backward" in Ops.names) == (vocab == 100), Ops.names
     assert torch.equal(model.embedding.word_embeddings.weight.grad[vocab:], torch.zeros(128 - vocab, 16))
+
+
+@pytest.mark.parametrize("rewrite", ["prune", "weight_norm"])
+def test_a_standalone_output_layer_rewritten_by_a_pre_hook_runs_under_autocast(rewrite):
+    """prune and the old weight_norm set the output layer's ``weight`` from fp32 parameters in a forward
+    pre-hook: under autocast its logits GEMM got that fp32 weight beside the bf16 input ("expected m1 and m2
+    to have the same dtype"); it now reads it in the autocast dtype, as the parallel linears do."""
+    import warnings
+
+    from torch.nn.utils import prune
+
+    from seqpar.nn.model import VocabParallelOutputLayer
+
+    torch.manual_seed(0)
+    layer = VocabParallelOutputLayer(256, 16)
+    torch.nn.init.normal_(layer.weight)
+    if rewrite == "prune":
+        prune.l1_unstructured(layer, "weight", amount=0.3)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            torch.nn.utils.weight_norm(layer, "weight")
+    hidden = torch.randn(4, 2, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = layer(hidden)
+        want = F.linear(hidden, layer.weight)
+    assert logits.dtype == torch.bfloat16 and torch.equal(logits, want)
