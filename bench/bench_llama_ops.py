@@ -1,22 +1,25 @@
 #!/usr/bin/env python3
 """Benchmark: the Llama-block ops (issue 14), fwd / bwd / fwd+bwd: residual add + RMSNorm, SwiGLU, RoPE;
-and the standalone dropout (GPT's MLP output and embeddings, outside the fused LayerNorm).
+and the standalone dropout (GPT's embeddings, outside the fused LayerNorm) and bias-dropout-add (GPT's MLP
+output, the RMSNorm path's hidden dropout).
 
     rmsnorm  y, residual_out = add_rms_norm(x, residual, w)            x, residual [tokens, h]
     swiglu   y = silu(gate) * up                                        gate_up [tokens, 2n]
     rope     q_rot, k_rot = rotary_embedding(q, k)                      q [s, b, Hq, d], k [s, b, Hk, d]
     dropout  y = dropout(x, p = 0.1), the mask regenerated in backward  x [tokens, h]
+    bda      y = residual + dropout(x + bias, p = 0.1)                  x, residual [tokens, h], bias [h]
 
 Default sweep (bf16): rmsnorm tokens 16384 x h {4096, 8192}; swiglu tokens 16384 x n {11008, 14336};
-rope s 4096 x b 4, Hq 32, Hk 8, d 128; dropout tokens 16384 x h {4096, 8192} (``--ops``, ``--tokens``,
+rope s 4096 x b 4, Hq 32, Hk 8, d 128; dropout and bda tokens 16384 x h {4096, 8192} (``--ops``, ``--tokens``,
 ``--hidden``, ``--ffn``, ``--seq``, ``--batch``, ``--heads``, ``--kv-heads``, ``--head-dim``, ``--dtype``
 change it).
 
 Providers (a provider that can't run is reported and skipped):
-    seqpar-cuda       the op with backend="cuda" (dropout: its kernel, seqpar::dropout_cuda)
-    seqpar-triton     the op with backend="triton" (dropout: seqpar::dropout_triton)
+    seqpar-cuda       the op with backend="cuda" (dropout, bda: its kernel, seqpar::dropout_cuda)
+    seqpar-triton     the op with backend="triton" (dropout, bda: seqpar::dropout_triton)
     torch-eager       HF Llama's formulas: residual + hidden then LlamaRMSNorm; F.silu(gate) * up;
-                      apply_rotary_pos_emb on HF's [b, H, s, d] layout; F.dropout (a stored bool mask)
+                      apply_rotary_pos_emb on HF's [b, H, s, d] layout; F.dropout (a stored bool mask);
+                      residual + F.dropout(x + bias) (Megatron's unfused bias-dropout-add)
     torch-compile     torch.compile of the torch-eager functions (Inductor, default mode), compiled
                       afresh for each configuration with static shapes
     liger             Liger-Kernel, if importable: torch add + LigerRMSNorm; LigerSiLUMulFunction;
@@ -39,6 +42,8 @@ element, N tokens; weights and per-row statistics ignored):
     rope     fwd  reads and writes q and k                                       2 s b (Hq + Hk) d E
              bwd  the same on the gradients                                      2 s b (Hq + Hk) d E
     dropout  fwd  reads x, writes y; bwd reads grad_y, writes grad_x             2 N h E each
+    bda      fwd  reads x, residual, writes y                                    3 N h E
+             bwd  reads grad_y, writes grad_x (grad_residual is grad_y)          2 N h E
 and is reported as GB/s and as a fraction of the device's copy bandwidth, measured by the script (a
 device-to-device copy of a 1 GiB buffer). Issue target (GPU): rmsnorm and swiglu >= 0.85 of copy bandwidth,
 read from the GPU time.
@@ -89,7 +94,7 @@ from seqpar.bench.options import comma_list, fill_defaults  # noqa: E402
 from seqpar.bench.results import ResultRows  # noqa: E402
 from seqpar.bench.variants import applied, print_bwd_ratios  # noqa: E402
 
-OPS = ("rmsnorm", "swiglu", "rope", "dropout")
+OPS = ("rmsnorm", "swiglu", "rope", "dropout", "bda")
 DROPOUT_P = 0.1
 PROVIDERS = ["seqpar-cuda", "seqpar-triton", "torch-eager", "torch-compile", "liger", "seqpar-torch"]
 
@@ -121,6 +126,10 @@ def _hf_rms_norm(hidden, weight):
 def _eager_add_rms_norm(x, residual, weight):
     residual_out = residual + x
     return _hf_rms_norm(residual_out, weight), residual_out
+
+
+def _eager_bias_dropout_add(x, bias, residual):
+    return residual + F.dropout(x + bias, DROPOUT_P)
 
 
 def _eager_swiglu(gate_up):
@@ -231,6 +240,25 @@ def make_problem(op: str, provider: str, size: Dict[str, int], dtype, device: to
         moved = 2 * n * h * elem
         return Problem(op, f"tokens={n},h={h}", [x], [_rnd(g, n, h, dtype=dtype, device=device)],
                        {"fwd": moved, "bwd": moved, "fwdbwd": 2 * moved}, {provider: fn})
+    if op == "bda":
+        n, h = size["tokens"], size["hidden"]
+        check("dropout", rows=n)
+        x = _rnd(g, n, h, dtype=dtype, device=device, grad=True)
+        res = _rnd(g, n, h, dtype=dtype, device=device, grad=True)
+        bias = _rnd(g, h, dtype=dtype, device=device, grad=True)
+        if backend:
+            spec = ops.DropoutSpec(DROPOUT_P, 1234)
+            fn = lambda: (ops.bias_dropout_add(x, bias, res, spec, backend=backend),)  # noqa: E731
+        elif provider == "torch-eager":
+            fn = lambda: (_eager_bias_dropout_add(x, bias, res),)  # noqa: E731
+        elif provider == "torch-compile":
+            compiled = compiled_for_one_shape(_eager_bias_dropout_add, device)
+            fn = lambda: (compiled(x, bias, res),)  # noqa: E731
+        else:
+            raise RuntimeError("Liger-Kernel has no bias-dropout-add")
+        nbytes = {"fwd": 3 * n * h * elem, "bwd": 2 * n * h * elem}
+        return Problem(op, f"tokens={n},h={h}", [x, bias, res], [_rnd(g, n, h, dtype=dtype, device=device)],
+                       nbytes | {"fwdbwd": 5 * n * h * elem}, {provider: fn})
     if op == "swiglu":
         n, f = size["tokens"], size["ffn"]
         check("swiglu")
@@ -320,7 +348,7 @@ def bench_config(op: str, provider: str, size: Dict[str, int], dtype, device: to
 def _sizes(op: str, args) -> List[Dict[str, int]]:
     if op == "rmsnorm":
         return [dict(tokens=n, hidden=h) for n in args.tokens for h in args.hidden]
-    if op == "dropout":
+    if op in ("dropout", "bda"):
         return [dict(tokens=n, hidden=h) for n in args.tokens for h in args.hidden]
     if op == "swiglu":
         return [dict(tokens=n, ffn=f) for n in args.tokens for f in args.ffn]

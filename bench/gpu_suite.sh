@@ -147,8 +147,8 @@ for part in "$@"; do
       step norms 280 python3 bench/bench_layernorm_dropout.py --out "$OUT" --tokens 16384,1024,256 \
         --hidden 1024,4096,12288 --providers seqpar-triton,seqpar-cuda,torch-compile,apex-ln,te-ln,liger-ln ;;
     llama)
-      # As norms: compile first, six processes at once, untimed (the hidden sizes apply to rmsnorm / dropout)
-      step llama-compile 100 bash -c 'for op in rmsnorm dropout swiglu rope; do for h in 4096 8192; do \
+      # As norms: compile first, eight processes at once, untimed (the hidden sizes apply to rmsnorm / dropout / bda)
+      step llama-compile 100 bash -c 'for op in rmsnorm dropout bda swiglu rope; do for h in 4096 8192; do \
         [ $op = swiglu -o $op = rope ] && [ $h = 8192 ] && continue; \
         TORCHINDUCTOR_COMPILE_THREADS=1 timeout --foreground -k 10 90 python3 bench/bench_llama_ops.py --compile-only --ops $op \
         --hidden $h --providers seqpar-triton,torch-compile,liger & \

@@ -20,7 +20,7 @@ def test_quick_run_writes_rows(tmp_path):
     with open(tmp_path / "bench_llama_ops.csv") as f:
         rows = list(csv.DictReader(f))
     got = {(r["config"].split(",")[0], r["provider"], r["metric"]) for r in rows}
-    for op in ("op=rmsnorm", "op=swiglu", "op=rope", "op=dropout"):
+    for op in ("op=rmsnorm", "op=swiglu", "op=rope", "op=dropout", "op=bda"):
         for provider in ("seqpar-triton", "seqpar-torch", "torch-eager"):
             for metric in ("fwd_ms", "bwd_gbps", "fwdbwd_frac_copy", "fwd_gpu_ms", "bwd_gpu_frac_copy",
                            "fwdbwd_host_ms"):

@@ -304,7 +304,7 @@ def test_gpu_suite_parts_fit_what_the_device_tool_brings_back(tmp_path):
     assert log.count("exit status 0") == log.count("s)\n") == steps, log   # "=== ... (limit Ns)" per step
     ran = calls.read_text()
     assert "-m pytest -q -m gpu -ra --durations=15 -n 12 --timeout 120 tests" in ran   # (the stub imports anything)
-    assert ran.count("--compile-only") == 4 + 6 + 6
+    assert ran.count("--compile-only") == 4 + 6 + 8
     assert "layer_bench_gpu.json" in ran and "torch-eager" not in ran       # the name gpu_summary reads first
     assert log.splitlines()[-1].endswith(f"summary: {steps} steps; failed: none; skipped: none"), log
     # the call's budget: with 5 s of SUITE_SECONDS the install is skipped, said so, and the call stops there
