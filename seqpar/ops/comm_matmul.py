@@ -70,6 +70,7 @@ import torch
 
 from . import registry
 from ..parallel.overlap import ChunkPlan, PeerExchange, note
+from ..parallel.mappings import _differentiated
 from ..parallel.state import (ProcessGroup, agree_on_inputs, all_gather_seq, all_reduce, group_size,
                               reduce_scatter_seq)
 
@@ -407,11 +408,6 @@ class _MatmulAllReduce(torch.autograd.Function):
         grad_x = torch.matmul(grad_y, weight) if need_x else None
         grad_weight = _flat(grad_y).t().matmul(_flat(x.contiguous())) if need_w else None
         return grad_x, grad_weight, None
-
-
-def _differentiated(*tensors) -> bool:
-    """Whether a gradient can flow back to any of ``tensors`` (grad mode on and one requires grad)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def copy_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

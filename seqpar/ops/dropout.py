@@ -138,26 +138,19 @@ def _torch_apply(x: torch.Tensor, spec: DropoutSpec, bias: Optional[torch.Tensor
     return out if residual is None else residual + out
 
 
-def _torch_backward(grad: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
-    return _torch_apply(grad, spec)
-
-
 def _contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.contiguous()
 
 
 def _kernel_backend(name: str, kernel_op) -> registry.Backend:
-    """A registry backend over a mask kernel's custom op: forward with the optional bias and residual of
-    bias_dropout_add fused in, backward the plain mask applied to the gradient."""
-    def forward(x: torch.Tensor, spec: DropoutSpec, bias: Optional[torch.Tensor] = None,
-                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A registry backend over a mask kernel's custom op: forward with bias_dropout_add's optional bias and
+    residual fused in, backward the same call on the gradient alone (the plain mask)."""
+    def apply(x: torch.Tensor, spec: DropoutSpec, bias: Optional[torch.Tensor] = None,
+              residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         return kernel_op(x.contiguous(), spec.seed, spec.row_offset, spec.threshold, _contiguous(bias),
                          _contiguous(residual))
 
-    def backward(grad: torch.Tensor, spec: DropoutSpec) -> torch.Tensor:
-        return kernel_op(grad.contiguous(), spec.seed, spec.row_offset, spec.threshold, None, None)
-
-    return registry.Backend(OP, name, forward, backward, registry.row_kernel_check)
+    return registry.Backend(OP, name, apply, apply, registry.row_kernel_check)
 
 
 @registry.kernel_op("seqpar::dropout_cuda")
@@ -201,7 +194,7 @@ def _(x, seed, row_offset, threshold, bias=None, residual=None):
     return torch.empty_like(x)
 
 
-registry.register(registry.Backend(OP, "torch", _torch_apply, _torch_backward))
+registry.register(registry.Backend(OP, "torch", _torch_apply, _torch_apply))
 registry.register(_kernel_backend("triton", _triton_dropout))
 registry.register(_kernel_backend("cuda", _cuda_dropout))
 

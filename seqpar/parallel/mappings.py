@@ -29,7 +29,7 @@ weights, the row-parallel output bias under SP) get their gradient summed over t
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -125,9 +125,10 @@ def _mapped(function, x: torch.Tensor, group: ProcessGroup, name: str = "x_full"
     return function.apply(x, group) if _differentiated(x) else function.values(x, group)
 
 
-def _differentiated(x: torch.Tensor) -> bool:
-    """Whether a gradient can flow back to ``x`` (grad mode on and x requires grad)."""
-    return torch.is_grad_enabled() and x.requires_grad
+def _differentiated(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a gradient can flow back to any of ``tensors`` (grad mode on and one requires grad; None
+    entries count as not): where none can, the mappings (and the comm GEMMs) skip their Function."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def copy_to_tensor_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -155,7 +156,7 @@ def copy_to_tensor_region_coalesced(xs: Sequence[torch.Tensor], group: ProcessGr
         raise ValueError(f"xs must be a non-empty sequence of tensors, got {[type(x).__name__ for x in xs]}")
     if len({(x.dtype, x.device) for x in xs}) > 1:
         raise ValueError(f"xs must share dtype and device, got {[(x.dtype, str(x.device)) for x in xs]}")
-    if group_size(group) == 1 or not any(_differentiated(x) for x in xs):   # the identity (see _mapped)
+    if group_size(group) == 1 or not _differentiated(*xs):   # the identity (see _mapped)
         return xs
     return _CopyToTensorRegion.apply(group, *xs)
 
