@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..parallel.state import ProcessGroup, SharesProcessGroup, group_size
+from ..parallel.state import ProcessGroup, SharesProcessGroup, group_size, nccl_device
 from .state_dict import local_rows, prepare_parameters
 
 
@@ -156,8 +156,7 @@ def _group_device(group) -> torch.device:
     NCCL ("nccl", or "cpu:gloo,cuda:nccl" and the like: the other stages reduce CUDA tensors), else CPU."""
     if "nccl" not in str(dist.get_backend(group)) or not torch.cuda.is_available():
         return torch.device("cpu")
-    bound = getattr(group, "bound_device_id", None)
-    return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
+    return nccl_device(group)
 
 
 def _real(value) -> Optional[float]:

@@ -342,7 +342,8 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         # (then every later check fails on all ranks alike) and on the RNG state.
         check_ranks_agree(tp_group, agreement_values(config, layer_number=layer_number,
                                                      on_meta_device=builds_on_meta(device)),
-                          what=f"TransformerLayer(layer_number={layer_number!r})", hint=AGREEMENT_HINT)
+                          what=f"TransformerLayer(layer_number={layer_number!r})", hint=AGREEMENT_HINT,
+                          device=device)
         # The RNG folds layer_number into 64 bits: 2**64 + i would replay layer i's init and masks.
         if not isinstance(layer_number, int) or isinstance(layer_number, bool) or not 0 <= layer_number < 2**63:
             raise ValueError(f"layer_number must be an int in [0, 2**63), got {layer_number!r}")

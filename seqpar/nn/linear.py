@@ -155,7 +155,7 @@ class _TensorParallelLinear(ShardedParameters, SharesProcessGroup, nn.Module):
         return agree_on_inputs(self.tp_group, check, lambda chosen: {
             **agreed_shape_and_dtype(x, "x.shape[:-1]", "x dtype", slice(0, -1)),
             **agreed_gradients(x=x, weight=weight), "overlap plan": chosen},
-            what=f"{name} input", hint=hint)
+            what=f"{name} input", hint=hint, device=getattr(x, "device", None))
 
     def _reparametrized(self) -> bool:
         """Whether the weight is computed from a shard this module holds under another name: a

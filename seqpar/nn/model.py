@@ -430,7 +430,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
                                                      embedding_dropout=embedding_dropout,
                                                      share_embeddings_and_output_weights=share_embeddings_and_output_weights,
                                                      padding_idx=padding_idx, on_meta_device=builds_on_meta(device)),
-                          what="GPTModel", hint=AGREEMENT_HINT)
+                          what="GPTModel", hint=AGREEMENT_HINT, device=device)
         if not isinstance(share_embeddings_and_output_weights, bool):
             raise ValueError(f"share_embeddings_and_output_weights must be a bool, got "
                              f"{share_embeddings_and_output_weights!r}")

@@ -307,6 +307,7 @@ def gather_unsharded(entries: Sequence[Tuple[str, nn.Parameter, "_Split"]], grou
         replicated = {key: full[key].reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
                       for key, _, split in entries if split.layout is None}
         check_ranks_agree(group, replicated, what=f"{what}: the replicated parameters",
+                          device=entries[0][1].device if entries else None,
                           hint="A parameter outside seqpar's parallel modules (a subclass's, a replaced part's) is "
                                "replicated over the tensor-parallel ranks and must stay equal on every rank: under "
                                "sequence parallelism pass it through seqpar.parallel.mappings.copy_to_tensor_region("
@@ -880,7 +881,7 @@ def check_loadable(state_dict: Mapping[str, object], shapes: Mapping[str, Tuple[
                              "call module.to_empty(device=...) first")
         return check_shapes(state_dict, shapes, what=f"{what}: state dict", strict=strict, shape_hints=shape_hints)
 
-    return run_agreed(check, (group, *data_parallel_groups), what=what)
+    return run_agreed(check, (group, *data_parallel_groups), what=what, device=device)
 
 
 __all__ = ["ShardLayout", "ShardedParameters", "RowChunks", "boxes", "local_rows", "scatter_full", "gather_full",

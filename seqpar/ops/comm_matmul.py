@@ -513,7 +513,8 @@ def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, bias: Optiona
         return {**agreed_shape_and_dtype(x_shard, "x_shard shape", "x_shard dtype"),
                 **agreed_gradients(x_shard=x_shard, weight=weight), "overlap plan": plan}
 
-    plan = agree_on_inputs(group, check, agreed, what="all_gather_matmul", hint=SHARD_HINT)
+    plan = agree_on_inputs(group, check, agreed, what="all_gather_matmul", hint=SHARD_HINT,
+                           device=getattr(x_shard, "device", None))
     return _all_gather_matmul(x_shard, weight, bias, group, plan)
 
 
@@ -546,7 +547,8 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
         return {**agreed_shape_and_dtype(x, "x.shape[:-1]", "x dtype", slice(0, -1)), "weight.shape[0] (n)": n,
                 **agreed_gradients(x=x, weight=weight), "overlap plan": plan}
 
-    plan = agree_on_inputs(group, check, agreed, what="matmul_reduce_scatter", hint=SHARD_HINT)
+    plan = agree_on_inputs(group, check, agreed, what="matmul_reduce_scatter", hint=SHARD_HINT,
+                           device=getattr(x, "device", None))
     return _matmul_reduce_scatter(x, weight, bias, group, plan)
 
 

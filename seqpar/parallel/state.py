@@ -233,10 +233,26 @@ def _digest(value) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
-def _control_device(group: ProcessGroup) -> torch.device:
-    """Where a small control tensor must live for ``group``'s backend (CUDA for NCCL-only groups)."""
-    if str(dist.get_backend(group)).lower() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+def nccl_device(group: ProcessGroup, preferred: Optional[torch.device] = None) -> torch.device:
+    """This rank's CUDA device for a collective over the NCCL group ``group``: ``preferred`` when it is a
+    CUDA device with an index (that of the tensors the collective is about), else the group's bound device
+    (``init_process_group(device_id=...)``, DeviceMesh groups), else the current CUDA device. The current
+    device alone was cuda:0 on every rank of a process that bound its device without
+    ``torch.cuda.set_device``: NCCL refused the tensor ("backend constrained to cuda:1") or found every rank
+    on one GPU ("Duplicate GPU detected")."""
+    if preferred is not None and preferred.type == "cuda" and preferred.index is not None:
+        return preferred
+    bound = getattr(group, "bound_device_id", None)
+    return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _control_device(group: ProcessGroup, preferred: Optional[torch.device] = None) -> torch.device:
+    """Where the agreement's small int64 tensors live for ``group``: the CPU wherever one of its backends
+    takes CPU tensors (gloo, "cpu:gloo,cuda:nccl": no device work, no stream sync), else (an NCCL-only
+    group: "nccl", "cuda:nccl") :func:`nccl_device`."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "cpu:" not in backend:
+        return nccl_device(group, preferred)
     return torch.device("cpu")
 
 
@@ -251,9 +267,13 @@ def check_ranks_agree(group: ProcessGroup, values: Mapping[str, object], *, what
     the other ranks from waiting in a collective the failing rank never enters. The message names
     ``what`` was checked, each differing value and which ranks hold what, then ``hint``.
 
+    ``device``: where the checked tensors live (None: unknown, or not materialised). The exchange runs on
+    the CPU where ``group`` has a CPU backend, else (NCCL only) on ``device`` if it is a CUDA device, else on
+    the group's bound device or the current one (:func:`nccl_device`).
+
     Cost: one all-gather of ``2 len(values) + 1`` int64 per rank (tens of bytes) and, for the answer,
-    a copy of the gathered [t, n] tensor to the host. On NCCL that copy synchronises the host with the
-    current stream: the host stops queueing kernels until everything queued before has run (the
+    a copy of the gathered [t, n] tensor to the host. On an NCCL-only group that copy synchronises the host
+    with the current stream: the host stops queueing kernels until everything queued before has run (the
     ~10-30 us collective plus draining the launch queue). With ``group`` of one rank (or None) nothing
     is communicated and only ``error`` is raised.
     """
@@ -266,9 +286,7 @@ def check_ranks_agree(group: ProcessGroup, values: Mapping[str, object], *, what
     # every rank: a float 4.0 on one rank and 4 on another printed the float's hash as a value)
     local = ([_digest(values[name]) for name in names] + [int(_plain_int(values[name])) for name in names]
              + [int(error is not None)])
-    device = torch.device(device) if device is not None else None
-    if device is None or device.type == "meta":   # meta: parameters not materialised yet (a local error follows)
-        device = _control_device(group)
+    device = _control_device(group, None if device is None else torch.device(device))
     with outside_dispatch_modes():   # real ints, under FakeTensorMode (a memory estimate) too
         mine = torch.tensor(local, dtype=torch.int64, device=device)
         gathered = torch.empty(group_size(group) * mine.numel(), dtype=torch.int64, device=device)
@@ -320,13 +338,13 @@ _Result = TypeVar("_Result")
 
 def run_agreed(fn: Callable[[], _Result], groups: Sequence[ProcessGroup], *, what: str,
                values: Optional[Callable[[Optional[_Result]], Mapping[str, object]]] = None,
-               hint: str = "") -> _Result:
+               hint: str = "", device=None) -> _Result:
     """``fn()`` on this rank, its failure agreed over each of ``groups`` in turn (every rank takes part in
     every agreement: :func:`check_ranks_agree`): any exception on any rank is a ValueError on every rank
     (chained from this rank's own exception), not one rank raising while the others wait in the next
     collective. A non-ValueError is reported as "``what``: its type: its message". ``values(result)``
     (``result`` None where ``fn`` failed; the same names on every rank) must agree too, with ``hint``
-    after a difference."""
+    after a difference. ``device``: as :func:`check_ranks_agree`'s."""
     problem, cause, result = None, None, None
     try:
         result = fn()
@@ -335,7 +353,7 @@ def run_agreed(fn: Callable[[], _Result], groups: Sequence[ProcessGroup], *, wha
     agreed = {} if values is None else values(None if problem is not None else result)
     for group in groups:
         try:
-            check_ranks_agree(group, agreed, what=what, error=problem, hint=hint)
+            check_ranks_agree(group, agreed, what=what, error=problem, hint=hint, device=device)
         except ValueError as exc:
             problem = str(exc)
     if problem is not None:
@@ -345,12 +363,13 @@ def run_agreed(fn: Callable[[], _Result], groups: Sequence[ProcessGroup], *, wha
 
 def agree_on_inputs(group: ProcessGroup, check: Callable[[], _Result],
                     values: Callable[[Optional[_Result]], Mapping[str, object]], *, what: str,
-                    hint: str = "") -> _Result:
+                    hint: str = "", device=None) -> _Result:
     """A building block's per-call agreement: :func:`run_agreed` of ``check`` (this rank's input checks,
     returning what the call will do, e.g. its overlap plan) over ``group``, with ``values`` agreed too.
     On one rank, and while a graph is captured (:func:`seqpar._custom_op.capturing_graph`, or a CUDA
-    graph capture: no value can be read back on the host there), only ``check()`` runs."""
+    graph capture: no value can be read back on the host there), only ``check()`` runs. ``device``: the
+    inputs' (:func:`check_ranks_agree`)."""
     if group_size(group) == 1 or capturing_graph() or (
             torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
         return check()
-    return run_agreed(check, (group,), what=what, values=values, hint=hint)
+    return run_agreed(check, (group,), what=what, values=values, hint=hint, device=device)

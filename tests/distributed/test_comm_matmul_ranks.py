@@ -27,7 +27,9 @@ One spawn per world size runs every case (spawns are the expensive part):
   only; uneven weight shards whose plans agree run; GPTModel's output GEMM, whose ranks hold different numbers of
   real vocabulary rows, picks one plan on every rank (it hung); how many agreements each entry
   point runs (one per op call and per standalone linear or block, none for a TransformerLayer's linears,
-  inside ``agreement_checked()`` or with ``check_rank_inputs = False``).
+  inside ``agreement_checked()`` or with ``check_rank_inputs = False``);
+* the device of the agreements' control tensors on an NCCL-only group (simulated): the group's bound device
+  or the inputs', never the current device on every rank, and the CPU where the group has a CPU backend.
 """
 from __future__ import annotations
 
@@ -545,6 +547,51 @@ def _input_agreement(r, t):
     return out
 
 
+def _control_devices(r, t):
+    """The device of every agreement's control tensor on a simulated NCCL-only group bound to cuda:r
+    (``init_process_group(device_id=...)``) in a process that never called ``torch.cuda.set_device`` (the
+    current device stays cuda:0): the choice is recorded and the exchange itself kept on gloo's CPU."""
+    import seqpar
+    import seqpar.nn.grad as grad
+    import seqpar.parallel.state as state
+    from seqpar.nn import ColumnParallelLinear
+
+    group = dist.new_group(list(range(t)))
+    group.bound_device_id = torch.device("cuda", r)
+    real_backend, real_control, real_current = dist.get_backend, state._control_device, torch.cuda.current_device
+    chosen = []
+
+    def spy(group, preferred=None):
+        chosen.append(str(real_control(group, preferred)))
+        return torch.device("cpu")
+
+    def devices(fn):
+        chosen.clear()
+        fn()
+        return list(chosen)
+
+    dist.get_backend, state._control_device, torch.cuda.current_device = (lambda group=None: "nccl"), spy, (lambda: 0)
+    try:
+        cfg = seqpar.TransformerConfig(hidden_size=16, num_attention_heads=2, sequence_parallel=True)
+        x_shard, w = torch.randn(4, 1, 16), torch.randn(8, 16)
+        return {"layer build": devices(lambda: seqpar.TransformerLayer(cfg, tp_group=group)),
+                "all_gather_matmul": devices(lambda: all_gather_matmul(x_shard, w, group=group, overlap=False)),
+                "linear": devices(lambda: ColumnParallelLinear(16, 16, tp_group=group, sequence_parallel=True)(x_shard)),
+                "clip_grad_norm_": [str(_clip_reduction_device(grad, group))]}
+    finally:
+        dist.get_backend, state._control_device, torch.cuda.current_device = real_backend, real_control, real_current
+
+
+def _clip_reduction_device(grad, group):
+    """clip_grad_norm_'s reduction device for ``group`` (it asks whether CUDA exists first)."""
+    real_available = torch.cuda.is_available
+    torch.cuda.is_available = lambda: True
+    try:
+        return grad._group_device(group)
+    finally:
+        torch.cuda.is_available = real_available
+
+
 def _all_checks(rank, world_size):
     torch.manual_seed(0)
     out = {"cases": _parity(rank, world_size), "counts": _counts(rank, world_size),
@@ -555,6 +602,7 @@ def _all_checks(rank, world_size):
     if world_size == 2:
         out["layer"] = _layer_counts(rank, world_size)
         out["input_agreement"] = _input_agreement(rank, world_size)
+        out["control_devices"] = _control_devices(rank, world_size)
     if world_size == 4:
         out["subgroups"] = _subgroups(rank, world_size)
     return out
@@ -572,8 +620,33 @@ def test_comm_matmul_multirank(world_size):
     if world_size == 2:
         assert all(res["layer"]["all_gather"] == 6 for res in results), results
         _check_input_agreement([res["input_agreement"] for res in results])
+        for rank, res in enumerate(results):   # the bound device, not cuda:0 on every rank (NCCL refused it)
+            devices = res["control_devices"]
+            assert all(chosen and set(chosen) == {f"cuda:{rank}"} for chosen in devices.values()), (rank, devices)
     if world_size == 4:
         assert all(res["subgroups"] for res in results)
+
+
+@pytest.mark.parametrize("backend, bound, preferred, expected", [
+    ("gloo", None, None, "cpu"),
+    ("cpu:gloo,cuda:nccl", 1, 3, "cpu"),          # a CPU backend: no device work for the check
+    ("cuda:nccl", None, None, "cuda:2"),          # NCCL only, spelled with its device (was the CPU)
+    ("nccl", 1, None, "cuda:1"),                  # the group's bound device (was the current one)
+    ("nccl", 1, 3, "cuda:3"),                     # the checked tensors' device first
+    ("nccl", None, "cuda", "cuda:2"),             # a device without an index says nothing
+    ("nccl", 1, "cpu", "cuda:1"),                 # nor does a CPU tensor's, on an NCCL-only group
+], ids=lambda v: str(v))
+def test_the_agreement_exchange_runs_where_the_group_takes_tensors(monkeypatch, backend, bound, preferred, expected):
+    from types import SimpleNamespace
+
+    import seqpar.parallel.state as state
+
+    monkeypatch.setattr(state.dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    group = SimpleNamespace(bound_device_id=None if bound is None else torch.device("cuda", bound))
+    preferred = None if preferred is None else torch.device(preferred if isinstance(preferred, str) else
+                                                            f"cuda:{preferred}")
+    assert str(state._control_device(group, preferred)) == expected
 
 
 def _check_input_agreement(per_rank):
