@@ -10,7 +10,7 @@ import torch
 
 from .memory import RECOMPUTE_POLICIES
 from .ops.registry import DTYPES, check_eps, check_flags, validate_backend
-from .ops.rotary import check_theta
+from .ops.rotary import RopeScaling, check_theta
 from .random import as_int, dropout_threshold, is_int
 
 #: ``TransformerConfig.activation`` values: the MLP's GeLU (erf or tanh) or SwiGLU (gate and up).
@@ -79,6 +79,8 @@ class TransformerConfig:
     (rotary embeddings applied to q and k in every layer at their global sequence positions, with base
     ``rope_theta``; the head dim must be even). ``rope_theta`` other than 10000 with "learned" positions
     is a ValueError (it would be ignored).
+    ``rope_scaling``: None (the default RoPE frequencies), or Llama 3.1's scaling of them
+    (:class:`seqpar.ops.RopeScaling`, HF ``rope_type="llama3"``: Llama 3.1 / 3.2 / 3.3); "rope" positions only.
     ``add_bias_linear``: biases on the four linear layers (QKV, projection, fc1, fc2).
     ``init_method_std``: the weights' init N(0, std): every matrix, and GPTModel's embedding tables and
     untied head (Megatron's ``init_method_std``, HF's ``initializer_range``; biases start at 0, norms at 1).
@@ -110,6 +112,7 @@ class TransformerConfig:
     add_bias_linear: bool = True
     init_method_std: float = 0.02
     output_layer_init_std: Optional[float] = None
+    rope_scaling: Optional[RopeScaling] = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups"):
@@ -158,6 +161,12 @@ class TransformerConfig:
         if self.position_embedding == "learned" and theta != DEFAULT_ROPE_THETA:
             raise ValueError(f"rope_theta={theta!r} with position_embedding='learned': rope_theta is only used with "
                              f"position_embedding='rope'")
+        if self.rope_scaling is not None:
+            if not isinstance(self.rope_scaling, RopeScaling):
+                raise ValueError(f"rope_scaling must be a seqpar.ops.RopeScaling or None, got {self.rope_scaling!r}")
+            if self.position_embedding != "rope":
+                raise ValueError(f"rope_scaling={self.rope_scaling!r} with position_embedding="
+                                 f"{self.position_embedding!r}: rope_scaling is only used with position_embedding='rope'")
         if not _is_positive_real(self.init_method_std):
             raise ValueError(f"init_method_std must be a positive finite float, got {self.init_method_std!r}")
         if self.output_layer_init_std is not None and not _is_positive_real(self.output_layer_init_std):

@@ -152,9 +152,12 @@ def test_architecture_defaults_are_the_gpt_layer():
     (dict(hidden_size=72, num_attention_heads=24, num_query_groups=None),
      r"position_embedding='rope' needs an even head dim, got hidden_size 72 / num_attention_heads 24 = 3"),
     (dict(position_embedding="learned"), r"rope_theta=500000.0 with position_embedding='learned'"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_scaling must be a seqpar.ops.RopeScaling or None"),
+    (dict(position_embedding="learned", rope_theta=10000.0, rope_scaling=seqpar.ops.RopeScaling()),
+     r"rope_scaling=RopeScaling\(factor=8.0, .*\) with position_embedding='learned'"),
 ], ids=["norm", "norm-none", "activation", "groups-divide", "groups-zero", "groups-bool", "groups-float", "position",
         "theta-zero", "theta-inf", "theta-bool", "theta-past-fp32", "bias-int", "rope-odd-head-dim",
-        "theta-with-learned"])
+        "theta-with-learned", "scaling-dict", "scaling-with-learned"])
 def test_architecture_knobs_reject(kwargs, match):
     with pytest.raises(ValueError, match=match):
         seqpar.TransformerConfig(**{**LLAMA, **kwargs})

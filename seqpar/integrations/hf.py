@@ -56,8 +56,10 @@ position_embedding="rope", add_bias_linear=False``, no dropout but the config's 
 Config: ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads`` (None: = heads),
 ``intermediate_size``, ``num_hidden_layers``, ``max_position_embeddings`` (GPTModel's max_seq_len),
 ``vocab_size`` (any; padded inside GPTModel), ``rms_norm_eps``, the RoPE base (``rope_parameters``,
-or ``rope_theta`` in older transformers). Unsupported settings raise ValueError naming them: a RoPE type
-other than "default" (linear, dynamic, yarn, llama3 ... scaling), ``attention_bias`` or ``mlp_bias``,
+or ``rope_theta`` in older transformers) and its type: "default", or "llama3" (Llama 3.1 / 3.2 / 3.3:
+``factor``, ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``, as
+:class:`seqpar.ops.RopeScaling`). Unsupported settings raise ValueError naming them: another RoPE type
+(linear, dynamic, yarn, longrope ... scaling), ``attention_bias`` or ``mlp_bias``,
 a ``head_dim`` other than hidden_size / num_attention_heads, a ``hidden_act`` other than "silu" (or
 "swish", HF's other name for it).
 
@@ -75,6 +77,7 @@ from ..config import TransformerConfig
 from ..nn.model import IGNORE_INDEX, GPTModel
 from ..nn.state_dict import _unwrapped, check_shapes
 from ..ops.registry import check_eps
+from ..ops.rotary import RopeScaling, rope_inv_freq
 from ..parallel.state import ProcessGroup, run_agreed
 
 __all__ = ["from_gpt2", "to_gpt2_state_dict", "from_llama", "to_llama_state_dict", "shift_labels"]
@@ -365,8 +368,13 @@ _ROPE_BUFFER = re.compile(r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq$")
 LLAMA_BLOCK = dict(normalization="rmsnorm", activation="swiglu", position_embedding="rope", add_bias_linear=False)
 
 
-def _llama_rope_theta(get) -> float:
-    """The RoPE base of a LlamaConfig; ValueError for any RoPE type but the default."""
+#: The HF RoPE types from_llama converts: the default frequencies, and Llama 3.1's scaling of them.
+LLAMA_ROPE_TYPES = ("default", "llama3")
+
+
+def _llama_rope(get) -> Tuple[float, Optional[RopeScaling]]:
+    """The RoPE base of a LlamaConfig and its scaling (None for the default type; "llama3" is Llama 3.1's
+    :class:`seqpar.ops.RopeScaling`); ValueError for the other types."""
     params = get("rope_parameters")
     if params is None:  # transformers < 5: rope_theta and rope_scaling attributes
         params = dict(get("rope_scaling") or {})
@@ -374,10 +382,20 @@ def _llama_rope_theta(get) -> float:
     if not isinstance(params, Mapping):
         raise ValueError(f"Llama config rope_parameters must be a dict, got {params!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
+    if rope_type not in LLAMA_ROPE_TYPES:
         raise ValueError(f"Llama config rope type {rope_type!r} (rope_parameters / rope_scaling) is not supported by "
-                         f"seqpar: it implements the default RoPE only")
-    return params.get("rope_theta", 10000.0)
+                         f"seqpar: it implements the RoPE types {LLAMA_ROPE_TYPES}")
+    theta = params.get("rope_theta", 10000.0)
+    if rope_type == "default":
+        return theta, None
+    fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [name for name in fields if params.get(name) is None]
+    if missing:
+        raise ValueError(f"Llama config rope type 'llama3' without {missing} (rope_parameters / rope_scaling)")
+    try:
+        return theta, RopeScaling(**{name: params[name] for name in fields})
+    except ValueError as exc:
+        raise ValueError(f"Llama config rope type 'llama3': {exc}") from None
 
 
 def _padding_idx(pad_token_id, vocab: int):
@@ -408,9 +426,10 @@ def _llama_settings(config) -> dict:
     if head_dim is not None and head_dim * heads != hidden:
         raise ValueError(f"Llama config head_dim={head_dim!r} is not supported by seqpar: it needs head_dim = "
                          f"hidden_size / num_attention_heads = {hidden} / {heads}")
+    theta, rope_scaling = _llama_rope(get)
     return dict(hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=get("intermediate_size"),
                 layers=get("num_hidden_layers"), positions=get("max_position_embeddings"),
-                vocab=get("vocab_size"), eps=get("rms_norm_eps", 1e-6), theta=_llama_rope_theta(get),
+                vocab=get("vocab_size"), eps=get("rms_norm_eps", 1e-6), theta=theta, rope_scaling=rope_scaling,
                 tied=bool(get("tie_word_embeddings", False)), attention_dropout=get("attention_dropout", 0.0) or 0.0,
                 pad=_padding_idx(get("pad_token_id"), get("vocab_size")))
 
@@ -489,26 +508,32 @@ def _norms_eps(source: nn.Module, configured: float) -> float:
 
 
 def _check_rotary_frequencies(source: nn.Module, settings: dict) -> None:
-    """ValueError unless every RoPE module of ``source`` (an ``inv_freq`` buffer) computes the default RoPE
-    of ``settings["theta"]``, the one seqpar builds: HF computes the frequencies from the config once,
-    when it builds the model, so a config changed since (its rope_theta, or its rope type rewritten to get
-    past seqpar's refusal of scaled RoPE) left HF running other frequencies than the config says. Compared
-    in the buffer's dtype (a converted model holds them rounded) where that dtype is normal."""
+    """ValueError unless every RoPE module of ``source`` (an ``inv_freq`` buffer) computes the RoPE of
+    ``settings["theta"]`` and ``settings["rope_scaling"]``, the one seqpar builds, unscaled attention
+    included: HF computes the frequencies from the config once, when it builds the model, so a config
+    changed since (its rope_theta, or its rope type rewritten to get past seqpar's refusal of another
+    scaling) left HF running other frequencies than the config says. Compared in the buffer's dtype (a
+    converted model holds them rounded) where that dtype is normal."""
     d = settings["hidden"] // settings["heads"]
-    default = 1.0 / settings["theta"] ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    scaling = settings["rope_scaling"]
+    expected_type = "default" if scaling is None else "llama3"
+    built = rope_inv_freq(d, settings["theta"], scaling).double()
     for name, module in source.named_modules():
         freq = module._buffers.get("inv_freq")
         if freq is None or freq.is_meta:
             continue
         rope_type = getattr(module, "rope_type", "default")
-        want = default.to(freq.dtype)
+        want = built.to(freq.dtype)
         normal = want.abs() >= torch.finfo(freq.dtype).tiny
-        if rope_type != "default" or freq.shape != want.shape or not torch.allclose(
-                freq.detach().cpu()[normal].double(), want[normal].double(), rtol=1e-2, atol=0):
-            raise ValueError(f"the model's {name or 'rotary'}.inv_freq (rope_type {rope_type!r}) is not the default "
-                             f"RoPE of its config's rope_theta {settings['theta']!r}, which seqpar would build: HF "
+        if rope_type != expected_type or getattr(module, "attention_scaling", 1.0) != 1.0 or \
+                freq.shape != want.shape or not torch.allclose(freq.detach().cpu()[normal].double(),
+                                                               want[normal].double(), rtol=1e-2, atol=0):
+            raise ValueError(f"the model's {name or 'rotary'}.inv_freq (rope_type {rope_type!r}) is not the "
+                             f"{expected_type!r} RoPE of its config's rope_theta {settings['theta']!r}"
+                             f"{'' if scaling is None else f' and {scaling!r}'}, which seqpar would build: HF "
                              "computes with the module's frequencies, set from the config when the model was "
-                             "built (was the config changed since?). seqpar implements the default RoPE only")
+                             f"built (was the config changed since?). seqpar implements the RoPE types "
+                             f"{LLAMA_ROPE_TYPES}")
 
 
 def _source_state_dict(source, config, kind: str):
@@ -567,7 +592,8 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
     cfg = TransformerConfig(
         hidden_size=settings["hidden"], num_attention_heads=settings["heads"], ffn_hidden_size=settings["ffn"],
         num_query_groups=groups, attention_dropout=settings["attention_dropout"], layernorm_epsilon=settings["eps"],
-        rope_theta=settings["theta"], sequence_parallel=sequence_parallel, recompute=_every_layer(recompute),
+        rope_theta=settings["theta"], rope_scaling=settings["rope_scaling"], sequence_parallel=sequence_parallel,
+        recompute=_every_layer(recompute),
         backend=backend,
         params_dtype=embed.dtype if params_dtype is None else params_dtype, **LLAMA_BLOCK)
     model = GPTModel(cfg, settings["layers"], settings["vocab"], settings["positions"], tp_group=tp_group,

@@ -223,7 +223,8 @@ class ParallelAttention(SharesProcessGroup, nn.Module):
             # global position i. Out of place: qkv is the linear's output, which its forward hooks saw
             # and may keep (an in-place rotation changed it under them). v is copied out of it, so the
             # QKV storage is freed and the core keeps the same bytes: rotated q, k and the copy of v.
-            q, k = rotary_embedding(q, k, position_offset=0, theta=cfg.rope_theta, backend=cfg.backend)
+            q, k = rotary_embedding(q, k, position_offset=0, theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
+                                    backend=cfg.backend)
             q, k, v = (name_storage(x, "Q, K, V") for x in (q, k, v.clone()))
         q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))    # [b, heads, s, d]
         # chosen with the dropout the core runs (a backend without dropout still runs an eval forward)

@@ -2,13 +2,15 @@
 
 Math, for each head ``x = [x1 | x2]`` (the two halves of d) of sequence row i::
 
-    inv_freq_j = 1 / theta**(2j / d)                      j < d / 2   (fp32, computed as HF does)
+    inv_freq_j = 1 / theta**(2j / d)                      j < d / 2   (fp32, computed as HF does;
+                                                          Llama 3.1's scaling of them: RopeScaling)
     angle_ij   = float(position_offset + i) * inv_freq_j  (fp32)
     out[..., :d/2] = x1 * cos(angle) - x2 * sin(angle)
     out[..., d/2:] = x2 * cos(angle) + x1 * sin(angle)
 
 evaluated in fp32 and rounded once. This is ``apply_rotary_pos_emb(q, k, cos, sin)`` of HF Llama with
-``LlamaRotaryEmbedding``'s cos / sin (default rope type, attention scaling 1): in fp32 the two agree to
+``LlamaRotaryEmbedding``'s cos / sin (default rope type, or "llama3" with ``rope_scaling``; attention scaling
+1 in both): in fp32 the two agree to
 within an ulp or so of cos / sin (bit for bit where both evaluate cos / sin alike); in fp16 / bf16 the
 result here is the fp32 rotation rounded once, where HF rounds cos / sin and each product to the input
 dtype. Positions are global: a sequence shard passes the global position of its first row as
@@ -30,8 +32,12 @@ The autograd function rotates one tensor (q and k are two calls): autograd can't
 modifies two views of one tensor (a fused QKV output) in place. Backend interface (registered with
 :func:`seqpar.ops.registry.register`), on one ``[s, b, H, d]`` tensor::
 
-    forward(x, position_offset, theta, inplace) -> x_rot      # inplace: x itself, rotated in place
-    backward(grad_x_rot, position_offset, theta) -> grad_x
+    forward(x, position_offset, freqs, inplace) -> x_rot      # inplace: x itself, rotated in place
+    backward(grad_x_rot, position_offset, freqs) -> grad_x
+
+``freqs`` is the tuple of floats that determines the frequencies: ``(theta,)``, or with Llama 3.1's scaling
+``(theta, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)``
+(:func:`rope_frequencies`); every backend and custom op carries it and computes ``inv_freq`` from it alone.
 
 ========  ===============================================================  ==============
 backend   what runs                                                        d
@@ -51,8 +57,10 @@ their launchers directly (:func:`seqpar.ops.registry.kernel_op`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Optional, Tuple
+import math
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -80,25 +88,98 @@ def check_theta(theta, name: str = "theta") -> None:
                          f"frequencies 1 / theta**(2j / d) are fp32: inf or 0 beyond it), got {theta!r}")
 
 
-def rope_inv_freq(d: int, theta: float) -> torch.Tensor:
-    """``1 / theta**(2j / d)``, j < d / 2: fp32 on the CPU, by the same ops as HF's default RoPE."""
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's scaling of the RoPE frequencies (HF ``rope_type="llama3"``; Llama 3.1 / 3.2 / 3.3): with
+    L = ``original_max_position_embeddings``, the wavelength ``w_j = 2 pi / inv_freq_j`` of each default
+    frequency decides::
+
+        w_j > L / low_freq_factor                 inv_freq_j / factor              (long waves: stretched)
+        w_j < L / high_freq_factor                inv_freq_j                       (short waves: kept)
+        otherwise                                 (1 - c_j) inv_freq_j / factor + c_j inv_freq_j,
+                                                  c_j = (L / w_j - low_freq_factor) / (high_freq_factor - low_freq_factor)
+
+    in fp32 by HF's ops, so the frequencies are HF's bit for bit. The defaults are Llama 3.1's (Llama 3.2's
+    1B / 3B use factor 32). The attention is not rescaled (HF's attention factor is 1 for this type).
+    ValueError naming the field for a factor that is not finite and positive, frequency factors that are not
+    finite with 0 < low_freq_factor < high_freq_factor, or an original_max_position_embeddings that is not
+    a positive int.
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, name)
+            if not registry.is_positive_finite(value):
+                raise ValueError(f"RopeScaling.{name} must be a finite positive float, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if not self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(f"RopeScaling.low_freq_factor ({self.low_freq_factor!r}) must be below high_freq_factor "
+                             f"({self.high_freq_factor!r}): the two wavelength bounds L / factor would cross")
+        length = self.original_max_position_embeddings
+        if not (isinstance(length, int) and not isinstance(length, bool) and length > 0):
+            raise ValueError(f"RopeScaling.original_max_position_embeddings must be a positive int, got {length!r}")
+
+    def scale(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """The scaled frequencies of the default ones ``inv_freq`` (fp32 [d / 2])."""
+        return _llama3_scaled(inv_freq, self.factor, self.low_freq_factor, self.high_freq_factor,
+                              self.original_max_position_embeddings)
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                   length: float) -> torch.Tensor:
+    """:meth:`RopeScaling.scale` on plain floats (what a traced graph computes: no dataclass built there)."""
+    wavelength = 2 * math.pi / inv_freq
+    long_waves = wavelength > length / low_freq_factor
+    stretched = torch.where(long_waves, inv_freq / factor, inv_freq)
+    blend = (length / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - blend) * stretched / factor + blend * stretched
+    between = ~(wavelength < length / high_freq_factor) * ~long_waves
+    return torch.where(between, blended, stretched)
+
+
+def rope_frequencies(theta: float, scaling: Optional[RopeScaling] = None) -> Tuple[float, ...]:
+    """The ``freqs`` tuple the backends carry: ``(theta,)``, or theta and the four fields of ``scaling``."""
+    if scaling is None:
+        return (float(theta),)
+    return (float(theta), scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor,
+            float(scaling.original_max_position_embeddings))
+
+
+def rope_inv_freq(d: int, theta: float, scaling: Optional[RopeScaling] = None) -> torch.Tensor:
+    """``1 / theta**(2j / d)``, j < d / 2, scaled by ``scaling`` if given: fp32 on the CPU, by the same ops as
+    HF's default (or "llama3") RoPE."""
     # device="cpu" whatever the default device (a meta one made the copy to the layer's device fail)
-    return 1.0 / (float(theta) ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float) / d))
+    inv_freq = 1.0 / (float(theta) ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float)
+                                       / d))
+    return inv_freq if scaling is None else scaling.scale(inv_freq)
+
+
+def _inv_freq(d: int, freqs: Sequence[float]) -> torch.Tensor:
+    """:func:`rope_inv_freq` of a ``freqs`` tuple (:func:`rope_frequencies`)."""
+    theta, *scaling = freqs
+    inv_freq = rope_inv_freq(d, theta)
+    return _llama3_scaled(inv_freq, *scaling) if scaling else inv_freq
 
 
 @functools.lru_cache(maxsize=64)
-def _inv_freq_on(device: torch.device, d: int, theta: float) -> torch.Tensor:
-    """:func:`rope_inv_freq` on ``device``, copied there once (a copy per call would synchronise the stream)."""
-    return rope_inv_freq(d, theta).to(device)
+def _inv_freq_on(device: torch.device, d: int, freqs: Tuple[float, ...]) -> torch.Tensor:
+    """The frequencies of ``freqs`` on ``device``, copied there once (a copy per call would synchronise the
+    stream)."""
+    return _inv_freq(d, freqs).to(device)
 
 
 # ----------------------------------------------------------------------------- torch reference
-def _cos_sin(s: int, d: int, position_offset: int, theta: float, device: torch.device):
+def _cos_sin(s: int, d: int, position_offset: int, freqs: Tuple[float, ...], device: torch.device):
     """fp32 ``[s, d/2]`` cos and sin of the angles of rows position_offset .. position_offset + s - 1."""
     positions = torch.arange(position_offset, position_offset + s, device=device)
     # While tracing (torch.compile, a fake or proxy mode) the frequencies are built in the graph: Dynamo
     # would trace past the cache, and a fake tensor cached there would be every later real call's.
-    inv_freq = rope_inv_freq(d, theta).to(device) if capturing_graph() else _inv_freq_on(device, d, theta)
+    inv_freq = _inv_freq(d, freqs).to(device) if capturing_graph() else _inv_freq_on(device, d, tuple(freqs))
     angle = positions[:, None].float() * inv_freq[None, :]
     return angle.cos(), angle.sin()
 
@@ -110,8 +191,8 @@ def _torch_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return registry.cast(torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1), x.dtype)
 
 
-def _torch_forward(x, position_offset: int, theta: float, inplace: bool):
-    cos, sin = _cos_sin(x.shape[0], x.shape[-1], position_offset, theta, x.device)
+def _torch_forward(x, position_offset: int, freqs: Tuple[float, ...], inplace: bool):
+    cos, sin = _cos_sin(x.shape[0], x.shape[-1], position_offset, freqs, x.device)
     x_rot = _torch_rotate(x, cos, sin)
     if not inplace:
         return x_rot
@@ -122,8 +203,8 @@ def _torch_forward(x, position_offset: int, theta: float, inplace: bool):
     return x
 
 
-def _torch_backward(grad, position_offset: int, theta: float):
-    cos, sin = _cos_sin(grad.shape[0], grad.shape[-1], position_offset, theta, grad.device)
+def _torch_backward(grad, position_offset: int, freqs: Tuple[float, ...]):
+    cos, sin = _cos_sin(grad.shape[0], grad.shape[-1], position_offset, freqs, grad.device)
     return _torch_rotate(grad, cos, -sin)
 
 
@@ -131,30 +212,30 @@ registry.register(registry.Backend(OP, "torch", _torch_forward, _torch_backward)
 
 
 def _kernel_backend(name: str, rotate, check) -> registry.Backend:
-    """A registry backend over one kernel launcher ``rotate(x, out, position_offset, theta, inverse)``
+    """A registry backend over one kernel launcher ``rotate(x, out, position_offset, freqs, inverse)``
     (``out`` may be ``x``), exposed as two ``torch.library`` custom ops ``seqpar::rotary_embedding_<name>``
     (out of place, with a fake implementation for torch.compile) and ``..._inplace`` (mutates x)."""
 
-    def out_of_place(x: torch.Tensor, position_offset: int, theta: float, inverse: bool) -> torch.Tensor:
+    def out_of_place(x: torch.Tensor, position_offset: int, freqs: List[float], inverse: bool) -> torch.Tensor:
         out = _new_like(x)
-        rotate(x, out, position_offset, theta, inverse)
+        rotate(x, out, position_offset, tuple(freqs), inverse)
         return out
 
-    def in_place(x: torch.Tensor, position_offset: int, theta: float, inverse: bool) -> None:
-        rotate(x, x, position_offset, theta, inverse)
+    def in_place(x: torch.Tensor, position_offset: int, freqs: List[float], inverse: bool) -> None:
+        rotate(x, x, position_offset, tuple(freqs), inverse)
 
     out_of_place_op = registry.kernel_op(f"seqpar::rotary_embedding_{name}", out_of_place)
-    out_of_place_op.register_fake(lambda x, position_offset, theta, inverse: _new_like(x))
+    out_of_place_op.register_fake(lambda x, position_offset, freqs, inverse: _new_like(x))
     inplace_op = registry.kernel_op(f"seqpar::rotary_embedding_{name}_inplace", in_place, mutates_args=("x",))
 
-    def forward(x, position_offset: int, theta: float, inplace: bool):
+    def forward(x, position_offset: int, freqs: Tuple[float, ...], inplace: bool):
         if inplace:
-            inplace_op(x, position_offset, theta, False)
+            inplace_op(x, position_offset, list(freqs), False)
             return x
-        return out_of_place_op(_unit_d(x), position_offset, theta, False)
+        return out_of_place_op(_unit_d(x), position_offset, list(freqs), False)
 
-    def backward(grad, position_offset: int, theta: float):
-        return out_of_place_op(_unit_d(grad), position_offset, theta, True)
+    def backward(grad, position_offset: int, freqs: Tuple[float, ...]):
+        return out_of_place_op(_unit_d(grad), position_offset, list(freqs), True)
 
     return registry.Backend(OP, name, forward, backward, check)
 
@@ -169,11 +250,11 @@ def _new_like(x: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- triton backend
-def _triton_rotate(x, out, position_offset: int, theta: float, inverse: bool) -> None:
+def _triton_rotate(x, out, position_offset: int, freqs: Tuple[float, ...], inverse: bool) -> None:
     from ..triton_kernels import rotary as kernels
 
     with _ext.on_device(x):
-        kernels.rotate(x, out, _inv_freq_on(x.device, x.shape[-1], theta), position_offset, inverse)
+        kernels.rotate(x, out, _inv_freq_on(x.device, x.shape[-1], freqs), position_offset, inverse)
 
 
 def _triton_check(d=None, dtype=None, **_):
@@ -190,12 +271,12 @@ registry.register(_kernel_backend("triton", _triton_rotate, _triton_check))
 
 
 # ----------------------------------------------------------------------------- cuda backend
-def _cuda_rotate(x, out, position_offset: int, theta: float, inverse: bool) -> None:
+def _cuda_rotate(x, out, position_offset: int, freqs: Tuple[float, ...], inverse: bool) -> None:
     ext = _ext.cuda_extension()
     s, b, heads, d = x.shape
     strides = x.stride()[:3] + out.stride()[:3]
     with _ext.on_device(x):
-        ext.rotary_embedding(x.data_ptr(), out.data_ptr(), _inv_freq_on(x.device, d, theta).data_ptr(), s, b, heads,
+        ext.rotary_embedding(x.data_ptr(), out.data_ptr(), _inv_freq_on(x.device, d, freqs).data_ptr(), s, b, heads,
                              d, *strides, int(position_offset), bool(inverse), _ext.DTYPE_CODES[x.dtype],
                              vectorized(x.dtype, d // 2, (x, out), strides), _ext.cuda_stream(x.device))
 
@@ -208,20 +289,20 @@ class _RotaryEmbedding(torch.autograd.Function):
     """One tensor (q or k): saves nothing, backward rotates the gradient by -angle."""
 
     @staticmethod
-    def forward(ctx, x, position_offset, theta, inplace, impl):
-        x_rot = impl.forward(x, position_offset, theta, inplace)
+    def forward(ctx, x, position_offset, freqs, inplace, impl):
+        x_rot = impl.forward(x, position_offset, freqs, inplace)
         if inplace:
             ctx.mark_dirty(x)
-        ctx.position_offset, ctx.theta, ctx.impl = position_offset, theta, impl
+        ctx.position_offset, ctx.freqs, ctx.impl = position_offset, freqs, impl
         return x_rot
 
     @staticmethod
     @registry.once_differentiable
     def backward(ctx, grad_x_rot):
-        return ctx.impl.backward(grad_x_rot, ctx.position_offset, ctx.theta), None, None, None, None
+        return ctx.impl.backward(grad_x_rot, ctx.position_offset, ctx.freqs), None, None, None, None
 
 
-def _check_inputs(q, k, position_offset, theta, inplace) -> int:
+def _check_inputs(q, k, position_offset, theta, rope_scaling, inplace) -> int:
     for name, t in (("q", q), ("k", k)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
@@ -240,6 +321,8 @@ def _check_inputs(q, k, position_offset, theta, inplace) -> int:
         raise ValueError(f"q and k must be on one device, got {q.device} and {k.device}")
     registry.check_offset("position_offset", position_offset)
     check_theta(theta)
+    if rope_scaling is not None and not isinstance(rope_scaling, RopeScaling):
+        raise ValueError(f"rope_scaling must be a seqpar.ops.RopeScaling or None, got {type(rope_scaling).__name__}")
     if not isinstance(inplace, bool):
         raise ValueError(f"inplace must be a bool, got {inplace!r}")
     if inplace:
@@ -315,8 +398,9 @@ def _nested_boxes_meet(a: torch.Tensor, b: torch.Tensor) -> Optional[bool]:
 
 
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, *, position_offset: int = 0, theta: float = 10000.0,
-                     inplace: bool = False, backend: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q ``[s, b, Hq, d]`` and k ``[s, b, Hk, d]`` by their positions (HF Llama's default RoPE).
+                     rope_scaling: Optional[RopeScaling] = None, inplace: bool = False, backend: str = "auto"
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q ``[s, b, Hq, d]`` and k ``[s, b, Hk, d]`` by their positions (HF Llama's RoPE).
 
     Returns ``(q_rot, k_rot)``. Row i of the sequence has position ``position_offset + i`` (global: a
     sequence shard passes the position of its first row). ``inplace=True`` writes into q and k (unit
@@ -329,9 +413,12 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, *, position_offset: int =
     Args:
         position_offset: global position of sequence row 0 (an int in [0, 2**62)).
         theta: RoPE base (HF ``rope_theta``), positive.
+        rope_scaling: None (the default RoPE), or Llama 3.1's scaling of the frequencies (:class:`RopeScaling`,
+            HF ``rope_type="llama3"``).
+        inplace: write into q and k instead of new tensors.
         backend: "auto" | "torch" | "triton" | "cuda" (see :mod:`seqpar.ops.registry`).
     """
-    d = _check_inputs(q, k, position_offset, theta, inplace)
+    d = _check_inputs(q, k, position_offset, theta, rope_scaling, inplace)
     impl = registry.select(OP, backend, q.device, dtype=q.dtype, d=d)
-    args = (position_offset, float(theta), inplace, impl)   # not int(): a SymInt offset stays symbolic
+    args = (position_offset, rope_frequencies(theta, rope_scaling), inplace, impl)   # a SymInt offset stays symbolic
     return _RotaryEmbedding.apply(q, *args), _RotaryEmbedding.apply(k, *args)

@@ -62,10 +62,18 @@ def _tokens(vocab=VOCAB, seed=0):
     return torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
+# Llama 3.1's RoPE ("llama3" scaling) at a size where head dim 16 has frequencies in all three of its bands
+# (kept, blended, stretched): original context 64 (the model's is 128, as Llama 3.1's 8192 -> 131072)
+LLAMA31_ROPE = dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 64},
+                    rope_theta=500000.0, max_position_embeddings=128)
+
+
 @functools.lru_cache(maxsize=None)
-def _logit_case(kv_groups, tied=False):
+def _logit_case(kv_groups, tied=False, llama31=False):
     """(state dict, config dict, tokens, HF's eval logits [s, b, v])."""
-    llama = _random_llama(kv_groups, tie_word_embeddings=tied, rope_theta=5000.0).eval()
+    rope = LLAMA31_ROPE if llama31 else dict(rope_theta=5000.0)
+    llama = _random_llama(kv_groups, tie_word_embeddings=tied, **rope).eval()
     tokens = _tokens()
     with torch.no_grad():
         return llama.state_dict(), llama.config.to_dict(), tokens, llama(tokens).logits.transpose(0, 1)
@@ -104,7 +112,8 @@ def _cases(world_size):
     except ImportError:
         return dict(logit_cases=None, round_trip_cases=None, train_case=None)
     g = KV_GROUPS[world_size]
-    return dict(logit_cases={f"g{g}": _logit_case(g)}, round_trip_cases=_round_trip_cases(g),
+    return dict(logit_cases={f"g{g}": _logit_case(g), f"g{g}-llama3.1-rope": _logit_case(g, llama31=True)},
+                round_trip_cases=_round_trip_cases(g),
                 train_case=_train_case()[0] if world_size == 2 else None)
 
 
@@ -201,7 +210,7 @@ def _check_logits(per_rank, world_size):
 def test_from_llama_logits_match_hf(world_size, tmp_path_factory):
     _transformers()
     per_rank = [r["logits"] for r in ranks(world_size, tmp_path_factory)]
-    assert len(per_rank[0]) == 2 * 3
+    assert len(per_rank[0]) == 2 * 2 * 3
     _check_logits(per_rank, world_size)
 
 
@@ -310,7 +319,7 @@ def test_eps_and_rope_are_the_modules_not_a_config_changed_since():
         llama.config.rope_parameters = {**rope, "rope_theta": 5e5}
     else:
         llama.config.rope_theta = 5e5
-    with pytest.raises(ValueError, match=r"rotary_emb.inv_freq \(rope_type 'default'\) is not the default RoPE of "
+    with pytest.raises(ValueError, match=r"rotary_emb.inv_freq \(rope_type 'default'\) is not the 'default' RoPE of "
                                          r"its config's rope_theta 500000.0"):
         hf.from_llama(llama)
     scaled = _random_llama(2, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -319,7 +328,15 @@ def test_eps_and_rope_are_the_modules_not_a_config_changed_since():
         scaled.config.rope_parameters = {"rope_type": "default", "rope_theta": scaled.config.rope_parameters["rope_theta"]}
     else:
         scaled.config.rope_scaling = None
-    with pytest.raises(ValueError, match=r"inv_freq \(rope_type 'llama3'\) is not the default RoPE"):
+    with pytest.raises(ValueError, match=r"inv_freq \(rope_type 'llama3'\) is not the 'default' RoPE"):
+        hf.from_llama(scaled)
+    scaled = _random_llama(2, **LLAMA31_ROPE)     # its factor edited after the build: HF still runs factor 8
+    if getattr(scaled.config, "rope_parameters", None) is not None:
+        scaled.config.rope_parameters = {**scaled.config.rope_parameters, "factor": 16.0}
+    else:
+        scaled.config.rope_scaling = {**scaled.config.rope_scaling, "factor": 16.0}
+    with pytest.raises(ValueError, match=r"inv_freq \(rope_type 'llama3'\) is not the 'llama3' RoPE of its config's "
+                                         r"rope_theta 500000.0 and RopeScaling\(factor=16.0"):
         hf.from_llama(scaled)
     with pytest.raises(ValueError, match=r"Llama config rms_norm_eps must be a finite float >= .*, got 0.0"):
         hf.from_llama(_random_llama(2).state_dict(), config=_llama_config(2, rms_norm_eps=0.0))
@@ -357,11 +374,14 @@ def test_one_recompute_policy_per_layer():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope type 'linear'"),
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                        "original_max_position_embeddings": 64}), "rope type 'llama3'"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+     "rope type 'yarn' .* it implements the RoPE types \\('default', 'llama3'\\)"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+                        "original_max_position_embeddings": 32}),
+     r"rope type 'llama3': RopeScaling.low_freq_factor \(4.0\) must be below high_freq_factor \(1.0\)"),
     (dict(attention_bias=True), "attention_bias=True"), (dict(mlp_bias=True), "mlp_bias=True"),
     (dict(head_dim=32), "head_dim=32"), (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-], ids=["rope-linear", "rope-llama3", "attention-bias", "mlp-bias", "head-dim", "hidden-act"])
+], ids=["rope-linear", "rope-yarn", "rope-llama3-crossed-bands", "attention-bias", "mlp-bias", "head-dim", "hidden-act"])
 def test_unsupported_llama_variants_raise(kwargs, match):
     state_dict = _random_llama(2).state_dict()
     with pytest.raises(ValueError, match=match):

@@ -1,10 +1,12 @@
 """Rotary position embeddings: HF Llama's default RoPE (reimplemented here) and an fp64 reference against
 the torch reference, the triton backend (CPU interpreter here) and the cuda backend (GPU-marked); shard
-offsets, in place vs out of place, gradients, validation and torch.compile."""
+offsets, in place vs out of place, gradients, validation and torch.compile. Llama 3.1's scaled frequencies
+(RopeScaling) against transformers' own "llama3" frequencies, bit for bit, and the rotation by them."""
 import pytest
 import torch
 
-from seqpar.ops import rotary_embedding
+from seqpar.ops import RopeScaling, rotary_embedding
+from seqpar.ops.rotary import rope_inv_freq
 from tests.gpu import GPU_DTYPES, skip_unless_backend_runs
 from tests.tolerances import assert_error_within
 
@@ -24,12 +26,15 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _hf_rope(q, k, position_offset=0, theta=THETA):
-    """HF Llama: LlamaRotaryEmbedding (default rope type) + apply_rotary_pos_emb, on the [b, H, s, d]
-    layout HF uses, written out (transformers is not imported in these tests)."""
+def _default_inv_freq(d, theta=THETA):
+    return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(dtype=torch.float) / d))
+
+
+def _hf_rope(q, k, position_offset=0, theta=THETA, inv_freq=None):
+    """HF Llama: LlamaRotaryEmbedding (default rope type, or the given ``inv_freq``) + apply_rotary_pos_emb,
+    on the [b, H, s, d] layout HF uses, written out."""
     s, b, _, d = q.shape
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(dtype=torch.float) / d))
-    inv_freq = inv_freq.to(q.device)
+    inv_freq = (_default_inv_freq(d, theta) if inv_freq is None else inv_freq).to(q.device)
     position_ids = torch.arange(position_offset, position_offset + s, device=q.device)[None, :].expand(b, -1)
     freqs = position_ids[..., None].float() * inv_freq.to(dtype=torch.float)
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -41,10 +46,10 @@ def _hf_rope(q, k, position_offset=0, theta=THETA):
     return q_embed.permute(2, 0, 1, 3), k_embed.permute(2, 0, 1, 3)
 
 
-def _reference_fp64(x, position_offset=0, theta=THETA, inverse=False):
+def _reference_fp64(x, position_offset=0, theta=THETA, inverse=False, inv_freq=None):
     """The rotation in float64: the op's fp32 angles (as HF forms them), their cos / sin in float64."""
     s, d = x.shape[0], x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    inv_freq = _default_inv_freq(d, theta) if inv_freq is None else inv_freq
     angle = (torch.arange(position_offset, position_offset + s).float()[:, None] * inv_freq).double()
     cos, sin = angle.cos()[:, None, None, :], angle.sin()[:, None, None, :] * (-1 if inverse else 1)
     x64 = x.detach().double().cpu()
@@ -204,9 +209,10 @@ def test_nothing_is_saved_for_backward(backend):
 
 def test_triton_custom_ops_pass_opcheck():
     q, k = _qk(3, 2, 2, 1, 8, torch.float32)
-    torch.library.opcheck(torch.ops.seqpar.rotary_embedding_triton, (q, 5, THETA, False))
-    torch.library.opcheck(torch.ops.seqpar.rotary_embedding_triton, (k, 0, THETA, True))
-    torch.library.opcheck(torch.ops.seqpar.rotary_embedding_triton_inplace, (q.clone(), 5, THETA, True))
+    llama3 = [THETA, 8.0, 1.0, 4.0, 64.0]
+    torch.library.opcheck(torch.ops.seqpar.rotary_embedding_triton, (q, 5, [THETA], False))
+    torch.library.opcheck(torch.ops.seqpar.rotary_embedding_triton, (k, 0, llama3, True))
+    torch.library.opcheck(torch.ops.seqpar.rotary_embedding_triton_inplace, (q.clone(), 5, llama3, True))
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -238,6 +244,74 @@ def test_inplace_with_q_and_k_one_tensor_is_refused_under_torch_compile_too():
         f(q.clone())
 
 
+# ----------------------------------------------------------------------------- Llama 3.1's scaling
+# (d, theta, scaling): every case has frequencies in all three bands (kept, blended, stretched)
+LLAMA3 = [pytest.param(16, 500000.0, RopeScaling(8.0, 1.0, 4.0, 64), id="d16-f8-L64"),
+          pytest.param(128, 500000.0, RopeScaling(), id="llama3.1-d128"),
+          pytest.param(64, 500000.0, RopeScaling(32.0, 1.0, 4.0, 8192), id="llama3.2-1b-d64"),
+          pytest.param(80, 10000.0, RopeScaling(4.0, 2.0, 3.0, 300), id="d80-f4-lo2-hi3-L300")]
+
+
+@pytest.mark.parametrize("d,theta,scaling", LLAMA3)
+def test_llama3_frequencies_are_transformers_bit_for_bit(d, theta, scaling):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.LlamaConfig(
+        hidden_size=2 * d, num_attention_heads=2, num_hidden_layers=1, intermediate_size=8, vocab_size=8,
+        max_position_embeddings=2 * scaling.original_max_position_embeddings,
+        rope_parameters=dict(rope_type="llama3", rope_theta=theta, factor=scaling.factor,
+                             low_freq_factor=scaling.low_freq_factor, high_freq_factor=scaling.high_freq_factor,
+                             original_max_position_embeddings=scaling.original_max_position_embeddings))
+    theirs, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    ours, default = rope_inv_freq(d, theta, scaling), rope_inv_freq(d, theta)
+    assert torch.equal(ours, theirs) and attention_factor == 1.0
+    assert torch.equal(default, _default_inv_freq(d, theta))
+    kept, stretched = ours == default, torch.isclose(ours, default / scaling.factor, rtol=1e-6, atol=0)
+    assert kept.any() and stretched.any() and (~kept & ~stretched).any(), (ours, default)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("d,theta,scaling", LLAMA3[::3])
+def test_llama3_scaled_rotation_and_gradients(backend, d, theta, scaling, poisoned_triton):
+    """The rotation by the scaled frequencies (HF's apply_rotary_pos_emb with them, fp32 within 1e-6) and
+    its backward (the rotation by -angle), at a shard's offset."""
+    q, k = _qk(7, 2, 4, 2, d, torch.float32)
+    grads = _qk(7, 2, 4, 2, d, torch.float32, gen_seed=1)
+    inv_freq = rope_inv_freq(d, theta, scaling)
+    q_rot, k_rot, gq, _ = _run(q, k, backend, grads, position_offset=300, theta=theta, rope_scaling=scaling)
+    q_hf, k_hf = _hf_rope(q, k, 300, inv_freq=inv_freq)
+    torch.testing.assert_close((q_rot, k_rot), (q_hf, k_hf), atol=1e-6, rtol=0)
+    torch.testing.assert_close(gq.double(), _reference_fp64(grads[0], 300, inverse=True, inv_freq=inv_freq),
+                               atol=2e-6, rtol=0)
+    unscaled = rotary_embedding(q, k, position_offset=300, theta=theta, backend=backend)[0]
+    assert (unscaled - q_rot).abs().max() > 0.1    # the scaling matters at these positions
+
+
+def test_llama3_scaling_compiles_in_one_graph():
+    torch._dynamo.reset()
+    scaling = RopeScaling(8.0, 1.0, 4.0, 64)
+
+    def f(q, k):
+        return rotary_embedding(q, k, position_offset=2, theta=500000.0, rope_scaling=scaling, backend="torch")
+
+    q, k = _qk(6, 2, 2, 1, 16, torch.float32)
+    torch.testing.assert_close(torch.compile(f, backend="aot_eager", fullgraph=True)(q, k), f(q, k), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(factor=0.0), "factor must be a finite positive"), (dict(factor=float("nan")), "factor"),
+    (dict(low_freq_factor=4.0, high_freq_factor=4.0), "must be below high_freq_factor"),
+    (dict(high_freq_factor=True), "high_freq_factor must be a finite positive"),
+    (dict(original_max_position_embeddings=8192.0), "original_max_position_embeddings must be a positive int"),
+    (dict(original_max_position_embeddings=0), "original_max_position_embeddings must be a positive int"),
+])
+def test_bad_rope_scaling_raises_naming_the_field(fields, match):
+    with pytest.raises(ValueError, match=match):
+        RopeScaling(**fields)
+
+
 # ----------------------------------------------------------------------------- validation
 BAD = [
     ("q_3d", dict(q=torch.randn(4, 2, 8)), "q must be"),
@@ -256,6 +330,7 @@ BAD = [
     ("theta_past_fp32", dict(theta=1e39), "within fp32's range"),      # fp32 inf: frequencies 1, 0, 0, 0
     ("theta_under_fp32", dict(theta=1e-46), "within fp32's range"),    # fp32 0: frequencies 1, inf, inf, inf
     ("inplace_int", dict(inplace=1), "inplace must be a bool"),
+    ("scaling_dict", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_scaling must be a "),
     ("inplace_strided_d", dict(q=torch.randn(4, 2, 2, 16)[..., ::2], inplace=True), "unit stride along d"),
     ("inplace_same_tensor", dict(k="q", inplace=True), "not to share elements"),
     ("backend_unknown", dict(backend="cudnn"), "unknown backend"),
@@ -330,6 +405,22 @@ def test_gpu_backend_matches_references(backend, case, dtype_name):
                 _reference_fp64(grads[0], offset, inverse=True), _reference_fp64(grads[1], offset, inverse=True))
         for a, t, e in zip(got, torch_same, refs):
             assert_error_within(a.cpu(), t.cpu(), e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_llama3_scaled_rotation_matches_hf(backend):
+    """Llama 3.1's frequencies (d 128, theta 5e5, factor 8) at positions past the original context."""
+    skip_unless_backend_runs(backend)
+    scaling = RopeScaling()
+    q, k = _qk(64, 2, 16, 4, 128, torch.float32, device="cuda")
+    grads = _qk(64, 2, 16, 4, 128, torch.float32, device="cuda", gen_seed=1)
+    got = _run(q, k, backend, grads, position_offset=9000, theta=500000.0, rope_scaling=scaling)
+    want = _run(q, k, "torch", grads, position_offset=9000, theta=500000.0, rope_scaling=scaling)
+    q_hf, k_hf = _hf_rope(q, k, 9000, inv_freq=rope_inv_freq(128, 500000.0, scaling))
+    torch.testing.assert_close((got[0], got[1]), (q_hf, k_hf), atol=1e-6, rtol=0)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, atol=1e-6, rtol=0)
 
 
 @pytest.mark.gpu
