@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -101,9 +100,9 @@ class RopeScaling:
 
     in fp32 by HF's ops, so the frequencies are HF's bit for bit. The defaults are Llama 3.1's (Llama 3.2's
     1B / 3B use factor 32). The attention is not rescaled (HF's attention factor is 1 for this type).
-    ValueError naming the field for a factor that is not finite and positive, frequency factors that are not
-    finite with 0 < low_freq_factor < high_freq_factor, or an original_max_position_embeddings that is not
-    a positive int.
+    ValueError naming the field for factors that are not finite, positive and within fp32's normal range
+    (:data:`THETA_RANGE`), low_freq_factor not below high_freq_factor, or an original_max_position_embeddings
+    that is not a positive int.
     """
 
     factor: float = 8.0
@@ -116,6 +115,9 @@ class RopeScaling:
             value = getattr(self, name)
             if not registry.is_positive_finite(value):
                 raise ValueError(f"RopeScaling.{name} must be a finite positive float, got {value!r}")
+            if not THETA_RANGE[0] <= value <= THETA_RANGE[1]:   # a factor of 1e-39: frequencies inf, NaN rotations
+                raise ValueError(f"RopeScaling.{name} must be within fp32's range [{THETA_RANGE[0]:.4g}, "
+                                 f"{THETA_RANGE[1]:.4g}] (the frequencies are fp32), got {value!r}")
             object.__setattr__(self, name, float(value))
         if not self.low_freq_factor < self.high_freq_factor:
             raise ValueError(f"RopeScaling.low_freq_factor ({self.low_freq_factor!r}) must be below high_freq_factor "
@@ -133,7 +135,9 @@ class RopeScaling:
 def _llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
                    length: float) -> torch.Tensor:
     """:meth:`RopeScaling.scale` on plain floats (what a traced graph computes: no dataclass built there)."""
-    wavelength = 2 * math.pi / inv_freq
+    # 2 pi written out (the double 2 * math.pi): under torch.compile(dynamic=True) Dynamo makes a global
+    # float such as math.pi a symbol, which it can't lift into the autograd Function's subgraph
+    wavelength = 6.283185307179586 / inv_freq
     long_waves = wavelength > length / low_freq_factor
     stretched = torch.where(long_waves, inv_freq / factor, inv_freq)
     blend = (length / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
@@ -144,10 +148,12 @@ def _llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float
 
 def rope_frequencies(theta: float, scaling: Optional[RopeScaling] = None) -> Tuple[float, ...]:
     """The ``freqs`` tuple the backends carry: ``(theta,)``, or theta and the four fields of ``scaling``."""
-    if scaling is None:
-        return (float(theta),)
-    return (float(theta), scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor,
-            float(scaling.original_max_position_embeddings))
+    # float() of each, as of theta: under torch.compile a float Dynamo made symbolic (dynamic=True, or a
+    # recompile for another scaling) is a constant of the graph again, not a symbol first met inside the
+    # autograd Function's subgraph, which Dynamo can't lift (an AssertionError, not a graph break)
+    fields = () if scaling is None else (scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor,
+                                         scaling.original_max_position_embeddings)
+    return tuple(float(value) for value in (theta, *fields))
 
 
 def rope_inv_freq(d: int, theta: float, scaling: Optional[RopeScaling] = None) -> torch.Tensor:

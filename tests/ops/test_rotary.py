@@ -289,19 +289,31 @@ def test_llama3_scaled_rotation_and_gradients(backend, d, theta, scaling, poison
     assert (unscaled - q_rot).abs().max() > 0.1    # the scaling matters at these positions
 
 
-def test_llama3_scaling_compiles_in_one_graph():
+@pytest.mark.parametrize("dynamic", [None, True], ids=["default", "dynamic"])
+def test_llama3_scaling_compiles_in_one_graph(dynamic):
+    """Also with every float made a symbol (dynamic=True) and recompiled for another scaling (a Llama 3.2
+    draft model beside a Llama 3.1 one): Dynamo raised an AssertionError on a symbol (a scaling field, math.pi)
+    first met inside the autograd Function's subgraph."""
     torch._dynamo.reset()
-    scaling = RopeScaling(8.0, 1.0, 4.0, 64)
+    q, k = _qk(6, 2, 2, 1, 16, torch.float32, requires_grad=True)
+    for factor in (8.0, 32.0):
+        scaling = RopeScaling(factor, 1.0, 4.0, 64)
 
-    def f(q, k):
-        return rotary_embedding(q, k, position_offset=2, theta=500000.0, rope_scaling=scaling, backend="torch")
+        def f(q, k):
+            q_rot, k_rot = rotary_embedding(q, k, position_offset=2, theta=500000.0, rope_scaling=scaling,
+                                            backend="torch")
+            return q_rot * 2.0, k_rot
 
-    q, k = _qk(6, 2, 2, 1, 16, torch.float32)
-    torch.testing.assert_close(torch.compile(f, backend="aot_eager", fullgraph=True)(q, k), f(q, k), rtol=0, atol=0)
+        compiled = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=dynamic)(q, k)
+        eager = f(q, k)
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+        torch.testing.assert_close(torch.autograd.grad(compiled[0].sum(), q), torch.autograd.grad(eager[0].sum(), q),
+                                   rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("fields, match", [
     (dict(factor=0.0), "factor must be a finite positive"), (dict(factor=float("nan")), "factor"),
+    (dict(factor=1e-39), "factor must be within fp32's range"),    # frequencies inf: NaN rotations
     (dict(low_freq_factor=4.0, high_freq_factor=4.0), "must be below high_freq_factor"),
     (dict(high_freq_factor=True), "high_freq_factor must be a finite positive"),
     (dict(original_max_position_embeddings=8192.0), "original_max_position_embeddings must be a positive int"),
