@@ -254,6 +254,22 @@ def test_bench_cuda_backend_on_cpu_is_a_usage_error(capsys, monkeypatch):
     assert "no CUDA device" in err
 
 
+def test_bench_under_torchrun_checks_the_backend_on_its_local_rank_s_gpu(monkeypatch):
+    """Every rank probed the kernels on the current device, cuda:0, before main() made its LOCAL_RANK's GPU
+    current: a context on GPU 0 from every rank (about 500 MB each)."""
+    from seqpar.bench import layer_bench
+
+    checked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(layer_bench, "_backend_unusable", lambda backend, device: checked.append(device))
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    layer_bench.parse_args(["--device", "cuda", "--tp", "4", "--backend", "cuda"])
+    assert checked == [torch.device("cuda", 3)]
+
+
 @pytest.mark.parametrize("command", [["plan", "--model", "22B"], ["bench"]], ids=["plan", "bench"])
 def test_plot_without_matplotlib_says_how_to_get_it(command, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)   # import matplotlib now raises ImportError

@@ -124,10 +124,22 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         p.error("--device cuda: no CUDA device is available")
     if gpu and args.tp > 1 and not _under_torchrun():
         p.error(f"--device cuda with --tp {args.tp}: launch with torchrun --nproc-per-node {args.tp} instead")
-    reason = _backend_unusable(args.backend, torch.device(args.device))
+    reason = _backend_unusable(args.backend, _rank_device(args.device))
     if reason:
         p.error(reason)
     return args
+
+
+def _rank_device(device: str):
+    """This process's device for ``--device``: under torchrun the GPU of its LOCAL_RANK (what :func:`main`
+    sets current), not the current one (cuda:0: probing the kernels there opened a context on GPU 0 from
+    every rank)."""
+    import torch
+
+    if device == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if _under_torchrun() else
+                            torch.cuda.current_device())
+    return torch.device(device)
 
 
 #: --arch -> the TransformerConfig architecture fields (beyond sizes and dropout).
@@ -498,7 +510,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict]:
         if _under_torchrun():  # use the launched ranks; rank 0 writes --json
             rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             if args.device == "cuda":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+                torch.cuda.set_device(_rank_device(args.device))
             dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
             rows = _rank_main(rank, world_size, args, None, _json_writer(args) if rank == 0 else None)
             dist.destroy_process_group()

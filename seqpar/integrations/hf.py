@@ -267,7 +267,7 @@ def from_gpt2(source, *, config=None, tp_group: ProcessGroup = None, sequence_pa
         check_eps(settings["eps"], "GPT-2 config layer_norm_epsilon")
         return settings, _transformer_state_dict(state_dict, settings), training
 
-    settings, sd, training = _read_on_every_rank(read, tp_group, "seqpar.integrations.hf.from_gpt2")
+    settings, sd, training = _read_on_every_rank(read, tp_group, "seqpar.integrations.hf.from_gpt2", device)
     wte = sd["wte.weight"]
     if dropout is None:
         hidden_p, attention_p, embedding_p = settings["resid_pdrop"], settings["attn_pdrop"], settings["embd_pdrop"]
@@ -487,11 +487,12 @@ def _llama_to_seqpar_keys(sd: Dict[str, torch.Tensor], head: Optional[torch.Tens
     return out
 
 
-def _read_on_every_rank(read, tp_group: ProcessGroup, what: str):
+def _read_on_every_rank(read, tp_group: ProcessGroup, what: str, device=None):
     """``read()`` (the source's settings and weights, checked on this rank alone), agreed over the TP
     group before the model's first collective: a source one rank rejects is a ValueError on every rank,
-    not one rank raising while the others wait in the GPTModel constructor's collective."""
-    return run_agreed(read, (tp_group,), what=what)
+    not one rank raising while the others wait in the GPTModel constructor's collective. ``device``: the
+    model's (None: the source's, not known before the read; the group's device then)."""
+    return run_agreed(read, (tp_group,), what=what, device=device)
 
 
 def _norms_eps(source: nn.Module, configured: float) -> float:
@@ -586,7 +587,7 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
         return settings, *_llama_state_dict(state_dict, settings), training
 
     _check_device(device, "from_llama")
-    settings, sd, head, training = _read_on_every_rank(read, tp_group, "seqpar.integrations.hf.from_llama")
+    settings, sd, head, training = _read_on_every_rank(read, tp_group, "seqpar.integrations.hf.from_llama", device)
     embed = sd["embed_tokens.weight"]
     groups = settings["kv_heads"]
     cfg = TransformerConfig(

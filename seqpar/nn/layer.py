@@ -80,11 +80,16 @@ def _draw_seeds(layer: "TransformerLayer") -> Tuple[int, int, int, int]:
     return sp_random.graph_ints(sp_random.next_layer_streams(layer.layer_number))
 
 
+def build_device(device) -> torch.device:
+    """The device parameters made for ``device`` are on (None: torch's default device, which a
+    ``with torch.device(...)`` context or ``torch.set_default_device`` sets)."""
+    return torch.get_default_device() if device is None else torch.device(device)
+
+
 def builds_on_meta(device) -> bool:
-    """Whether parameters made for ``device`` are on the meta device (None: torch's default device, which a
-    ``with torch.device(...)`` context sets). The ranks agree on it: a rank building on meta runs none of the
-    init collectives a real one runs."""
-    return (torch.get_default_device() if device is None else torch.device(device)).type == "meta"
+    """Whether parameters made for ``device`` are on the meta device (:func:`build_device`). The ranks agree
+    on it: a rank building on meta runs none of the init collectives a real one runs."""
+    return build_device(device).type == "meta"
 
 
 def trainable_values(module: nn.Module) -> Dict[str, object]:
@@ -344,7 +349,7 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         check_ranks_agree(tp_group, agreement_values(config, layer_number=layer_number,
                                                      on_meta_device=builds_on_meta(device)),
                           what=f"TransformerLayer(layer_number={layer_number!r})", hint=AGREEMENT_HINT,
-                          device=device)
+                          device=build_device(device))
         # The RNG folds layer_number into 64 bits: 2**64 + i would replay layer i's init and masks.
         if not isinstance(layer_number, int) or isinstance(layer_number, bool) or not 0 <= layer_number < 2**63:
             raise ValueError(f"layer_number must be an int in [0, 2**63), got {layer_number!r}")

@@ -44,8 +44,8 @@ from ..parallel.state import (SAME_MODE_HINT, SEED_HINT, ProcessGroup, SharesPro
                               check_ranks_agree, group_rank, group_size, shard_first_row)
 from ..memory import recompute_policies, saved_as
 from .autocast import autocast_dtype, call_self_casting, in_run_dtype, run_in_dtype
-from .layer import (AGREEMENT_HINT, RANK_CHECK_NOT_TRACEABLE, TransformerLayer, agreement_values, builds_on_meta,
-                    make_norm, parameter_device, reference_parameter, run_problem, trainable_values)
+from .layer import (AGREEMENT_HINT, RANK_CHECK_NOT_TRACEABLE, TransformerLayer, agreement_values, build_device,
+                    builds_on_meta, make_norm, parameter_device, reference_parameter, run_problem, trainable_values)
 from .layernorm import LayerNorm, RMSNorm
 from .linear import SeededNormal
 from .state_dict import (IncompatibleKeys, ShardedParameters, ShardLayout, check_intact_parts, check_loadable,
@@ -430,7 +430,7 @@ class GPTModel(SharesProcessGroup, nn.Module):
                                                      embedding_dropout=embedding_dropout,
                                                      share_embeddings_and_output_weights=share_embeddings_and_output_weights,
                                                      padding_idx=padding_idx, on_meta_device=builds_on_meta(device)),
-                          what="GPTModel", hint=AGREEMENT_HINT, device=device)
+                          what="GPTModel", hint=AGREEMENT_HINT, device=build_device(device))
         if not isinstance(share_embeddings_and_output_weights, bool):
             raise ValueError(f"share_embeddings_and_output_weights must be a bool, got "
                              f"{share_embeddings_and_output_weights!r}")

@@ -28,7 +28,7 @@ from torch import nn
 
 from .._custom_op import outside_dispatch_modes
 from ..ops.registry import is_dtensor
-from ..parallel.state import ProcessGroup, check_ranks_agree, group_rank, group_size, run_agreed
+from ..parallel.state import ProcessGroup, all_gather_objects, check_ranks_agree, group_rank, group_size, run_agreed
 
 # (local_start, full_start, length) along a layout's dim: the shard's indices local_start .. +length are
 # the unsharded tensor's full_start .. +length.
@@ -507,10 +507,9 @@ def prepare_parameters(module: nn.Module, what: str) -> PreparedParameters:
     peers: PeerShardRanks = {}
     for group, split_keys in mine.items():
         distinct = list(dict.fromkeys(ranks for _, ranks in split_keys))
-        gathered: List[object] = [None] * group_size(group)
         with outside_dispatch_modes():   # pickled into real tensors, under FakeTensorMode too
-            dist.all_gather_object(gathered, (distinct, [distinct.index(ranks) for _, ranks in split_keys]),
-                                   group=group)
+            gathered = all_gather_objects((distinct, [distinct.index(ranks) for _, ranks in split_keys]), group,
+                                          device=entries[0][1].device)
         per_rank = [[groups[index] for index in indices] for groups, indices in gathered]   # [tp rank][param]
         problem = _grid_problem([key for key, _ in split_keys], per_rank)
         if problem:

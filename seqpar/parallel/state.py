@@ -17,7 +17,7 @@ import contextvars
 import copy
 import hashlib
 import re
-from typing import Callable, Iterator, Mapping, Optional, Sequence, TypeVar
+from typing import Callable, Iterator, List, Mapping, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -254,6 +254,20 @@ def _control_device(group: ProcessGroup, preferred: Optional[torch.device] = Non
     if "nccl" in backend and "cpu:" not in backend:
         return nccl_device(group, preferred)
     return torch.device("cpu")
+
+
+def all_gather_objects(obj: object, group: ProcessGroup, device=None) -> List[object]:
+    """``dist.all_gather_object`` of ``obj`` over ``group`` (every rank's, in rank order), run on the device
+    :func:`_control_device` picks for ``device`` (where the objects' subject lives): torch stages the pickles
+    on the *current* CUDA device of an NCCL-only group, which is cuda:0 on every rank of a process that bound
+    its device with ``init_process_group(device_id=...)`` only (NCCL refused the tensors on rank 1 and rank 0
+    waited in the gather until the timeout) or never chose one (a context and a communicator on GPU 0 from
+    every rank)."""
+    gathered: List[object] = [None] * group_size(group)
+    where = _control_device(group, None if device is None else torch.device(device))
+    with torch.cuda.device(where) if where.type == "cuda" else contextlib.nullcontext():
+        dist.all_gather_object(gathered, obj, group=group)
+    return gathered
 
 
 def check_ranks_agree(group: ProcessGroup, values: Mapping[str, object], *, what: str,

@@ -548,22 +548,45 @@ def _input_agreement(r, t):
 
 
 def _control_devices(r, t):
-    """The device of every agreement's control tensor on a simulated NCCL-only group bound to cuda:r
+    """The device of every agreement's control tensor, and the current device at every object gather (torch
+    stages those pickles on the current device), on a simulated NCCL-only group bound to cuda:r
     (``init_process_group(device_id=...)``) in a process that never called ``torch.cuda.set_device`` (the
-    current device stays cuda:0): the choice is recorded and the exchange itself kept on gloo's CPU."""
+    current device stays cuda:0); then without a bound device, for a layer built under a default device of
+    cuda:r and a from_llama onto cuda:r. The choices are recorded, the exchanges themselves kept on gloo's
+    CPU (``torch.cuda.device`` only records the device it makes current)."""
+    import sys
+
     import seqpar
     import seqpar.nn.grad as grad
     import seqpar.parallel.state as state
+    from seqpar.integrations import hf
     from seqpar.nn import ColumnParallelLinear
 
     group = dist.new_group(list(range(t)))
     group.bound_device_id = torch.device("cuda", r)
-    real_backend, real_control, real_current = dist.get_backend, state._control_device, torch.cuda.current_device
-    chosen = []
+    real = (dist.get_backend, state._control_device, torch.cuda.current_device, torch.cuda.device,
+            dist.all_gather_object, torch.get_default_device)
+    chosen, current = [], ["cuda:0"]
 
     def spy(group, preferred=None):
-        chosen.append(str(real_control(group, preferred)))
-        return torch.device("cpu")
+        device = real[1](group, preferred)
+        chosen.append(str(device))
+        # an object gather enters it (torch.cuda.device, recorded below); the others' tensors stay on the CPU
+        return device if sys._getframe(1).f_code.co_name == "all_gather_objects" else torch.device("cpu")
+
+    class made_current:   # torch.cuda.device, without a GPU
+        def __init__(self, device):
+            self.device = str(device)
+
+        def __enter__(self):
+            current.append(self.device)
+
+        def __exit__(self, *exc):
+            current.pop()
+
+    def gather_objects(*args, **kwargs):
+        chosen.append(f"object gather on {current[-1]}")
+        return real[4](*args, **kwargs)
 
     def devices(fn):
         chosen.clear()
@@ -571,15 +594,24 @@ def _control_devices(r, t):
         return list(chosen)
 
     dist.get_backend, state._control_device, torch.cuda.current_device = (lambda group=None: "nccl"), spy, (lambda: 0)
+    torch.cuda.device, dist.all_gather_object = made_current, gather_objects
     try:
         cfg = seqpar.TransformerConfig(hidden_size=16, num_attention_heads=2, sequence_parallel=True)
         x_shard, w = torch.randn(4, 1, 16), torch.randn(8, 16)
-        return {"layer build": devices(lambda: seqpar.TransformerLayer(cfg, tp_group=group)),
-                "all_gather_matmul": devices(lambda: all_gather_matmul(x_shard, w, group=group, overlap=False)),
-                "linear": devices(lambda: ColumnParallelLinear(16, 16, tp_group=group, sequence_parallel=True)(x_shard)),
-                "clip_grad_norm_": [str(_clip_reduction_device(grad, group))]}
+        out = {"layer build": devices(lambda: seqpar.TransformerLayer(cfg, tp_group=group)),
+               "all_gather_matmul": devices(lambda: all_gather_matmul(x_shard, w, group=group, overlap=False)),
+               "linear": devices(lambda: ColumnParallelLinear(16, 16, tp_group=group, sequence_parallel=True)(x_shard)),
+               "clip_grad_norm_": [str(_clip_reduction_device(grad, group))]}
+        group.bound_device_id = None
+        torch.get_default_device = lambda: torch.device("cuda", r)   # what `with torch.device(f"cuda:{r}")` sets
+        out["layer build under a default device"] = devices(lambda: seqpar.TransformerLayer(cfg, tp_group=group))[:1]
+        torch.get_default_device = real[5]
+        out["from_llama onto a device"] = devices(lambda: hf._read_on_every_rank(
+            lambda: None, group, "from_llama", torch.device("cuda", r)))
+        return out
     finally:
-        dist.get_backend, state._control_device, torch.cuda.current_device = real_backend, real_control, real_current
+        (dist.get_backend, state._control_device, torch.cuda.current_device, torch.cuda.device,
+         dist.all_gather_object, torch.get_default_device) = real
 
 
 def _clip_reduction_device(grad, group):
@@ -620,9 +652,11 @@ def test_comm_matmul_multirank(world_size):
     if world_size == 2:
         assert all(res["layer"]["all_gather"] == 6 for res in results), results
         _check_input_agreement([res["input_agreement"] for res in results])
-        for rank, res in enumerate(results):   # the bound device, not cuda:0 on every rank (NCCL refused it)
+        for rank, res in enumerate(results):   # this rank's GPU, not cuda:0 on every rank (NCCL refused it)
             devices = res["control_devices"]
-            assert all(chosen and set(chosen) == {f"cuda:{rank}"} for chosen in devices.values()), (rank, devices)
+            assert f"object gather on cuda:{rank}" in devices["layer build"], (rank, devices)
+            assert all(chosen and set(chosen) - {f"object gather on cuda:{rank}"} == {f"cuda:{rank}"}
+                       for chosen in devices.values()), (rank, devices)
     if world_size == 4:
         assert all(res["subgroups"] for res in results)
 
