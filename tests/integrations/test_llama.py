@@ -338,6 +338,13 @@ def test_eps_and_rope_are_the_modules_not_a_config_changed_since():
     with pytest.raises(ValueError, match=r"inv_freq \(rope_type 'llama3'\) is not the 'llama3' RoPE of its config's "
                                          r"rope_theta 500000.0 and RopeScaling\(factor=16.0"):
         hf.from_llama(scaled)
+    scaled = _random_llama(2, **LLAMA31_ROPE)     # an edit that moves the blended frequencies by under 1%
+    if getattr(scaled.config, "rope_parameters", None) is not None:
+        scaled.config.rope_parameters = {**scaled.config.rope_parameters, "high_freq_factor": 4.02}
+    else:
+        scaled.config.rope_scaling = {**scaled.config.rope_scaling, "high_freq_factor": 4.02}
+    with pytest.raises(ValueError, match=r"and RopeScaling\(.*high_freq_factor=4.02"):
+        hf.from_llama(scaled)
     with pytest.raises(ValueError, match=r"Llama config rms_norm_eps must be a finite float >= .*, got 0.0"):
         hf.from_llama(_random_llama(2).state_dict(), config=_llama_config(2, rms_norm_eps=0.0))
 
