@@ -13,6 +13,8 @@ recompute, then hand the weights back to the HuggingFace model.
     torchrun --nproc-per-node 8 examples/hf_finetune.py --model gpt2-medium --dtype bf16 --seq-len 1024
     torchrun --nproc-per-node 4 examples/hf_finetune.py --family llama \
         --model TinyLlama/TinyLlama-1.1B-Chat-v1.0 --dtype bf16 --seq-len 2048
+    torchrun --nproc-per-node 8 examples/hf_finetune.py --family llama \
+        --model meta-llama/Llama-3.1-8B --dtype bf16 --seq-len 8192   # Llama 3.1's scaled RoPE included
 
 Every rank of the tensor-parallel group (all ranks, or WORLD_SIZE / --data-parallel of them) loads the
 same model and sees the same batch; seqpar keeps each rank's shard. With ``--data-parallel N`` the ranks

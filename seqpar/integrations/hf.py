@@ -514,9 +514,10 @@ def _check_rotary_frequencies(source: nn.Module, settings: dict) -> None:
     included: HF computes the frequencies from the config once, when it builds the model, so a config
     changed since (its rope_theta, or its rope type rewritten to get past seqpar's refusal of another
     scaling) left HF running other frequencies than the config says. Compared in the buffer's dtype (a
-    converted model holds them rounded) where that dtype is normal, to a few of its ulps (HF may have
-    computed them on another device, its pow an ulp apart): a 1% edit of a scaling field passed the 1%
-    tolerance this had."""
+    converted model holds them rounded) where that dtype is normal, to 16 of its ulps or 1 % whichever is
+    less: HF may have computed them on another device, its pow an ulp or two apart, which the llama3 blend
+    amplifies up to about 8 ulps; a 1 % edit of a scaling field moves them by about 10**4 fp32 ulps (the 1 %
+    this compared to before let it through)."""
     d = settings["hidden"] // settings["heads"]
     scaling = settings["rope_scaling"]
     expected_type = "default" if scaling is None else "llama3"
@@ -531,13 +532,15 @@ def _check_rotary_frequencies(source: nn.Module, settings: dict) -> None:
         if rope_type != expected_type or getattr(module, "attention_scaling", 1.0) != 1.0 or \
                 freq.shape != want.shape or not torch.allclose(freq.detach().cpu()[normal].double(),
                                                                want[normal].double(),
-                                                               rtol=4 * torch.finfo(freq.dtype).eps, atol=0):
+                                                               rtol=min(16 * torch.finfo(freq.dtype).eps, 1e-2),
+                                                               atol=0):
             raise ValueError(f"the model's {name or 'rotary'}.inv_freq (rope_type {rope_type!r}) is not the "
                              f"{expected_type!r} RoPE of its config's rope_theta {settings['theta']!r}"
                              f"{'' if scaling is None else f' and {scaling!r}'}, which seqpar would build: HF "
                              "computes with the module's frequencies, set from the config when the model was "
-                             f"built (was the config changed since?). seqpar implements the RoPE types "
-                             f"{LLAMA_ROPE_TYPES}")
+                             "built (was the config changed since? or were they never set: a model built on the "
+                             "meta device and materialised without init_weights()). seqpar implements the RoPE "
+                             f"types {LLAMA_ROPE_TYPES}")
 
 
 def _source_state_dict(source, config, kind: str):

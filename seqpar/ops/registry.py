@@ -340,7 +340,9 @@ def is_finite(value) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     try:
-        return math.isfinite(value)
+        # comparisons, not math.isfinite: torch.compile traces them on a float it made symbolic (a theta under
+        # dynamic=True), where math.isfinite was a graph break (and under fullgraph=True an error)
+        return -math.inf < float(value) < math.inf
     except OverflowError:
         return False
 

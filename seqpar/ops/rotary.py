@@ -148,9 +148,9 @@ def _llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float
 
 def rope_frequencies(theta: float, scaling: Optional[RopeScaling] = None) -> Tuple[float, ...]:
     """The ``freqs`` tuple the backends carry: ``(theta,)``, or theta and the four fields of ``scaling``."""
-    # float() of each, as of theta: under torch.compile a float Dynamo made symbolic (dynamic=True, or a
-    # recompile for another scaling) is a constant of the graph again, not a symbol first met inside the
-    # autograd Function's subgraph, which Dynamo can't lift (an AssertionError, not a graph break)
+    # float() of each, here in the caller's frame: torch.compile creates the symbol of a float it makes dynamic
+    # (dynamic=True, or a recompile for another scaling) where the float is first used, and one first used
+    # inside the autograd Function's subgraph can't be lifted (an AssertionError, not a graph break)
     fields = () if scaling is None else (scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor,
                                          scaling.original_max_position_embeddings)
     return tuple(float(value) for value in (theta, *fields))
@@ -426,5 +426,6 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, *, position_offset: int =
     """
     d = _check_inputs(q, k, position_offset, theta, rope_scaling, inplace)
     impl = registry.select(OP, backend, q.device, dtype=q.dtype, d=d)
-    args = (position_offset, rope_frequencies(theta, rope_scaling), inplace, impl)   # a SymInt offset stays symbolic
+    # position_offset as given, not int(): a SymInt offset stays symbolic
+    args = (position_offset, rope_frequencies(theta, rope_scaling), inplace, impl)
     return _RotaryEmbedding.apply(q, *args), _RotaryEmbedding.apply(k, *args)

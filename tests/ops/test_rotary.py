@@ -311,6 +311,21 @@ def test_llama3_scaling_compiles_in_one_graph(dynamic):
                                    rtol=0, atol=0)
 
 
+def test_a_theta_compile_made_symbolic_stays_in_one_graph():
+    """A theta torch.compile makes symbolic (an argument under dynamic=True; a second model of another theta
+    recompiled): the checks' math.isfinite was a graph break there, an error under fullgraph=True (a Llama
+    GPTModel under dynamic=True compiled to 14 graphs, its layer loop run eagerly)."""
+    torch._dynamo.reset()
+
+    def f(q, k, theta):
+        return rotary_embedding(q, k, theta=theta, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64), backend="torch")
+
+    q, k = _qk(6, 2, 2, 1, 16, torch.float32)
+    compiled = torch.compile(f, backend="aot_eager", dynamic=True, fullgraph=True)
+    for theta in (500000.0, 10000.0):
+        torch.testing.assert_close(compiled(q, k, theta), f(q, k, theta), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("fields, match", [
     (dict(factor=0.0), "factor must be a finite positive"), (dict(factor=float("nan")), "factor"),
     (dict(factor=1e-39), "factor must be within fp32's range"),    # frequencies inf: NaN rotations
