@@ -126,15 +126,11 @@ class RopeScaling:
         if not (isinstance(length, int) and not isinstance(length, bool) and length > 0):
             raise ValueError(f"RopeScaling.original_max_position_embeddings must be a positive int, got {length!r}")
 
-    def scale(self, inv_freq: torch.Tensor) -> torch.Tensor:
-        """The scaled frequencies of the default ones ``inv_freq`` (fp32 [d / 2])."""
-        return _llama3_scaled(inv_freq, self.factor, self.low_freq_factor, self.high_freq_factor,
-                              self.original_max_position_embeddings)
-
 
 def _llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
                    length: float) -> torch.Tensor:
-    """:meth:`RopeScaling.scale` on plain floats (what a traced graph computes: no dataclass built there)."""
+    """:class:`RopeScaling` of the default frequencies ``inv_freq`` (fp32 [d / 2]), on its fields as plain
+    floats (what a traced graph computes: no dataclass built there)."""
     # 2 pi written out (the double 2 * math.pi): under torch.compile(dynamic=True) Dynamo makes a global
     # float such as math.pi a symbol, which it can't lift into the autograd Function's subgraph
     wavelength = 6.283185307179586 / inv_freq
@@ -159,16 +155,15 @@ def rope_frequencies(theta: float, scaling: Optional[RopeScaling] = None) -> Tup
 def rope_inv_freq(d: int, theta: float, scaling: Optional[RopeScaling] = None) -> torch.Tensor:
     """``1 / theta**(2j / d)``, j < d / 2, scaled by ``scaling`` if given: fp32 on the CPU, by the same ops as
     HF's default (or "llama3") RoPE."""
-    # device="cpu" whatever the default device (a meta one made the copy to the layer's device fail)
-    inv_freq = 1.0 / (float(theta) ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float)
-                                       / d))
-    return inv_freq if scaling is None else scaling.scale(inv_freq)
+    return _inv_freq(d, rope_frequencies(theta, scaling))
 
 
 def _inv_freq(d: int, freqs: Sequence[float]) -> torch.Tensor:
     """:func:`rope_inv_freq` of a ``freqs`` tuple (:func:`rope_frequencies`)."""
     theta, *scaling = freqs
-    inv_freq = rope_inv_freq(d, theta)
+    # device="cpu" whatever the default device (a meta one made the copy to the layer's device fail)
+    inv_freq = 1.0 / (float(theta) ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float)
+                                       / d))
     return _llama3_scaled(inv_freq, *scaling) if scaling else inv_freq
 
 
