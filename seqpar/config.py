@@ -82,6 +82,9 @@ class TransformerConfig:
     ``rope_scaling``: None (the default RoPE frequencies), or Llama 3.1's scaling of them
     (:class:`seqpar.ops.RopeScaling`, HF ``rope_type="llama3"``: Llama 3.1 / 3.2 / 3.3); "rope" positions only.
     ``add_bias_linear``: biases on the four linear layers (QKV, projection, fc1, fc2).
+    ``add_qkv_bias``: a bias on the QKV linear even without ``add_bias_linear`` (Qwen2's block: q, k and v
+    biases, none on the projection or the MLP; Megatron's ``add_qkv_bias``). The QKV linear has a bias
+    when either is True.
     ``init_method_std``: the weights' init N(0, std): every matrix, and GPTModel's embedding tables and
     untied head (Megatron's ``init_method_std``, HF's ``initializer_range``; biases start at 0, norms at 1).
     ``output_layer_init_std``: the std of the two matrices that write into the residual stream (the
@@ -113,6 +116,7 @@ class TransformerConfig:
     init_method_std: float = 0.02
     output_layer_init_std: Optional[float] = None
     rope_scaling: Optional[RopeScaling] = None
+    add_qkv_bias: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups"):
@@ -140,7 +144,7 @@ class TransformerConfig:
             raise ValueError(f"params_dtype must be one of {', '.join(map(str, PARAMS_DTYPES))}, "
                              f"got {self.params_dtype!r}")
         check_flags(sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm,
-                    add_bias_linear=self.add_bias_linear)
+                    add_bias_linear=self.add_bias_linear, add_qkv_bias=self.add_qkv_bias)
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"unknown normalization {self.normalization!r}; expected one of {NORMALIZATIONS}")
         groups = self.num_query_groups
@@ -184,6 +188,11 @@ class TransformerConfig:
         """The std the attention projection and fc2 are initialised with in a layer of this config:
         ``output_layer_init_std``, or ``init_method_std`` when None (GPTModel resolves None first)."""
         return self.init_method_std if self.output_layer_init_std is None else self.output_layer_init_std
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the QKV linear has a bias: ``add_bias_linear or add_qkv_bias``."""
+        return self.add_bias_linear or self.add_qkv_bias
 
     @property
     def head_dim(self) -> int:

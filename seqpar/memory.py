@@ -629,20 +629,20 @@ def first_stage_parameters(hidden: int, num_layers: int, vocab: int, max_seq_len
                            num_query_groups: Optional[int] = None, normalization: str = "layernorm",
                            activation: str = "gelu", add_bias_linear: bool = True,
                            position_embedding: str = "learned",
-                           share_embeddings_and_output_weights: bool = True) -> int:
+                           share_embeddings_and_output_weights: bool = True, add_qkv_bias: bool = False) -> int:
     """Parameters one tensor-parallel rank of the first pipeline stage holds (the GPTModel that
     :class:`seqpar.TransformerConfig`'s knobs of the same names build).
 
     Sizes: ``hidden`` h, ``num_layers`` L, ``vocab`` v (unpadded), ``max_seq_len`` (the learned position
     table's rows), ``tp`` t, ``pp`` p, ``ffn_hidden`` f (None: 4h), ``heads`` a, ``num_query_groups`` g
     (None: a); ``normalization``, ``activation``, ``add_bias_linear``, ``position_embedding`` ("learned" |
-    "rope": no table) and ``share_embeddings_and_output_weights`` as the config's fields.
+    "rope": no table), ``share_embeddings_and_output_weights`` and ``add_qkv_bias`` as the config's fields.
 
     Per layer, with q = (1 + 2g/a) h the QKV rows (3h without grouped-query attention) and f' = 2f with
     SwiGLU (gate and up), else f: the QKV (q h), fc1 (f' h), projection (h^2) and fc2 (f h) weights split
     over the t ranks, with ``add_bias_linear`` also the QKV and fc1 biases (q + f', split) and the
-    projection and fc2 biases (2h, replicated), and the two norms (4h for LayerNorm's weight and bias, 2h
-    for RMSNorm) replicated: 12h^2 + 13h at the GPT defaults and t = 1. Plus the word embedding (v rows
+    projection and fc2 biases (2h, replicated), with ``add_qkv_bias`` alone the QKV bias (q, split), and
+    the two norms (4h for LayerNorm's weight and bias, 2h for RMSNorm) replicated: 12h^2 + 13h at the GPT defaults and t = 1. Plus the word embedding (v rows
     padded to a multiple of 128 t as GPTModel does, split t ways) and with learned positions the position
     table (max_seq_len x h); with pp = 1 also the final norm and, untied
     (``share_embeddings_and_output_weights=False``), the output layer (another padded v/t x h).
@@ -659,7 +659,7 @@ def first_stage_parameters(hidden: int, num_layers: int, vocab: int, max_seq_len
     _check_choice("normalization", normalization, NORMALIZATIONS)
     _check_choice("activation", activation, ACTIVATIONS)
     _check_choice("position_embedding", position_embedding, POSITION_EMBEDDINGS)
-    for name, value in (("add_bias_linear", add_bias_linear),
+    for name, value in (("add_bias_linear", add_bias_linear), ("add_qkv_bias", add_qkv_bias),
                         ("share_embeddings_and_output_weights", share_embeddings_and_output_weights)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be a bool, got {value!r}")
@@ -683,7 +683,8 @@ def first_stage_parameters(hidden: int, num_layers: int, vocab: int, max_seq_len
         qkv_rows = h + 2 * num_query_groups * (h // heads)
     fc1_rows = 2 * f if activation == "swiglu" else f
     norm = 2 * h if normalization == "layernorm" else h
-    split = qkv_rows * h + fc1_rows * h + h * h + f * h + (qkv_rows + fc1_rows if add_bias_linear else 0)
+    biases = (qkv_rows if add_bias_linear or add_qkv_bias else 0) + (fc1_rows if add_bias_linear else 0)
+    split = qkv_rows * h + fc1_rows * h + h * h + f * h + biases
     per_layer = split // t + (2 * h if add_bias_linear else 0) + 2 * norm
     vocab_shard = padded_vocab_size(vocab, t) // t * h
     embeddings = vocab_shard + (max_seq_len * h if position_embedding == "learned" else 0)

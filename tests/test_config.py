@@ -132,7 +132,8 @@ def test_architecture_defaults_are_the_gpt_layer():
     assert (cfg.normalization, cfg.activation, cfg.num_query_groups, cfg.kv_heads, cfg.position_embedding,
             cfg.rope_theta, cfg.add_bias_linear) == ("layernorm", "gelu", None, 4, "learned", 10000.0, True)
     llama = seqpar.TransformerConfig(**LLAMA)
-    assert llama.kv_heads == 2 and llama.head_dim == 8
+    assert llama.kv_heads == 2 and llama.head_dim == 8 and not llama.add_qkv_bias and not llama.qkv_bias
+    assert seqpar.TransformerConfig(**LLAMA, add_qkv_bias=True).qkv_bias and cfg.qkv_bias
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -149,6 +150,7 @@ def test_architecture_defaults_are_the_gpt_layer():
     (dict(rope_theta=True), "rope_theta must be a finite positive float, got True"),
     (dict(rope_theta=1e39), r"rope_theta must be within fp32's range .* got 1e\+39"),
     (dict(add_bias_linear=0), "add_bias_linear must be a bool, got 0"),
+    (dict(add_qkv_bias=1), "add_qkv_bias must be a bool, got 1"),
     (dict(hidden_size=72, num_attention_heads=24, num_query_groups=None),
      r"position_embedding='rope' needs an even head dim, got hidden_size 72 / num_attention_heads 24 = 3"),
     (dict(position_embedding="learned"), r"rope_theta=500000.0 with position_embedding='learned'"),
@@ -156,7 +158,7 @@ def test_architecture_defaults_are_the_gpt_layer():
     (dict(position_embedding="learned", rope_theta=10000.0, rope_scaling=seqpar.ops.RopeScaling()),
      r"rope_scaling=RopeScaling\(factor=8.0, .*\) with position_embedding='learned'"),
 ], ids=["norm", "norm-none", "activation", "groups-divide", "groups-zero", "groups-bool", "groups-float", "position",
-        "theta-zero", "theta-inf", "theta-bool", "theta-past-fp32", "bias-int", "rope-odd-head-dim",
+        "theta-zero", "theta-inf", "theta-bool", "theta-past-fp32", "bias-int", "qkv-bias-int", "rope-odd-head-dim",
         "theta-with-learned", "scaling-dict", "scaling-with-learned"])
 def test_architecture_knobs_reject(kwargs, match):
     with pytest.raises(ValueError, match=match):

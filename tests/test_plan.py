@@ -174,6 +174,9 @@ PARAMETER_CASES = {
     "llama": (dict(normalization="rmsnorm", activation="swiglu", num_query_groups=2, position_embedding="rope",
                    add_bias_linear=False, ffn_hidden_size=88), dict(share_embeddings_and_output_weights=False)),
     "layernorm-swiglu-gqa-bias-learned": (dict(activation="swiglu", num_query_groups=2), dict()),
+    "qwen2": (dict(normalization="rmsnorm", activation="swiglu", num_query_groups=2, position_embedding="rope",
+                   add_bias_linear=False, add_qkv_bias=True), dict()),
+    "qkv-bias-with-all-biases": (dict(add_qkv_bias=True), dict()),
 }
 
 
@@ -193,7 +196,8 @@ def _parameter_counts(rank, world_size):
         expected = first_stage_parameters(
             32, 3, 300, 16, tp=world_size, ffn_hidden=cfg.ffn_hidden_size, heads=4,
             num_query_groups=cfg.num_query_groups, normalization=cfg.normalization, activation=cfg.activation,
-            add_bias_linear=cfg.add_bias_linear, position_embedding=cfg.position_embedding, **model_kw)
+            add_bias_linear=cfg.add_bias_linear, position_embedding=cfg.position_embedding,
+            add_qkv_bias=cfg.add_qkv_bias, **model_kw)
         out[case] = (sum(p.numel() for p in model.parameters()), expected)
     return out
 
@@ -216,6 +220,7 @@ def test_first_stage_parameters_rejects():
     for kw, match in ((dict(num_query_groups=2), "needs heads"), (dict(activation="relu"), "unknown activation"),
                       (dict(heads=4, num_query_groups=3), "num_query_groups 3 does not divide heads 4"),
                       (dict(add_bias_linear=1), "add_bias_linear must be a bool"),
+                      (dict(add_qkv_bias="True"), "add_qkv_bias must be a bool, got 'True'"),
                       # heads given alone was never checked (0, 2.5, nan and t not dividing it all counted)
                       (dict(heads=0), "heads must be a positive int, got 0"), (dict(heads=2.5), "heads"),
                       (dict(heads=4, tp=8), "tp 8 does not divide heads 4")):

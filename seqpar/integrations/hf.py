@@ -1,4 +1,4 @@
-"""HuggingFace ``transformers`` GPT-2 and Llama <-> :class:`seqpar.GPTModel`.
+"""HuggingFace ``transformers`` GPT-2 and Llama (Mistral, Qwen2) <-> :class:`seqpar.GPTModel`.
 
 GPT-2 is the architecture of GPTModel (learned positions, pre-LayerNorm layers, tied output head), so
 a ``GPT2LMHeadModel`` (or ``GPT2Model``, or either's state dict) becomes a GPTModel holding this rank's
@@ -53,13 +53,19 @@ position_embedding="rope", add_bias_linear=False``, no dropout but the config's 
     lm_head.weight [v, h]                     output_layer.weight (tie_word_embeddings=False), or the
                                               word embedding (tied: then it must equal embed_tokens)
 
+The same block under other names (:data:`LLAMA_FAMILY`): a ``MistralForCausalLM`` without its sliding
+window (``sliding_window=None``: Mistral 7B v0.2 / v0.3), and a ``Qwen2ForCausalLM`` (Qwen2 / Qwen2.5),
+whose q, k and v projections have biases: ``add_qkv_bias=True``, and ``q_proj.bias [a d]``,
+``k_proj.bias [g d]``, ``v_proj.bias [g d]`` concatenated into ``query_key_value.bias``.
+
 Config: ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads`` (None: = heads),
 ``intermediate_size``, ``num_hidden_layers``, ``max_position_embeddings`` (GPTModel's max_seq_len),
 ``vocab_size`` (any; padded inside GPTModel), ``rms_norm_eps``, the RoPE base (``rope_parameters``,
 or ``rope_theta`` in older transformers) and its type: "default", or "llama3" (Llama 3.1 / 3.2 / 3.3:
 ``factor``, ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``, as
 :class:`seqpar.ops.RopeScaling`). Unsupported settings raise ValueError naming them: another RoPE type
-(linear, dynamic, yarn, longrope ... scaling), ``attention_bias`` or ``mlp_bias``,
+(linear, dynamic, yarn, longrope ... scaling), ``attention_bias`` or ``mlp_bias``, a sliding window
+narrower than ``max_position_embeddings`` (seqpar's attention is full causal),
 a ``head_dim`` other than hidden_size / num_attention_heads, a ``hidden_act`` other than "silu" (or
 "swish", HF's other name for it).
 
@@ -364,26 +370,30 @@ _LLAMA_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v
 _LLAMA_GATE_UP = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
 # RoPE inverse-frequency buffers that older transformers releases saved in state dicts: not weights.
 _ROPE_BUFFER = re.compile(r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq$")
-#: The seqpar config a Llama maps to, beyond its sizes.
+_LLAMA_QKV_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+#: The seqpar config a Llama maps to, beyond its sizes (and Qwen2's ``add_qkv_bias=True``).
 LLAMA_BLOCK = dict(normalization="rmsnorm", activation="swiglu", position_embedding="rope", add_bias_linear=False)
+#: The HF ``config.model_type`` values :func:`from_llama` converts -> (the name its errors use, whether q, k
+#: and v have biases): Mistral is Llama's block (its sliding window off), Qwen2 Llama's with q / k / v biases.
+LLAMA_FAMILY = {"llama": ("Llama", False), "mistral": ("Mistral", False), "qwen2": ("Qwen2", True)}
 
 
 #: The HF RoPE types from_llama converts: the default frequencies, and Llama 3.1's scaling of them.
 LLAMA_ROPE_TYPES = ("default", "llama3")
 
 
-def _llama_rope(get) -> Tuple[float, Optional[RopeScaling]]:
-    """The RoPE base of a LlamaConfig and its scaling (None for the default type; "llama3" is Llama 3.1's
-    :class:`seqpar.ops.RopeScaling`); ValueError for the other types."""
+def _llama_rope(get, kind: str) -> Tuple[float, Optional[RopeScaling]]:
+    """The RoPE base of a LlamaConfig (``kind``: the family's name, for the errors) and its scaling (None for
+    the default type; "llama3" is Llama 3.1's :class:`seqpar.ops.RopeScaling`); ValueError for the other types."""
     params = get("rope_parameters")
     if params is None:  # transformers < 5: rope_theta and rope_scaling attributes
         params = dict(get("rope_scaling") or {})
         params.setdefault("rope_theta", get("rope_theta", 10000.0))
     if not isinstance(params, Mapping):
-        raise ValueError(f"Llama config rope_parameters must be a dict, got {params!r}")
+        raise ValueError(f"{kind} config rope_parameters must be a dict, got {params!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in LLAMA_ROPE_TYPES:
-        raise ValueError(f"Llama config rope type {rope_type!r} (rope_parameters / rope_scaling) is not supported by "
+        raise ValueError(f"{kind} config rope type {rope_type!r} (rope_parameters / rope_scaling) is not supported by "
                          f"seqpar: it implements the RoPE types {LLAMA_ROPE_TYPES}")
     theta = params.get("rope_theta", 10000.0)
     if rope_type == "default":
@@ -391,11 +401,11 @@ def _llama_rope(get) -> Tuple[float, Optional[RopeScaling]]:
     fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [name for name in fields if params.get(name) is None]
     if missing:
-        raise ValueError(f"Llama config rope type 'llama3' without {missing} (rope_parameters / rope_scaling)")
+        raise ValueError(f"{kind} config rope type 'llama3' without {missing} (rope_parameters / rope_scaling)")
     try:
         return theta, RopeScaling(**{name: params[name] for name in fields})
     except ValueError as exc:
-        raise ValueError(f"Llama config rope type 'llama3': {exc}") from None
+        raise ValueError(f"{kind} config rope type 'llama3': {exc}") from None
 
 
 def _padding_idx(pad_token_id, vocab: int):
@@ -406,13 +416,36 @@ def _padding_idx(pad_token_id, vocab: int):
     return pad_token_id
 
 
+def _check_full_attention(get, kind: str, positions) -> None:
+    """ValueError for a sliding-window attention that masks anything in sequences of up to
+    ``positions`` (max_position_embeddings) tokens: seqpar's attention is full causal. Mistral's
+    ``sliding_window`` (None in Mistral 7B v0.2 / v0.3), Qwen2's (``use_sliding_window``, in the
+    ``layer_types`` listed "sliding_attention"). HF lets a query see the keys less than the window behind it,
+    so a window of at least ``positions`` masks nothing."""
+    window = get("sliding_window") if get("use_sliding_window", True) else None
+    layer_types = get("layer_types")
+    if layer_types is not None and all(kind_ == "full_attention" for kind_ in layer_types):
+        return   # Qwen2 with max_window_layers >= num_hidden_layers: no layer slides
+    other = sorted({kind_ for kind_ in layer_types or () if kind_ not in ("full_attention", "sliding_attention")})
+    if other:
+        raise ValueError(f"{kind} config layer_types {other} are not supported by seqpar: its attention is full causal")
+    if window is not None and not (isinstance(window, int) and isinstance(positions, int) and window >= positions):
+        raise ValueError(f"{kind} config sliding_window={window!r} is not supported by seqpar: its attention is full "
+                         f"causal, and a window below max_position_embeddings={positions!r} masks keys (set "
+                         "sliding_window=None, or use_sliding_window=False, to train with full attention)")
+
+
 def _llama_settings(config) -> dict:
-    """Read a LlamaConfig into GPTModel's arguments; ValueError naming any setting seqpar can't honour."""
+    """Read a LlamaConfig (MistralConfig, Qwen2Config) into GPTModel's arguments; ValueError naming any
+    setting seqpar can't honour."""
     def get(name, default=None):
         return getattr(config, name, default)
 
-    if get("model_type", "llama") != "llama":
-        raise ValueError(f"config.model_type {get('model_type')!r} is not 'llama'")
+    model_type = get("model_type", "llama")
+    if model_type not in LLAMA_FAMILY:
+        raise ValueError(f"config.model_type {model_type!r} is not one of the Llama family seqpar converts "
+                         f"{tuple(LLAMA_FAMILY)}")
+    kind, qkv_bias = LLAMA_FAMILY[model_type]
     if config is None or get("hidden_size") is None or get("intermediate_size") is None:
         raise ValueError(f"config must be a transformers LlamaConfig, got {type(config).__name__}")
     hidden, heads = get("hidden_size"), get("num_attention_heads")
@@ -420,14 +453,15 @@ def _llama_settings(config) -> dict:
     for name, supported in (("attention_bias", (False,)), ("mlp_bias", (False,)), ("hidden_act", LLAMA_ACTIVATIONS)):
         value = get(name, supported[0])
         if value not in supported:
-            raise ValueError(f"Llama config {name}={value!r} is not supported by seqpar (it implements "
+            raise ValueError(f"{kind} config {name}={value!r} is not supported by seqpar (it implements "
                              f"{name}={' or '.join(map(repr, supported))})")
     head_dim = get("head_dim")
     if head_dim is not None and head_dim * heads != hidden:
-        raise ValueError(f"Llama config head_dim={head_dim!r} is not supported by seqpar: it needs head_dim = "
+        raise ValueError(f"{kind} config head_dim={head_dim!r} is not supported by seqpar: it needs head_dim = "
                          f"hidden_size / num_attention_heads = {hidden} / {heads}")
-    theta, rope_scaling = _llama_rope(get)
-    return dict(hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=get("intermediate_size"),
+    _check_full_attention(get, kind, get("max_position_embeddings"))
+    theta, rope_scaling = _llama_rope(get, kind)
+    return dict(kind=kind, qkv_bias=qkv_bias, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=get("intermediate_size"),
                 layers=get("num_hidden_layers"), positions=get("max_position_embeddings"),
                 vocab=get("vocab_size"), eps=get("rms_norm_eps", 1e-6), theta=theta, rope_scaling=rope_scaling,
                 tied=bool(get("tie_word_embeddings", False)), attention_dropout=get("attention_dropout", 0.0) or 0.0,
@@ -435,12 +469,13 @@ def _llama_settings(config) -> dict:
 
 
 def _llama_shapes(settings: dict) -> Dict[str, tuple]:
-    """LlamaModel state-dict keys (no "model." prefix) and their shapes."""
+    """LlamaModel state-dict keys (no "model." prefix) and their shapes (with Qwen2's q / k / v biases)."""
     h, f, v = settings["hidden"], settings["ffn"], settings["vocab"]
     d = h // settings["heads"]
     kv = settings["kv_heads"] * d
     layer = {"self_attn.q_proj.weight": (h, h), "self_attn.k_proj.weight": (kv, h),
              "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, h),
+             **({key: (rows,) for key, rows in zip(_LLAMA_QKV_BIASES, (h, kv, kv))} if settings["qkv_bias"] else {}),
              "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
              "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
     shapes = {"embed_tokens.weight": (v, h)}
@@ -453,7 +488,7 @@ def _llama_shapes(settings: dict) -> Dict[str, tuple]:
 def _llama_state_dict(state_dict: Mapping[str, torch.Tensor], settings: dict):
     """A LlamaForCausalLM / LlamaModel state dict -> (the model's tensors without the prefix, the untied
     head or None), keys, shapes and the head checked (ValueError naming the offending key)."""
-    sd, head = _checked_tensors(state_dict, "Llama", _LLAMA_PREFIX, _ROPE_BUFFER, _llama_shapes(settings),
+    sd, head = _checked_tensors(state_dict, settings["kind"], _LLAMA_PREFIX, _ROPE_BUFFER, _llama_shapes(settings),
                                 f"num_hidden_layers={settings['layers']}")
     embed = sd["embed_tokens.weight"]
     if settings["tied"]:
@@ -465,19 +500,22 @@ def _llama_state_dict(state_dict: Mapping[str, torch.Tensor], settings: dict):
     if head is None:
         raise ValueError(f"the state dict has no {_HEAD} but the config has tie_word_embeddings=False (a LlamaModel "
                          f"has no output head: pass the LlamaForCausalLM)")
-    check_shapes({_HEAD: head}, {_HEAD: tuple(embed.shape)}, what="Llama state dict")
+    check_shapes({_HEAD: head}, {_HEAD: tuple(embed.shape)}, what=f"{settings['kind']} state dict")
     return sd, head
 
 
 def _llama_to_seqpar_keys(sd: Dict[str, torch.Tensor], head: Optional[torch.Tensor],
                           num_layers: int) -> Dict[str, torch.Tensor]:
-    """Llama keys (no prefix) -> GPTModel's unsharded keys: q/k/v and gate/up concatenated by rows."""
+    """Llama keys (no prefix) -> GPTModel's unsharded keys: q/k/v (and their biases, Qwen2's) and gate/up
+    concatenated by rows."""
     out = {"embedding.word_embeddings.weight": sd["embed_tokens.weight"]}
     for i in range(num_layers):
         theirs, ours = f"layers.{i}.", f"layers.{i}."
         for their_key, our_key in _LLAMA_NORMS:
             out[ours + our_key] = sd[theirs + their_key]
         out[ours + "self_attention.query_key_value.weight"] = torch.cat([sd[theirs + k] for k in _LLAMA_QKV])
+        if theirs + _LLAMA_QKV_BIASES[0] in sd:   # the shapes were checked: all three are there, or none
+            out[ours + "self_attention.query_key_value.bias"] = torch.cat([sd[theirs + k] for k in _LLAMA_QKV_BIASES])
         out[ours + "self_attention.dense.weight"] = sd[theirs + "self_attn.o_proj.weight"]
         out[ours + "mlp.dense_h_to_4h.weight"] = torch.cat([sd[theirs + k] for k in _LLAMA_GATE_UP])
         out[ours + "mlp.dense_4h_to_h.weight"] = sd[theirs + "mlp.down_proj.weight"]
@@ -564,8 +602,9 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
     Args:
         source: a ``transformers`` ``LlamaForCausalLM`` or ``LlamaModel`` (tied head only: it has no
             ``lm_head``), or a state dict of either (keys with or without the "model." prefix) together
-            with ``config=``.
-        config: the ``LlamaConfig`` of a state-dict ``source`` (a model brings its own: leave None).
+            with ``config=``; the same of Mistral or Qwen2 (module docstring).
+        config: the ``LlamaConfig`` (``MistralConfig``, ``Qwen2Config``) of a state-dict ``source`` (a
+            model brings its own: leave None).
         tp_group: tensor-parallel process group (None: no tensor parallelism). Every rank passes the
             same source; t must divide num_attention_heads, num_key_value_heads and intermediate_size.
         sequence_parallel, backend: as in :class:`seqpar.TransformerConfig`.
@@ -589,7 +628,7 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
             settings["pad"] = source.get_input_embeddings().padding_idx
             settings["eps"] = _norms_eps(source, settings["eps"])
             _check_rotary_frequencies(source, settings)
-        check_eps(settings["eps"], "Llama config rms_norm_eps")
+        check_eps(settings["eps"], f"{settings['kind']} config rms_norm_eps")
         return settings, *_llama_state_dict(state_dict, settings), training
 
     _check_device(device, "from_llama")
@@ -599,7 +638,8 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
     cfg = TransformerConfig(
         hidden_size=settings["hidden"], num_attention_heads=settings["heads"], ffn_hidden_size=settings["ffn"],
         num_query_groups=groups, attention_dropout=settings["attention_dropout"], layernorm_epsilon=settings["eps"],
-        rope_theta=settings["theta"], rope_scaling=settings["rope_scaling"], sequence_parallel=sequence_parallel,
+        rope_theta=settings["theta"], rope_scaling=settings["rope_scaling"], add_qkv_bias=settings["qkv_bias"],
+        sequence_parallel=sequence_parallel,
         recompute=_every_layer(recompute),
         backend=backend,
         params_dtype=embed.dtype if params_dtype is None else params_dtype, **LLAMA_BLOCK)
@@ -614,12 +654,13 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
 def to_llama_state_dict(model: GPTModel) -> Dict[str, torch.Tensor]:
     """The unsharded ``LlamaForCausalLM`` state dict of ``model`` (HF key names and order, q/k/v and
     gate/up split back out of the fused weights, the real vocabulary rows), loadable with
-    ``load_state_dict(strict=True)``. ``lm_head.weight`` is the untied output layer, or with a tied
+    ``load_state_dict(strict=True)``; with ``add_qkv_bias`` (a Qwen2) also the q / k / v biases, a
+    ``Qwen2ForCausalLM`` state dict (a Mistral's is a Llama's). ``lm_head.weight`` is the untied output layer, or with a tied
     head the same tensor as ``model.embed_tokens.weight`` (HF's own state dict holds both keys).
 
     A collective under tensor parallelism: call it on every rank; every rank gets the same dict. A model
     wrapped by DDP or torch.compile is read through the wrapper. ValueError unless ``model`` is a
-    GPTModel with the Llama block (RMSNorm, SwiGLU, RoPE, no biases).
+    GPTModel with the Llama block (RMSNorm, SwiGLU, RoPE, no biases but Qwen2's q / k / v ones).
     """
     model = _gpt_model(model)
     cfg = model.config
@@ -632,11 +673,14 @@ def to_llama_state_dict(model: GPTModel) -> Dict[str, torch.Tensor]:
     out = {_LLAMA_PREFIX + "embed_tokens.weight": full["embedding.word_embeddings.weight"]}
     for i in range(len(model.layers)):
         ours, theirs = f"layers.{i}.", f"{_LLAMA_PREFIX}layers.{i}."
-        q, k, v = (w.clone() for w in full[ours + "self_attention.query_key_value.weight"].split(rows))
+        weights = full[ours + "self_attention.query_key_value.weight"].split(rows)
+        biases = full[ours + "self_attention.query_key_value.bias"].split(rows) if cfg.add_qkv_bias else (None,) * 3
+        for weight_key, weight, bias_key, bias in zip(_LLAMA_QKV, weights, _LLAMA_QKV_BIASES, biases):
+            out[theirs + weight_key] = weight.clone()      # HF's order: each projection's weight, then its bias
+            if bias is not None:
+                out[theirs + bias_key] = bias.clone()
         gate, up = (w.clone() for w in full[ours + "mlp.dense_h_to_4h.weight"].split(f))
-        out.update({theirs + "self_attn.q_proj.weight": q, theirs + "self_attn.k_proj.weight": k,
-                    theirs + "self_attn.v_proj.weight": v,
-                    theirs + "self_attn.o_proj.weight": full[ours + "self_attention.dense.weight"],
+        out.update({theirs + "self_attn.o_proj.weight": full[ours + "self_attention.dense.weight"],
                     theirs + "mlp.gate_proj.weight": gate, theirs + "mlp.up_proj.weight": up,
                     theirs + "mlp.down_proj.weight": full[ours + "mlp.dense_4h_to_h.weight"]})
         for their_key, our_key in _LLAMA_NORMS:

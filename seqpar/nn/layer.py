@@ -204,10 +204,10 @@ class ParallelAttention(SharesProcessGroup, nn.Module):
         self.config, self.tp_group = config, tp_group
         self.local_heads, self.local_kv_heads = a // t, g // t
         common = dict(tp_group=tp_group, sequence_parallel=config.sequence_parallel, overlap_comm=config.overlap_comm,
-                      device=device, dtype=dtype, bias=config.add_bias_linear, init_method=init_method)
+                      device=device, dtype=dtype, init_method=init_method)
         self.query_key_value = ColumnParallelLinear(h, (a + 2 * g) * d, partition_blocks=(a * d, g * d, g * d),
-                                                    **common)
-        self.dense = RowParallelLinear(a * d, h, skip_bias_add=True, **common)
+                                                    bias=config.qkv_bias, **common)
+        self.dense = RowParallelLinear(a * d, h, bias=config.add_bias_linear, skip_bias_add=True, **common)
         self.dense.check_rank_inputs = False   # its input comes from query_key_value's, which agreed on it
 
     def forward(self, a1: torch.Tensor, dropout_p: float, seed: int):
@@ -526,10 +526,10 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
 
     def full_shapes(self) -> Dict[str, tuple]:
         """Unsharded state-dict keys and shapes of every parameter (PyTorch Linear layout, weight [out, in]):
-        the layer's own parts, with ``.bias`` keys only where there are biases (``add_bias_linear``;
-        LayerNorm, not RMSNorm), and any parameter a subclass or a replaced submodule holds (split as its
-        module splits it if that is a seqpar parallel module, else replicated), in ``state_dict()``'s
-        order. ValueError for a wrapped or reparametrized part, as :meth:`full_state_dict`."""
+        the layer's own parts, with ``.bias`` keys only where there are biases (``add_bias_linear``,
+        ``add_qkv_bias`` for the QKV linear; LayerNorm, not RMSNorm), and any parameter a subclass or a
+        replaced submodule holds (split as its module splits it if that is a seqpar parallel module, else
+        replicated), in ``state_dict()``'s order. ValueError for a wrapped or reparametrized part, as :meth:`full_state_dict`."""
         self._parts(f"TransformerLayer(layer_number={self.layer_number}).full_shapes")
         return unsharded_shapes(unsharded_entries(self))
 

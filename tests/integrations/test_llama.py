@@ -8,7 +8,8 @@ on a one-rank group:
 - its measured activation bytes per rank against seqpar.memory's formula: within [0.95x, 1.05x] and
   equal label by label;
 - from_llama logits equal HF's within 2e-5 in fp32 at t = 1, 2 (2 k/v groups) and t = 4 (4 k/v groups),
-  SP on and off, every recompute policy; bitwise round trips; 3 SGD steps at t = 2 + SP + selective
+  SP on and off, every recompute policy, for a Llama, a Llama 3.1 (scaled RoPE) and a Qwen2 (q / k / v
+  biases, tied head); bitwise round trips (Qwen2's too); Mistral and Qwen2 at t = 1; 3 SGD steps at t = 2 + SP + selective
   against HF's losses; bad configs and state dicts; the import needs no transformers.
 """
 import functools
@@ -35,21 +36,26 @@ def _transformers():
     return pytest.importorskip("transformers")
 
 
-def _llama_config(kv_groups=2, vocab=VOCAB, **kw):
+#: family -> (config class, model class) names in transformers
+FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+
+
+def _llama_config(kv_groups=2, vocab=VOCAB, family="llama", **kw):
     base = dict(num_hidden_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
                 num_key_value_heads=kv_groups, intermediate_size=FFN, vocab_size=vocab,
                 max_position_embeddings=POSITIONS, rms_norm_eps=1e-6)
     base.update(kw)
-    return _transformers().LlamaConfig(**base)
+    return getattr(_transformers(), FAMILIES[family][0])(**base)
 
 
-def _random_llama(kv_groups=2, seed=0, **kw):
-    """A LlamaForCausalLM whose every weight is random (the RMSNorm weights too, so their mapping is
-    tested); the same on every call with the same arguments."""
+def _random_llama(kv_groups=2, seed=0, family="llama", **kw):
+    """A LlamaForCausalLM (or ``family``'s) whose every weight is random (the RMSNorm weights and Qwen2's
+    biases too, so their mapping is tested); the same on every call with the same arguments."""
     transformers = _transformers()
     transformers.logging.set_verbosity_error()
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(_llama_config(kv_groups, **kw))
+    model = getattr(transformers, FAMILIES[family][1])(_llama_config(kv_groups, family=family, **kw))
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -70,19 +76,21 @@ LLAMA31_ROPE = dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_fre
 
 
 @functools.lru_cache(maxsize=None)
-def _logit_case(kv_groups, tied=False, llama31=False):
+def _logit_case(kv_groups, tied=False, llama31=False, family="llama"):
     """(state dict, config dict, tokens, HF's eval logits [s, b, v])."""
     rope = LLAMA31_ROPE if llama31 else dict(rope_theta=5000.0)
-    llama = _random_llama(kv_groups, tie_word_embeddings=tied, **rope).eval()
+    llama = _random_llama(kv_groups, tie_word_embeddings=tied, family=family, **rope).eval()
     tokens = _tokens()
     with torch.no_grad():
         return llama.state_dict(), llama.config.to_dict(), tokens, llama(tokens).logits.transpose(0, 1)
 
 
 def _round_trip_cases(kv_groups):
-    llama = _random_llama(kv_groups, seed=4)
-    return {str(dtype): ({k: v.to(dtype) for k, v in llama.state_dict().items()}, llama.config.to_dict())
-            for dtype in (torch.float32, torch.bfloat16)}
+    llama, qwen2 = _random_llama(kv_groups, seed=4), _random_llama(kv_groups, seed=4, family="qwen2")
+    cases = {str(dtype): ({k: v.to(dtype) for k, v in llama.state_dict().items()}, llama.config.to_dict())
+             for dtype in (torch.float32, torch.bfloat16)}
+    cases["qwen2"] = (qwen2.state_dict(), qwen2.config.to_dict())
+    return cases
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,7 +120,8 @@ def _cases(world_size):
     except ImportError:
         return dict(logit_cases=None, round_trip_cases=None, train_case=None)
     g = KV_GROUPS[world_size]
-    return dict(logit_cases={f"g{g}": _logit_case(g), f"g{g}-llama3.1-rope": _logit_case(g, llama31=True)},
+    return dict(logit_cases={f"g{g}": _logit_case(g), f"g{g}-llama3.1-rope": _logit_case(g, llama31=True),
+                             f"g{g}-qwen2-tied": _logit_case(g, tied=True, family="qwen2")},
                 round_trip_cases=_round_trip_cases(g),
                 train_case=_train_case()[0] if world_size == 2 else None)
 
@@ -210,7 +219,7 @@ def _check_logits(per_rank, world_size):
 def test_from_llama_logits_match_hf(world_size, tmp_path_factory):
     _transformers()
     per_rank = [r["logits"] for r in ranks(world_size, tmp_path_factory)]
-    assert len(per_rank[0]) == 2 * 2 * 3
+    assert len(per_rank[0]) == 3 * 2 * 3
     _check_logits(per_rank, world_size)
 
 
@@ -219,7 +228,8 @@ def test_from_llama_logits_match_hf(world_size, tmp_path_factory):
 def test_round_trip_is_bitwise_under_tp(world_size, tmp_path_factory):
     _transformers()
     for rank, rank_result in enumerate(ranks(world_size, tmp_path_factory)):
-        assert rank_result["round_trips"] and all(rank_result["round_trips"].values()), \
+        assert set(rank_result["round_trips"]) == {"torch.float32", "torch.bfloat16", "qwen2"} and \
+            all(rank_result["round_trips"].values()), \
             f"rank {rank}: {rank_result['round_trips']}"
 
 
@@ -261,6 +271,86 @@ def test_from_model_objects_tied_and_untied_and_back(tied):
     fresh.load_state_dict(got, strict=True)
     with torch.no_grad():
         torch.testing.assert_close(fresh.eval()(tokens).logits, llama(tokens).logits, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("family, kw", [("qwen2", dict(tie_word_embeddings=True, rope_theta=1e6)),
+                                        ("qwen2", dict(use_sliding_window=True, sliding_window=8,
+                                                       max_window_layers=LAYERS)),     # no layer slides
+                                        ("mistral", dict(sliding_window=None)),
+                                        ("mistral", dict(sliding_window=POSITIONS))],  # masks nothing
+                         ids=["qwen2", "qwen2-window-unused", "mistral", "mistral-window-past-positions"])
+def test_mistral_and_qwen2_are_the_llama_block(family, kw):
+    """Qwen2 (q / k / v biases: add_qkv_bias) and Mistral convert as the Llama block: logits and every
+    gradient (the q / k / v biases' included) match HF's, HF's model loads the hand-back, bitwise."""
+    transformers = _transformers()
+    source = _random_llama(2, seed=6, family=family, **kw).train()
+    model = hf.from_llama(source)
+    assert model.config.add_qkv_bias == (family == "qwen2") and not model.config.add_bias_linear
+    assert (model.output_layer is None) == bool(kw.get("tie_word_embeddings"))
+    tokens = _tokens()
+    labels = hf.shift_labels(tokens)
+    loss = model(tokens, labels).sum() / (labels != -100).sum()
+    loss.backward()
+    reference = source(tokens, labels=tokens).loss
+    reference.backward()
+    torch.testing.assert_close(loss, reference, atol=2e-6, rtol=0)
+    grads = hf.to_llama_state_dict(_grads_as_model(model))
+    their_grads = {k: p.grad for k, p in source.named_parameters()}
+    assert set(their_grads) <= set(grads)
+    for key, their_grad in their_grads.items():
+        torch.testing.assert_close(grads[key], their_grad, atol=2e-5 * their_grad.abs().max().item(), rtol=0,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+    if family == "qwen2":
+        assert their_grads["model.layers.0.self_attn.k_proj.bias"].abs().max() > 0   # the biases are trained
+    got = hf.to_llama_state_dict(model)
+    expected = source.state_dict()
+    assert list(got) == list(expected) and all(torch.equal(got[k], v) for k, v in expected.items())
+    fresh = getattr(transformers, FAMILIES[family][1])(source.config)
+    fresh.load_state_dict(got, strict=True)
+
+
+def _grads_as_model(model):
+    """A copy of ``model`` whose parameters hold its gradients (to read them out with HF's names)."""
+    import copy
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), copied.parameters()):
+            q.copy_(p.grad)
+    return copied
+
+
+@pytest.mark.parametrize("family, kw, match", [
+    ("mistral", dict(sliding_window=16), r"Mistral config sliding_window=16 is not supported by seqpar: its attention "
+                                         r"is full causal, and a window below max_position_embeddings=64 masks keys"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
+     r"Qwen2 config sliding_window=16 is not supported"),
+    ("qwen2", dict(layer_types=["full_attention", "chunked_attention"]), r"Qwen2 config layer_types \['chunked_attention'\]"),
+    ("qwen2", dict(hidden_act="gelu"), r"Qwen2 config hidden_act='gelu' is not supported"),
+], ids=["mistral-window", "qwen2-window", "qwen2-layer-types", "qwen2-act"])
+def test_mistral_and_qwen2_variants_seqpar_does_not_compute_raise(family, kw, match):
+    """A sliding window narrower than the context masks keys seqpar's full causal attention sees: HF's
+    logits differ from full attention's at s = 36 > 16 (checked here), so the conversion is refused."""
+    config = _llama_config(2, family=family, **kw)
+    state_dict = _random_llama(2, family=family).state_dict()
+    with pytest.raises(ValueError, match=match):
+        hf.from_llama(state_dict, config=config)
+    if "sliding_window" in kw:
+        windowed = _random_llama(2, seed=1, family=family, **kw).eval()
+        full = _random_llama(2, seed=1, family=family).eval()
+        with torch.no_grad():
+            assert (windowed(_tokens()).logits - full(_tokens()).logits).abs().max() > 1e-3
+
+
+def test_qwen2_state_dicts_need_their_biases():
+    qwen2 = _random_llama(2, family="qwen2")
+    state_dict = dict(qwen2.state_dict())
+    state_dict.pop("model.layers.1.self_attn.v_proj.bias")
+    with pytest.raises(ValueError, match=r"Qwen2 state dict .*missing \['layers.1.self_attn.v_proj.bias'\]"):
+        hf.from_llama(state_dict, config=qwen2.config)
+    llama = _random_llama(2)
+    with pytest.raises(ValueError, match=r"Llama state dict .*unexpected \['layers.0.self_attn.q_proj.bias'"):
+        hf.from_llama({**llama.state_dict(), "model.layers.0.self_attn.q_proj.bias": torch.zeros(HIDDEN)},
+                      config=llama.config)
 
 
 @pytest.mark.parametrize("pad_token_id", [2, -1], ids=["pad2", "pad-last"])
@@ -430,7 +520,8 @@ def test_bad_state_dicts_raise_naming_the_key(change, match, tied):
 
 def test_other_models_configs_and_layouts_raise():
     transformers = _transformers()
-    with pytest.raises(ValueError, match="model_type 'gpt2' is not 'llama'"):
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not one of the Llama family seqpar converts "
+                                         r"\('llama', 'mistral', 'qwen2'\)"):
         hf.from_llama({}, config=transformers.GPT2Config())
     with pytest.raises(ValueError, match="needs config="):
         hf.from_llama(_random_llama(2).state_dict())

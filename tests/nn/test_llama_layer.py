@@ -19,6 +19,7 @@ LLAMA = dict(normalization="rmsnorm", activation="swiglu", position_embedding="r
 BLOCKS = {  # id: architecture knobs
     "llama-gqa": dict(LLAMA, num_query_groups=2, rope_theta=500.0),
     "llama-mha": dict(LLAMA),
+    "qwen2-qkv-bias": dict(LLAMA, num_query_groups=2, add_qkv_bias=True, rope_theta=1e6),
     "layernorm-swiglu-rope-bias-gqa4": dict(activation="swiglu", position_embedding="rope", num_query_groups=4),
     "rmsnorm-gelu-learned-bias-gqa1": dict(normalization="rmsnorm", activation="gelu_tanh", num_query_groups=1),
 }
@@ -124,6 +125,9 @@ def test_state_dict_layouts_of_the_llama_block():
     bad = dict(sd, **{"mlp.dense_h_to_4h.bias": torch.zeros(2 * F_FFN)})
     with pytest.raises(ValueError, match=r"unexpected \['mlp.dense_h_to_4h.bias'\]"):
         layer.load_full_state_dict(bad)
+    qwen2 = seqpar.TransformerLayer(_cfg("qwen2-qkv-bias"))      # add_qkv_bias: the QKV bias alone
+    assert qwen2.full_shapes() == {**layer.full_shapes(), "self_attention.query_key_value.bias": ((A + 2 * 2) * 8,)}
+    assert [k for k in qwen2.full_shapes() if k.endswith(".bias")] == ["self_attention.query_key_value.bias"]
     mixed = seqpar.TransformerLayer(_cfg("layernorm-swiglu-rope-bias-gqa4"))
     assert mixed.full_shapes()["self_attention.query_key_value.bias"] == ((A + 2 * 4) * 8,)
     assert mixed.full_shapes()["input_layernorm.bias"] == (H,)
