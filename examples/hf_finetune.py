@@ -1,5 +1,5 @@
-"""Fine-tune a HuggingFace GPT-2 or Llama with seqpar: tensor + sequence parallelism and selective
-recompute, then hand the weights back to the HuggingFace model.
+"""Fine-tune a HuggingFace GPT-2 or Llama (Mistral, Qwen2) with seqpar: tensor + sequence parallelism and
+selective recompute, then hand the weights back to the HuggingFace model.
 
     # CPU, 2 gloo ranks, a small randomly initialised model (nothing downloaded):
     torchrun --nproc-per-node 2 examples/hf_finetune.py --steps 20
@@ -15,6 +15,8 @@ recompute, then hand the weights back to the HuggingFace model.
         --model TinyLlama/TinyLlama-1.1B-Chat-v1.0 --dtype bf16 --seq-len 2048
     torchrun --nproc-per-node 8 examples/hf_finetune.py --family llama \
         --model meta-llama/Llama-3.1-8B --dtype bf16 --seq-len 8192   # Llama 3.1's scaled RoPE included
+    torchrun --nproc-per-node 2 examples/hf_finetune.py --family qwen2 \
+        --model Qwen/Qwen2.5-0.5B --dtype bf16 --seq-len 2048          # q / k / v biases, tied head
 
 Every rank of the tensor-parallel group (all ranks, or WORLD_SIZE / --data-parallel of them) loads the
 same model and sees the same batch; seqpar keeps each rank's shard. With ``--data-parallel N`` the ranks
@@ -52,6 +54,9 @@ from seqpar.memory import ActivationMeter, architecture_kwargs, model_activation
 from seqpar.ops import select_attention_backend
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: --family -> (its transformers config and causal-LM classes); all but gpt2 convert with hf.from_llama
+FAMILIES = {"gpt2": ("GPT2Config", "GPT2LMHeadModel"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
+            "mistral": ("MistralConfig", "MistralForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
 
 
 def parse_args(family=None):
@@ -59,8 +64,9 @@ def parse_args(family=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     if family is None:
-        parser.add_argument("--family", choices=["gpt2", "llama"], default="gpt2",
-                            help="GPT2LMHeadModel (hf.from_gpt2) or LlamaForCausalLM (hf.from_llama)")
+        parser.add_argument("--family", choices=sorted(FAMILIES), default="gpt2",
+                            help="GPT2LMHeadModel (hf.from_gpt2), or LlamaForCausalLM, MistralForCausalLM, "
+                                 "Qwen2ForCausalLM (hf.from_llama)")
     else:
         parser.set_defaults(family=family)
     parser.add_argument("--model", help="model to fine-tune (from_pretrained name or directory); "
@@ -69,7 +75,7 @@ def parse_args(family=None):
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
     if family != "gpt2":
-        parser.add_argument("--kv-heads", type=int, help="llama: k/v heads (default: --heads)")
+        parser.add_argument("--kv-heads", type=int, help="llama / mistral / qwen2: k/v heads (default: --heads)")
     else:
         parser.set_defaults(kv_heads=None)
     parser.add_argument("--seq-len", type=int, default=64, help="divisible by the number of ranks (SP)")
@@ -90,10 +96,10 @@ def parse_args(family=None):
                                              "(torch.distributed.checkpoint, every rank writes its shards)")
     parser.add_argument("--resume", help="checkpoint directory to continue from (saved at any number of ranks)")
     args = parser.parse_args()
-    if args.family != "llama" and args.kv_heads is not None:
-        parser.error("--kv-heads is for --family llama")
+    if args.family == "gpt2" and args.kv_heads is not None:
+        parser.error("--kv-heads is for the Llama family (--family llama, mistral, qwen2)")
     if args.family != "gpt2" and args.dropout is not None:
-        parser.error("--dropout is for --family gpt2 (Llama has no dropout)")
+        parser.error("--dropout is for --family gpt2 (the Llama family has no dropout)")
     if args.resume and not os.path.isdir(args.resume):
         parser.error(f"--resume {args.resume} is not a directory (a --checkpoint directory of an earlier run)")
     if not args.clip_grad >= 0:
@@ -126,10 +132,12 @@ def random_model(args):
     if args.family == "gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
             n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, n_positions=positions))
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    config_class, model_class = (getattr(transformers, name) for name in FAMILIES[args.family])
+    extra = dict(sliding_window=None) if args.family == "mistral" else {}   # seqpar's attention is full causal
+    return model_class(config_class(
         num_hidden_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads or args.heads, intermediate_size=11 * args.hidden // 4,
-        vocab_size=1000, max_position_embeddings=positions))
+        vocab_size=1000, max_position_embeddings=positions, **extra))
 
 
 def batches(vocab_size, args, device, replica=0, step=0):
@@ -177,7 +185,7 @@ def main(family=None):
     tp_group, replica = mesh["tp"].get_group(), mesh["dp"].get_local_rank()
 
     # The same model on every rank: pretrained, or random from a fixed torch seed.
-    hf_class = transformers.GPT2LMHeadModel if args.family == "gpt2" else transformers.LlamaForCausalLM
+    hf_class = getattr(transformers, FAMILIES[args.family][1])
     hf_model = (hf_class.from_pretrained(args.model) if args.model else random_model(args)).to(DTYPES[args.dtype])
 
     seqpar.manual_seed(args.seed)      # the same seed on every rank: dropout masks agree across ranks

@@ -49,7 +49,8 @@ def test_readme_snippet_runs_as_written(tmp_path):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("family, script", [("gpt2", ["hf_gpt2_finetune.py", "--heads", "4"]),
-                                            ("llama", ["hf_finetune.py", "--family", "llama", "--heads", "8",
+                                            # the Llama family's path, with Qwen2's q / k / v biases
+                                            ("qwen2", ["hf_finetune.py", "--family", "qwen2", "--heads", "8",
                                                        "--kv-heads", "2"])])
 def test_finetune_example_trains_and_hands_the_weights_back(tmp_path, family, script):
     transformers = pytest.importorskip("transformers")
