@@ -402,8 +402,13 @@ def _llama_rope(get, kind: str) -> Tuple[float, Optional[RopeScaling]]:
     missing = [name for name in fields if params.get(name) is None]
     if missing:
         raise ValueError(f"{kind} config rope type 'llama3' without {missing} (rope_parameters / rope_scaling)")
+    values = {name: params[name] for name in fields}
+    length = values["original_max_position_embeddings"]
+    if isinstance(length, float) and length.is_integer():
+        # HF warns and computes with it (8192.0 written in a config.json): the frequencies of 8192
+        values["original_max_position_embeddings"] = int(length)
     try:
-        return theta, RopeScaling(**{name: params[name] for name in fields})
+        return theta, RopeScaling(**values)
     except ValueError as exc:
         raise ValueError(f"{kind} config rope type 'llama3': {exc}") from None
 

@@ -485,6 +485,20 @@ def test_unsupported_llama_variants_raise(kwargs, match):
         hf.from_llama(state_dict, config=_llama_config(2, **kwargs))
 
 
+def test_a_float_original_context_is_taken_as_hf_takes_it():
+    """HF warns about original_max_position_embeddings=64.0 (a config.json written by hand) and computes with
+    it; from_llama refused it. Now the integral float is that int: the frequencies and logits are HF's."""
+    rope = {**LLAMA31_ROPE, "rope_scaling": {**LLAMA31_ROPE["rope_scaling"], "original_max_position_embeddings": 64.0}}
+    llama = _random_llama(2, **rope).eval()
+    model = hf.from_llama(llama)
+    assert model.config.rope_scaling.original_max_position_embeddings == 64
+    with torch.no_grad():
+        torch.testing.assert_close(model(_tokens()), llama(_tokens()).logits.transpose(0, 1), atol=2e-5, rtol=0)
+    half = {**rope["rope_scaling"], "original_max_position_embeddings": 64.5}
+    with pytest.raises(ValueError, match="original_max_position_embeddings must be a positive int, got 64.5"):
+        hf.from_llama(llama.state_dict(), config=_llama_config(2, **{**rope, "rope_scaling": half}))
+
+
 def test_hidden_act_swish_is_silu():
     """HF maps hidden_act "swish" to the same nn.SiLU as "silu": from_llama takes it, logits match HF."""
     llama = _random_llama(2, hidden_act="swish").eval()
