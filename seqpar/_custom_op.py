@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from typing import Callable, Iterable, Iterator, Optional
 
 import torch
@@ -39,7 +40,15 @@ def capturing_graph() -> bool:
     return detect_fake_mode() is not None or get_proxy_mode() is not None
 
 
-@torch.compiler.assume_constant_result
+def assume_constant_result(fn: Callable) -> Callable:
+    """``torch.compiler.assume_constant_result`` without importing torch._dynamo (0.6 s of seqpar's import,
+    sympy and triton with it): that decorator only sets this attribute, which Dynamo reads when it traces
+    a call (tests/test_import_time.py checks that the two still agree)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@assume_constant_result
 def exporting() -> bool:
     """Whether torch.export is capturing: its flag, read as a constant. Not torch.compiler.is_exporting(),
     which Dynamo folded to True while torch.compile traced (before torch 2.14: every compiled recompute
@@ -127,10 +136,42 @@ def kernel_op(name: str, launcher: Optional[Callable] = None, *, mutates_args: I
 
 def outside_compile(reason: str) -> Callable[[Callable], Callable]:
     """Decorator: the function runs eagerly, outside torch.compile (``torch.compiler.disable``): a graph
-    break, and under ``fullgraph=True`` an error that gives ``reason``."""
+    break, and under ``fullgraph=True`` an error that gives ``reason``.
+
+    ``torch.compiler.disable`` itself imports torch._dynamo (0.6 s, most of seqpar's import), so the
+    wrapper is built here and disables Dynamo only once Dynamo is loaded: before that no compiled code
+    can be running (only Dynamo installs the frame hook), so the plain call is what the disabled one
+    does. The wrapper carries the attributes Dynamo reads on a disabled function (the graph break and its
+    reason, the function under it; tests/test_import_time.py checks them against torch's), and its own
+    frame is skipped by Dynamo as torch's wrapper's is (it lies in a file Dynamo skips): else Dynamo
+    compiled the wrapper's frame on every call from compiled code, an extra frame per call."""
     def wrap(fn: Callable) -> Callable:
-        try:
-            return torch.compiler.disable(fn, reason=reason)
-        except TypeError:  # torch < 2.7: no reason= (the graph break is the same, its message bare)
-            return torch.compiler.disable(fn)
+        disabled = None
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            nonlocal disabled
+            if disabled is None:
+                if "torch._dynamo" not in sys.modules:
+                    return fn(*args, **kwargs)
+                # torch.compiler.disable's own; not wrapped in fn's name (call is), as functools' frames
+                # would run under Dynamo's frame hook here (two frames more in its counts)
+                disabled = torch._dynamo.disable(fn, reason=reason, wrapping=False)
+            return disabled(*args, **kwargs)
+
+        call._torchdynamo_disable = call._torchdynamo_disable_recursive = True
+        call._torchdynamo_disable_msg, call._torchdynamo_orig_callable = reason, fn
+        call._torchdynamo_wrapper_id = id(call)
+        _skip_frame(call.__code__)
+        return call
     return wrap
+
+
+def _skip_frame(code) -> None:
+    """``torch._dynamo.skip_code(code)`` through its C binding: Dynamo's frame hook runs ``code``'s frames
+    as they are, without importing torch._dynamo."""
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    except ImportError:   # a torch without this binding: Dynamo traces the wrapper's frame (a cost, not an error)
+        return
+    set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import weakref
 from typing import Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
@@ -450,12 +451,24 @@ PeerShardRanks = Dict[object, Dict[Tuple[int, ...], List[Tuple[int, ...]]]]
 _CHECKED_LAYOUTS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
-try:
-    from torch.distributed.fsdp import FSDPModule
-    #: The classes of FSDP2 units (``fully_shard`` makes a module an instance), for isinstance: () without them.
-    FSDP_UNIT: tuple = (FSDPModule,)
-except ImportError:   # torch built without distributed, or before FSDP2's public API (2.6)
-    FSDP_UNIT = ()
+class _FSDPUnitMeta(type):
+    # Without importing FSDP2 (0.6 s of seqpar's import, DTensor and sympy with it): a module is an FSDP2
+    # unit only once fully_shard made it one, which imported torch.distributed.fsdp.
+    def __instancecheck__(cls, obj) -> bool:
+        fsdp = sys.modules.get("torch.distributed.fsdp")
+        return fsdp is not None and isinstance(obj, fsdp.FSDPModule)
+
+    def __subclasscheck__(cls, sub) -> bool:   # what torch.compile asks of a module's isinstance
+        fsdp = sys.modules.get("torch.distributed.fsdp")
+        return fsdp is not None and issubclass(sub, fsdp.FSDPModule)
+
+
+class FSDPUnit(metaclass=_FSDPUnitMeta):
+    """For isinstance only: torch's ``FSDPModule`` (``fully_shard`` makes a module an instance)."""
+
+
+#: The classes of FSDP2 units, for isinstance: () in a torch built without distributed.
+FSDP_UNIT: tuple = (FSDPUnit,) if dist.is_available() else ()
 
 
 def _reshard_fsdp(module: nn.Module) -> None:

@@ -17,15 +17,10 @@ import contextlib
 import dataclasses
 import math
 import os
+import sys
 from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-try:
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:   # a torch built without distributed
-    _DTensor = None
 
 from .. import _custom_op, _ext
 
@@ -119,7 +114,7 @@ def unavailable_reason(op: str, name: str, device: torch.device, auto: bool = Fa
             or (impl.auto_skip(**inputs) if auto else None))
 
 
-@torch.compiler.assume_constant_result
+@_custom_op.assume_constant_result
 def environment_reason(name: str, device: torch.device, auto: bool = False) -> Optional[str]:
     """Why backend ``name`` can't run on ``device`` here, whatever the inputs: Triton or the CUDA extension
     missing, a device it doesn't serve (None when it can). A constant to torch.compile, which can't trace
@@ -247,9 +242,19 @@ def rows_within_kernel_limit(rows=None, **_) -> Optional[str]:
     The check of the row ops' kernel backends (:data:`KERNEL_MAX_ROWS`); None when ``rows`` is not given."""
     # Symbolic rows (graph capture with a dynamic size): refused only where certainly too many, since a
     # guard on them would cap the program's sizes (torch.export: a constraint violation of a dynamic dim).
-    if rows is not None and statically_known_true(rows >= KERNEL_MAX_ROWS):
+    if rows is not None and _statically_known_true(rows >= KERNEL_MAX_ROWS):
         return f"{rows} rows: the row kernels take fewer than 2**30 (int32 row indices)"
     return None
+
+
+def _statically_known_true(cond) -> bool:
+    """torch's ``statically_known_true``, imported only for a symbolic condition: its module imports sympy
+    (0.35 s of seqpar's import), and eager sizes are plain ints."""
+    if type(cond) is bool:
+        return cond
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(cond)
 
 
 #: The dtypes every fused op takes; float64 (for gradcheck) runs on the torch backend only, which computes
@@ -322,7 +327,10 @@ def check_dense(**tensors) -> None:
 
 def is_dtensor(t) -> bool:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor``."""
-    return _DTensor is not None and isinstance(t, _DTensor)
+    # Not imported here (0.3 s of seqpar's import): a DTensor exists only once its module is imported (never
+    # in a torch built without distributed).
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
 def dtensor_problem(name: str, t) -> str:
