@@ -156,7 +156,10 @@ def outside_compile(reason: str) -> Callable[[Callable], Callable]:
                     return fn(*args, **kwargs)
                 # torch.compiler.disable's own; not wrapped in fn's name (call is), as functools' frames
                 # would run under Dynamo's frame hook here (two frames more in its counts)
-                disabled = torch._dynamo.disable(fn, reason=reason, wrapping=False)
+                try:
+                    disabled = torch._dynamo.disable(fn, reason=reason, wrapping=False)
+                except TypeError:   # a torch without wrapping= (the same disabling, two frames more)
+                    disabled = torch._dynamo.disable(fn, reason=reason)
             return disabled(*args, **kwargs)
 
         call._torchdynamo_disable = call._torchdynamo_disable_recursive = True
