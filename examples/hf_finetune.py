@@ -185,8 +185,9 @@ def main(family=None):
     tp_group, replica = mesh["tp"].get_group(), mesh["dp"].get_local_rank()
 
     # The same model on every rank: pretrained, or random from a fixed torch seed.
-    hf_class = getattr(transformers, FAMILIES[args.family][1])
-    hf_model = (hf_class.from_pretrained(args.model) if args.model else random_model(args)).to(DTYPES[args.dtype])
+    # A pretrained model in its own class (a Qwen2 loaded as a LlamaForCausalLM would lose its q / k / v biases)
+    hf_model = (transformers.AutoModelForCausalLM.from_pretrained(args.model) if args.model
+                else random_model(args)).to(DTYPES[args.dtype])
 
     seqpar.manual_seed(args.seed)      # the same seed on every rank: dropout masks agree across ranks
     common = dict(tp_group=tp_group, sequence_parallel=args.sequence_parallel, recompute=args.recompute,

@@ -421,23 +421,58 @@ def _padding_idx(pad_token_id, vocab: int):
     return pad_token_id
 
 
-def _check_full_attention(get, kind: str, positions) -> None:
-    """ValueError for a sliding-window attention that masks anything in sequences of up to
-    ``positions`` (max_position_embeddings) tokens: seqpar's attention is full causal. Mistral's
-    ``sliding_window`` (None in Mistral 7B v0.2 / v0.3), Qwen2's (``use_sliding_window``, in the
-    ``layer_types`` listed "sliding_attention"). HF lets a query see the keys less than the window behind it,
-    so a window of at least ``positions`` masks nothing."""
-    window = get("sliding_window") if get("use_sliding_window", True) else None
-    layer_types = get("layer_types")
-    if layer_types is not None and all(kind_ == "full_attention" for kind_ in layer_types):
-        return   # Qwen2 with max_window_layers >= num_hidden_layers: no layer slides
-    other = sorted({kind_ for kind_ in layer_types or () if kind_ not in ("full_attention", "sliding_attention")})
+def _sliding_layers(get, model_type: str) -> Tuple[object, Sequence[int]]:
+    """(the sliding window, the indices of the layers HF applies it to) of a config, as HF runs it: Mistral
+    slides every layer whenever ``sliding_window`` is set (it has no switch); Qwen2 the layers its
+    ``layer_types`` lists as "sliding_attention" (transformers >= 4.53 fixes them when the config is built,
+    from ``use_sliding_window`` and ``max_window_layers``; an edit of those afterwards changes nothing), or
+    in older configs without ``layer_types`` those from ``max_window_layers`` on when ``use_sliding_window``."""
+    window, layers = get("sliding_window"), get("num_hidden_layers") or 0
+    if model_type == "mistral":
+        return window, range(layers)
+    if model_type == "qwen2":
+        layer_types = get("layer_types")
+        if layer_types is not None:
+            return window, [i for i, layer_type in enumerate(layer_types) if layer_type == "sliding_attention"]
+        if get("use_sliding_window", False):
+            return window, range(get("max_window_layers", 0) or 0, layers)
+    return None, ()
+
+
+#: How to train a family's config with full attention (the advice of a sliding-window refusal).
+_FULL_ATTENTION_ADVICE = {"mistral": "build the model with sliding_window=None",
+                          "qwen2": "build the config with use_sliding_window=False, or max_window_layers >= "
+                                   "num_hidden_layers"}
+
+
+def _check_full_attention(get, model_type: str, kind: str, positions) -> None:
+    """ValueError for a sliding-window attention that masks anything in sequences of up to ``positions``
+    (max_position_embeddings) tokens (:func:`_sliding_layers`): seqpar's attention is full causal. HF lets
+    a query see the keys less than the window behind it, so a window of at least ``positions`` masks nothing."""
+    other = sorted({layer_type for layer_type in get("layer_types") or ()
+                    if layer_type not in ("full_attention", "sliding_attention")})
     if other:
         raise ValueError(f"{kind} config layer_types {other} are not supported by seqpar: its attention is full causal")
-    if window is not None and not (isinstance(window, int) and isinstance(positions, int) and window >= positions):
-        raise ValueError(f"{kind} config sliding_window={window!r} is not supported by seqpar: its attention is full "
-                         f"causal, and a window below max_position_embeddings={positions!r} masks keys (set "
-                         "sliding_window=None, or use_sliding_window=False, to train with full attention)")
+    window, sliding = _sliding_layers(get, model_type)
+    if sliding and window is not None and not _masks_nothing(window, positions):
+        raise ValueError(f"{kind} config sliding_window={window!r} (layers {list(sliding)}) is not supported by seqpar: "
+                         f"its attention is full causal, and a window below max_position_embeddings={positions!r} "
+                         f"masks keys ({_FULL_ATTENTION_ADVICE[model_type]} to train with full attention)")
+
+
+def _masks_nothing(window, positions) -> bool:
+    return isinstance(window, int) and isinstance(positions, int) and window >= positions
+
+
+def _check_attention_modules(source: nn.Module, settings: dict) -> None:
+    """ValueError for an attention module of ``source`` that slides a window narrower than the context: HF's
+    Qwen2 attention keeps the ``sliding_window`` it was built with, whatever its config says since."""
+    for name, module in source.named_modules():
+        window = getattr(module, "sliding_window", None)
+        if window is not None and not _masks_nothing(window, settings["positions"]):
+            raise ValueError(f"the model's {name}.sliding_window is {window!r}, below max_position_embeddings="
+                             f"{settings['positions']!r}: seqpar's attention is full causal (HF's modules keep the "
+                             "window they were built with: was the config changed since?)")
 
 
 def _llama_settings(config) -> dict:
@@ -464,7 +499,7 @@ def _llama_settings(config) -> dict:
     if head_dim is not None and head_dim * heads != hidden:
         raise ValueError(f"{kind} config head_dim={head_dim!r} is not supported by seqpar: it needs head_dim = "
                          f"hidden_size / num_attention_heads = {hidden} / {heads}")
-    _check_full_attention(get, kind, get("max_position_embeddings"))
+    _check_full_attention(get, model_type, kind, get("max_position_embeddings"))
     theta, rope_scaling = _llama_rope(get, kind)
     return dict(kind=kind, qkv_bias=qkv_bias, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=get("intermediate_size"),
                 layers=get("num_hidden_layers"), positions=get("max_position_embeddings"),
@@ -633,6 +668,7 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
             settings["pad"] = source.get_input_embeddings().padding_idx
             settings["eps"] = _norms_eps(source, settings["eps"])
             _check_rotary_frequencies(source, settings)
+            _check_attention_modules(source, settings)
         check_eps(settings["eps"], f"{settings['kind']} config rms_norm_eps")
         return settings, *_llama_state_dict(state_dict, settings), training
 

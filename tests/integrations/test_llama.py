@@ -13,6 +13,7 @@ on a one-rank group:
   against HF's losses; bad configs and state dicts; the import needs no transformers.
 """
 import functools
+import types
 
 import pytest
 import torch
@@ -320,13 +321,17 @@ def _grads_as_model(model):
 
 
 @pytest.mark.parametrize("family, kw, match", [
-    ("mistral", dict(sliding_window=16), r"Mistral config sliding_window=16 is not supported by seqpar: its attention "
-                                         r"is full causal, and a window below max_position_embeddings=64 masks keys"),
+    ("mistral", dict(sliding_window=16), r"Mistral config sliding_window=16 \(layers \[0, 1\]\) is not supported by "
+                                         r"seqpar: its attention is full causal, and a window below "
+                                         r"max_position_embeddings=64 masks keys \(build the model with sliding_window=None"),
+    # Mistral has no use_sliding_window switch: HF slides whatever it says (the refusal's advice offered it)
+    ("mistral", dict(sliding_window=16, use_sliding_window=False), r"Mistral config sliding_window=16"),
     ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
-     r"Qwen2 config sliding_window=16 is not supported"),
+     r"Qwen2 config sliding_window=16 \(layers \[1\]\) is not supported .*use_sliding_window=False, or "
+     r"max_window_layers >= num_hidden_layers"),
     ("qwen2", dict(layer_types=["full_attention", "chunked_attention"]), r"Qwen2 config layer_types \['chunked_attention'\]"),
     ("qwen2", dict(hidden_act="gelu"), r"Qwen2 config hidden_act='gelu' is not supported"),
-], ids=["mistral-window", "qwen2-window", "qwen2-layer-types", "qwen2-act"])
+], ids=["mistral-window", "mistral-no-switch", "qwen2-window", "qwen2-layer-types", "qwen2-act"])
 def test_mistral_and_qwen2_variants_seqpar_does_not_compute_raise(family, kw, match):
     """A sliding window narrower than the context masks keys seqpar's full causal attention sees: HF's
     logits differ from full attention's at s = 36 > 16 (checked here), so the conversion is refused."""
@@ -339,6 +344,32 @@ def test_mistral_and_qwen2_variants_seqpar_does_not_compute_raise(family, kw, ma
         full = _random_llama(2, seed=1, family=family).eval()
         with torch.no_grad():
             assert (windowed(_tokens()).logits - full(_tokens()).logits).abs().max() > 1e-3
+
+
+def test_sliding_windows_are_read_as_hf_runs_them():
+    """HF's Qwen2 (transformers >= 4.53) fixes which layers slide when the config is built (layer_types) and
+    each attention module keeps its window: a use_sliding_window edit afterwards changes nothing in HF's
+    forward, and from_llama took it (logits 0.24 apart). A config without layer_types (older transformers)
+    slides the layers from max_window_layers on: all-full ones were refused."""
+    sliding = dict(use_sliding_window=True, sliding_window=16, max_window_layers=0)
+    qwen2 = _random_llama(2, family="qwen2", **sliding)
+    qwen2.config.use_sliding_window = False
+    with pytest.raises(ValueError, match=r"Qwen2 config sliding_window=16 \(layers \[0, 1\]\)"):
+        hf.from_llama(qwen2)
+    qwen2.config.layer_types = ["full_attention"] * LAYERS       # the modules still slide
+    with pytest.raises(ValueError, match=r"the model's model.layers.0.self_attn.sliding_window is 16, below "
+                                         r"max_position_embeddings=64"):
+        hf.from_llama(qwen2)
+    old = {k: v for k, v in _llama_config(2, family="qwen2").to_dict().items() if k != "layer_types"}
+    state_dict = _random_llama(2, family="qwen2").state_dict()
+    for max_window_layers, refused in ((LAYERS, False), (1, True)):
+        config = types.SimpleNamespace(**{**old, "use_sliding_window": True, "sliding_window": 16,
+                                          "max_window_layers": max_window_layers})
+        if refused:
+            with pytest.raises(ValueError, match=r"sliding_window=16 \(layers \[1\]\)"):
+                hf.from_llama(state_dict, config=config)
+        else:
+            hf.from_llama(state_dict, config=config)
 
 
 def test_qwen2_state_dicts_need_their_biases():
