@@ -10,7 +10,7 @@ import torch
 
 from .memory import RECOMPUTE_POLICIES
 from .ops.registry import DTYPES, check_eps, check_flags, validate_backend
-from .ops.rotary import RopeScaling, check_theta
+from .ops.rotary import RopeScaling, YarnScaling, check_rope_scaling, check_theta
 from .random import as_int, dropout_threshold, is_int
 
 #: ``TransformerConfig.activation`` values: the MLP's GeLU (erf or tanh) or SwiGLU (gate and up).
@@ -80,7 +80,9 @@ class TransformerConfig:
     ``rope_theta``; the head dim must be even). ``rope_theta`` other than 10000 with "learned" positions
     is a ValueError (it would be ignored).
     ``rope_scaling``: None (the default RoPE frequencies), or Llama 3.1's scaling of them
-    (:class:`seqpar.ops.RopeScaling`, HF ``rope_type="llama3"``: Llama 3.1 / 3.2 / 3.3); "rope" positions only.
+    (:class:`seqpar.ops.RopeScaling`, HF ``rope_type="llama3"``: Llama 3.1 / 3.2 / 3.3), or YaRN's
+    (:class:`seqpar.ops.YarnScaling`, HF ``"yarn"``: its attention factor scales the attention's softmax,
+    :attr:`attention_softmax_scale`); "rope" positions only.
     ``add_bias_linear``: biases on the four linear layers (QKV, projection, fc1, fc2).
     ``add_qkv_bias``: a bias on the QKV linear even without ``add_bias_linear`` (Qwen2's block: q, k and v
     biases, none on the projection or the MLP; Megatron's ``add_qkv_bias``). The QKV linear has a bias
@@ -115,7 +117,7 @@ class TransformerConfig:
     add_bias_linear: bool = True
     init_method_std: float = 0.02
     output_layer_init_std: Optional[float] = None
-    rope_scaling: Optional[RopeScaling] = None
+    rope_scaling: Optional[RopeScaling | YarnScaling] = None
     add_qkv_bias: bool = False
 
     def __post_init__(self) -> None:
@@ -166,8 +168,7 @@ class TransformerConfig:
             raise ValueError(f"rope_theta={theta!r} with position_embedding='learned': rope_theta is only used with "
                              f"position_embedding='rope'")
         if self.rope_scaling is not None:
-            if not isinstance(self.rope_scaling, RopeScaling):
-                raise ValueError(f"rope_scaling must be a seqpar.ops.RopeScaling or None, got {self.rope_scaling!r}")
+            check_rope_scaling(self.rope_scaling)
             if self.position_embedding != "rope":
                 raise ValueError(f"rope_scaling={self.rope_scaling!r} with position_embedding="
                                  f"{self.position_embedding!r}: rope_scaling is only used with position_embedding='rope'")
@@ -193,6 +194,15 @@ class TransformerConfig:
     def qkv_bias(self) -> bool:
         """Whether the QKV linear has a bias: ``add_bias_linear or add_qkv_bias``."""
         return self.add_bias_linear or self.add_qkv_bias
+
+    @property
+    def attention_softmax_scale(self) -> Optional[float]:
+        """The attention's softmax scale: None (the default, 1 / sqrt(d)), or with YaRN's
+        :class:`seqpar.ops.YarnScaling` ``attention_scaling**2 / sqrt(d)`` (HF scales cos and sin, so q and
+        k, by it)."""
+        if not isinstance(self.rope_scaling, YarnScaling):
+            return None
+        return self.rope_scaling.attention_scaling ** 2 / math.sqrt(self.head_dim)
 
     @property
     def head_dim(self) -> int:

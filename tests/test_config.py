@@ -1,6 +1,7 @@
 """TransformerConfig validation (frozen, every field checked once) and the seed state behind
 seqpar.manual_seed (bounded to 64 bits, one per process, seeds torch's CPU generator)."""
 import dataclasses
+import math
 import threading
 
 import numpy as np
@@ -134,6 +135,10 @@ def test_architecture_defaults_are_the_gpt_layer():
     llama = seqpar.TransformerConfig(**LLAMA)
     assert llama.kv_heads == 2 and llama.head_dim == 8 and not llama.add_qkv_bias and not llama.qkv_bias
     assert seqpar.TransformerConfig(**LLAMA, add_qkv_bias=True).qkv_bias and cfg.qkv_bias
+    assert llama.attention_softmax_scale is None and \
+        seqpar.TransformerConfig(**LLAMA, rope_scaling=seqpar.ops.RopeScaling()).attention_softmax_scale is None
+    yarn = seqpar.TransformerConfig(**LLAMA, rope_scaling=seqpar.ops.YarnScaling(4.0, 32768))   # Qwen2.5's
+    assert yarn.attention_softmax_scale == (0.1 * math.log(4.0) + 1) ** 2 / math.sqrt(8)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -154,7 +159,7 @@ def test_architecture_defaults_are_the_gpt_layer():
     (dict(hidden_size=72, num_attention_heads=24, num_query_groups=None),
      r"position_embedding='rope' needs an even head dim, got hidden_size 72 / num_attention_heads 24 = 3"),
     (dict(position_embedding="learned"), r"rope_theta=500000.0 with position_embedding='learned'"),
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_scaling must be a seqpar.ops.RopeScaling or None"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_scaling must be a seqpar.ops.RopeScaling, a seqpar.ops.YarnScaling or None"),
     (dict(position_embedding="learned", rope_theta=10000.0, rope_scaling=seqpar.ops.RopeScaling()),
      r"rope_scaling=RopeScaling\(factor=8.0, .*\) with position_embedding='learned'"),
 ], ids=["norm", "norm-none", "activation", "groups-divide", "groups-zero", "groups-bool", "groups-float", "position",

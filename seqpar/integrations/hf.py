@@ -61,10 +61,12 @@ whose q, k and v projections have biases: ``add_qkv_bias=True``, and ``q_proj.bi
 Config: ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads`` (None: = heads),
 ``intermediate_size``, ``num_hidden_layers``, ``max_position_embeddings`` (GPTModel's max_seq_len),
 ``vocab_size`` (any; padded inside GPTModel), ``rms_norm_eps``, the RoPE base (``rope_parameters``,
-or ``rope_theta`` in older transformers) and its type: "default", or "llama3" (Llama 3.1 / 3.2 / 3.3:
+or ``rope_theta`` in older transformers) and its type: "default", "llama3" (Llama 3.1 / 3.2 / 3.3:
 ``factor``, ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``, as
-:class:`seqpar.ops.RopeScaling`). Unsupported settings raise ValueError naming them: another RoPE type
-(linear, dynamic, yarn, longrope ... scaling), ``attention_bias`` or ``mlp_bias``, a sliding window
+:class:`seqpar.ops.RopeScaling`), or "yarn" (Qwen2.5's long context: as :class:`seqpar.ops.YarnScaling`,
+whose attention factor scales the attention's softmax). Unsupported settings raise ValueError naming them:
+another RoPE type (linear, dynamic, longrope ... scaling), a ``partial_rotary_factor`` other than 1,
+``attention_bias`` or ``mlp_bias``, a sliding window
 narrower than ``max_position_embeddings`` (seqpar's attention is full causal),
 a ``head_dim`` other than hidden_size / num_attention_heads, a ``hidden_act`` other than "silu" (or
 "swish", HF's other name for it).
@@ -73,6 +75,7 @@ This module never imports ``transformers``: it reads the config's attributes and
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
 
@@ -82,8 +85,8 @@ from torch import nn
 from ..config import TransformerConfig
 from ..nn.model import IGNORE_INDEX, GPTModel
 from ..nn.state_dict import _unwrapped, check_shapes
-from ..ops.registry import check_eps
-from ..ops.rotary import RopeScaling, rope_inv_freq
+from ..ops.registry import check_eps, is_positive_finite
+from ..ops.rotary import RopeScaling, YarnScaling, rope_inv_freq
 from ..parallel.state import ProcessGroup, run_agreed
 
 __all__ = ["from_gpt2", "to_gpt2_state_dict", "from_llama", "to_llama_state_dict", "shift_labels"]
@@ -378,13 +381,16 @@ LLAMA_BLOCK = dict(normalization="rmsnorm", activation="swiglu", position_embedd
 LLAMA_FAMILY = {"llama": ("Llama", False), "mistral": ("Mistral", False), "qwen2": ("Qwen2", True)}
 
 
-#: The HF RoPE types from_llama converts: the default frequencies, and Llama 3.1's scaling of them.
-LLAMA_ROPE_TYPES = ("default", "llama3")
+#: The HF RoPE types from_llama converts: the default frequencies, Llama 3.1's scaling of them, YaRN's.
+LLAMA_ROPE_TYPES = ("default", "llama3", "yarn")
+# seqpar's class of each scaling type -> HF's rope_type
+_ROPE_TYPES = {type(None): "default", RopeScaling: "llama3", YarnScaling: "yarn"}
 
 
-def _llama_rope(get, kind: str) -> Tuple[float, Optional[RopeScaling]]:
-    """The RoPE base of a LlamaConfig (``kind``: the family's name, for the errors) and its scaling (None for
-    the default type; "llama3" is Llama 3.1's :class:`seqpar.ops.RopeScaling`); ValueError for the other types."""
+def _llama_rope(get, kind: str) -> Tuple[float, Optional[Union[RopeScaling, YarnScaling]]]:
+    """The RoPE base of a LlamaConfig (``kind``: the family's name, for the errors) and its scaling: None for
+    the default type, "llama3" as :class:`seqpar.ops.RopeScaling`, "yarn" as :class:`seqpar.ops.YarnScaling`
+    (read as transformers 5 reads it); ValueError for the other types."""
     params = get("rope_parameters")
     if params is None:  # transformers < 5: rope_theta and rope_scaling attributes
         params = dict(get("rope_scaling") or {})
@@ -395,22 +401,48 @@ def _llama_rope(get, kind: str) -> Tuple[float, Optional[RopeScaling]]:
     if rope_type not in LLAMA_ROPE_TYPES:
         raise ValueError(f"{kind} config rope type {rope_type!r} (rope_parameters / rope_scaling) is not supported by "
                          f"seqpar: it implements the RoPE types {LLAMA_ROPE_TYPES}")
+    partial = params.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"{kind} config partial_rotary_factor={partial!r} is not supported by seqpar: it rotates "
+                         "whole heads")
     theta = params.get("rope_theta", 10000.0)
     if rope_type == "default":
         return theta, None
-    fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [name for name in fields if params.get(name) is None]
-    if missing:
-        raise ValueError(f"{kind} config rope type 'llama3' without {missing} (rope_parameters / rope_scaling)")
-    values = {name: params[name] for name in fields}
-    length = values["original_max_position_embeddings"]
+    values = dict(params)
+    length = values.get("original_max_position_embeddings")
     if isinstance(length, float) and length.is_integer():
         # HF warns and computes with it (8192.0 written in a config.json): the frequencies of 8192
         values["original_max_position_embeddings"] = int(length)
     try:
-        return theta, RopeScaling(**values)
+        return theta, (_llama3_scaling(values) if rope_type == "llama3" else _yarn_scaling(values, get))
     except ValueError as exc:
-        raise ValueError(f"{kind} config rope type 'llama3': {exc}") from None
+        raise ValueError(f"{kind} config rope type {rope_type!r}: {exc}") from None
+
+
+def _llama3_scaling(params: Mapping) -> RopeScaling:
+    """HF's "llama3" parameters (every one required, as HF requires them)."""
+    fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [name for name in fields if params.get(name) is None]
+    if missing:
+        raise ValueError(f"without {missing} (rope_parameters / rope_scaling)")
+    return RopeScaling(**{name: params[name] for name in fields})
+
+
+def _yarn_scaling(params: Mapping, get) -> YarnScaling:
+    """HF's "yarn" parameters as transformers 5 reads them: the original context defaults to
+    max_position_embeddings, the betas to 32 and 1 (also for 0), the attention factor to ``0.1 ln(factor) + 1``,
+    or with ``mscale`` and ``mscale_all_dim`` (DeepSeek's) the ratio of the two such factors."""
+    length = params.get("original_max_position_embeddings") or get("max_position_embeddings")
+    factor = params.get("factor")
+    attention_factor = params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if attention_factor is None and mscale and mscale_all_dim and is_positive_finite(factor):
+        def get_mscale(scale, m):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+        attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+    return YarnScaling(factor=factor, original_max_position_embeddings=length,
+                       beta_fast=params.get("beta_fast") or 32.0, beta_slow=params.get("beta_slow") or 1.0,
+                       attention_factor=attention_factor, truncate=params.get("truncate", True))
 
 
 def _padding_idx(pad_token_id, vocab: int):
@@ -588,9 +620,9 @@ def _norms_eps(source: nn.Module, configured: float) -> float:
 
 def _check_rotary_frequencies(source: nn.Module, settings: dict) -> None:
     """ValueError unless every RoPE module of ``source`` (an ``inv_freq`` buffer) computes the RoPE of
-    ``settings["theta"]`` and ``settings["rope_scaling"]``, the one seqpar builds, unscaled attention
-    included: HF computes the frequencies from the config once, when it builds the model, so a config
-    changed since (its rope_theta, or its rope type rewritten to get past seqpar's refusal of another
+    ``settings["theta"]`` and ``settings["rope_scaling"]``, the one seqpar builds, its attention scaling (1,
+    or YaRN's factor) included: HF computes the frequencies from the config once, when it builds the model,
+    so a config changed since (its rope_theta, or its rope type rewritten to get past seqpar's refusal of another
     scaling) left HF running other frequencies than the config says. Compared in the buffer's dtype (a
     converted model holds them rounded) where that dtype is normal, to 16 of its ulps or 1 % whichever is
     less: HF may have computed them on another device, its pow an ulp or two apart, which the llama3 blend
@@ -598,7 +630,8 @@ def _check_rotary_frequencies(source: nn.Module, settings: dict) -> None:
     this compared to before let it through)."""
     d = settings["hidden"] // settings["heads"]
     scaling = settings["rope_scaling"]
-    expected_type = "default" if scaling is None else "llama3"
+    expected_type = _ROPE_TYPES[type(scaling)]
+    attention_scaling = scaling.attention_scaling if isinstance(scaling, YarnScaling) else 1.0
     built = rope_inv_freq(d, settings["theta"], scaling).double()
     for name, module in source.named_modules():
         freq = module._buffers.get("inv_freq")
@@ -607,7 +640,8 @@ def _check_rotary_frequencies(source: nn.Module, settings: dict) -> None:
         rope_type = getattr(module, "rope_type", "default")
         want = built.to(freq.dtype)
         normal = want.abs() >= torch.finfo(freq.dtype).tiny
-        if rope_type != expected_type or getattr(module, "attention_scaling", 1.0) != 1.0 or \
+        if rope_type != expected_type or \
+                not math.isclose(getattr(module, "attention_scaling", 1.0), attention_scaling, rel_tol=1e-12) or \
                 freq.shape != want.shape or not torch.allclose(freq.detach().cpu()[normal].double(),
                                                                want[normal].double(),
                                                                rtol=min(16 * torch.finfo(freq.dtype).eps, 1e-2),

@@ -239,8 +239,8 @@ class ParallelAttention(SharesProcessGroup, nn.Module):
         gqa = kv_heads != heads
 
         def core(q, k, v):
-            return attention_core(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=gqa,
-                                  seed=seed if dropout_p else None, training=True, backend=impl.name,
+            return attention_core(q, k, v, is_causal=True, dropout_p=dropout_p, scale=cfg.attention_softmax_scale,
+                                  enable_gqa=gqa, seed=seed if dropout_p else None, training=True, backend=impl.name,
                                   row_offset=row_offset)
 
         with saved_as("attention core"):

@@ -3,14 +3,15 @@
 Math, for each head ``x = [x1 | x2]`` (the two halves of d) of sequence row i::
 
     inv_freq_j = 1 / theta**(2j / d)                      j < d / 2   (fp32, computed as HF does;
-                                                          Llama 3.1's scaling of them: RopeScaling)
+                                                          Llama 3.1's scaling of them: RopeScaling;
+                                                          YaRN's: YarnScaling)
     angle_ij   = float(position_offset + i) * inv_freq_j  (fp32)
     out[..., :d/2] = x1 * cos(angle) - x2 * sin(angle)
     out[..., d/2:] = x2 * cos(angle) + x1 * sin(angle)
 
 evaluated in fp32 and rounded once. This is ``apply_rotary_pos_emb(q, k, cos, sin)`` of HF Llama with
-``LlamaRotaryEmbedding``'s cos / sin (default rope type, or "llama3" with ``rope_scaling``; attention scaling
-1 in both): in fp32 the two agree to
+``LlamaRotaryEmbedding``'s cos / sin (default rope type, "llama3" or "yarn" with ``rope_scaling``; without
+HF's attention scaling, 1 but with "yarn", whose factor is the attention's): in fp32 the two agree to
 within an ulp or so of cos / sin (bit for bit where both evaluate cos / sin alike); in fp16 / bf16 the
 result here is the fp32 rotation rounded once, where HF rounds cos / sin and each product to the input
 dtype. Positions are global: a sequence shard passes the global position of its first row as
@@ -35,9 +36,9 @@ modifies two views of one tensor (a fused QKV output) in place. Backend interfac
     forward(x, position_offset, freqs, inplace) -> x_rot      # inplace: x itself, rotated in place
     backward(grad_x_rot, position_offset, freqs) -> grad_x
 
-``freqs`` is the tuple of floats that determines the frequencies: ``(theta,)``, or with Llama 3.1's scaling
-``(theta, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)``
-(:func:`rope_frequencies`); every backend and custom op carries it and computes ``inv_freq`` from it alone.
+``freqs`` is the tuple of floats that determines the frequencies: ``(theta,)``, or theta and the numbers of
+a scaling (:func:`rope_frequencies`); every backend and custom op carries it and computes ``inv_freq`` from
+it alone.
 
 ========  ===============================================================  ==============
 backend   what runs                                                        d
@@ -59,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -127,6 +129,87 @@ class RopeScaling:
             raise ValueError(f"RopeScaling.original_max_position_embeddings must be a positive int, got {length!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class YarnScaling:
+    """YaRN's scaling of the RoPE frequencies (HF ``rope_type="yarn"``; Peng et al. 2023: Qwen2.5's long
+    context, and long-context fine-tuning of the Llama family). With d the head dim, L =
+    ``original_max_position_embeddings`` and the correction range of dimension indices (fp64 scalars)::
+
+        dim(r) = d ln(L / (2 pi r)) / (2 ln theta)
+        low    = max(floor(dim(beta_fast)), 0),  high = min(ceil(dim(beta_slow)), d - 1)   (no floor / ceil
+                                                                                   with truncate=False)
+        ramp_j = clamp((j - low) / (high - low), 0, 1)      j < d / 2  (high + 0.001 where low = high)
+        inv_freq_j = (1 / (factor theta**(2j / d))) ramp_j + (1 / theta**(2j / d)) (1 - ramp_j)
+
+    in fp32 by HF's ops, so the frequencies are HF's bit for bit: the fast-turning dimensions keep their
+    frequency, the slow ones are divided by ``factor``, those between blend. HF also multiplies cos and sin
+    by :attr:`attention_scaling` (``attention_factor``, by default ``0.1 ln(factor) + 1``), which scales
+    q . k by its square: :func:`rotary_embedding` rotates without it, and :class:`seqpar.TransformerLayer`
+    applies it as the attention's softmax scale (``attention_scaling**2 / sqrt(d)``: the same scores, one
+    rounding fewer). ValueError naming the field for a factor below 1 or beyond fp32's range, betas that are
+    not positive and finite, an attention factor that is not positive and finite, an
+    original_max_position_embeddings that is not a positive int, a truncate that is not a bool.
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: Optional[float] = None
+    truncate: bool = True
+
+    def __post_init__(self):
+        if not (registry.is_positive_finite(self.factor) and 1 <= self.factor <= THETA_RANGE[1]):
+            raise ValueError(f"YarnScaling.factor must be a finite float >= 1 within fp32's range, got {self.factor!r}")
+        for name in ("beta_fast", "beta_slow") + (("attention_factor",) if self.attention_factor is not None else ()):
+            value = getattr(self, name)
+            if not (registry.is_positive_finite(value) and value <= THETA_RANGE[1]):
+                raise ValueError(f"YarnScaling.{name} must be a finite positive float, got {value!r}")
+        for name in ("factor", "beta_fast", "beta_slow") + (("attention_factor",) if self.attention_factor is not None
+                                                             else ()):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        length = self.original_max_position_embeddings
+        if not (isinstance(length, int) and not isinstance(length, bool) and length > 0):
+            raise ValueError(f"YarnScaling.original_max_position_embeddings must be a positive int, got {length!r}")
+        if not isinstance(self.truncate, bool):
+            raise ValueError(f"YarnScaling.truncate must be a bool, got {self.truncate!r}")
+
+    @property
+    def attention_scaling(self) -> float:
+        """The factor HF multiplies cos and sin by: ``attention_factor``, or ``0.1 ln(factor) + 1`` (1 for
+        factor 1), as HF computes it."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+
+    def correction_range(self, d: int, theta: float) -> Tuple[float, float]:
+        """(low, high): the dimension indices between which the frequencies blend (class docstring)."""
+        def dim(rotations: float) -> float:
+            return (d * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+        low, high = dim(self.beta_fast), dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        return float(low), float(high + 0.001 if low == high else high)
+
+
+#: The scalings of the RoPE frequencies (``rope_scaling=``): Llama 3.1's, YaRN's.
+ROPE_SCALINGS = (RopeScaling, YarnScaling)
+# The numbers a ``freqs`` tuple holds after theta, by scaling: their count tells the two apart. (Not a code
+# number in the tuple: under torch.compile(dynamic=True) a float compared inside the autograd Function's
+# subgraph is a symbol Dynamo can't lift there.)
+_LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_YARN_FIELDS = ("factor", "low", "high")
+
+
+def check_rope_scaling(rope_scaling, name: str = "rope_scaling") -> None:
+    """ValueError unless ``rope_scaling`` is None, a :class:`RopeScaling` or a :class:`YarnScaling`."""
+    if rope_scaling is not None and not isinstance(rope_scaling, ROPE_SCALINGS):
+        raise ValueError(f"{name} must be a seqpar.ops.RopeScaling, a seqpar.ops.YarnScaling or None, got "
+                         f"{rope_scaling!r}")
+
+
 def _llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
                    length: float) -> torch.Tensor:
     """:class:`RopeScaling` of the default frequencies ``inv_freq`` (fp32 [d / 2]), on its fields as plain
@@ -142,29 +225,49 @@ def _llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float
     return torch.where(between, blended, stretched)
 
 
-def rope_frequencies(theta: float, scaling: Optional[RopeScaling] = None) -> Tuple[float, ...]:
-    """The ``freqs`` tuple the backends carry: ``(theta,)``, or theta and the four fields of ``scaling``."""
+def _yarn_scaled(powers: torch.Tensor, factor: float, low: float, high: float) -> torch.Tensor:
+    """:class:`YarnScaling` of the default frequencies ``1 / powers`` (``powers``: theta**(2j / d), fp32
+    [d / 2]), from its factor and correction range as plain floats, by HF's ops."""
+    extrapolation, interpolation = 1.0 / powers, 1.0 / (factor * powers)
+    ramp = torch.clamp((torch.arange(powers.shape[0], dtype=torch.float32, device=powers.device) - low) / (high - low),
+                       0, 1)
+    kept = 1 - ramp
+    return interpolation * (1 - kept) + extrapolation * kept
+
+
+def rope_frequencies(theta: float, scaling=None, d: Optional[int] = None) -> Tuple[float, ...]:
+    """The ``freqs`` tuple the backends carry: ``(theta,)``; with a :class:`RopeScaling` ``(theta, factor,
+    low_freq_factor, high_freq_factor, original_max_position_embeddings)``; with a :class:`YarnScaling`
+    (which needs the head dim ``d``) ``(theta, factor, low, high)``, its correction range resolved here."""
     # float() of each, here in the caller's frame: torch.compile creates the symbol of a float it makes dynamic
     # (dynamic=True, or a recompile for another scaling) where the float is first used, and one first used
-    # inside the autograd Function's subgraph can't be lifted (an AssertionError, not a graph break)
-    fields = () if scaling is None else (scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor,
-                                         scaling.original_max_position_embeddings)
+    # inside the autograd Function's subgraph can't be lifted (an AssertionError, not a graph break); and
+    # the correction range's math.log / floor here too, on plain floats
+    if scaling is None:
+        fields = ()
+    elif isinstance(scaling, YarnScaling):
+        fields = (scaling.factor, *scaling.correction_range(d, float(theta)))
+    else:
+        fields = tuple(getattr(scaling, name) for name in _LLAMA3_FIELDS)
     return tuple(float(value) for value in (theta, *fields))
 
 
-def rope_inv_freq(d: int, theta: float, scaling: Optional[RopeScaling] = None) -> torch.Tensor:
-    """``1 / theta**(2j / d)``, j < d / 2, scaled by ``scaling`` if given: fp32 on the CPU, by the same ops as
-    HF's default (or "llama3") RoPE."""
-    return _inv_freq(d, rope_frequencies(theta, scaling))
+def rope_inv_freq(d: int, theta: float, scaling=None) -> torch.Tensor:
+    """``1 / theta**(2j / d)``, j < d / 2, scaled by ``scaling`` (a :class:`RopeScaling` or
+    :class:`YarnScaling`) if given: fp32 on the CPU, by the same ops as HF's default ("llama3", "yarn") RoPE."""
+    return _inv_freq(d, rope_frequencies(theta, scaling, d))
 
 
 def _inv_freq(d: int, freqs: Sequence[float]) -> torch.Tensor:
     """:func:`rope_inv_freq` of a ``freqs`` tuple (:func:`rope_frequencies`)."""
     theta, *scaling = freqs
     # device="cpu" whatever the default device (a meta one made the copy to the layer's device fail)
-    inv_freq = 1.0 / (float(theta) ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float)
-                                       / d))
-    return _llama3_scaled(inv_freq, *scaling) if scaling else inv_freq
+    powers = float(theta) ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float) / d)
+    if not scaling:
+        return 1.0 / powers
+    if len(scaling) == len(_YARN_FIELDS):
+        return _yarn_scaled(powers, *scaling)
+    return _llama3_scaled(1.0 / powers, *scaling)
 
 
 @functools.lru_cache(maxsize=64)
@@ -322,8 +425,7 @@ def _check_inputs(q, k, position_offset, theta, rope_scaling, inplace) -> int:
         raise ValueError(f"q and k must be on one device, got {q.device} and {k.device}")
     registry.check_offset("position_offset", position_offset)
     check_theta(theta)
-    if rope_scaling is not None and not isinstance(rope_scaling, RopeScaling):
-        raise ValueError(f"rope_scaling must be a seqpar.ops.RopeScaling or None, got {type(rope_scaling).__name__}")
+    check_rope_scaling(rope_scaling)
     if not isinstance(inplace, bool):
         raise ValueError(f"inplace must be a bool, got {inplace!r}")
     if inplace:
@@ -399,7 +501,8 @@ def _nested_boxes_meet(a: torch.Tensor, b: torch.Tensor) -> Optional[bool]:
 
 
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, *, position_offset: int = 0, theta: float = 10000.0,
-                     rope_scaling: Optional[RopeScaling] = None, inplace: bool = False, backend: str = "auto"
+                     rope_scaling: Optional[RopeScaling | YarnScaling] = None, inplace: bool = False,
+                     backend: str = "auto"
                      ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Rotate q ``[s, b, Hq, d]`` and k ``[s, b, Hk, d]`` by their positions (HF Llama's RoPE).
 
@@ -415,12 +518,13 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, *, position_offset: int =
         position_offset: global position of sequence row 0 (an int in [0, 2**62)).
         theta: RoPE base (HF ``rope_theta``), positive.
         rope_scaling: None (the default RoPE), or Llama 3.1's scaling of the frequencies (:class:`RopeScaling`,
-            HF ``rope_type="llama3"``).
+            HF ``rope_type="llama3"``), or YaRN's (:class:`YarnScaling`, HF ``"yarn"``; its attention factor is
+            not applied here: it is the attention's, see :class:`YarnScaling`).
         inplace: write into q and k instead of new tensors.
         backend: "auto" | "torch" | "triton" | "cuda" (see :mod:`seqpar.ops.registry`).
     """
     d = _check_inputs(q, k, position_offset, theta, rope_scaling, inplace)
     impl = registry.select(OP, backend, q.device, dtype=q.dtype, d=d)
     # position_offset as given, not int(): a SymInt offset stays symbolic
-    args = (position_offset, rope_frequencies(theta, rope_scaling), inplace, impl)
+    args = (position_offset, rope_frequencies(theta, rope_scaling, d), inplace, impl)
     return _RotaryEmbedding.apply(q, *args), _RotaryEmbedding.apply(k, *args)

@@ -76,10 +76,15 @@ LLAMA31_ROPE = dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_fre
                     rope_theta=500000.0, max_position_embeddings=128)
 
 
+# YaRN (Qwen2.5's long-context RoPE) with its original context below the sequence, so it matters
+YARN_ROPE = dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+                 rope_theta=10000.0)
+
+
 @functools.lru_cache(maxsize=None)
-def _logit_case(kv_groups, tied=False, llama31=False, family="llama"):
+def _logit_case(kv_groups, tied=False, llama31=False, family="llama", yarn=False):
     """(state dict, config dict, tokens, HF's eval logits [s, b, v])."""
-    rope = LLAMA31_ROPE if llama31 else dict(rope_theta=5000.0)
+    rope = LLAMA31_ROPE if llama31 else YARN_ROPE if yarn else dict(rope_theta=5000.0)
     llama = _random_llama(kv_groups, tie_word_embeddings=tied, family=family, **rope).eval()
     tokens = _tokens()
     with torch.no_grad():
@@ -122,7 +127,8 @@ def _cases(world_size):
         return dict(logit_cases=None, round_trip_cases=None, train_case=None)
     g = KV_GROUPS[world_size]
     return dict(logit_cases={f"g{g}": _logit_case(g), f"g{g}-llama3.1-rope": _logit_case(g, llama31=True),
-                             f"g{g}-qwen2-tied": _logit_case(g, tied=True, family="qwen2")},
+                             f"g{g}-qwen2-tied": _logit_case(g, tied=True, family="qwen2"),
+                             f"g{g}-qwen2-yarn": _logit_case(g, family="qwen2", yarn=True)},
                 round_trip_cases=_round_trip_cases(g),
                 train_case=_train_case()[0] if world_size == 2 else None)
 
@@ -220,7 +226,7 @@ def _check_logits(per_rank, world_size):
 def test_from_llama_logits_match_hf(world_size, tmp_path_factory):
     _transformers()
     per_rank = [r["logits"] for r in ranks(world_size, tmp_path_factory)]
-    assert len(per_rank[0]) == 3 * 2 * 3
+    assert len(per_rank[0]) == 4 * 2 * 3
     _check_logits(per_rank, world_size)
 
 
@@ -277,9 +283,10 @@ def test_from_model_objects_tied_and_untied_and_back(tied):
 @pytest.mark.parametrize("family, kw", [("qwen2", dict(tie_word_embeddings=True, rope_theta=1e6)),
                                         ("qwen2", dict(use_sliding_window=True, sliding_window=8,
                                                        max_window_layers=LAYERS)),     # no layer slides
+                                        ("qwen2", YARN_ROPE),
                                         ("mistral", dict(sliding_window=None)),
                                         ("mistral", dict(sliding_window=POSITIONS))],  # masks nothing
-                         ids=["qwen2", "qwen2-window-unused", "mistral", "mistral-window-past-positions"])
+                         ids=["qwen2", "qwen2-window-unused", "qwen2-yarn", "mistral", "mistral-window-past-positions"])
 def test_mistral_and_qwen2_are_the_llama_block(family, kw):
     """Qwen2 (q / k / v biases: add_qkv_bias) and Mistral convert as the Llama block: logits and every
     gradient (the q / k / v biases' included) match HF's, HF's model loads the hand-back, bitwise."""
@@ -502,14 +509,18 @@ def test_one_recompute_policy_per_layer():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope type 'linear'"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
-     "rope type 'yarn' .* it implements the RoPE types \\('default', 'llama3'\\)"),
+    (dict(rope_scaling={"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 32,
+                        "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}),
+     "rope type 'longrope' .* it implements the RoPE types \\('default', 'llama3', 'yarn'\\)"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 0.5, "original_max_position_embeddings": 32}),
+     r"rope type 'yarn': YarnScaling.factor must be a finite float >= 1"),
+    (dict(partial_rotary_factor=0.5), r"partial_rotary_factor=0.5 is not supported by seqpar"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
                         "original_max_position_embeddings": 32}),
      r"rope type 'llama3': RopeScaling.low_freq_factor \(4.0\) must be below high_freq_factor \(1.0\)"),
     (dict(attention_bias=True), "attention_bias=True"), (dict(mlp_bias=True), "mlp_bias=True"),
     (dict(head_dim=32), "head_dim=32"), (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-], ids=["rope-linear", "rope-yarn", "rope-llama3-crossed-bands", "attention-bias", "mlp-bias", "head-dim", "hidden-act"])
+], ids=["rope-linear", "rope-longrope", "rope-yarn-factor", "rope-partial", "rope-llama3-crossed-bands", "attention-bias", "mlp-bias", "head-dim", "hidden-act"])
 def test_unsupported_llama_variants_raise(kwargs, match):
     state_dict = _random_llama(2).state_dict()
     with pytest.raises(ValueError, match=match):
@@ -528,6 +539,28 @@ def test_a_float_original_context_is_taken_as_hf_takes_it():
     half = {**rope["rope_scaling"], "original_max_position_embeddings": 64.5}
     with pytest.raises(ValueError, match="original_max_position_embeddings must be a positive int, got 64.5"):
         hf.from_llama(llama.state_dict(), config=_llama_config(2, **{**rope, "rope_scaling": half}))
+
+
+def test_yarn_frequencies_and_attention_factor_are_the_modules():
+    """A YaRN model whose factor or attention factor was edited after the build: HF runs the modules'
+    frequencies and attention scaling (fixed at the build), which seqpar would not: refused. transformers 5's
+    defaults (the original context from max_position_embeddings, DeepSeek's mscale ratio) convert to HF's
+    numbers."""
+    def edited(**change):
+        qwen2 = _random_llama(2, family="qwen2", **YARN_ROPE)
+        qwen2.config.rope_parameters = {**qwen2.config.rope_parameters, **change}
+        return qwen2
+    with pytest.raises(ValueError, match=r"inv_freq \(rope_type 'yarn'\) is not the 'yarn' RoPE .*factor=8.0"):
+        hf.from_llama(edited(factor=8.0))
+    with pytest.raises(ValueError, match=r"is not the 'yarn' RoPE .*attention_factor=1.5"):
+        hf.from_llama(edited(attention_factor=1.5))
+    for params, length in ((dict(factor=4.0), POSITIONS),
+                           (dict(factor=4.0, original_max_position_embeddings=16, mscale=0.8, mscale_all_dim=1.0), 16)):
+        qwen2 = _random_llama(2, family="qwen2", rope_scaling={"rope_type": "yarn", **params}).eval()
+        model = hf.from_llama(qwen2)
+        assert model.config.rope_scaling.original_max_position_embeddings == length
+        with torch.no_grad():
+            torch.testing.assert_close(model(_tokens()), qwen2(_tokens()).logits.transpose(0, 1), atol=2e-5, rtol=0)
 
 
 def test_hidden_act_swish_is_silu():
@@ -592,11 +625,13 @@ def test_old_checkpoints_rope_buffers_are_ignored():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("family, kw", [("llama", {}), ("qwen2", YARN_ROPE)], ids=["llama", "qwen2-yarn"])
 @pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
 @pytest.mark.parametrize("recompute", ["none", "selective"])
-def test_bf16_logits_on_gpu(backend, recompute):
-    """bf16 on the device: seqpar's logits error vs HF fp32 is at most 2x HF bf16's own error."""
-    llama = _random_llama(2, vocab_size=32000).eval().cuda()
+def test_bf16_logits_on_gpu(backend, recompute, family, kw):
+    """bf16 on the device: seqpar's logits error vs HF fp32 is at most 2x HF bf16's own error (a Qwen2 with
+    YaRN: its q / k / v biases, and its attention factor in the kernels' softmax scale)."""
+    llama = _random_llama(2, vocab_size=32000, family=family, **kw).eval().cuda()
     tokens = _tokens(32000).cuda()
     with torch.no_grad():
         reference = llama(tokens).logits.transpose(0, 1)

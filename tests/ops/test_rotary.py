@@ -5,8 +5,8 @@ offsets, in place vs out of place, gradients, validation and torch.compile. Llam
 import pytest
 import torch
 
-from seqpar.ops import RopeScaling, rotary_embedding
-from seqpar.ops.rotary import rope_inv_freq
+from seqpar.ops import RopeScaling, YarnScaling, rotary_embedding
+from seqpar.ops.rotary import rope_frequencies, rope_inv_freq
 from tests.gpu import GPU_DTYPES, skip_unless_backend_runs
 from tests.tolerances import assert_error_within
 
@@ -209,10 +209,12 @@ def test_nothing_is_saved_for_backward(backend):
 
 def test_triton_custom_ops_pass_opcheck():
     q, k = _qk(3, 2, 2, 1, 8, torch.float32)
-    llama3 = [THETA, 8.0, 1.0, 4.0, 64.0]
+    llama3 = list(rope_frequencies(THETA, RopeScaling(8.0, 1.0, 4.0, 64)))
+    yarn = list(rope_frequencies(THETA, YarnScaling(4.0, 32), 8))
     torch.library.opcheck(torch.ops.seqpar.rotary_embedding_triton, (q, 5, [THETA], False))
     torch.library.opcheck(torch.ops.seqpar.rotary_embedding_triton, (k, 0, llama3, True))
     torch.library.opcheck(torch.ops.seqpar.rotary_embedding_triton_inplace, (q.clone(), 5, llama3, True))
+    torch.library.opcheck(torch.ops.seqpar.rotary_embedding_triton, (q, 2, yarn, False))
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -339,6 +341,84 @@ def test_bad_rope_scaling_raises_naming_the_field(fields, match):
         RopeScaling(**fields)
 
 
+# ----------------------------------------------------------------------------- YaRN's scaling
+# (d, theta, scaling): Qwen2.5's long-context setting (factor 4 over 32768), small ones with all three bands
+# (kept, blended, interpolated), untruncated, an explicit attention factor, other betas, factor 1
+YARN = [pytest.param(128, 1e6, YarnScaling(4.0, 32768), id="qwen2.5-d128-f4"),
+        pytest.param(16, 10000.0, YarnScaling(4.0, 32), id="d16-f4-L32"),
+        pytest.param(80, 500000.0, YarnScaling(8.0, 300, beta_fast=16.0, beta_slow=2.0, truncate=False),
+                     id="d80-betas-untruncated"),
+        pytest.param(64, 10000.0, YarnScaling(16.0, 2048, attention_factor=1.25), id="d64-attention-factor"),
+        pytest.param(32, 10000.0, YarnScaling(1.0, 64), id="d32-f1")]
+
+
+@pytest.mark.parametrize("d,theta,scaling", YARN)
+def test_yarn_frequencies_and_attention_factor_are_transformers_bit_for_bit(d, theta, scaling):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    transformers.logging.set_verbosity_error()
+    params = dict(rope_type="yarn", rope_theta=theta, factor=scaling.factor, beta_fast=scaling.beta_fast,
+                  beta_slow=scaling.beta_slow, truncate=scaling.truncate,
+                  original_max_position_embeddings=scaling.original_max_position_embeddings)
+    if scaling.attention_factor is not None:
+        params["attention_factor"] = scaling.attention_factor
+    config = transformers.LlamaConfig(hidden_size=2 * d, num_attention_heads=2, num_hidden_layers=1,
+                                      intermediate_size=8, vocab_size=8, rope_parameters=params,
+                                      max_position_embeddings=4 * scaling.original_max_position_embeddings)
+    theirs, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    ours, default = rope_inv_freq(d, theta, scaling), rope_inv_freq(d, theta)
+    assert torch.equal(ours, theirs) and scaling.attention_scaling == attention_factor
+    if scaling.factor > 1 and d >= 32:
+        kept, interpolated = ours == default, torch.isclose(ours, default / scaling.factor, rtol=1e-6, atol=0)
+        assert kept.any() and interpolated.any() and (~kept & ~interpolated).any(), (ours, default)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_yarn_rotation_and_gradients_without_the_attention_factor(backend, poisoned_triton):
+    """The rotation by YaRN's frequencies is HF's apply_rotary_pos_emb with cos / sin before its attention
+    factor (the layer applies that in the softmax scale); the backward rotates by -angle."""
+    d, theta, scaling = 16, 10000.0, YarnScaling(4.0, 32)
+    q, k = _qk(7, 2, 4, 2, d, torch.float32)
+    grads = _qk(7, 2, 4, 2, d, torch.float32, gen_seed=1)
+    inv_freq = rope_inv_freq(d, theta, scaling)
+    q_rot, k_rot, gq, _ = _run(q, k, backend, grads, position_offset=90, theta=theta, rope_scaling=scaling)
+    torch.testing.assert_close((q_rot, k_rot), _hf_rope(q, k, 90, inv_freq=inv_freq), atol=1e-6, rtol=0)
+    torch.testing.assert_close(gq.double(), _reference_fp64(grads[0], 90, inverse=True, inv_freq=inv_freq),
+                               atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["default", "dynamic"])
+def test_yarn_scaling_compiles_in_one_graph(dynamic):
+    """Two YaRN factors and a theta made symbolic (dynamic=True): the correction range is computed from
+    plain floats before the graph's autograd Function, as the llama3 fields are."""
+    torch._dynamo.reset()
+    q, k = _qk(6, 2, 2, 1, 16, torch.float32, requires_grad=True)
+    for factor, theta in ((4.0, 10000.0), (8.0, 500000.0)):
+        def f(q, k, theta):
+            q_rot, k_rot = rotary_embedding(q, k, position_offset=2, theta=theta,
+                                            rope_scaling=YarnScaling(factor, 32), backend="torch")
+            return q_rot * 2.0, k_rot
+
+        compiled = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=dynamic)(q, k, theta)
+        eager = f(q, k, theta)
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+        torch.testing.assert_close(torch.autograd.grad(compiled[0].sum(), q), torch.autograd.grad(eager[0].sum(), q),
+                                   rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(factor=0.5), "factor must be a finite float >= 1"), (dict(factor=float("inf")), "factor"),
+    (dict(beta_fast=0.0), "beta_fast must be a finite positive"), (dict(beta_slow=True), "beta_slow"),
+    (dict(attention_factor=-1.0), "attention_factor must be a finite positive"),
+    (dict(original_max_position_embeddings=32.0), "original_max_position_embeddings must be a positive int"),
+    (dict(truncate=1), "truncate must be a bool, got 1"),
+])
+def test_bad_yarn_scaling_raises_naming_the_field(fields, match):
+    with pytest.raises(ValueError, match=match):
+        YarnScaling(**{"factor": 4.0, "original_max_position_embeddings": 32, **fields})
+
+
 # ----------------------------------------------------------------------------- validation
 BAD = [
     ("q_3d", dict(q=torch.randn(4, 2, 8)), "q must be"),
@@ -435,11 +515,11 @@ def test_gpu_backend_matches_references(backend, case, dtype_name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scaling", [RopeScaling(), YarnScaling(4.0, 8192)], ids=["llama3.1", "yarn-f4"])
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
-def test_gpu_llama3_scaled_rotation_matches_hf(backend):
-    """Llama 3.1's frequencies (d 128, theta 5e5, factor 8) at positions past the original context."""
+def test_gpu_scaled_rotation_matches_hf(backend, scaling):
+    """Llama 3.1's frequencies (d 128, theta 5e5, factor 8) and YaRN's at positions past the original context."""
     skip_unless_backend_runs(backend)
-    scaling = RopeScaling()
     q, k = _qk(64, 2, 16, 4, 128, torch.float32, device="cuda")
     grads = _qk(64, 2, 16, 4, 128, torch.float32, device="cuda", gen_seed=1)
     got = _run(q, k, backend, grads, position_offset=9000, theta=500000.0, rope_scaling=scaling)
