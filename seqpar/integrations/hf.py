@@ -71,10 +71,14 @@ narrower than ``max_position_embeddings`` (seqpar's attention is full causal),
 a ``head_dim`` other than hidden_size / num_attention_heads, a ``hidden_act`` other than "silu" (or
 "swish", HF's other name for it).
 
+A GPTModel seqpar built (not converted) exports with its HF config: :func:`to_llama_config` /
+:func:`to_gpt2_config` give the keyword arguments of ``transformers.AutoConfig.for_model``.
+
 This module never imports ``transformers``: it reads the config's attributes and the state dict.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
@@ -89,7 +93,8 @@ from ..ops.registry import check_eps, is_positive_finite
 from ..ops.rotary import RopeScaling, YarnScaling, rope_inv_freq
 from ..parallel.state import ProcessGroup, run_agreed
 
-__all__ = ["from_gpt2", "to_gpt2_state_dict", "from_llama", "to_llama_state_dict", "shift_labels"]
+__all__ = ["from_gpt2", "to_gpt2_state_dict", "to_gpt2_config", "from_llama", "to_llama_state_dict",
+           "to_llama_config", "shift_labels"]
 
 #: GPT-2 activation_function -> TransformerConfig.activation (the same function, not an approximation of it).
 #: (HF's gelu_fast writes sqrt(2 / pi) as 0.7978845608: 1e-12 off in fp64, nothing in fp32.)
@@ -330,16 +335,8 @@ class _Reads(dict):
                              "them would give another model")
 
 
-def to_gpt2_state_dict(model: GPTModel) -> Dict[str, torch.Tensor]:
-    """The unsharded ``GPT2LMHeadModel`` state dict of ``model`` (HF key names, Conv1D [in, out]
-    layouts, the real vocabulary rows; ``lm_head.weight`` is the same tensor as ``transformer.wte.weight``,
-    as in HF's own state dict), loadable with ``load_state_dict(strict=True)``.
-
-    A collective under tensor parallelism: call it on every rank; every rank gets the same dict. A model
-    wrapped by DDP or torch.compile is read through the wrapper. ValueError naming the setting unless
-    ``model`` is a GPT-2: LayerNorm, GeLU ("gelu" or "gelu_tanh"), learned positions, linear biases, one
-    k/v head per head and the output head tied to the word embedding.
-    """
+def _gpt2_model(model: nn.Module) -> GPTModel:
+    """:func:`_gpt_model`, ValueError naming the setting unless it is a GPT-2."""
     model = _gpt_model(model)
     cfg = model.config
     different = {k: getattr(cfg, k) for k, v in GPT2_BLOCK.items() if getattr(cfg, k) != v}
@@ -352,6 +349,43 @@ def to_gpt2_state_dict(model: GPTModel) -> Dict[str, torch.Tensor]:
     if different:
         raise ValueError(f"model is not a GPT-2: it has {different} (a GPT-2 has {GPT2_BLOCK}, activation 'gelu' or "
                          f"'gelu_tanh', num_query_groups None (= heads) and share_embeddings_and_output_weights=True)")
+    return model
+
+
+def to_gpt2_config(model: GPTModel) -> Dict[str, object]:
+    """The ``GPT2Config`` of ``model``, as keyword arguments (``model_type`` included): with
+    :func:`to_gpt2_state_dict` it exports a GPTModel trained with seqpar (from scratch too) to HF::
+
+        config = transformers.AutoConfig.for_model(**hf.to_gpt2_config(model))
+        gpt2 = transformers.GPT2LMHeadModel(config)
+        gpt2.load_state_dict(hf.to_gpt2_state_dict(model))      # every rank calls it (a collective)
+
+    Sizes, ``n_positions`` = max_seq_len, the real vocabulary, the eps, the activation ("gelu_new" for
+    "gelu_tanh"), the three dropouts (``resid_pdrop`` hidden, ``attn_pdrop`` attention, ``embd_pdrop`` the
+    embedding's) and ``initializer_range``. Not a collective. ValueError as :func:`to_gpt2_state_dict`.
+    """
+    model = _gpt2_model(model)
+    cfg = model.config
+    return dict(model_type="gpt2", vocab_size=model.vocab_size, n_positions=model.max_seq_len,
+                n_embd=cfg.hidden_size, n_layer=len(model.layers), n_head=cfg.num_attention_heads,
+                n_inner=None if cfg.ffn_hidden_size == 4 * cfg.hidden_size else cfg.ffn_hidden_size,
+                activation_function="gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
+                resid_pdrop=cfg.hidden_dropout, attn_pdrop=cfg.attention_dropout, embd_pdrop=model.embedding_dropout,
+                layer_norm_epsilon=cfg.layernorm_epsilon, initializer_range=cfg.init_method_std,
+                tie_word_embeddings=True)
+
+
+def to_gpt2_state_dict(model: GPTModel) -> Dict[str, torch.Tensor]:
+    """The unsharded ``GPT2LMHeadModel`` state dict of ``model`` (HF key names, Conv1D [in, out]
+    layouts, the real vocabulary rows; ``lm_head.weight`` is the same tensor as ``transformer.wte.weight``,
+    as in HF's own state dict), loadable with ``load_state_dict(strict=True)``.
+
+    A collective under tensor parallelism: call it on every rank; every rank gets the same dict. A model
+    wrapped by DDP or torch.compile is read through the wrapper. ValueError naming the setting unless
+    ``model`` is a GPT-2: LayerNorm, GeLU ("gelu" or "gelu_tanh"), learned positions, linear biases, one
+    k/v head per head and the output head tied to the word embedding.
+    """
+    model = _gpt2_model(model)
     full = _Reads(model.full_state_dict())
     out = {_PREFIX + theirs: full[ours] for theirs, ours in _TOP_KEYS[:2]}
     for i in range(len(model.layers)):
@@ -726,6 +760,55 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
     return model.train(training)
 
 
+def _llama_model(model: nn.Module) -> GPTModel:
+    """:func:`_gpt_model`, ValueError naming the setting unless it has the Llama block."""
+    model = _gpt_model(model)
+    cfg = model.config
+    different = {k: getattr(cfg, k) for k, v in LLAMA_BLOCK.items() if getattr(cfg, k) != v}
+    if different:
+        raise ValueError(f"model is not a Llama: its config has {different} (a Llama has {LLAMA_BLOCK})")
+    return model
+
+
+def _hf_rope_scaling(scaling: Optional[Union[RopeScaling, YarnScaling]]) -> Optional[Dict[str, object]]:
+    """The HF ``rope_scaling`` dict of a seqpar scaling (None for the default RoPE)."""
+    if scaling is None:
+        return None
+    fields = {field.name: getattr(scaling, field.name) for field in dataclasses.fields(scaling)}
+    if isinstance(scaling, YarnScaling) and scaling.attention_factor is None:
+        del fields["attention_factor"]            # HF's default, the same formula
+    return {"rope_type": _ROPE_TYPES[type(scaling)], **fields}
+
+
+def to_llama_config(model: GPTModel) -> Dict[str, object]:
+    """The ``LlamaConfig`` of ``model`` (a ``Qwen2Config`` with ``add_qkv_bias``), as keyword arguments
+    (``model_type`` included): with :func:`to_llama_state_dict` it exports a GPTModel with the Llama block,
+    trained with seqpar (from scratch too), to HF::
+
+        config = transformers.AutoConfig.for_model(**hf.to_llama_config(model))
+        llama = transformers.AutoModelForCausalLM.from_config(config)
+        llama.load_state_dict(hf.to_llama_state_dict(model))     # every rank calls it (a collective)
+
+    Sizes, ``max_position_embeddings`` = max_seq_len, the real vocabulary, ``rms_norm_eps``, ``rope_theta``
+    and ``rope_scaling`` ("llama3" or "yarn"), the tied head, the attention dropout, the padding index
+    (``pad_token_id``) and ``initializer_range``; a hidden dropout has no Llama setting and is left out.
+    Not a collective. ValueError as :func:`to_llama_state_dict`.
+    """
+    model = _llama_model(model)
+    cfg = model.config
+    out = dict(model_type="qwen2" if cfg.add_qkv_bias else "llama", vocab_size=model.vocab_size,
+               max_position_embeddings=model.max_seq_len, hidden_size=cfg.hidden_size,
+               intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=len(model.layers),
+               num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.kv_heads, hidden_act="silu",
+               rms_norm_eps=cfg.layernorm_epsilon, rope_theta=cfg.rope_theta,
+               rope_scaling=_hf_rope_scaling(cfg.rope_scaling), tie_word_embeddings=model.output_layer is None,
+               attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_method_std,
+               pad_token_id=getattr(model.embedding.word_embeddings, "padding_idx", None))
+    if cfg.add_qkv_bias:
+        out["use_sliding_window"] = False
+    return out
+
+
 def to_llama_state_dict(model: GPTModel) -> Dict[str, torch.Tensor]:
     """The unsharded ``LlamaForCausalLM`` state dict of ``model`` (HF key names and order, q/k/v and
     gate/up split back out of the fused weights, the real vocabulary rows), loadable with
@@ -737,11 +820,8 @@ def to_llama_state_dict(model: GPTModel) -> Dict[str, torch.Tensor]:
     wrapped by DDP or torch.compile is read through the wrapper. ValueError unless ``model`` is a
     GPTModel with the Llama block (RMSNorm, SwiGLU, RoPE, no biases but Qwen2's q / k / v ones).
     """
-    model = _gpt_model(model)
+    model = _llama_model(model)
     cfg = model.config
-    different = {k: getattr(cfg, k) for k, v in LLAMA_BLOCK.items() if getattr(cfg, k) != v}
-    if different:
-        raise ValueError(f"model is not a Llama: its config has {different} (a Llama has {LLAMA_BLOCK})")
     full = _Reads(model.full_state_dict())
     d, f = cfg.head_dim, cfg.ffn_hidden_size
     rows = (cfg.num_attention_heads * d, cfg.kv_heads * d, cfg.kv_heads * d)

@@ -26,6 +26,8 @@ from seqpar.integrations import hf
 from tests.distributed.launcher import run_ranks
 from tests.integrations import llama_workers
 
+LLAMA_BLOCK = llama_workers.LLAMA
+
 LAYERS, HIDDEN, HEADS, FFN, VOCAB, POSITIONS = 2, 128, 8, 352, 1000, 64
 SEQ, BATCH = 36, 2                 # s/t = 9 at t = 4: odd shards
 KV_GROUPS = {1: 2, 2: 2, 4: 4}     # t = 4 needs 4 k/v groups
@@ -563,6 +565,37 @@ def test_yarn_frequencies_and_attention_factor_are_the_modules():
             torch.testing.assert_close(model(_tokens()), qwen2(_tokens()).logits.transpose(0, 1), atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("knobs, model_kw, hf_class", [
+    (dict(rope_theta=5e5, rope_scaling=seqpar.ops.RopeScaling(8.0, 1.0, 4.0, 16)),
+     dict(share_embeddings_and_output_weights=False, padding_idx=3), "LlamaForCausalLM"),
+    (dict(add_qkv_bias=True, rope_theta=1e6, rope_scaling=seqpar.ops.YarnScaling(4.0, 16), attention_dropout=0.1),
+     {}, "Qwen2ForCausalLM"),
+    (dict(rope_scaling=seqpar.ops.YarnScaling(2.0, 16, beta_fast=16.0, attention_factor=1.3, truncate=False)),
+     dict(share_embeddings_and_output_weights=False), "LlamaForCausalLM"),
+], ids=["llama3.1-untied-pad", "qwen2-yarn-tied", "llama-yarn-fields"])
+def test_a_model_trained_from_scratch_exports_to_hf(knobs, model_kw, hf_class):
+    """to_llama_config + to_llama_state_dict make an HF model (a Qwen2 with the QKV biases) of a GPTModel
+    seqpar built: HF's logits are seqpar's, and from_llama of it gives back the same config."""
+    transformers = _transformers()
+    seqpar.manual_seed(0)
+    cfg = seqpar.TransformerConfig(hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+                                   backend="torch", **{**LLAMA_BLOCK, **knobs})
+    model = seqpar.GPTModel(cfg, 2, 300, 64, **model_kw).eval()
+    with torch.no_grad():   # norms and biases off their init values, so their mapping counts
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    config = transformers.AutoConfig.for_model(**hf.to_llama_config(model))
+    source = transformers.AutoModelForCausalLM.from_config(config).eval()
+    assert type(source).__name__ == hf_class
+    source.load_state_dict(hf.to_llama_state_dict(model), strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(source(_tokens(300)).logits.transpose(0, 1), model(_tokens(300)),
+                                   atol=2e-5, rtol=0)
+    back = hf.from_llama(source, backend="torch")
+    assert back.config == model.config and (back.max_seq_len, back.vocab_size) == (64, 300)
+    assert back.embedding.word_embeddings.padding_idx == model_kw.get("padding_idx")
+
+
 def test_hidden_act_swish_is_silu():
     """HF maps hidden_act "swish" to the same nn.SiLU as "silu": from_llama takes it, logits match HF."""
     llama = _random_llama(2, hidden_act="swish").eval()
@@ -608,8 +641,9 @@ def test_other_models_configs_and_layouts_raise():
     with pytest.raises(ValueError, match="source must be .* got str"):
         hf.from_llama("meta-llama/Llama-3.2-1B")
     gpt = seqpar.GPTModel(seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4), 1, 50, 8)
-    with pytest.raises(ValueError, match="model is not a Llama: its config has .*'normalization': 'layernorm'"):
-        hf.to_llama_state_dict(gpt)
+    for export in (hf.to_llama_state_dict, hf.to_llama_config):
+        with pytest.raises(ValueError, match="model is not a Llama: its config has .*'normalization': 'layernorm'"):
+            export(gpt)
     with pytest.raises(ValueError, match=r"model must be a seqpar.GPTModel \(or one wrapped by DDP / torch.compile\), got LlamaForCausalLM"):
         hf.to_llama_state_dict(_random_llama(2))
 
