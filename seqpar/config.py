@@ -169,6 +169,8 @@ class TransformerConfig:
                              f"position_embedding='rope'")
         if self.rope_scaling is not None:
             check_rope_scaling(self.rope_scaling)
+            if isinstance(self.rope_scaling, YarnScaling):
+                self.rope_scaling.correction_range(self.head_dim, theta)   # ValueError for a theta it can't take
             if self.position_embedding != "rope":
                 raise ValueError(f"rope_scaling={self.rope_scaling!r} with position_embedding="
                                  f"{self.position_embedding!r}: rope_scaling is only used with position_embedding='rope'")

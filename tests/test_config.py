@@ -160,11 +160,12 @@ def test_architecture_defaults_are_the_gpt_layer():
      r"position_embedding='rope' needs an even head dim, got hidden_size 72 / num_attention_heads 24 = 3"),
     (dict(position_embedding="learned"), r"rope_theta=500000.0 with position_embedding='learned'"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_scaling must be a seqpar.ops.RopeScaling, a seqpar.ops.YarnScaling or None"),
+    (dict(rope_theta=1.0, rope_scaling=seqpar.ops.YarnScaling(4.0, 64)), "YaRN's scaling needs a rope_theta other than 1"),
     (dict(position_embedding="learned", rope_theta=10000.0, rope_scaling=seqpar.ops.RopeScaling()),
      r"rope_scaling=RopeScaling\(factor=8.0, .*\) with position_embedding='learned'"),
 ], ids=["norm", "norm-none", "activation", "groups-divide", "groups-zero", "groups-bool", "groups-float", "position",
         "theta-zero", "theta-inf", "theta-bool", "theta-past-fp32", "bias-int", "qkv-bias-int", "rope-odd-head-dim",
-        "theta-with-learned", "scaling-dict", "scaling-with-learned"])
+        "theta-with-learned", "scaling-dict", "yarn-theta-1", "scaling-with-learned"])
 def test_architecture_knobs_reject(kwargs, match):
     with pytest.raises(ValueError, match=match):
         seqpar.TransformerConfig(**{**LLAMA, **kwargs})

@@ -183,9 +183,14 @@ class YarnScaling:
         return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
 
     def correction_range(self, d: int, theta: float) -> Tuple[float, float]:
-        """(low, high): the dimension indices between which the frequencies blend (class docstring)."""
+        """(low, high): the dimension indices between which the frequencies blend (class docstring), for head
+        dim ``d`` and RoPE base ``theta`` (ValueError for theta 1: every dimension turns alike)."""
+        if theta == 1:
+            raise ValueError("YaRN's scaling needs a rope_theta other than 1 (its correction range divides by ln theta)")
+
         def dim(rotations: float) -> float:
-            return (d * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+            length = self.original_max_position_embeddings
+            return (d * math.log(length / (rotations * 2 * math.pi))) / (2 * math.log(theta))
 
         low, high = dim(self.beta_fast), dim(self.beta_slow)
         if self.truncate:

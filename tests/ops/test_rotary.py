@@ -419,6 +419,13 @@ def test_bad_yarn_scaling_raises_naming_the_field(fields, match):
         YarnScaling(**{"factor": 4.0, "original_max_position_embeddings": 32, **fields})
 
 
+def test_yarn_with_theta_1_is_a_value_error():
+    """Its correction range divides by ln theta (a ZeroDivisionError, as in HF's)."""
+    q, k = _qk(4, 1, 2, 1, 8, torch.float32)
+    with pytest.raises(ValueError, match="YaRN's scaling needs a rope_theta other than 1"):
+        rotary_embedding(q, k, theta=1.0, rope_scaling=YarnScaling(4.0, 32), backend="torch")
+
+
 # ----------------------------------------------------------------------------- validation
 BAD = [
     ("q_3d", dict(q=torch.randn(4, 2, 8)), "q must be"),
