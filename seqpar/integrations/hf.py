@@ -521,8 +521,8 @@ def _check_full_attention(get, model_type: str, kind: str, positions) -> None:
         raise ValueError(f"{kind} config layer_types {other} are not supported by seqpar: its attention is full causal")
     window, sliding = _sliding_layers(get, model_type)
     if sliding and window is not None and not _masks_nothing(window, positions):
-        raise ValueError(f"{kind} config sliding_window={window!r} (layers {list(sliding)}) is not supported by seqpar: "
-                         f"its attention is full causal, and a window below max_position_embeddings={positions!r} "
+        raise ValueError(f"{kind} config sliding_window={window!r} (layers {list(sliding)}) is not supported by "
+                         f"seqpar: its attention is full causal, and a window below max_position_embeddings={positions!r} "
                          f"masks keys ({_FULL_ATTENTION_ADVICE[model_type]} to train with full attention)")
 
 
@@ -567,7 +567,8 @@ def _llama_settings(config) -> dict:
                          f"hidden_size / num_attention_heads = {hidden} / {heads}")
     _check_full_attention(get, model_type, kind, get("max_position_embeddings"))
     theta, rope_scaling = _llama_rope(get, kind)
-    return dict(kind=kind, qkv_bias=qkv_bias, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=get("intermediate_size"),
+    return dict(kind=kind, qkv_bias=qkv_bias, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                ffn=get("intermediate_size"),
                 layers=get("num_hidden_layers"), positions=get("max_position_embeddings"),
                 vocab=get("vocab_size"), eps=get("rms_norm_eps", 1e-6), theta=theta, rope_scaling=rope_scaling,
                 tied=bool(get("tie_word_embeddings", False)), attention_dropout=get("attention_dropout", 0.0) or 0.0,
@@ -813,8 +814,9 @@ def to_llama_state_dict(model: GPTModel) -> Dict[str, torch.Tensor]:
     """The unsharded ``LlamaForCausalLM`` state dict of ``model`` (HF key names and order, q/k/v and
     gate/up split back out of the fused weights, the real vocabulary rows), loadable with
     ``load_state_dict(strict=True)``; with ``add_qkv_bias`` (a Qwen2) also the q / k / v biases, a
-    ``Qwen2ForCausalLM`` state dict (a Mistral's is a Llama's). ``lm_head.weight`` is the untied output layer, or with a tied
-    head the same tensor as ``model.embed_tokens.weight`` (HF's own state dict holds both keys).
+    ``Qwen2ForCausalLM`` state dict (a Mistral's is a Llama's). ``lm_head.weight`` is the untied output
+    layer, or with a tied head the same tensor as ``model.embed_tokens.weight`` (HF's own state dict holds
+    both keys).
 
     A collective under tensor parallelism: call it on every rank; every rank gets the same dict. A model
     wrapped by DDP or torch.compile is read through the wrapper. ValueError unless ``model`` is a

@@ -186,7 +186,8 @@ class YarnScaling:
         """(low, high): the dimension indices between which the frequencies blend (class docstring), for head
         dim ``d`` and RoPE base ``theta`` (ValueError for theta 1: every dimension turns alike)."""
         if theta == 1:
-            raise ValueError("YaRN's scaling needs a rope_theta other than 1 (its correction range divides by ln theta)")
+            raise ValueError("YaRN's scaling needs a rope_theta other than 1 (its correction range divides by "
+                             "ln theta)")
 
         def dim(rotations: float) -> float:
             length = self.original_max_position_embeddings
