@@ -362,7 +362,10 @@ def to_gpt2_config(model: GPTModel) -> Dict[str, object]:
 
     Sizes, ``n_positions`` = max_seq_len, the real vocabulary, the eps, the activation ("gelu_new" for
     "gelu_tanh"), the three dropouts (``resid_pdrop`` hidden, ``attn_pdrop`` attention, ``embd_pdrop`` the
-    embedding's) and ``initializer_range``. Not a collective. ValueError as :func:`to_gpt2_state_dict`.
+    embedding's), ``initializer_range``, the parameters' dtype, and no bos / eos token ids (seqpar knows no
+    tokenizer: set them from yours; HF's default 50256 would end generations there). GPT-2 has no padding row:
+    a GPTModel's ``padding_idx`` is not in the config. Not a collective. ValueError as
+    :func:`to_gpt2_state_dict`.
     """
     model = _gpt2_model(model)
     cfg = model.config
@@ -372,7 +375,14 @@ def to_gpt2_config(model: GPTModel) -> Dict[str, object]:
                 activation_function="gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
                 resid_pdrop=cfg.hidden_dropout, attn_pdrop=cfg.attention_dropout, embd_pdrop=model.embedding_dropout,
                 layer_norm_epsilon=cfg.layernorm_epsilon, initializer_range=cfg.init_method_std,
-                tie_word_embeddings=True)
+                tie_word_embeddings=True, **_hf_common(cfg))
+
+
+def _hf_common(cfg: TransformerConfig) -> Dict[str, object]:
+    """The config keys every export sets: the parameters' dtype (HF builds and loads in it), and no
+    bos / eos token ids: seqpar knows no tokenizer, and HF's defaults (Llama's 1 and 2, GPT-2's 50256) would
+    end a generation at a token id that is not the model's end of sequence (set them from the tokenizer)."""
+    return dict(dtype=str(cfg.params_dtype).removeprefix("torch."), bos_token_id=None, eos_token_id=None)
 
 
 def to_gpt2_state_dict(model: GPTModel) -> Dict[str, torch.Tensor]:
@@ -744,7 +754,9 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
     _check_device(device, "from_llama")
     settings, sd, head, training = _read_on_every_rank(read, tp_group, "seqpar.integrations.hf.from_llama", device)
     embed = sd["embed_tokens.weight"]
-    groups = settings["kv_heads"]
+    # None for one k/v head per head, as a config built for multi-head attention says it (4 would make a
+    # replace() of the head count grouped-query attention)
+    groups = None if settings["kv_heads"] == settings["heads"] else settings["kv_heads"]
     cfg = TransformerConfig(
         hidden_size=settings["hidden"], num_attention_heads=settings["heads"], ffn_hidden_size=settings["ffn"],
         num_query_groups=groups, attention_dropout=settings["attention_dropout"], layernorm_epsilon=settings["eps"],
@@ -792,8 +804,10 @@ def to_llama_config(model: GPTModel) -> Dict[str, object]:
 
     Sizes, ``max_position_embeddings`` = max_seq_len, the real vocabulary, ``rms_norm_eps``, ``rope_theta``
     and ``rope_scaling`` ("llama3" or "yarn"), the tied head, the attention dropout, the padding index
-    (``pad_token_id``) and ``initializer_range``; a hidden dropout has no Llama setting and is left out.
-    Not a collective. ValueError as :func:`to_llama_state_dict`.
+    (``pad_token_id``), ``initializer_range``, the parameters' dtype, and no bos / eos token ids (seqpar
+    knows no tokenizer: set them from yours; HF's defaults 1 and 2 would end generations at those ids). The
+    hidden and embedding dropouts have no Llama setting and are left out. Not a collective. ValueError as
+    :func:`to_llama_state_dict`.
     """
     model = _llama_model(model)
     cfg = model.config
@@ -804,7 +818,7 @@ def to_llama_config(model: GPTModel) -> Dict[str, object]:
                rms_norm_eps=cfg.layernorm_epsilon, rope_theta=cfg.rope_theta,
                rope_scaling=_hf_rope_scaling(cfg.rope_scaling), tie_word_embeddings=model.output_layer is None,
                attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_method_std,
-               pad_token_id=getattr(model.embedding.word_embeddings, "padding_idx", None))
+               pad_token_id=getattr(model.embedding.word_embeddings, "padding_idx", None), **_hf_common(cfg))
     if cfg.add_qkv_bias:
         out["use_sliding_window"] = False
     return out

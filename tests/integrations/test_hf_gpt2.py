@@ -372,22 +372,26 @@ def test_to_gpt2_rejects_models_that_are_not_gpt2(config, model, match):
             export(seqpar.GPTModel(cfg, 1, 53, 16, **model))
 
 
-@pytest.mark.parametrize("activation, ffn", [("gelu_tanh", 96), ("gelu", None)])
-def test_a_model_trained_from_scratch_exports_to_hf(activation, ffn):
+@pytest.mark.parametrize("activation, ffn, dtype", [("gelu_tanh", 96, torch.float32), ("gelu", None, torch.bfloat16)])
+def test_a_model_trained_from_scratch_exports_to_hf(activation, ffn, dtype):
     """to_gpt2_config + to_gpt2_state_dict make a GPT2LMHeadModel of a GPTModel seqpar built: HF's logits
-    are seqpar's, and from_gpt2 of it gives back the same config."""
+    are seqpar's, and from_gpt2 of it gives back the same config (the dtype too). No bos / eos ids (HF's
+    default 50256 is past this vocabulary)."""
     transformers = pytest.importorskip("transformers")
     seqpar.manual_seed(0)
     cfg = seqpar.TransformerConfig(hidden_size=64, num_attention_heads=4, ffn_hidden_size=ffn, activation=activation,
-                                   hidden_dropout=0.1, attention_dropout=0.2, layernorm_epsilon=1e-6, backend="torch")
+                                   hidden_dropout=0.1, attention_dropout=0.2, layernorm_epsilon=1e-6, backend="torch",
+                                   params_dtype=dtype)
     model = seqpar.GPTModel(cfg, 2, 300, 48, embedding_dropout=0.05).eval()
     config = transformers.AutoConfig.for_model(**hf.to_gpt2_config(model))
     gpt2 = transformers.AutoModelForCausalLM.from_config(config).eval()
-    assert type(gpt2).__name__ == "GPT2LMHeadModel"
+    assert type(gpt2).__name__ == "GPT2LMHeadModel" and next(gpt2.parameters()).dtype == dtype
+    assert config.eos_token_id is None and config.bos_token_id is None
     gpt2.load_state_dict(hf.to_gpt2_state_dict(model), strict=True)
     tokens = _tokens(300)
     with torch.no_grad():
-        torch.testing.assert_close(gpt2(tokens).logits.transpose(0, 1), model(tokens), atol=2e-5, rtol=0)
+        torch.testing.assert_close(gpt2(tokens).logits.transpose(0, 1), model(tokens),
+                                   atol=2e-5 if dtype == torch.float32 else 0.05, rtol=0)
     back = hf.from_gpt2(gpt2, backend="torch")
     assert back.config == model.config and (back.max_seq_len, back.vocab_size, back.embedding_dropout) == (48, 300, 0.05)
 

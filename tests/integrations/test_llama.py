@@ -572,25 +572,29 @@ def test_yarn_frequencies_and_attention_factor_are_the_modules():
      {}, "Qwen2ForCausalLM"),
     (dict(rope_scaling=seqpar.ops.YarnScaling(2.0, 16, beta_fast=16.0, attention_factor=1.3, truncate=False)),
      dict(share_embeddings_and_output_weights=False), "LlamaForCausalLM"),
-], ids=["llama3.1-untied-pad", "qwen2-yarn-tied", "llama-yarn-fields"])
+    (dict(num_query_groups=None, params_dtype=torch.bfloat16), {}, "LlamaForCausalLM"),
+], ids=["llama3.1-untied-pad", "qwen2-yarn-tied", "llama-yarn-fields", "llama-mha-bf16"])
 def test_a_model_trained_from_scratch_exports_to_hf(knobs, model_kw, hf_class):
     """to_llama_config + to_llama_state_dict make an HF model (a Qwen2 with the QKV biases) of a GPTModel
-    seqpar built: HF's logits are seqpar's, and from_llama of it gives back the same config."""
+    seqpar built: HF's logits are seqpar's, and from_llama of it gives back the same config (the dtype, and
+    num_query_groups None for multi-head attention, too: they came back fp32 and 4). No bos / eos ids: HF's
+    defaults (1, 2) ended a generation at token 2."""
     transformers = _transformers()
     seqpar.manual_seed(0)
-    cfg = seqpar.TransformerConfig(hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
-                                   backend="torch", **{**LLAMA_BLOCK, **knobs})
+    cfg = seqpar.TransformerConfig(hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, backend="torch",
+                                   **{**LLAMA_BLOCK, "num_query_groups": 2, **knobs})
     model = seqpar.GPTModel(cfg, 2, 300, 64, **model_kw).eval()
     with torch.no_grad():   # norms and biases off their init values, so their mapping counts
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
     config = transformers.AutoConfig.for_model(**hf.to_llama_config(model))
     source = transformers.AutoModelForCausalLM.from_config(config).eval()
-    assert type(source).__name__ == hf_class
+    assert type(source).__name__ == hf_class and next(source.parameters()).dtype == cfg.params_dtype
+    assert config.eos_token_id is None and source.generation_config.eos_token_id is None
     source.load_state_dict(hf.to_llama_state_dict(model), strict=True)
     with torch.no_grad():
         torch.testing.assert_close(source(_tokens(300)).logits.transpose(0, 1), model(_tokens(300)),
-                                   atol=2e-5, rtol=0)
+                                   atol=2e-5 if cfg.params_dtype == torch.float32 else 0.05, rtol=0)
     back = hf.from_llama(source, backend="torch")
     assert back.config == model.config and (back.max_seq_len, back.vocab_size) == (64, 300)
     assert back.embedding.word_embeddings.padding_idx == model_kw.get("padding_idx")
