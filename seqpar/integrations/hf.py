@@ -59,7 +59,8 @@ whose q, k and v projections have biases: ``add_qkv_bias=True``, and ``q_proj.bi
 ``k_proj.bias [g d]``, ``v_proj.bias [g d]`` concatenated into ``query_key_value.bias``.
 
 Config: ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads`` (None: = heads),
-``intermediate_size``, ``num_hidden_layers``, ``max_position_embeddings`` (GPTModel's max_seq_len),
+``intermediate_size``, ``num_hidden_layers``, ``max_position_embeddings`` (GPTModel's max_seq_len; with YaRN
+at least factor x original_max_position_embeddings, the context HF runs),
 ``vocab_size`` (any; padded inside GPTModel), ``rms_norm_eps``, the RoPE base (``rope_parameters``,
 or ``rope_theta`` in older transformers) and its type: "default", "llama3" (Llama 3.1 / 3.2 / 3.3:
 ``factor``, ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``, as
@@ -474,10 +475,15 @@ def _llama3_scaling(params: Mapping) -> RopeScaling:
 
 def _yarn_scaling(params: Mapping, get) -> YarnScaling:
     """HF's "yarn" parameters as transformers 5 reads them: the original context defaults to
-    max_position_embeddings, the betas to 32 and 1 (also for 0), the attention factor to ``0.1 ln(factor) + 1``,
-    or with ``mscale`` and ``mscale_all_dim`` (DeepSeek's) the ratio of the two such factors."""
-    length = params.get("original_max_position_embeddings") or get("max_position_embeddings")
+    max_position_embeddings, a None factor to max_position_embeddings over it, the betas to 32 and 1 (also
+    for 0), ``truncate`` to True (taken by its truth: None is False), the attention factor to
+    ``0.1 ln(factor) + 1``, or with ``mscale`` and ``mscale_all_dim`` (DeepSeek's) the ratio of the two such
+    factors."""
+    positions = get("max_position_embeddings")
+    length = params.get("original_max_position_embeddings") or positions
     factor = params.get("factor")
+    if factor is None and isinstance(length, int) and isinstance(positions, int) and length > 0:
+        factor = positions / length
     attention_factor = params.get("attention_factor")
     mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
     if attention_factor is None and mscale and mscale_all_dim and is_positive_finite(factor):
@@ -486,7 +492,7 @@ def _yarn_scaling(params: Mapping, get) -> YarnScaling:
         attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
     return YarnScaling(factor=factor, original_max_position_embeddings=length,
                        beta_fast=params.get("beta_fast") or 32.0, beta_slow=params.get("beta_slow") or 1.0,
-                       attention_factor=attention_factor, truncate=params.get("truncate", True))
+                       attention_factor=attention_factor, truncate=bool(params.get("truncate", True)))
 
 
 def _padding_idx(pad_token_id, vocab: int):
@@ -575,11 +581,15 @@ def _llama_settings(config) -> dict:
     if head_dim is not None and head_dim * heads != hidden:
         raise ValueError(f"{kind} config head_dim={head_dim!r} is not supported by seqpar: it needs head_dim = "
                          f"hidden_size / num_attention_heads = {hidden} / {heads}")
-    _check_full_attention(get, model_type, kind, get("max_position_embeddings"))
     theta, rope_scaling = _llama_rope(get, kind)
+    positions = get("max_position_embeddings")
+    if isinstance(rope_scaling, YarnScaling) and isinstance(positions, int):
+        # YaRN stretches the original context by its factor, which HF runs whatever max_position_embeddings
+        # says (Qwen2.5 keeps 32768 there and runs 131072 tokens with factor 4): GPTModel's max_seq_len
+        positions = max(positions, int(rope_scaling.factor * rope_scaling.original_max_position_embeddings))
+    _check_full_attention(get, model_type, kind, positions)
     return dict(kind=kind, qkv_bias=qkv_bias, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                ffn=get("intermediate_size"),
-                layers=get("num_hidden_layers"), positions=get("max_position_embeddings"),
+                ffn=get("intermediate_size"), layers=get("num_hidden_layers"), positions=positions,
                 vocab=get("vocab_size"), eps=get("rms_norm_eps", 1e-6), theta=theta, rope_scaling=rope_scaling,
                 tied=bool(get("tie_word_embeddings", False)), attention_dropout=get("attention_dropout", 0.0) or 0.0,
                 pad=_padding_idx(get("pad_token_id"), get("vocab_size")))
@@ -686,7 +696,6 @@ def _check_rotary_frequencies(source: nn.Module, settings: dict) -> None:
         want = built.to(freq.dtype)
         normal = want.abs() >= torch.finfo(freq.dtype).tiny
         if rope_type != expected_type or \
-                not math.isclose(getattr(module, "attention_scaling", 1.0), attention_scaling, rel_tol=1e-12) or \
                 freq.shape != want.shape or not torch.allclose(freq.detach().cpu()[normal].double(),
                                                                want[normal].double(),
                                                                rtol=min(16 * torch.finfo(freq.dtype).eps, 1e-2),
@@ -698,6 +707,12 @@ def _check_rotary_frequencies(source: nn.Module, settings: dict) -> None:
                              "built (was the config changed since? or were they never set: a model built on the "
                              "meta device and materialised without init_weights()). seqpar implements the RoPE "
                              f"types {LLAMA_ROPE_TYPES}")
+        module_scaling = getattr(module, "attention_scaling", 1.0)
+        if not math.isclose(module_scaling, attention_scaling, rel_tol=1e-12):
+            raise ValueError(f"the model's {name or 'rotary'}.attention_scaling {module_scaling!r} is not the "
+                             f"{attention_scaling!r} of its config's {scaling!r}, which seqpar would apply: HF "
+                             "scales cos and sin by the module's, set from the config when the model was built (was "
+                             "the config changed since?)")
 
 
 def _source_state_dict(source, config, kind: str):

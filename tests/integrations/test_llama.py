@@ -554,8 +554,25 @@ def test_yarn_frequencies_and_attention_factor_are_the_modules():
         return qwen2
     with pytest.raises(ValueError, match=r"inv_freq \(rope_type 'yarn'\) is not the 'yarn' RoPE .*factor=8.0"):
         hf.from_llama(edited(factor=8.0))
-    with pytest.raises(ValueError, match=r"is not the 'yarn' RoPE .*attention_factor=1.5"):
+    with pytest.raises(ValueError, match=r"model.rotary_emb.attention_scaling 1.138.* is not the 1.5 of its config's "
+                                         r"YarnScaling\(.*attention_factor=1.5"):    # its frequencies are right
         hf.from_llama(edited(attention_factor=1.5))
+    # Qwen2.5's recipe: max_position_embeddings stays the original context, YaRN runs factor x it in HF;
+    # GPTModel's max_seq_len refused those sequences
+    qwen25 = _random_llama(2, family="qwen2", rope_scaling={**YARN_ROPE["rope_scaling"]}, rope_theta=1e6,
+                           max_position_embeddings=16).eval()
+    model = hf.from_llama(qwen25)
+    assert model.max_seq_len == 64 and _tokens().shape[1] > 16
+    with torch.no_grad():
+        torch.testing.assert_close(model(_tokens()), qwen25(_tokens()).logits.transpose(0, 1), atol=2e-5, rtol=0)
+    # transformers 5 reads a None factor as max_position_embeddings / the original context, a None truncate
+    # as False: converted as HF runs them (they were refused)
+    for change in (dict(factor=None), dict(truncate=None)):
+        qwen2 = _random_llama(2, family="qwen2", rope_scaling={**YARN_ROPE["rope_scaling"], **change},
+                              rope_theta=YARN_ROPE["rope_theta"]).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(hf.from_llama(qwen2)(_tokens()), qwen2(_tokens()).logits.transpose(0, 1),
+                                       atol=2e-5, rtol=0)
     for params, length in ((dict(factor=4.0), POSITIONS),
                            (dict(factor=4.0, original_max_position_embeddings=16, mscale=0.8, mscale_all_dim=1.0), 16)):
         qwen2 = _random_llama(2, family="qwen2", rope_scaling={"rope_type": "yarn", **params}).eval()
