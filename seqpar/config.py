@@ -10,7 +10,7 @@ import torch
 
 from .memory import RECOMPUTE_POLICIES
 from .ops.registry import DTYPES, check_eps, check_flags, validate_backend
-from .ops.rotary import RopeScaling, YarnScaling, check_rope_scaling, check_theta
+from .ops.rotary import LinearScaling, RopeScaling, YarnScaling, check_rope_scaling, check_theta
 from .random import as_int, dropout_threshold, is_int
 
 #: ``TransformerConfig.activation`` values: the MLP's GeLU (erf or tanh) or SwiGLU (gate and up).
@@ -79,8 +79,9 @@ class TransformerConfig:
     (rotary embeddings applied to q and k in every layer at their global sequence positions, with base
     ``rope_theta``; the head dim must be even). ``rope_theta`` other than 10000 with "learned" positions
     is a ValueError (it would be ignored).
-    ``rope_scaling``: None (the default RoPE frequencies), or Llama 3.1's scaling of them
-    (:class:`seqpar.ops.RopeScaling`, HF ``rope_type="llama3"``: Llama 3.1 / 3.2 / 3.3), or YaRN's
+    ``rope_scaling``: None (the default RoPE frequencies), or their linear scaling
+    (:class:`seqpar.ops.LinearScaling`, HF ``rope_type="linear"``), or Llama 3.1's
+    (:class:`seqpar.ops.RopeScaling`, HF ``"llama3"``: Llama 3.1 / 3.2 / 3.3), or YaRN's
     (:class:`seqpar.ops.YarnScaling`, HF ``"yarn"``: its attention factor scales the attention's softmax,
     :attr:`attention_softmax_scale`); "rope" positions only.
     ``add_bias_linear``: biases on the four linear layers (QKV, projection, fc1, fc2).
@@ -117,7 +118,7 @@ class TransformerConfig:
     add_bias_linear: bool = True
     init_method_std: float = 0.02
     output_layer_init_std: Optional[float] = None
-    rope_scaling: Optional[RopeScaling | YarnScaling] = None
+    rope_scaling: Optional[LinearScaling | RopeScaling | YarnScaling] = None
     add_qkv_bias: bool = False
 
     def __post_init__(self) -> None:

@@ -159,7 +159,7 @@ def test_architecture_defaults_are_the_gpt_layer():
     (dict(hidden_size=72, num_attention_heads=24, num_query_groups=None),
      r"position_embedding='rope' needs an even head dim, got hidden_size 72 / num_attention_heads 24 = 3"),
     (dict(position_embedding="learned"), r"rope_theta=500000.0 with position_embedding='learned'"),
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_scaling must be a seqpar.ops.RopeScaling, a seqpar.ops.YarnScaling or None"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_scaling must be a seqpar.ops.LinearScaling, RopeScaling, YarnScaling or None"),
     (dict(rope_theta=1.0, rope_scaling=seqpar.ops.YarnScaling(4.0, 64)), "YaRN's scaling needs a rope_theta other than 1"),
     (dict(position_embedding="learned", rope_theta=10000.0, rope_scaling=seqpar.ops.RopeScaling()),
      r"rope_scaling=RopeScaling\(factor=8.0, .*\) with position_embedding='learned'"),

@@ -65,8 +65,9 @@ at least factor x original_max_position_embeddings, the context HF runs),
 or ``rope_theta`` in older transformers) and its type: "default", "llama3" (Llama 3.1 / 3.2 / 3.3:
 ``factor``, ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``, as
 :class:`seqpar.ops.RopeScaling`), or "yarn" (Qwen2.5's long context: as :class:`seqpar.ops.YarnScaling`,
-whose attention factor scales the attention's softmax). Unsupported settings raise ValueError naming them:
-another RoPE type (linear, dynamic, longrope ... scaling), a ``partial_rotary_factor`` other than 1,
+whose attention factor scales the attention's softmax), or "linear" (DeepSeek Coder: ``factor``, as
+:class:`seqpar.ops.LinearScaling`). Unsupported settings raise ValueError naming them: another RoPE type
+(dynamic, longrope ... scaling), a ``partial_rotary_factor`` other than 1,
 ``attention_bias`` or ``mlp_bias``, a sliding window
 narrower than ``max_position_embeddings`` (seqpar's attention is full causal),
 a ``head_dim`` other than hidden_size / num_attention_heads, a ``hidden_act`` other than "silu" (or
@@ -91,7 +92,7 @@ from ..config import TransformerConfig
 from ..nn.model import IGNORE_INDEX, GPTModel
 from ..nn.state_dict import _unwrapped, check_shapes
 from ..ops.registry import check_eps, is_positive_finite
-from ..ops.rotary import RopeScaling, YarnScaling, rope_inv_freq
+from ..ops.rotary import LinearScaling, RopeScaling, YarnScaling, rope_inv_freq
 from ..parallel.state import ProcessGroup, run_agreed
 
 __all__ = ["from_gpt2", "to_gpt2_state_dict", "to_gpt2_config", "from_llama", "to_llama_state_dict",
@@ -426,16 +427,16 @@ LLAMA_BLOCK = dict(normalization="rmsnorm", activation="swiglu", position_embedd
 LLAMA_FAMILY = {"llama": ("Llama", False), "mistral": ("Mistral", False), "qwen2": ("Qwen2", True)}
 
 
-#: The HF RoPE types from_llama converts: the default frequencies, Llama 3.1's scaling of them, YaRN's.
-LLAMA_ROPE_TYPES = ("default", "llama3", "yarn")
+#: The HF RoPE types from_llama converts: the default frequencies, and their linear, Llama 3.1 and YaRN scalings.
+LLAMA_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # seqpar's class of each scaling type -> HF's rope_type
-_ROPE_TYPES = {type(None): "default", RopeScaling: "llama3", YarnScaling: "yarn"}
+_ROPE_TYPES = {type(None): "default", LinearScaling: "linear", RopeScaling: "llama3", YarnScaling: "yarn"}
 
 
-def _llama_rope(get, kind: str) -> Tuple[float, Optional[Union[RopeScaling, YarnScaling]]]:
+def _llama_rope(get, kind: str) -> Tuple[float, Optional[Union[LinearScaling, RopeScaling, YarnScaling]]]:
     """The RoPE base of a LlamaConfig (``kind``: the family's name, for the errors) and its scaling: None for
-    the default type, "llama3" as :class:`seqpar.ops.RopeScaling`, "yarn" as :class:`seqpar.ops.YarnScaling`
-    (read as transformers 5 reads it); ValueError for the other types."""
+    the default type, "linear" as :class:`seqpar.ops.LinearScaling`, "llama3" as :class:`seqpar.ops.RopeScaling`,
+    "yarn" as :class:`seqpar.ops.YarnScaling` (read as transformers 5 reads it); ValueError for the other types."""
     params = get("rope_parameters")
     if params is None:  # transformers < 5: rope_theta and rope_scaling attributes
         params = dict(get("rope_scaling") or {})
@@ -459,6 +460,10 @@ def _llama_rope(get, kind: str) -> Tuple[float, Optional[Union[RopeScaling, Yarn
         # HF warns and computes with it (8192.0 written in a config.json): the frequencies of 8192
         values["original_max_position_embeddings"] = int(length)
     try:
+        if rope_type == "linear":
+            if values.get("factor") is None:
+                raise ValueError("without ['factor'] (rope_parameters / rope_scaling)")
+            return theta, LinearScaling(values["factor"])
         return theta, (_llama3_scaling(values) if rope_type == "llama3" else _yarn_scaling(values, get))
     except ValueError as exc:
         raise ValueError(f"{kind} config rope type {rope_type!r}: {exc}") from None
@@ -538,8 +543,8 @@ def _check_full_attention(get, model_type: str, kind: str, positions) -> None:
     window, sliding = _sliding_layers(get, model_type)
     if sliding and window is not None and not _masks_nothing(window, positions):
         raise ValueError(f"{kind} config sliding_window={window!r} (layers {list(sliding)}) is not supported by "
-                         f"seqpar: its attention is full causal, and a window below max_position_embeddings={positions!r} "
-                         f"masks keys ({_FULL_ATTENTION_ADVICE[model_type]} to train with full attention)")
+                         f"seqpar: its attention is full causal, and a window below max_position_embeddings="
+                         f"{positions!r} masks keys ({_FULL_ATTENTION_ADVICE[model_type]} to train with full attention)")
 
 
 def _masks_nothing(window, positions) -> bool:
@@ -798,7 +803,7 @@ def _llama_model(model: nn.Module) -> GPTModel:
     return model
 
 
-def _hf_rope_scaling(scaling: Optional[Union[RopeScaling, YarnScaling]]) -> Optional[Dict[str, object]]:
+def _hf_rope_scaling(scaling) -> Optional[Dict[str, object]]:
     """The HF ``rope_scaling`` dict of a seqpar scaling (None for the default RoPE)."""
     if scaling is None:
         return None
@@ -818,7 +823,7 @@ def to_llama_config(model: GPTModel) -> Dict[str, object]:
         llama.load_state_dict(hf.to_llama_state_dict(model))     # every rank calls it (a collective)
 
     Sizes, ``max_position_embeddings`` = max_seq_len, the real vocabulary, ``rms_norm_eps``, ``rope_theta``
-    and ``rope_scaling`` ("llama3" or "yarn"), the tied head, the attention dropout, the padding index
+    and ``rope_scaling`` ("linear", "llama3" or "yarn"), the tied head, the attention dropout, the padding index
     (``pad_token_id``), ``initializer_range``, the parameters' dtype, and no bos / eos token ids (seqpar
     knows no tokenizer: set them from yours; HF's defaults 1 and 2 would end generations at those ids). The
     hidden and embedding dropouts have no Llama setting and are left out. Not a collective. ValueError as

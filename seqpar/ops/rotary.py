@@ -3,14 +3,14 @@
 Math, for each head ``x = [x1 | x2]`` (the two halves of d) of sequence row i::
 
     inv_freq_j = 1 / theta**(2j / d)                      j < d / 2   (fp32, computed as HF does;
-                                                          Llama 3.1's scaling of them: RopeScaling;
-                                                          YaRN's: YarnScaling)
+                                                          scaled: LinearScaling, Llama 3.1's
+                                                          RopeScaling, YaRN's YarnScaling)
     angle_ij   = float(position_offset + i) * inv_freq_j  (fp32)
     out[..., :d/2] = x1 * cos(angle) - x2 * sin(angle)
     out[..., d/2:] = x2 * cos(angle) + x1 * sin(angle)
 
 evaluated in fp32 and rounded once. This is ``apply_rotary_pos_emb(q, k, cos, sin)`` of HF Llama with
-``LlamaRotaryEmbedding``'s cos / sin (default rope type, "llama3" or "yarn" with ``rope_scaling``; without
+``LlamaRotaryEmbedding``'s cos / sin (default rope type, "linear", "llama3" or "yarn"; without
 HF's attention scaling, 1 but with "yarn", whose factor is the attention's): in fp32 the two agree to
 within an ulp or so of cos / sin (bit for bit where both evaluate cos / sin alike); in fp16 / bf16 the
 result here is the fp32 rotation rounded once, where HF rounds cos / sin and each product to the input
@@ -200,26 +200,43 @@ class YarnScaling:
         return float(low), float(high + 0.001 if low == high else high)
 
 
-#: The scalings of the RoPE frequencies (``rope_scaling=``): Llama 3.1's, YaRN's.
-ROPE_SCALINGS = (RopeScaling, YarnScaling)
-# The numbers a ``freqs`` tuple holds after theta, by scaling: their count tells the two apart. (Not a code
-# number in the tuple: under torch.compile(dynamic=True) a float compared inside the autograd Function's
-# subgraph is a symbol Dynamo can't lift there.)
-_LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-_YARN_FIELDS = ("factor", "low", "high")
+@dataclasses.dataclass(frozen=True)
+class LinearScaling:
+    """Linear scaling of the RoPE frequencies, position interpolation (HF ``rope_type="linear"``: DeepSeek
+    Coder, Llama 2 long-context fine-tunes): ``inv_freq_j = (1 / theta**(2j / d)) / factor`` in fp32, HF's
+    bit for bit; the attention is not rescaled. ValueError for a factor that is not finite, positive and
+    within fp32's normal range."""
+
+    factor: float
+
+    def __post_init__(self):
+        if not (registry.is_positive_finite(self.factor) and THETA_RANGE[0] <= self.factor <= THETA_RANGE[1]):
+            raise ValueError(f"LinearScaling.factor must be a finite positive float within fp32's range, got "
+                             f"{self.factor!r}")
+        object.__setattr__(self, "factor", float(self.factor))
+
+
+#: The scalings of the RoPE frequencies (``rope_scaling=``): linear, Llama 3.1's, YaRN's.
+ROPE_SCALINGS = (LinearScaling, RopeScaling, YarnScaling)
 
 
 def check_rope_scaling(rope_scaling, name: str = "rope_scaling") -> None:
-    """ValueError unless ``rope_scaling`` is None, a :class:`RopeScaling` or a :class:`YarnScaling`."""
+    """ValueError unless ``rope_scaling`` is None or one of :data:`ROPE_SCALINGS`."""
     if rope_scaling is not None and not isinstance(rope_scaling, ROPE_SCALINGS):
-        raise ValueError(f"{name} must be a seqpar.ops.RopeScaling, a seqpar.ops.YarnScaling or None, got "
+        raise ValueError(f"{name} must be a seqpar.ops.LinearScaling, RopeScaling, YarnScaling or None, got "
                          f"{rope_scaling!r}")
 
 
-def _llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+def _linear_scaled(powers: torch.Tensor, factor: float) -> torch.Tensor:
+    """:class:`LinearScaling` of the default frequencies ``1 / powers`` (``powers``: theta**(2j / d), fp32)."""
+    return 1.0 / powers / factor
+
+
+def _llama3_scaled(powers: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
                    length: float) -> torch.Tensor:
-    """:class:`RopeScaling` of the default frequencies ``inv_freq`` (fp32 [d / 2]), on its fields as plain
+    """:class:`RopeScaling` of the default frequencies ``1 / powers`` (fp32 [d / 2]), on its fields as plain
     floats (what a traced graph computes: no dataclass built there)."""
+    inv_freq = 1.0 / powers
     # 2 pi written out (the double 2 * math.pi): under torch.compile(dynamic=True) Dynamo makes a global
     # float such as math.pi a symbol, which it can't lift into the autograd Function's subgraph
     wavelength = 6.283185307179586 / inv_freq
@@ -241,10 +258,18 @@ def _yarn_scaled(powers: torch.Tensor, factor: float, low: float, high: float) -
     return interpolation * (1 - kept) + extrapolation * kept
 
 
+# How the frequencies of a ``freqs`` tuple are scaled, by the count of its numbers after theta (a code number
+# in the tuple would be a float compared inside the autograd Function's subgraph, a symbol Dynamo can't lift
+# there under torch.compile(dynamic=True)): (theta, factor) linear, (theta, factor, low, high) YaRN with its
+# correction range, (theta, factor, low_freq_factor, high_freq_factor, original context) Llama 3.1's.
+_SCALED = {1: _linear_scaled, 3: _yarn_scaled, 4: _llama3_scaled}
+
+
 def rope_frequencies(theta: float, scaling=None, d: Optional[int] = None) -> Tuple[float, ...]:
-    """The ``freqs`` tuple the backends carry: ``(theta,)``; with a :class:`RopeScaling` ``(theta, factor,
-    low_freq_factor, high_freq_factor, original_max_position_embeddings)``; with a :class:`YarnScaling`
-    (which needs the head dim ``d``) ``(theta, factor, low, high)``, its correction range resolved here."""
+    """The ``freqs`` tuple the backends carry: ``(theta,)``; with a :class:`LinearScaling` ``(theta,
+    factor)``; with a :class:`RopeScaling` ``(theta, factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings)``; with a :class:`YarnScaling` (which needs the head dim ``d``)
+    ``(theta, factor, low, high)``, its correction range resolved here."""
     # float() of each, here in the caller's frame: torch.compile creates the symbol of a float it makes dynamic
     # (dynamic=True, or a recompile for another scaling) where the float is first used, and one first used
     # inside the autograd Function's subgraph can't be lifted (an AssertionError, not a graph break); and
@@ -253,14 +278,17 @@ def rope_frequencies(theta: float, scaling=None, d: Optional[int] = None) -> Tup
         fields = ()
     elif isinstance(scaling, YarnScaling):
         fields = (scaling.factor, *scaling.correction_range(d, float(theta)))
+    elif isinstance(scaling, LinearScaling):
+        fields = (scaling.factor,)
     else:
-        fields = tuple(getattr(scaling, name) for name in _LLAMA3_FIELDS)
+        fields = (scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor,
+                  scaling.original_max_position_embeddings)
     return tuple(float(value) for value in (theta, *fields))
 
 
 def rope_inv_freq(d: int, theta: float, scaling=None) -> torch.Tensor:
-    """``1 / theta**(2j / d)``, j < d / 2, scaled by ``scaling`` (a :class:`RopeScaling` or
-    :class:`YarnScaling`) if given: fp32 on the CPU, by the same ops as HF's default ("llama3", "yarn") RoPE."""
+    """``1 / theta**(2j / d)``, j < d / 2, scaled by ``scaling`` (one of :data:`ROPE_SCALINGS`) if given: fp32
+    on the CPU, by the same ops as HF's default ("linear", "llama3", "yarn") RoPE."""
     return _inv_freq(d, rope_frequencies(theta, scaling, d))
 
 
@@ -269,11 +297,7 @@ def _inv_freq(d: int, freqs: Sequence[float]) -> torch.Tensor:
     theta, *scaling = freqs
     # device="cpu" whatever the default device (a meta one made the copy to the layer's device fail)
     powers = float(theta) ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float) / d)
-    if not scaling:
-        return 1.0 / powers
-    if len(scaling) == len(_YARN_FIELDS):
-        return _yarn_scaled(powers, *scaling)
-    return _llama3_scaled(1.0 / powers, *scaling)
+    return _SCALED[len(scaling)](powers, *scaling) if scaling else 1.0 / powers
 
 
 @functools.lru_cache(maxsize=64)
@@ -507,7 +531,7 @@ def _nested_boxes_meet(a: torch.Tensor, b: torch.Tensor) -> Optional[bool]:
 
 
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, *, position_offset: int = 0, theta: float = 10000.0,
-                     rope_scaling: Optional[RopeScaling | YarnScaling] = None, inplace: bool = False,
+                     rope_scaling: Optional[LinearScaling | RopeScaling | YarnScaling] = None, inplace: bool = False,
                      backend: str = "auto"
                      ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Rotate q ``[s, b, Hq, d]`` and k ``[s, b, Hk, d]`` by their positions (HF Llama's RoPE).
@@ -523,9 +547,10 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, *, position_offset: int =
     Args:
         position_offset: global position of sequence row 0 (an int in [0, 2**62)).
         theta: RoPE base (HF ``rope_theta``), positive.
-        rope_scaling: None (the default RoPE), or Llama 3.1's scaling of the frequencies (:class:`RopeScaling`,
-            HF ``rope_type="llama3"``), or YaRN's (:class:`YarnScaling`, HF ``"yarn"``; its attention factor is
-            not applied here: it is the attention's, see :class:`YarnScaling`).
+        rope_scaling: None (the default RoPE), or the frequencies' linear scaling (:class:`LinearScaling`, HF
+            ``rope_type="linear"``), or Llama 3.1's (:class:`RopeScaling`, HF ``"llama3"``), or YaRN's
+            (:class:`YarnScaling`, HF ``"yarn"``; its attention factor is not applied here: it is the
+            attention's, see :class:`YarnScaling`).
         inplace: write into q and k instead of new tensors.
         backend: "auto" | "torch" | "triton" | "cuda" (see :mod:`seqpar.ops.registry`).
     """

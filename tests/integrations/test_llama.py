@@ -286,9 +286,11 @@ def test_from_model_objects_tied_and_untied_and_back(tied):
                                         ("qwen2", dict(use_sliding_window=True, sliding_window=8,
                                                        max_window_layers=LAYERS)),     # no layer slides
                                         ("qwen2", YARN_ROPE),
+                                        ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 4.0})),
                                         ("mistral", dict(sliding_window=None)),
                                         ("mistral", dict(sliding_window=POSITIONS))],  # masks nothing
-                         ids=["qwen2", "qwen2-window-unused", "qwen2-yarn", "mistral", "mistral-window-past-positions"])
+                         ids=["qwen2", "qwen2-window-unused", "qwen2-yarn", "llama-linear", "mistral",
+                              "mistral-window-past-positions"])
 def test_mistral_and_qwen2_are_the_llama_block(family, kw):
     """Qwen2 (q / k / v biases: add_qkv_bias) and Mistral convert as the Llama block: logits and every
     gradient (the q / k / v biases' included) match HF's, HF's model loads the hand-back, bitwise."""
@@ -510,10 +512,10 @@ def test_one_recompute_policy_per_layer():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope type 'linear'"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope type 'dynamic'"),
     (dict(rope_scaling={"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 32,
                         "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}),
-     "rope type 'longrope' .* it implements the RoPE types \\('default', 'llama3', 'yarn'\\)"),
+     "rope type 'longrope' .* it implements the RoPE types \\('default', 'linear', 'llama3', 'yarn'\\)"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 0.5, "original_max_position_embeddings": 32}),
      r"rope type 'yarn': YarnScaling.factor must be a finite float >= 1"),
     (dict(partial_rotary_factor=0.5), r"partial_rotary_factor=0.5 is not supported by seqpar"),
@@ -522,7 +524,7 @@ def test_one_recompute_policy_per_layer():
      r"rope type 'llama3': RopeScaling.low_freq_factor \(4.0\) must be below high_freq_factor \(1.0\)"),
     (dict(attention_bias=True), "attention_bias=True"), (dict(mlp_bias=True), "mlp_bias=True"),
     (dict(head_dim=32), "head_dim=32"), (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-], ids=["rope-linear", "rope-longrope", "rope-yarn-factor", "rope-partial", "rope-llama3-crossed-bands", "attention-bias", "mlp-bias", "head-dim", "hidden-act"])
+], ids=["rope-dynamic", "rope-longrope", "rope-yarn-factor", "rope-partial", "rope-llama3-crossed-bands", "attention-bias", "mlp-bias", "head-dim", "hidden-act"])
 def test_unsupported_llama_variants_raise(kwargs, match):
     state_dict = _random_llama(2).state_dict()
     with pytest.raises(ValueError, match=match):
@@ -590,7 +592,8 @@ def test_yarn_frequencies_and_attention_factor_are_the_modules():
     (dict(rope_scaling=seqpar.ops.YarnScaling(2.0, 16, beta_fast=16.0, attention_factor=1.3, truncate=False)),
      dict(share_embeddings_and_output_weights=False), "LlamaForCausalLM"),
     (dict(num_query_groups=None, params_dtype=torch.bfloat16), {}, "LlamaForCausalLM"),
-], ids=["llama3.1-untied-pad", "qwen2-yarn-tied", "llama-yarn-fields", "llama-mha-bf16"])
+    (dict(rope_theta=1e5, rope_scaling=seqpar.ops.LinearScaling(4.0)), {}, "LlamaForCausalLM"),
+], ids=["llama3.1-untied-pad", "qwen2-yarn-tied", "llama-yarn-fields", "llama-mha-bf16", "llama-linear"])
 def test_a_model_trained_from_scratch_exports_to_hf(knobs, model_kw, hf_class):
     """to_llama_config + to_llama_state_dict make an HF model (a Qwen2 with the QKV biases) of a GPTModel
     seqpar built: HF's logits are seqpar's, and from_llama of it gives back the same config (the dtype, and
@@ -615,6 +618,13 @@ def test_a_model_trained_from_scratch_exports_to_hf(knobs, model_kw, hf_class):
     back = hf.from_llama(source, backend="torch")
     assert back.config == model.config and (back.max_seq_len, back.vocab_size) == (64, 300)
     assert back.embedding.word_embeddings.padding_idx == model_kw.get("padding_idx")
+
+
+def test_a_linear_scaling_without_its_factor_names_it():
+    """(HF's own config refuses it; a config read from elsewhere reaches from_llama.)"""
+    config = {**_llama_config(2).to_dict(), "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0}}
+    with pytest.raises(ValueError, match=r"Llama config rope type 'linear': without \['factor'\]"):
+        hf.from_llama(_random_llama(2).state_dict(), config=types.SimpleNamespace(**config))
 
 
 def test_hidden_act_swish_is_silu():

@@ -5,7 +5,7 @@ offsets, in place vs out of place, gradients, validation and torch.compile. Llam
 import pytest
 import torch
 
-from seqpar.ops import RopeScaling, YarnScaling, rotary_embedding
+from seqpar.ops import LinearScaling, RopeScaling, YarnScaling, rotary_embedding
 from seqpar.ops.rotary import rope_frequencies, rope_inv_freq
 from tests.gpu import GPU_DTYPES, skip_unless_backend_runs
 from tests.tolerances import assert_error_within
@@ -211,6 +211,8 @@ def test_triton_custom_ops_pass_opcheck():
     q, k = _qk(3, 2, 2, 1, 8, torch.float32)
     llama3 = list(rope_frequencies(THETA, RopeScaling(8.0, 1.0, 4.0, 64)))
     yarn = list(rope_frequencies(THETA, YarnScaling(4.0, 32), 8))
+    torch.library.opcheck(torch.ops.seqpar.rotary_embedding_triton, (q, 2, list(rope_frequencies(THETA, LinearScaling(4.0))),
+                                                                    False))
     torch.library.opcheck(torch.ops.seqpar.rotary_embedding_triton, (q, 5, [THETA], False))
     torch.library.opcheck(torch.ops.seqpar.rotary_embedding_triton, (k, 0, llama3, True))
     torch.library.opcheck(torch.ops.seqpar.rotary_embedding_triton_inplace, (q.clone(), 5, llama3, True))
@@ -417,6 +419,37 @@ def test_yarn_scaling_compiles_in_one_graph(dynamic):
 def test_bad_yarn_scaling_raises_naming_the_field(fields, match):
     with pytest.raises(ValueError, match=match):
         YarnScaling(**{"factor": 4.0, "original_max_position_embeddings": 32, **fields})
+
+
+@pytest.mark.parametrize("factor", [2.0, 4.0, 0.5, 3.7])
+def test_linear_frequencies_are_transformers_bit_for_bit(factor):
+    """HF's "linear" (position interpolation; DeepSeek Coder's factor 4): the default frequencies over factor."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.LlamaConfig(hidden_size=256, num_attention_heads=2, num_hidden_layers=1, intermediate_size=8,
+                                      vocab_size=8, rope_parameters=dict(rope_type="linear", factor=factor,
+                                                                         rope_theta=100000.0))
+    theirs, attention_factor = ROPE_INIT_FUNCTIONS["linear"](config, "cpu")
+    assert torch.equal(rope_inv_freq(128, 100000.0, LinearScaling(factor)), theirs) and attention_factor == 1.0
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["default", "dynamic"])
+def test_linear_scaling_rotates_as_hf_and_compiles(dynamic):
+    q, k = _qk(6, 2, 2, 1, 16, torch.float32, requires_grad=True)
+    scaling = LinearScaling(4.0)
+
+    def f(q, k):
+        return rotary_embedding(q, k, position_offset=5, theta=10000.0, rope_scaling=scaling, backend="torch")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=dynamic)(q, k)
+    torch.testing.assert_close(compiled, f(q, k), rtol=0, atol=0)
+    hf = _hf_rope(q.detach(), k.detach(), 5, inv_freq=rope_inv_freq(16, 10000.0, scaling))
+    torch.testing.assert_close(tuple(t.detach() for t in compiled), hf, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="LinearScaling.factor must be a finite positive float"):
+        LinearScaling(0.0)
 
 
 def test_yarn_with_theta_1_is_a_value_error():
