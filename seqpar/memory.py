@@ -642,8 +642,9 @@ def first_stage_parameters(hidden: int, num_layers: int, vocab: int, max_seq_len
     SwiGLU (gate and up), else f: the QKV (q h), fc1 (f' h), projection (h^2) and fc2 (f h) weights split
     over the t ranks, with ``add_bias_linear`` also the QKV and fc1 biases (q + f', split) and the
     projection and fc2 biases (2h, replicated), with ``add_qkv_bias`` alone the QKV bias (q, split), and
-    the two norms (4h for LayerNorm's weight and bias, 2h for RMSNorm) replicated: 12h^2 + 13h at the GPT defaults and t = 1. Plus the word embedding (v rows
-    padded to a multiple of 128 t as GPTModel does, split t ways) and with learned positions the position
+    the two norms (4h for LayerNorm's weight and bias, 2h for RMSNorm) replicated: 12h^2 + 13h at the GPT
+    defaults and t = 1. Plus the word embedding (v rows padded to a multiple of 128 t as GPTModel does,
+    split t ways) and with learned positions the position
     table (max_seq_len x h); with pp = 1 also the final norm and, untied
     (``share_embeddings_and_output_weights=False``), the output layer (another padded v/t x h).
     ``heads`` is needed only with ``num_query_groups`` (checked whenever given). ValueError for sizes that are not positive ints,

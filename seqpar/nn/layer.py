@@ -529,7 +529,8 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
         the layer's own parts, with ``.bias`` keys only where there are biases (``add_bias_linear``,
         ``add_qkv_bias`` for the QKV linear; LayerNorm, not RMSNorm), and any parameter a subclass or a
         replaced submodule holds (split as its module splits it if that is a seqpar parallel module, else
-        replicated), in ``state_dict()``'s order. ValueError for a wrapped or reparametrized part, as :meth:`full_state_dict`."""
+        replicated), in ``state_dict()``'s order. ValueError for a wrapped or reparametrized part, as
+        :meth:`full_state_dict`."""
         self._parts(f"TransformerLayer(layer_number={self.layer_number}).full_shapes")
         return unsharded_shapes(unsharded_entries(self))
 

@@ -9,6 +9,6 @@ from .rotary import LinearScaling, RopeScaling, YarnScaling, rotary_embedding
 from .swiglu import swiglu
 from . import registry
 
-__all__ = ["attention_core", "select_attention_backend", "bias_dropout_add_layer_norm", "all_gather_matmul", "matmul_reduce_scatter",
-           "DropoutSpec", "bias_dropout_add", "dropout", "add_rms_norm", "rotary_embedding", "LinearScaling", "RopeScaling", "YarnScaling", "swiglu",
-           "registry"]
+__all__ = ["attention_core", "select_attention_backend", "bias_dropout_add_layer_norm", "all_gather_matmul",
+           "matmul_reduce_scatter", "DropoutSpec", "bias_dropout_add", "dropout", "add_rms_norm", "rotary_embedding",
+           "LinearScaling", "RopeScaling", "YarnScaling", "swiglu", "registry"]
