@@ -158,11 +158,12 @@ def _gpt2_settings(config) -> dict:
         raise ValueError(f"GPT-2 config activation_function={activation!r} is not supported by seqpar; "
                          f"supported: {sorted(GPT2_ACTIVATIONS)}")
     hidden, inner = get("n_embd"), get("n_inner")
+    # a key the config lacks is GPT2Config's default (a namespace of a config.json has none)
     return dict(hidden=hidden, heads=get("n_head"), ffn=4 * hidden if inner is None else inner,
-                layers=get("n_layer"), positions=get("n_positions"), vocab=get("vocab_size"),
+                layers=get("n_layer"), positions=get("n_positions", 1024), vocab=get("vocab_size"),
                 eps=get("layer_norm_epsilon", 1e-5), activation=GPT2_ACTIVATIONS[activation],
-                resid_pdrop=get("resid_pdrop", 0.0), attn_pdrop=get("attn_pdrop", 0.0),
-                embd_pdrop=get("embd_pdrop", 0.0))
+                resid_pdrop=get("resid_pdrop", 0.1), attn_pdrop=get("attn_pdrop", 0.1),
+                embd_pdrop=get("embd_pdrop", 0.1))
 
 
 def _gpt2_shapes(settings: dict) -> Dict[str, tuple]:
@@ -439,10 +440,13 @@ def _llama_rope(get, kind: str) -> Tuple[float, Optional[Union[LinearScaling, Ro
     "yarn" as :class:`seqpar.ops.YarnScaling` (read as transformers 5 reads it); ValueError for the other types."""
     params = get("rope_parameters")
     if params is None:  # transformers < 5: rope_theta and rope_scaling attributes
-        params = dict(get("rope_scaling") or {})
-        params.setdefault("rope_theta", get("rope_theta", 10000.0))
+        params = get("rope_scaling") or {}
     if not isinstance(params, Mapping):
         raise ValueError(f"{kind} config rope_parameters must be a dict, got {params!r}")
+    # a top-level rope_theta beside rope_parameters without one (a config.json of both eras): transformers 5
+    # folds it in
+    params = dict(params)
+    params.setdefault("rope_theta", get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in LLAMA_ROPE_TYPES:
         raise ValueError(f"{kind} config rope type {rope_type!r} (rope_parameters / rope_scaling) is not supported by "
@@ -500,6 +504,14 @@ def _yarn_scaling(params: Mapping, get) -> YarnScaling:
                        attention_factor=attention_factor, truncate=bool(params.get("truncate", True)))
 
 
+def _checked_pad(pad_token_id, vocab, kind: str):
+    """:func:`_padding_idx`, ValueError naming ``pad_token_id`` when it is an id outside the vocabulary."""
+    pad = _padding_idx(pad_token_id, vocab)
+    if isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:
+        raise ValueError(f"{kind} config pad_token_id={pad_token_id!r} is not a token id of its vocab_size {vocab}")
+    return pad
+
+
 def _padding_idx(pad_token_id, vocab: int):
     """HF Llama's ``embed_tokens`` padding_idx (its row gets no lookup gradient), negative ids counted from
     the end as ``nn.Embedding`` counts them."""
@@ -521,8 +533,8 @@ def _sliding_layers(get, model_type: str) -> Tuple[object, Sequence[int]]:
         layer_types = get("layer_types")
         if layer_types is not None:
             return window, [i for i, layer_type in enumerate(layer_types) if layer_type == "sliding_attention"]
-        if get("use_sliding_window", False):
-            return window, range(get("max_window_layers", 0) or 0, layers)
+        if get("use_sliding_window"):
+            return window, range(get("max_window_layers") or 0, layers)
     return None, ()
 
 
@@ -562,16 +574,29 @@ def _check_attention_modules(source: nn.Module, settings: dict) -> None:
                              "window they were built with: was the config changed since?)")
 
 
-def _llama_settings(config) -> dict:
-    """Read a LlamaConfig (MistralConfig, Qwen2Config) into GPTModel's arguments; ValueError naming any
-    setting seqpar can't honour."""
-    def get(name, default=None):
-        return getattr(config, name, default)
+#: transformers' class defaults of the settings that change a Llama-family model's math, by model_type: what
+#: HF's config class gives a key a config.json leaves out (a config read from elsewhere, e.g. a namespace of
+#: the JSON, has no such defaults). Mistral slides a 4096 window unless the key says null.
+HF_LLAMA_DEFAULTS = {
+    "llama": dict(max_position_embeddings=2048, rms_norm_eps=1e-6),
+    "mistral": dict(max_position_embeddings=131072, rms_norm_eps=1e-6, num_key_value_heads=8, sliding_window=4096),
+    "qwen2": dict(max_position_embeddings=32768, rms_norm_eps=1e-6, sliding_window=4096, max_window_layers=28,
+                  use_sliding_window=False),
+}
 
-    model_type = get("model_type", "llama")
+
+def _llama_settings(config) -> dict:
+    """Read a LlamaConfig (MistralConfig, Qwen2Config) into GPTModel's arguments, a key it lacks taken as
+    HF's class default (:data:`HF_LLAMA_DEFAULTS`); ValueError naming any setting seqpar can't honour."""
+    model_type = getattr(config, "model_type", "llama")
     if model_type not in LLAMA_FAMILY:
         raise ValueError(f"config.model_type {model_type!r} is not one of the Llama family seqpar converts "
                          f"{tuple(LLAMA_FAMILY)}")
+    defaults = HF_LLAMA_DEFAULTS[model_type]
+
+    def get(name, default=None):
+        return getattr(config, name, defaults.get(name, default))
+
     kind, qkv_bias = LLAMA_FAMILY[model_type]
     if config is None or get("hidden_size") is None or get("intermediate_size") is None:
         raise ValueError(f"config must be a transformers LlamaConfig, got {type(config).__name__}")
@@ -597,7 +622,7 @@ def _llama_settings(config) -> dict:
                 ffn=get("intermediate_size"), layers=get("num_hidden_layers"), positions=positions,
                 vocab=get("vocab_size"), eps=get("rms_norm_eps", 1e-6), theta=theta, rope_scaling=rope_scaling,
                 tied=bool(get("tie_word_embeddings", False)), attention_dropout=get("attention_dropout", 0.0) or 0.0,
-                pad=_padding_idx(get("pad_token_id"), get("vocab_size")))
+                pad=_checked_pad(get("pad_token_id"), get("vocab_size"), kind))
 
 
 def _llama_shapes(settings: dict) -> Dict[str, tuple]:

@@ -283,6 +283,20 @@ def test_the_eps_is_the_layer_norms_not_a_config_changed_since():
         torch.testing.assert_close(model(tokens), gpt2(tokens).logits.transpose(0, 1), atol=2e-5, rtol=2e-5)
 
 
+def test_a_config_json_read_as_a_namespace_has_gpt2_config_s_defaults():
+    """A config.json without the dropout keys (HF: 0.1 each) or n_positions (1024), read without
+    transformers: they were 0.0 and an error not naming the key."""
+    import types
+    gpt2 = _random_gpt2(1000)
+    keys = {k: v for k, v in gpt2.config.to_dict().items()
+            if k not in ("resid_pdrop", "attn_pdrop", "embd_pdrop", "n_positions")}
+    state_dict = {k: v for k, v in gpt2.state_dict().items() if not k.endswith("wpe.weight")}
+    state_dict["transformer.wpe.weight"] = torch.zeros(1024, gpt2.config.n_embd)
+    model = hf.from_gpt2(state_dict, config=types.SimpleNamespace(**keys))
+    assert (model.config.hidden_dropout, model.config.attention_dropout, model.embedding_dropout,
+            model.max_seq_len) == (0.1, 0.1, 0.1, 1024)
+
+
 def test_loss_mapping_matches_hf_labels():
     """HF's labels=input_ids (-100 for padding) == shift_labels + sum / count of GPTModel's per-token loss."""
     gpt2 = _random_gpt2(1000, seed=9).eval()

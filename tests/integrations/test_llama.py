@@ -620,6 +620,33 @@ def test_a_model_trained_from_scratch_exports_to_hf(knobs, model_kw, hf_class):
     assert back.embedding.word_embeddings.padding_idx == model_kw.get("padding_idx")
 
 
+def test_a_config_json_read_as_a_namespace_has_hf_s_defaults():
+    """A config.json read without transformers (a namespace of its keys) leaves keys out that HF's config
+    class fills in: Mistral's 4096 window (taken as no window: logits 14 off past position 4096), Qwen2's
+    max_window_layers 28 (0: a 2-layer model that slides nothing was refused), Llama's 2048 positions (None:
+    an error not naming the key), GPT-2's 0.1 dropouts; and a rope_theta at the top beside rope_parameters
+    without one, which transformers 5 folds in (10000 was taken: logits 4e-3 off)."""
+    def namespace(model, drop=(), **change):
+        keys = {k: v for k, v in model.config.to_dict().items() if k not in drop}
+        return types.SimpleNamespace(**{**keys, **change})
+    mistral = _random_llama(2, family="mistral", sliding_window=None)
+    with pytest.raises(ValueError, match=r"Mistral config sliding_window=4096 \(layers \[0, 1\]\)"):
+        hf.from_llama(mistral.state_dict(), config=namespace(mistral, drop=("sliding_window",),
+                                                             max_position_embeddings=8192))
+    qwen2 = _random_llama(2, family="qwen2")
+    config = namespace(qwen2, drop=("layer_types", "max_window_layers"), use_sliding_window=True, sliding_window=16)
+    assert hf.from_llama(qwen2.state_dict(), config=config).max_seq_len == POSITIONS   # layers 28+ slide: none
+    llama = _random_llama(2, rope_theta=5e5).eval()
+    assert hf.from_llama(llama.state_dict(), config=namespace(llama, drop=("max_position_embeddings",))).max_seq_len \
+        == 2048
+    config = namespace(llama, rope_parameters={"rope_type": "default"}, rope_theta=5e5)
+    with torch.no_grad():
+        torch.testing.assert_close(hf.from_llama(llama.state_dict(), config=config)(_tokens()),
+                                   llama(_tokens()).logits.transpose(0, 1), atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"Llama config pad_token_id=1000 is not a token id of its vocab_size 1000"):
+        hf.from_llama(llama.state_dict(), config=namespace(llama, pad_token_id=VOCAB))
+
+
 def test_a_linear_scaling_without_its_factor_names_it():
     """(HF's own config refuses it; a config read from elsewhere reaches from_llama.)"""
     config = {**_llama_config(2).to_dict(), "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0}}
