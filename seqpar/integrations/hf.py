@@ -36,8 +36,8 @@ GPTModel's per-token losses over the labels that are not -100.
 
 **Llama** (:func:`from_llama` / :func:`to_llama_state_dict`): a ``LlamaForCausalLM`` (or ``LlamaModel``,
 or either's state dict with its ``LlamaConfig``) becomes a GPTModel with the Llama block
-(``normalization="rmsnorm", activation="swiglu", num_query_groups=num_key_value_heads,
-position_embedding="rope", add_bias_linear=False``, no dropout but the config's ``attention_dropout``,
+(``normalization="rmsnorm", activation="swiglu", num_query_groups=num_key_value_heads`` (None when it is
+the head count), ``position_embedding="rope", add_bias_linear=False``, no dropout but the config's ``attention_dropout``,
 0 by default; with it on, seqpar's counter-based masks are not torch's, so runs differ from HF's)::
 
     model.embed_tokens.weight [v, h]          embedding.word_embeddings.weight
@@ -504,12 +504,12 @@ def _yarn_scaling(params: Mapping, get) -> YarnScaling:
                        attention_factor=attention_factor, truncate=bool(params.get("truncate", True)))
 
 
-def _checked_pad(pad_token_id, vocab, kind: str):
-    """:func:`_padding_idx`, ValueError naming ``pad_token_id`` when it is an id outside the vocabulary."""
-    pad = _padding_idx(pad_token_id, vocab)
+def _check_pad(settings: dict) -> None:
+    """ValueError naming ``pad_token_id`` when the config's padding index is an id outside the vocabulary
+    (for a state-dict source: a model's is its embedding's, whatever its config says since)."""
+    pad, vocab = settings["pad"], settings["vocab"]
     if isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:
-        raise ValueError(f"{kind} config pad_token_id={pad_token_id!r} is not a token id of its vocab_size {vocab}")
-    return pad
+        raise ValueError(f"{settings['kind']} config pad_token_id={pad!r} is not a token id of its vocab_size {vocab}")
 
 
 def _padding_idx(pad_token_id, vocab: int):
@@ -620,9 +620,9 @@ def _llama_settings(config) -> dict:
     _check_full_attention(get, model_type, kind, positions)
     return dict(kind=kind, qkv_bias=qkv_bias, hidden=hidden, heads=heads, kv_heads=kv_heads,
                 ffn=get("intermediate_size"), layers=get("num_hidden_layers"), positions=positions,
-                vocab=get("vocab_size"), eps=get("rms_norm_eps", 1e-6), theta=theta, rope_scaling=rope_scaling,
+                vocab=get("vocab_size"), eps=get("rms_norm_eps"), theta=theta, rope_scaling=rope_scaling,
                 tied=bool(get("tie_word_embeddings", False)), attention_dropout=get("attention_dropout", 0.0) or 0.0,
-                pad=_checked_pad(get("pad_token_id"), get("vocab_size"), kind))
+                pad=_padding_idx(get("pad_token_id"), get("vocab_size")))
 
 
 def _llama_shapes(settings: dict) -> Dict[str, tuple]:
@@ -793,6 +793,8 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
             settings["eps"] = _norms_eps(source, settings["eps"])
             _check_rotary_frequencies(source, settings)
             _check_attention_modules(source, settings)
+        else:
+            _check_pad(settings)
         check_eps(settings["eps"], f"{settings['kind']} config rms_norm_eps")
         return settings, *_llama_state_dict(state_dict, settings), training
 

@@ -414,7 +414,8 @@ def test_pad_token_row_gets_no_lookup_gradient_as_in_hf(pad_token_id):
     assert torch.equal(theirs[pad], torch.zeros_like(theirs[pad])) and torch.equal(ours[pad], theirs[pad])
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
 
-@pytest.mark.parametrize("built_with, set_after", [(None, 2), (2, None)], ids=["set-after", "cleared-after"])
+@pytest.mark.parametrize("built_with, set_after", [(None, 2), (2, None), (0, 300)],
+                         ids=["set-after", "cleared-after", "set-past-the-vocabulary-after"])
 def test_pad_token_is_the_embedding_modules_not_the_configs(built_with, set_after):
     """HF reads pad_token_id when it builds embed_tokens; `model.config.pad_token_id = tokenizer.eos_token_id`
     afterwards changes nothing in HF's training. from_llama read the config: it froze a row HF trains (or
@@ -431,7 +432,12 @@ def test_pad_token_is_the_embedding_modules_not_the_configs(built_with, set_afte
     llama(tokens, labels=tokens).loss.backward()
     ours, theirs = model.embedding.word_embeddings.weight.grad[:300], llama.model.embed_tokens.weight.grad
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
-    assert hf.from_llama(llama.state_dict(), config=llama.config).embedding.word_embeddings.padding_idx == set_after
+    if set_after == 300:     # a state dict has only its config, whose id is past the vocabulary
+        with pytest.raises(ValueError, match="Llama config pad_token_id=300 is not a token id of its vocab_size 300"):
+            hf.from_llama(llama.state_dict(), config=llama.config)
+    else:
+        assert hf.from_llama(llama.state_dict(), config=llama.config).embedding.word_embeddings.padding_idx == \
+            set_after
 
 
 def test_eps_and_rope_are_the_modules_not_a_config_changed_since():
