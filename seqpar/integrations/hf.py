@@ -580,8 +580,8 @@ def _check_attention_modules(source: nn.Module, settings: dict) -> None:
 HF_LLAMA_DEFAULTS = {
     "llama": dict(max_position_embeddings=2048, rms_norm_eps=1e-6),
     "mistral": dict(max_position_embeddings=131072, rms_norm_eps=1e-6, num_key_value_heads=8, sliding_window=4096),
-    "qwen2": dict(max_position_embeddings=32768, rms_norm_eps=1e-6, sliding_window=4096, max_window_layers=28,
-                  use_sliding_window=False),
+    "qwen2": dict(max_position_embeddings=32768, rms_norm_eps=1e-6, num_key_value_heads=32, sliding_window=4096,
+                  max_window_layers=28, use_sliding_window=False),
 }
 
 
