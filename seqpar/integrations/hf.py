@@ -458,28 +458,28 @@ def _llama_rope(get, kind: str) -> Tuple[float, Optional[Union[LinearScaling, Ro
     theta = params.get("rope_theta", 10000.0)
     if rope_type == "default":
         return theta, None
-    values = dict(params)
-    length = values.get("original_max_position_embeddings")
+    length = params.get("original_max_position_embeddings")
     if isinstance(length, float) and length.is_integer():
         # HF warns and computes with it (8192.0 written in a config.json): the frequencies of 8192
-        values["original_max_position_embeddings"] = int(length)
+        params["original_max_position_embeddings"] = int(length)
     try:
         if rope_type == "linear":
-            if values.get("factor") is None:
-                raise ValueError("without ['factor'] (rope_parameters / rope_scaling)")
-            return theta, LinearScaling(values["factor"])
-        return theta, (_llama3_scaling(values) if rope_type == "llama3" else _yarn_scaling(values, get))
+            return theta, LinearScaling(**_required(params, ("factor",)))
+        if rope_type == "llama3":
+            return theta, RopeScaling(**_required(params, ("factor", "low_freq_factor", "high_freq_factor",
+                                                           "original_max_position_embeddings")))
+        return theta, _yarn_scaling(params, get)
     except ValueError as exc:
         raise ValueError(f"{kind} config rope type {rope_type!r}: {exc}") from None
 
 
-def _llama3_scaling(params: Mapping) -> RopeScaling:
-    """HF's "llama3" parameters (every one required, as HF requires them)."""
-    fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+def _required(params: Mapping, fields: Sequence[str]) -> Dict[str, object]:
+    """``fields`` of a RoPE type's parameters, every one required (as HF requires them for "linear" and
+    "llama3"); ValueError naming the missing ones."""
     missing = [name for name in fields if params.get(name) is None]
     if missing:
         raise ValueError(f"without {missing} (rope_parameters / rope_scaling)")
-    return RopeScaling(**{name: params[name] for name in fields})
+    return {name: params[name] for name in fields}
 
 
 def _yarn_scaling(params: Mapping, get) -> YarnScaling:
