@@ -23,11 +23,14 @@ PAPER_MODELS = {"22B": dict(heads=64, hidden=6144, layers=48, pp=1, micro_batch=
                 "175B": dict(heads=96, hidden=12288, layers=96, pp=8, micro_batch=1),
                 "530B": dict(heads=128, hidden=20480, layers=105, pp=35, micro_batch=1),
                 "1T": dict(heads=160, hidden=25600, layers=128, pp=64, micro_batch=1)}
-#: Llama 3 (t = 8 by default): its published sizes, s = 8192, and a pipeline split that fits 80 GB.
+#: The Llama family (t = 8 by default): Llama 3's and Qwen3-32B's published sizes (Qwen3's heads 128 wide,
+#: a d = 8192 with h = 5120, and its q / k norms), s = 8192, and a pipeline split that fits 80 GB.
 LLAMA_MODELS = {"llama3-8B": dict(heads=32, kv_heads=8, hidden=4096, ffn_hidden=14336, layers=32, vocab=128256,
                                   seq_len=8192, pp=1, micro_batch=1),
                 "llama3-70B": dict(heads=64, kv_heads=8, hidden=8192, ffn_hidden=28672, layers=80, vocab=128256,
-                                   seq_len=8192, pp=4, micro_batch=1)}
+                                   seq_len=8192, pp=4, micro_batch=1),
+                "qwen3-32B": dict(heads=64, kv_heads=8, kv_channels=128, qk_norm=True, hidden=5120, ffn_hidden=25600,
+                                  layers=64, vocab=151936, seq_len=8192, pp=2, micro_batch=1)}
 #: The block of each --arch: TransformerConfig's knobs (as the memory functions name them). llama: no
 #: dropout, no biases, RoPE (no position table), an untied output layer.
 ARCH_BLOCKS = {"gpt": dict(),
@@ -166,8 +169,9 @@ split t ways) plus the word (v/t x h, v padded to a multiple of 128 t) and posit
 (seqpar.memory.first_stage_parameters). The last stage holds about as many: its output layer (or the
 tied embedding's copy) is the word embedding's size.
 
---arch llama (or a llama3-* --model) plans the Llama block: RMSNorm, SwiGLU, grouped-query attention
-with --kv-heads groups, RoPE, no biases, no dropout, untied output layer. --flash-attention counts a
+--arch llama (or a llama3-* / qwen3-* --model) plans the Llama block: RMSNorm, SwiGLU, grouped-query
+attention with --kv-heads groups of --kv-channels wide heads (and with --qk-norm Qwen3's per-head q / k
+norms), RoPE, no biases, no dropout, untied output layer. --flash-attention counts a
 flash-style attention core (seqpar's triton backend: o and the fp32 log-sum-exp, nothing s^2-sized),
 under which selective recompute saves nothing.
 """
@@ -177,11 +181,15 @@ def _plan_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m seqpar plan", description=PLAN_DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=tuple(PAPER_MODELS) + tuple(LLAMA_MODELS),
-                   help="a model of the paper's Table 3 (s=2048, v=51200, t=8) or a Llama 3 (s=8192, t=8); "
+                   help="a model of the paper's Table 3 (s=2048, v=51200, t=8) or a Llama 3 / Qwen3 (s=8192, t=8); "
                         "other options override it")
     p.add_argument("--arch", choices=tuple(ARCH_BLOCKS),
-                   help="the block: gpt (the paper's, default) or llama (default with a llama3-* --model)")
+                   help="the block: gpt (the paper's, default) or llama (default with a llama3-* / qwen3-* --model)")
     p.add_argument("--kv-heads", type=int, help="llama: k/v groups g (default: one per head, or the model's)")
+    p.add_argument("--kv-channels", type=int,
+                   help="llama: the head dim d (default: hidden / heads, or the model's; Qwen3's 128)")
+    p.add_argument("--qk-norm", action="store_true", default=None,
+                   help="llama: per-head q / k norms (Qwen3's; default with qwen3-32B)")
     p.add_argument("--flash-attention", action="store_true",
                    help="a flash-style attention core (seqpar's triton backend): no s^2 activations")
     p.add_argument("--hidden", type=int, help="hidden size h")
@@ -213,17 +221,19 @@ def _plan_args(argv: Sequence[str]) -> argparse.Namespace:
     if args.arch is not None and preset_arch is not None and args.arch != preset_arch:
         p.error(f"--model {args.model} is a {preset_arch} model, not --arch {args.arch}")
     args.arch = args.arch or preset_arch or "gpt"
-    if args.arch != "llama" and args.kv_heads is not None:
-        p.error("--kv-heads is for --arch llama (the gpt layer has one k/v head per head)")
+    for option, key in (("--kv-heads", "kv_heads"), ("--kv-channels", "kv_channels"), ("--qk-norm", "qk_norm")):
+        if args.arch != "llama" and getattr(args, key) is not None:
+            p.error(f"{option} is for --arch llama (the gpt layer is the paper's: heads h / a wide, no q / k norms)")
     for key, default in (("hidden", None), ("heads", None), ("layers", None), ("seq_len", SEQ_LEN),
                          ("vocab", VOCAB), ("micro_batch", 1), ("tp", 8 if preset else 1), ("pp", 1),
-                         ("kv_heads", None), ("ffn_hidden", None)):
+                         ("kv_heads", None), ("ffn_hidden", None), ("kv_channels", None), ("qk_norm", False)):
         if getattr(args, key) is None:
             setattr(args, key, preset.get(key, default))
     missing = [f"--{k}" for k in ("hidden", "heads", "layers") if getattr(args, k) is None]
     if missing:
         p.error(f"give --model or {', '.join(missing)}")
-    for key in ("hidden", "heads", "layers", "ffn_hidden", "seq_len", "vocab", "micro_batch", "tp", "pp", "kv_heads"):
+    for key in ("hidden", "heads", "layers", "ffn_hidden", "seq_len", "vocab", "micro_batch", "tp", "pp", "kv_heads",
+                "kv_channels"):
         value = getattr(args, key)
         if value is not None and value <= 0:
             p.error(f"--{key.replace('_', '-')} must be positive, got {value}")
@@ -243,6 +253,7 @@ def _plan_args(argv: Sequence[str]) -> argparse.Namespace:
 
 #: seqpar.memory's argument names -> the plan options that set them (its messages name the arguments).
 _PLAN_OPTIONS = {"num_layers": "--layers", "num_query_groups": "--kv-heads", "ffn_hidden": "--ffn-hidden",
+                 "kv_channels": "--kv-channels",
                  "seq_len": "--seq-len", "micro_batch": "--micro-batch", "hidden": "--hidden", "heads": "--heads",
                  "vocab": "--vocab", "tp": "--tp", "pp": "--pp"}
 
@@ -263,6 +274,7 @@ def _sizes(args: argparse.Namespace) -> Tuple[dict, dict]:
                  num_layers=args.layers, vocab=args.vocab)
     options = dict(tp=args.tp, pp=args.pp, ffn_hidden=args.ffn_hidden, bytes_per_element=args.bytes_per_element,
                    bytes_per_mask=args.bytes_per_mask, num_query_groups=args.kv_heads,
+                   kv_channels=args.kv_channels, qk_layernorm=args.qk_norm,
                    flash_attention=args.flash_attention, **ARCH_BLOCKS[args.arch])
     model_activation_bytes(**sizes, sequence_parallel=args.sp, **options)
     _stage_parameters(args)
@@ -275,6 +287,7 @@ def _stage_parameters(args: argparse.Namespace) -> int:
 
     return first_stage_parameters(args.hidden, args.layers, args.vocab, args.seq_len, tp=args.tp, pp=args.pp,
                                   ffn_hidden=args.ffn_hidden, heads=args.heads, num_query_groups=args.kv_heads,
+                                  kv_channels=args.kv_channels, qk_layernorm=args.qk_norm,
                                   **ARCH_PARAMETERS[args.arch])
 
 
@@ -316,7 +329,9 @@ def plan(argv: Sequence[str]) -> dict:
     gpu_bytes, other_bytes = args.gpu_memory * GIB, args.other_gib * GIB
     budget = gpu_bytes - state_bytes - other_bytes
     name = args.model or "custom"
-    block = (f"llama block (g={args.kv_heads or args.heads}, f={args.ffn_hidden or 4 * args.hidden}, no dropout)"
+    heads_of = "" if args.kv_channels is None else f", d={args.kv_channels}"
+    block = (f"llama block (g={args.kv_heads or args.heads}{heads_of}, f={args.ffn_hidden or 4 * args.hidden}"
+             f"{', q/k norms' if args.qk_norm else ''}, no dropout)"
              if args.arch == "llama" else f"gpt block, {args.bytes_per_mask:g}-byte masks")
     print(f"seqpar plan: {name} model, s={args.seq_len} b={args.micro_batch} h={args.hidden} a={args.heads} "
           f"L={args.layers} v={args.vocab}, t={args.tp} p={args.pp} ({n_stage} layers per stage), "

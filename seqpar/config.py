@@ -88,6 +88,14 @@ class TransformerConfig:
     ``add_qkv_bias``: a bias on the QKV linear even without ``add_bias_linear`` (Qwen2's block: q, k and v
     biases, none on the projection or the MLP; Megatron's ``add_qkv_bias``). The QKV linear has a bias
     when either is True.
+    ``kv_channels``: the head dim d (Megatron's name, HF's ``head_dim``); None: hidden_size /
+    num_attention_heads, which must then divide. Another d decouples the attention's width a d from h
+    (Qwen3-0.6B / 4B / 32B and Mistral Nemo: d = 128 with a d != h): the QKV linear is [(a + 2g) d, h],
+    the projection [h, a d].
+    ``qk_layernorm``: normalise each head of q and k over its d channels before RoPE (Megatron's
+    ``qk_layernorm``, Qwen3's ``q_norm`` / ``k_norm``): the ``normalization`` norm with
+    ``layernorm_epsilon``, one weight [d] (and bias with LayerNorm) for q and one for k, shared by the
+    heads, replicated over tensor parallelism (each rank normalises its heads; the gradients are summed).
     ``init_method_std``: the weights' init N(0, std): every matrix, and GPTModel's embedding tables and
     untied head (Megatron's ``init_method_std``, HF's ``initializer_range``; biases start at 0, norms at 1).
     ``output_layer_init_std``: the std of the two matrices that write into the residual stream (the
@@ -120,17 +128,22 @@ class TransformerConfig:
     output_layer_init_std: Optional[float] = None
     rope_scaling: Optional[LinearScaling | RopeScaling | YarnScaling] = None
     add_qkv_bias: bool = False
+    kv_channels: Optional[int] = None
+    qk_layernorm: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups"):
+        for name in ("hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups", "kv_channels"):
             object.__setattr__(self, name, as_int(getattr(self, name)))   # numpy ints held as ints, as floats are
         for name in ("hidden_size", "num_attention_heads"):
             value = getattr(self, name)
             if not is_int(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is not None and (not is_int(self.kv_channels) or self.kv_channels <= 0):
+            raise ValueError(f"kv_channels must be None or a positive int, got {self.kv_channels!r}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
-                             f"num_attention_heads {self.num_attention_heads}")
+                             f"num_attention_heads {self.num_attention_heads} (set kv_channels, the head dim, "
+                             f"for heads of another width)")
         if self.ffn_hidden_size is None:
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)  # frozen: set once, here
         if not is_int(self.ffn_hidden_size) or self.ffn_hidden_size <= 0:
@@ -147,7 +160,8 @@ class TransformerConfig:
             raise ValueError(f"params_dtype must be one of {', '.join(map(str, PARAMS_DTYPES))}, "
                              f"got {self.params_dtype!r}")
         check_flags(sequence_parallel=self.sequence_parallel, overlap_comm=self.overlap_comm,
-                    add_bias_linear=self.add_bias_linear, add_qkv_bias=self.add_qkv_bias)
+                    add_bias_linear=self.add_bias_linear, add_qkv_bias=self.add_qkv_bias,
+                    qk_layernorm=self.qk_layernorm)
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"unknown normalization {self.normalization!r}; expected one of {NORMALIZATIONS}")
         groups = self.num_query_groups
@@ -163,8 +177,8 @@ class TransformerConfig:
         theta = self.rope_theta
         check_theta(theta, "rope_theta")
         if self.position_embedding == "rope" and self.head_dim % 2:
-            raise ValueError(f"position_embedding='rope' needs an even head dim, got hidden_size "
-                             f"{self.hidden_size} / num_attention_heads {self.num_attention_heads} = {self.head_dim}")
+            raise ValueError(f"position_embedding='rope' needs an even head dim, got {self._head_dim_source()} = "
+                             f"{self.head_dim}")
         if self.position_embedding == "learned" and theta != DEFAULT_ROPE_THETA:
             raise ValueError(f"rope_theta={theta!r} with position_embedding='learned': rope_theta is only used with "
                              f"position_embedding='rope'")
@@ -209,8 +223,13 @@ class TransformerConfig:
 
     @property
     def head_dim(self) -> int:
-        """d = h / a."""
-        return self.hidden_size // self.num_attention_heads
+        """d: ``kv_channels``, or h / a when None."""
+        return self.hidden_size // self.num_attention_heads if self.kv_channels is None else self.kv_channels
+
+    def _head_dim_source(self) -> str:
+        if self.kv_channels is not None:
+            return "kv_channels"
+        return f"hidden_size {self.hidden_size} / num_attention_heads {self.num_attention_heads}"
 
     @property
     def kv_heads(self) -> int:

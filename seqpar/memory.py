@@ -16,9 +16,11 @@ selective recompute drops the attention-core term; full recompute keeps only the
 (sbh E, or sbh E / t with SP). E=2, M=1, f=4h give sbh(34 + 5as/h), sbh(10 + 24/t + 5as/(ht)), ...
 
 **Other blocks** (keyword arguments ``normalization``, ``activation``, ``num_query_groups``,
-``hidden_dropout``, ``attention_dropout``, ``flash_attention``; the Llama block is RMSNorm, SwiGLU, g k/v
-groups, no dropout): :func:`layer_activation_terms` lists every saved tensor by the label seqpar's
-layer gives it (:func:`saved_as`), per rank (R = t with SP, else 1)::
+``hidden_dropout``, ``attention_dropout``, ``flash_attention``, ``kv_channels``, ``qk_layernorm``; the Llama
+block is RMSNorm, SwiGLU, g k/v groups, no dropout): :func:`layer_activation_terms` lists every saved
+tensor by the label seqpar's layer gives it (:func:`saved_as`), per rank (R = t with SP, else 1). With
+``kv_channels`` d != h / a, the attention's width a d takes h's place in Q, K, V, the projection input and
+the core's o (``sbh`` there reads ``s b a d``)::
 
     LN1 / LN2 input                 sbh E / R           LayerNorm saves its input (Table 2; its two fp32
                                                         per-token statistics are not counted)
@@ -26,8 +28,11 @@ layer gives it (:func:`saved_as`), per rank (R = t with SP, else 1)::
                                                         the fp32 rstd per token
     QKV input, fc1 input            sbh E / R           column-parallel GEMM inputs (the shard under SP,
                                                         re-gathered in backward)
-    Q, K, V                         sbh E (1 + 2g/a)/t  one QKV storage; g < a shrinks K and V (RoPE:
-                                                        rotated q, k and a copy of v instead)
+    Q, K, V                         sbh E (1 + 2g/a)/t  one QKV storage; g < a shrinks K and V (RoPE or
+                                                        q / k norms: new q, k and a copy of v instead)
+    Q, K norm input                 (sb(a+g)d E         qk_layernorm only: copies of q and k, and with
+                                     + 4sb(a+g)) / t    RMSNorm per (token, head) the fp32 rstd (LayerNorm:
+                                                        its statistics not counted, as LN1's)
     softmax output                  a s^2 b E / t       the softmax core's probabilities
     dropout output, mask            a s^2 b (E + M)/t   only with attention dropout
     attention core (flash-style)    (sbh E + 4asb) / t  o (the projection input's storage) and the
@@ -182,20 +187,24 @@ class _Block:
     hidden_dropout: bool = True
     attention_dropout: bool = True
     flash: bool = False
+    d: Optional[int] = None          # head dim (kv_channels); None: h / a
+    qk_norm: bool = False
 
     @classmethod
     def validated(cls, normalization, activation, num_query_groups, hidden_dropout, attention_dropout,
-                  flash_attention) -> "_Block":
+                  flash_attention, kv_channels=None, qk_layernorm=False) -> "_Block":
         from .config import ACTIVATIONS, NORMALIZATIONS  # config imports this module
 
         _check_choice("normalization", normalization, NORMALIZATIONS)
         _check_choice("activation", activation, ACTIVATIONS)
-        if num_query_groups is not None:
-            _check_positive_int("num_query_groups", num_query_groups)
-        if not isinstance(flash_attention, bool):
-            raise ValueError(f"flash_attention must be a bool, got {flash_attention!r}")
+        for name, value in (("num_query_groups", num_query_groups), ("kv_channels", kv_channels)):
+            if value is not None:
+                _check_positive_int(name, value)
+        for name, value in (("flash_attention", flash_attention), ("qk_layernorm", qk_layernorm)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool, got {value!r}")
         return cls(normalization, activation, num_query_groups, _has_dropout("hidden_dropout", hidden_dropout),
-                   _has_dropout("attention_dropout", attention_dropout), flash_attention)
+                   _has_dropout("attention_dropout", attention_dropout), flash_attention, kv_channels, qk_layernorm)
 
 
 def architecture_kwargs(config) -> Dict[str, object]:
@@ -205,7 +214,8 @@ def architecture_kwargs(config) -> Dict[str, object]:
     backend)."""
     return dict(ffn_hidden=config.ffn_hidden_size, normalization=config.normalization,
                 activation=config.activation, num_query_groups=config.num_query_groups,
-                hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout)
+                hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
+                kv_channels=config.kv_channels, qk_layernorm=config.qk_layernorm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +245,8 @@ class _Layer:
             raise ValueError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
         _check_bytes("bytes_per_element", bytes_per_element, allow_zero=False)
         _check_bytes("bytes_per_mask", bytes_per_mask, allow_zero=True)
-        _check_divides("heads", heads, "hidden", hidden)
+        if block.d is None:
+            _check_divides("heads", heads, "hidden", hidden)
         _check_divides("tp", tp, "heads", heads)
         _check_divides("tp", tp, "ffn_hidden", f)
         if block.g is not None:
@@ -260,6 +271,16 @@ class _Layer:
         return self.a if self.block.g is None else self.block.g
 
     @property
+    def d(self) -> int:
+        """The head dim: kv_channels, or h / a."""
+        return self.h // self.a if self.block.d is None else self.block.d
+
+    @property
+    def sbw(self) -> int:
+        """s b a d: the attention's width a d in place of h (they differ with kv_channels)."""
+        return self.s * self.b * self.a * self.d
+
+    @property
     def replicated_split(self) -> int:
         """What tensor parallelism alone leaves replicated is split t ways by sequence parallelism."""
         return self.t if self.sp else 1
@@ -279,17 +300,21 @@ class _Layer:
             ("RMSNorm1 input", "RMSNorm2 input")
         ffn = self.f / self.h
         as2b = self.a * self.s * self.s * self.b
-        terms = {norm1: self.norm_input() / R, "QKV input": sbh * e / R,
-                 "Q, K, V": sbh * e * (1 + 2 * self.g / self.a) / t}
+        sbw = self.sbw
+        terms = {norm1: self.norm_input() / R, "QKV input": sbh * e / R}
+        if blk.qk_norm:    # copies of q and k (and, as the layer's norms, RMSNorm's fp32 rstd per row)
+            rows = self.s * self.b * (self.a + self.g)
+            terms["Q, K norm input"] = (rows * self.d * e + (4 * rows if blk.normalization == "rmsnorm" else 0)) / t
+        terms["Q, K, V"] = sbw * e * (1 + 2 * self.g / self.a) / t
         if blk.flash:      # o is the projection input's storage; the fp32 LSE per (head, query row)
-            terms["attention core"] = (sbh * e + 4 * self.a * self.s * self.b) / t
+            terms["attention core"] = (sbw * e + 4 * self.a * self.s * self.b) / t
         else:
             if recompute == "none":
                 terms["softmax output"] = as2b * e / t
                 if blk.attention_dropout:
                     terms["dropout output"] = as2b * e / t
                     terms["attention dropout mask"] = as2b * m / t
-            terms["projection input"] = sbh * e / t
+            terms["projection input"] = sbw * e / t
         if blk.hidden_dropout:
             terms["attention-out dropout mask"] = sbh * m / R
         terms[norm2] = self.norm_input() / R
@@ -314,20 +339,20 @@ class _Layer:
         return self.bytes("none") - self.bytes(recompute)
 
     def forward_flops_all_ranks(self) -> int:
-        """Forward FLOPs of one layer summed over its t ranks: QKV 2bsh^2 (1 + 2g/a), QK^T 2bs^2h,
-        attention over V 2bs^2h, projection 2bsh^2, MLP 4bshf (SwiGLU 6bshf); 8bsh^2 + 4bshf + 4bs^2h
-        for the paper's layer."""
-        s, b, h, f = self.s, self.b, self.h, self.f
-        qkv = 2 * b * s * h * (h + 2 * self.g * (h // self.a))
+        """Forward FLOPs of one layer summed over its t ranks, with w = a d the attention's width (h unless
+        kv_channels says otherwise): QKV 2bshw (1 + 2g/a), QK^T 2bs^2w, attention over V 2bs^2w, projection
+        2bshw, MLP 4bshf (SwiGLU 6bshf); 8bsh^2 + 4bshf + 4bs^2h for the paper's layer."""
+        s, b, h, f, w = self.s, self.b, self.h, self.f, self.a * self.d
+        qkv = 2 * b * s * h * (self.a + 2 * self.g) * self.d
         mlp = (6 if self.block.activation == "swiglu" else 4) * b * s * h * f
-        return qkv + 2 * b * s * h * h + mlp + 4 * b * s * s * h
+        return qkv + 2 * b * s * h * w + mlp + 4 * b * s * s * w
 
     def extra_flops_all_ranks(self, recompute: str) -> int:
         """Forward FLOPs a recompute policy adds per layer, summed over the t ranks (exact integer)."""
         if recompute == "full":
             return self.forward_flops_all_ranks()
         if recompute == "selective" and not self.block.flash:
-            return 4 * self.b * self.s * self.s * self.h
+            return 4 * self.b * self.s * self.s * self.a * self.d
         return 0
 
 
@@ -338,16 +363,18 @@ def layer_activation_terms(seq_len: int, micro_batch: int, hidden: int, heads: i
                            bytes_per_mask: float = 1, *, normalization: str = "layernorm",
                            activation: str = "gelu", num_query_groups: Optional[int] = None,
                            hidden_dropout=True, attention_dropout=True,
-                           flash_attention: bool = False) -> Dict[str, float]:
+                           flash_attention: bool = False, kv_channels: Optional[int] = None,
+                           qk_layernorm: bool = False) -> Dict[str, float]:
     """:func:`layer_activation_bytes` term by term: {meter label: bytes} per tensor-parallel rank, the
     labels :class:`ActivationMeter` gives the tensors seqpar's layer saves (module docstring). The
     arguments (``seq_len``, ``micro_batch``, ``hidden``, ``heads``, ``tp``, ``sequence_parallel``,
     ``recompute``, ``ffn_hidden``, ``bytes_per_element``, ``bytes_per_mask`` and the block keywords
     ``normalization``, ``activation``, ``num_query_groups``, ``hidden_dropout``, ``attention_dropout``,
-    ``flash_attention``) and the ValueErrors as in :func:`layer_activation_bytes`."""
+    ``flash_attention``, ``kv_channels``, ``qk_layernorm``) and the ValueErrors as in
+    :func:`layer_activation_bytes`."""
     _check_policy("recompute", recompute)
     block = _Block.validated(normalization, activation, num_query_groups, hidden_dropout, attention_dropout,
-                             flash_attention)
+                             flash_attention, kv_channels, qk_layernorm)
     layer = _Layer.validated(seq_len, micro_batch, hidden, heads, tp, sequence_parallel, ffn_hidden,
                              bytes_per_element, bytes_per_mask, block)
     return layer.terms(recompute)
@@ -359,7 +386,8 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
                            ffn_hidden: Optional[int] = None, bytes_per_element: float = 2,
                            bytes_per_mask: float = 1, *, normalization: str = "layernorm",
                            activation: str = "gelu", num_query_groups: Optional[int] = None,
-                           hidden_dropout=True, attention_dropout=True, flash_attention: bool = False) -> float:
+                           hidden_dropout=True, attention_dropout=True, flash_attention: bool = False,
+                           kv_channels: Optional[int] = None, qk_layernorm: bool = False) -> float:
     """Activation bytes one transformer layer keeps for backward, per tensor-parallel rank (paper Table 2).
 
     Sizes (the module docstring's symbols): ``seq_len`` s, ``micro_batch`` b, ``hidden`` h, ``heads`` a,
@@ -376,14 +404,20 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     ``num_query_groups`` the k/v heads g (None: a); ``hidden_dropout`` / ``attention_dropout`` whether
     the layer has them (a bool or the probability: the Llama block has neither, so no masks and no
     dropout output); ``flash_attention`` a flash-style core (seqpar's triton backend) that keeps only o
-    and the fp32 log-sum-exp, with or without selective recompute. :func:`architecture_kwargs` reads
-    them from a config; :func:`layer_activation_terms` gives the figure term by term.
+    and the fp32 log-sum-exp, with or without selective recompute; ``kv_channels`` the head dim d (None:
+    h / a, which must divide): Q, K, V, the projection input and the core's o are a d wide, not h;
+    ``qk_layernorm`` per-head q and k norms (Qwen3), which keep copies of q and k and with RMSNorm per
+    (token, head) the fp32 rstd: ``(sb (a + g) d E + 4 sb (a + g)) / t`` (LayerNorm's statistics are not
+    counted, as for LN1 and LN2).
+    :func:`architecture_kwargs` reads them from a config; :func:`layer_activation_terms` gives the figure
+    term by term.
     """
     return sum(layer_activation_terms(seq_len, micro_batch, hidden, heads, tp, sequence_parallel, recompute,
                                       ffn_hidden, bytes_per_element, bytes_per_mask, normalization=normalization,
                                       activation=activation, num_query_groups=num_query_groups,
                                       hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
-                                      flash_attention=flash_attention).values())
+                                      flash_attention=flash_attention, kv_channels=kv_channels,
+                                      qk_layernorm=qk_layernorm).values())
 
 
 def _check_policy(name: str, policy) -> None:
@@ -579,7 +613,8 @@ def model_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
                            bytes_per_element: float = 2, bytes_per_mask: float = 1,
                            interleave: int = 1, normalization: str = "layernorm", activation: str = "gelu",
                            num_query_groups: Optional[int] = None, hidden_dropout=True, attention_dropout=True,
-                           flash_attention: bool = False, embedding_dropout=None) -> float:
+                           flash_attention: bool = False, embedding_dropout=None, kv_channels: Optional[int] = None,
+                           qk_layernorm: bool = False) -> float:
     """Activation bytes of the most loaded pipeline stage, per tensor-parallel rank (the first stage
     for the paper's models).
 
@@ -602,8 +637,8 @@ def model_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     :class:`RecomputePlan` to every stage with ``list(plan.policies) * pp``.
 
     Other blocks: the keywords of :func:`layer_activation_bytes` (``normalization``, ``activation``,
-    ``num_query_groups``, ``hidden_dropout``, ``attention_dropout``, ``flash_attention``) and
-    ``embedding_dropout`` (None: as ``hidden_dropout``, GPTModel's default): without it there is no
+    ``num_query_groups``, ``hidden_dropout``, ``attention_dropout``, ``flash_attention``, ``kv_channels``,
+    ``qk_layernorm``) and ``embedding_dropout`` (None: as ``hidden_dropout``, GPTModel's default): without it there is no
     embedding mask; with RMSNorm the final norm's input also keeps its fp32 rstd (4sb / t with SP).
 
     ValueError (naming the value) for sizes that are not positive ints (``num_layers`` at most 2**16), t
@@ -617,7 +652,8 @@ def model_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
                              dict(normalization=normalization, activation=activation,
                                   num_query_groups=num_query_groups, hidden_dropout=hidden_dropout,
                                   attention_dropout=attention_dropout, flash_attention=flash_attention,
-                                  embedding_dropout=embedding_dropout))
+                                  embedding_dropout=embedding_dropout, kv_channels=kv_channels,
+                                  qk_layernorm=qk_layernorm))
     policies = recompute_policies(recompute, num_layers)
     return model.activation_bytes([[_count(chunk) for chunk in model.rank_layers(policies, rank)]
                                    for rank in range(pp)])
@@ -629,14 +665,17 @@ def first_stage_parameters(hidden: int, num_layers: int, vocab: int, max_seq_len
                            num_query_groups: Optional[int] = None, normalization: str = "layernorm",
                            activation: str = "gelu", add_bias_linear: bool = True,
                            position_embedding: str = "learned",
-                           share_embeddings_and_output_weights: bool = True, add_qkv_bias: bool = False) -> int:
+                           share_embeddings_and_output_weights: bool = True, add_qkv_bias: bool = False,
+                           kv_channels: Optional[int] = None, qk_layernorm: bool = False) -> int:
     """Parameters one tensor-parallel rank of the first pipeline stage holds (the GPTModel that
     :class:`seqpar.TransformerConfig`'s knobs of the same names build).
 
     Sizes: ``hidden`` h, ``num_layers`` L, ``vocab`` v (unpadded), ``max_seq_len`` (the learned position
     table's rows), ``tp`` t, ``pp`` p, ``ffn_hidden`` f (None: 4h), ``heads`` a, ``num_query_groups`` g
     (None: a); ``normalization``, ``activation``, ``add_bias_linear``, ``position_embedding`` ("learned" |
-    "rope": no table), ``share_embeddings_and_output_weights`` and ``add_qkv_bias`` as the config's fields.
+    "rope": no table), ``share_embeddings_and_output_weights``, ``add_qkv_bias``, ``kv_channels`` (the head
+    dim d; needs ``heads``) and ``qk_layernorm`` as the config's fields. With ``kv_channels`` the QKV rows are
+    (a + 2g) d and the projection h a d; ``qk_layernorm`` adds two replicated norms of d per layer.
 
     Per layer, with q = (1 + 2g/a) h the QKV rows (3h without grouped-query attention) and f' = 2f with
     SwiGLU (gate and up), else f: the QKV (q h), fc1 (f' h), projection (h^2) and fc2 (f h) weights split
@@ -661,6 +700,7 @@ def first_stage_parameters(hidden: int, num_layers: int, vocab: int, max_seq_len
     _check_choice("activation", activation, ACTIVATIONS)
     _check_choice("position_embedding", position_embedding, POSITION_EMBEDDINGS)
     for name, value in (("add_bias_linear", add_bias_linear), ("add_qkv_bias", add_qkv_bias),
+                        ("qk_layernorm", qk_layernorm),
                         ("share_embeddings_and_output_weights", share_embeddings_and_output_weights)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be a bool, got {value!r}")
@@ -669,24 +709,33 @@ def first_stage_parameters(hidden: int, num_layers: int, vocab: int, max_seq_len
     _check_positive_int("ffn_hidden", f)
     _check_divides("tp", t, "ffn_hidden", f)
     _check_divides("pp", pp, "num_layers", num_layers)
-    _check_divides("tp", t, "hidden", h)
-    qkv_rows = 3 * h
-    if heads is not None:
+    for name, given in (("kv_channels", kv_channels is not None), ("num_query_groups", num_query_groups is not None),
+                        ("qk_layernorm", qk_layernorm)):
+        if given and heads is None:
+            raise ValueError(f"{name} needs heads (the query heads a) to size the attention")
+    width = h                                  # a d, the attention's width
+    if heads is None:
+        _check_divides("tp", t, "hidden", h)
+    else:
         _check_positive_int("heads", heads)
-        _check_divides("heads", heads, "hidden", h)
+        if kv_channels is None:
+            _check_divides("heads", heads, "hidden", h)
+        else:
+            _check_positive_int("kv_channels", kv_channels)
+            width = heads * kv_channels
         _check_divides("tp", t, "heads", heads)
+    qkv_rows = 3 * width
     if num_query_groups is not None:
-        if heads is None:
-            raise ValueError("num_query_groups needs heads (the query heads a) to size the QKV rows")
         _check_positive_int("num_query_groups", num_query_groups)
         _check_divides("num_query_groups", num_query_groups, "heads", heads)
         _check_divides("tp", t, "num_query_groups", num_query_groups)
-        qkv_rows = h + 2 * num_query_groups * (h // heads)
+        qkv_rows = width + 2 * num_query_groups * (width // heads)
     fc1_rows = 2 * f if activation == "swiglu" else f
     norm = 2 * h if normalization == "layernorm" else h
+    qk_norms = 2 * (norm // h) * (width // heads) if qk_layernorm else 0   # q and k: [d] each (and biases)
     biases = (qkv_rows if add_bias_linear or add_qkv_bias else 0) + (fc1_rows if add_bias_linear else 0)
-    split = qkv_rows * h + fc1_rows * h + h * h + f * h + biases
-    per_layer = split // t + (2 * h if add_bias_linear else 0) + 2 * norm
+    split = qkv_rows * h + fc1_rows * h + width * h + f * h + biases
+    per_layer = split // t + (2 * h if add_bias_linear else 0) + 2 * norm + qk_norms
     vocab_shard = padded_vocab_size(vocab, t) // t * h
     embeddings = vocab_shard + (max_seq_len * h if position_embedding == "learned" else 0)
     last_stage = norm + (0 if share_embeddings_and_output_weights else vocab_shard)
@@ -742,13 +791,15 @@ def evaluate_recompute(policies: Sequence[str], seq_len: int, micro_batch: int, 
                        ffn_hidden: Optional[int] = None, bytes_per_element: float = 2,
                        bytes_per_mask: float = 1, normalization: str = "layernorm", activation: str = "gelu",
                        num_query_groups: Optional[int] = None, hidden_dropout=True, attention_dropout=True,
-                       flash_attention: bool = False, embedding_dropout=None) -> RecomputePlan:
+                       flash_attention: bool = False, embedding_dropout=None, kv_channels: Optional[int] = None,
+                       qk_layernorm: bool = False) -> RecomputePlan:
     """The :class:`RecomputePlan` of given per-layer ``policies`` for a stage's L/p layers (every stage
     running the same list), whether or not it is the cheapest: its activation bytes and extra FLOPs.
     The other arguments (``seq_len``, ``micro_batch``, ``hidden``, ``heads``, ``num_layers``, ``vocab``,
     ``tp``, ``pp``, ``sequence_parallel``, ``ffn_hidden``, ``bytes_per_element``, ``bytes_per_mask``,
     ``normalization``, ``activation``, ``num_query_groups``, ``hidden_dropout``, ``attention_dropout``,
-    ``flash_attention``, ``embedding_dropout``) as in :func:`model_activation_bytes`, at
+    ``flash_attention``, ``embedding_dropout``, ``kv_channels``, ``qk_layernorm``) as in
+    :func:`model_activation_bytes`, at
     ``interleave=1``. Note ``sequence_parallel`` defaults to True here and in :func:`plan_recompute`
     (the planner's use), but to False in :func:`model_activation_bytes` and
     :func:`layer_activation_bytes` (Table 2's first rows): pass it explicitly when comparing their
@@ -759,7 +810,8 @@ def evaluate_recompute(policies: Sequence[str], seq_len: int, micro_batch: int, 
                              dict(normalization=normalization, activation=activation,
                                   num_query_groups=num_query_groups, hidden_dropout=hidden_dropout,
                                   attention_dropout=attention_dropout, flash_attention=flash_attention,
-                                  embedding_dropout=embedding_dropout))
+                                  embedding_dropout=embedding_dropout, kv_channels=kv_channels,
+                                  qk_layernorm=qk_layernorm))
     return model.plan(recompute_policies(policies, model.chunk_layers,
                                          "layers per pipeline stage (num_layers / pp; every stage runs the list)"))
 
@@ -770,8 +822,8 @@ def plan_recompute(seq_len: int, micro_batch: int, hidden: int, heads: int, num_
                    ffn_hidden: Optional[int] = None, bytes_per_element: float = 2,
                    bytes_per_mask: float = 1, normalization: str = "layernorm", activation: str = "gelu",
                    num_query_groups: Optional[int] = None, hidden_dropout=True, attention_dropout=True,
-                   flash_attention: bool = False, embedding_dropout=None,
-                   include_working_set: bool = False) -> RecomputePlan:
+                   flash_attention: bool = False, embedding_dropout=None, kv_channels: Optional[int] = None,
+                   qk_layernorm: bool = False, include_working_set: bool = False) -> RecomputePlan:
     """The per-layer recompute mix, the same on every stage, with the least extra forward FLOPs whose
     activation bytes (:func:`model_activation_bytes`, 1F1B: the most loaded stage) fit ``budget_bytes``.
     ``sequence_parallel`` defaults to True here (unlike :func:`model_activation_bytes`).
@@ -796,7 +848,7 @@ def plan_recompute(seq_len: int, micro_batch: int, hidden: int, heads: int, num_
     The other arguments (``seq_len``, ``micro_batch``, ``hidden``, ``heads``, ``num_layers``, ``vocab``,
     ``tp``, ``pp``, ``sequence_parallel``, ``ffn_hidden``, ``bytes_per_element``, ``bytes_per_mask``, and
     the block keywords ``normalization``, ``activation``, ``num_query_groups``, ``hidden_dropout``,
-    ``attention_dropout``, ``flash_attention``, ``embedding_dropout``) as in
+    ``attention_dropout``, ``flash_attention``, ``embedding_dropout``, ``kv_channels``, ``qk_layernorm``) as in
     :func:`model_activation_bytes`, at ``interleave=1``. With ``flash_attention`` selective recompute
     saves nothing and costs nothing (the layer never wraps a flash-style core), so plans use none / full.
 
@@ -807,7 +859,8 @@ def plan_recompute(seq_len: int, micro_batch: int, hidden: int, heads: int, num_
                              dict(normalization=normalization, activation=activation,
                                   num_query_groups=num_query_groups, hidden_dropout=hidden_dropout,
                                   attention_dropout=attention_dropout, flash_attention=flash_attention,
-                                  embedding_dropout=embedding_dropout))
+                                  embedding_dropout=embedding_dropout, kv_channels=kv_channels,
+                                  qk_layernorm=qk_layernorm))
     _check_bytes("budget_bytes", budget_bytes, allow_zero=False)
     if not isinstance(include_working_set, bool):
         raise ValueError(f"include_working_set must be a bool, got {include_working_set!r}")

@@ -61,7 +61,11 @@ def test_bench_prints_five_experiments(tmp_path):
            "--batch", "2", "--iters", "1", "--warmup", "0", "--json", str(path), "--plot", str(tmp_path / "fig8.png")]
     scratch = tmp_path / "tmp"      # where the spawned ranks' file store goes (removed after the run)
     scratch.mkdir()
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env=dict(os.environ, TMPDIR=str(scratch)))
+    # torch's own cache elsewhere: torch.utils.checkpoint imports torch._dynamo, which makes its directory in
+    # TMPDIR unless the variable names one (torch sets it in os.environ when it first makes it: the test passed
+    # where an earlier test in the same process had imported torch._dynamo, and failed alone)
+    env = dict(os.environ, TMPDIR=str(scratch), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert not list(scratch.iterdir())
     for name in ("no recompute", "sequence parallel", "full recompute", "selective recompute",
@@ -124,8 +128,11 @@ def test_plan_prints_uniform_policies_and_a_plan_that_fits(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv", [["--model", "llama3-8B"], ["--model", "llama3-70B", "--flash-attention"],
                                   ["--arch", "llama", "--hidden", "1024", "--heads", "16", "--kv-heads", "4",
-                                   "--ffn-hidden", "2816", "--layers", "8", "--tp", "4", "--gpu-memory", "1.2"]],
-                         ids=["llama3-8B", "llama3-70B-flash", "custom-llama"])
+                                   "--ffn-hidden", "2816", "--layers", "8", "--tp", "4", "--gpu-memory", "1.2"],
+                                  ["--model", "qwen3-32B"],
+                                  ["--arch", "llama", "--hidden", "1000", "--heads", "16", "--kv-heads", "4",
+                                   "--kv-channels", "128", "--qk-norm", "--layers", "8", "--tp", "4"]],
+                         ids=["llama3-8B", "llama3-70B-flash", "custom-llama", "qwen3-32B", "custom-qwen3"])
 def test_plan_llama_block(argv, capsys):
     """The Llama block's activations (its terms, no dropout) and parameters (SwiGLU, GQA, no biases, no
     position table, untied head) are what seqpar.memory says for it."""
@@ -134,13 +141,15 @@ def test_plan_llama_block(argv, capsys):
     args = result["args"]
     assert args.arch == "llama" and "llama block" in out
     block = dict(normalization="rmsnorm", activation="swiglu", hidden_dropout=False, attention_dropout=False,
-                 num_query_groups=args.kv_heads, ffn_hidden=args.ffn_hidden, flash_attention=args.flash_attention)
+                 num_query_groups=args.kv_heads, ffn_hidden=args.ffn_hidden, flash_attention=args.flash_attention,
+                 kv_channels=args.kv_channels, qk_layernorm=args.qk_norm)
     sizes = dict(seq_len=args.seq_len, micro_batch=args.micro_batch, hidden=args.hidden, heads=args.heads,
                  num_layers=args.layers, vocab=args.vocab)
     for label, sp, policy, cost in result["uniform"]:
         assert cost == evaluate_recompute(policy, **sizes, tp=args.tp, pp=args.pp, sequence_parallel=sp, **block), label
     params = first_stage_parameters(args.hidden, args.layers, args.vocab, args.seq_len, tp=args.tp, pp=args.pp,
                                     ffn_hidden=args.ffn_hidden, heads=args.heads, num_query_groups=args.kv_heads,
+                                    kv_channels=args.kv_channels, qk_layernorm=args.qk_norm,
                                     normalization="rmsnorm", activation="swiglu", add_bias_linear=False,
                                     position_embedding="rope", share_embeddings_and_output_weights=False)
     assert f"{params:,} parameters" in out
@@ -149,6 +158,9 @@ def test_plan_llama_block(argv, capsys):
         assert by_label["tensor + sequence parallel + selective"] == by_label["tensor + sequence parallel"]
     if args.model == "llama3-8B":   # 8.03B parameters over t = 8 ranks (the untied head included)
         assert 0.99e9 < params < 1.01e9
+    if args.model == "qwen3-32B":   # 32.8B parameters over t = 8, p = 2 (the last stage's head ~ the embedding)
+        assert (args.kv_channels, args.qk_norm) == (128, True) and "d=128" in out and "q/k norms" in out
+        assert 32.5e9 < params * 16 < 33.0e9
 
 
 def test_plan_without_sp_takes_a_sequence_length_t_does_not_divide(capsys):
@@ -216,6 +228,9 @@ def _usage_error(argv, capsys):
     (["plan", "--model", "42B"], "invalid choice: '42B'"),
     (["plan", "--model", "llama3-70B", "--arch", "gpt"], "--model llama3-70B is a llama model, not --arch gpt"),
     (["plan", "--model", "22B", "--kv-heads", "8"], "--kv-heads is for --arch llama"),
+    (["plan", "--model", "22B", "--kv-channels", "128"], "--kv-channels is for --arch llama"),
+    (["plan", "--model", "22B", "--qk-norm"], "--qk-norm is for --arch llama"),
+    (["plan", "--model", "qwen3-32B", "--kv-channels", "0"], "--kv-channels must be positive, got 0"),
     (["plan", "--arch", "llama", "--hidden", "1024", "--heads", "16", "--layers", "8", "--kv-heads", "3"],
      "--kv-heads 3 does not divide --heads 16"),
     (["plan", "--model", "22B", "--gpu-memory", "inf"], "--gpu-memory must be finite and positive, got inf"),

@@ -139,6 +139,13 @@ def test_architecture_defaults_are_the_gpt_layer():
         seqpar.TransformerConfig(**LLAMA, rope_scaling=seqpar.ops.RopeScaling()).attention_softmax_scale is None
     yarn = seqpar.TransformerConfig(**LLAMA, rope_scaling=seqpar.ops.YarnScaling(4.0, 32768))   # Qwen2.5's
     assert yarn.attention_softmax_scale == (0.1 * math.log(4.0) + 1) ** 2 / math.sqrt(8)
+    assert (llama.kv_channels, llama.qk_layernorm) == (None, False)
+    # Qwen3-4B's heads: 32 of 128 channels with h = 2560 (any h then, even one the heads don't divide)
+    qwen3 = seqpar.TransformerConfig(**{**LLAMA, "hidden_size": 2560, "num_attention_heads": 32, "num_query_groups": 8},
+                                     kv_channels=128, qk_layernorm=True)
+    assert qwen3.head_dim == 128 and qwen3.qk_layernorm
+    assert seqpar.TransformerConfig(**{**LLAMA, "hidden_size": 60}, kv_channels=8).head_dim == 8
+    assert seqpar.TransformerConfig(**LLAMA, kv_channels=np.int64(16)).kv_channels == 16
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -163,9 +170,16 @@ def test_architecture_defaults_are_the_gpt_layer():
     (dict(rope_theta=1.0, rope_scaling=seqpar.ops.YarnScaling(4.0, 64)), "YaRN's scaling needs a rope_theta other than 1"),
     (dict(position_embedding="learned", rope_theta=10000.0, rope_scaling=seqpar.ops.RopeScaling()),
      r"rope_scaling=RopeScaling\(factor=8.0, .*\) with position_embedding='learned'"),
+    (dict(kv_channels=0), "kv_channels must be None or a positive int, got 0"),
+    (dict(kv_channels=16.0), "kv_channels must be None or a positive int, got 16.0"),
+    (dict(kv_channels=True), "kv_channels must be None or a positive int, got True"),
+    (dict(kv_channels=7), r"position_embedding='rope' needs an even head dim, got kv_channels = 7"),
+    (dict(hidden_size=60), r"hidden_size 60 is not divisible by num_attention_heads 8 \(set kv_channels"),
+    (dict(qk_layernorm=1), "qk_layernorm must be a bool, got 1"),
 ], ids=["norm", "norm-none", "activation", "groups-divide", "groups-zero", "groups-bool", "groups-float", "position",
         "theta-zero", "theta-inf", "theta-bool", "theta-past-fp32", "bias-int", "qkv-bias-int", "rope-odd-head-dim",
-        "theta-with-learned", "scaling-dict", "yarn-theta-1", "scaling-with-learned"])
+        "theta-with-learned", "scaling-dict", "yarn-theta-1", "scaling-with-learned", "kv-channels-zero",
+        "kv-channels-float", "kv-channels-bool", "kv-channels-odd-with-rope", "hidden-not-divisible", "qk-norm-int"])
 def test_architecture_knobs_reject(kwargs, match):
     with pytest.raises(ValueError, match=match):
         seqpar.TransformerConfig(**{**LLAMA, **kwargs})

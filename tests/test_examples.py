@@ -49,8 +49,9 @@ def test_readme_snippet_runs_as_written(tmp_path):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("family, script", [("gpt2", ["hf_gpt2_finetune.py", "--heads", "4"]),
-                                            # the Llama family's path, with Qwen2's q / k / v biases
-                                            ("qwen2", ["hf_finetune.py", "--family", "qwen2", "--heads", "8",
+                                            # the Llama family's path, with Qwen3's q / k norms and heads
+                                            # 2 h / a wide
+                                            ("qwen3", ["hf_finetune.py", "--family", "qwen3", "--heads", "8",
                                                        "--kv-heads", "2"])])
 def test_finetune_example_trains_and_hands_the_weights_back(tmp_path, family, script):
     transformers = pytest.importorskip("transformers")

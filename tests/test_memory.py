@@ -346,7 +346,10 @@ def test_architecture_kwargs_of_a_config():
     cfg = seqpar.TransformerConfig(hidden_size=64, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=40,
                                    normalization="rmsnorm", activation="swiglu", attention_dropout=0.1)
     assert architecture_kwargs(cfg) == dict(ffn_hidden=40, normalization="rmsnorm", activation="swiglu",
-                                            num_query_groups=2, hidden_dropout=0.0, attention_dropout=0.1)
+                                            num_query_groups=2, hidden_dropout=0.0, attention_dropout=0.1,
+                                            kv_channels=None, qk_layernorm=False)
+    qwen3 = seqpar.TransformerConfig(hidden_size=64, num_attention_heads=8, kv_channels=16, qk_layernorm=True)
+    assert architecture_kwargs(qwen3)["kv_channels"] == 16 and architecture_kwargs(qwen3)["qk_layernorm"]
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -358,7 +361,11 @@ def test_architecture_kwargs_of_a_config():
     (dict(hidden_dropout=1.5), "hidden_dropout must be in \\[0, 1\\)"),
     (dict(attention_dropout="yes"), "attention_dropout must be in"),
     (dict(flash_attention=1), "flash_attention must be a bool, got 1"),
-], ids=["norm", "activation", "groups", "tp-groups", "groups-zero", "hidden-dropout", "attention-dropout", "flash"])
+    (dict(kv_channels=0), "kv_channels must be a positive int, got 0"),
+    (dict(qk_layernorm="yes"), "qk_layernorm must be a bool, got 'yes'"),
+    (dict(hidden=18), "heads 4 does not divide hidden 18"),
+], ids=["norm", "activation", "groups", "tp-groups", "groups-zero", "hidden-dropout", "attention-dropout", "flash",
+        "kv-channels-zero", "qk-norm-str", "heads-not-dividing-hidden"])
 def test_block_keywords_reject_bad_values_by_name(kwargs, match):
     args = dict(seq_len=8, micro_batch=1, hidden=16, heads=4)
     args.update(kwargs)

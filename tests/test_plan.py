@@ -146,6 +146,13 @@ def test_first_stage_parameters_by_hand():
     assert first_stage_parameters(h, L, v, s, tp=2, **llama) == L * per_layer + 128 * h + h + 128 * h
     with pytest.raises(ValueError, match="pp 3 does not divide num_layers 4"):
         first_stage_parameters(h, L, v, s, pp=3)
+    # Qwen3: heads of d = 6 (QKV rows (a + 2g) d = 48, projection h x a d = 8 x 24), q / k RMSNorms of d
+    qwen3 = dict(llama, kv_channels=6, qk_layernorm=True)
+    per_layer = (48 * h + 2 * 24 * h + 24 * h + 24 * h) // 2 + 2 * h + 2 * 6
+    assert first_stage_parameters(h, L, v, s, tp=2, **qwen3) == L * per_layer + 128 * h + h + 128 * h
+    for knob in (dict(kv_channels=6), dict(qk_layernorm=True)):
+        with pytest.raises(ValueError, match=f"{next(iter(knob))} needs heads"):
+            first_stage_parameters(h, L, v, s, **knob)
 
 
 def test_plan_with_the_llama_block():
@@ -157,6 +164,11 @@ def test_plan_with_the_llama_block():
     forward = 2 * b * s * h * h * (1 + 2 * g / a) + 2 * b * s * h * h + 6 * b * s * h * f + 4 * b * s * s * h
     assert evaluate_recompute("full", s, b, h, a, L, v, **kw).extra_flops == pytest.approx(L * forward / t, rel=1e-12)
     assert evaluate_recompute("selective", s, b, h, a, L, v, **kw).extra_flops == L * 4 * b * s * s * h / t
+    # heads of d = 16 (w = a d = 64 = 2h): the QKV, projection and core FLOPs scale with w, the MLP's not
+    w, wide = 4 * 16, dict(kw, kv_channels=16, qk_layernorm=True)
+    forward = 2 * b * s * h * w * (1 + 2 * g / a) + 2 * b * s * h * w + 6 * b * s * h * f + 4 * b * s * s * w
+    assert evaluate_recompute("full", s, b, h, a, L, v, **wide).extra_flops == pytest.approx(L * forward / t, rel=1e-12)
+    assert evaluate_recompute("selective", s, b, h, a, L, v, **wide).extra_flops == L * 4 * b * s * s * w / t
     selective = model_activation_bytes(s, b, h, a, L, v, recompute="selective", **kw)
     assert plan_recompute(s, b, h, a, L, v, budget_bytes=selective, **kw).policies == ("selective",) * L
     flash = dict(kw, flash_attention=True)
@@ -177,6 +189,9 @@ PARAMETER_CASES = {
     "qwen2": (dict(normalization="rmsnorm", activation="swiglu", num_query_groups=2, position_embedding="rope",
                    add_bias_linear=False, add_qkv_bias=True), dict()),
     "qkv-bias-with-all-biases": (dict(add_qkv_bias=True), dict()),
+    "qwen3-kv-channels": (dict(normalization="rmsnorm", activation="swiglu", num_query_groups=2, position_embedding="rope",
+                               add_bias_linear=False, kv_channels=12, qk_layernorm=True), dict()),
+    "layernorm-qk-norm-kv-channels-bias": (dict(kv_channels=6, qk_layernorm=True), dict()),
 }
 
 
@@ -197,7 +212,7 @@ def _parameter_counts(rank, world_size):
             32, 3, 300, 16, tp=world_size, ffn_hidden=cfg.ffn_hidden_size, heads=4,
             num_query_groups=cfg.num_query_groups, normalization=cfg.normalization, activation=cfg.activation,
             add_bias_linear=cfg.add_bias_linear, position_embedding=cfg.position_embedding,
-            add_qkv_bias=cfg.add_qkv_bias, **model_kw)
+            add_qkv_bias=cfg.add_qkv_bias, kv_channels=cfg.kv_channels, qk_layernorm=cfg.qk_layernorm, **model_kw)
         out[case] = (sum(p.numel() for p in model.parameters()), expected)
     return out
 

@@ -261,7 +261,7 @@ def run_experiments(args, rank: int, world_size: int, group,
         # Both with the layer's own block keywords: with --dropout 0 the layer keeps no dropout outputs.
         block = architecture_kwargs(cfg)
         if args.arch != "gpt":
-            q = torch.empty(b, a // t, s, h // a, device=device, dtype=dtype)
+            q = torch.empty(b, a // t, s, cfg.head_dim, device=device, dtype=dtype)
             block["flash_attention"] = select_attention_backend(q, q, q, causal=True,
                                                                 backend=args.backend).recompute_free
         table2 = functools.partial(layer_activation_bytes, s, b, h, a, tp=t, sequence_parallel=sp,

@@ -1,4 +1,4 @@
-"""HuggingFace ``transformers`` GPT-2 and Llama (Mistral, Qwen2) <-> :class:`seqpar.GPTModel`.
+"""HuggingFace ``transformers`` GPT-2 and Llama (Mistral, Qwen2, Qwen3) <-> :class:`seqpar.GPTModel`.
 
 GPT-2 is the architecture of GPTModel (learned positions, pre-LayerNorm layers, tied output head), so
 a ``GPT2LMHeadModel`` (or ``GPT2Model``, or either's state dict) becomes a GPTModel holding this rank's
@@ -54,11 +54,15 @@ the head count), ``position_embedding="rope", add_bias_linear=False``, no dropou
                                               word embedding (tied: then it must equal embed_tokens)
 
 The same block under other names (:data:`LLAMA_FAMILY`): a ``MistralForCausalLM`` without its sliding
-window (``sliding_window=None``: Mistral 7B v0.2 / v0.3), and a ``Qwen2ForCausalLM`` (Qwen2 / Qwen2.5),
+window (``sliding_window=None``: Mistral 7B v0.2 / v0.3), a ``Qwen2ForCausalLM`` (Qwen2 / Qwen2.5),
 whose q, k and v projections have biases: ``add_qkv_bias=True``, and ``q_proj.bias [a d]``,
-``k_proj.bias [g d]``, ``v_proj.bias [g d]`` concatenated into ``query_key_value.bias``.
+``k_proj.bias [g d]``, ``v_proj.bias [g d]`` concatenated into ``query_key_value.bias``, and a
+``Qwen3ForCausalLM`` (Qwen3 dense), whose per-head RMSNorms of q and k (before RoPE) are
+``qk_layernorm=True``: ``self_attn.q_norm.weight [d]`` / ``k_norm.weight [d]`` are
+``self_attention.q_layernorm.weight`` / ``k_layernorm.weight``. HF's ``head_dim`` is d, which may differ
+from hidden_size / num_attention_heads (Qwen3-0.6B / 4B / 32B, Mistral Nemo): then ``kv_channels=d``.
 
-Config: ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads`` (None: = heads),
+Config: ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads`` (None: = heads), ``head_dim``,
 ``intermediate_size``, ``num_hidden_layers``, ``max_position_embeddings`` (GPTModel's max_seq_len; with YaRN
 at least factor x original_max_position_embeddings, the context HF runs),
 ``vocab_size`` (any; padded inside GPTModel), ``rms_norm_eps``, the RoPE base (``rope_parameters``,
@@ -69,9 +73,8 @@ whose attention factor scales the attention's softmax), or "linear" (DeepSeek Co
 :class:`seqpar.ops.LinearScaling`). Unsupported settings raise ValueError naming them: another RoPE type
 (dynamic, longrope ... scaling), a ``partial_rotary_factor`` other than 1,
 ``attention_bias`` or ``mlp_bias``, a sliding window
-narrower than ``max_position_embeddings`` (seqpar's attention is full causal),
-a ``head_dim`` other than hidden_size / num_attention_heads, a ``hidden_act`` other than "silu" (or
-"swish", HF's other name for it).
+narrower than ``max_position_embeddings`` (seqpar's attention is full causal), a ``hidden_act`` other
+than "silu" (or "swish", HF's other name for it).
 
 A GPTModel seqpar built (not converted) exports with its HF config: :func:`to_llama_config` /
 :func:`to_gpt2_config` give the keyword arguments of ``transformers.AutoConfig.for_model``.
@@ -83,7 +86,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -94,6 +97,7 @@ from ..nn.state_dict import _unwrapped, check_shapes
 from ..ops.registry import check_eps, is_positive_finite
 from ..ops.rotary import LinearScaling, RopeScaling, YarnScaling, rope_inv_freq
 from ..parallel.state import ProcessGroup, run_agreed
+from ..random import is_int
 
 __all__ = ["from_gpt2", "to_gpt2_state_dict", "to_gpt2_config", "from_llama", "to_llama_state_dict",
            "to_llama_config", "shift_labels"]
@@ -421,11 +425,27 @@ _LLAMA_GATE_UP = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
 # RoPE inverse-frequency buffers that older transformers releases saved in state dicts: not weights.
 _ROPE_BUFFER = re.compile(r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq$")
 _LLAMA_QKV_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
-#: The seqpar config a Llama maps to, beyond its sizes (and Qwen2's ``add_qkv_bias=True``).
+# Qwen3's per-head q / k RMSNorms -> the layer's (TransformerConfig.qk_layernorm)
+_LLAMA_QK_NORMS = (("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
+                   ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight"))
+#: The seqpar config a Llama maps to, beyond its sizes (and Qwen2's ``add_qkv_bias=True``, Qwen3's
+#: ``qk_layernorm=True``).
 LLAMA_BLOCK = dict(normalization="rmsnorm", activation="swiglu", position_embedding="rope", add_bias_linear=False)
-#: The HF ``config.model_type`` values :func:`from_llama` converts -> (the name its errors use, whether q, k
-#: and v have biases): Mistral is Llama's block (its sliding window off), Qwen2 Llama's with q / k / v biases.
-LLAMA_FAMILY = {"llama": ("Llama", False), "mistral": ("Mistral", False), "qwen2": ("Qwen2", True)}
+
+
+class LlamaFamily(NamedTuple):
+    """How one HF model type differs from the Llama block: ``name`` (what errors call it), ``qkv_bias`` (q,
+    k and v have biases: ``add_qkv_bias``), ``qk_norm`` (per-head q / k RMSNorms: ``qk_layernorm``)."""
+
+    name: str
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+
+#: The HF ``config.model_type`` values :func:`from_llama` converts: Mistral is Llama's block (its sliding
+#: window off), Qwen2 Llama's with q / k / v biases, Qwen3 Llama's with per-head q / k RMSNorms.
+LLAMA_FAMILY = {"llama": LlamaFamily("Llama"), "mistral": LlamaFamily("Mistral"),
+                "qwen2": LlamaFamily("Qwen2", qkv_bias=True), "qwen3": LlamaFamily("Qwen3", qk_norm=True)}
 
 
 #: The HF RoPE types from_llama converts: the default frequencies, and their linear, Llama 3.1 and YaRN scalings.
@@ -529,7 +549,7 @@ def _sliding_layers(get, model_type: str) -> Tuple[object, Sequence[int]]:
     window, layers = get("sliding_window"), get("num_hidden_layers") or 0
     if model_type == "mistral":
         return window, range(layers)
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):
         layer_types = get("layer_types")
         if layer_types is not None:
             return window, [i for i, layer_type in enumerate(layer_types) if layer_type == "sliding_attention"]
@@ -539,9 +559,9 @@ def _sliding_layers(get, model_type: str) -> Tuple[object, Sequence[int]]:
 
 
 #: How to train a family's config with full attention (the advice of a sliding-window refusal).
-_FULL_ATTENTION_ADVICE = {"mistral": "build the model with sliding_window=None",
-                          "qwen2": "build the config with use_sliding_window=False, or max_window_layers >= "
-                                   "num_hidden_layers"}
+_QWEN_FULL_ATTENTION = "build the config with use_sliding_window=False, or max_window_layers >= num_hidden_layers"
+_FULL_ATTENTION_ADVICE = {"mistral": "build the model with sliding_window=None", "qwen2": _QWEN_FULL_ATTENTION,
+                          "qwen3": _QWEN_FULL_ATTENTION}
 
 
 def _check_full_attention(get, model_type: str, kind: str, positions) -> None:
@@ -582,11 +602,13 @@ HF_LLAMA_DEFAULTS = {
     "mistral": dict(max_position_embeddings=131072, rms_norm_eps=1e-6, num_key_value_heads=8, sliding_window=4096),
     "qwen2": dict(max_position_embeddings=32768, rms_norm_eps=1e-6, num_key_value_heads=32, sliding_window=4096,
                   max_window_layers=28, use_sliding_window=False),
+    "qwen3": dict(max_position_embeddings=32768, rms_norm_eps=1e-6, num_key_value_heads=32, head_dim=128,
+                  sliding_window=4096, max_window_layers=28, use_sliding_window=False),
 }
 
 
 def _llama_settings(config) -> dict:
-    """Read a LlamaConfig (MistralConfig, Qwen2Config) into GPTModel's arguments, a key it lacks taken as
+    """Read a LlamaConfig (MistralConfig, Qwen2Config, Qwen3Config) into GPTModel's arguments, a key it lacks taken as
     HF's class default (:data:`HF_LLAMA_DEFAULTS`); ValueError naming any setting seqpar can't honour."""
     model_type = getattr(config, "model_type", "llama")
     if model_type not in LLAMA_FAMILY:
@@ -597,7 +619,8 @@ def _llama_settings(config) -> dict:
     def get(name, default=None):
         return getattr(config, name, defaults.get(name, default))
 
-    kind, qkv_bias = LLAMA_FAMILY[model_type]
+    family = LLAMA_FAMILY[model_type]
+    kind = family.name
     if config is None or get("hidden_size") is None or get("intermediate_size") is None:
         raise ValueError(f"config must be a transformers LlamaConfig, got {type(config).__name__}")
     hidden, heads = get("hidden_size"), get("num_attention_heads")
@@ -607,10 +630,17 @@ def _llama_settings(config) -> dict:
         if value not in supported:
             raise ValueError(f"{kind} config {name}={value!r} is not supported by seqpar (it implements "
                              f"{name}={' or '.join(map(repr, supported))})")
+    # HF's heads are head_dim wide (Qwen2's too, when its config has the key), hidden_size /
+    # num_attention_heads when it is None
     head_dim = get("head_dim")
-    if head_dim is not None and head_dim * heads != hidden:
-        raise ValueError(f"{kind} config head_dim={head_dim!r} is not supported by seqpar: it needs head_dim = "
-                         f"hidden_size / num_attention_heads = {hidden} / {heads}")
+    for name, value in (("hidden_size", hidden), ("num_attention_heads", heads), ("head_dim", head_dim)):
+        if not (value is None and name == "head_dim") and not (is_int(value) and value > 0):
+            raise ValueError(f"{kind} config {name}={value!r} must be a positive int")
+    if head_dim is None:
+        if hidden % heads:
+            raise ValueError(f"{kind} config hidden_size {hidden} is not divisible by num_attention_heads {heads} "
+                             "and head_dim is not set")
+        head_dim = hidden // heads
     theta, rope_scaling = _llama_rope(get, kind)
     positions = get("max_position_embeddings")
     if isinstance(rope_scaling, YarnScaling) and isinstance(positions, int):
@@ -618,7 +648,8 @@ def _llama_settings(config) -> dict:
         # says (Qwen2.5 keeps 32768 there and runs 131072 tokens with factor 4): GPTModel's max_seq_len
         positions = max(positions, int(rope_scaling.factor * rope_scaling.original_max_position_embeddings))
     _check_full_attention(get, model_type, kind, positions)
-    return dict(kind=kind, qkv_bias=qkv_bias, hidden=hidden, heads=heads, kv_heads=kv_heads,
+    return dict(kind=kind, qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, hidden=hidden, heads=heads,
+                kv_heads=kv_heads, head_dim=head_dim,
                 ffn=get("intermediate_size"), layers=get("num_hidden_layers"), positions=positions,
                 vocab=get("vocab_size"), eps=get("rms_norm_eps"), theta=theta, rope_scaling=rope_scaling,
                 tied=bool(get("tie_word_embeddings", False)), attention_dropout=get("attention_dropout", 0.0) or 0.0,
@@ -626,13 +657,14 @@ def _llama_settings(config) -> dict:
 
 
 def _llama_shapes(settings: dict) -> Dict[str, tuple]:
-    """LlamaModel state-dict keys (no "model." prefix) and their shapes (with Qwen2's q / k / v biases)."""
-    h, f, v = settings["hidden"], settings["ffn"], settings["vocab"]
-    d = h // settings["heads"]
-    kv = settings["kv_heads"] * d
-    layer = {"self_attn.q_proj.weight": (h, h), "self_attn.k_proj.weight": (kv, h),
-             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, h),
-             **({key: (rows,) for key, rows in zip(_LLAMA_QKV_BIASES, (h, kv, kv))} if settings["qkv_bias"] else {}),
+    """LlamaModel state-dict keys (no "model." prefix) and their shapes (with Qwen2's q / k / v biases,
+    Qwen3's q / k norms)."""
+    h, f, v, d = settings["hidden"], settings["ffn"], settings["vocab"], settings["head_dim"]
+    q, kv = settings["heads"] * d, settings["kv_heads"] * d
+    layer = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+             **({key: (rows,) for key, rows in zip(_LLAMA_QKV_BIASES, (q, kv, kv))} if settings["qkv_bias"] else {}),
+             **({key: (d,) for key, _ in _LLAMA_QK_NORMS} if settings["qk_norm"] else {}),
              "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
              "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
     shapes = {"embed_tokens.weight": (v, h)}
@@ -673,6 +705,9 @@ def _llama_to_seqpar_keys(sd: Dict[str, torch.Tensor], head: Optional[torch.Tens
         out[ours + "self_attention.query_key_value.weight"] = torch.cat([sd[theirs + k] for k in _LLAMA_QKV])
         if theirs + _LLAMA_QKV_BIASES[0] in sd:   # the shapes were checked: all three are there, or none
             out[ours + "self_attention.query_key_value.bias"] = torch.cat([sd[theirs + k] for k in _LLAMA_QKV_BIASES])
+        for their_key, our_key in _LLAMA_QK_NORMS:
+            if theirs + their_key in sd:          # checked: both, or neither
+                out[ours + our_key] = sd[theirs + their_key]
         out[ours + "self_attention.dense.weight"] = sd[theirs + "self_attn.o_proj.weight"]
         out[ours + "mlp.dense_h_to_4h.weight"] = torch.cat([sd[theirs + k] for k in _LLAMA_GATE_UP])
         out[ours + "mlp.dense_4h_to_h.weight"] = sd[theirs + "mlp.down_proj.weight"]
@@ -713,7 +748,7 @@ def _check_rotary_frequencies(source: nn.Module, settings: dict) -> None:
     less: HF may have computed them on another device, its pow an ulp or two apart, which the llama3 blend
     amplifies up to about 8 ulps; a 1 % edit of a scaling field moves them by about 10**4 fp32 ulps (the 1 %
     this compared to before let it through)."""
-    d = settings["hidden"] // settings["heads"]
+    d = settings["head_dim"]
     scaling = settings["rope_scaling"]
     expected_type = _ROPE_TYPES[type(scaling)]
     attention_scaling = scaling.attention_scaling if isinstance(scaling, YarnScaling) else 1.0
@@ -766,9 +801,9 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
     Args:
         source: a ``transformers`` ``LlamaForCausalLM`` or ``LlamaModel`` (tied head only: it has no
             ``lm_head``), or a state dict of either (keys with or without the "model." prefix) together
-            with ``config=``; the same of Mistral or Qwen2 (module docstring).
-        config: the ``LlamaConfig`` (``MistralConfig``, ``Qwen2Config``) of a state-dict ``source`` (a
-            model brings its own: leave None).
+            with ``config=``; the same of Mistral, Qwen2 or Qwen3 (module docstring).
+        config: the ``LlamaConfig`` (``MistralConfig``, ``Qwen2Config``, ``Qwen3Config``) of a state-dict
+            ``source`` (a model brings its own: leave None).
         tp_group: tensor-parallel process group (None: no tensor parallelism). Every rank passes the
             same source; t must divide num_attention_heads, num_key_value_heads and intermediate_size.
         sequence_parallel, backend: as in :class:`seqpar.TransformerConfig`.
@@ -808,6 +843,9 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
         hidden_size=settings["hidden"], num_attention_heads=settings["heads"], ffn_hidden_size=settings["ffn"],
         num_query_groups=groups, attention_dropout=settings["attention_dropout"], layernorm_epsilon=settings["eps"],
         rope_theta=settings["theta"], rope_scaling=settings["rope_scaling"], add_qkv_bias=settings["qkv_bias"],
+        qk_layernorm=settings["qk_norm"],
+        # the head dim as its own field only where it is not h / a (a config from h and a otherwise)
+        kv_channels=None if settings["head_dim"] * settings["heads"] == settings["hidden"] else settings["head_dim"],
         sequence_parallel=sequence_parallel,
         recompute=_every_layer(recompute),
         backend=backend,
@@ -820,14 +858,22 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
     return model.train(training)
 
 
-def _llama_model(model: nn.Module) -> GPTModel:
-    """:func:`_gpt_model`, ValueError naming the setting unless it has the Llama block."""
+def _llama_model(model: nn.Module) -> Tuple[GPTModel, str]:
+    """(:func:`_gpt_model`, its HF model_type): ValueError naming the setting unless it has the Llama block
+    of one family of :data:`LLAMA_FAMILY`."""
     model = _gpt_model(model)
     cfg = model.config
     different = {k: getattr(cfg, k) for k, v in LLAMA_BLOCK.items() if getattr(cfg, k) != v}
     if different:
         raise ValueError(f"model is not a Llama: its config has {different} (a Llama has {LLAMA_BLOCK})")
-    return model
+    if cfg.add_qkv_bias and cfg.qk_layernorm:
+        raise ValueError("model has both add_qkv_bias and qk_layernorm: no HF Llama-family model has both (Qwen2 "
+                         "has the biases, Qwen3 the norms)")
+    model_type = "qwen2" if cfg.add_qkv_bias else "qwen3" if cfg.qk_layernorm else "llama"
+    if model_type == "qwen2" and cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        raise ValueError(f"model has add_qkv_bias (a Qwen2) and kv_channels={cfg.kv_channels}, heads not hidden_size / "
+                         "num_attention_heads wide: transformers' Qwen2Config has no head_dim")
+    return model, model_type
 
 
 def _hf_rope_scaling(scaling) -> Optional[Dict[str, object]]:
@@ -841,7 +887,8 @@ def _hf_rope_scaling(scaling) -> Optional[Dict[str, object]]:
 
 
 def to_llama_config(model: GPTModel) -> Dict[str, object]:
-    """The ``LlamaConfig`` of ``model`` (a ``Qwen2Config`` with ``add_qkv_bias``), as keyword arguments
+    """The ``LlamaConfig`` of ``model`` (a ``Qwen2Config`` with ``add_qkv_bias``, a ``Qwen3Config`` with
+    ``qk_layernorm``), as keyword arguments
     (``model_type`` included): with :func:`to_llama_state_dict` it exports a GPTModel with the Llama block,
     trained with seqpar (from scratch too), to HF::
 
@@ -849,24 +896,25 @@ def to_llama_config(model: GPTModel) -> Dict[str, object]:
         llama = transformers.AutoModelForCausalLM.from_config(config)
         llama.load_state_dict(hf.to_llama_state_dict(model))     # every rank calls it (a collective)
 
-    Sizes, ``max_position_embeddings`` = max_seq_len, the real vocabulary, ``rms_norm_eps``, ``rope_theta``
-    and ``rope_scaling`` ("linear", "llama3" or "yarn"), the tied head, the attention dropout, the padding index
-    (``pad_token_id``), ``initializer_range``, the parameters' dtype, and no bos / eos token ids (seqpar
-    knows no tokenizer: set them from yours; HF's defaults 1 and 2 would end generations at those ids). The
-    hidden and embedding dropouts have no Llama setting and are left out. Not a collective. ValueError as
-    :func:`to_llama_state_dict`.
+    Sizes (``head_dim`` too), ``max_position_embeddings`` = max_seq_len, the real vocabulary, ``rms_norm_eps``,
+    ``rope_theta`` and ``rope_scaling`` ("linear", "llama3" or "yarn"), the tied head, the attention dropout,
+    the padding index (``pad_token_id``), ``initializer_range``, the parameters' dtype, and no bos / eos token
+    ids (seqpar knows no tokenizer: set them from yours; HF's defaults 1 and 2 would end generations at those
+    ids). The hidden and embedding dropouts have no Llama setting and are left out. Not a collective.
+    ValueError as :func:`to_llama_state_dict`.
     """
-    model = _llama_model(model)
+    model, model_type = _llama_model(model)
     cfg = model.config
-    out = dict(model_type="qwen2" if cfg.add_qkv_bias else "llama", vocab_size=model.vocab_size,
+    out = dict(model_type=model_type, vocab_size=model.vocab_size,
                max_position_embeddings=model.max_seq_len, hidden_size=cfg.hidden_size,
                intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=len(model.layers),
                num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.kv_heads, hidden_act="silu",
+               **({} if model_type == "qwen2" else dict(head_dim=cfg.head_dim)),
                rms_norm_eps=cfg.layernorm_epsilon, rope_theta=cfg.rope_theta,
                rope_scaling=_hf_rope_scaling(cfg.rope_scaling), tie_word_embeddings=model.output_layer is None,
                attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_method_std,
                pad_token_id=getattr(model.embedding.word_embeddings, "padding_idx", None), **_hf_common(cfg))
-    if cfg.add_qkv_bias:
+    if model_type != "llama":
         out["use_sliding_window"] = False
     return out
 
@@ -875,15 +923,17 @@ def to_llama_state_dict(model: GPTModel) -> Dict[str, torch.Tensor]:
     """The unsharded ``LlamaForCausalLM`` state dict of ``model`` (HF key names and order, q/k/v and
     gate/up split back out of the fused weights, the real vocabulary rows), loadable with
     ``load_state_dict(strict=True)``; with ``add_qkv_bias`` (a Qwen2) also the q / k / v biases, a
-    ``Qwen2ForCausalLM`` state dict (a Mistral's is a Llama's). ``lm_head.weight`` is the untied output
+    ``Qwen2ForCausalLM`` state dict (a Mistral's is a Llama's); with ``qk_layernorm`` also the q / k norms, a
+    ``Qwen3ForCausalLM`` state dict. ``lm_head.weight`` is the untied output
     layer, or with a tied head the same tensor as ``model.embed_tokens.weight`` (HF's own state dict holds
     both keys).
 
     A collective under tensor parallelism: call it on every rank; every rank gets the same dict. A model
     wrapped by DDP or torch.compile is read through the wrapper. ValueError unless ``model`` is a
-    GPTModel with the Llama block (RMSNorm, SwiGLU, RoPE, no biases but Qwen2's q / k / v ones).
+    GPTModel with the Llama block (RMSNorm, SwiGLU, RoPE, no biases but Qwen2's q / k / v ones; Qwen3's q / k
+    norms).
     """
-    model = _llama_model(model)
+    model, _ = _llama_model(model)
     cfg = model.config
     full = _Reads(model.full_state_dict())
     d, f = cfg.head_dim, cfg.ffn_hidden_size
@@ -897,9 +947,11 @@ def to_llama_state_dict(model: GPTModel) -> Dict[str, torch.Tensor]:
             out[theirs + weight_key] = weight.clone()      # HF's order: each projection's weight, then its bias
             if bias is not None:
                 out[theirs + bias_key] = bias.clone()
+        out[theirs + "self_attn.o_proj.weight"] = full[ours + "self_attention.dense.weight"]
+        if cfg.qk_layernorm:
+            out.update({theirs + their_key: full[ours + our_key] for their_key, our_key in _LLAMA_QK_NORMS})
         gate, up = (w.clone() for w in full[ours + "mlp.dense_h_to_4h.weight"].split(f))
-        out.update({theirs + "self_attn.o_proj.weight": full[ours + "self_attention.dense.weight"],
-                    theirs + "mlp.gate_proj.weight": gate, theirs + "mlp.up_proj.weight": up,
+        out.update({theirs + "mlp.gate_proj.weight": gate, theirs + "mlp.up_proj.weight": up,
                     theirs + "mlp.down_proj.weight": full[ours + "mlp.dense_4h_to_h.weight"]})
         for their_key, our_key in _LLAMA_NORMS:
             out[theirs + their_key] = full[ours + our_key]

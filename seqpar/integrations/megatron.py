@@ -26,6 +26,7 @@ dependency: multi-head, grouped-query and the Llama block, the same outputs to 3
     decoder.final_layernorm              final_layernorm
     linear_qkv.layer_norm_weight / _bias input_layernorm.weight / .bias  (TransformerEngine's fused norm)
     linear_fc1.layer_norm_weight / _bias post_attention_layernorm.weight / .bias
+    self_attention.q_layernorm / k_layernorm   the same names (``qk_layernorm``: per-head norms of [d])
     *._extra_state                       dropped (TransformerEngine's FP8 metadata)
 
 The result loads with ``load_full_state_dict`` (a layer's or a GPTModel's). Importing this module never
@@ -80,12 +81,16 @@ _CORE_NAMES = (
 )
 
 
-def _groups(qkv: torch.Tensor, num_attention_heads: int, num_query_groups: Optional[int]):
-    """(g, a / g, d) of a QKV weight or bias, validated: ValueError naming what doesn't fit."""
+def _groups(qkv: torch.Tensor, num_attention_heads: int, num_query_groups: Optional[int],
+            kv_channels: Optional[int] = None):
+    """(g, a / g, d) of a QKV weight or bias, validated: ValueError naming what doesn't fit. ``kv_channels``
+    None: d from the rows, and a weight's columns must be a d (h = a d); else d, and any columns (h)."""
     heads = as_int(num_attention_heads)
     groups = heads if num_query_groups is None else as_int(num_query_groups)
-    for name, value in (("num_attention_heads", heads), ("num_query_groups", groups)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    d_given = None if kv_channels is None else as_int(kv_channels)
+    for name, value in (("num_attention_heads", heads), ("num_query_groups", groups), ("kv_channels", d_given)):
+        if (value is not None or name != "kv_channels") and \
+                (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if heads % groups:
         raise ValueError(f"num_query_groups {groups} does not divide num_attention_heads {heads}")
@@ -94,8 +99,15 @@ def _groups(qkv: torch.Tensor, num_attention_heads: int, num_query_groups: Optio
                          f"{type(qkv).__name__} {tuple(getattr(qkv, 'shape', ()))}")
     rows, per_group = qkv.shape[0], heads // groups + 2
     causes = ("check num_query_groups (None means g = a: multi-head attention), that the head dim is h / a "
-              "(Megatron's kv_channels), and that this is the unsharded tensor, not one tensor-parallel rank's "
-              "shard (a / t heads)")
+              "(Megatron's kv_channels; pass kv_channels= for heads of another width), and that this is the "
+              "unsharded tensor, not one tensor-parallel rank's shard (a / t heads)")
+    if d_given is not None:
+        if rows != groups * per_group * d_given:
+            raise ValueError(f"a QKV tensor of {rows} rows is not (a + 2g) d = {groups * per_group * d_given} rows for "
+                             f"a = {heads}, g = {groups}, d = kv_channels = {d_given}: check num_query_groups (None "
+                             f"means g = a), kv_channels, and that this is the unsharded tensor, not one "
+                             f"tensor-parallel rank's shard (a / t heads)")
+        return groups, heads // groups, d_given
     if rows % (groups * per_group):
         raise ValueError(f"a QKV tensor of {rows} rows is not (a + 2g) d rows for a = {heads}, g = {groups}: {causes}")
     d = rows // (groups * per_group)
@@ -106,20 +118,20 @@ def _groups(qkv: torch.Tensor, num_attention_heads: int, num_query_groups: Optio
 
 
 def qkv_from_megatron(qkv: torch.Tensor, num_attention_heads: int,
-                      num_query_groups: Optional[int] = None) -> torch.Tensor:
+                      num_query_groups: Optional[int] = None, kv_channels: Optional[int] = None) -> torch.Tensor:
     """Megatron's grouped QKV rows (module docstring) -> seqpar's [all Q; all K; all V], a new tensor.
     ``qkv``: the unsharded weight [(a + 2g) d, h] or bias [(a + 2g) d]; ``num_query_groups`` g (None:
-    multi-head attention, g = a)."""
-    groups, q_per_group, d = _groups(qkv, num_attention_heads, num_query_groups)
+    multi-head attention, g = a); ``kv_channels`` d (None: h / a, read from the shape)."""
+    groups, q_per_group, d = _groups(qkv, num_attention_heads, num_query_groups, kv_channels)
     grouped = qkv.reshape(groups, q_per_group + 2, d, *qkv.shape[1:])
     q, k, v = grouped.split([q_per_group, 1, 1], dim=1)
     return torch.cat([part.reshape(-1, *qkv.shape[1:]) for part in (q, k, v)])
 
 
 def qkv_to_megatron(qkv: torch.Tensor, num_attention_heads: int,
-                    num_query_groups: Optional[int] = None) -> torch.Tensor:
+                    num_query_groups: Optional[int] = None, kv_channels: Optional[int] = None) -> torch.Tensor:
     """The inverse of :func:`qkv_from_megatron`: seqpar's QKV rows -> Megatron's grouped order."""
-    groups, q_per_group, d = _groups(qkv, num_attention_heads, num_query_groups)
+    groups, q_per_group, d = _groups(qkv, num_attention_heads, num_query_groups, kv_channels)
     rest = qkv.shape[1:]
     q, k, v = qkv.split([groups * q_per_group * d, groups * d, groups * d])
     grouped = torch.cat([q.reshape(groups, q_per_group, d, *rest), k.reshape(groups, 1, d, *rest),
@@ -136,9 +148,11 @@ def _seqpar_name(key: str) -> str:
 
 
 def from_megatron_state_dict(state_dict: Mapping[str, torch.Tensor], num_attention_heads: int,
-                             num_query_groups: Optional[int] = None) -> Dict[str, torch.Tensor]:
+                             num_query_groups: Optional[int] = None,
+                             kv_channels: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """An unsharded Megatron-Core or Megatron-LM layer / GPT state dict -> seqpar's keys and layouts
     (module docstring): names mapped, every QKV weight and bias reordered, ``_extra_state`` dropped.
+    ``kv_channels``: the head dim, for heads not h / a wide (Megatron's ``--kv-channels``; the config's).
     Load the result with ``load_full_state_dict``; keys seqpar doesn't know are left for it to name.
     ValueError when two keys map to one name (e.g. both a fused and a separate input norm)."""
     converted: Dict[str, torch.Tensor] = {}
@@ -151,7 +165,7 @@ def from_megatron_state_dict(state_dict: Mapping[str, torch.Tensor], num_attenti
         if name.endswith("self_attention.query_key_value.weight") or \
                 name.endswith("self_attention.query_key_value.bias"):
             try:
-                value = qkv_from_megatron(value, num_attention_heads, num_query_groups)
+                value = qkv_from_megatron(value, num_attention_heads, num_query_groups, kv_channels)
             except ValueError as exc:
                 raise ValueError(f"{key!r}: {exc}") from None
         converted[name] = value

@@ -187,7 +187,13 @@ class ParallelAttention(SharesProcessGroup, nn.Module):
 
     The fused QKV weight [(a + 2g) d, h] holds all Q heads, then the g K groups, then the g V groups
     (head i: rows i*d .. (i+1)*d of its block); rank r keeps heads r*a/t .. and groups r*g/t .. of each
-    block, so its output is [its Q | its K | its V] and its query heads use exactly its k/v groups.
+    block, so its output is [its Q | its K | its V] and its query heads use exactly its k/v groups. The
+    projection is [h, a d] (d = ``config.head_dim``: a d = h unless ``kv_channels`` says otherwise).
+
+    With ``qk_layernorm`` the norms ``q_layernorm`` and ``k_layernorm`` (weight [d]) normalise each head
+    of q and k before RoPE (Qwen3). Each rank normalises its own heads, so their replicated weights see a
+    shard of the rows, as a norm's under sequence parallelism: they enter through f, built with
+    ``sequence_parallel=True`` whatever the layer's, and their gradients are summed over ``tp_group``.
 
     ``config`` (:class:`seqpar.TransformerConfig`) gives the sizes, bias and parallelism options;
     ``tp_group`` is the tensor-parallel group whose t ranks split the heads and groups (None: t = 1);
@@ -209,6 +215,9 @@ class ParallelAttention(SharesProcessGroup, nn.Module):
                                                     bias=config.qkv_bias, **common)
         self.dense = RowParallelLinear(a * d, h, bias=config.add_bias_linear, skip_bias_add=True, **common)
         self.dense.check_rank_inputs = False   # its input comes from query_key_value's, which agreed on it
+        if config.qk_layernorm:
+            self.q_layernorm = make_norm(config, tp_group, device, hidden_size=d, rows_split=True)
+            self.k_layernorm = make_norm(config, tp_group, device, hidden_size=d, rows_split=True)
 
     def forward(self, a1: torch.Tensor, dropout_p: float, seed: int):
         """a1 [s/t or s, b, h] -> (projection output without bias, bias or None) as RowParallelLinear gives them.
@@ -222,14 +231,20 @@ class ParallelAttention(SharesProcessGroup, nn.Module):
         s, b = qkv.shape[0], qkv.shape[1]
         heads, kv_heads, d = self.local_heads, self.local_kv_heads, cfg.head_dim
         q, k, v = qkv.view(s, b, heads + 2 * kv_heads, d).split([heads, kv_heads, kv_heads], dim=2)
-        del qkv    # with RoPE nothing else holds the QKV storage below: freed before the attention core
+        del qkv    # with RoPE or q/k norms nothing else holds the QKV storage below: freed before the core
+        if cfg.qk_layernorm:
+            # Contiguous copies: the norms save their input, which as views would pin the QKV storage.
+            with saved_as("Q, K norm input"):
+                q, k = self.q_layernorm(q.contiguous()), self.k_layernorm(k.contiguous())
         if cfg.position_embedding == "rope":
             # qkv holds the whole sequence (under SP the column-parallel GEMM gathered it), so row i is
             # global position i. Out of place: qkv is the linear's output, which its forward hooks saw
-            # and may keep (an in-place rotation changed it under them). v is copied out of it, so the
-            # QKV storage is freed and the core keeps the same bytes: rotated q, k and the copy of v.
+            # and may keep (an in-place rotation changed it under them).
             q, k = rotary_embedding(q, k, position_offset=0, theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
                                     backend=cfg.backend)
+        if cfg.position_embedding == "rope" or cfg.qk_layernorm:
+            # v is copied out of the QKV storage, so it is freed and the core keeps the same bytes: new
+            # q, k and the copy of v.
             q, k, v = (name_storage(x, "Q, K, V") for x in (q, k, v.clone()))
         q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))    # [b, heads, s, d]
         # chosen with the dropout the core runs (a backend without dropout still runs an eval forward)
@@ -294,13 +309,16 @@ class ParallelMLP(nn.Module):
             return self.dense_4h_to_h(hidden)
 
 
-def make_norm(config: TransformerConfig, tp_group: ProcessGroup, device=None):
-    """The norm ``config.normalization`` names (:class:`LayerNorm` or :class:`RMSNorm`) over h, with
-    ``layernorm_epsilon``, replicated over ``tp_group`` (sequence-sharded under SP)."""
+def make_norm(config: TransformerConfig, tp_group: ProcessGroup, device=None, *, hidden_size: Optional[int] = None,
+              rows_split: bool = False):
+    """The norm ``config.normalization`` names (:class:`LayerNorm` or :class:`RMSNorm`) over
+    ``hidden_size`` (None: h), with ``layernorm_epsilon``, replicated over ``tp_group``. Its input rows are
+    split over the ranks under SP (a sequence shard), or always with ``rows_split`` (the q / k norms: each
+    rank's heads): then the weights enter through f and their gradients are summed over ``tp_group``."""
     cls = LayerNorm if config.normalization == "layernorm" else RMSNorm
-    return cls(config.hidden_size, config.layernorm_epsilon, tp_group=tp_group,
-               sequence_parallel=config.sequence_parallel, backend=config.backend, device=device,
-               dtype=config.params_dtype)
+    return cls(config.hidden_size if hidden_size is None else hidden_size, config.layernorm_epsilon,
+               tp_group=tp_group, sequence_parallel=config.sequence_parallel or rows_split, backend=config.backend,
+               device=device, dtype=config.params_dtype)
 
 
 class TransformerLayer(SharesProcessGroup, nn.Module):
@@ -515,8 +533,10 @@ class TransformerLayer(SharesProcessGroup, nn.Module):
     def _part_classes(self) -> Dict[str, type]:
         """{key prefix: the class the layer builds there} of its parts (what init and the part checks read)."""
         norm = LayerNorm if self.config.normalization == "layernorm" else RMSNorm
+        qk_norms = {"self_attention.q_layernorm": norm, "self_attention.k_layernorm": norm} \
+            if self.config.qk_layernorm else {}
         return {"input_layernorm": norm, "self_attention.query_key_value": ColumnParallelLinear,
-                "self_attention.dense": RowParallelLinear, "post_attention_layernorm": norm,
+                **qk_norms, "self_attention.dense": RowParallelLinear, "post_attention_layernorm": norm,
                 "mlp.dense_h_to_4h": ColumnParallelLinear, "mlp.dense_4h_to_h": RowParallelLinear}
 
     def _parts(self, what: str) -> Dict[str, nn.Module]:

@@ -26,6 +26,10 @@ LAYER_BLOCKS = {                  # id: config (a = 8 heads, 4 k/v groups, d = 8
                   rope_theta=1000.0),
     "rmsnorm-bias-dropout": dict(LLAMA, hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=88,
                                  add_bias_linear=True, hidden_dropout=0.2, attention_dropout=0.2),
+    # Qwen3's block: per-head q / k norms (each rank normalises its heads: the weights' gradients are summed),
+    # heads 12 wide (the attention 96 wide, h 64)
+    "qwen3": dict(LLAMA, hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=88,
+                  kv_channels=12, qk_layernorm=True, rope_theta=1e6),
 }
 MEMORY = dict(s=64, b=2, h=128, a=8, f=352)
 
@@ -92,22 +96,24 @@ def layer_parity(group):
 
 
 def layer_memory(group, world_size):
-    """{(g, sp, recompute): (measured bytes, formula bytes, measured by label, formula by label, report)},
-    bf16 on the torch backend (no dropout: the Llama block)."""
+    """{(block, sp, recompute): (measured bytes, formula bytes, measured by label, formula by label, report)},
+    bf16 on the torch backend (no dropout: the Llama block, with a or 4 k/v groups, and Qwen3's)."""
     s, b, h, a, f = (MEMORY[k] for k in ("s", "b", "h", "a", "f"))
     out = {}
     seqpar.manual_seed(3)
-    for g, sp, recompute in itertools.product((a, 4), (False, True), POLICIES):
-        cfg = seqpar.TransformerConfig(hidden_size=h, num_attention_heads=a, num_query_groups=g, ffn_hidden_size=f,
-                                       sequence_parallel=sp, recompute=recompute, params_dtype=torch.bfloat16,
-                                       backend="torch", **LLAMA)
+    blocks = {f"g={a}": dict(num_query_groups=a), "g=4": dict(num_query_groups=4),
+              "qwen3 g=4": dict(num_query_groups=4, kv_channels=24, qk_layernorm=True)}
+    for block, sp, recompute in itertools.product(blocks, (False, True), POLICIES):
+        cfg = seqpar.TransformerConfig(hidden_size=h, num_attention_heads=a, ffn_hidden_size=f, sequence_parallel=sp,
+                                       recompute=recompute, params_dtype=torch.bfloat16, backend="torch",
+                                       **blocks[block], **LLAMA)
         layer = seqpar.TransformerLayer(cfg, tp_group=group)
         x = torch.randn(s // world_size if sp else s, b, h, dtype=torch.bfloat16, requires_grad=True)
         with ActivationMeter() as meter:
             layer(x)
         terms = layer_activation_terms(s, b, h, a, tp=world_size, sequence_parallel=sp, recompute=recompute,
                                        bytes_per_mask=0, **architecture_kwargs(cfg))
-        out[(g, sp, recompute)] = (meter.bytes, sum(terms.values()), meter.by_label(),
+        out[(block, sp, recompute)] = (meter.bytes, sum(terms.values()), meter.by_label(),
                                    {k: v for k, v in terms.items() if v}, meter.report(s * b * h * 2))
     return out
 

@@ -12,6 +12,7 @@ on a one-rank group:
   biases, tied head); bitwise round trips (Qwen2's too); Mistral and Qwen2 at t = 1; 3 SGD steps at t = 2 + SP + selective
   against HF's losses; bad configs and state dicts; the import needs no transformers.
 """
+import dataclasses
 import functools
 import types
 
@@ -41,7 +42,7 @@ def _transformers():
 
 #: family -> (config class, model class) names in transformers
 FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
-            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 
 
 def _llama_config(kv_groups=2, vocab=VOCAB, family="llama", **kw):
@@ -84,20 +85,22 @@ YARN_ROPE = dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max
 
 
 @functools.lru_cache(maxsize=None)
-def _logit_case(kv_groups, tied=False, llama31=False, family="llama", yarn=False):
+def _logit_case(kv_groups, tied=False, llama31=False, family="llama", yarn=False, **kw):
     """(state dict, config dict, tokens, HF's eval logits [s, b, v])."""
     rope = LLAMA31_ROPE if llama31 else YARN_ROPE if yarn else dict(rope_theta=5000.0)
-    llama = _random_llama(kv_groups, tie_word_embeddings=tied, family=family, **rope).eval()
+    llama = _random_llama(kv_groups, tie_word_embeddings=tied, family=family, **rope, **kw).eval()
     tokens = _tokens()
     with torch.no_grad():
         return llama.state_dict(), llama.config.to_dict(), tokens, llama(tokens).logits.transpose(0, 1)
 
 
 def _round_trip_cases(kv_groups):
-    llama, qwen2 = _random_llama(kv_groups, seed=4), _random_llama(kv_groups, seed=4, family="qwen2")
+    llama = _random_llama(kv_groups, seed=4)
     cases = {str(dtype): ({k: v.to(dtype) for k, v in llama.state_dict().items()}, llama.config.to_dict())
              for dtype in (torch.float32, torch.bfloat16)}
-    cases["qwen2"] = (qwen2.state_dict(), qwen2.config.to_dict())
+    for family in ("qwen2", "qwen3"):
+        source = _random_llama(kv_groups, seed=4, family=family)
+        cases[family] = (source.state_dict(), source.config.to_dict())
     return cases
 
 
@@ -130,7 +133,9 @@ def _cases(world_size):
     g = KV_GROUPS[world_size]
     return dict(logit_cases={f"g{g}": _logit_case(g), f"g{g}-llama3.1-rope": _logit_case(g, llama31=True),
                              f"g{g}-qwen2-tied": _logit_case(g, tied=True, family="qwen2"),
-                             f"g{g}-qwen2-yarn": _logit_case(g, family="qwen2", yarn=True)},
+                             f"g{g}-qwen2-yarn": _logit_case(g, family="qwen2", yarn=True),
+                             # q / k norms and heads 24 wide (the attention 192 wide, h 128)
+                             f"g{g}-qwen3-head-dim": _logit_case(g, family="qwen3", head_dim=24)},
                 round_trip_cases=_round_trip_cases(g),
                 train_case=_train_case()[0] if world_size == 2 else None)
 
@@ -181,7 +186,7 @@ WORLDS = pytest.mark.parametrize("world_size", [1, 2, 4], ids=lambda t: f"t{t}")
 def test_llama_layer_parity_with_single_device(world_size, tmp_path_factory):
     for rank_results in ranks(world_size, tmp_path_factory):
         parity = rank_results["parity"]
-        assert len(parity) == 2 * 2 * 3
+        assert len(parity) == 3 * 2 * 3
         for (block, sp, recompute), r in parity.items():
             case = f"t={world_size} {block} sp={sp} recompute={recompute}"
             assert r["y"] <= 1e-5, f"{case}: relative output error {r['y']:.2e}"
@@ -206,8 +211,8 @@ def test_llama_layer_memory_per_rank_matches_the_formula(world_size, tmp_path_fa
     for rank, rank_results in enumerate(ranks(world_size, tmp_path_factory)):
         memory = rank_results["memory"]
         assert len(memory) >= 10, sorted(memory)
-        for (g, sp, recompute), (measured, formula, by_label, terms, report) in memory.items():
-            case = f"rank {rank} t={world_size} g={g} sp={sp} recompute={recompute}"
+        for (block, sp, recompute), (measured, formula, by_label, terms, report) in memory.items():
+            case = f"rank {rank} t={world_size} {block} sp={sp} recompute={recompute}"
             assert 0.95 * formula <= measured <= 1.05 * formula, f"{case}: {measured} vs {formula:.0f}\n{report}"
             assert by_label == terms, f"{case}: label by label\n{report}\n{terms}"
 
@@ -228,7 +233,7 @@ def _check_logits(per_rank, world_size):
 def test_from_llama_logits_match_hf(world_size, tmp_path_factory):
     _transformers()
     per_rank = [r["logits"] for r in ranks(world_size, tmp_path_factory)]
-    assert len(per_rank[0]) == 4 * 2 * 3
+    assert len(per_rank[0]) == 5 * 2 * 3
     _check_logits(per_rank, world_size)
 
 
@@ -237,7 +242,7 @@ def test_from_llama_logits_match_hf(world_size, tmp_path_factory):
 def test_round_trip_is_bitwise_under_tp(world_size, tmp_path_factory):
     _transformers()
     for rank, rank_result in enumerate(ranks(world_size, tmp_path_factory)):
-        assert set(rank_result["round_trips"]) == {"torch.float32", "torch.bfloat16", "qwen2"} and \
+        assert set(rank_result["round_trips"]) == {"torch.float32", "torch.bfloat16", "qwen2", "qwen3"} and \
             all(rank_result["round_trips"].values()), \
             f"rank {rank}: {rank_result['round_trips']}"
 
@@ -288,16 +293,26 @@ def test_from_model_objects_tied_and_untied_and_back(tied):
                                         ("qwen2", YARN_ROPE),
                                         ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 4.0})),
                                         ("mistral", dict(sliding_window=None)),
-                                        ("mistral", dict(sliding_window=POSITIONS))],  # masks nothing
+                                        ("mistral", dict(sliding_window=POSITIONS)),   # masks nothing
+                                        ("qwen3", dict(head_dim=24, tie_word_embeddings=True, rope_theta=1e6)),
+                                        ("qwen3", dict(head_dim=HIDDEN // HEADS)),
+                                        ("llama", dict(head_dim=24)),
+                                        ("mistral", dict(sliding_window=None, head_dim=8))],
                          ids=["qwen2", "qwen2-window-unused", "qwen2-yarn", "llama-linear", "mistral",
-                              "mistral-window-past-positions"])
+                              "mistral-window-past-positions", "qwen3-head-dim-tied", "qwen3", "llama-head-dim",
+                              "mistral-nemo-head-dim"])
 def test_mistral_and_qwen2_are_the_llama_block(family, kw):
-    """Qwen2 (q / k / v biases: add_qkv_bias) and Mistral convert as the Llama block: logits and every
-    gradient (the q / k / v biases' included) match HF's, HF's model loads the hand-back, bitwise."""
+    """Qwen2 (q / k / v biases: add_qkv_bias), Qwen3 (per-head q / k norms: qk_layernorm), Mistral, and heads
+    of another width than hidden_size / num_attention_heads (HF's head_dim: kv_channels; Qwen3-4B's, Mistral
+    Nemo's) convert as the Llama block: logits and every gradient (the q / k / v biases' and q / k norms'
+    included) match HF's, HF's model loads the hand-back, bitwise."""
     transformers = _transformers()
     source = _random_llama(2, seed=6, family=family, **kw).train()
     model = hf.from_llama(source)
     assert model.config.add_qkv_bias == (family == "qwen2") and not model.config.add_bias_linear
+    assert model.config.qk_layernorm == (family == "qwen3")
+    head_dim = kw.get("head_dim", HIDDEN // HEADS)
+    assert model.config.head_dim == head_dim and (model.config.kv_channels is None) == (head_dim * HEADS == HIDDEN)
     assert (model.output_layer is None) == bool(kw.get("tie_word_embeddings"))
     tokens = _tokens()
     labels = hf.shift_labels(tokens)
@@ -314,6 +329,8 @@ def test_mistral_and_qwen2_are_the_llama_block(family, kw):
                                    msg=lambda m, key=key: f"{key}: {m}")
     if family == "qwen2":
         assert their_grads["model.layers.0.self_attn.k_proj.bias"].abs().max() > 0   # the biases are trained
+    if family == "qwen3":
+        assert their_grads["model.layers.0.self_attn.k_norm.weight"].abs().max() > 0   # so are the norms
     got = hf.to_llama_state_dict(model)
     expected = source.state_dict()
     assert list(got) == list(expected) and all(torch.equal(got[k], v) for k, v in expected.items())
@@ -529,12 +546,31 @@ def test_one_recompute_policy_per_layer():
                         "original_max_position_embeddings": 32}),
      r"rope type 'llama3': RopeScaling.low_freq_factor \(4.0\) must be below high_freq_factor \(1.0\)"),
     (dict(attention_bias=True), "attention_bias=True"), (dict(mlp_bias=True), "mlp_bias=True"),
-    (dict(head_dim=32), "head_dim=32"), (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-], ids=["rope-dynamic", "rope-longrope", "rope-yarn-factor", "rope-partial", "rope-llama3-crossed-bands", "attention-bias", "mlp-bias", "head-dim", "hidden-act"])
+    (dict(head_dim=0), "head_dim=0 must be a positive int"), (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    # heads of 32 channels (a supported head_dim), for a state dict of 16-channel heads: the shapes differ
+    (dict(head_dim=32), r"layers.0.self_attn.q_proj.weight must have shape \(256, 128\) for this config, got \(128, 128\)"),
+], ids=["rope-dynamic", "rope-longrope", "rope-yarn-factor", "rope-partial", "rope-llama3-crossed-bands", "attention-bias",
+        "mlp-bias", "head-dim-zero", "hidden-act", "head-dim-of-other-weights"])
 def test_unsupported_llama_variants_raise(kwargs, match):
     state_dict = _random_llama(2).state_dict()
     with pytest.raises(ValueError, match=match):
         hf.from_llama(state_dict, config=_llama_config(2, **kwargs))
+
+
+def test_qwen3_variants_seqpar_does_not_compute_raise():
+    """Qwen3 with attention_bias (biases on q, k, v and o: the projection's has no seqpar field), and a
+    hand-back of a block no HF family has (q / k / v biases and q / k norms)."""
+    qwen3 = _random_llama(2, family="qwen3", head_dim=16)
+    with pytest.raises(ValueError, match=r"Qwen3 config attention_bias=True is not supported by seqpar"):
+        hf.from_llama(qwen3.state_dict(), config=_llama_config(2, family="qwen3", head_dim=16, attention_bias=True))
+    cfg = seqpar.TransformerConfig(hidden_size=32, num_attention_heads=4, add_qkv_bias=True, qk_layernorm=True,
+                                   **LLAMA_BLOCK)
+    for export in (hf.to_llama_state_dict, hf.to_llama_config):
+        with pytest.raises(ValueError, match="both add_qkv_bias and qk_layernorm: no HF Llama-family model has both"):
+            export(seqpar.GPTModel(cfg, 1, 50, 8))
+    wide = dataclasses.replace(cfg, qk_layernorm=False, kv_channels=16)
+    with pytest.raises(ValueError, match="add_qkv_bias .* kv_channels=16.* Qwen2Config has no head_dim"):
+        hf.to_llama_config(seqpar.GPTModel(wide, 1, 50, 8))
 
 
 def test_a_float_original_context_is_taken_as_hf_takes_it():
@@ -599,7 +635,10 @@ def test_yarn_frequencies_and_attention_factor_are_the_modules():
      dict(share_embeddings_and_output_weights=False), "LlamaForCausalLM"),
     (dict(num_query_groups=None, params_dtype=torch.bfloat16), {}, "LlamaForCausalLM"),
     (dict(rope_theta=1e5, rope_scaling=seqpar.ops.LinearScaling(4.0)), {}, "LlamaForCausalLM"),
-], ids=["llama3.1-untied-pad", "qwen2-yarn-tied", "llama-yarn-fields", "llama-mha-bf16", "llama-linear"])
+    (dict(qk_layernorm=True, kv_channels=24, rope_theta=1e6), {}, "Qwen3ForCausalLM"),
+    (dict(kv_channels=8), dict(share_embeddings_and_output_weights=False), "LlamaForCausalLM"),
+], ids=["llama3.1-untied-pad", "qwen2-yarn-tied", "llama-yarn-fields", "llama-mha-bf16", "llama-linear", "qwen3-head-dim",
+        "llama-head-dim"])
 def test_a_model_trained_from_scratch_exports_to_hf(knobs, model_kw, hf_class):
     """to_llama_config + to_llama_state_dict make an HF model (a Qwen2 with the QKV biases) of a GPTModel
     seqpar built: HF's logits are seqpar's, and from_llama of it gives back the same config (the dtype, and
@@ -696,7 +735,7 @@ def test_bad_state_dicts_raise_naming_the_key(change, match, tied):
 def test_other_models_configs_and_layouts_raise():
     transformers = _transformers()
     with pytest.raises(ValueError, match=r"model_type 'gpt2' is not one of the Llama family seqpar converts "
-                                         r"\('llama', 'mistral', 'qwen2'\)"):
+                                         r"\('llama', 'mistral', 'qwen2', 'qwen3'\)"):
         hf.from_llama({}, config=transformers.GPT2Config())
     with pytest.raises(ValueError, match="needs config="):
         hf.from_llama(_random_llama(2).state_dict())
@@ -723,12 +762,14 @@ def test_old_checkpoints_rope_buffers_are_ignored():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family, kw", [("llama", {}), ("qwen2", YARN_ROPE)], ids=["llama", "qwen2-yarn"])
+@pytest.mark.parametrize("family, kw", [("llama", {}), ("qwen2", YARN_ROPE), ("qwen3", dict(head_dim=32))],
+                         ids=["llama", "qwen2-yarn", "qwen3-head-dim"])
 @pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
 @pytest.mark.parametrize("recompute", ["none", "selective"])
 def test_bf16_logits_on_gpu(backend, recompute, family, kw):
     """bf16 on the device: seqpar's logits error vs HF fp32 is at most 2x HF bf16's own error (a Qwen2 with
-    YaRN: its q / k / v biases, and its attention factor in the kernels' softmax scale)."""
+    YaRN: its q / k / v biases, and its attention factor in the kernels' softmax scale; a Qwen3: its q / k
+    RMSNorms on the kernels over rows of 32 channels, the attention 256 wide with h 128)."""
     llama = _random_llama(2, vocab_size=32000, family=family, **kw).eval().cuda()
     tokens = _tokens(32000).cuda()
     with torch.no_grad():

@@ -71,7 +71,7 @@ def test_a_bad_qkv_tensor_in_a_state_dict_names_its_key_and_the_likely_causes():
         from_megatron_state_dict(sd, 4, 2)
 
 
-def _core_names(state, heads, groups):
+def _core_names(state, heads, groups, kv_channels=None):
     """seqpar's GPTModel keys -> Megatron-Core's (TransformerEngine spec: the norms fused into the next
     linear), written out name by name."""
     core = {}
@@ -81,7 +81,7 @@ def _core_names(state, heads, groups):
                 .replace("post_attention_layernorm.", "mlp.linear_fc1.layer_norm_")
                 .replace("query_key_value", "linear_qkv").replace("self_attention.dense", "self_attention.linear_proj")
                 .replace("dense_h_to_4h", "linear_fc1").replace("dense_4h_to_h", "linear_fc2"))
-        core[name] = qkv_to_megatron(value, heads, groups) if "linear_qkv.weight" in name or \
+        core[name] = qkv_to_megatron(value, heads, groups, kv_channels) if "linear_qkv.weight" in name or \
             "linear_qkv.bias" in name else value
     core["decoder.layers.0.self_attention.linear_qkv._extra_state"] = None
     return core
@@ -106,6 +106,36 @@ def test_a_megatron_core_state_dict_loads_into_the_same_model(groups):
         unordered[key] = core[key.replace("layers.", "decoder.layers.").replace("query_key_value", "linear_qkv")]
     target.load_full_state_dict(unordered)   # loads without an error, as a Megatron checkpoint did ...
     assert not torch.allclose(target(tokens), source(tokens))   # ... and computes another model
+
+
+def test_heads_of_another_width_and_qk_norms_convert():
+    """kv_channels: heads of d = 12 with h = 32 (Qwen3's, Mistral Nemo's: a d != h). The QKV rows follow
+    Megatron's groups with the given d (read from the shape, d would be wrong or refused); the q / k norms
+    keep their names."""
+    heads, groups, d = 4, 2, 12
+    ours, theirs = _tagged_qkv(heads, groups, d, 32)
+    assert torch.equal(qkv_from_megatron(theirs, heads, groups, kv_channels=d), ours)
+    assert torch.equal(qkv_to_megatron(ours, heads, groups, kv_channels=d), theirs)
+    with pytest.raises(ValueError, match=r"QKV weight \(96, 32\) is not \[\(a \+ 2g\) d, a d\].*pass kv_channels="):
+        qkv_from_megatron(theirs, heads, groups)
+    with pytest.raises(ValueError, match=r"96 rows is not \(a \+ 2g\) d = 64 rows for a = 4, g = 2, d = kv_channels = 8"):
+        qkv_from_megatron(theirs, heads, groups, kv_channels=8)
+    with pytest.raises(ValueError, match="kv_channels must be a positive int, got 0"):
+        qkv_from_megatron(theirs, heads, groups, kv_channels=0)
+    cfg = seqpar.TransformerConfig(hidden_size=32, num_attention_heads=heads, num_query_groups=groups, kv_channels=d,
+                                   qk_layernorm=True, normalization="rmsnorm", activation="swiglu",
+                                   position_embedding="rope", add_bias_linear=False, backend="torch")
+    seqpar.manual_seed(0)
+    source = seqpar.GPTModel(cfg, 2, 40, 8)
+    with torch.no_grad():
+        source.layers[1].self_attention.k_layernorm.weight.mul_(1.5)   # off its init: its mapping counts
+    core = _core_names(source.full_state_dict(), heads, groups, kv_channels=d)
+    assert "decoder.layers.1.self_attention.k_layernorm.weight" in core
+    seqpar.manual_seed(1)
+    target = seqpar.GPTModel(cfg, 2, 40, 8)
+    target.load_full_state_dict(from_megatron_state_dict(core, heads, groups, kv_channels=d))
+    tokens = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(target(tokens), source(tokens))
 
 
 def test_two_keys_for_one_name_are_refused():

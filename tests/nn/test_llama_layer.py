@@ -22,6 +22,10 @@ BLOCKS = {  # id: architecture knobs
     "qwen2-qkv-bias": dict(LLAMA, num_query_groups=2, add_qkv_bias=True, rope_theta=1e6),
     "layernorm-swiglu-rope-bias-gqa4": dict(activation="swiglu", position_embedding="rope", num_query_groups=4),
     "rmsnorm-gelu-learned-bias-gqa1": dict(normalization="rmsnorm", activation="gelu_tanh", num_query_groups=1),
+    # Qwen3's block: per-head q / k RMSNorm, heads of 12 channels: the attention is 96 wide, h 64
+    "qwen3-qk-norm-kv-channels": dict(LLAMA, num_query_groups=2, kv_channels=12, qk_layernorm=True, rope_theta=1e6),
+    # (with RoPE: without it a k-norm bias shifts every key alike, which softmax ignores: a zero gradient)
+    "layernorm-qk-norm-kv-channels-bias-rope": dict(position_embedding="rope", kv_channels=4, qk_layernorm=True),
 }
 
 def _cfg(block, **kw):
@@ -57,6 +61,9 @@ def plain_block(x, sd, cfg):
     a, g, d = cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim
     qkv = plain_linear(plain_norm(x, sd, "input_layernorm", cfg), sd, "self_attention.query_key_value")
     q, k, v = (t.reshape(s, b, -1, d) for t in qkv.split([a * d, g * d, g * d], dim=-1))
+    if cfg.qk_layernorm:
+        q = plain_norm(q, sd, "self_attention.q_layernorm", cfg)
+        k = plain_norm(k, sd, "self_attention.k_layernorm", cfg)
     if cfg.position_embedding == "rope":
         q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
@@ -128,6 +135,12 @@ def test_state_dict_layouts_of_the_llama_block():
     qwen2 = seqpar.TransformerLayer(_cfg("qwen2-qkv-bias"))      # add_qkv_bias: the QKV bias alone
     assert qwen2.full_shapes() == {**layer.full_shapes(), "self_attention.query_key_value.bias": ((A + 2 * 2) * 8,)}
     assert [k for k in qwen2.full_shapes() if k.endswith(".bias")] == ["self_attention.query_key_value.bias"]
+    qwen3 = seqpar.TransformerLayer(_cfg("qwen3-qk-norm-kv-channels"))   # d = 12: the attention 96 wide, h 64
+    assert qwen3.full_shapes() == {
+        "input_layernorm.weight": (H,), "self_attention.query_key_value.weight": ((A + 2 * 2) * 12, H),
+        "self_attention.dense.weight": (H, A * 12), "self_attention.q_layernorm.weight": (12,),
+        "self_attention.k_layernorm.weight": (12,), "post_attention_layernorm.weight": (H,),
+        "mlp.dense_h_to_4h.weight": (2 * F_FFN, H), "mlp.dense_4h_to_h.weight": (H, F_FFN)}
     mixed = seqpar.TransformerLayer(_cfg("layernorm-swiglu-rope-bias-gqa4"))
     assert mixed.full_shapes()["self_attention.query_key_value.bias"] == ((A + 2 * 4) * 8,)
     assert mixed.full_shapes()["input_layernorm.bias"] == (H,)
@@ -177,7 +190,8 @@ def _measure(cfg, s, b):
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
-@pytest.mark.parametrize("block", ["llama-gqa", "llama-mha", "rmsnorm-gelu-learned-bias-gqa1"])
+@pytest.mark.parametrize("block", ["llama-gqa", "llama-mha", "rmsnorm-gelu-learned-bias-gqa1",
+                                   "qwen3-qk-norm-kv-channels"])
 def test_memory_terms_match_the_meter_label_by_label(block, recompute):
     s, b = 64, 2
     dropout = 0.1 if block.startswith("rmsnorm-gelu") else 0.0
