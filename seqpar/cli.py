@@ -243,6 +243,10 @@ def _plan_args(argv: Sequence[str]) -> argparse.Namespace:
     for key, scale in (("other_gib", GIB), ("bytes_per_mask", 1)):
         if not (math.isfinite(getattr(args, key) * scale) and getattr(args, key) >= 0):
             p.error(f"--{key.replace('_', '-')} must be finite and non-negative, got {getattr(args, key)}")
+    head_dim = args.kv_channels or (args.hidden // args.heads if args.hidden % args.heads == 0 else None)
+    if args.arch == "llama" and head_dim is not None and head_dim % 2:
+        given = f"--kv-channels {head_dim}" if args.kv_channels else f"--hidden / --heads = {head_dim}"
+        p.error(f"{given}: the Llama block's RoPE needs an even head dim")
     check_output_paths(p, args, "plot")
     try:  # the sizes themselves (tp dividing heads, pp dividing layers, ...): usage errors too
         _sizes(args)

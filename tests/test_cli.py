@@ -231,6 +231,9 @@ def _usage_error(argv, capsys):
     (["plan", "--model", "22B", "--kv-channels", "128"], "--kv-channels is for --arch llama"),
     (["plan", "--model", "22B", "--qk-norm"], "--qk-norm is for --arch llama"),
     (["plan", "--model", "qwen3-32B", "--kv-channels", "0"], "--kv-channels must be positive, got 0"),
+    # TransformerConfig refuses an odd head dim with RoPE: the plan of a layer that can't be built was printed
+    (["plan", "--model", "qwen3-32B", "--kv-channels", "127"], "--kv-channels 127: the Llama block's RoPE needs an even"),
+    (["plan", "--arch", "llama", "--hidden", "96", "--heads", "32", "--layers", "2"], "--hidden / --heads = 3: the"),
     (["plan", "--arch", "llama", "--hidden", "1024", "--heads", "16", "--layers", "8", "--kv-heads", "3"],
      "--kv-heads 3 does not divide --heads 16"),
     (["plan", "--model", "22B", "--gpu-memory", "inf"], "--gpu-memory must be finite and positive, got inf"),

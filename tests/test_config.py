@@ -58,8 +58,9 @@ def test_config_is_frozen_and_replace_revalidates():
 
 def test_equal_configs_give_the_ranks_the_same_values_to_agree_on():
     """The ranks' agreement check hashes each field's repr: 10000 vs 10000.0 as rope_theta, 0 vs 0.0 or
-    np.float64(0.1) vs 0.1 as a dropout, num_query_groups None vs num_attention_heads (the same layer)
-    were refused as a disagreement. Floats are held as floats, and the check compares the k/v heads."""
+    np.float64(0.1) vs 0.1 as a dropout, num_query_groups None vs num_attention_heads (the same layer; so
+    kv_channels None vs hidden_size / num_attention_heads) were refused as a disagreement. Floats are held as
+    floats, and the check compares the k/v heads and the head dim."""
     from seqpar.nn.layer import agreement_values
     from seqpar.parallel.state import _digest
 
@@ -67,7 +68,8 @@ def test_equal_configs_give_the_ranks_the_same_values_to_agree_on():
     pairs = [(dict(rope_theta=10000), dict(rope_theta=10000.0)),
              (dict(hidden_dropout=0, layernorm_epsilon=1), dict(hidden_dropout=0.0, layernorm_epsilon=1.0)),
              (dict(attention_dropout=np.float64(0.1)), dict(attention_dropout=0.1)),
-             (dict(num_query_groups=None), dict(num_query_groups=4))]
+             (dict(num_query_groups=None), dict(num_query_groups=4)),
+             (dict(kv_channels=None), dict(kv_channels=8))]
     for one, other in pairs:
         a, b = seqpar.TransformerConfig(**base, **one), seqpar.TransformerConfig(**base, **other)
         values_a, values_b = agreement_values(a), agreement_values(b)

@@ -869,11 +869,7 @@ def _llama_model(model: nn.Module) -> Tuple[GPTModel, str]:
     if cfg.add_qkv_bias and cfg.qk_layernorm:
         raise ValueError("model has both add_qkv_bias and qk_layernorm: no HF Llama-family model has both (Qwen2 "
                          "has the biases, Qwen3 the norms)")
-    model_type = "qwen2" if cfg.add_qkv_bias else "qwen3" if cfg.qk_layernorm else "llama"
-    if model_type == "qwen2" and cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
-        raise ValueError(f"model has add_qkv_bias (a Qwen2) and kv_channels={cfg.kv_channels}, heads not hidden_size / "
-                         "num_attention_heads wide: transformers' Qwen2Config has no head_dim")
-    return model, model_type
+    return model, "qwen2" if cfg.add_qkv_bias else "qwen3" if cfg.qk_layernorm else "llama"
 
 
 def _hf_rope_scaling(scaling) -> Optional[Dict[str, object]]:
@@ -909,7 +905,7 @@ def to_llama_config(model: GPTModel) -> Dict[str, object]:
                max_position_embeddings=model.max_seq_len, hidden_size=cfg.hidden_size,
                intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=len(model.layers),
                num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.kv_heads, hidden_act="silu",
-               **({} if model_type == "qwen2" else dict(head_dim=cfg.head_dim)),
+               head_dim=cfg.head_dim,   # Qwen2Config has no such field, but HF's Qwen2 reads it when set
                rms_norm_eps=cfg.layernorm_epsilon, rope_theta=cfg.rope_theta,
                rope_scaling=_hf_rope_scaling(cfg.rope_scaling), tie_word_embeddings=model.output_layer is None,
                attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_method_std,

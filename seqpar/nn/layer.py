@@ -109,6 +109,7 @@ def agreement_values(config: TransformerConfig, **arguments) -> Dict[str, object
         raise ValueError(f"config must be a seqpar.TransformerConfig, got {type(config).__name__}")
     values = {f"config.{f.name}": getattr(config, f.name) for f in dataclasses.fields(config)}
     values["config.num_query_groups"] = config.kv_heads   # None and num_attention_heads build the same layer
+    values["config.kv_channels"] = config.head_dim        # so do None and hidden_size / num_attention_heads
     values.update(arguments)
     # Without dropout nothing is drawn from torch's generator, so its state may differ (a program that
     # never seeds it starts every process from a different state).

@@ -12,7 +12,6 @@ on a one-rank group:
   biases, tied head); bitwise round trips (Qwen2's too); Mistral and Qwen2 at t = 1; 3 SGD steps at t = 2 + SP + selective
   against HF's losses; bad configs and state dicts; the import needs no transformers.
 """
-import dataclasses
 import functools
 import types
 
@@ -568,9 +567,6 @@ def test_qwen3_variants_seqpar_does_not_compute_raise():
     for export in (hf.to_llama_state_dict, hf.to_llama_config):
         with pytest.raises(ValueError, match="both add_qkv_bias and qk_layernorm: no HF Llama-family model has both"):
             export(seqpar.GPTModel(cfg, 1, 50, 8))
-    wide = dataclasses.replace(cfg, qk_layernorm=False, kv_channels=16)
-    with pytest.raises(ValueError, match="add_qkv_bias .* kv_channels=16.* Qwen2Config has no head_dim"):
-        hf.to_llama_config(seqpar.GPTModel(wide, 1, 50, 8))
 
 
 def test_a_float_original_context_is_taken_as_hf_takes_it():
@@ -637,8 +633,10 @@ def test_yarn_frequencies_and_attention_factor_are_the_modules():
     (dict(rope_theta=1e5, rope_scaling=seqpar.ops.LinearScaling(4.0)), {}, "LlamaForCausalLM"),
     (dict(qk_layernorm=True, kv_channels=24, rope_theta=1e6), {}, "Qwen3ForCausalLM"),
     (dict(kv_channels=8), dict(share_embeddings_and_output_weights=False), "LlamaForCausalLM"),
+    # HF's Qwen2 reads a head_dim its config holds (Qwen2Config has no such field): exported, not refused
+    (dict(add_qkv_bias=True, kv_channels=32), {}, "Qwen2ForCausalLM"),
 ], ids=["llama3.1-untied-pad", "qwen2-yarn-tied", "llama-yarn-fields", "llama-mha-bf16", "llama-linear", "qwen3-head-dim",
-        "llama-head-dim"])
+        "llama-head-dim", "qwen2-head-dim"])
 def test_a_model_trained_from_scratch_exports_to_hf(knobs, model_kw, hf_class):
     """to_llama_config + to_llama_state_dict make an HF model (a Qwen2 with the QKV biases) of a GPTModel
     seqpar built: HF's logits are seqpar's, and from_llama of it gives back the same config (the dtype, and
