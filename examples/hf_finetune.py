@@ -1,4 +1,4 @@
-"""Fine-tune a HuggingFace GPT-2 or Llama (Mistral, Qwen2, Qwen3) with seqpar: tensor + sequence parallelism and
+"""Fine-tune a HuggingFace GPT-2 or Llama (Mistral, Qwen2, Qwen3, Phi-3) with seqpar: tensor + sequence parallelism and
 selective recompute, then hand the weights back to the HuggingFace model.
 
     # CPU, 2 gloo ranks, a small randomly initialised model (nothing downloaded):
@@ -19,6 +19,8 @@ selective recompute, then hand the weights back to the HuggingFace model.
         --model Qwen/Qwen2.5-0.5B --dtype bf16 --seq-len 2048          # q / k / v biases, tied head
     torchrun --nproc-per-node 8 examples/hf_finetune.py --family qwen3 \
         --model Qwen/Qwen3-8B --dtype bf16 --seq-len 4096              # per-head q / k norms
+    torchrun --nproc-per-node 2 examples/hf_finetune.py --family phi3 \
+        --model microsoft/phi-4 --dtype bf16 --seq-len 4096            # fused projections
 
 Every rank of the tensor-parallel group (all ranks, or WORLD_SIZE / --data-parallel of them) loads the
 same model and sees the same batch; seqpar keeps each rank's shard. With ``--data-parallel N`` the ranks
@@ -59,7 +61,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: --family -> (its transformers config and causal-LM classes); all but gpt2 convert with hf.from_llama
 FAMILIES = {"gpt2": ("GPT2Config", "GPT2LMHeadModel"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
             "mistral": ("MistralConfig", "MistralForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "phi3": ("Phi3Config", "Phi3ForCausalLM")}
 
 
 def parse_args(family=None):
@@ -79,7 +81,7 @@ def parse_args(family=None):
     parser.add_argument("--heads", type=int, default=4)
     if family != "gpt2":
         parser.add_argument("--kv-heads", type=int,
-                            help="llama / mistral / qwen2 / qwen3: k/v heads (default: --heads)")
+                            help="llama / mistral / qwen2 / qwen3 / phi3: k/v heads (default: --heads)")
     else:
         parser.set_defaults(kv_heads=None)
     parser.add_argument("--seq-len", type=int, default=64, help="divisible by the number of ranks (SP)")
@@ -101,7 +103,7 @@ def parse_args(family=None):
     parser.add_argument("--resume", help="checkpoint directory to continue from (saved at any number of ranks)")
     args = parser.parse_args()
     if args.family == "gpt2" and args.kv_heads is not None:
-        parser.error("--kv-heads is for the Llama family (--family llama, mistral, qwen2, qwen3)")
+        parser.error("--kv-heads is for the Llama family (--family llama, mistral, qwen2, qwen3, phi3)")
     if args.family != "gpt2" and args.dropout is not None:
         parser.error("--dropout is for --family gpt2 (the Llama family has no dropout)")
     if args.resume and not os.path.isdir(args.resume):
@@ -140,6 +142,8 @@ def random_model(args):
     extra = dict(sliding_window=None) if args.family == "mistral" else {}   # seqpar's attention is full causal
     if args.family == "qwen3":   # heads twice hidden / heads wide, as Qwen3-0.6B's (128 channels, h 1024, 16 heads)
         extra = dict(head_dim=2 * args.hidden // args.heads)
+    if args.family == "phi3":    # Phi3Config's default pad id 32000 is past this vocabulary
+        extra = dict(pad_token_id=None)
     return model_class(config_class(
         num_hidden_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads or args.heads, intermediate_size=11 * args.hidden // 4,
@@ -259,7 +263,8 @@ def main(family=None):
             print(f"checkpoint after step {args.steps} in {args.checkpoint}", flush=True)
 
     # Hand the weights back: a collective (every rank calls it), then any rank can load them.
-    state_dict = hf.to_gpt2_state_dict(model) if args.family == "gpt2" else hf.to_llama_state_dict(model)
+    state_dict = hf.to_gpt2_state_dict(model) if args.family == "gpt2" else \
+        hf.to_llama_state_dict(model, model_type=args.family)   # Phi-3's keys are its own (fused projections)
     model.eval()
     with torch.no_grad():
         seqpar_loss = model(input_ids, labels).sum() / (labels != -100).sum()

@@ -1,4 +1,4 @@
-"""HuggingFace ``transformers`` GPT-2 and Llama (Mistral, Qwen2, Qwen3) <-> :class:`seqpar.GPTModel`.
+"""HuggingFace ``transformers`` GPT-2 and Llama (Mistral, Qwen2, Qwen3, Phi-3) <-> :class:`seqpar.GPTModel`.
 
 GPT-2 is the architecture of GPTModel (learned positions, pre-LayerNorm layers, tied output head), so
 a ``GPT2LMHeadModel`` (or ``GPT2Model``, or either's state dict) becomes a GPTModel holding this rank's
@@ -60,7 +60,11 @@ whose q, k and v projections have biases: ``add_qkv_bias=True``, and ``q_proj.bi
 ``Qwen3ForCausalLM`` (Qwen3 dense), whose per-head RMSNorms of q and k (before RoPE) are
 ``qk_layernorm=True``: ``self_attn.q_norm.weight [d]`` / ``k_norm.weight [d]`` are
 ``self_attention.q_layernorm.weight`` / ``k_layernorm.weight``. HF's ``head_dim`` is d, which may differ
-from hidden_size / num_attention_heads (Qwen3-0.6B / 4B / 32B, Mistral Nemo): then ``kv_channels=d``.
+from hidden_size / num_attention_heads (Qwen3-0.6B / 4B / 32B, Mistral Nemo): then ``kv_channels=d``. A
+``Phi3ForCausalLM`` (Phi-4; Phi-3 without its sliding window) holds q / k / v fused as
+``self_attn.qkv_proj.weight`` and gate / up as ``mlp.gate_up_proj.weight``, the rows of seqpar's fused
+weights (taken as they are), and its ``resid_pdrop`` is ``hidden_dropout``. :func:`to_llama_state_dict` /
+:func:`to_llama_config` take ``model_type`` for the family to hand back to (Phi-3's keys are its own).
 
 Config: ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads`` (None: = heads), ``head_dim``,
 ``intermediate_size``, ``num_hidden_layers``, ``max_position_embeddings`` (GPTModel's max_seq_len; with YaRN
@@ -422,6 +426,8 @@ _LLAMA_NORMS = (("input_layernorm.weight", "input_layernorm.weight"),
                 ("post_attention_layernorm.weight", "post_attention_layernorm.weight"))
 _LLAMA_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
 _LLAMA_GATE_UP = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+# Phi-3 stores them fused, in seqpar's row order (q, k, v; gate, up)
+_PHI3_QKV, _PHI3_GATE_UP = "self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"
 # RoPE inverse-frequency buffers that older transformers releases saved in state dicts: not weights.
 _ROPE_BUFFER = re.compile(r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq$")
 _LLAMA_QKV_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
@@ -435,17 +441,21 @@ LLAMA_BLOCK = dict(normalization="rmsnorm", activation="swiglu", position_embedd
 
 class LlamaFamily(NamedTuple):
     """How one HF model type differs from the Llama block: ``name`` (what errors call it), ``qkv_bias`` (q,
-    k and v have biases: ``add_qkv_bias``), ``qk_norm`` (per-head q / k RMSNorms: ``qk_layernorm``)."""
+    k and v have biases: ``add_qkv_bias``), ``qk_norm`` (per-head q / k RMSNorms: ``qk_layernorm``),
+    ``fused`` (its state dict holds q / k / v as one ``qkv_proj`` and gate / up as one ``gate_up_proj``)."""
 
     name: str
     qkv_bias: bool = False
     qk_norm: bool = False
+    fused: bool = False
 
 
 #: The HF ``config.model_type`` values :func:`from_llama` converts: Mistral is Llama's block (its sliding
-#: window off), Qwen2 Llama's with q / k / v biases, Qwen3 Llama's with per-head q / k RMSNorms.
+#: window off), Qwen2 Llama's with q / k / v biases, Qwen3 Llama's with per-head q / k RMSNorms, Phi-3
+#: (Phi-3, Phi-4) Llama's with fused projections and a residual dropout (``resid_pdrop``).
 LLAMA_FAMILY = {"llama": LlamaFamily("Llama"), "mistral": LlamaFamily("Mistral"),
-                "qwen2": LlamaFamily("Qwen2", qkv_bias=True), "qwen3": LlamaFamily("Qwen3", qk_norm=True)}
+                "qwen2": LlamaFamily("Qwen2", qkv_bias=True), "qwen3": LlamaFamily("Qwen3", qk_norm=True),
+                "phi3": LlamaFamily("Phi-3", fused=True)}
 
 
 #: The HF RoPE types from_llama converts: the default frequencies, and their linear, Llama 3.1 and YaRN scalings.
@@ -542,12 +552,12 @@ def _padding_idx(pad_token_id, vocab: int):
 
 def _sliding_layers(get, model_type: str) -> Tuple[object, Sequence[int]]:
     """(the sliding window, the indices of the layers HF applies it to) of a config, as HF runs it: Mistral
-    slides every layer whenever ``sliding_window`` is set (it has no switch); Qwen2 the layers its
+    and Phi-3 slide every layer whenever ``sliding_window`` is set (they have no switch); Qwen2 the layers its
     ``layer_types`` lists as "sliding_attention" (transformers >= 4.53 fixes them when the config is built,
     from ``use_sliding_window`` and ``max_window_layers``; an edit of those afterwards changes nothing), or
     in older configs without ``layer_types`` those from ``max_window_layers`` on when ``use_sliding_window``."""
     window, layers = get("sliding_window"), get("num_hidden_layers") or 0
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):
         return window, range(layers)
     if model_type in ("qwen2", "qwen3"):
         layer_types = get("layer_types")
@@ -561,7 +571,7 @@ def _sliding_layers(get, model_type: str) -> Tuple[object, Sequence[int]]:
 #: How to train a family's config with full attention (the advice of a sliding-window refusal).
 _QWEN_FULL_ATTENTION = "build the config with use_sliding_window=False, or max_window_layers >= num_hidden_layers"
 _FULL_ATTENTION_ADVICE = {"mistral": "build the model with sliding_window=None", "qwen2": _QWEN_FULL_ATTENTION,
-                          "qwen3": _QWEN_FULL_ATTENTION}
+                          "qwen3": _QWEN_FULL_ATTENTION, "phi3": "build the model with sliding_window=None"}
 
 
 def _check_full_attention(get, model_type: str, kind: str, positions) -> None:
@@ -604,11 +614,12 @@ HF_LLAMA_DEFAULTS = {
                   max_window_layers=28, use_sliding_window=False),
     "qwen3": dict(max_position_embeddings=32768, rms_norm_eps=1e-6, num_key_value_heads=32, head_dim=128,
                   sliding_window=4096, max_window_layers=28, use_sliding_window=False),
+    "phi3": dict(max_position_embeddings=4096, rms_norm_eps=1e-5, pad_token_id=32000, resid_pdrop=0.0),
 }
 
 
 def _llama_settings(config) -> dict:
-    """Read a LlamaConfig (MistralConfig, Qwen2Config, Qwen3Config) into GPTModel's arguments, a key it lacks taken as
+    """Read a LlamaConfig (MistralConfig, Qwen2Config, Qwen3Config, Phi3Config) into GPTModel's arguments, a key it lacks taken as
     HF's class default (:data:`HF_LLAMA_DEFAULTS`); ValueError naming any setting seqpar can't honour."""
     model_type = getattr(config, "model_type", "llama")
     if model_type not in LLAMA_FAMILY:
@@ -648,8 +659,10 @@ def _llama_settings(config) -> dict:
         # says (Qwen2.5 keeps 32768 there and runs 131072 tokens with factor 4): GPTModel's max_seq_len
         positions = max(positions, int(rope_scaling.factor * rope_scaling.original_max_position_embeddings))
     _check_full_attention(get, model_type, kind, positions)
-    return dict(kind=kind, qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, hidden=hidden, heads=heads,
-                kv_heads=kv_heads, head_dim=head_dim,
+    return dict(kind=kind, qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, fused=family.fused, hidden=hidden,
+                heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                # Phi-3's residual dropout is seqpar's hidden dropout (the other families have none)
+                hidden_dropout=get("resid_pdrop", 0.0) or 0.0,
                 ffn=get("intermediate_size"), layers=get("num_hidden_layers"), positions=positions,
                 vocab=get("vocab_size"), eps=get("rms_norm_eps"), theta=theta, rope_scaling=rope_scaling,
                 tied=bool(get("tie_word_embeddings", False)), attention_dropout=get("attention_dropout", 0.0) or 0.0,
@@ -657,16 +670,20 @@ def _llama_settings(config) -> dict:
 
 
 def _llama_shapes(settings: dict) -> Dict[str, tuple]:
-    """LlamaModel state-dict keys (no "model." prefix) and their shapes (with Qwen2's q / k / v biases,
-    Qwen3's q / k norms)."""
+    """LlamaModel state-dict keys (no "model." prefix) and their shapes, in HF's order (with Qwen2's q / k /
+    v biases, Qwen3's q / k norms; Phi-3's fused projections)."""
     h, f, v, d = settings["hidden"], settings["ffn"], settings["vocab"], settings["head_dim"]
     q, kv = settings["heads"] * d, settings["kv_heads"] * d
-    layer = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
-             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
-             **({key: (rows,) for key, rows in zip(_LLAMA_QKV_BIASES, (q, kv, kv))} if settings["qkv_bias"] else {}),
-             **({key: (d,) for key, _ in _LLAMA_QK_NORMS} if settings["qk_norm"] else {}),
-             "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
-             "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    norms = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    if settings["fused"]:
+        layer = {"self_attn.o_proj.weight": (h, q), _PHI3_QKV: (q + 2 * kv, h), _PHI3_GATE_UP: (2 * f, h),
+                 "mlp.down_proj.weight": (h, f), **norms}
+    else:
+        layer = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+                 "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+                 **({key: (rows,) for key, rows in zip(_LLAMA_QKV_BIASES, (q, kv, kv))} if settings["qkv_bias"] else {}),
+                 **({key: (d,) for key, _ in _LLAMA_QK_NORMS} if settings["qk_norm"] else {}),
+                 "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f), **norms}
     shapes = {"embed_tokens.weight": (v, h)}
     for i in range(settings["layers"]):
         shapes.update({f"layers.{i}.{key}": shape for key, shape in layer.items()})
@@ -696,20 +713,23 @@ def _llama_state_dict(state_dict: Mapping[str, torch.Tensor], settings: dict):
 def _llama_to_seqpar_keys(sd: Dict[str, torch.Tensor], head: Optional[torch.Tensor],
                           num_layers: int) -> Dict[str, torch.Tensor]:
     """Llama keys (no prefix) -> GPTModel's unsharded keys: q/k/v (and their biases, Qwen2's) and gate/up
-    concatenated by rows."""
+    concatenated by rows (Phi-3's fused ones as they are: the same rows)."""
     out = {"embedding.word_embeddings.weight": sd["embed_tokens.weight"]}
     for i in range(num_layers):
         theirs, ours = f"layers.{i}.", f"layers.{i}."
         for their_key, our_key in _LLAMA_NORMS:
             out[ours + our_key] = sd[theirs + their_key]
-        out[ours + "self_attention.query_key_value.weight"] = torch.cat([sd[theirs + k] for k in _LLAMA_QKV])
+        fused = theirs + _PHI3_QKV in sd          # the shapes were checked: fused (Phi-3) throughout, or not
+        out[ours + "self_attention.query_key_value.weight"] = \
+            sd[theirs + _PHI3_QKV] if fused else torch.cat([sd[theirs + k] for k in _LLAMA_QKV])
         if theirs + _LLAMA_QKV_BIASES[0] in sd:   # the shapes were checked: all three are there, or none
             out[ours + "self_attention.query_key_value.bias"] = torch.cat([sd[theirs + k] for k in _LLAMA_QKV_BIASES])
         for their_key, our_key in _LLAMA_QK_NORMS:
             if theirs + their_key in sd:          # checked: both, or neither
                 out[ours + our_key] = sd[theirs + their_key]
         out[ours + "self_attention.dense.weight"] = sd[theirs + "self_attn.o_proj.weight"]
-        out[ours + "mlp.dense_h_to_4h.weight"] = torch.cat([sd[theirs + k] for k in _LLAMA_GATE_UP])
+        out[ours + "mlp.dense_h_to_4h.weight"] = \
+            sd[theirs + _PHI3_GATE_UP] if fused else torch.cat([sd[theirs + k] for k in _LLAMA_GATE_UP])
         out[ours + "mlp.dense_4h_to_h.weight"] = sd[theirs + "mlp.down_proj.weight"]
     out["final_layernorm.weight"] = sd["norm.weight"]
     if head is not None:
@@ -801,9 +821,9 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
     Args:
         source: a ``transformers`` ``LlamaForCausalLM`` or ``LlamaModel`` (tied head only: it has no
             ``lm_head``), or a state dict of either (keys with or without the "model." prefix) together
-            with ``config=``; the same of Mistral, Qwen2 or Qwen3 (module docstring).
-        config: the ``LlamaConfig`` (``MistralConfig``, ``Qwen2Config``, ``Qwen3Config``) of a state-dict
-            ``source`` (a model brings its own: leave None).
+            with ``config=``; the same of Mistral, Qwen2, Qwen3 or Phi-3 (module docstring).
+        config: the ``LlamaConfig`` (``MistralConfig``, ``Qwen2Config``, ``Qwen3Config``, ``Phi3Config``) of a
+            state-dict ``source`` (a model brings its own: leave None).
         tp_group: tensor-parallel process group (None: no tensor parallelism). Every rank passes the
             same source; t must divide num_attention_heads, num_key_value_heads and intermediate_size.
         sequence_parallel, backend: as in :class:`seqpar.TransformerConfig`.
@@ -842,6 +862,7 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
     cfg = TransformerConfig(
         hidden_size=settings["hidden"], num_attention_heads=settings["heads"], ffn_hidden_size=settings["ffn"],
         num_query_groups=groups, attention_dropout=settings["attention_dropout"], layernorm_epsilon=settings["eps"],
+        hidden_dropout=settings["hidden_dropout"],
         rope_theta=settings["theta"], rope_scaling=settings["rope_scaling"], add_qkv_bias=settings["qkv_bias"],
         qk_layernorm=settings["qk_norm"],
         # the head dim as its own field only where it is not h / a (a config from h and a otherwise)
@@ -858,9 +879,10 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
     return model.train(training)
 
 
-def _llama_model(model: nn.Module) -> Tuple[GPTModel, str]:
-    """(:func:`_gpt_model`, its HF model_type): ValueError naming the setting unless it has the Llama block
-    of one family of :data:`LLAMA_FAMILY`."""
+def _llama_model(model: nn.Module, model_type: Optional[str]) -> Tuple[GPTModel, str]:
+    """(:func:`_gpt_model`, its HF model_type: ``model_type``, or None for the one its block implies, "qwen2"
+    with q / k / v biases, "qwen3" with q / k norms, else "llama"): ValueError naming the setting unless it
+    has the Llama block of that family of :data:`LLAMA_FAMILY`."""
     model = _gpt_model(model)
     cfg = model.config
     different = {k: getattr(cfg, k) for k, v in LLAMA_BLOCK.items() if getattr(cfg, k) != v}
@@ -869,7 +891,17 @@ def _llama_model(model: nn.Module) -> Tuple[GPTModel, str]:
     if cfg.add_qkv_bias and cfg.qk_layernorm:
         raise ValueError("model has both add_qkv_bias and qk_layernorm: no HF Llama-family model has both (Qwen2 "
                          "has the biases, Qwen3 the norms)")
-    return model, "qwen2" if cfg.add_qkv_bias else "qwen3" if cfg.qk_layernorm else "llama"
+    if model_type is None:
+        return model, "qwen2" if cfg.add_qkv_bias else "qwen3" if cfg.qk_layernorm else "llama"
+    family = LLAMA_FAMILY.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise ValueError(f"model_type must be None or one of {tuple(LLAMA_FAMILY)}, got {model_type!r}")
+    for field, theirs, what in (("add_qkv_bias", family.qkv_bias, "q / k / v biases"),
+                                ("qk_layernorm", family.qk_norm, "per-head q / k norms")):
+        if getattr(cfg, field) != theirs:
+            raise ValueError(f"model has {field}={getattr(cfg, field)}, but a {family.name} has "
+                             f"{'' if theirs else 'no '}{what} (model_type={model_type!r})")
+    return model, model_type
 
 
 def _hf_rope_scaling(scaling) -> Optional[Dict[str, object]]:
@@ -882,9 +914,10 @@ def _hf_rope_scaling(scaling) -> Optional[Dict[str, object]]:
     return {"rope_type": _ROPE_TYPES[type(scaling)], **fields}
 
 
-def to_llama_config(model: GPTModel) -> Dict[str, object]:
+def to_llama_config(model: GPTModel, model_type: Optional[str] = None) -> Dict[str, object]:
     """The ``LlamaConfig`` of ``model`` (a ``Qwen2Config`` with ``add_qkv_bias``, a ``Qwen3Config`` with
-    ``qk_layernorm``), as keyword arguments
+    ``qk_layernorm``; or the config of ``model_type``, one of :data:`LLAMA_FAMILY`: "mistral" without a
+    sliding window, "phi3" with the hidden dropout as ``resid_pdrop``), as keyword arguments
     (``model_type`` included): with :func:`to_llama_state_dict` it exports a GPTModel with the Llama block,
     trained with seqpar (from scratch too), to HF::
 
@@ -896,10 +929,10 @@ def to_llama_config(model: GPTModel) -> Dict[str, object]:
     ``rope_theta`` and ``rope_scaling`` ("linear", "llama3" or "yarn"), the tied head, the attention dropout,
     the padding index (``pad_token_id``), ``initializer_range``, the parameters' dtype, and no bos / eos token
     ids (seqpar knows no tokenizer: set them from yours; HF's defaults 1 and 2 would end generations at those
-    ids). The hidden and embedding dropouts have no Llama setting and are left out. Not a collective.
-    ValueError as :func:`to_llama_state_dict`.
+    ids). The hidden (but Phi-3's) and embedding dropouts have no Llama setting and are left out. Not a
+    collective. ValueError as :func:`to_llama_state_dict`.
     """
-    model, model_type = _llama_model(model)
+    model, model_type = _llama_model(model, model_type)
     cfg = model.config
     out = dict(model_type=model_type, vocab_size=model.vocab_size,
                max_position_embeddings=model.max_seq_len, hidden_size=cfg.hidden_size,
@@ -910,26 +943,33 @@ def to_llama_config(model: GPTModel) -> Dict[str, object]:
                rope_scaling=_hf_rope_scaling(cfg.rope_scaling), tie_word_embeddings=model.output_layer is None,
                attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_method_std,
                pad_token_id=getattr(model.embedding.word_embeddings, "padding_idx", None), **_hf_common(cfg))
-    if model_type != "llama":
+    if model_type in ("qwen2", "qwen3"):
         out["use_sliding_window"] = False
+    if model_type in ("mistral", "phi3"):
+        out["sliding_window"] = None           # MistralConfig's default slides a 4096 window
+    if model_type == "phi3":
+        out["resid_pdrop"] = cfg.hidden_dropout
     return out
 
 
-def to_llama_state_dict(model: GPTModel) -> Dict[str, torch.Tensor]:
+def to_llama_state_dict(model: GPTModel, model_type: Optional[str] = None) -> Dict[str, torch.Tensor]:
     """The unsharded ``LlamaForCausalLM`` state dict of ``model`` (HF key names and order, q/k/v and
     gate/up split back out of the fused weights, the real vocabulary rows), loadable with
     ``load_state_dict(strict=True)``; with ``add_qkv_bias`` (a Qwen2) also the q / k / v biases, a
     ``Qwen2ForCausalLM`` state dict (a Mistral's is a Llama's); with ``qk_layernorm`` also the q / k norms, a
-    ``Qwen3ForCausalLM`` state dict. ``lm_head.weight`` is the untied output
+    ``Qwen3ForCausalLM`` state dict. ``model_type`` names the family (:data:`LLAMA_FAMILY`; None: the one
+    the block implies, as :func:`to_llama_config`): "phi3" gives a ``Phi3ForCausalLM`` state dict, q / k / v
+    and gate / up fused (``qkv_proj``, ``gate_up_proj``). ``lm_head.weight`` is the untied output
     layer, or with a tied head the same tensor as ``model.embed_tokens.weight`` (HF's own state dict holds
     both keys).
 
     A collective under tensor parallelism: call it on every rank; every rank gets the same dict. A model
     wrapped by DDP or torch.compile is read through the wrapper. ValueError unless ``model`` is a
     GPTModel with the Llama block (RMSNorm, SwiGLU, RoPE, no biases but Qwen2's q / k / v ones; Qwen3's q / k
-    norms).
+    norms) of that family.
     """
-    model, _ = _llama_model(model)
+    model, model_type = _llama_model(model, model_type)
+    fused = LLAMA_FAMILY[model_type].fused
     cfg = model.config
     full = _Reads(model.full_state_dict())
     d, f = cfg.head_dim, cfg.ffn_hidden_size
@@ -937,6 +977,13 @@ def to_llama_state_dict(model: GPTModel) -> Dict[str, torch.Tensor]:
     out = {_LLAMA_PREFIX + "embed_tokens.weight": full["embedding.word_embeddings.weight"]}
     for i in range(len(model.layers)):
         ours, theirs = f"layers.{i}.", f"{_LLAMA_PREFIX}layers.{i}."
+        if fused:   # Phi-3's order: o_proj, qkv_proj, gate_up_proj, down_proj, the norms
+            out.update({theirs + "self_attn.o_proj.weight": full[ours + "self_attention.dense.weight"],
+                        theirs + _PHI3_QKV: full[ours + "self_attention.query_key_value.weight"],
+                        theirs + _PHI3_GATE_UP: full[ours + "mlp.dense_h_to_4h.weight"],
+                        theirs + "mlp.down_proj.weight": full[ours + "mlp.dense_4h_to_h.weight"]})
+            out.update({theirs + their_key: full[ours + our_key] for their_key, our_key in _LLAMA_NORMS})
+            continue
         weights = full[ours + "self_attention.query_key_value.weight"].split(rows)
         biases = full[ours + "self_attention.query_key_value.bias"].split(rows) if cfg.add_qkv_bias else (None,) * 3
         for weight_key, weight, bias_key, bias in zip(_LLAMA_QKV, weights, _LLAMA_QKV_BIASES, biases):

@@ -41,13 +41,16 @@ def _transformers():
 
 #: family -> (config class, model class) names in transformers
 FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
-            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+            "phi3": ("Phi3Config", "Phi3ForCausalLM")}
 
 
 def _llama_config(kv_groups=2, vocab=VOCAB, family="llama", **kw):
     base = dict(num_hidden_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
                 num_key_value_heads=kv_groups, intermediate_size=FFN, vocab_size=vocab,
                 max_position_embeddings=POSITIONS, rms_norm_eps=1e-6)
+    if family == "phi3":
+        base["pad_token_id"] = None      # Phi3Config's default 32000 is past this vocabulary
     base.update(kw)
     return getattr(_transformers(), FAMILIES[family][0])(**base)
 
@@ -296,15 +299,18 @@ def test_from_model_objects_tied_and_untied_and_back(tied):
                                         ("qwen3", dict(head_dim=24, tie_word_embeddings=True, rope_theta=1e6)),
                                         ("qwen3", dict(head_dim=HIDDEN // HEADS)),
                                         ("llama", dict(head_dim=24)),
-                                        ("mistral", dict(sliding_window=None, head_dim=8))],
+                                        ("mistral", dict(sliding_window=None, head_dim=8)),
+                                        ("phi3", dict(rope_theta=250000.0)),     # Phi-4's theta
+                                        ("phi3", dict(head_dim=8, tie_word_embeddings=True))],
                          ids=["qwen2", "qwen2-window-unused", "qwen2-yarn", "llama-linear", "mistral",
                               "mistral-window-past-positions", "qwen3-head-dim-tied", "qwen3", "llama-head-dim",
-                              "mistral-nemo-head-dim"])
+                              "mistral-nemo-head-dim", "phi3", "phi3-head-dim-tied"])
 def test_mistral_and_qwen2_are_the_llama_block(family, kw):
-    """Qwen2 (q / k / v biases: add_qkv_bias), Qwen3 (per-head q / k norms: qk_layernorm), Mistral, and heads
-    of another width than hidden_size / num_attention_heads (HF's head_dim: kv_channels; Qwen3-4B's, Mistral
-    Nemo's) convert as the Llama block: logits and every gradient (the q / k / v biases' and q / k norms'
-    included) match HF's, HF's model loads the hand-back, bitwise."""
+    """Qwen2 (q / k / v biases: add_qkv_bias), Qwen3 (per-head q / k norms: qk_layernorm), Mistral, Phi-3
+    (fused qkv_proj and gate_up_proj: Phi-3, Phi-4), and heads of another width than hidden_size /
+    num_attention_heads (HF's head_dim: kv_channels; Qwen3-4B's, Mistral Nemo's) convert as the Llama block:
+    logits and every gradient (the q / k / v biases' and q / k norms' included) match HF's, HF's model loads
+    the hand-back (to_llama_state_dict with the family's model_type), bitwise."""
     transformers = _transformers()
     source = _random_llama(2, seed=6, family=family, **kw).train()
     model = hf.from_llama(source)
@@ -320,7 +326,7 @@ def test_mistral_and_qwen2_are_the_llama_block(family, kw):
     reference = source(tokens, labels=tokens).loss
     reference.backward()
     torch.testing.assert_close(loss, reference, atol=2e-6, rtol=0)
-    grads = hf.to_llama_state_dict(_grads_as_model(model))
+    grads = hf.to_llama_state_dict(_grads_as_model(model), model_type=family)
     their_grads = {k: p.grad for k, p in source.named_parameters()}
     assert set(their_grads) <= set(grads)
     for key, their_grad in their_grads.items():
@@ -330,7 +336,7 @@ def test_mistral_and_qwen2_are_the_llama_block(family, kw):
         assert their_grads["model.layers.0.self_attn.k_proj.bias"].abs().max() > 0   # the biases are trained
     if family == "qwen3":
         assert their_grads["model.layers.0.self_attn.k_norm.weight"].abs().max() > 0   # so are the norms
-    got = hf.to_llama_state_dict(model)
+    got = hf.to_llama_state_dict(model, model_type=family)
     expected = source.state_dict()
     assert list(got) == list(expected) and all(torch.equal(got[k], v) for k, v in expected.items())
     fresh = getattr(transformers, FAMILIES[family][1])(source.config)
@@ -358,7 +364,10 @@ def _grads_as_model(model):
      r"max_window_layers >= num_hidden_layers"),
     ("qwen2", dict(layer_types=["full_attention", "chunked_attention"]), r"Qwen2 config layer_types \['chunked_attention'\]"),
     ("qwen2", dict(hidden_act="gelu"), r"Qwen2 config hidden_act='gelu' is not supported"),
-], ids=["mistral-window", "mistral-no-switch", "qwen2-window", "qwen2-layer-types", "qwen2-act"])
+    # Phi-3-mini-4k's 2047 window in a 4096 context: every layer slides
+    ("phi3", dict(sliding_window=16), r"Phi-3 config sliding_window=16 \(layers \[0, 1\]\) is not supported .*"
+                                      r"build the model with sliding_window=None"),
+], ids=["mistral-window", "mistral-no-switch", "qwen2-window", "qwen2-layer-types", "qwen2-act", "phi3-window"])
 def test_mistral_and_qwen2_variants_seqpar_does_not_compute_raise(family, kw, match):
     """A sliding window narrower than the context masks keys seqpar's full causal attention sees: HF's
     logits differ from full attention's at s = 36 > 16 (checked here), so the conversion is refused."""
@@ -569,6 +578,34 @@ def test_qwen3_variants_seqpar_does_not_compute_raise():
             export(seqpar.GPTModel(cfg, 1, 50, 8))
 
 
+def test_phi3_residual_dropout_and_export_by_model_type():
+    """Phi-3's resid_pdrop is seqpar's hidden dropout (HF drops the attention and MLP outputs before the
+    residual adds, as seqpar does; the masks are seqpar's own, so only eval logits compare) and comes back
+    as resid_pdrop; an export names its family by model_type, checked against the block."""
+    transformers = _transformers()
+    phi3 = _random_llama(2, family="phi3", resid_pdrop=0.1).eval()
+    model = hf.from_llama(phi3)
+    assert (model.config.hidden_dropout, model.config.attention_dropout) == (0.1, 0.0)
+    with torch.no_grad():
+        torch.testing.assert_close(model(_tokens()), phi3(_tokens()).logits.transpose(0, 1), atol=2e-5, rtol=0)
+    config = hf.to_llama_config(model, model_type="phi3")
+    assert (config["model_type"], config["resid_pdrop"], config["sliding_window"]) == ("phi3", 0.1, None)
+    exported = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    exported.load_state_dict(hf.to_llama_state_dict(model, model_type="phi3"), strict=True)
+    assert type(exported).__name__ == "Phi3ForCausalLM" and hf.from_llama(exported).config == model.config
+    mistral = hf.to_llama_config(model, model_type="mistral")      # MistralConfig's default window: none here
+    assert mistral["sliding_window"] is None and "resid_pdrop" not in mistral
+    assert list(hf.to_llama_state_dict(model)) == list(hf.to_llama_state_dict(model, model_type="llama"))
+    qwen3 = hf.from_llama(_random_llama(2, family="qwen3", head_dim=16))
+    with pytest.raises(ValueError, match=r"model has qk_layernorm=True, but a Llama has no per-head q / k norms "
+                                         r"\(model_type='llama'\)"):
+        hf.to_llama_state_dict(qwen3, model_type="llama")
+    with pytest.raises(ValueError, match=r"model has add_qkv_bias=False, but a Qwen2 has q / k / v biases"):
+        hf.to_llama_config(model, model_type="qwen2")
+    with pytest.raises(ValueError, match=r"model_type must be None or one of \('llama', .*\), got 'gpt2'"):
+        hf.to_llama_config(model, model_type="gpt2")
+
+
 def test_a_float_original_context_is_taken_as_hf_takes_it():
     """HF warns about original_max_position_embeddings=64.0 (a config.json written by hand) and computes with
     it; from_llama refused it. Now the integral float is that int: the frequencies and logits are HF's."""
@@ -733,7 +770,7 @@ def test_bad_state_dicts_raise_naming_the_key(change, match, tied):
 def test_other_models_configs_and_layouts_raise():
     transformers = _transformers()
     with pytest.raises(ValueError, match=r"model_type 'gpt2' is not one of the Llama family seqpar converts "
-                                         r"\('llama', 'mistral', 'qwen2', 'qwen3'\)"):
+                                         r"\('llama', 'mistral', 'qwen2', 'qwen3', 'phi3'\)"):
         hf.from_llama({}, config=transformers.GPT2Config())
     with pytest.raises(ValueError, match="needs config="):
         hf.from_llama(_random_llama(2).state_dict())
