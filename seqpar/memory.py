@@ -408,9 +408,8 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     h / a, which must divide): Q, K, V, the projection input and the core's o are a d wide, not h;
     ``qk_layernorm`` per-head q and k norms (Qwen3), which keep copies of q and k and with RMSNorm per
     (token, head) the fp32 rstd: ``(sb (a + g) d E + 4 sb (a + g)) / t`` (LayerNorm's statistics are not
-    counted, as for LN1 and LN2).
-    :func:`architecture_kwargs` reads them from a config; :func:`layer_activation_terms` gives the figure
-    term by term.
+    counted, as for LN1 and LN2). :func:`architecture_kwargs` reads them from a config;
+    :func:`layer_activation_terms` gives the figure term by term.
     """
     return sum(layer_activation_terms(seq_len, micro_batch, hidden, heads, tp, sequence_parallel, recompute,
                                       ffn_hidden, bytes_per_element, bytes_per_mask, normalization=normalization,
@@ -638,8 +637,8 @@ def model_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
 
     Other blocks: the keywords of :func:`layer_activation_bytes` (``normalization``, ``activation``,
     ``num_query_groups``, ``hidden_dropout``, ``attention_dropout``, ``flash_attention``, ``kv_channels``,
-    ``qk_layernorm``) and ``embedding_dropout`` (None: as ``hidden_dropout``, GPTModel's default): without it there is no
-    embedding mask; with RMSNorm the final norm's input also keeps its fp32 rstd (4sb / t with SP).
+    ``qk_layernorm``) and ``embedding_dropout`` (None: as ``hidden_dropout``, GPTModel's default): without it
+    there is no embedding mask; with RMSNorm the final norm's input also keeps its fp32 rstd (4sb / t with SP).
 
     ValueError (naming the value) for sizes that are not positive ints (``num_layers`` at most 2**16), t
     not dividing the heads (or the query groups, ffn, and s under SP), pp * interleave not dividing

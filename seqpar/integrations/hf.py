@@ -37,8 +37,9 @@ GPTModel's per-token losses over the labels that are not -100.
 **Llama** (:func:`from_llama` / :func:`to_llama_state_dict`): a ``LlamaForCausalLM`` (or ``LlamaModel``,
 or either's state dict with its ``LlamaConfig``) becomes a GPTModel with the Llama block
 (``normalization="rmsnorm", activation="swiglu", num_query_groups=num_key_value_heads`` (None when it is
-the head count), ``position_embedding="rope", add_bias_linear=False``, no dropout but the config's ``attention_dropout``,
-0 by default; with it on, seqpar's counter-based masks are not torch's, so runs differ from HF's)::
+the head count), ``position_embedding="rope", add_bias_linear=False``, no dropout but the config's
+``attention_dropout`` (and Phi-3's ``resid_pdrop``), 0 by default; with it on, seqpar's counter-based masks
+are not torch's, so runs differ from HF's)::
 
     model.embed_tokens.weight [v, h]          embedding.word_embeddings.weight
     layers.{i}.input_layernorm / post_attention_layernorm        the same names (RMSNorm weights)
@@ -619,8 +620,9 @@ HF_LLAMA_DEFAULTS = {
 
 
 def _llama_settings(config) -> dict:
-    """Read a LlamaConfig (MistralConfig, Qwen2Config, Qwen3Config, Phi3Config) into GPTModel's arguments, a key it lacks taken as
-    HF's class default (:data:`HF_LLAMA_DEFAULTS`); ValueError naming any setting seqpar can't honour."""
+    """Read a LlamaConfig (MistralConfig, Qwen2Config, Qwen3Config, Phi3Config) into GPTModel's arguments, a
+    key it lacks taken as HF's class default (:data:`HF_LLAMA_DEFAULTS`); ValueError naming any setting
+    seqpar can't honour."""
     model_type = getattr(config, "model_type", "llama")
     if model_type not in LLAMA_FAMILY:
         raise ValueError(f"config.model_type {model_type!r} is not one of the Llama family seqpar converts "
@@ -681,7 +683,8 @@ def _llama_shapes(settings: dict) -> Dict[str, tuple]:
     else:
         layer = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
                  "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
-                 **({key: (rows,) for key, rows in zip(_LLAMA_QKV_BIASES, (q, kv, kv))} if settings["qkv_bias"] else {}),
+                 **({key: (rows,) for key, rows in zip(_LLAMA_QKV_BIASES, (q, kv, kv))}
+                    if settings["qkv_bias"] else {}),
                  **({key: (d,) for key, _ in _LLAMA_QK_NORMS} if settings["qk_norm"] else {}),
                  "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f), **norms}
     shapes = {"embed_tokens.weight": (v, h)}
