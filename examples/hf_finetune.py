@@ -71,7 +71,7 @@ def parse_args(family=None):
     if family is None:
         parser.add_argument("--family", choices=sorted(FAMILIES), default="gpt2",
                             help="GPT2LMHeadModel (hf.from_gpt2), or LlamaForCausalLM, MistralForCausalLM, "
-                                 "Qwen2ForCausalLM (hf.from_llama)")
+                                 "Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM (hf.from_llama)")
     else:
         parser.set_defaults(family=family)
     parser.add_argument("--model", help="model to fine-tune (from_pretrained name or directory); "
@@ -105,7 +105,7 @@ def parse_args(family=None):
     if args.family == "gpt2" and args.kv_heads is not None:
         parser.error("--kv-heads is for the Llama family (--family llama, mistral, qwen2, qwen3, phi3)")
     if args.family != "gpt2" and args.dropout is not None:
-        parser.error("--dropout is for --family gpt2 (the Llama family has no dropout)")
+        parser.error("--dropout is for --family gpt2 (the Llama family's dropout is its config's)")
     if args.resume and not os.path.isdir(args.resume):
         parser.error(f"--resume {args.resume} is not a directory (a --checkpoint directory of an earlier run)")
     if not args.clip_grad >= 0:
@@ -142,8 +142,8 @@ def random_model(args):
     extra = dict(sliding_window=None) if args.family == "mistral" else {}   # seqpar's attention is full causal
     if args.family == "qwen3":   # heads twice hidden / heads wide, as Qwen3-0.6B's (128 channels, h 1024, 16 heads)
         extra = dict(head_dim=2 * args.hidden // args.heads)
-    if args.family == "phi3":    # Phi3Config's default pad id 32000 is past this vocabulary
-        extra = dict(pad_token_id=None)
+    if args.family == "phi3":    # Phi3Config's default pad / bos / eos ids (32000, 1) are not this vocabulary's
+        extra = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
     return model_class(config_class(
         num_hidden_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads or args.heads, intermediate_size=11 * args.hidden // 4,
@@ -263,8 +263,10 @@ def main(family=None):
             print(f"checkpoint after step {args.steps} in {args.checkpoint}", flush=True)
 
     # Hand the weights back: a collective (every rank calls it), then any rank can load them.
+    # In the loaded model's own family (a pretrained --model keeps its class whatever --family says): Phi-3's
+    # keys are its own (fused projections)
     state_dict = hf.to_gpt2_state_dict(model) if args.family == "gpt2" else \
-        hf.to_llama_state_dict(model, model_type=args.family)   # Phi-3's keys are its own (fused projections)
+        hf.to_llama_state_dict(model, model_type=hf_model.config.model_type)
     model.eval()
     with torch.no_grad():
         seqpar_loss = model(input_ids, labels).sum() / (labels != -100).sum()

@@ -440,15 +440,22 @@ _LLAMA_QK_NORMS = (("self_attn.q_norm.weight", "self_attention.q_layernorm.weigh
 LLAMA_BLOCK = dict(normalization="rmsnorm", activation="swiglu", position_embedding="rope", add_bias_linear=False)
 
 
+#: The HF RoPE types from_llama converts: the default frequencies, and their linear, Llama 3.1 and YaRN scalings.
+LLAMA_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
 class LlamaFamily(NamedTuple):
     """How one HF model type differs from the Llama block: ``name`` (what errors call it), ``qkv_bias`` (q,
     k and v have biases: ``add_qkv_bias``), ``qk_norm`` (per-head q / k RMSNorms: ``qk_layernorm``),
-    ``fused`` (its state dict holds q / k / v as one ``qkv_proj`` and gate / up as one ``gate_up_proj``)."""
+    ``fused`` (its state dict holds q / k / v as one ``qkv_proj`` and gate / up as one ``gate_up_proj``),
+    ``rope_types`` (the RoPE types of :data:`LLAMA_ROPE_TYPES` its config holds: Phi-3's only "default", its
+    others being "longrope", as which Phi3Config reads "su" and "yarn")."""
 
     name: str
     qkv_bias: bool = False
     qk_norm: bool = False
     fused: bool = False
+    rope_types: Tuple[str, ...] = LLAMA_ROPE_TYPES
 
 
 #: The HF ``config.model_type`` values :func:`from_llama` converts: Mistral is Llama's block (its sliding
@@ -456,19 +463,18 @@ class LlamaFamily(NamedTuple):
 #: (Phi-3, Phi-4) Llama's with fused projections and a residual dropout (``resid_pdrop``).
 LLAMA_FAMILY = {"llama": LlamaFamily("Llama"), "mistral": LlamaFamily("Mistral"),
                 "qwen2": LlamaFamily("Qwen2", qkv_bias=True), "qwen3": LlamaFamily("Qwen3", qk_norm=True),
-                "phi3": LlamaFamily("Phi-3", fused=True)}
+                "phi3": LlamaFamily("Phi-3", fused=True, rope_types=("default",))}
 
-
-#: The HF RoPE types from_llama converts: the default frequencies, and their linear, Llama 3.1 and YaRN scalings.
-LLAMA_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # seqpar's class of each scaling type -> HF's rope_type
 _ROPE_TYPES = {type(None): "default", LinearScaling: "linear", RopeScaling: "llama3", YarnScaling: "yarn"}
 
 
-def _llama_rope(get, kind: str) -> Tuple[float, Optional[Union[LinearScaling, RopeScaling, YarnScaling]]]:
-    """The RoPE base of a LlamaConfig (``kind``: the family's name, for the errors) and its scaling: None for
-    the default type, "linear" as :class:`seqpar.ops.LinearScaling`, "llama3" as :class:`seqpar.ops.RopeScaling`,
-    "yarn" as :class:`seqpar.ops.YarnScaling` (read as transformers 5 reads it); ValueError for the other types."""
+def _llama_rope(get, family: LlamaFamily) -> Tuple[float, Optional[Union[LinearScaling, RopeScaling, YarnScaling]]]:
+    """The RoPE base of a LlamaConfig and its scaling: None for the default type, "linear" as
+    :class:`seqpar.ops.LinearScaling`, "llama3" as :class:`seqpar.ops.RopeScaling`, "yarn" as
+    :class:`seqpar.ops.YarnScaling` (read as transformers 5 reads it); ValueError for the other types and
+    those ``family``'s config does not hold (a Phi-3's "yarn" or "su" is HF's "longrope")."""
+    kind = family.name
     params = get("rope_parameters")
     if params is None:  # transformers < 5: rope_theta and rope_scaling attributes
         params = get("rope_scaling") or {}
@@ -479,9 +485,9 @@ def _llama_rope(get, kind: str) -> Tuple[float, Optional[Union[LinearScaling, Ro
     params = dict(params)
     params.setdefault("rope_theta", get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in LLAMA_ROPE_TYPES:
+    if rope_type not in family.rope_types:
         raise ValueError(f"{kind} config rope type {rope_type!r} (rope_parameters / rope_scaling) is not supported by "
-                         f"seqpar: it implements the RoPE types {LLAMA_ROPE_TYPES}")
+                         f"seqpar: it implements the RoPE types {family.rope_types} for a {kind}")
     partial = params.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise ValueError(f"{kind} config partial_rotary_factor={partial!r} is not supported by seqpar: it rotates "
@@ -654,7 +660,7 @@ def _llama_settings(config) -> dict:
             raise ValueError(f"{kind} config hidden_size {hidden} is not divisible by num_attention_heads {heads} "
                              "and head_dim is not set")
         head_dim = hidden // heads
-    theta, rope_scaling = _llama_rope(get, kind)
+    theta, rope_scaling = _llama_rope(get, family)
     positions = get("max_position_embeddings")
     if isinstance(rope_scaling, YarnScaling) and isinstance(positions, int):
         # YaRN stretches the original context by its factor, which HF runs whatever max_position_embeddings
@@ -904,6 +910,9 @@ def _llama_model(model: nn.Module, model_type: Optional[str]) -> Tuple[GPTModel,
         if getattr(cfg, field) != theirs:
             raise ValueError(f"model has {field}={getattr(cfg, field)}, but a {family.name} has "
                              f"{'' if theirs else 'no '}{what} (model_type={model_type!r})")
+    if _ROPE_TYPES[type(cfg.rope_scaling)] not in family.rope_types:
+        raise ValueError(f"model has rope_scaling={cfg.rope_scaling!r}, but a {family.name} config holds the RoPE "
+                         f"types {family.rope_types} (model_type={model_type!r})")
     return model, model_type
 
 

@@ -604,6 +604,17 @@ def test_phi3_residual_dropout_and_export_by_model_type():
         hf.to_llama_config(model, model_type="qwen2")
     with pytest.raises(ValueError, match=r"model_type must be None or one of \('llama', .*\), got 'gpt2'"):
         hf.to_llama_config(model, model_type="gpt2")
+    # Phi3Config holds only the default RoPE and longrope (it reads "su" and "yarn" as longrope): a scaled
+    # model's export failed inside HF, and a config.json read as a namespace converted "yarn" as YaRN
+    scaled = hf.from_llama(_random_llama(2, rope_scaling={"rope_type": "linear", "factor": 4.0}))
+    for export in (hf.to_llama_config, hf.to_llama_state_dict):
+        with pytest.raises(ValueError, match=r"model has rope_scaling=LinearScaling\(factor=4.0\), but a Phi-3 config "
+                                             r"holds the RoPE types \('default',\)"):
+            export(scaled, model_type="phi3")
+    config = types.SimpleNamespace(**{**phi3.config.to_dict(), "rope_parameters": None, "rope_scaling": {
+        "type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32}})
+    with pytest.raises(ValueError, match=r"Phi-3 config rope type 'yarn' .* RoPE types \('default',\) for a Phi-3"):
+        hf.from_llama(phi3.state_dict(), config=config)
 
 
 def test_a_float_original_context_is_taken_as_hf_takes_it():
