@@ -205,7 +205,8 @@ def main(family=None):
     if args.family == "gpt2":
         model = hf.from_gpt2(hf_model, dropout=args.dropout, **common).train()
     else:
-        model = hf.from_llama(hf_model, **common).train()
+        # max_seq_len: the length trained on (a sliding window at least that long converts: Mistral v0.1)
+        model = hf.from_llama(hf_model, max_seq_len=args.seq_len, **common).train()
     if replicas > 1:                   # FSDP2 over the replicas: each layer, then the rest
         for layer in model.layers:
             fully_shard(layer, mesh=mesh["dp"])

@@ -77,8 +77,8 @@ or ``rope_theta`` in older transformers) and its type: "default", "llama3" (Llam
 whose attention factor scales the attention's softmax), or "linear" (DeepSeek Coder: ``factor``, as
 :class:`seqpar.ops.LinearScaling`). Unsupported settings raise ValueError naming them: another RoPE type
 (dynamic, longrope ... scaling), a ``partial_rotary_factor`` other than 1,
-``attention_bias`` or ``mlp_bias``, a sliding window
-narrower than ``max_position_embeddings`` (seqpar's attention is full causal), a ``hidden_act`` other
+``attention_bias`` or ``mlp_bias``, a sliding window narrower than the context, ``max_position_embeddings``
+or from_llama's ``max_seq_len`` (seqpar's attention is full causal), a ``hidden_act`` other
 than "silu" (or "swish", HF's other name for it).
 
 A GPTModel seqpar built (not converted) exports with its HF config: :func:`to_llama_config` /
@@ -102,7 +102,7 @@ from ..nn.state_dict import _unwrapped, check_shapes
 from ..ops.registry import check_eps, is_positive_finite
 from ..ops.rotary import LinearScaling, RopeScaling, YarnScaling, rope_inv_freq
 from ..parallel.state import ProcessGroup, run_agreed
-from ..random import is_int
+from ..random import as_int, is_int
 
 __all__ = ["from_gpt2", "to_gpt2_state_dict", "to_gpt2_config", "from_llama", "to_llama_state_dict",
            "to_llama_config", "shift_labels"]
@@ -583,8 +583,9 @@ _FULL_ATTENTION_ADVICE = {"mistral": "build the model with sliding_window=None",
 
 def _check_full_attention(get, model_type: str, kind: str, positions) -> None:
     """ValueError for a sliding-window attention that masks anything in sequences of up to ``positions``
-    (max_position_embeddings) tokens (:func:`_sliding_layers`): seqpar's attention is full causal. HF lets
-    a query see the keys less than the window behind it, so a window of at least ``positions`` masks nothing."""
+    (max_position_embeddings, or from_llama's max_seq_len) tokens (:func:`_sliding_layers`): seqpar's
+    attention is full causal. HF lets a query see the keys less than the window behind it, so a window of at
+    least ``positions`` masks nothing."""
     other = sorted({layer_type for layer_type in get("layer_types") or ()
                     if layer_type not in ("full_attention", "sliding_attention")})
     if other:
@@ -592,8 +593,10 @@ def _check_full_attention(get, model_type: str, kind: str, positions) -> None:
     window, sliding = _sliding_layers(get, model_type)
     if sliding and window is not None and not _masks_nothing(window, positions):
         raise ValueError(f"{kind} config sliding_window={window!r} (layers {list(sliding)}) is not supported by "
-                         f"seqpar: its attention is full causal, and a window below max_position_embeddings="
-                         f"{positions!r} masks keys ({_FULL_ATTENTION_ADVICE[model_type]} to train with full attention)")
+                         f"seqpar: its attention is full causal, and a window below the context {positions!r} "
+                         f"(max_position_embeddings, or max_seq_len) masks keys ({_FULL_ATTENTION_ADVICE[model_type]} "
+                         f"to train with full attention, or pass from_llama(max_seq_len={window!r}) or less to train "
+                         "on sequences the window does not reach: HF's model computes the same there)")
 
 
 def _masks_nothing(window, positions) -> bool:
@@ -606,9 +609,10 @@ def _check_attention_modules(source: nn.Module, settings: dict) -> None:
     for name, module in source.named_modules():
         window = getattr(module, "sliding_window", None)
         if window is not None and not _masks_nothing(window, settings["positions"]):
-            raise ValueError(f"the model's {name}.sliding_window is {window!r}, below max_position_embeddings="
-                             f"{settings['positions']!r}: seqpar's attention is full causal (HF's modules keep the "
-                             "window they were built with: was the config changed since?)")
+            raise ValueError(f"the model's {name}.sliding_window is {window!r}, below the context "
+                             f"{settings['positions']!r} (max_position_embeddings, or max_seq_len): seqpar's attention "
+                             "is full causal (HF's modules keep the window they were built with: was the config "
+                             f"changed since? or pass from_llama(max_seq_len={window!r}) or less)")
 
 
 #: transformers' class defaults of the settings that change a Llama-family model's math, by model_type: what
@@ -625,10 +629,10 @@ HF_LLAMA_DEFAULTS = {
 }
 
 
-def _llama_settings(config) -> dict:
+def _llama_settings(config, max_seq_len: Optional[int] = None) -> dict:
     """Read a LlamaConfig (MistralConfig, Qwen2Config, Qwen3Config, Phi3Config) into GPTModel's arguments, a
     key it lacks taken as HF's class default (:data:`HF_LLAMA_DEFAULTS`); ValueError naming any setting
-    seqpar can't honour."""
+    seqpar can't honour. ``max_seq_len``: the longest sequence to run (None: the config's context)."""
     model_type = getattr(config, "model_type", "llama")
     if model_type not in LLAMA_FAMILY:
         raise ValueError(f"config.model_type {model_type!r} is not one of the Llama family seqpar converts "
@@ -666,6 +670,8 @@ def _llama_settings(config) -> dict:
         # YaRN stretches the original context by its factor, which HF runs whatever max_position_embeddings
         # says (Qwen2.5 keeps 32768 there and runs 131072 tokens with factor 4): GPTModel's max_seq_len
         positions = max(positions, int(rope_scaling.factor * rope_scaling.original_max_position_embeddings))
+    if max_seq_len is not None:
+        positions = max_seq_len
     _check_full_attention(get, model_type, kind, positions)
     return dict(kind=kind, qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, fused=family.fused, hidden=hidden,
                 heads=heads, kv_heads=kv_heads, head_dim=head_dim,
@@ -824,7 +830,7 @@ def _source_state_dict(source, config, kind: str):
 
 def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_parallel: bool = False,
                recompute: Union[str, Sequence[str]] = "none", backend: str = "auto", device=None,
-               params_dtype: Optional[torch.dtype] = None) -> GPTModel:
+               params_dtype: Optional[torch.dtype] = None, max_seq_len: Optional[int] = None) -> GPTModel:
     """A :class:`seqpar.GPTModel` with the Llama block holding this rank's shards of a HuggingFace Llama.
 
     Args:
@@ -839,6 +845,11 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
         recompute: as in :func:`from_gpt2` (one policy, or one per layer).
         device: where the parameters go; None keeps the source's device.
         params_dtype: the parameters' dtype; None keeps the source's.
+        max_seq_len: the model's ``max_seq_len``, the longest sequence it runs (with RoPE no table is sized by
+            it); None: ``max_position_embeddings`` (with YaRN at least factor x the original context). A
+            sliding window (Mistral v0.1's 4096, Phi-3-mini-4k's 2047) converts when it is at least this
+            long: HF's window masks nothing in such sequences, so HF's model computes what seqpar's full
+            causal attention does.
 
     Returns the GPTModel (``model.config`` is the Llama block, see the module docstring), in training
     mode when ``source`` is a state dict and in ``source``'s mode when it is a model. Raises
@@ -848,7 +859,7 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
     """
     def read():
         state_dict, settings_config, training = _source_state_dict(source, config, "Llama")
-        settings = _llama_settings(settings_config)
+        settings = _llama_settings(settings_config, max_seq_len)
         if isinstance(source, nn.Module):
             # HF reads pad_token_id when it builds the embedding: a config changed since (the common
             # `model.config.pad_token_id = tokenizer.eos_token_id`) leaves the module's padding_idx, which
@@ -863,6 +874,9 @@ def from_llama(source, *, config=None, tp_group: ProcessGroup = None, sequence_p
         return settings, *_llama_state_dict(state_dict, settings), training
 
     _check_device(device, "from_llama")
+    max_seq_len = as_int(max_seq_len)
+    if max_seq_len is not None and not (is_int(max_seq_len) and max_seq_len > 0):
+        raise ValueError(f"max_seq_len must be None or a positive int, got {max_seq_len!r}")
     settings, sd, head, training = _read_on_every_rank(read, tp_group, "seqpar.integrations.hf.from_llama", device)
     embed = sd["embed_tokens.weight"]
     # None for one k/v head per head, as a config built for multi-head attention says it (4 would make a

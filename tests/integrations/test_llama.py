@@ -15,6 +15,7 @@ on a one-rank group:
 import functools
 import types
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -355,8 +356,9 @@ def _grads_as_model(model):
 
 @pytest.mark.parametrize("family, kw, match", [
     ("mistral", dict(sliding_window=16), r"Mistral config sliding_window=16 \(layers \[0, 1\]\) is not supported by "
-                                         r"seqpar: its attention is full causal, and a window below "
-                                         r"max_position_embeddings=64 masks keys \(build the model with sliding_window=None"),
+                                         r"seqpar: its attention is full causal, and a window below the context 64 "
+                                         r"\(max_position_embeddings, or max_seq_len\) masks keys \(build the model "
+                                         r"with sliding_window=None .* or pass from_llama\(max_seq_len=16\) or less"),
     # Mistral has no use_sliding_window switch: HF slides whatever it says (the refusal's advice offered it)
     ("mistral", dict(sliding_window=16, use_sliding_window=False), r"Mistral config sliding_window=16"),
     ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
@@ -393,9 +395,10 @@ def test_sliding_windows_are_read_as_hf_runs_them():
     with pytest.raises(ValueError, match=r"Qwen2 config sliding_window=16 \(layers \[0, 1\]\)"):
         hf.from_llama(qwen2)
     qwen2.config.layer_types = ["full_attention"] * LAYERS       # the modules still slide
-    with pytest.raises(ValueError, match=r"the model's model.layers.0.self_attn.sliding_window is 16, below "
-                                         r"max_position_embeddings=64"):
+    with pytest.raises(ValueError, match=r"the model's model.layers.0.self_attn.sliding_window is 16, below the "
+                                         r"context 64 .* or pass from_llama\(max_seq_len=16\) or less"):
         hf.from_llama(qwen2)
+    assert hf.from_llama(qwen2, max_seq_len=16).max_seq_len == 16
     old = {k: v for k, v in _llama_config(2, family="qwen2").to_dict().items() if k != "layer_types"}
     state_dict = _random_llama(2, family="qwen2").state_dict()
     for max_window_layers, refused in ((LAYERS, False), (1, True)):
@@ -406,6 +409,36 @@ def test_sliding_windows_are_read_as_hf_runs_them():
                 hf.from_llama(state_dict, config=config)
         else:
             hf.from_llama(state_dict, config=config)
+
+
+@pytest.mark.parametrize("family, kw", [("mistral", dict(sliding_window=16)), ("phi3", dict(sliding_window=16)),
+                                        ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0))],
+                         ids=["mistral-v0.1", "phi3-mini-4k", "qwen2"])
+def test_a_sliding_window_converts_for_sequences_it_does_not_reach(family, kw):
+    """Mistral 7B v0.1 (window 4096 of 32768) and Phi-3-mini-4k (2047 of 4096) were refused outright; with
+    max_seq_len at most the window, HF's window masks nothing in the sequences the model runs (logits equal at
+    s = 16), and a longer sequence is the model's ValueError, where HF would mask."""
+    source = _random_llama(2, seed=3, family=family, **kw).eval()
+    model = hf.from_llama(source, max_seq_len=16)
+    assert model.max_seq_len == 16
+    tokens = _tokens()[:, :16]
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), source(tokens).logits.transpose(0, 1), atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="sequence length 36 exceeds max_seq_len 16"):
+        model(_tokens())
+    with pytest.raises(ValueError, match=r"sliding_window=16 .* from_llama\(max_seq_len=16\) or less"):
+        hf.from_llama(source, max_seq_len=17)
+
+
+def test_max_seq_len_of_a_converted_llama():
+    """max_seq_len sets the context the model runs, longer or shorter than max_position_embeddings (with RoPE
+    nothing is sized by it), and is checked by name."""
+    llama = _random_llama(2).eval()
+    assert hf.from_llama(llama).max_seq_len == POSITIONS
+    assert hf.from_llama(llama, max_seq_len=np.int64(2 * POSITIONS)).max_seq_len == 2 * POSITIONS
+    for bad in (0, 16.0, True, "64"):
+        with pytest.raises(ValueError, match=f"max_seq_len must be None or a positive int, got {bad!r}"):
+            hf.from_llama(llama, max_seq_len=bad)
 
 
 def test_qwen2_state_dicts_need_their_biases():
