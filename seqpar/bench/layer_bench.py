@@ -8,7 +8,8 @@ compares them with Table 2 (:func:`seqpar.memory.layer_activation_bytes`).
 
 ``--arch llama`` runs the same five experiments on a Llama block (RMSNorm, SwiGLU, grouped-query
 attention with ``--kv-heads`` groups, RoPE, no biases, no dropout: selective recompute is the attention
-core's recompute only) and compares with the generalised formula for that block (flash-style when the
+core's recompute only; ``--kv-channels`` and ``--qk-norm`` make it Qwen3's: heads of that width and per-head
+q / k norms) and compares with the generalised formula for that block (flash-style when the
 attention backend is, e.g. triton on a GPU). Default sizes: a Llama 3 8B layer on cuda (h 4096, 32
 heads, 8 k/v groups, ffn 14336, RoPE base 500000), a small one on cpu.
 
@@ -72,6 +73,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=None, help="default 4 (cpu) / 64 (cuda); llama: 8 / 32")
     p.add_argument("--kv-heads", type=int, default=None,
                    help="llama: k/v groups (default 2 (cpu) / 8 (cuda)); gpt: one per head")
+    p.add_argument("--kv-channels", type=int, default=None,
+                   help="llama: the head dim (default hidden / heads; Qwen3's 128)")
+    p.add_argument("--qk-norm", action="store_true", default=None, help="llama: per-head q / k norms (Qwen3's)")
     p.add_argument("--ffn", type=int, default=None,
                    help="ffn size (default 4h; llama: 352 (cpu) / 14336 (cuda))")
     p.add_argument("--batch", type=int, default=None, help="default 2 (cpu) / 4 (cuda)")
@@ -91,8 +95,12 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     if args.arch == "llama":
         defaults.update(hidden=4096 if gpu else 128, heads=32 if gpu else 8, kv_heads=8 if gpu else 2,
                         ffn=14336 if gpu else 352, dropout=0.0)
-    elif args.kv_heads is not None:
-        p.error("--kv-heads is for --arch llama (the gpt layer has one k/v head per head)")
+    else:
+        for option, key in (("--kv-heads", "kv_heads"), ("--kv-channels", "kv_channels"), ("--qk-norm", "qk_norm")):
+            if getattr(args, key) is not None:
+                p.error(f"{option} is for --arch llama (the gpt layer is the paper's: one k/v head per head, "
+                        "h / a wide, no q / k norms)")
+    args.qk_norm = bool(args.qk_norm)
     if _under_torchrun():  # the launched ranks are the tensor-parallel group
         world_size = int(os.environ["WORLD_SIZE"])
         if args.tp is not None and args.tp != world_size:
@@ -102,16 +110,18 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    for key in ("tp", "seq_len", "hidden", "heads", "batch", "iters", "kv_heads", "ffn"):
+    for key in ("tp", "seq_len", "hidden", "heads", "batch", "iters", "kv_heads", "kv_channels", "ffn"):
         if getattr(args, key) is not None and getattr(args, key) <= 0:
             p.error(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
     if args.warmup < 0:
         p.error(f"--warmup must be non-negative, got {args.warmup}")
     if not probability(args.dropout):
         p.error(f"--dropout must be in {PROBABILITY_RANGE}, got {args.dropout}")
-    if args.hidden % args.heads or args.heads % args.tp or args.seq_len % args.tp:
-        p.error(f"need hidden % heads == 0, heads % tp == 0 and seq_len % tp == 0 "
+    if (args.kv_channels is None and args.hidden % args.heads) or args.heads % args.tp or args.seq_len % args.tp:
+        p.error(f"need hidden % heads == 0 (without --kv-channels), heads % tp == 0 and seq_len % tp == 0 "
                 f"(hidden={args.hidden}, heads={args.heads}, seq_len={args.seq_len}, tp={args.tp})")
+    if args.kv_channels is not None and args.kv_channels % 2:
+        p.error(f"--kv-channels {args.kv_channels}: the Llama block's RoPE needs an even head dim")
     if args.kv_heads is not None and (args.heads % args.kv_heads or args.kv_heads % args.tp):
         p.error(f"need heads % kv_heads == 0 and kv_heads % tp == 0 "
                 f"(heads={args.heads}, kv_heads={args.kv_heads}, tp={args.tp})")
@@ -156,6 +166,7 @@ def layer_config(args, sequence_parallel: bool, recompute: str, dtype):
 
     return seqpar.TransformerConfig(hidden_size=args.hidden, num_attention_heads=args.heads,
                                     ffn_hidden_size=args.ffn, num_query_groups=args.kv_heads,
+                                    kv_channels=args.kv_channels, qk_layernorm=args.qk_norm,
                                     hidden_dropout=args.dropout, attention_dropout=args.dropout,
                                     sequence_parallel=sequence_parallel, recompute=recompute, backend=args.backend,
                                     params_dtype=dtype, **ARCHS[args.arch])
@@ -292,7 +303,8 @@ def bench_device_name(args) -> str:
 def json_meta(args) -> Dict:
     """What ``--json`` records beside the rows: device, date, commit and the run's options."""
     return dict(device=bench_device_name(args), date=datetime.date.today().isoformat(), commit=git_commit(),
-                config=dict(arch=args.arch, kv_heads=args.kv_heads, ffn=args.ffn,
+                config=dict(arch=args.arch, kv_heads=args.kv_heads, kv_channels=args.kv_channels, qk_norm=args.qk_norm,
+                            ffn=args.ffn,
                             seq_len=args.seq_len, batch=args.batch, hidden=args.hidden, heads=args.heads,
                             tp=args.tp, dtype=args.dtype, dropout=args.dropout, backend=args.backend,
                             iters=args.iters, warmup=args.warmup))
@@ -521,7 +533,9 @@ def main(argv: Optional[List[str]] = None) -> List[Dict]:
     if rank != 0:
         return []
     device_name = bench_device_name(args)
-    arch = "" if args.arch == "gpt" else f" llama (g={args.kv_heads} f={args.ffn})"
+    heads_of = "" if args.kv_channels is None else f" d={args.kv_channels}"
+    arch = "" if args.arch == "gpt" else \
+        f" llama (g={args.kv_heads}{heads_of} f={args.ffn}{' q/k norms' if args.qk_norm else ''})"
     header = (f"seqpar bench: one{arch} layer, s={args.seq_len} b={args.batch} h={args.hidden} a={args.heads} "
               f"t={args.tp} {args.dtype} dropout={args.dropout} backend={args.backend} on {device_name}")
     formula = "Table 2" if args.arch == "gpt" else "formula"   # llama: Table 2's terms for its block

@@ -11,15 +11,19 @@ from seqpar import cli
 
 @pytest.mark.timeout(180)
 def test_bench_llama_prints_five_experiments(tmp_path):
+    """With Qwen3's knobs (heads 16 wide with h 64 and 8 heads, q / k norms): the Llama block's path, and
+    those knobs' terms of the formula."""
     path = tmp_path / "rows.json"
     cmd = [sys.executable, "-m", "seqpar", "bench", "--arch", "llama", "--tp", "2", "--seq-len", "32", "--hidden", "64",
-           "--heads", "8", "--kv-heads", "2", "--ffn", "88", "--batch", "2", "--iters", "1", "--warmup", "0",
-           "--json", str(path)]
+           "--heads", "8", "--kv-heads", "2", "--kv-channels", "16", "--qk-norm", "--ffn", "88", "--batch", "2",
+           "--iters", "1", "--warmup", "0", "--json", str(path)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "llama (g=2 f=88) layer" in out.stdout and "formula MiB" in out.stdout and "dropout=0.0" in out.stdout
+    assert "llama (g=2 d=16 f=88 q/k norms) layer" in out.stdout and "formula MiB" in out.stdout and \
+        "dropout=0.0" in out.stdout
     data = json.loads(path.read_text())
     assert (data["config"]["arch"], data["config"]["kv_heads"], data["config"]["ffn"]) == ("llama", 2, 88)
+    assert (data["config"]["kv_channels"], data["config"]["qk_norm"]) == (16, True)
     rows = {r["experiment"]: r for r in data["rows"]}
     assert list(rows) == ["no recompute", "sequence parallel", "full recompute", "selective recompute",
                           "selective + sequence parallel"]
@@ -36,7 +40,12 @@ def test_bench_llama_prints_five_experiments(tmp_path):
     (["bench", "--arch", "llama", "--kv-heads", "1"], "kv_heads % tp == 0"),
     (["bench", "--arch", "llama", "--ffn", "351"], "ffn % tp == 0"),
     (["bench", "--arch", "mamba"], "invalid choice: 'mamba'"),
-], ids=["kv-heads-gpt", "kv-heads-divide", "kv-heads-tp", "ffn-tp", "arch"])
+    (["bench", "--kv-channels", "16"], "--kv-channels is for --arch llama"),
+    (["bench", "--qk-norm"], "--qk-norm is for --arch llama"),
+    (["bench", "--arch", "llama", "--kv-channels", "15"], "--kv-channels 15: the Llama block's RoPE needs an even"),
+    (["bench", "--arch", "llama", "--kv-channels", "0"], "--kv-channels must be positive, got 0"),
+], ids=["kv-heads-gpt", "kv-heads-divide", "kv-heads-tp", "ffn-tp", "arch", "kv-channels-gpt", "qk-norm-gpt",
+        "kv-channels-odd", "kv-channels-zero"])
 def test_bench_llama_usage_errors_are_one_line_exit_2(argv, match, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
