@@ -93,6 +93,16 @@ def _unwritable(path: str) -> Optional[str]:
     return None
 
 
+def check_rope_head_dim(parser: argparse.ArgumentParser, hidden: int, heads: int, kv_channels: Optional[int]) -> None:
+    """``parser.error`` (one line, status 2) for the Llama block's RoPE with an odd head dim (``--kv-channels``,
+    or ``--hidden / --heads``), which TransformerConfig refuses: checked at parsing, not after the run
+    started (plan printed a plan for such a layer)."""
+    head_dim = kv_channels if kv_channels is not None else hidden // heads if hidden % heads == 0 else None
+    if head_dim is not None and head_dim % 2:
+        given = f"--kv-channels {head_dim}" if kv_channels is not None else f"--hidden / --heads = {head_dim}"
+        parser.error(f"{given}: the Llama block's RoPE needs an even head dim")
+
+
 def check_output_paths(parser: argparse.ArgumentParser, args: argparse.Namespace, *options: str) -> None:
     """``parser.error`` (one line, status 2) for an ``--option PATH`` the command could not write, or for
     ``--plot`` one it could not draw, checked at parsing: otherwise it would fail only when writing, after
@@ -243,10 +253,8 @@ def _plan_args(argv: Sequence[str]) -> argparse.Namespace:
     for key, scale in (("other_gib", GIB), ("bytes_per_mask", 1)):
         if not (math.isfinite(getattr(args, key) * scale) and getattr(args, key) >= 0):
             p.error(f"--{key.replace('_', '-')} must be finite and non-negative, got {getattr(args, key)}")
-    head_dim = args.kv_channels or (args.hidden // args.heads if args.hidden % args.heads == 0 else None)
-    if args.arch == "llama" and head_dim is not None and head_dim % 2:
-        given = f"--kv-channels {head_dim}" if args.kv_channels else f"--hidden / --heads = {head_dim}"
-        p.error(f"{given}: the Llama block's RoPE needs an even head dim")
+    if args.arch == "llama":
+        check_rope_head_dim(p, args.hidden, args.heads, args.kv_channels)
     check_output_paths(p, args, "plot")
     try:  # the sizes themselves (tp dividing heads, pp dividing layers, ...): usage errors too
         _sizes(args)

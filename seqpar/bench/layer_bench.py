@@ -59,7 +59,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     """The bench's options; a usage error (bad value, unknown or unusable backend, no CUDA device for
     ``--device cuda``, no matplotlib for ``--plot``, a ``--json`` / ``--plot`` path that can't be
     written) is one line on stderr and exit status 2."""
-    from ..cli import ArgumentParser, check_output_paths
+    from ..cli import ArgumentParser, check_output_paths, check_rope_head_dim
     from ..ops.registry import BACKEND_CHOICES
 
     p = ArgumentParser(prog=program_name(), description=__doc__,
@@ -120,8 +120,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     if (args.kv_channels is None and args.hidden % args.heads) or args.heads % args.tp or args.seq_len % args.tp:
         p.error(f"need hidden % heads == 0 (without --kv-channels), heads % tp == 0 and seq_len % tp == 0 "
                 f"(hidden={args.hidden}, heads={args.heads}, seq_len={args.seq_len}, tp={args.tp})")
-    if args.kv_channels is not None and args.kv_channels % 2:
-        p.error(f"--kv-channels {args.kv_channels}: the Llama block's RoPE needs an even head dim")
+    if args.arch == "llama":
+        check_rope_head_dim(p, args.hidden, args.heads, args.kv_channels)
     if args.kv_heads is not None and (args.heads % args.kv_heads or args.kv_heads % args.tp):
         p.error(f"need heads % kv_heads == 0 and kv_heads % tp == 0 "
                 f"(heads={args.heads}, kv_heads={args.kv_heads}, tp={args.tp})")

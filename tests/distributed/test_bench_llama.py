@@ -44,8 +44,10 @@ def test_bench_llama_prints_five_experiments(tmp_path):
     (["bench", "--qk-norm"], "--qk-norm is for --arch llama"),
     (["bench", "--arch", "llama", "--kv-channels", "15"], "--kv-channels 15: the Llama block's RoPE needs an even"),
     (["bench", "--arch", "llama", "--kv-channels", "0"], "--kv-channels must be positive, got 0"),
+    # an odd h / a failed in the spawned ranks, after the launch
+    (["bench", "--arch", "llama", "--hidden", "72", "--heads", "24"], "--hidden / --heads = 3: the Llama block's"),
 ], ids=["kv-heads-gpt", "kv-heads-divide", "kv-heads-tp", "ffn-tp", "arch", "kv-channels-gpt", "qk-norm-gpt",
-        "kv-channels-odd", "kv-channels-zero"])
+        "kv-channels-odd", "kv-channels-zero", "odd-head-dim"])
 def test_bench_llama_usage_errors_are_one_line_exit_2(argv, match, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
